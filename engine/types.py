@@ -1,0 +1,156 @@
+"""The request-level seam between the server and every inference backend.
+
+Owns the value types that cross the seam (request in, token events out, stats) and the
+`Backend` protocol. Nothing here knows about HTTP, tiers or a particular backend; backends
+must not add their own fields to these types.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS token or a stop string
+    LENGTH = "length"  # max_tokens or the context window reached
+    ABORT = "abort"  # caller aborted (client gone, stop button, shutdown)
+    CONTENT_FILTER = "content_filter"  # set by the safety gate, never by a backend
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Validated sampling settings. `temperature == 0` means greedy."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None  # None: no top-k cut
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS ids
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One request as a backend sees it: token ids, not text."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    priority: int = 0  # higher runs first; preemption evicts the lowest first
+    cache_salt: str | None = None  # prefix-cache namespace (per organisation); None: shared
+    arrival_s: float = 0.0  # time.monotonic() when the request entered the server
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One streamed step of one request.
+
+    `text` is the new, safe-to-show text (valid UTF-8, never part of a stop string);
+    counts are cumulative. The last event of a request has `finish_reason` set.
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_completion_tokens: int
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot for /metrics, /ready and the admission logic."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_kv_blocks_total: int = 0
+    num_kv_blocks_free: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found
+    num_preemptions: int = 0
+    num_prompt_tokens_processed: int = 0  # prefill tokens actually computed
+    num_generation_tokens: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def kv_usage(self) -> float:
+        if self.num_kv_blocks_total == 0:
+            return 0.0
+        return 1.0 - self.num_kv_blocks_free / self.num_kv_blocks_total
+
+
+class EngineError(Exception):
+    """A backend failed while serving a request (not the caller's fault): a 500/503."""
+
+
+class RequestRejected(Exception):
+    """A backend cannot serve this request as asked (the caller's fault): a 400.
+
+    `param` names the offending request field, as in OpenAI's error envelope.
+    """
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the server needs from an inference backend, per request.
+
+    The native engine batches in its own scheduler; the TensorRT-LLM adapter hands each
+    request to TensorRT-LLM's in-flight batcher. Both fit this shape.
+    """
+
+    @property
+    def max_model_len(self) -> int:
+        """Most tokens (prompt + completion) one sequence may hold."""
+        ...
+
+    async def start(self) -> None:
+        """Load weights and start workers; blocking work runs off the event loop."""
+        ...
+
+    async def shutdown(self) -> None:
+        """Abort everything in flight and release the device."""
+        ...
+
+    def check_request(self, request: GenerationRequest) -> None:
+        """Raise RequestRejected if this backend could never serve the request."""
+        ...
+
+    def has_room(self) -> bool:
+        """True when a new request would start promptly (the queue in front admits by this)."""
+        ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Stream events for one request; the last one carries finish_reason.
+
+        Closing the iterator early (aclose, or cancellation of the consumer) aborts the
+        request and frees its resources. Raises EngineError on backend failure.
+        """
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request if it is still running; harmless if it already finished."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    def health(self) -> bool:
+        """False once the backend is dead and cannot recover."""
+        ...

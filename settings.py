@@ -1,0 +1,261 @@
+"""Every setting, declared once: typed frozen dataclasses with defaults and help text.
+
+`load_settings` reads `config.toml` with tomllib, applies `--set section.key=value`
+overrides, and rejects unknown keys and wrong types with an error naming the key.
+This module must not import the engine, the store or aiohttp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(Exception):
+    """A configuration problem, reported at startup with the offending key."""
+
+
+def setting(default: Any, help: str) -> Any:  # noqa: A002 - 'help' reads best here
+    """A config field with its default and its one line of documentation."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = setting("127.0.0.1", "Interface to bind; 127.0.0.1 keeps the server local.")
+    port: int = setting(8000, "TCP port.")
+    max_body_bytes: int = setting(1_048_576, "Largest request body accepted (413 above).")
+    max_messages: int = setting(1000, "Most messages one chat request may carry.")
+    max_prompt_chars: int = setting(1_000_000, "Most characters of message text before tokenizing.")
+    shutdown_grace_s: float = setting(10.0, "On SIGINT/SIGTERM, how long running streams may finish.")
+    heartbeat_s: float = setting(5.0, "SSE comment heartbeat interval while a stream waits or prefills.")
+    allow_public_without_keys: bool = setting(
+        False, "Serve keyless requests on a non-loopback address (dangerous; off by default)."
+    )
+    local_tier: str = setting("enterprise", "Tier of keyless requests when bound to loopback.")
+    cors_origins: list[str] = setting([], "Origins allowed by CORS; empty: same-origin only.")
+    log_level: str = setting("info", "debug, info, warning or error.")
+    log_json: bool = setting(False, "Log JSON lines instead of human-readable console lines.")
+    static_dir: str = setting("static", "Folder of the web chat UI, served at /.")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    device: str = setting("auto", "cpu, cuda, cuda:N, or auto (cuda when present, else cpu).")
+    dtype: str = setting("auto", "float32, bfloat16, float16, or auto (fp32 on CPU, bf16 on CUDA).")
+    num_threads: int = setting(0, "torch CPU threads; 0 lets torch decide.")
+    block_size: int = setting(16, "Tokens per KV-cache block.")
+    kv_cache_bytes: int = setting(0, "KV-cache pool size in bytes; 0: use kv_cache_memory_fraction.")
+    kv_cache_memory_fraction: float = setting(
+        0.2, "Share of free device memory (RAM on CPU) for the KV pool when kv_cache_bytes is 0."
+    )
+    max_num_seqs: int = setting(64, "Most sequences in one batch.")
+    max_num_batched_tokens: int = setting(512, "Token budget of one step (decodes + prefill chunks).")
+    enable_prefix_caching: bool = setting(True, "Reuse KV blocks of identical prompt prefixes.")
+    prefix_cache_scope: str = setting(
+        "org", "'org': cache salted per organisation (no cross-tenant timing leak); 'shared'."
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    path: str = setting("", "Local model folder in Hugging Face layout.")
+    backend: str = setting("native", "native (PyTorch engine), trtllm (GPU hosts), or echo (tests).")
+    max_model_len: int = setting(0, "Context window in tokens; 0: from the model's config.json.")
+    price_input_per_mtok: float = setting(0.0, "USD per million prompt tokens.")
+    price_cached_input_per_mtok: float = setting(0.0, "USD per million prompt tokens served from cache.")
+    price_output_per_mtok: float = setting(0.0, "USD per million completion tokens.")
+    fallback: str = setting("", "Model to serve this model's tier traffic when it is saturated.")
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    priority: int = setting(0, "Higher is served first and preempted last.")
+    requests_per_minute: int = setting(60, "Per-key request bucket size and refill per minute.")
+    tokens_per_minute: int = setting(100_000, "Per-key token bucket (prompt + max_tokens) per minute.")
+    tier_requests_per_minute: int = setting(0, "Bucket shared by the whole tier; 0: none.")
+    tier_tokens_per_minute: int = setting(0, "Token bucket shared by the whole tier; 0: none.")
+    max_tokens: int = setting(1024, "Largest max_tokens a request may ask for.")
+    max_context_tokens: int = setting(4096, "Largest prompt + max_tokens.")
+    max_concurrent_streams: int = setting(4, "Requests in flight per key.")
+    models: list[str] = setting([], "Models this tier may use, preferred first.")
+    wait_target_s: float = setting(10.0, "Estimated queue wait above which the router falls back.")
+    retention_days: int = setting(30, "Days a deleted conversation is kept before purging.")
+    budget_fallback: bool = setting(False, "Over budget: serve the tier's last model instead of 429.")
+
+
+@dataclass(frozen=True, slots=True)
+class QueueConfig:
+    max_waiting_requests: int = setting(256, "Requests waiting per model before 503.")
+    max_waiting_tokens: int = setting(1_000_000, "Prompt + max_tokens waiting per model before 503.")
+    max_wait_s: float = setting(60.0, "Estimated wait above which a request is refused with 503.")
+    aging_s: float = setting(10.0, "Seconds of waiting that raise a request's priority by one level.")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    path: str = setting("data/chat.db", "SQLite database file (created on first start).")
+    synchronous: str = setting("FULL", "SQLite synchronous mode: FULL survives power loss.")
+    busy_timeout_ms: int = setting(5000, "How long a connection waits on a lock.")
+    purge_interval_s: float = setting(3600.0, "How often deleted conversations are purged.")
+
+
+@dataclass(frozen=True, slots=True)
+class SafetyConfig:
+    enabled: bool = setting(True, "Screen prompts and filter streamed output.")
+    block_mode: str = setting(
+        "refusal", "'refusal': answer with finish_reason content_filter; 'error': 400 content_policy_violation."
+    )
+    refusal_message: str = setting("I can't help with that.", "Text of the refusal answer.")
+    classifier: bool = setting(True, "Use the embedding classifier besides the rules.")
+    classifier_path: str = setting("safety/classifier.npz", "Trained classifier head.")
+    threshold: float = setting(0.5, "Default block threshold for classifier scores.")
+    thresholds: dict[str, float] = setting({}, "Per-category block thresholds (override 'threshold').")
+    deny: dict[str, list[str]] = setting({}, "Per-category regular expressions that block a prompt.")
+    allow: list[str] = setting([], "Regular expressions that exempt a prompt from the classifier.")
+    holdback_chars: int = setting(64, "Streamed text held back so a blocked span is never sent.")
+    guard_model: str = setting("", "Model asked to classify conversations; empty: off.")
+
+
+@dataclass(frozen=True, slots=True)
+class TrtllmConfig:
+    tensor_parallel_size: int = setting(1, "GPUs one model is split over (tensor parallel).")
+    pipeline_parallel_size: int = setting(1, "Pipeline-parallel stages.")
+    max_batch_size: int = setting(64, "Most requests TensorRT-LLM batches at once.")
+    max_num_tokens: int = setting(8192, "Token budget of one TensorRT-LLM iteration.")
+    max_seq_len: int = setting(0, "Longest sequence; 0: from the model config.")
+    kv_cache_free_gpu_memory_fraction: float = setting(0.9, "GPU memory share for the KV cache.")
+    kv_cache_host_bytes: int = setting(0, "Host memory for offloaded KV blocks; 0: none.")
+    enable_block_reuse: bool = setting(True, "Prefix caching inside TensorRT-LLM.")
+    enable_chunked_prefill: bool = setting(True, "Split long prompts across iterations.")
+    scheduler_policy: str = setting("guaranteed_no_evict", "guaranteed_no_evict or max_utilization.")
+    max_in_flight: int = setting(0, "Requests handed to TensorRT-LLM at once; 0: max_batch_size.")
+    stats_interval_s: float = setting(1.0, "How often executor stats are read.")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    safety: SafetyConfig = field(default_factory=SafetyConfig)
+    trtllm: TrtllmConfig = field(default_factory=TrtllmConfig)
+    models: dict[str, ModelConfig] = field(default_factory=dict)
+    tiers: dict[str, TierConfig] = field(default_factory=dict)
+
+
+# Sections whose keys are user-chosen names (e.g. [models.demo-mini]), each of one type.
+_NAMED_SECTIONS: dict[str, type] = {"models": ModelConfig, "tiers": TierConfig}
+
+
+def load_settings(path: Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Settings:
+    """Parse the config file (if any), apply `section.key=value` overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    for item in overrides:
+        _apply_override(raw, item)
+    return _build(Settings, raw, "")
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) < 2 or not all(parts):
+        raise ConfigError(f"--set expects section.key=value, got {item!r}")
+    try:  # a TOML value (number, bool, quoted string, list); bare words are strings
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where or 'config'}: expected a table, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(f"unknown config key {_join(where, unknown[0])!r}")
+    kwargs = {}
+    for name, value in raw.items():
+        key = _join(where, name)
+        hint = hints[name]
+        if where == "" and name in _NAMED_SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key}: expected a table of named sections")
+            item_cls = _NAMED_SECTIONS[name]
+            kwargs[name] = {k: _build(item_cls, v, _join(key, k)) for k, v in value.items()}
+        elif dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, key)
+        else:
+            kwargs[name] = _coerce(hint, value, key)
+    return cls(**kwargs)
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _coerce(args[0], value, key)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        _, item = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table, got {value!r}")
+        return {k: _coerce(item, v, _join(key, k)) for k, v in value.items()}
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is bool and not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if not isinstance(value, hint):
+        raise ConfigError(f"{key}: expected {hint.__name__}, got {value!r}")
+    return value
+
+
+def _join(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name
+
+
+def settings_help() -> list[tuple[str, Any, str]]:
+    """(key, default, help) for every declared setting; used by docs and a test."""
+    rows: list[tuple[str, Any, str]] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            hint = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(hint):
+                walk(hint, _join(prefix, f.name))
+            elif prefix == "" and f.name in _NAMED_SECTIONS:
+                walk(_NAMED_SECTIONS[f.name], f"{f.name}.<name>")
+            else:
+                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                rows.append((_join(prefix, f.name), default, f.metadata.get("help", "")))
+
+    walk(Settings, "")
+    return rows
