@@ -1,0 +1,156 @@
+"""A model's tokenizer and chat template, loaded from a Hugging Face-layout folder.
+
+Owns `tokenizer.json` (via the `tokenizers` library), the chat template (rendered with
+jinja2 the way transformers' `apply_chat_template` renders it) and the EOS ids. It accepts
+both layouts users bring: the template inside `tokenizer_config.json` or in
+`chat_template.jinja`; EOS ids from `generation_config.json`, `config.json` or the tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class TokenizerLoadError(Exception):
+    """A missing or malformed tokenizer file, named in the message."""
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise TokenizerLoadError(f"{path}: cannot parse JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise TokenizerLoadError(f"{path}: expected a JSON object")
+    return data
+
+
+def _token_text(value: Any) -> str | None:
+    """Special tokens are written either as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int)]
+    return []
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **_: Any) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    # Same environment options as transformers' chat-template renderer.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise TokenizerLoadError(f"chat template does not compile: {exc}") from None
+
+
+class Tokenizer:
+    """Encode, decode and render chats for one model."""
+
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        chat_template: str | None,
+        special_tokens: dict[str, str | None],
+        eos_token_ids: tuple[int, ...],
+    ):
+        self._tok = tokenizer
+        self._template = _compile_template(chat_template) if chat_template else None
+        self.chat_template = chat_template
+        self.bos_token = special_tokens.get("bos_token")
+        self.eos_token = special_tokens.get("eos_token")
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_dir(cls, path: Path | str) -> "Tokenizer":
+        path = Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.exists():
+            raise TokenizerLoadError(f"{tok_file}: missing (a tokenizer.json is required)")
+        try:
+            tokenizer = HFTokenizer.from_file(str(tok_file))
+        except Exception as exc:  # tokenizers raises a bare Exception on bad files
+            raise TokenizerLoadError(f"{tok_file}: cannot load: {exc}") from None
+        tok_cfg = _read_json(path / "tokenizer_config.json") or {}
+        template = _chat_template(path, tok_cfg)
+        special = {k: _token_text(tok_cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
+        eos_ids = _eos_ids(path, tokenizer, special["eos_token"])
+        return cls(tokenizer, template, special, eos_ids)
+
+    def encode(self, text: str) -> list[int]:
+        # Rendered chat text already holds its special tokens: add none.
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: list[int] | tuple[int, ...], *, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise TokenizerLoadError("this model has no chat template")
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+
+def _chat_template(path: Path, tok_cfg: dict[str, Any]) -> str | None:
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.exists():
+        return jinja_file.read_text(encoding="utf-8")
+    template = tok_cfg.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    legacy = _read_json(path / "chat_template.json")
+    if template is None and legacy is not None:
+        template = legacy.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise TokenizerLoadError(f"{path / 'tokenizer_config.json'}: chat_template is not a string")
+    return template
+
+
+def _eos_ids(path: Path, tokenizer: HFTokenizer, eos_token: str | None) -> tuple[int, ...]:
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        cfg = _read_json(path / name)
+        if cfg is not None and "eos_token_id" in cfg:
+            ids = _as_id_list(cfg["eos_token_id"])
+            break
+    if eos_token is not None:
+        tid = tokenizer.token_to_id(eos_token)
+        if tid is not None and tid not in ids:
+            ids.append(tid)
+    return tuple(ids)

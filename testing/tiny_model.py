@@ -1,0 +1,128 @@
+"""Build tiny Llama checkpoints in Hugging Face layout for tests and benchmarks.
+
+Random weights from `transformers` (seeded), a byte-level BPE tokenizer trained with
+`tokenizers` on a few KB of built-in text, the project's ChatML-style chat template and
+EOS ids. Outputs are meaningless; they exist to check the engine against `transformers`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A small model can still answer a question.
+What does the word river mean? A river is a large natural stream of water flowing to the sea.
+Hello! How can I help you today? I am a tiny test model and my answers mean nothing.
+Servers batch requests together so that many people can chat with one model at once.
+Numbers like 1, 2, 3, 42 and 1024 appear in text; so do symbols: # $ % & * ( ) [ ] { }.
+Caching the prefix of a prompt saves work when the next turn starts with the same history.
+Ünïcödé text — café, naïve, 日本語, emoji 🙂 — must survive decoding byte by byte.
+def add(a, b):\n    return a + b\n
+The weather today is sunny with a light breeze from the west, and the sky is blue.
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class TinyModelSpec:
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = True
+    rope_theta: float = 10000.0
+    initializer_range: float = 0.1  # larger than usual so greedy argmax has clear winners
+    seed: int = 0
+    rope_layout: str = "parameters"  # "parameters" (newer transformers) or "theta" (older)
+
+
+def train_tokenizer(vocab_size: int, text: str = _CORPUS):
+    """A byte-level BPE tokenizer with the chat special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([text] * 4, trainer=trainer)
+    return tok
+
+
+def write_tokenizer_files(path: Path, tok) -> int:
+    """Write tokenizer.json and tokenizer_config.json; return the EOS id."""
+    tok.save(str(path / "tokenizer.json"))
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": CHAT_TEMPLATE,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "model_max_length": 1_000_000,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2), encoding="utf-8")
+    return tok.token_to_id("<|im_end|>")
+
+
+def build_tiny_llama(path: Path | str, spec: TinyModelSpec | None = None, **overrides) -> Path:
+    """Write a random-weight Llama checkpoint folder at `path` and return it."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    spec = spec or TinyModelSpec()
+    if overrides:
+        spec = TinyModelSpec(**{**_asdict(spec), **overrides})
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(spec.vocab_size)
+    eos_id = write_tokenizer_files(path, tok)
+    config = LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        rope_theta=spec.rope_theta,
+        initializer_range=spec.initializer_range,
+        eos_token_id=eos_id,
+        pad_token_id=tok.token_to_id("<|endoftext|>"),
+        bos_token_id=None,
+    )
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=config.pad_token_id)
+    model.save_pretrained(path, safe_serialization=True)
+    if spec.rope_layout == "theta":
+        _rewrite_rope_as_theta(path / "config.json", spec.rope_theta)
+    return path
+
+
+def _rewrite_rope_as_theta(config_file: Path, rope_theta: float) -> None:
+    """Older transformers wrote `rope_theta` at the top level; emulate that layout."""
+    cfg = json.loads(config_file.read_text(encoding="utf-8"))
+    cfg.pop("rope_parameters", None)
+    cfg["rope_theta"] = rope_theta
+    cfg["rope_scaling"] = None
+    config_file.write_text(json.dumps(cfg, indent=2), encoding="utf-8")
+
+
+def _asdict(spec: TinyModelSpec) -> dict:
+    return {name: getattr(spec, name) for name in spec.__slots__}
