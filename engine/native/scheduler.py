@@ -1,0 +1,148 @@
+"""Decides what one engine step computes: decode tokens of running sequences plus prefill chunks.
+
+Torch-free. Owns the waiting and running lists, the per-step token budget, chunked prefill,
+admission with prefix-cache lookup, and preemption (lowest priority first, newest first within
+a priority; the victim is recomputed later). It never touches tensors or text.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+
+from engine.native.block_manager import BlockManager
+from engine.native.sequence import Sequence, SequenceStatus
+from engine.types import FinishReason
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledBatch:
+    """One step's work: for each sequence, how many of its uncomputed tokens to compute.
+
+    A sequence whose computed count reaches its length in this step gets a token sampled.
+    """
+
+    seqs: tuple[Sequence, ...]
+    num_scheduled_tokens: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+def _order(seq: Sequence) -> tuple[int, int]:
+    """Service order: higher priority first, older first; the last one is preempted first."""
+    return (-seq.priority, seq.seq_id)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Sequence] = []  # kept in _order
+        self.running: list[Sequence] = []  # kept in _order
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        insort(self.waiting, seq, key=_order)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        scheduled: dict[Sequence, int] = {}  # insertion-ordered: the batch's row order
+        num_preemptions_before = self.num_preemptions
+        # Decodes first, so running streams keep flowing while long prompts prefill in chunks.
+        for seq in sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1):
+            budget = self._budget_left(scheduled)
+            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+                continue
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if self._make_room(seq, num_new, scheduled):
+                self.block_manager.allocate(seq, num_new)
+                scheduled[seq] = num_new
+        # Admitting new work while evicting running work would only thrash.
+        if self.num_preemptions == num_preemptions_before:
+            self._admit_waiting(scheduled)
+        return ScheduledBatch(tuple(scheduled), tuple(scheduled.values()))
+
+    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: SequenceOf[int | None]) -> list[Sequence]:
+        """Advance the batch's sequences; returns those that received a token (maybe finishing)."""
+        updated: list[Sequence] = []
+        for seq, num_tokens, token_id in zip(batch.seqs, batch.num_scheduled_tokens, sampled_token_ids, strict=True):
+            seq.num_computed_tokens += num_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if token_id is None:  # a prefill chunk that did not reach the end of the prompt
+                continue
+            reason = seq.append_token(token_id)
+            if reason is not None:
+                self.finish(seq, reason)
+            updated.append(seq)
+        return updated
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Retire a sequence (done or aborted) wherever it is; frees its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _budget_left(self, scheduled: dict[Sequence, int]) -> int:
+        return self.config.max_num_batched_tokens - sum(scheduled.values())
+
+    def _make_room(self, seq: Sequence, num_new: int, scheduled: dict[Sequence, int]) -> bool:
+        """Preempt from the back of `running` until `seq` fits; False if `seq` itself went."""
+        while not self.block_manager.can_allocate(seq, num_new):
+            victim = self.running[-1]
+            self._preempt(victim, scheduled)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit_waiting(self, scheduled: dict[Sequence, int]) -> None:
+        bm = self.block_manager
+        while self.waiting and (budget := self._budget_left(scheduled)) > 0:
+            seq = self.waiting[0]
+            prefix_block_ids = bm.find_cached_prefix(seq)
+            num_new = min(seq.num_tokens - len(prefix_block_ids) * bm.block_size, budget)
+            fits = len(self.running) < self.config.max_num_seqs and bm.can_allocate(seq, num_new, prefix_block_ids)
+            if not fits:
+                if self._preempt_lower_than(seq, scheduled):
+                    continue  # a lower-priority sequence made way; try again
+                return
+            self.waiting.pop(0)
+            bm.allocate(seq, num_new, prefix_block_ids)
+            if seq.num_cached_tokens is None:  # usage reports the first admission's hit
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            insort(self.running, seq, key=_order)
+            scheduled[seq] = num_new
+
+    def _preempt_lower_than(self, seq: Sequence, scheduled: dict[Sequence, int]) -> bool:
+        if not self.running or self.running[-1].priority >= seq.priority:
+            return False
+        self._preempt(self.running[-1], scheduled)
+        return True
+
+    def _preempt(self, victim: Sequence, scheduled: dict[Sequence, int]) -> None:
+        """Release the victim's blocks and requeue it to recompute from its tokens later."""
+        scheduled.pop(victim, None)
+        self.running.remove(victim)
+        self.block_manager.free(victim)
+        self.num_preemptions += 1
+        self.add(victim)

@@ -1,0 +1,120 @@
+"""One request's state inside the native engine: its tokens, progress and KV block table.
+
+Torch-free. The scheduler and block manager mutate it; the runner only reads it. A sequence
+counts its own progress in tokens whose K/V are in the cache (`num_computed_tokens`), so
+prefill, chunked prefill, decode and recompute after preemption are one mechanism.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from array import array
+
+from engine.types import FinishReason, GenerationRequest, SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not holding blocks (new, or preempted for recompute)
+    RUNNING = "running"  # holds blocks; gets tokens scheduled every step it fits
+    FINISHED = "finished"
+
+
+def block_hash(parent_hash: bytes, token_ids: list[int] | tuple[int, ...]) -> bytes:
+    """Chained hash of one full block: its parent's hash and its own token ids."""
+    return hashlib.blake2b(parent_hash + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+def root_hash(cache_salt: str | None) -> bytes:
+    """The parent hash of a sequence's first block; the salt namespaces the whole chain."""
+    salt = b"" if cache_salt is None else cache_salt.encode("utf-8")
+    return hashlib.blake2b(b"salt:" + salt, digest_size=16).digest()
+
+
+class Sequence:
+    """A request being generated. `seq_id` grows with arrival: larger means newer."""
+
+    __slots__ = (
+        "seq_id",
+        "request_id",
+        "sampling",
+        "priority",
+        "token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "num_hashed_blocks",
+        "block_table",
+        "block_hashes",
+        "root_hash",
+        "status",
+        "finish_reason",
+        "stop_token_ids",
+        "max_num_tokens",
+    )
+
+    def __init__(self, seq_id: int, request: GenerationRequest, *, eos_token_ids: tuple[int, ...], max_model_len: int):
+        self.seq_id = seq_id
+        self.request_id = request.request_id
+        self.sampling: SamplingParams = request.sampling
+        self.priority = request.priority
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0  # tokens whose K/V are in this sequence's blocks
+        self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+        self.num_hashed_blocks = 0  # leading blocks of block_table registered in the cache
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of full blocks, computed lazily
+        self.root_hash = root_hash(request.cache_salt)
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        eos = () if self.sampling.ignore_eos else eos_token_ids
+        self.stop_token_ids = frozenset(eos) | frozenset(self.sampling.stop_token_ids)
+        self.max_num_tokens = min(max_model_len, self.num_prompt_tokens + self.sampling.max_tokens)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def block_token_ids(self, index: int, block_size: int) -> tuple[int, ...]:
+        return tuple(self.token_ids[index * block_size : (index + 1) * block_size])
+
+    def full_block_hashes(self, num_blocks: int, block_size: int) -> list[bytes]:
+        """Hashes of the first `num_blocks` full blocks (token ids never change once written)."""
+        hashes = self.block_hashes
+        while len(hashes) < num_blocks:
+            parent = hashes[-1] if hashes else self.root_hash
+            i = len(hashes)
+            hashes.append(block_hash(parent, self.token_ids[i * block_size : (i + 1) * block_size]))
+        return hashes[:num_blocks]
+
+    def append_token(self, token_id: int) -> FinishReason | None:
+        """Add a sampled token; returns why the sequence is now finished, if it is."""
+        self.token_ids.append(token_id)
+        if token_id in self.stop_token_ids and self.num_completion_tokens >= self.sampling.min_tokens:
+            return FinishReason.STOP
+        if len(self.token_ids) >= self.max_num_tokens:
+            return FinishReason.LENGTH
+        return None

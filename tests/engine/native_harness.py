@@ -1,0 +1,120 @@
+"""Shared helpers of the native-engine tests: the block-pool invariant check and a step driver.
+
+The driver runs the real Scheduler and BlockManager with a deterministic token function in
+place of a model, so bookkeeping tests are fast and still exercise every code path.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+from engine.native.block_manager import BlockManager, cdiv
+from engine.native.scheduler import Scheduler
+from engine.native.sequence import Sequence, SequenceStatus
+from engine.types import GenerationRequest, SamplingParams
+
+
+def check_invariants(bm: BlockManager, live: Iterable[Sequence], retired: Iterable[Sequence] = ()) -> None:
+    """free + used = total; ref counts match owners and are >= 0; hash entries match tokens."""
+    live = list(live)
+    owners = Counter(block_id for seq in live for block_id in seq.block_table)
+    free_ids = set(bm.free_block_ids)
+    assert len(free_ids) == len(bm.free_block_ids), "a block is twice in the free list"
+    used_ids = {b.block_id for b in bm.blocks if b.ref_count > 0}
+    assert len(free_ids) + len(used_ids) == bm.num_blocks, "free + used != total"
+    assert free_ids.isdisjoint(used_ids), "a referenced block is on the free list"
+    for block in bm.blocks:
+        assert block.ref_count >= 0, f"negative ref count on {block}"
+        assert block.ref_count == owners[block.block_id], f"{block} has owners {owners[block.block_id]}"
+    for h, block_id in bm.hash_to_block_id.items():
+        block = bm.blocks[block_id]
+        assert block.hash == h and block.token_ids is not None and len(block.token_ids) == bm.block_size
+    for block in bm.blocks:
+        if block.hash is not None:
+            assert bm.hash_to_block_id.get(block.hash) == block.block_id, f"{block} hashed but not mapped"
+    for seq in live:
+        assert seq.status is not SequenceStatus.FINISHED
+        assert seq.num_computed_tokens <= seq.num_tokens
+        assert len(seq.block_table) >= cdiv(seq.num_computed_tokens, bm.block_size)
+        if seq.status is SequenceStatus.WAITING:
+            assert not seq.block_table and seq.num_computed_tokens == 0
+        hashes = seq.full_block_hashes(seq.num_computed_tokens // bm.block_size, bm.block_size)
+        for i, block_id in enumerate(seq.block_table):
+            block = bm.blocks[block_id]
+            if block.ref_count > 1:
+                assert block.hash is not None, f"shared block {block} is not a cached full block"
+            if block.hash is not None:
+                assert block.hash == hashes[i], f"{seq} block {i} hash mismatch"
+                assert block.token_ids == seq.block_token_ids(i, bm.block_size), f"{seq} block {i} tokens"
+    for seq in retired:
+        assert seq.status is SequenceStatus.FINISHED and not seq.block_table, f"{seq} still owns blocks"
+
+
+def fake_next_token(seq: Sequence) -> int:
+    """A deterministic stand-in for a model: depends only on the sequence's tokens."""
+    return (sum(seq.token_ids[-3:]) * 31 + seq.num_tokens * 7) % 1000 + 1
+
+
+def make_request(
+    request_id: str,
+    prompt: list[int],
+    *,
+    max_tokens: int = 8,
+    priority: int = 0,
+    cache_salt: str | None = None,
+) -> GenerationRequest:
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return GenerationRequest(request_id, tuple(prompt), sampling, priority=priority, cache_salt=cache_salt)
+
+
+class SchedulerDriver:
+    """Runs Scheduler steps with fake_next_token, checking invariants around every step."""
+
+    def __init__(self, scheduler: Scheduler, *, max_model_len: int = 4096):
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.live: dict[str, Sequence] = {}
+        self.retired: list[Sequence] = []
+        self.batches = []
+        self._next_seq_id = 0
+
+    def add(self, request: GenerationRequest) -> Sequence:
+        seq = Sequence(self._next_seq_id, request, eos_token_ids=(0,), max_model_len=self.max_model_len)
+        self._next_seq_id += 1
+        self.live[request.request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        from engine.types import FinishReason
+
+        seq = self.live.pop(request_id)
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        self.retired.append(seq)
+        self.check()
+
+    def check(self) -> None:
+        check_invariants(self.scheduler.block_manager, self.live.values(), self.retired)
+
+    def step(self, next_token: Callable[[Sequence], int] = fake_next_token) -> list[Sequence]:
+        batch = self.scheduler.schedule()
+        self.check()
+        self.batches.append(batch)
+        sampled = [
+            next_token(seq) if seq.num_computed_tokens + n == seq.num_tokens else None
+            for seq, n in zip(batch.seqs, batch.num_scheduled_tokens)
+        ]
+        updated = self.scheduler.postprocess(batch, sampled)
+        for seq in updated:
+            if seq.is_finished:
+                self.retired.append(self.live.pop(seq.request_id))
+        self.check()
+        return updated
+
+    def run(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished():
+                return
+            self.step()
+        raise AssertionError("scheduler did not finish its work")
