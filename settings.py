@@ -105,6 +105,9 @@ class StoreConfig:
     synchronous: str = setting("FULL", "SQLite synchronous mode: FULL survives power loss.")
     busy_timeout_ms: int = setting(5000, "How long a connection waits on a lock.")
     purge_interval_s: float = setting(3600.0, "How often deleted conversations are purged.")
+    num_read_connections: int = setting(2, "Read-only connections; writes always use one writer.")
+    last_used_flush_s: float = setting(30.0, "How often API keys' last_used_at is written (coalesced).")
+    max_db_bytes: int = setting(0, "Largest database file; writes beyond it fail with 503. 0: no limit.")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,169 @@
+"""SQL for conversations and their messages.
+
+Every statement filters by `org_id` and by `deleted_at IS NULL`, so another organisation's
+conversation, or a deleted one, is simply not found. Messages keep a 0-based `seq`; only a
+tail is ever removed (regenerate / edit-and-resend), so `seq` stays contiguous.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+import aiosqlite
+
+from store.types import Conversation, Message, NotFound
+
+MAX_TITLE_CHARS = 80
+_CONV_COLUMNS = "id, org_id, title, created_at, updated_at"
+_LIVE = "org_id = ? AND id = ? AND deleted_at IS NULL"
+
+
+def title_from(text: str) -> str | None:
+    words = " ".join(text.split())
+    if len(words) <= MAX_TITLE_CHARS:
+        return words or None
+    return words[: MAX_TITLE_CHARS - 1].rstrip() + "\u2026"
+
+
+def new_message_id() -> str:
+    return f"msg_{secrets.token_hex(12)}"
+
+
+# --- reads ------------------------------------------------------------------------------
+
+
+async def get(conn: aiosqlite.Connection, org_id: str, conversation_id: str, with_messages: bool) -> Conversation | None:
+    rows = await conn.execute_fetchall(
+        f"SELECT {_CONV_COLUMNS} FROM conversations WHERE {_LIVE}", (org_id, conversation_id)
+    )
+    if not rows:
+        return None
+    conv = Conversation(*tuple(rows[0]))
+    if not with_messages:
+        return conv
+    msg_rows = await conn.execute_fetchall(
+        "SELECT id, role, content, created_at, tokens, model FROM messages"
+        " WHERE conversation_id = ? ORDER BY seq",
+        (conversation_id,),
+    )
+    return Conversation(*tuple(rows[0]), messages=tuple(Message(*tuple(r)) for r in msg_rows))
+
+
+async def list_page(
+    conn: aiosqlite.Connection, org_id: str, limit: int, after: str | None
+) -> tuple[list[Conversation], bool]:
+    """Newest first by (updated_at, id); `after` is the last id of the previous page."""
+    where, params = "org_id = ? AND deleted_at IS NULL", [org_id]
+    if after is not None:
+        cursor_rows = await conn.execute_fetchall(
+            "SELECT updated_at FROM conversations WHERE org_id = ? AND id = ?", (org_id, after)
+        )
+        if not cursor_rows:
+            raise NotFound(f"no conversation {after!r} to page after")
+        updated_at = cursor_rows[0][0]
+        where += " AND (updated_at < ? OR (updated_at = ? AND id < ?))"
+        params += [updated_at, updated_at, after]
+    rows = await conn.execute_fetchall(
+        f"SELECT {_CONV_COLUMNS} FROM conversations WHERE {where}"
+        " ORDER BY updated_at DESC, id DESC LIMIT ?",
+        (*params, limit + 1),
+    )
+    page = [Conversation(*tuple(r)) for r in rows[:limit]]
+    return page, len(rows) > limit
+
+
+# --- writes (inside the writer's transaction) -------------------------------------------
+
+
+async def insert(conn: aiosqlite.Connection, org_id: str, title: str | None) -> Conversation:
+    now = time.time()
+    conv = Conversation(f"conv_{secrets.token_hex(12)}", org_id, title, now, now)
+    await conn.execute(
+        "INSERT INTO conversations (id, org_id, title, created_at, updated_at) VALUES (?, ?, ?, ?, ?)",
+        (conv.id, org_id, title, now, now),
+    )
+    return conv
+
+
+async def rename(conn: aiosqlite.Connection, org_id: str, conversation_id: str, title: str) -> Conversation | None:
+    cursor = await conn.execute(
+        f"UPDATE conversations SET title = ?, updated_at = ? WHERE {_LIVE}",
+        (title, time.time(), org_id, conversation_id),
+    )
+    if cursor.rowcount == 0:
+        return None
+    return await get(conn, org_id, conversation_id, with_messages=False)
+
+
+async def soft_delete(conn: aiosqlite.Connection, org_id: str, conversation_id: str) -> bool:
+    cursor = await conn.execute(
+        f"UPDATE conversations SET deleted_at = ? WHERE {_LIVE}", (time.time(), org_id, conversation_id)
+    )
+    return cursor.rowcount > 0
+
+
+async def truncate(conn: aiosqlite.Connection, org_id: str, conversation_id: str, keep_messages: int) -> bool:
+    if await get(conn, org_id, conversation_id, with_messages=False) is None:
+        return False
+    await conn.execute(
+        "DELETE FROM messages WHERE conversation_id = ? AND seq >= ?", (conversation_id, max(0, keep_messages))
+    )
+    await conn.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (time.time(), conversation_id))
+    return True
+
+
+async def purge(conn: aiosqlite.Connection, retention_days_by_tier: dict[str, int], now: float) -> int:
+    """Delete soft-deleted conversations older than their tier's retention; messages cascade.
+
+    Tiers missing from the map keep the longest configured retention (30 days if none).
+    """
+    default_days = max(retention_days_by_tier.values(), default=30)
+    total = 0
+    for tier, days in retention_days_by_tier.items():
+        total += await _purge_where(conn, "tier = ?", (tier,), now - days * 86400.0)
+    tiers = tuple(retention_days_by_tier)
+    placeholders = ", ".join("?" * len(tiers))
+    other = f"tier NOT IN ({placeholders})" if tiers else "1"
+    total += await _purge_where(conn, other, tiers, now - default_days * 86400.0)
+    return total
+
+
+async def _purge_where(conn: aiosqlite.Connection, org_filter: str, params: tuple, cutoff: float) -> int:
+    cursor = await conn.execute(
+        "DELETE FROM conversations WHERE deleted_at IS NOT NULL AND deleted_at < ?"
+        f" AND org_id IN (SELECT id FROM orgs WHERE {org_filter})",
+        (cutoff, *params),
+    )
+    return cursor.rowcount
+
+
+async def append_turn(
+    conn: aiosqlite.Connection, org_id: str, conversation_id: str, messages: list[Message], request_id: str
+) -> bool:
+    """Append messages (oldest first) and bump updated_at; title from the first user message."""
+    rows = await conn.execute_fetchall(
+        f"SELECT title, updated_at FROM conversations WHERE {_LIVE}", (org_id, conversation_id)
+    )
+    if not rows:
+        return False
+    title, updated_at = tuple(rows[0])
+    seq_rows = await conn.execute_fetchall(
+        "SELECT coalesce(max(seq) + 1, 0) FROM messages WHERE conversation_id = ?", (conversation_id,)
+    )
+    first_seq = seq_rows[0][0]
+    await conn.executemany(
+        "INSERT INTO messages (id, conversation_id, seq, role, content, created_at, tokens, model, request_id)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        [
+            (m.id, conversation_id, first_seq + i, m.role, m.content, m.created_at, m.tokens, m.model, request_id)
+            for i, m in enumerate(messages)
+        ],
+    )
+    if title is None:
+        title = next((title_from(m.content) for m in messages if m.role == "user"), None)
+    latest = max([updated_at, *(m.created_at for m in messages)])
+    await conn.execute(
+        "UPDATE conversations SET title = ?, updated_at = ? WHERE id = ?", (title, latest, conversation_id)
+    )
+    return True

@@ -1,0 +1,165 @@
+"""SQL for organisations and API keys.
+
+Write functions take the writer's connection inside its transaction; read functions take a
+read connection. A key's secret exists only in `new_secret`'s return value: the database keeps
+its SHA-256, a display prefix and the last four characters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import sqlite3
+import time
+from typing import Any
+
+import aiosqlite
+import orjson
+
+from store.types import ApiKey, Conflict, NotFound, Org, Principal
+
+SECRET_PREFIX = "sk-"
+PREFIX_CHARS = 11  # "sk-" plus 8 random characters (48 bits): unique in practice, checked anyway
+MAX_SECRET_CHARS = 256  # longer strings are not ours; refuse before hashing them
+
+_ORG_COLUMNS = "o.id, o.name, o.tier, o.budget_usd, o.limits_json, o.created_at"
+_KEY_COLUMNS = "k.id, k.org_id, k.prefix, k.last4, k.name, k.created_at, k.last_used_at, k.revoked_at"
+
+
+def new_secret() -> str:
+    return SECRET_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+def org_from_row(row: sqlite3.Row | tuple, offset: int = 0) -> Org:
+    id_, name, tier, budget, limits_json, created_at = tuple(row)[offset : offset + 6]
+    return Org(id_, name, tier, budget, orjson.loads(limits_json), created_at)
+
+
+def key_from_row(row: sqlite3.Row | tuple) -> ApiKey:
+    return ApiKey(*tuple(row)[:8])
+
+
+# --- reads ------------------------------------------------------------------------------
+
+
+async def get_org(conn: aiosqlite.Connection, name: str) -> Org | None:
+    rows = await conn.execute_fetchall(f"SELECT {_ORG_COLUMNS} FROM orgs o WHERE o.name = ?", (name,))
+    return org_from_row(rows[0]) if rows else None
+
+
+async def list_orgs(conn: aiosqlite.Connection) -> list[Org]:
+    rows = await conn.execute_fetchall(f"SELECT {_ORG_COLUMNS} FROM orgs o ORDER BY o.name")
+    return [org_from_row(r) for r in rows]
+
+
+async def list_keys(conn: aiosqlite.Connection, org_name: str | None) -> list[ApiKey]:
+    if org_name is None:
+        rows = await conn.execute_fetchall(f"SELECT {_KEY_COLUMNS} FROM api_keys k ORDER BY k.created_at")
+        return [key_from_row(r) for r in rows]
+    if await get_org(conn, org_name) is None:
+        raise NotFound(f"no organisation named {org_name!r}")
+    rows = await conn.execute_fetchall(
+        f"SELECT {_KEY_COLUMNS} FROM api_keys k JOIN orgs o ON o.id = k.org_id"
+        " WHERE o.name = ? ORDER BY k.created_at",
+        (org_name,),
+    )
+    return [key_from_row(r) for r in rows]
+
+
+async def find_principal(conn: aiosqlite.Connection, secret: str) -> Principal | None:
+    """The live key matching `secret`, with its organisation; None for unknown or revoked."""
+    if not secret.startswith(SECRET_PREFIX) or len(secret) > MAX_SECRET_CHARS:
+        return None
+    presented = hash_secret(secret)
+    rows = await conn.execute_fetchall(
+        f"SELECT k.key_hash, k.id, k.revoked_at, {_ORG_COLUMNS}"
+        " FROM api_keys k JOIN orgs o ON o.id = k.org_id WHERE k.key_hash = ?",
+        (presented,),
+    )
+    if not rows:
+        return None
+    stored, key_id, revoked_at = tuple(rows[0])[:3]
+    # The index lookup already matched; comparing again in constant time keeps the check that
+    # decides access free of early exits, whatever the lookup does.
+    if not hmac.compare_digest(stored.encode(), presented.encode()) or revoked_at is not None:
+        return None
+    return Principal(key_id, org_from_row(rows[0], offset=3))
+
+
+# --- writes (inside the writer's transaction) -------------------------------------------
+
+
+async def insert_org(
+    conn: aiosqlite.Connection, name: str, tier: str, budget_usd: float | None, limits: dict[str, Any]
+) -> Org:
+    org = Org(f"org_{secrets.token_hex(8)}", name, tier, budget_usd, dict(limits), time.time())
+    try:
+        await conn.execute(
+            "INSERT INTO orgs (id, name, tier, budget_usd, limits_json, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+            (org.id, name, tier, budget_usd, orjson.dumps(org.limits).decode(), org.created_at),
+        )
+    except sqlite3.IntegrityError as exc:
+        raise Conflict(f"an organisation named {name!r} already exists") from exc
+    return org
+
+
+async def update_org(conn: aiosqlite.Connection, name: str, changes: dict[str, Any]) -> Org:
+    """`changes` holds only the fields to set: tier, budget_usd, limits."""
+    columns = {"tier": "tier", "budget_usd": "budget_usd", "limits": "limits_json"}
+    values = {columns[k]: (orjson.dumps(v).decode() if k == "limits" else v) for k, v in changes.items()}
+    if values:
+        assignments = ", ".join(f"{col} = ?" for col in values)
+        await conn.execute(f"UPDATE orgs SET {assignments} WHERE name = ?", (*values.values(), name))
+    org = await get_org(conn, name)
+    if org is None:
+        raise NotFound(f"no organisation named {name!r}")
+    return org
+
+
+async def ensure_org(conn: aiosqlite.Connection, name: str, tier: str) -> Org:
+    org = await get_org(conn, name)
+    if org is None:
+        return await insert_org(conn, name, tier, None, {})
+    if org.tier != tier:
+        return await update_org(conn, name, {"tier": tier})
+    return org
+
+
+async def insert_key(conn: aiosqlite.Connection, org_name: str, name: str | None) -> tuple[ApiKey, str]:
+    org = await get_org(conn, org_name)
+    if org is None:
+        raise NotFound(f"no organisation named {org_name!r}")
+    for _ in range(5):  # a prefix collision (48 bits) is all but impossible; retry if it happens
+        secret = new_secret()
+        key = ApiKey(
+            f"key_{secrets.token_hex(8)}", org.id, secret[:PREFIX_CHARS], secret[-4:], name, time.time(), None, None
+        )
+        try:
+            await conn.execute(
+                "INSERT INTO api_keys (id, org_id, key_hash, prefix, last4, name, created_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (key.id, key.org_id, hash_secret(secret), key.prefix, key.last4, name, key.created_at),
+            )
+        except sqlite3.IntegrityError:
+            continue
+        return key, secret
+    raise Conflict("could not draw a unique key prefix")
+
+
+async def revoke_key(conn: aiosqlite.Connection, prefix: str, now: float) -> bool:
+    cursor = await conn.execute(
+        "UPDATE api_keys SET revoked_at = ? WHERE prefix = ? AND revoked_at IS NULL", (now, prefix)
+    )
+    return cursor.rowcount > 0
+
+
+async def touch_keys(conn: aiosqlite.Connection, last_used: dict[str, float]) -> None:
+    await conn.executemany(
+        "UPDATE api_keys SET last_used_at = max(coalesce(last_used_at, 0), ?) WHERE id = ?",
+        [(t, key_id) for key_id, t in last_used.items()],
+    )

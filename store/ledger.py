@@ -1,0 +1,99 @@
+"""SQL for the usage ledger: one row per request, the month spend, and usage summaries.
+
+`record` is the only writer of billing data. It runs in one transaction with the conversation
+turn, and `request_id` is the primary key, so a request can be billed at most once.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import aiosqlite
+
+from store import conversations
+from store.types import Message, RequestRecord
+
+GROUP_BY = ("model", "day", "key")
+
+_GROUP_COLUMNS = {
+    "model": ("u.model", "model"),
+    "day": ("date(u.created_at, 'unixepoch')", "day"),  # UTC day, 'YYYY-MM-DD'
+    "key": ("u.key_id", "key_id"),
+}
+
+
+def month_of(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m")
+
+
+async def record(conn: aiosqlite.Connection, rec: RequestRecord) -> bool:
+    """Write the ledger row, the month spend and the conversation turn; False if already written."""
+    cursor = await conn.execute(
+        "INSERT INTO usage (request_id, org_id, key_id, model, tier, status, prompt_tokens, cached_tokens,"
+        " completion_tokens, cost_usd, queue_ms, ttft_ms, total_ms, created_at, finished_at,"
+        " conversation_id, fallback_from) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        " ON CONFLICT (request_id) DO NOTHING",
+        (
+            rec.request_id, rec.org_id, rec.key_id, rec.model, rec.tier, rec.status.value,
+            rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens, rec.cost_usd,
+            rec.queue_ms, rec.ttft_ms, rec.total_ms, rec.created_at, rec.finished_at,
+            rec.conversation_id, rec.fallback_from,
+        ),
+    )  # fmt: skip
+    if cursor.rowcount == 0:
+        return False
+    await conn.execute(
+        "INSERT INTO org_month_spend (org_id, month, cost_usd) VALUES (?, ?, ?)"
+        " ON CONFLICT (org_id, month) DO UPDATE SET cost_usd = cost_usd + excluded.cost_usd",
+        (rec.org_id, month_of(rec.created_at), rec.cost_usd),
+    )
+    if rec.conversation_id is not None:
+        # A conversation deleted while the answer streamed just doesn't get the turn; the
+        # request is still billed.
+        await conversations.append_turn(conn, rec.org_id, rec.conversation_id, _turn(rec), rec.request_id)
+    return True
+
+
+def _turn(rec: RequestRecord) -> list[Message]:
+    turn = [Message(conversations.new_message_id(), role, content, rec.created_at) for role, content in rec.new_messages]
+    if rec.assistant_content is not None:
+        turn.append(
+            Message(
+                conversations.new_message_id(), "assistant", rec.assistant_content, rec.finished_at,
+                rec.completion_tokens, rec.model,
+            )
+        )  # fmt: skip
+    return turn
+
+
+async def month_spend_usd(conn: aiosqlite.Connection, org_id: str, now: float) -> float:
+    rows = await conn.execute_fetchall(
+        "SELECT cost_usd FROM org_month_spend WHERE org_id = ? AND month = ?", (org_id, month_of(now))
+    )
+    return float(rows[0][0]) if rows else 0.0
+
+
+async def summary(
+    conn: aiosqlite.Connection, org_id: str, start: float | None, end: float | None, group_by: str
+) -> list[dict]:
+    """Token totals and cost per group, for `start <= created_at < end` (either bound optional)."""
+    if group_by not in _GROUP_COLUMNS:
+        raise ValueError(f"group_by must be one of {GROUP_BY}, got {group_by!r}")
+    expr, name = _GROUP_COLUMNS[group_by]
+    where, params = "u.org_id = ?", [org_id]
+    if start is not None:
+        where += " AND u.created_at >= ?"
+        params.append(start)
+    if end is not None:
+        where += " AND u.created_at < ?"
+        params.append(end)
+    key_prefix = ", max(k.prefix) AS key_prefix" if group_by == "key" else ""
+    rows = await conn.execute_fetchall(
+        f"SELECT {expr} AS {name}{key_prefix}, count(*) AS num_requests,"
+        " sum(u.prompt_tokens) AS prompt_tokens, sum(u.cached_tokens) AS cached_tokens,"
+        " sum(u.completion_tokens) AS completion_tokens, sum(u.cost_usd) AS cost_usd"
+        " FROM usage u LEFT JOIN api_keys k ON k.id = u.key_id"
+        f" WHERE {where} GROUP BY {expr} ORDER BY {expr}",
+        params,
+    )
+    return [dict(r) for r in rows]

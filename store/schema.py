@@ -1,0 +1,163 @@
+"""The schema as numbered migrations, and the pragmas every connection gets.
+
+`migrate` brings a database to the newest version recorded in `PRAGMA user_version`, each
+migration in its own transaction. Migrations are append-only: never edit one that shipped.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+import aiosqlite
+import structlog
+
+from store.types import StoreError
+
+log = structlog.get_logger(__name__)
+
+# SQLite's WAL docs list a WAL-reset corruption bug in 3.7.0 to 3.51.2, fixed in 3.52.0.
+MIN_SAFE_SQLITE = (3, 52, 0)
+SYNCHRONOUS_MODES = ("OFF", "NORMAL", "FULL", "EXTRA")
+
+_V1 = """
+CREATE TABLE orgs (
+    id          TEXT PRIMARY KEY,
+    name        TEXT NOT NULL UNIQUE,
+    tier        TEXT NOT NULL,
+    budget_usd  REAL,                       -- per calendar month (UTC); NULL: no budget
+    limits_json TEXT NOT NULL DEFAULT '{}', -- per-org overrides of tier limits
+    created_at  REAL NOT NULL
+) STRICT;
+
+CREATE TABLE api_keys (
+    id           TEXT PRIMARY KEY,
+    org_id       TEXT NOT NULL REFERENCES orgs(id),
+    key_hash     TEXT NOT NULL UNIQUE,      -- hex SHA-256 of the secret; the secret is never stored
+    prefix       TEXT NOT NULL UNIQUE,
+    last4        TEXT NOT NULL,
+    name         TEXT,
+    created_at   REAL NOT NULL,
+    last_used_at REAL,
+    revoked_at   REAL
+) STRICT;
+CREATE INDEX api_keys_org ON api_keys(org_id);
+
+CREATE TABLE conversations (
+    id         TEXT PRIMARY KEY,
+    org_id     TEXT NOT NULL REFERENCES orgs(id),
+    title      TEXT,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    deleted_at REAL                         -- soft delete; purged after the tier's retention
+) STRICT;
+CREATE INDEX conversations_live ON conversations(org_id, updated_at DESC, id DESC)
+    WHERE deleted_at IS NULL;
+CREATE INDEX conversations_deleted ON conversations(deleted_at) WHERE deleted_at IS NOT NULL;
+
+CREATE TABLE messages (
+    id              TEXT PRIMARY KEY,
+    conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    seq             INTEGER NOT NULL,       -- 0-based position; only tails are ever deleted
+    role            TEXT NOT NULL,
+    content         TEXT NOT NULL,
+    created_at      REAL NOT NULL,
+    tokens          INTEGER,
+    model           TEXT,
+    request_id      TEXT,
+    UNIQUE (conversation_id, seq)
+) STRICT;
+
+-- The ledger outlives keys and purged conversations, so conversation_id has no foreign key.
+CREATE TABLE usage (
+    request_id        TEXT PRIMARY KEY,     -- unique: a request is never billed twice
+    org_id            TEXT NOT NULL REFERENCES orgs(id),
+    key_id            TEXT REFERENCES api_keys(id),
+    model             TEXT NOT NULL,
+    tier              TEXT NOT NULL,
+    status            TEXT NOT NULL CHECK (status IN ('finished', 'aborted', 'error', 'filtered')),
+    prompt_tokens     INTEGER NOT NULL CHECK (prompt_tokens >= 0),
+    cached_tokens     INTEGER NOT NULL CHECK (cached_tokens >= 0),
+    completion_tokens INTEGER NOT NULL CHECK (completion_tokens >= 0),
+    cost_usd          REAL NOT NULL,
+    queue_ms          REAL,
+    ttft_ms           REAL,
+    total_ms          REAL,
+    created_at        REAL NOT NULL,
+    finished_at       REAL NOT NULL,
+    conversation_id   TEXT,
+    fallback_from     TEXT
+) STRICT;
+CREATE INDEX usage_org_created ON usage(org_id, created_at);
+
+-- Spend per organisation and calendar month, kept in the ledger's transaction so that the
+-- budget check at admission is one lookup.
+CREATE TABLE org_month_spend (
+    org_id   TEXT NOT NULL REFERENCES orgs(id),
+    month    TEXT NOT NULL,                 -- 'YYYY-MM', UTC
+    cost_usd REAL NOT NULL,
+    PRIMARY KEY (org_id, month)
+) STRICT, WITHOUT ROWID;
+
+CREATE TABLE meta (
+    key   TEXT PRIMARY KEY,
+    value TEXT
+) STRICT;
+"""
+
+# (version, script); version N leaves `PRAGMA user_version = N`.
+MIGRATIONS: tuple[tuple[int, str], ...] = ((1, _V1),)
+SCHEMA_VERSION = MIGRATIONS[-1][0]
+
+
+def sqlite_version_is_safe(version: str = sqlite3.sqlite_version) -> bool:
+    return tuple(int(p) for p in version.split(".")[:3]) >= MIN_SAFE_SQLITE
+
+
+async def configure(conn: aiosqlite.Connection, *, busy_timeout_ms: int, is_reader: bool) -> None:
+    """Per-connection pragmas. The writer sets journal_mode and synchronous in `prepare`."""
+    conn.row_factory = sqlite3.Row
+    await conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+    await conn.execute("PRAGMA foreign_keys = ON")
+    if is_reader:
+        await conn.execute("PRAGMA query_only = ON")  # a read connection can never write
+
+
+async def prepare(conn: aiosqlite.Connection, synchronous: str) -> None:
+    """Run once on the write connection at startup: WAL, synchronous, quick_check, migrations."""
+    mode = synchronous.upper()
+    if mode not in SYNCHRONOUS_MODES:
+        raise StoreError(f"store.synchronous must be one of {SYNCHRONOUS_MODES}, got {synchronous!r}")
+    journal = await _scalar(conn, "PRAGMA journal_mode = WAL")
+    if str(journal).lower() != "wal":
+        raise StoreError(f"could not switch the database to WAL (journal_mode is {journal!r})")
+    # FULL by default: in WAL mode it syncs the log on every commit, so an acknowledged ledger
+    # row survives power loss; NORMAL would survive a process crash but may lose the last commits.
+    await conn.execute(f"PRAGMA synchronous = {mode}")
+    check = await _scalar(conn, "PRAGMA quick_check")
+    if check != "ok":
+        raise StoreError(f"the database failed quick_check: {check}")
+    await migrate(conn)
+
+
+async def migrate(conn: aiosqlite.Connection) -> int:
+    """Apply every migration newer than the file's user_version; returns the new version."""
+    current = int(await _scalar(conn, "PRAGMA user_version"))
+    if current > SCHEMA_VERSION:
+        raise StoreError(f"the database is at schema {current}, newer than this server's {SCHEMA_VERSION}")
+    for version, script in MIGRATIONS:
+        if version <= current:
+            continue
+        try:  # the whole migration and its version bump commit together, or not at all
+            await conn.executescript(f"BEGIN IMMEDIATE;\n{script}\nPRAGMA user_version = {version};\nCOMMIT;")
+        except sqlite3.Error:
+            if conn.in_transaction:
+                await conn.execute("ROLLBACK")
+            raise
+        log.info("store migrated", schema_version=version)
+        current = version
+    return current
+
+
+async def _scalar(conn: aiosqlite.Connection, sql: str) -> object:
+    rows = await conn.execute_fetchall(sql)
+    return rows[0][0] if rows else None

@@ -1,0 +1,326 @@
+"""`Store`: the one object that owns the database, and the only door to it.
+
+Reads run on a small pool of read-only connections; every write is a job for the single
+`Writer`. Keys' `last_used_at` is coalesced in memory and flushed periodically, so
+authenticating a request is a read, not a write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import sqlite3
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiosqlite
+import structlog
+
+from settings import StoreConfig
+from store import conversations, keys, ledger, schema
+from store.types import (
+    ApiKey,
+    Conversation,
+    NotFound,
+    Org,
+    Principal,
+    RequestRecord,
+    StoreError,
+    StoreUnavailable,
+)
+from store.writer import Writer, is_storage_error
+
+log = structlog.get_logger(__name__)
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()  # "leave as is", where None is a meaningful value
+
+
+class Store:
+    def __init__(self, path: Path, config: StoreConfig, write_conn: aiosqlite.Connection) -> None:
+        self.path = path
+        self.config = config
+        self._write_conn = write_conn
+        self._writer = Writer(write_conn)
+        self._readers: asyncio.Queue[aiosqlite.Connection] = asyncio.Queue()
+        self._read_conns: list[aiosqlite.Connection] = []
+        self._last_used: dict[str, float] = {}  # key_id -> unix s, not yet written
+        self._maintenance: asyncio.Task | None = None
+        self._is_closed = False
+
+    @classmethod
+    async def open(cls, path: Path, config: StoreConfig) -> Store:
+        """Open (creating if needed), check, migrate, and start the writer."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _log_sqlite_version()
+        write_conn = await aiosqlite.connect(path, isolation_level=None)
+        store = cls(path, config, write_conn)
+        try:
+            await schema.configure(write_conn, busy_timeout_ms=config.busy_timeout_ms, is_reader=False)
+            await _apply_max_bytes(write_conn, config.max_db_bytes)
+            await schema.prepare(write_conn, config.synchronous)
+            for _ in range(max(1, config.num_read_connections)):
+                conn = await aiosqlite.connect(path, isolation_level=None)
+                store._read_conns.append(conn)
+                await schema.configure(conn, busy_timeout_ms=config.busy_timeout_ms, is_reader=True)
+                store._readers.put_nowait(conn)
+        except BaseException:
+            await store._close_connections()
+            raise
+        store._writer.start()
+        store._maintenance = asyncio.create_task(store._maintain(), name="store-maintenance")
+        log.info("store opened", path=str(path), synchronous=config.synchronous.upper(), schema=schema.SCHEMA_VERSION)
+        return store
+
+    async def close(self) -> None:
+        """Flush last_used, finish every queued write, then close the connections."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        if self._maintenance is not None:
+            self._maintenance.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._maintenance
+            self._maintenance = None
+        with contextlib.suppress(StoreError):
+            await self._flush_last_used()
+        await self._writer.close()
+        await self._close_connections()
+
+    @property
+    def is_writable(self) -> bool:
+        """False while the last write transaction failed for lack of a writable database."""
+        return self._writer.is_writable
+
+    # --- organisations and keys ----------------------------------------------------------
+
+    async def create_org(
+        self, name: str, tier: str, *, budget_usd: float | None = None, limits: dict | None = None
+    ) -> Org:
+        return await self._write(functools.partial(keys.insert_org, name=name, tier=tier, budget_usd=budget_usd, limits=limits or {}))
+
+    async def get_org(self, name: str) -> Org | None:
+        async with self._reader() as conn:
+            return await keys.get_org(conn, name)
+
+    async def list_orgs(self) -> list[Org]:
+        async with self._reader() as conn:
+            return await keys.list_orgs(conn)
+
+    async def update_org(self, name: str, *, tier: str | None = None, budget_usd: Any = UNSET, limits: Any = UNSET) -> Org:
+        """Change the given fields; `budget_usd=None` removes the budget, `UNSET` keeps it."""
+        changes: dict[str, Any] = {}
+        if tier is not None:
+            changes["tier"] = tier
+        if budget_usd is not UNSET:
+            changes["budget_usd"] = budget_usd
+        if limits is not UNSET:
+            changes["limits"] = dict(limits or {})
+        return await self._write(functools.partial(keys.update_org, name=name, changes=changes))
+
+    async def ensure_org(self, name: str, tier: str) -> Org:
+        """The organisation `name`, created if missing; its tier is set to `tier`."""
+        org = await self.get_org(name)
+        if org is not None and org.tier == tier:
+            return org
+        return await self._write(functools.partial(keys.ensure_org, name=name, tier=tier))
+
+    async def create_key(self, org_name: str, *, name: str | None = None) -> tuple[ApiKey, str]:
+        """A new key and its secret; the secret is returned here once and never stored."""
+        return await self._write(functools.partial(keys.insert_key, org_name=org_name, name=name))
+
+    async def list_keys(self, org_name: str | None = None) -> list[ApiKey]:
+        async with self._reader() as conn:
+            found = await keys.list_keys(conn, org_name)
+        pending = self._last_used
+        return [_with_last_used(k, pending.get(k.id)) for k in found]
+
+    async def revoke_key(self, prefix: str) -> bool:
+        return await self._write(functools.partial(keys.revoke_key, prefix=prefix, now=time.time()))
+
+    async def authenticate(self, secret: str) -> Principal | None:
+        async with self._reader() as conn:
+            principal = await keys.find_principal(conn, secret)
+        if principal is not None and principal.key_id is not None:
+            self._last_used[principal.key_id] = time.time()
+        return principal
+
+    # --- conversations -------------------------------------------------------------------
+
+    async def create_conversation(self, org_id: str, *, title: str | None = None) -> Conversation:
+        return await self._write(functools.partial(conversations.insert, org_id=org_id, title=title))
+
+    async def list_conversations(
+        self, org_id: str, *, limit: int = 20, after: str | None = None
+    ) -> tuple[list[Conversation], bool]:
+        """A page, newest first, and whether more follow; raises NotFound for an unknown `after`."""
+        async with self._reader() as conn:
+            return await conversations.list_page(conn, org_id, max(1, limit), after)
+
+    async def get_conversation(
+        self, org_id: str, conversation_id: str, *, with_messages: bool = True
+    ) -> Conversation | None:
+        async with self._reader() as conn:
+            return await conversations.get(conn, org_id, conversation_id, with_messages)
+
+    async def rename_conversation(self, org_id: str, conversation_id: str, title: str) -> Conversation | None:
+        job = functools.partial(conversations.rename, org_id=org_id, conversation_id=conversation_id, title=title)
+        return await self._write(job)
+
+    async def delete_conversation(self, org_id: str, conversation_id: str) -> bool:
+        job = functools.partial(conversations.soft_delete, org_id=org_id, conversation_id=conversation_id)
+        return await self._write(job)
+
+    async def truncate_conversation(self, org_id: str, conversation_id: str, keep_messages: int) -> bool:
+        """Keep the first `keep_messages` messages, drop the rest (regenerate, edit and resend)."""
+        job = functools.partial(
+            conversations.truncate, org_id=org_id, conversation_id=conversation_id, keep_messages=keep_messages
+        )
+        return await self._write(job)
+
+    async def purge_deleted(self, retention_days_by_tier: dict[str, int], now: float | None = None) -> int:
+        now = time.time() if now is None else now
+        job = functools.partial(conversations.purge, retention_days_by_tier=dict(retention_days_by_tier), now=now)
+        count = await self._write(job)
+        if count:
+            log.info("purged deleted conversations", num_conversations=count)
+        return count
+
+    async def run_purge_loop(self, retention_days_by_tier: dict[str, int]) -> None:
+        """Purge every `purge_interval_s` until cancelled (run it as a background task)."""
+        while True:
+            try:
+                await self.purge_deleted(retention_days_by_tier)
+            except StoreError as exc:
+                log.warning("purge failed", error=str(exc))
+            await asyncio.sleep(self.config.purge_interval_s)
+
+    # --- the usage ledger ----------------------------------------------------------------
+
+    async def record_request(self, rec: RequestRecord) -> bool:
+        """Bill `rec` and store its conversation turn in one transaction; False if already billed.
+
+        Raises StoreUnavailable if it could not be written; the record is then logged at
+        ERROR (counts and cost, no text) so that it is never lost silently.
+        """
+        try:
+            return await self._write(functools.partial(ledger.record, rec=rec))
+        except StoreUnavailable as exc:
+            log.error(
+                "usage record not written", request_id=rec.request_id, org_id=rec.org_id, key_id=rec.key_id,
+                model=rec.model, status=rec.status.value, prompt_tokens=rec.prompt_tokens,
+                cached_tokens=rec.cached_tokens, completion_tokens=rec.completion_tokens,
+                cost_usd=rec.cost_usd, created_at=rec.created_at, error=str(exc),
+            )  # fmt: skip
+            raise
+
+    async def month_spend_usd(self, org_id: str, now: float | None = None) -> float:
+        """Cost of the organisation's requests in the calendar month (UTC) of `now`."""
+        async with self._reader() as conn:
+            return await ledger.month_spend_usd(conn, org_id, time.time() if now is None else now)
+
+    async def usage_summary(
+        self, org_id: str, *, start: float | None = None, end: float | None = None, group_by: str = "model"
+    ) -> list[dict]:
+        """Rows of {<group>, num_requests, prompt_tokens, cached_tokens, completion_tokens, cost_usd}."""
+        async with self._reader() as conn:
+            return await ledger.summary(conn, org_id, start, end, group_by)
+
+    # --- health --------------------------------------------------------------------------
+
+    async def integrity_check(self) -> str:
+        """`PRAGMA integrity_check`: 'ok', or SQLite's list of problems."""
+        async with self._reader() as conn:
+            rows = await conn.execute_fetchall("PRAGMA integrity_check")
+        return "\n".join(str(r[0]) for r in rows)
+
+    async def probe_writable(self) -> bool:
+        """Try a tiny write; updates and returns `is_writable`."""
+        with contextlib.suppress(StoreUnavailable):
+            await self._write(_write_probe)
+        return self.is_writable
+
+    # --- internals -----------------------------------------------------------------------
+
+    async def _write(self, job: Any) -> Any:
+        return await self._writer.run(job)
+
+    @contextlib.asynccontextmanager
+    async def _reader(self) -> AsyncIterator[aiosqlite.Connection]:
+        if self._is_closed:
+            raise StoreUnavailable("the store is closed")
+        conn = await self._readers.get()
+        try:
+            yield conn
+        except sqlite3.Error as exc:
+            if is_storage_error(exc):
+                raise StoreUnavailable(f"the database cannot be read: {exc}") from exc
+            raise
+        finally:
+            self._readers.put_nowait(conn)
+
+    async def _flush_last_used(self) -> None:
+        if not self._last_used:
+            return
+        pending, self._last_used = self._last_used, {}
+        try:
+            await self._write(functools.partial(keys.touch_keys, last_used=pending))
+        except StoreError:
+            for key_id, t in pending.items():  # keep them for the next flush
+                self._last_used[key_id] = max(t, self._last_used.get(key_id, 0.0))
+            raise
+
+    async def _maintain(self) -> None:
+        """Flush last_used periodically; while unwritable, probe so /ready can recover."""
+        interval_s = max(0.05, self.config.last_used_flush_s)
+        while True:
+            await asyncio.sleep(interval_s)
+            with contextlib.suppress(StoreError):
+                await self._flush_last_used()
+                if not self.is_writable:
+                    await self.probe_writable()
+
+    async def _close_connections(self) -> None:
+        for conn in [*self._read_conns, self._write_conn]:
+            with contextlib.suppress(Exception):
+                await conn.close()
+        self._read_conns.clear()
+
+
+async def _write_probe(conn: aiosqlite.Connection) -> None:
+    await conn.execute(
+        "INSERT INTO meta (key, value) VALUES ('write_probe', ?)"
+        " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+        (str(time.time()),),
+    )
+
+
+async def _apply_max_bytes(conn: aiosqlite.Connection, max_db_bytes: int) -> None:
+    if max_db_bytes > 0:
+        rows = await conn.execute_fetchall("PRAGMA page_size")
+        await conn.execute(f"PRAGMA max_page_count = {max(1, max_db_bytes // int(rows[0][0]))}")
+
+
+def _with_last_used(key: ApiKey, pending_s: float | None) -> ApiKey:
+    if pending_s is None or (key.last_used_at is not None and key.last_used_at >= pending_s):
+        return key
+    return ApiKey(key.id, key.org_id, key.prefix, key.last4, key.name, key.created_at, pending_s, key.revoked_at)
+
+
+def _log_sqlite_version() -> None:
+    if schema.sqlite_version_is_safe():
+        log.info("sqlite", version=sqlite3.sqlite_version)
+    else:
+        log.warning(
+            "sqlite is older than 3.52.0, which fixes a WAL-reset corruption bug; upgrade when possible",
+            version=sqlite3.sqlite_version,
+        )

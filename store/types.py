@@ -1,0 +1,121 @@
+"""Value types and errors of the store: what callers get back, never database rows.
+
+Times are unix seconds (float); ids are prefixed strings (`org_`, `key_`, `conv_`, `msg_`).
+Nothing here touches SQLite.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class StoreError(Exception):
+    """Base of every error the store raises on purpose."""
+
+
+class StoreUnavailable(StoreError):
+    """The database cannot be written (disk full, read-only, locked) or the store is closed.
+
+    Nothing was committed for the call that raised it; the HTTP layer answers 503.
+    """
+
+
+class NotFound(StoreError):
+    """The object does not exist, or belongs to another organisation (HTTP 404)."""
+
+
+class Conflict(StoreError):
+    """A unique name is already taken (HTTP 409)."""
+
+
+class RequestStatus(enum.Enum):
+    FINISHED = "finished"  # stop or length: the answer was delivered whole
+    ABORTED = "aborted"  # client gone or stop button: billed for the tokens generated
+    ERROR = "error"  # engine fault after admission
+    FILTERED = "filtered"  # the safety gate ended or refused the answer
+
+
+@dataclass(frozen=True, slots=True)
+class Org:
+    id: str
+    name: str
+    tier: str
+    budget_usd: float | None  # per calendar month (UTC); None: no budget
+    limits: dict = field(default_factory=dict)  # per-org overrides of tier limits, by setting name
+    created_at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """A key as it may be shown: never the secret, never its hash."""
+
+    id: str
+    org_id: str
+    prefix: str  # the first characters of the secret, unique, used to name the key
+    last4: str
+    name: str | None
+    created_at: float
+    last_used_at: float | None
+    revoked_at: float | None
+
+    @property
+    def is_revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    @property
+    def display(self) -> str:
+        return f"{self.prefix}...{self.last4}"
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is calling: a key of an organisation, or the keyless local organisation."""
+
+    key_id: str | None
+    org: Org
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    id: str
+    role: str
+    content: str
+    created_at: float
+    tokens: int | None = None  # completion tokens of an assistant message; None for others
+    model: str | None = None  # the model that wrote an assistant message
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    id: str
+    org_id: str
+    title: str | None
+    created_at: float
+    updated_at: float
+    messages: tuple[Message, ...] = ()  # oldest first; empty when listed
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """Everything written when a request ends: one ledger row and, with a conversation, its turn."""
+
+    request_id: str
+    org_id: str
+    key_id: str | None
+    model: str
+    tier: str
+    status: RequestStatus
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    cost_usd: float
+    queue_ms: float | None
+    ttft_ms: float | None
+    total_ms: float | None
+    created_at: float
+    finished_at: float
+    conversation_id: str | None = None
+    new_messages: tuple[tuple[str, str], ...] = ()  # (role, content) sent with this request
+    assistant_content: str | None = None  # None: no assistant message is stored
+    fallback_from: str | None = None  # the model first chosen, when the router fell back
