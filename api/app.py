@@ -1,0 +1,206 @@
+"""The aiohttp application factory: middlewares, the route table and the start/stop order.
+
+`init(settings)` returns a `web.Application`; long-lived parts (store, models, queues,
+router, safety gate) start in `cleanup_ctx` and stop in reverse order. The middlewares
+here are the only places that stamp request ids, authenticate and render errors.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import structlog
+from aiohttp import web
+
+from api import chat, resources
+from api.errors import ApiError, internal_error, overloaded, unauthorized
+from api.state import PRINCIPAL, REQUEST_ID, SETTINGS, STATE, AppState
+from engine.registry import build_models
+from gateway.metrics import Metrics
+from gateway.queue import ModelQueue
+from gateway.ratelimit import RateLimiter
+from gateway.router import TierRouter
+from settings import Settings
+from store.store import Store
+from store.types import StoreUnavailable
+
+log = structlog.get_logger(__name__)
+
+PUBLIC_PATHS = ("/health", "/ready", "/metrics")
+CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'self'"
+)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def keyless_allowed(settings: Settings) -> bool:
+    return is_loopback(settings.server.host) or settings.server.allow_public_without_keys
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler) -> web.StreamResponse:
+    request[REQUEST_ID] = "req_" + uuid.uuid4().hex
+    structlog.contextvars.bind_contextvars(request_id=request[REQUEST_ID])
+    try:
+        response = await handler(request)
+    finally:
+        structlog.contextvars.unbind_contextvars("request_id")
+    if not response.prepared:
+        response.headers["X-Request-Id"] = request[REQUEST_ID]
+    return response
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return error_response(request, exc)
+    except StoreUnavailable as exc:
+        log.error("store_unavailable", path=request.path, error=str(exc))
+        return error_response(request, overloaded("The database cannot be written; try again later.",
+                                                  retry_after_s=30, code="store_unavailable"))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(request, _from_http_exception(exc))
+    except Exception:
+        log.exception("unhandled_error", path=request.path)
+        return error_response(request, internal_error())
+
+
+def _from_http_exception(exc: web.HTTPException) -> ApiError:
+    if exc.status == 413:
+        return ApiError(413, f"The request body is too large ({exc.text}).", "invalid_request_error", "request_too_large")
+    if exc.status == 404:
+        return ApiError(404, "Unknown URL. See /v1/models and /v1/chat/completions.", "invalid_request_error", "unknown_url")
+    if exc.status == 405:
+        return ApiError(405, f"Method {exc.method if hasattr(exc, 'method') else ''} not allowed here.".replace("  ", " "),
+                        "invalid_request_error", "method_not_allowed")
+    return ApiError(exc.status, exc.reason, "invalid_request_error", None)
+
+
+def error_response(request: web.Request, error: ApiError) -> web.Response:
+    headers = {"X-Request-Id": request.get(REQUEST_ID, ""), **error.headers}
+    return web.json_response(error.body(), status=error.status, headers=headers)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
+    if not request.path.startswith("/v1/"):
+        return await handler(request)
+    state = request.app[STATE]
+    header = request.headers.get("Authorization", "")
+    if header:
+        scheme, _, secret = header.partition(" ")
+        if scheme.lower() != "bearer" or not secret.strip():
+            raise unauthorized("Malformed Authorization header; expected 'Bearer <API key>'.")
+        principal = await state.store.authenticate(secret.strip())
+        if principal is None:
+            raise unauthorized("Incorrect API key provided. Create one with: python server.py keys create --org NAME --tier free")
+    elif state.local_principal is not None:
+        principal = state.local_principal
+    else:
+        raise unauthorized("You didn't provide an API key. Send 'Authorization: Bearer <API key>'.")
+    request[PRINCIPAL] = principal
+    return await handler(request)
+
+
+@web.middleware
+async def security_headers_middleware(request: web.Request, handler) -> web.StreamResponse:
+    response = await handler(request)
+    if not response.prepared:
+        response.headers.setdefault("X-Content-Type-Options", "nosniff")
+        if not request.path.startswith("/v1/"):
+            response.headers.setdefault("Content-Security-Policy", CSP)
+            response.headers.setdefault("Referrer-Policy", "no-referrer")
+    return response
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    """Start store, models, queues and the safety gate; stop them in reverse order."""
+    settings = app[SETTINGS]
+    store = await Store.open(Path(settings.store.path), settings.store)
+    models = build_models(settings)
+    started = []
+    try:
+        for handle in models.values():
+            await handle.backend.start()
+            started.append(handle)
+        state = await _make_state(settings, store, models)
+        app[STATE] = state
+        if state.safety is not None:
+            await state.safety.start()
+        for queue in state.queues.values():
+            await queue.start()
+        log.info("server_ready", models=list(models), keyless=state.local_principal is not None)
+        yield
+    finally:
+        if STATE in app:
+            app[STATE].draining = True
+            for queue in app[STATE].queues.values():
+                await queue.stop()
+        for handle in reversed(started):
+            await handle.backend.shutdown()
+        await store.close()
+
+
+async def _make_state(settings: Settings, store: Store, models) -> AppState:
+    metrics = Metrics()
+    queues = {
+        name: ModelQueue(name, settings.queue, has_room=handle.backend.has_room)
+        for name, handle in models.items()
+    }
+    for name, handle in models.items():
+        metrics.set_stats_source(name, handle.backend.stats, queues[name])
+    router = TierRouter(settings.models, settings.tiers, queues)
+    local = None
+    if keyless_allowed(settings):
+        if settings.server.local_tier not in settings.tiers:
+            from settings import ConfigError
+
+            raise ConfigError(f"server.local_tier: tier {settings.server.local_tier!r} is not declared under [tiers]")
+        org = await store.ensure_org("local", settings.server.local_tier)
+        from store.types import Principal
+
+        local = Principal(key_id=None, org=org)
+    safety = None
+    if settings.safety.enabled:
+        from gateway.safety import SafetyGate
+
+        safety = SafetyGate(settings.safety, registry=metrics.registry)
+    return AppState(
+        settings=settings, models=models, store=store, limiter=RateLimiter(), queues=queues,
+        router=router, metrics=metrics, safety=safety, local_principal=local,
+    )
+
+
+async def _on_shutdown(app: web.Application) -> None:
+    # Runs when the server stops accepting: /ready turns false and new chats get 503
+    # while running streams get the grace period to finish.
+    if STATE in app:
+        app[STATE].draining = True
+
+
+def init(settings: Settings) -> web.Application:
+    app = web.Application(
+        client_max_size=settings.server.max_body_bytes,
+        middlewares=[request_id_middleware, error_middleware, security_headers_middleware, auth_middleware],
+    )
+    app[SETTINGS] = settings
+    app.cleanup_ctx.append(_lifecycle)
+    app.on_shutdown.append(_on_shutdown)
+    resources.add_routes(app, chat.chat_completions)
+    return app

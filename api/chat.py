@@ -1,0 +1,291 @@
+"""POST /v1/chat/completions: the request path from validated body to SSE or JSON.
+
+Owns the order of the request path (validate, route, screen, admit, queue, generate,
+filter, bill) and the one finish path per request: `finish_turn` writes exactly one ledger
+row and the conversation messages before the client sees the end of its answer, and the
+`Admission` context releases the bucket, stream slot and queue ticket exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import orjson
+import structlog
+from aiohttp import web
+
+from api import protocol
+from api.errors import ApiError, bad_request, overloaded
+from api.sse import ClientGone, SSEWriter
+from api.state import PRINCIPAL, REQUEST_ID, STATE, AppState
+from api.turn import Turn, TurnInputs, conversation_not_found, make_turn
+from engine.types import EngineError, FinishReason, TokenEvent
+from store.types import RequestRecord, RequestStatus
+
+log = structlog.get_logger(__name__)
+
+_STATUS = {
+    FinishReason.STOP: RequestStatus.FINISHED,
+    FinishReason.LENGTH: RequestStatus.FINISHED,
+    FinishReason.ABORT: RequestStatus.ABORTED,
+    FinishReason.CONTENT_FILTER: RequestStatus.FILTERED,
+}
+
+
+async def read_json(request: web.Request) -> object:
+    if request.content_type not in ("application/json", ""):
+        raise bad_request(f"Content-Type must be application/json, got {request.content_type}.", code="invalid_content_type")
+    body = await request.read()  # aiohttp enforces client_max_size (413) here
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    if state.draining:
+        raise overloaded("The server is shutting down.", retry_after_s=5, code="server_shutting_down")
+    cfg = state.settings.server
+    chat = protocol.parse_chat_request(
+        await read_json(request), max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars
+    )
+    turn = await _prepare(state, request[PRINCIPAL], request[REQUEST_ID], chat)
+    verdict = await state.screen_prompt(turn)
+    if verdict is not None:
+        return await _refuse(request, state, turn, verdict)
+    async with state.admission(turn) as admission:
+        if chat.stream:
+            return await _serve_stream(request, state, turn, admission)
+        return await _serve_unary(state, turn, admission)
+
+
+async def _prepare(state: AppState, principal, request_id: str, chat: protocol.ChatRequest) -> Turn:
+    tier_name, tier = state.tier_of(principal)
+    over_budget = await state.over_budget(principal)
+    route = state.router.route(tier_name, chat.model, over_budget=over_budget)
+    history = None
+    if chat.conversation_id is not None:
+        conv = await state.store.get_conversation(principal.org.id, chat.conversation_id)
+        if conv is None:
+            raise conversation_not_found(chat.conversation_id)
+        history = tuple(protocol.ChatMessage(m.role, m.content) for m in conv.messages)
+    return make_turn(
+        TurnInputs(
+            request_id=request_id,
+            principal=principal,
+            tier_name=tier_name,
+            tier=tier,
+            chat=chat,
+            model=state.models[route.model],
+            fallback_from=route.fallback_from,
+            history=history,
+            cache_salt=state.cache_salt(principal),
+        )
+    )
+
+
+def _extra_fields(turn: Turn) -> dict:
+    extra: dict = {}
+    if turn.chat.conversation_id is not None:
+        extra["conversation_id"] = turn.chat.conversation_id
+        extra["history_turns_dropped"] = turn.history_turns_dropped
+    return extra
+
+
+async def _serve_stream(request: web.Request, state: AppState, turn: Turn, admission) -> web.StreamResponse:
+    writer = await SSEWriter.open(request, state.response_headers(turn))
+    created = protocol.now_s()
+
+    def chunk(delta: dict, finish: str | None = None) -> dict:
+        return protocol.chunk_body(turn.completion_id, turn.model.name, created, delta, finish, turn.chat.include_usage)
+
+    finish: FinishReason | None = None
+    try:
+        await admission.wait(on_wait=lambda pos: writer.comment(f"queued position={pos}"))
+        await writer.data(chunk({"role": "assistant", "content": ""}))
+        finish = await _pump(state, turn, lambda text: writer.data(chunk({"content": text})), writer.comment)
+        await finish_turn(state, turn, _STATUS[finish], finish)
+        await writer.data(chunk({}, finish.value))
+        if turn.chat.include_usage:
+            await writer.data(protocol.usage_chunk_body(turn.completion_id, turn.model.name, created, _usage(state, turn)))
+        await writer.done()
+    except (ClientGone, asyncio.CancelledError):
+        await finish_turn(state, turn, RequestStatus.ABORTED, FinishReason.ABORT)
+        raise asyncio.CancelledError() from None
+    except (EngineError, ApiError) as exc:
+        await finish_turn(state, turn, RequestStatus.ERROR, None)
+        await _stream_error(writer, exc, turn)
+    return writer._response
+
+
+async def _stream_error(writer: SSEWriter, exc: Exception, turn: Turn) -> None:
+    """After headers are sent an error is one `data:` frame with the error object, then the end."""
+    error = exc if isinstance(exc, ApiError) else ApiError(500, "The model failed while generating.", "server_error", "engine_error")
+    log.error("stream_failed", request_id=turn.request_id, error=str(exc))
+    try:
+        await writer.data(error.body())
+        await writer.done()
+    except ClientGone:
+        pass
+
+
+async def _serve_unary(state: AppState, turn: Turn, admission) -> web.Response:
+    try:
+        await admission.wait(on_wait=None)
+        finish = await _pump(state, turn, _no_emit, None)
+    except asyncio.CancelledError:  # client went away (handler cancellation) or shutdown
+        await finish_turn(state, turn, RequestStatus.ABORTED, FinishReason.ABORT)
+        raise
+    except EngineError as exc:
+        await finish_turn(state, turn, RequestStatus.ERROR, None)
+        log.error("request_failed", request_id=turn.request_id, error=str(exc))
+        raise ApiError(500, "The model failed while generating.", "server_error", "engine_error") from None
+    await finish_turn(state, turn, _STATUS[finish], finish)
+    body = protocol.completion_body(
+        turn.completion_id, turn.model.name, protocol.now_s(), "".join(turn.text_parts),
+        finish.value, _usage(state, turn), _extra_fields(turn),
+    )
+    return web.json_response(body, headers=state.response_headers(turn), dumps=_dumps)
+
+
+async def _no_emit(_text: str) -> None:
+    return None
+
+
+def _dumps(obj: object) -> str:
+    return orjson.dumps(obj).decode()
+
+
+async def _pump(
+    state: AppState,
+    turn: Turn,
+    emit: Callable[[str], Awaitable[None]],
+    on_idle: Callable[[str], Awaitable[None]] | None,
+) -> FinishReason:
+    """Run the generation, filtering output; returns the finish reason. Closing aborts."""
+    out_filter = state.output_filter(turn)
+    events = state.generate(turn)
+    finish = FinishReason.STOP
+    try:
+        while (event := await _next_event(events, turn, state, on_idle)) is not None:
+            _count(turn, event)
+            text = event.text
+            if out_filter is not None:
+                text, blocked = out_filter.feed(text)
+                if blocked is not None:
+                    state.count_filtered(turn, blocked)
+                    return FinishReason.CONTENT_FILTER
+            if text:
+                turn.text_parts.append(text)
+                await emit(text)
+            if event.finish_reason is not None:
+                finish = event.finish_reason
+        if out_filter is not None:
+            tail, blocked = out_filter.finish()
+            if blocked is not None:
+                state.count_filtered(turn, blocked)
+                return FinishReason.CONTENT_FILTER
+            if tail:
+                turn.text_parts.append(tail)
+                await emit(tail)
+        return finish
+    finally:
+        await events.aclose()  # aborts the request in the backend if it is still running
+
+
+async def _next_event(
+    events: AsyncIterator[TokenEvent], turn: Turn, state: AppState, on_idle: Callable[[str], Awaitable[None]] | None
+) -> TokenEvent | None:
+    """The next event; until the first token, send a heartbeat comment every heartbeat_s."""
+    if turn.first_token_s is not None or on_idle is None:
+        return await anext(events, None)
+    task = asyncio.ensure_future(anext(events, None))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=state.settings.server.heartbeat_s)
+            if done:
+                return task.result()
+            await on_idle("processing")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def _count(turn: Turn, event: TokenEvent) -> None:
+    turn.num_cached_tokens = event.num_cached_tokens
+    turn.num_completion_tokens = event.num_completion_tokens
+    if turn.first_token_s is None and event.num_completion_tokens > 0:
+        turn.first_token_s = time.monotonic()
+
+
+def _usage(state: AppState, turn: Turn) -> dict:
+    return protocol.usage_dict(
+        turn.num_prompt_tokens, turn.num_cached_tokens, turn.num_completion_tokens, state.cost_usd(turn)
+    )
+
+
+async def _refuse(request: web.Request, state: AppState, turn: Turn, verdict) -> web.StreamResponse:
+    """A prompt blocked before the engine: a refusal answer (or a 400 in error mode)."""
+    cfg = state.settings.safety
+    await finish_turn(state, turn, RequestStatus.FILTERED, FinishReason.CONTENT_FILTER, prompt_billed=False)
+    if cfg.block_mode == "error":
+        raise ApiError(400, "The prompt was blocked by the content policy.", "invalid_request_error",
+                       "content_policy_violation", "messages")
+    turn.text_parts = [cfg.refusal_message]
+    usage = protocol.usage_dict(0, 0, 0, 0.0)
+    created = protocol.now_s()
+    if not turn.chat.stream:
+        body = protocol.completion_body(turn.completion_id, turn.model.name, created, cfg.refusal_message,
+                                        "content_filter", usage, _extra_fields(turn))
+        return web.json_response(body, headers=state.response_headers(turn), dumps=_dumps)
+    writer = await SSEWriter.open(request, state.response_headers(turn))
+    mk = protocol.chunk_body
+    await writer.data(mk(turn.completion_id, turn.model.name, created, {"role": "assistant", "content": ""}, None, turn.chat.include_usage))
+    await writer.data(mk(turn.completion_id, turn.model.name, created, {"content": cfg.refusal_message}, None, turn.chat.include_usage))
+    await writer.data(mk(turn.completion_id, turn.model.name, created, {}, "content_filter", turn.chat.include_usage))
+    if turn.chat.include_usage:
+        await writer.data(protocol.usage_chunk_body(turn.completion_id, turn.model.name, created, usage))
+    await writer.done()
+    return writer._response
+
+
+async def finish_turn(
+    state: AppState, turn: Turn, status: RequestStatus, finish: FinishReason | None, *, prompt_billed: bool = True
+) -> None:
+    """The one place a request is billed and its messages stored (idempotent on request_id)."""
+    if turn.recorded:
+        return
+    turn.recorded = True
+    end = time.monotonic()
+    num_prompt = turn.num_prompt_tokens if prompt_billed else 0
+    cached = turn.num_cached_tokens if prompt_billed else 0
+    content = "".join(turn.text_parts)
+    record = RequestRecord(
+        request_id=turn.request_id,
+        org_id=turn.principal.org.id,
+        key_id=turn.principal.key_id,
+        model=turn.model.name,
+        tier=turn.tier_name,
+        status=status,
+        prompt_tokens=num_prompt,
+        cached_tokens=cached,
+        completion_tokens=turn.num_completion_tokens,
+        cost_usd=state.cost_usd(turn) if prompt_billed else 0.0,
+        queue_ms=_ms(turn.arrival_s, turn.admitted_s),
+        ttft_ms=_ms(turn.arrival_s, turn.first_token_s),
+        total_ms=_ms(turn.arrival_s, end),
+        created_at=turn.created_at,
+        finished_at=time.time(),
+        conversation_id=turn.chat.conversation_id,
+        new_messages=turn.new_messages,
+        assistant_content=content if (content or status is RequestStatus.FINISHED) else None,
+        fallback_from=turn.fallback_from,
+    )
+    await state.record(turn, record, finish)
+
+
+def _ms(start: float, end: float | None) -> float | None:
+    return None if end is None else round((end - start) * 1000.0, 3)

@@ -1,0 +1,338 @@
+"""OpenAI chat-completions wire format: parse and validate raw JSON, render responses.
+
+The raw body (a `dict` from JSON) and the validated `ChatRequest` are different types;
+every validation error names the field, the limit and the value received. Nothing here
+tokenizes or touches the engine; context-window checks happen after tokenization.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from api.errors import ApiError, bad_request
+
+ROLES = frozenset({"system", "developer", "user", "assistant"})
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+
+# Fields we accept but ignore when they carry their default (harmless for a text chat).
+_IGNORED_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False),
+    "response_format": (None, {"type": "text"}),
+    "store": (None, False),
+    "metadata": None,  # any value
+    "service_tier": None,
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "reasoning_effort": None,
+    "web_search_options": (None,),
+}
+_KNOWN = {
+    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
+    "stop", "presence_penalty", "frequency_penalty", "n", "stream", "stream_options", "user",
+    "top_k", "min_tokens", "ignore_eos", "conversation_id",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    """A validated chat request. `max_tokens` None: as many as the context allows."""
+
+    model: str | None
+    messages: tuple[ChatMessage, ...]
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int | None
+    seed: int | None
+    stop: tuple[str, ...]
+    presence_penalty: float
+    frequency_penalty: float
+    min_tokens: int
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+    user: str | None
+    conversation_id: str | None
+
+
+def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int) -> ChatRequest:
+    """Validate a decoded JSON body; raise ApiError(400) naming the field on any problem."""
+    if not isinstance(raw, dict):
+        raise bad_request(f"The request body must be a JSON object, got {_kind(raw)}.", param=None)
+    _reject_unsupported(raw)
+    stream = _opt_bool(raw, "stream", False)
+    stream_options = raw.get("stream_options")
+    include_usage = _stream_options(stream_options, stream)
+    max_tokens = _opt_int(raw, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = _opt_int(raw, "max_tokens", 1)
+    min_tokens = _opt_int(raw, "min_tokens", 0) or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad_request(
+            f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens}).", param="min_tokens"
+        )
+    n = _opt_int(raw, "n", 1)
+    if n not in (None, 1):
+        raise bad_request(f"Only n=1 is supported, got n={n}.", param="n", code="unsupported_value")
+    return ChatRequest(
+        model=_opt_str(raw, "model"),
+        messages=_messages(raw.get("messages"), max_messages, max_prompt_chars),
+        max_tokens=max_tokens,
+        temperature=_opt_float(raw, "temperature", 1.0, 0.0, 2.0),
+        top_p=_top_p(raw),
+        top_k=_top_k(raw),
+        seed=_opt_int(raw, "seed", -(2**63)),
+        stop=_stop(raw.get("stop")),
+        presence_penalty=_opt_float(raw, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_opt_float(raw, "frequency_penalty", 0.0, -2.0, 2.0),
+        min_tokens=min_tokens,
+        ignore_eos=_opt_bool(raw, "ignore_eos", False),
+        stream=stream,
+        include_usage=include_usage,
+        user=_opt_str(raw, "user"),
+        conversation_id=_opt_str(raw, "conversation_id"),
+    )
+
+
+def _kind(value: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number")
+
+
+def _reject_unsupported(raw: dict[str, Any]) -> None:
+    for key, value in raw.items():
+        if key in _KNOWN:
+            continue
+        if key not in _IGNORED_DEFAULTS:
+            raise bad_request(f"Unrecognized request argument supplied: {key}", param=key, code="unknown_parameter")
+        allowed = _IGNORED_DEFAULTS[key]
+        if allowed is not None and value not in allowed:
+            raise bad_request(
+                f"{key}={value!r} is not supported by this server.", param=key, code="unsupported_value"
+            )
+
+
+def _messages(value: Any, max_messages: int, max_prompt_chars: int) -> tuple[ChatMessage, ...]:
+    if value is None:
+        raise bad_request("Missing required parameter: 'messages'.", param="messages", code="missing_required_parameter")
+    if not isinstance(value, list):
+        raise bad_request(f"'messages' must be an array, got {_kind(value)}.", param="messages")
+    if not value:
+        raise bad_request("'messages' must contain at least one message.", param="messages")
+    if len(value) > max_messages:
+        raise bad_request(
+            f"'messages' has {len(value)} entries; the limit is {max_messages}.", param="messages"
+        )
+    out = tuple(_message(m, i) for i, m in enumerate(value))
+    total_chars = sum(len(m.content) for m in out)
+    if total_chars > max_prompt_chars:
+        raise bad_request(
+            f"The messages hold {total_chars} characters; the limit is {max_prompt_chars}.",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    return out
+
+
+def _message(value: Any, index: int) -> ChatMessage:
+    where = f"messages[{index}]"
+    if not isinstance(value, dict):
+        raise bad_request(f"'{where}' must be an object, got {_kind(value)}.", param=where)
+    role = value.get("role")
+    if role not in ROLES:
+        raise bad_request(
+            f"'{where}.role' must be one of system, developer, user, assistant; got {role!r}.",
+            param=f"{where}.role",
+        )
+    content = value.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    return ChatMessage("system" if role == "developer" else role, _content(content, f"{where}.content"))
+
+
+def _content(value: Any, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise bad_request(f"'{where}' must be a string or an array of text parts, got {_kind(value)}.", param=where)
+    texts = []
+    for i, part in enumerate(value):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad_request(
+                f"'{where}[{i}]' must be a text part {{\"type\": \"text\", \"text\": ...}}; "
+                "other part types are not supported.",
+                param=f"{where}[{i}]",
+                code="unsupported_value",
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _opt_str(raw: dict[str, Any], key: str) -> str | None:
+    value = raw.get(key)
+    if value is not None and not isinstance(value, str):
+        raise bad_request(f"'{key}' must be a string, got {_kind(value)}.", param=key)
+    return value
+
+
+def _opt_bool(raw: dict[str, Any], key: str, default: bool) -> bool:
+    value = raw.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"'{key}' must be a boolean, got {_kind(value)}.", param=key)
+    return value
+
+
+def _opt_int(raw: dict[str, Any], key: str, minimum: int) -> int | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"'{key}' must be an integer, got {value!r}.", param=key)
+    if value < minimum:
+        raise bad_request(f"'{key}' must be at least {minimum}, got {value}.", param=key)
+    if value >= 2**63:
+        raise bad_request(f"'{key}' is too large: {value}.", param=key)
+    return value
+
+
+def _opt_float(raw: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    value = raw.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad_request(f"'{key}' must be a number, got {value!r}.", param=key)
+    if not lo <= value <= hi:
+        raise bad_request(f"'{key}' must be between {lo:g} and {hi:g}, got {value:g}.", param=key)
+    return float(value)
+
+
+def _top_p(raw: dict[str, Any]) -> float:
+    value = _opt_float(raw, "top_p", 1.0, 0.0, 1.0)
+    if value == 0.0:
+        raise bad_request("'top_p' must be greater than 0 and at most 1, got 0.", param="top_p")
+    return value
+
+
+def _top_k(raw: dict[str, Any]) -> int | None:
+    value = _opt_int(raw, "top_k", -1)
+    return None if value in (None, -1, 0) else value
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad_request("'stop' must be a string or an array of strings.", param="stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}.", param="stop")
+    for s in stops:
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise bad_request(f"Each stop string must have 1 to {MAX_STOP_CHARS} characters.", param="stop")
+    return tuple(stops)
+
+
+def _stream_options(value: Any, stream: bool) -> bool:
+    if value is None:
+        return False
+    if not stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
+    if not isinstance(value, dict):
+        raise bad_request(f"'stream_options' must be an object, got {_kind(value)}.", param="stream_options")
+    include = value.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise bad_request("'stream_options.include_usage' must be a boolean.", param="stream_options.include_usage")
+    return include
+
+
+# ---- rendering -------------------------------------------------------------------------
+
+
+def usage_dict(prompt_tokens: int, cached_tokens: int, completion_tokens: int, cost_usd: float | None) -> dict:
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
+    if cost_usd is not None:
+        usage["cost_usd"] = round(cost_usd, 8)  # extension: cost from the server's price table
+    return usage
+
+
+def completion_body(
+    completion_id: str, model: str, created: int, content: str, finish_reason: str, usage: dict, extra: dict
+) -> dict:
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": content, "refusal": None},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        ],
+        "usage": usage,
+        "system_fingerprint": None,
+        **extra,
+    }
+
+
+def chunk_body(
+    completion_id: str, model: str, created: int, delta: dict, finish_reason: str | None, include_usage: bool
+) -> dict:
+    body = {
+        "id": completion_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+    }
+    if include_usage:
+        body["usage"] = None  # as OpenAI does: null on every chunk but the last
+    return body
+
+
+def usage_chunk_body(completion_id: str, model: str, created: int, usage: dict) -> dict:
+    return {
+        "id": completion_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [],
+        "usage": usage,
+    }
+
+
+def error_event(error: ApiError) -> dict:
+    return error.body()
+
+
+def now_s() -> int:
+    return int(time.time())

@@ -1,0 +1,218 @@
+"""The route table and the small resource handlers: models, conversations, usage, health.
+
+Chat completions live in `api/chat.py`; everything here is a thin shell over the store
+and the app state: parse query/body, call one store method, render one JSON shape.
+"""
+
+from __future__ import annotations
+
+import calendar
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from api.chat import read_json
+from api.errors import ApiError, bad_request, not_found
+from api.state import PRINCIPAL, SETTINGS, STATE
+from store.types import Conversation, Message, StoreUnavailable
+
+_MAX_TITLE_CHARS = 200
+
+
+def _json(body: object, status: int = 200) -> web.Response:
+    return web.json_response(body, status=status)
+
+
+# -- health ----------------------------------------------------------------------------
+async def health(_request: web.Request) -> web.Response:
+    return _json({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    state = request.app.get(STATE)
+    checks = {
+        "models_loaded": state is not None and all(h.backend.health() for h in state.models.values()),
+        "not_draining": state is not None and not state.draining,
+        "store_writable": state is not None and state.store.is_writable,
+    }
+    ok = all(checks.values())
+    return _json({"status": "ready" if ok else "not_ready", "checks": checks}, status=200 if ok else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body, content_type = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+# -- models ----------------------------------------------------------------------------
+def _model_obj(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "selfhosted"}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    tier_name, _ = state.tier_of(request[PRINCIPAL])
+    names = state.router.models_for_tier(tier_name)
+    return _json({"object": "list", "data": [_model_obj(n) for n in names]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    tier_name, _ = state.tier_of(request[PRINCIPAL])
+    name = request.match_info["model"]
+    if name not in state.router.models_for_tier(tier_name):
+        raise not_found(f"The model '{name}' does not exist or you do not have access to it.", code="model_not_found")
+    return _json(_model_obj(name))
+
+
+# -- conversations -----------------------------------------------------------------------
+def _message_obj(m: Message) -> dict:
+    return {"id": m.id, "object": "conversation.message", "role": m.role, "content": m.content,
+            "created_at": m.created_at, "tokens": m.tokens, "model": m.model}
+
+
+def _conversation_obj(c: Conversation, *, with_messages: bool) -> dict:
+    obj = {"id": c.id, "object": "conversation", "title": c.title, "created_at": c.created_at,
+           "updated_at": c.updated_at}
+    if with_messages:
+        obj["messages"] = [_message_obj(m) for m in c.messages]
+    return obj
+
+
+def _title(body: object, *, required: bool) -> str | None:
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    title = body.get("title")
+    if title is None and not required:
+        return None
+    if not isinstance(title, str) or not title.strip():
+        raise bad_request("'title' must be a non-empty string.", param="title")
+    if len(title) > _MAX_TITLE_CHARS:
+        raise bad_request(f"'title' may have at most {_MAX_TITLE_CHARS} characters, got {len(title)}.", param="title")
+    return title.strip()
+
+
+def _conversation_missing(conversation_id: str) -> ApiError:
+    return not_found(f"No conversation found with id '{conversation_id}'.", param="conversation_id")
+
+
+async def create_conversation(request: web.Request) -> web.Response:
+    body = await read_json(request) if request.can_read_body else {}
+    conv = await request.app[STATE].store.create_conversation(request[PRINCIPAL].org.id, title=_title(body, required=False))
+    return _json(_conversation_obj(conv, with_messages=True), status=201)
+
+
+async def list_conversations(request: web.Request) -> web.Response:
+    limit_text = request.query.get("limit", "20")
+    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+        raise bad_request(f"'limit' must be an integer from 1 to 100, got {limit_text!r}.", param="limit")
+    after = request.query.get("after")
+    convs, has_more = await request.app[STATE].store.list_conversations(
+        request[PRINCIPAL].org.id, limit=int(limit_text), after=after
+    )
+    data = [_conversation_obj(c, with_messages=False) for c in convs]
+    return _json({"object": "list", "data": data, "has_more": has_more,
+                  "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
+
+
+async def get_conversation(request: web.Request) -> web.Response:
+    cid = request.match_info["conversation_id"]
+    conv = await request.app[STATE].store.get_conversation(request[PRINCIPAL].org.id, cid)
+    if conv is None:
+        raise _conversation_missing(cid)
+    return _json(_conversation_obj(conv, with_messages=True))
+
+
+async def update_conversation(request: web.Request) -> web.Response:
+    cid = request.match_info["conversation_id"]
+    title = _title(await read_json(request), required=True)
+    conv = await request.app[STATE].store.rename_conversation(request[PRINCIPAL].org.id, cid, title)
+    if conv is None:
+        raise _conversation_missing(cid)
+    return _json(_conversation_obj(conv, with_messages=False))
+
+
+async def delete_conversation(request: web.Request) -> web.Response:
+    cid = request.match_info["conversation_id"]
+    if not await request.app[STATE].store.delete_conversation(request[PRINCIPAL].org.id, cid):
+        raise _conversation_missing(cid)
+    return _json({"id": cid, "object": "conversation.deleted", "deleted": True})
+
+
+async def truncate_conversation(request: web.Request) -> web.Response:
+    """POST /v1/conversations/{id}/truncate {"keep_messages": N}: for edit-and-resend and regenerate."""
+    cid = request.match_info["conversation_id"]
+    body = await read_json(request)
+    keep = body.get("keep_messages") if isinstance(body, dict) else None
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+        raise bad_request("'keep_messages' must be a non-negative integer.", param="keep_messages")
+    if not await request.app[STATE].store.truncate_conversation(request[PRINCIPAL].org.id, cid, keep):
+        raise _conversation_missing(cid)
+    conv = await request.app[STATE].store.get_conversation(request[PRINCIPAL].org.id, cid)
+    return _json(_conversation_obj(conv, with_messages=True))
+
+
+# -- usage -------------------------------------------------------------------------------
+def _time_param(request: web.Request, name: str) -> float | None:
+    text = request.query.get(name)
+    if text is None or text == "":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise bad_request(f"'{name}' must be a unix timestamp in seconds, got {text!r}.", param=name) from None
+
+
+def month_start(now: float | None = None) -> float:
+    t = time.gmtime(now if now is not None else time.time())
+    return float(calendar.timegm((t.tm_year, t.tm_mon, 1, 0, 0, 0)))
+
+
+async def usage(request: web.Request) -> web.Response:
+    group_by = request.query.get("group_by", "model")
+    if group_by not in ("model", "day", "key"):
+        raise bad_request(f"'group_by' must be model, day or key, got {group_by!r}.", param="group_by")
+    start = _time_param(request, "start")
+    end = _time_param(request, "end")
+    rows = await request.app[STATE].store.usage_summary(
+        request[PRINCIPAL].org.id, start=start if start is not None else month_start(), end=end, group_by=group_by
+    )
+    totals = {k: sum(r.get(k, 0) or 0 for r in rows)
+              for k in ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_usd")}
+    return _json({"object": "usage", "group_by": group_by, "data": rows, "total": totals})
+
+
+# -- static UI ---------------------------------------------------------------------------
+def _add_static(app: web.Application) -> None:
+    static_dir = Path(app[SETTINGS].server.static_dir)
+    index = static_dir / "index.html"
+
+    async def ui_index(_request: web.Request) -> web.StreamResponse:
+        if not index.exists():
+            return web.Response(text="The web UI is not installed (static/index.html missing).", status=404)
+        return web.FileResponse(index, headers={"Cache-Control": "no-cache"})
+
+    app.router.add_get("/", ui_index)
+    if static_dir.is_dir():
+        app.router.add_static("/static/", static_dir, follow_symlinks=False)
+
+
+def add_routes(app: web.Application, chat_handler) -> None:
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_post("/v1/chat/completions", chat_handler)
+    app.router.add_post("/v1/conversations", create_conversation)
+    app.router.add_get("/v1/conversations", list_conversations)
+    app.router.add_get("/v1/conversations/{conversation_id}", get_conversation)
+    app.router.add_patch("/v1/conversations/{conversation_id}", update_conversation)
+    app.router.add_delete("/v1/conversations/{conversation_id}", delete_conversation)
+    app.router.add_post("/v1/conversations/{conversation_id}/truncate", truncate_conversation)
+    app.router.add_get("/v1/usage", usage)
+    _add_static(app)
+
+
+__all__ = ["add_routes", "StoreUnavailable"]

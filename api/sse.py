@@ -1,0 +1,53 @@
+"""Server-sent events for chat streams: headers, `data:` frames, comments, `[DONE]`.
+
+Every payload is JSON-encoded on one line (orjson escapes newlines), so model text such as
+"\\n\\ndata: [DONE]\\n\\n" can never split a frame. A failed write means the client is gone:
+it raises `ClientGone`, which the caller turns into an abort.
+"""
+
+from __future__ import annotations
+
+import orjson
+from aiohttp import web
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+    "Connection": "keep-alive",
+}
+
+
+class ClientGone(Exception):
+    """The client closed the connection."""
+
+
+class SSEWriter:
+    def __init__(self, response: web.StreamResponse):
+        self._response = response
+
+    @classmethod
+    async def open(cls, request: web.Request, headers: dict[str, str]) -> "SSEWriter":
+        response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
+        await response.prepare(request)
+        return cls(response)
+
+    async def data(self, payload: dict) -> None:
+        await self._write(b"data: " + orjson.dumps(payload) + b"\n\n")
+
+    async def comment(self, text: str) -> None:
+        # Comments never carry model text: callers pass fixed, newline-free strings.
+        await self._write(b": " + text.replace("\n", " ").encode() + b"\n\n")
+
+    async def done(self) -> None:
+        await self._write(b"data: [DONE]\n\n")
+        try:
+            await self._response.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass
+
+    async def _write(self, frame: bytes) -> None:
+        try:
+            await self._response.write(frame)
+        except (ConnectionError, RuntimeError) as exc:  # reset, or transport already closed
+            raise ClientGone() from exc

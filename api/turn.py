@@ -1,0 +1,195 @@
+"""Turns a validated chat request into a ready-to-queue `Turn`: model, context, token ids.
+
+Owns steps 2-3 of the request path: route to a model for the caller's tier, build the
+context (stored conversation history + new messages, trimming the oldest turns only for
+conversations), render the chat template, tokenize, and check the context window with
+errors that name the numbers. Nothing is queued or generated here.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from api.errors import ApiError, bad_request, not_found
+from api.protocol import ChatMessage, ChatRequest
+from engine.registry import ModelHandle
+from engine.types import GenerationRequest, RequestRejected, SamplingParams
+from settings import TierConfig
+from store.types import Principal
+
+
+@dataclass(slots=True)
+class Turn:
+    """Everything one chat request carries through admission, generation and billing."""
+
+    request_id: str
+    principal: Principal
+    tier_name: str
+    tier: TierConfig
+    chat: ChatRequest
+    model: ModelHandle
+    fallback_from: str | None
+    context: list[ChatMessage]
+    gen: GenerationRequest
+    arrival_s: float
+    created_at: float
+    history_turns_dropped: int = 0
+    new_messages: tuple[tuple[str, str], ...] = ()
+    # filled while serving
+    admitted_s: float | None = None
+    first_token_s: float | None = None
+    num_cached_tokens: int = 0
+    num_completion_tokens: int = 0
+    text_parts: list[str] = field(default_factory=list)
+    recorded: bool = False  # set by the one finish path; a second call is a no-op
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.gen.prompt_token_ids)
+
+    @property
+    def est_tokens(self) -> int:
+        return self.num_prompt_tokens + self.gen.sampling.max_tokens
+
+    @property
+    def completion_id(self) -> str:
+        return "chatcmpl-" + self.request_id.removeprefix("req_")
+
+
+def new_request_id() -> str:
+    return "req_" + uuid.uuid4().hex
+
+
+def build_context(
+    history: list[ChatMessage], new: tuple[ChatMessage, ...]
+) -> list[ChatMessage]:
+    return [*history, *new]
+
+
+def trim_history(
+    model: ModelHandle, history: list[ChatMessage], new: tuple[ChatMessage, ...], budget_tokens: int
+) -> tuple[list[int], list[ChatMessage], int]:
+    """Drop the oldest non-system history turns until the prompt fits `budget_tokens`.
+
+    Returns (prompt token ids, context, number of history messages dropped). New messages
+    are never dropped; if they alone do not fit, the caller reports the overflow.
+    """
+    kept = list(history)
+    dropped = 0
+    while True:
+        context = build_context(kept, new)
+        ids = encode_chat(model, context)
+        droppable = [i for i, m in enumerate(kept) if m.role != "system"]
+        if len(ids) <= budget_tokens or not droppable:
+            return ids, context, dropped
+        # Drop a whole exchange (user + following assistant) when possible.
+        first = droppable[0]
+        span = 2 if first + 1 < len(kept) and kept[first + 1].role == "assistant" else 1
+        del kept[first : first + span]
+        dropped += span
+
+
+def encode_chat(model: ModelHandle, context: list[ChatMessage]) -> list[int]:
+    messages = [{"role": m.role, "content": m.content} for m in context]
+    return model.tokenizer.encode(model.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def resolve_max_tokens(chat: ChatRequest, tier: TierConfig, tier_name: str, room: int) -> int:
+    """The completion budget: asked for (within the tier's limit) or all the room left."""
+    if chat.max_tokens is not None and chat.max_tokens > tier.max_tokens:
+        raise bad_request(
+            f"max_tokens is {chat.max_tokens}, but the '{tier_name}' tier allows at most {tier.max_tokens}.",
+            param="max_tokens",
+        )
+    return chat.max_tokens if chat.max_tokens is not None else min(tier.max_tokens, room)
+
+
+def check_fits(num_prompt: int, max_tokens: int, limit: int, model_name: str) -> None:
+    if num_prompt + max_tokens <= limit and num_prompt < limit:
+        return
+    raise ApiError(
+        400,
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{num_prompt + max_tokens} tokens ({num_prompt} in the messages, {max_tokens} in the "
+        f"completion). Please reduce the length of the messages or completion. (model: {model_name})",
+        "invalid_request_error",
+        "context_length_exceeded",
+        "messages",
+    )
+
+
+def sampling_from(chat: ChatRequest, max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=chat.temperature,
+        top_p=chat.top_p,
+        top_k=chat.top_k,
+        seed=chat.seed,
+        stop=chat.stop,
+        presence_penalty=chat.presence_penalty,
+        frequency_penalty=chat.frequency_penalty,
+        min_tokens=min(chat.min_tokens, max_tokens),
+        ignore_eos=chat.ignore_eos,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TurnInputs:
+    request_id: str
+    principal: Principal
+    tier_name: str
+    tier: TierConfig
+    chat: ChatRequest
+    model: ModelHandle
+    fallback_from: str | None
+    history: tuple[ChatMessage, ...] | None  # None: not a stored conversation
+    cache_salt: str | None
+
+
+def make_turn(inp: TurnInputs) -> Turn:
+    """Tokenize and size the request; raise ApiError(400) when it cannot fit."""
+    model, chat, tier = inp.model, inp.chat, inp.tier
+    limit = min(model.max_model_len, tier.max_context_tokens)
+    dropped = 0
+    if inp.history is not None:
+        reserve = chat.max_tokens if chat.max_tokens is not None else min(tier.max_tokens, 64)
+        ids, context, dropped = trim_history(model, list(inp.history), chat.messages, limit - reserve)
+    else:
+        context = build_context([], chat.messages)
+        ids = encode_chat(model, context)
+    max_tokens = resolve_max_tokens(chat, tier, inp.tier_name, max(limit - len(ids), 0))
+    check_fits(len(ids), max(max_tokens, 1), limit, model.name)
+    now = time.monotonic()
+    gen = GenerationRequest(
+        request_id=inp.request_id,
+        prompt_token_ids=tuple(ids),
+        sampling=sampling_from(chat, max_tokens),
+        priority=tier.priority,
+        cache_salt=inp.cache_salt,
+        arrival_s=now,
+    )
+    try:
+        model.backend.check_request(gen)
+    except RequestRejected as exc:
+        raise ApiError(400, exc.message, "invalid_request_error", exc.code or "invalid_value", exc.param) from None
+    return Turn(
+        request_id=inp.request_id,
+        principal=inp.principal,
+        tier_name=inp.tier_name,
+        tier=tier,
+        chat=chat,
+        model=model,
+        fallback_from=inp.fallback_from,
+        context=context,
+        gen=gen,
+        arrival_s=now,
+        created_at=time.time(),
+        history_turns_dropped=dropped,
+        new_messages=tuple((m.role, m.content) for m in chat.messages),
+    )
+
+
+def conversation_not_found(conversation_id: str) -> ApiError:
+    return not_found(f"No conversation found with id '{conversation_id}'.", param="conversation_id")

@@ -1,0 +1,82 @@
+"""Builds the configured models: one backend and one tokenizer per model name.
+
+Owns the choice of backend class from `ModelConfig.backend` and imports optional backends
+(TensorRT-LLM) only when configured. It does not route, queue or validate requests.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from engine.tokenizer import Tokenizer, TokenizerLoadError
+from engine.types import Backend
+from settings import ConfigError, ModelConfig, Settings
+
+log = structlog.get_logger(__name__)
+
+BACKENDS = ("native", "trtllm", "echo")
+
+
+@dataclass(slots=True)
+class ModelHandle:
+    name: str
+    config: ModelConfig
+    backend: Backend
+    tokenizer: Tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.backend.max_model_len
+
+
+def _config_max_len(model_dir: Path, configured: int) -> int | None:
+    if configured > 0:
+        return configured
+    cfg_file = model_dir / "config.json"
+    if not cfg_file.exists():
+        return None
+    try:
+        value = json.loads(cfg_file.read_text(encoding="utf-8")).get("max_position_embeddings")
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{cfg_file}: invalid JSON: {exc}") from None
+    return value if isinstance(value, int) else None
+
+
+def build_model(name: str, config: ModelConfig, settings: Settings) -> ModelHandle:
+    """Construct (not start) the backend for one model; raises ConfigError on bad setup."""
+    if config.backend not in BACKENDS:
+        raise ConfigError(f"models.{name}.backend: expected one of {', '.join(BACKENDS)}, got {config.backend!r}")
+    model_dir = Path(config.path)
+    if not model_dir.is_dir():
+        raise ConfigError(f"models.{name}.path: model folder not found: {model_dir}")
+    try:
+        tokenizer = Tokenizer.from_dir(model_dir)
+    except TokenizerLoadError as exc:
+        raise ConfigError(f"models.{name}: {exc}") from None
+    if tokenizer.chat_template is None:
+        raise ConfigError(f"models.{name}: {model_dir} has no chat template (tokenizer_config.json or chat_template.jinja)")
+    max_len = _config_max_len(model_dir, config.max_model_len)
+    backend: Backend
+    if config.backend == "native":
+        from engine.native.backend import NativeBackend
+
+        backend = NativeBackend(model_dir, settings.engine, tokenizer, max_model_len=max_len)
+    elif config.backend == "trtllm":
+        from engine.trtllm.backend import TrtllmBackend  # optional extra: import only when configured
+
+        backend = TrtllmBackend(model_dir, settings.trtllm, tokenizer, max_model_len=max_len)
+    else:
+        from engine.echo import EchoBackend
+
+        backend = EchoBackend(tokenizer, max_model_len=max_len or 4096)
+    return ModelHandle(name, config, backend, tokenizer)
+
+
+def build_models(settings: Settings) -> dict[str, ModelHandle]:
+    if not settings.models:
+        raise ConfigError("no models configured: add a [models.<name>] section or pass --model DIR")
+    return {name: build_model(name, cfg, settings) for name, cfg in settings.models.items()}

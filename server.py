@@ -1,0 +1,109 @@
+"""Entry point: `python server.py` serves; `python server.py keys|orgs ...` manages access.
+
+Parses the command line, loads `config.toml` (plus `--set` overrides and the `--host`,
+`--port`, `--db`, `--model` shortcuts), configures logging and runs the aiohttp app on
+uvloop with graceful shutdown. Guarded by `__main__` so backends that spawn worker
+processes (TensorRT-LLM's MPI workers) can import it safely.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import sys
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "config.toml"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="server.py",
+        description="A self-hosted ChatGPT in one process. With no command, serve.",
+    )
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="config file (default: config.toml)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one setting, e.g. --set engine.max_num_seqs=32 (repeatable)")
+    parser.add_argument("--host", help="interface to bind (server.host)")
+    parser.add_argument("--port", type=int, help="TCP port (server.port)")
+    parser.add_argument("--db", dest="serve_db", help="SQLite database file (store.path)")
+    parser.add_argument("--model", type=Path, help="serve this local model folder for every tier")
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("serve", help="run the server (the default)")
+    from store.cli import add_cli
+
+    add_cli(sub)
+    return parser
+
+
+def apply_cli(settings, args: argparse.Namespace):
+    """Fold the shortcut flags into the settings (they win over the file and --set)."""
+    from settings import ModelConfig
+
+    server = settings.server
+    if args.host is not None:
+        server = dataclasses.replace(server, host=args.host)
+    if args.port is not None:
+        server = dataclasses.replace(server, port=args.port)
+    store = settings.store
+    db = getattr(args, "db", None) or args.serve_db
+    if db is not None:
+        store = dataclasses.replace(store, path=db)
+    models, tiers = settings.models, settings.tiers
+    if args.model is not None:
+        name = args.model.resolve().name
+        models = {name: ModelConfig(path=str(args.model))}
+        tiers = {t: dataclasses.replace(cfg, models=[name]) for t, cfg in settings.tiers.items()}
+    return dataclasses.replace(settings, server=server, store=store, models=models, tiers=tiers)
+
+
+def serve(settings) -> None:
+    import uvloop
+    from aiohttp import web
+
+    from api.app import init, is_loopback
+
+    if not is_loopback(settings.server.host) and settings.server.allow_public_without_keys:
+        import structlog
+
+        structlog.get_logger("server").warning(
+            "serving_without_keys_on_public_interface", host=settings.server.host
+        )
+    web.run_app(
+        init(settings),
+        host=settings.server.host,
+        port=settings.server.port,
+        shutdown_timeout=settings.server.shutdown_grace_s,
+        handler_cancellation=True,
+        access_log=None,
+        print=lambda *_: None,
+        loop=uvloop.new_event_loop(),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from api.logs import configure_logging
+    from settings import ConfigError, load_settings
+
+    args = build_parser().parse_args(argv)
+    try:
+        settings = apply_cli(load_settings(args.config, args.overrides), args)
+    except ConfigError as exc:
+        sys.stderr.write(f"config error: {exc}\n")
+        return 2
+    configure_logging(settings.server.log_level, json_lines=settings.server.log_json)
+    if args.command in ("keys", "orgs"):
+        from store.cli import run_cli
+
+        return asyncio.run(run_cli(args, settings))
+    try:
+        serve(settings)
+    except ConfigError as exc:
+        sys.stderr.write(f"config error: {exc}\n")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
