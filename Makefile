@@ -1,0 +1,62 @@
+# make run   - install into .venv and serve the bundled demo models on http://127.0.0.1:8000
+# make test  - install test dependencies and run the whole suite (slow end-to-end tests included)
+# Other targets: test-fast, bench, load, demo-model, train-safety, eval-safety, gpu-smoke, help.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+ARGS   ?=
+
+.PHONY: help run test test-fast bench load demo-model train-safety eval-safety gpu-smoke browser clean
+
+help:
+	@sed -n '1,3p' Makefile
+
+$(VENV)/.installed: requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet -r requirements.txt
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt
+	$(PIP) install --quiet -r requirements-dev.txt
+	touch $@
+
+run: $(VENV)/.installed
+	$(PY) server.py $(ARGS)
+
+# Debian's Chromium for the browser tests (Playwright drives it; browser downloads are not used).
+browser:
+	@test -x /usr/bin/chromium || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
+	  else sudo apt-get update -qq && sudo apt-get install -y -qq chromium >/dev/null; fi; }
+
+test: $(VENV)/.installed-dev browser
+	$(PY) -m pytest -q -ra $(ARGS)
+
+test-fast: $(VENV)/.installed-dev
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+bench: $(VENV)/.installed-dev
+	$(PY) -m bench.bench_engine $(ARGS)
+
+load: $(VENV)/.installed-dev
+	$(PY) -m bench.load $(ARGS)
+
+demo-model: $(VENV)/.installed-dev
+	@command -v wn >/dev/null || test -d /usr/share/wordnet || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq wordnet-base fortunes-min >/dev/null; \
+	  else sudo apt-get update -qq && sudo apt-get install -y -qq wordnet-base fortunes-min >/dev/null; fi; }
+	$(PY) -m scripts.demo_model.build $(ARGS)
+
+train-safety: $(VENV)/.installed-dev
+	$(PY) -m scripts.train_safety $(ARGS)
+
+eval-safety: $(VENV)/.installed-dev
+	$(PY) -m scripts.eval_safety $(ARGS)
+
+gpu-smoke: $(VENV)/.installed
+	$(PY) -m scripts.gpu_smoke $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache artifacts

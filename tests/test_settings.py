@@ -1,0 +1,73 @@
+"""Config loading: defaults, overrides, errors naming the key, and docs for every key."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from settings import ConfigError, Settings, load_settings, settings_help
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def test_bundled_config_loads_with_three_tiers_and_two_models():
+    s = load_settings(ROOT / "config.toml")
+    assert set(s.tiers) == {"free", "plus", "enterprise"}
+    assert s.tiers["free"].models == ["demo-mini"]
+    assert s.tiers["plus"].models[0] == "demo-flagship"
+    assert s.models["demo-flagship"].fallback == "demo-mini"
+
+
+def test_no_file_gives_defaults():
+    assert load_settings(None) == Settings()
+
+
+def test_set_overrides_any_key_including_named_sections(tmp_path):
+    s = load_settings(None, ["engine.max_num_seqs=3", "tiers.gold.priority=9", "server.host=0.0.0.0",
+                             "tiers.gold.models=[\"a\", \"b\"]"])
+    assert s.engine.max_num_seqs == 3
+    assert s.tiers["gold"].priority == 9 and s.tiers["gold"].models == ["a", "b"]
+    assert s.server.host == "0.0.0.0"
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("[engine]\nbogus = 1\n", "engine.bogus"),
+        ("[nope]\n", "nope"),
+        ("[engine]\nblock_size = \"16\"\n", "engine.block_size"),
+        ("[engine]\nblock_size = true\n", "engine.block_size"),
+        ("[server]\nallow_public_without_keys = 1\n", "server.allow_public_without_keys"),
+        ("[tiers.free]\nmodels = \"demo\"\n", "tiers.free.models"),
+        ("[tiers.free]\nwat = 1\n", "tiers.free.wat"),
+        ("[models.m]\nprice_input_per_mtok = \"cheap\"\n", "models.m.price_input_per_mtok"),
+    ],
+)
+def test_unknown_keys_and_wrong_types_name_the_key(tmp_path, text, key):
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        load_settings(write(tmp_path, text))
+
+
+def test_invalid_toml_and_missing_file_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError):
+        load_settings(write(tmp_path, "[server\n"))
+    with pytest.raises(ConfigError, match="not found"):
+        load_settings(tmp_path / "absent.toml")
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_settings(None, ["novalue"])
+
+
+def test_every_setting_has_help_and_appears_in_config_toml():
+    text = (ROOT / "config.toml").read_text()
+    for key, _default, help_text in settings_help():
+        assert help_text, key
+        leaf = key.rsplit(".", 1)[-1]
+        assert re.search(rf"(^|\W){re.escape(leaf)}\b", text), f"{key} is not documented in config.toml"

@@ -1,0 +1,93 @@
+"""Tokenizer loading, chat template rendering (same as transformers), detokenizer rules."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.tokenizer import Tokenizer, TokenizerLoadError
+from testing.tiny_model import CHAT_TEMPLATE
+
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hello café 🙂"},
+    {"role": "assistant", "content": "Hi!"},
+    {"role": "user", "content": "And now?"},
+]
+
+
+def test_chat_template_renders_exactly_like_transformers(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    ours = Tokenizer.from_dir(tiny_model_dir)
+    theirs = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for gen in (True, False):
+        expected = theirs.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=gen)
+        assert ours.apply_chat_template(CHAT, add_generation_prompt=gen) == expected
+        assert ours.encode(expected) == theirs(expected, add_special_tokens=False)["input_ids"]
+
+
+def test_history_renders_byte_stably_so_the_next_turn_extends_the_prompt(tiny_model_dir):
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    first = tok.encode(tok.apply_chat_template(CHAT[:2]) + "Hi!<|im_end|>\n")
+    second = tok.encode(tok.apply_chat_template(CHAT))
+    assert second[: len(first)] == first
+
+
+def test_template_in_chat_template_jinja_file_is_used(tiny_model_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template")
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (d / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    assert Tokenizer.from_dir(d).apply_chat_template(CHAT[:2]).endswith("<|im_start|>assistant\n")
+
+
+def test_eos_ids_come_from_generation_config(tiny_model_dir):
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    assert tok.eos_token_ids == (tok.token_to_id("<|im_end|>"),)
+
+
+def test_missing_or_broken_tokenizer_is_a_clear_error(tmp_path, tiny_model_dir):
+    with pytest.raises(TokenizerLoadError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, d)
+    (d / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(TokenizerLoadError, match="tokenizer_config.json"):
+        Tokenizer.from_dir(d)
+
+
+def stream(tok, text, stop=(), chunk=1):
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, stop)
+    out = []
+    for i in range(0, len(ids), chunk):
+        piece, hit = detok.push(ids[i : i + chunk])
+        out.append(piece)
+        if hit:
+            return out, True
+    out.append(detok.flush())
+    return out, False
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_detokenizer_streams_whole_characters_that_join_to_the_text(tiny_model_dir, chunk):
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    text = "café 日本語 🙂 naïve, done."
+    pieces, hit = stream(tok, text, chunk=chunk)
+    assert not hit and "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_stop_string_is_excluded_and_never_partly_emitted(tiny_model_dir, chunk):
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    pieces, hit = stream(tok, "The weather today is sunny END of text", stop=("END", "never"), chunk=chunk)
+    assert hit and "".join(pieces) == "The weather today is sunny "
+    pieces, hit = stream(tok, "The river flows to the sea", stop=("sea!",), chunk=chunk)
+    assert not hit and "".join(pieces) == "The river flows to the sea"
