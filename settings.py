@@ -62,6 +62,9 @@ class EngineConfig:
     prefix_cache_scope: str = setting(
         "org", "'org': cache salted per organisation (no cross-tenant timing leak); 'shared'."
     )
+    native_kernels: bool = setting(
+        True, "Compile and use the C paged-attention kernel on CPU (else pure PyTorch; same results)."
+    )
 
 
 @dataclass(frozen=True, slots=True)
