@@ -33,7 +33,9 @@ def new_message_id() -> str:
 # --- reads ------------------------------------------------------------------------------
 
 
-async def get(conn: aiosqlite.Connection, org_id: str, conversation_id: str, with_messages: bool) -> Conversation | None:
+async def get(
+    conn: aiosqlite.Connection, org_id: str, conversation_id: str, with_messages: bool
+) -> Conversation | None:
     rows = await conn.execute_fetchall(
         f"SELECT {_CONV_COLUMNS} FROM conversations WHERE {_LIVE}", (org_id, conversation_id)
     )

@@ -55,11 +55,12 @@ async def record(conn: aiosqlite.Connection, rec: RequestRecord) -> bool:
 
 
 def _turn(rec: RequestRecord) -> list[Message]:
-    turn = [Message(conversations.new_message_id(), role, content, rec.created_at) for role, content in rec.new_messages]
+    new_id = conversations.new_message_id
+    turn = [Message(new_id(), role, content, rec.created_at) for role, content in rec.new_messages]
     if rec.assistant_content is not None:
         turn.append(
             Message(
-                conversations.new_message_id(), "assistant", rec.assistant_content, rec.finished_at,
+                new_id(), "assistant", rec.assistant_content, rec.finished_at,
                 rec.completion_tokens, rec.model,
             )
         )  # fmt: skip

@@ -116,10 +116,11 @@ def sqlite_version_is_safe(version: str = sqlite3.sqlite_version) -> bool:
 async def configure(conn: aiosqlite.Connection, *, busy_timeout_ms: int, is_reader: bool) -> None:
     """Per-connection pragmas. The writer sets journal_mode and synchronous in `prepare`."""
     conn.row_factory = sqlite3.Row
-    await conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
-    await conn.execute("PRAGMA foreign_keys = ON")
+    # execute_fetchall, not execute: a pragma's unread result row would keep a statement open.
+    await conn.execute_fetchall(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+    await conn.execute_fetchall("PRAGMA foreign_keys = ON")
     if is_reader:
-        await conn.execute("PRAGMA query_only = ON")  # a read connection can never write
+        await conn.execute_fetchall("PRAGMA query_only = ON")  # a read connection can never write
 
 
 async def prepare(conn: aiosqlite.Connection, synchronous: str) -> None:
@@ -132,7 +133,7 @@ async def prepare(conn: aiosqlite.Connection, synchronous: str) -> None:
         raise StoreError(f"could not switch the database to WAL (journal_mode is {journal!r})")
     # FULL by default: in WAL mode it syncs the log on every commit, so an acknowledged ledger
     # row survives power loss; NORMAL would survive a process crash but may lose the last commits.
-    await conn.execute(f"PRAGMA synchronous = {mode}")
+    await conn.execute_fetchall(f"PRAGMA synchronous = {mode}")
     check = await _scalar(conn, "PRAGMA quick_check")
     if check != "ok":
         raise StoreError(f"the database failed quick_check: {check}")

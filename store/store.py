@@ -66,19 +66,26 @@ class Store:
         store = cls(path, config, write_conn)
         try:
             await schema.configure(write_conn, busy_timeout_ms=config.busy_timeout_ms, is_reader=False)
-            await _apply_max_bytes(write_conn, config.max_db_bytes)
             await schema.prepare(write_conn, config.synchronous)
+            await _apply_max_bytes(write_conn, config.max_db_bytes)
             for _ in range(max(1, config.num_read_connections)):
                 conn = await aiosqlite.connect(path, isolation_level=None)
                 store._read_conns.append(conn)
                 await schema.configure(conn, busy_timeout_ms=config.busy_timeout_ms, is_reader=True)
                 store._readers.put_nowait(conn)
+        except sqlite3.Error as exc:
+            await store._close_connections()
+            raise StoreError(f"cannot open the database {path}: {exc}") from exc
         except BaseException:
             await store._close_connections()
             raise
         store._writer.start()
+        await store.probe_writable()  # so that /ready is right before the first real write
         store._maintenance = asyncio.create_task(store._maintain(), name="store-maintenance")
-        log.info("store opened", path=str(path), synchronous=config.synchronous.upper(), schema=schema.SCHEMA_VERSION)
+        log.info(
+            "store opened", path=str(path), synchronous=config.synchronous.upper(), schema=schema.SCHEMA_VERSION,
+            is_writable=store.is_writable,
+        )  # fmt: skip
         return store
 
     async def close(self) -> None:
@@ -106,7 +113,8 @@ class Store:
     async def create_org(
         self, name: str, tier: str, *, budget_usd: float | None = None, limits: dict | None = None
     ) -> Org:
-        return await self._write(functools.partial(keys.insert_org, name=name, tier=tier, budget_usd=budget_usd, limits=limits or {}))
+        job = functools.partial(keys.insert_org, name=name, tier=tier, budget_usd=budget_usd, limits=limits or {})
+        return await self._write(job)
 
     async def get_org(self, name: str) -> Org | None:
         async with self._reader() as conn:
@@ -116,7 +124,9 @@ class Store:
         async with self._reader() as conn:
             return await keys.list_orgs(conn)
 
-    async def update_org(self, name: str, *, tier: str | None = None, budget_usd: Any = UNSET, limits: Any = UNSET) -> Org:
+    async def update_org(
+        self, name: str, *, tier: str | None = None, budget_usd: Any = UNSET, limits: Any = UNSET
+    ) -> Org:
         """Change the given fields; `budget_usd=None` removes the budget, `UNSET` keeps it."""
         changes: dict[str, Any] = {}
         if tier is not None:
@@ -307,7 +317,7 @@ async def _write_probe(conn: aiosqlite.Connection) -> None:
 async def _apply_max_bytes(conn: aiosqlite.Connection, max_db_bytes: int) -> None:
     if max_db_bytes > 0:
         rows = await conn.execute_fetchall("PRAGMA page_size")
-        await conn.execute(f"PRAGMA max_page_count = {max(1, max_db_bytes // int(rows[0][0]))}")
+        await conn.execute_fetchall(f"PRAGMA max_page_count = {max(1, max_db_bytes // int(rows[0][0]))}")
 
 
 def _with_last_used(key: ApiKey, pending_s: float | None) -> ApiKey:

@@ -1,0 +1,182 @@
+"""`server.py keys ...` and `server.py orgs ...`: manage organisations and API keys offline.
+
+Each command opens the store, does one thing and closes it; it is safe while the server runs
+(WAL, one short write transaction). A key's secret is printed once, at creation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+from pathlib import Path
+from typing import Any
+
+from settings import Settings
+from store.store import UNSET, Store
+from store.types import Conflict, NotFound, Org, StoreError
+
+
+def add_cli(subparsers: Any) -> None:
+    """Add the `keys` and `orgs` commands to the server's argparse subparsers."""
+    keys = subparsers.add_parser("keys", help="create, list and revoke API keys")
+    keys.set_defaults(store_cli="keys")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    create = _with_db(keys_sub.add_parser("create", help="create a key (and its organisation if missing)"))
+    create.add_argument("--org", required=True, help="organisation name")
+    create.add_argument("--tier", help="tier of a new organisation (must match an existing one)")
+    create.add_argument("--budget", type=_budget, default=UNSET, help="monthly budget in USD, or 'none'")
+    create.add_argument("--name", help="a label for the key")
+    listing = _with_db(keys_sub.add_parser("list", help="list keys (prefix and last 4 only)"))
+    listing.add_argument("--org", help="only this organisation's keys")
+    revoke = _with_db(keys_sub.add_parser("revoke", help="revoke a key by its prefix"))
+    revoke.add_argument("prefix")
+
+    orgs = subparsers.add_parser("orgs", help="create, list and change organisations")
+    orgs.set_defaults(store_cli="orgs")
+    orgs_sub = orgs.add_subparsers(dest="orgs_command", required=True)
+    _with_db(orgs_sub.add_parser("list", help="list organisations"))
+    org_create = _with_db(orgs_sub.add_parser("create", help="create an organisation"))
+    org_create.add_argument("name")
+    org_create.add_argument("--tier", required=True)
+    org_create.add_argument("--budget", type=_budget, default=None, help="monthly budget in USD")
+    org_set = _with_db(orgs_sub.add_parser("set", help="change an organisation's tier, budget or limits"))
+    org_set.add_argument("name")
+    org_set.add_argument("--tier")
+    org_set.add_argument("--budget", type=_budget, default=UNSET, help="monthly budget in USD, or 'none'")
+    org_set.add_argument(
+        "--limit", action="append", default=[], metavar="KEY=VALUE",
+        help="override a tier limit, e.g. requests_per_minute=100; KEY=none removes it",
+    )  # fmt: skip
+
+
+async def run_cli(args: argparse.Namespace, settings: Settings) -> int:
+    """Run the parsed `keys`/`orgs` command; returns the process exit code."""
+    path = Path(args.db or settings.store.path)
+    try:
+        store = await Store.open(path, settings.store)
+    except StoreError as exc:
+        return _fail(f"cannot open {path}: {exc}")
+    try:
+        if args.store_cli == "keys":
+            return await _KEY_COMMANDS[args.keys_command](store, args, settings)
+        return await _ORG_COMMANDS[args.orgs_command](store, args, settings)
+    except (NotFound, Conflict, ValueError) as exc:
+        return _fail(str(exc))
+    except StoreError as exc:
+        return _fail(f"the database could not be changed: {exc}")
+    finally:
+        await store.close()
+
+
+async def _keys_create(store: Store, args: argparse.Namespace, settings: Settings) -> int:
+    org = await store.get_org(args.org)
+    if org is None:
+        if args.tier is None:
+            return _fail(f"organisation {args.org!r} does not exist; give --tier to create it")
+        _check_tier(args.tier, settings)
+        budget = None if args.budget is UNSET else args.budget
+        org = await store.create_org(args.org, args.tier, budget_usd=budget)
+        _out(f"created organisation {org.name} (tier {org.tier}, budget {_money(org.budget_usd)})")
+    elif (args.tier is not None and args.tier != org.tier) or (args.budget not in (UNSET, org.budget_usd)):
+        return _fail(f"organisation {org.name!r} exists with tier {org.tier}, budget {_money(org.budget_usd)};"
+                     " change it with `orgs set`")  # fmt: skip
+    key, secret = await store.create_key(org.name, name=args.name)
+    _out(f"created key {key.display} ({key.id}) for {org.name}\n")
+    _out("secret (shown once, store it now):\n")
+    _out(f"{secret}\n")
+    return 0
+
+
+async def _keys_list(store: Store, args: argparse.Namespace, settings: Settings) -> int:
+    org_names = {o.id: o.name for o in await store.list_orgs()}
+    for key in await store.list_keys(args.org):
+        state = f"revoked {_time(key.revoked_at)}" if key.is_revoked else "active"
+        _out(f"{key.prefix:<12} ...{key.last4}  {org_names.get(key.org_id, key.org_id):<20} {state:<28}"
+             f" created {_time(key.created_at)}  last used {_time(key.last_used_at)}  {key.name or ''}\n")  # fmt: skip
+    return 0
+
+
+async def _keys_revoke(store: Store, args: argparse.Namespace, settings: Settings) -> int:
+    if not await store.revoke_key(args.prefix):
+        return _fail(f"no active key with prefix {args.prefix!r}")
+    _out(f"revoked {args.prefix}\n")
+    return 0
+
+
+async def _orgs_list(store: Store, args: argparse.Namespace, settings: Settings) -> int:
+    for org in await store.list_orgs():
+        _out(f"{org.name:<20} tier {org.tier:<12} budget {_money(org.budget_usd):<12} limits {org.limits or '-'}\n")
+    return 0
+
+
+async def _orgs_create(store: Store, args: argparse.Namespace, settings: Settings) -> int:
+    _check_tier(args.tier, settings)
+    org = await store.create_org(args.name, args.tier, budget_usd=args.budget)
+    _out(f"created organisation {org.name} (tier {org.tier}, budget {_money(org.budget_usd)})\n")
+    return 0
+
+
+async def _orgs_set(store: Store, args: argparse.Namespace, settings: Settings) -> int:
+    org = await store.get_org(args.name)
+    if org is None:
+        return _fail(f"no organisation named {args.name!r}")
+    if args.tier is not None:
+        _check_tier(args.tier, settings)
+    limits = _merge_limits(org.limits, args.limit) if args.limit else UNSET
+    org = await store.update_org(args.name, tier=args.tier, budget_usd=args.budget, limits=limits)
+    _out(f"{org.name}: tier {org.tier}, budget {_money(org.budget_usd)}, limits {org.limits or '-'}\n")
+    return 0
+
+
+_KEY_COMMANDS = {"create": _keys_create, "list": _keys_list, "revoke": _keys_revoke}
+_ORG_COMMANDS = {"list": _orgs_list, "create": _orgs_create, "set": _orgs_set}
+
+
+def _with_db(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--db", help="database file (default: store.path from the config)")
+    return parser
+
+
+def _budget(text: str) -> float | None:
+    if text.strip().lower() in ("none", "off", ""):
+        return None
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("a budget cannot be negative")
+    return value
+
+
+def _merge_limits(limits: dict, items: list[str]) -> dict:
+    merged = dict(limits)
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--limit expects KEY=VALUE, got {item!r}")
+        if text.strip().lower() == "none":
+            merged.pop(key, None)
+            continue
+        merged[key] = float(text) if "." in text else int(text)
+    return merged
+
+
+def _check_tier(tier: str, settings: Settings) -> None:
+    if settings.tiers and tier not in settings.tiers:
+        raise ValueError(f"unknown tier {tier!r}; configured tiers: {', '.join(sorted(settings.tiers))}")
+
+
+def _money(usd: float | None) -> str:
+    return "none" if usd is None else f"${usd:,.2f}"
+
+
+def _time(t: float | None) -> str:
+    return "never" if t is None else dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _out(text: str) -> None:
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+def _fail(message: str) -> int:
+    sys.stderr.write(f"error: {message}\n")
+    return 1

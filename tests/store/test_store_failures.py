@@ -1,0 +1,117 @@
+"""A database that cannot be written: clear StoreUnavailable, is_writable, nothing acknowledged lost."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+from pathlib import Path
+
+import pytest
+import structlog
+
+from settings import StoreConfig
+from store import Store, StoreUnavailable
+
+pytestmark = pytest.mark.asyncio
+
+
+def _request_ids(db_path: Path) -> set[str]:
+    with sqlite3.connect(db_path) as conn:
+        return {row[0] for row in conn.execute("SELECT request_id FROM usage")}
+
+
+async def test_a_full_disk_raises_store_unavailable_and_loses_nothing_acknowledged(
+    db_path: Path, make_record
+) -> None:
+    store = await Store.open(db_path, StoreConfig(max_db_bytes=256 * 1024))
+    org = await store.create_org("acme", "plus")
+    conv = await store.create_conversation(org.id)
+    acknowledged: set[str] = set()
+    failed = None
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(200):
+            rec = make_record(org.id, conversation_id=conv.id, assistant_content="x" * 8000)
+            try:
+                assert await store.record_request(rec) is True
+            except StoreUnavailable:
+                failed = rec
+                break
+            acknowledged.add(rec.request_id)
+    assert failed is not None, "the size limit was never reached"
+    assert not store.is_writable
+    assert await store.get_org("acme") == org  # reads still work
+    lost = [e for e in logs if e["event"] == "usage record not written"]
+    assert [e["request_id"] for e in lost] == [failed.request_id]  # reported, not silent
+    await store.close()
+
+    assert _request_ids(db_path) == acknowledged
+    reopened = await Store.open(db_path, StoreConfig())  # the disk has room again
+    try:
+        assert reopened.is_writable
+        assert await reopened.integrity_check() == "ok"
+        assert await reopened.record_request(failed) is True  # a retry bills it once
+    finally:
+        await reopened.close()
+
+
+async def test_a_locked_database_is_unavailable_until_the_lock_goes_then_recovers(
+    db_path: Path, make_record
+) -> None:
+    store = await Store.open(db_path, StoreConfig(busy_timeout_ms=100))
+    org = await store.create_org("acme", "plus")
+    other = sqlite3.connect(db_path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+    try:
+        with pytest.raises(StoreUnavailable):
+            await store.record_request(make_record(org.id))
+        assert not store.is_writable
+        assert (await store.list_orgs()) == [org]  # WAL readers are not blocked
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+
+    assert await store.probe_writable() is True
+    rec = make_record(org.id)
+    assert await store.record_request(rec) is True
+    assert store.is_writable
+    await store.close()
+    assert _request_ids(db_path) == {rec.request_id}
+
+
+async def test_close_finishes_every_queued_write(db_path: Path, make_record) -> None:
+    store = await Store.open(db_path, StoreConfig())
+    org = await store.create_org("acme", "plus")
+    records = [make_record(org.id) for _ in range(50)]
+    tasks = [asyncio.create_task(store.record_request(r)) for r in records]
+    await asyncio.sleep(0)  # all enqueued
+    await store.close()
+    assert all(t.result() is True for t in tasks)
+    assert _request_ids(db_path) == {r.request_id for r in records}
+
+
+async def test_writes_and_reads_after_close_are_unavailable(db_path: Path, make_record) -> None:
+    store = await Store.open(db_path, StoreConfig())
+    org = await store.create_org("acme", "plus")
+    await store.close()
+    with pytest.raises(StoreUnavailable):
+        await store.record_request(make_record(org.id))
+    with pytest.raises(StoreUnavailable):
+        await store.get_org("acme")
+    await store.close()  # idempotent
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write a read-only file")
+async def test_a_read_only_file_opens_for_reading_and_reports_unwritable(db_path: Path, make_record) -> None:
+    store = await Store.open(db_path, StoreConfig())
+    org = await store.create_org("acme", "plus")
+    await store.close()
+    db_path.chmod(0o444)
+    store = await Store.open(db_path, StoreConfig())
+    try:
+        assert not store.is_writable
+        assert await store.get_org("acme") == org
+        with pytest.raises(StoreUnavailable):
+            await store.record_request(make_record(org.id))
+    finally:
+        await store.close()

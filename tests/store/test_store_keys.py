@@ -1,0 +1,160 @@
+"""Organisations and API keys: hashed storage, authentication, revocation, the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from settings import Settings, StoreConfig, TierConfig
+from store import UNSET, Conflict, NotFound, Store
+from store.cli import add_cli, run_cli
+
+pytestmark = pytest.mark.asyncio
+
+
+def _raw_bytes(path: Path) -> bytes:
+    return b"".join(p.read_bytes() for p in path.parent.glob(path.name + "*"))
+
+
+async def test_key_is_stored_only_as_hash_prefix_and_last4(store: Store, db_path: Path) -> None:
+    await store.create_org("acme", "plus")
+    key, secret = await store.create_key("acme", name="ci")
+
+    assert secret.startswith("sk-") and len(secret) > 40
+    assert secret.startswith(key.prefix) and secret.endswith(key.last4)
+    with sqlite3.connect(db_path) as conn:
+        row = conn.execute("SELECT * FROM api_keys WHERE id = ?", (key.id,)).fetchone()
+    assert hashlib.sha256(secret.encode()).hexdigest() in row
+    assert secret not in row
+    # Nowhere in the file or its WAL: not in another column, not in a log table.
+    assert secret.encode() not in _raw_bytes(db_path)
+    listed = await store.list_keys("acme")
+    assert [k.display for k in listed] == [f"{key.prefix}...{key.last4}"]
+    assert secret not in repr(listed)
+
+
+async def test_authenticate_finds_the_org_and_a_revoked_key_fails(store: Store) -> None:
+    org = await store.create_org("acme", "plus", budget_usd=25.0, limits={"requests_per_minute": 7})
+    key, secret = await store.create_key("acme")
+
+    principal = await store.authenticate(secret)
+    assert principal is not None
+    assert principal.key_id == key.id and principal.org == org
+    assert principal.org.limits == {"requests_per_minute": 7}
+
+    assert await store.revoke_key(key.prefix) is True
+    assert await store.authenticate(secret) is None
+    assert await store.revoke_key(key.prefix) is False  # already revoked
+    assert (await store.list_keys())[0].revoked_at is not None
+
+
+async def test_unknown_altered_or_oversized_secrets_are_rejected(store: Store) -> None:
+    await store.create_org("acme", "plus")
+    _, secret = await store.create_key("acme")
+    assert await store.authenticate(secret[:-1] + ("A" if secret[-1] != "A" else "B")) is None
+    assert await store.authenticate(secret.upper()) is None
+    assert await store.authenticate("") is None
+    assert await store.authenticate("sk-" + "x" * 10_000) is None
+    assert await store.authenticate(secret) is not None
+
+
+async def test_duplicate_org_name_is_a_conflict_and_other_writes_in_the_batch_land(store: Store) -> None:
+    results = await asyncio.gather(
+        store.create_org("a", "free"), store.create_org("a", "plus"), store.create_org("b", "free"),
+        return_exceptions=True,
+    )  # fmt: skip
+    assert sum(isinstance(r, Conflict) for r in results) == 1
+    assert sorted(o.name for o in await store.list_orgs()) == ["a", "b"]
+
+
+async def test_update_org_changes_only_the_given_fields(store: Store) -> None:
+    await store.create_org("acme", "free", budget_usd=10.0, limits={"max_tokens": 64})
+    org = await store.update_org("acme", tier="plus")
+    assert (org.tier, org.budget_usd, org.limits) == ("plus", 10.0, {"max_tokens": 64})
+    org = await store.update_org("acme", budget_usd=None, limits=UNSET)
+    assert (org.tier, org.budget_usd, org.limits) == ("plus", None, {"max_tokens": 64})
+    with pytest.raises(NotFound):
+        await store.update_org("nobody", tier="plus")
+
+
+async def test_ensure_org_creates_once_and_follows_the_configured_tier(store: Store) -> None:
+    first = await store.ensure_org("local", "enterprise")
+    assert await store.ensure_org("local", "enterprise") == first
+    changed = await store.ensure_org("local", "plus")
+    assert changed.id == first.id and changed.tier == "plus"
+
+
+async def test_create_key_for_a_missing_org_is_not_found(store: Store) -> None:
+    with pytest.raises(NotFound):
+        await store.create_key("nobody")
+    with pytest.raises(NotFound):
+        await store.list_keys("nobody")
+
+
+async def test_last_used_is_kept_in_memory_and_written_on_close(db_path: Path, store_config: StoreConfig) -> None:
+    store = await Store.open(db_path, store_config)
+    await store.create_org("acme", "plus")
+    key, secret = await store.create_key("acme")
+    for _ in range(5):
+        await store.authenticate(secret)
+    with sqlite3.connect(db_path) as conn:  # not written per request
+        assert conn.execute("SELECT last_used_at FROM api_keys").fetchone()[0] is None
+    assert (await store.list_keys())[0].last_used_at is not None  # but visible at once
+    await store.close()
+
+    with sqlite3.connect(db_path) as conn:
+        (last_used_at,) = conn.execute("SELECT last_used_at FROM api_keys").fetchone()
+    assert last_used_at is not None and last_used_at >= key.created_at
+
+
+async def test_last_used_is_flushed_periodically(db_path: Path) -> None:
+    store = await Store.open(db_path, StoreConfig(last_used_flush_s=0.05))
+    await store.create_org("acme", "plus")
+    _, secret = await store.create_key("acme")
+    await store.authenticate(secret)
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        with sqlite3.connect(db_path) as conn:
+            if conn.execute("SELECT last_used_at FROM api_keys").fetchone()[0] is not None:
+                break
+    else:
+        pytest.fail("last_used_at was never flushed")
+    await store.close()
+
+
+def _cli(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
+
+
+async def test_cli_creates_lists_and_revokes_keys(db_path: Path, capsys: pytest.CaptureFixture) -> None:
+    settings = Settings(tiers={"plus": TierConfig(), "free": TierConfig()})
+    db = ("--db", str(db_path))
+    assert await run_cli(_cli("keys", "create", "--org", "acme", "--tier", "plus", "--budget", "5", *db), settings) == 0
+    secret = capsys.readouterr().out.strip().splitlines()[-1]
+    assert secret.startswith("sk-")
+
+    assert await run_cli(_cli("keys", "list", *db), settings) == 0
+    listing = capsys.readouterr().out
+    assert secret[:11] in listing and secret[-4:] in listing and secret not in listing
+
+    assert await run_cli(_cli("keys", "create", "--org", "acme", "--tier", "free", *db), settings) == 1
+    assert await run_cli(_cli("orgs", "create", "x", "--tier", "gold", *db), settings) == 1  # unknown tier
+    org_set = _cli("orgs", "set", "acme", "--budget", "none", "--limit", "max_tokens=64", *db)
+    assert await run_cli(org_set, settings) == 0
+    assert await run_cli(_cli("keys", "revoke", secret[:11], *db), settings) == 0
+    assert await run_cli(_cli("keys", "revoke", secret[:11], *db), settings) == 1
+
+    store = await Store.open(db_path, StoreConfig())
+    try:
+        assert await store.authenticate(secret) is None
+        org = await store.get_org("acme")
+        assert org is not None and org.budget_usd is None and org.limits == {"max_tokens": 64}
+    finally:
+        await store.close()

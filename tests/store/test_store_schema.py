@@ -1,0 +1,83 @@
+"""Startup: migrations, pragmas, integrity checks and refusing files we cannot trust."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from settings import StoreConfig
+from store import Store, StoreError
+from store.schema import SCHEMA_VERSION, sqlite_version_is_safe
+
+def _schema(path: Path) -> list[tuple]:
+    with sqlite3.connect(path) as conn:
+        return conn.execute("SELECT type, name, sql FROM sqlite_master ORDER BY name").fetchall()
+
+
+@pytest.mark.asyncio
+async def test_migrations_run_once_and_reopening_changes_nothing(db_path: Path, store_config: StoreConfig) -> None:
+    store = await Store.open(db_path, store_config)
+    org = await store.create_org("acme", "plus")
+    await store.close()
+    before = _schema(db_path)
+
+    store = await Store.open(db_path, store_config)
+    assert (await store.get_org("acme")) == org
+    await store.close()
+
+    assert _schema(db_path) == before
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        assert {"orgs", "api_keys", "conversations", "messages", "usage"} <= {row[1] for row in before}
+
+
+@pytest.mark.asyncio
+async def test_open_sets_wal_full_sync_foreign_keys_and_read_only_readers(store: Store) -> None:
+    writer = store._write_conn
+    assert (await writer.execute_fetchall("PRAGMA journal_mode"))[0][0] == "wal"
+    assert (await writer.execute_fetchall("PRAGMA synchronous"))[0][0] == 2  # FULL
+    assert (await writer.execute_fetchall("PRAGMA foreign_keys"))[0][0] == 1
+    assert (await writer.execute_fetchall("PRAGMA busy_timeout"))[0][0] == 2000
+    reader = store._read_conns[0]
+    with pytest.raises(sqlite3.OperationalError):
+        await reader.execute("INSERT INTO meta (key, value) VALUES ('x', 'y')")
+
+
+@pytest.mark.asyncio
+async def test_synchronous_follows_config_and_rejects_unknown_modes(db_path: Path) -> None:
+    store = await Store.open(db_path, StoreConfig(synchronous="normal"))
+    assert (await store._write_conn.execute_fetchall("PRAGMA synchronous"))[0][0] == 1  # NORMAL
+    await store.close()
+    with pytest.raises(StoreError, match="synchronous"):
+        await Store.open(db_path, StoreConfig(synchronous="sometimes"))
+
+
+@pytest.mark.asyncio
+async def test_a_database_from_a_newer_server_is_refused(db_path: Path, store_config: StoreConfig) -> None:
+    await (await Store.open(db_path, store_config)).close()
+    with sqlite3.connect(db_path) as conn:
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    with pytest.raises(StoreError, match="newer"):
+        await Store.open(db_path, store_config)
+
+
+@pytest.mark.asyncio
+async def test_a_file_that_is_not_a_database_is_refused(db_path: Path, store_config: StoreConfig) -> None:
+    db_path.write_bytes(b"this is not an sqlite file at all" * 200)
+    with pytest.raises(StoreError, match="cannot open"):
+        await Store.open(db_path, store_config)
+
+
+@pytest.mark.asyncio
+async def test_integrity_check_reports_ok_on_a_healthy_file(store: Store) -> None:
+    await store.create_org("acme", "plus")
+    assert await store.integrity_check() == "ok"
+
+
+def test_sqlite_versions_below_3_52_are_flagged_unsafe() -> None:
+    assert not sqlite_version_is_safe("3.40.1")
+    assert not sqlite_version_is_safe("3.51.2")
+    assert sqlite_version_is_safe("3.52.0")
+    assert sqlite_version_is_safe("3.100.0")
