@@ -22,7 +22,7 @@ from engine.registry import ModelHandle
 from engine.types import FinishReason, TokenEvent
 from gateway.coalesce import Coalescer
 from gateway.metrics import Metrics
-from gateway.queue import ModelQueue, QueueFull, WaitTooLong
+from gateway.queue import ModelQueue, QueueError
 from gateway.ratelimit import RateLimited, RateLimiter
 from gateway.router import TierRouter
 from settings import Settings, TierConfig
@@ -160,10 +160,10 @@ class Admission:
             self._release(admitted=False)
             state.metrics.count_rejection(turn.tier_name, turn.model.name, exc.reason.value, 429)
             raise exc.to_api_error() from None
-        except (QueueFull, WaitTooLong) as exc:
+        except QueueError as exc:
             self._release(admitted=False)
-            state.metrics.count_rejection(turn.tier_name, turn.model.name, type(exc).__name__, 503)
-            raise overloaded(str(exc), retry_after_s=getattr(exc, "retry_after_s", 5.0)) from None
+            state.metrics.count_rejection(turn.tier_name, turn.model.name, exc.code, 503)
+            raise exc.to_api_error() from None
         except BaseException:
             self._release(admitted=False)
             raise
@@ -173,7 +173,7 @@ class Admission:
     async def wait(self, on_wait: Callable[[int], Awaitable[None]] | None) -> None:
         """Wait for the queue to admit this request; `on_wait(position)` every heartbeat."""
         interval = self._state.settings.server.heartbeat_s
-        while not await self._ticket.wait(timeout=interval):
+        while not await self._ticket.wait(interval):
             if on_wait is not None:
                 await on_wait(self._ticket.position)
         self._turn.admitted_s = time.monotonic()

@@ -1,0 +1,80 @@
+"""Run `server.py` as a real subprocess on a free loopback port, for end-to-end tests.
+
+Starts the process, waits for /ready, exposes its base URL, and stops it (SIGTERM, then
+SIGKILL after a timeout). Only ever binds 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], *, env: dict[str, str] | None = None, log_path: Path | None = None):
+        self.port = free_port()
+        self.args = args
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 120.0) -> "ServerProcess":
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        cmd = [sys.executable, str(ROOT / "server.py"), "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=log)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/ready", timeout=1) as resp:
+                    if resp.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        self.kill()
+        raise TimeoutError(f"server not ready after {timeout_s}s; see {self.log_path}")
+
+    def terminate(self, timeout_s: float = 30.0) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.terminate()
+            except subprocess.TimeoutExpired:
+                pass

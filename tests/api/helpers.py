@@ -1,0 +1,66 @@
+"""Helpers for in-process HTTP tests: settings over the echo backend, SSE parsing, error checks."""
+
+from __future__ import annotations
+
+import orjson
+
+from api.state import STATE
+from settings import Settings, load_settings
+
+
+def echo_settings(tmp_path, model_dir, extra: tuple[str, ...] = ()) -> Settings:
+    base = [
+        f'models.echo.path="{model_dir}"',
+        'models.echo.backend="echo"',
+        f'models.echo2.path="{model_dir}"',
+        'models.echo2.backend="echo"',
+        "models.echo.price_input_per_mtok=1.0",
+        "models.echo.price_output_per_mtok=2.0",
+        'tiers.free.models=["echo2"]',
+        'tiers.enterprise.models=["echo", "echo2"]',
+        "tiers.enterprise.priority=2",
+        "tiers.enterprise.max_tokens=64",
+        "tiers.enterprise.max_context_tokens=400",
+        f'store.path="{tmp_path / "chat.db"}"',
+        "safety.enabled=false",
+        "server.max_body_bytes=20000",
+        "server.heartbeat_s=0.05",
+    ]
+    return load_settings(None, [*base, *extra])
+
+
+def state_of(client):
+    return client.server.app[STATE]
+
+
+async def sse_events(resp) -> tuple[list[dict | str], list[str]]:
+    """Read a whole SSE body: (data payloads, with '[DONE]' as a str; comment lines)."""
+    text = (await resp.read()).decode()
+    assert text.endswith("\n\n"), "every SSE frame ends with a blank line"
+    events, comments = [], []
+    for frame in text.split("\n\n")[:-1]:
+        assert "\n" not in frame, f"one line per frame: {frame!r}"
+        if frame.startswith(": "):
+            comments.append(frame[2:])
+        else:
+            assert frame.startswith("data: "), frame
+            payload = frame[len("data: "):]
+            events.append(payload if payload == "[DONE]" else orjson.loads(payload))
+    return events, comments
+
+
+async def assert_error(resp, status: int, *, code: str | None = None, param: str | None = None) -> dict:
+    """Every error path has one shape: OpenAI's envelope, a request id, the right status."""
+    assert resp.status == status, await resp.text()
+    assert resp.headers.get("X-Request-Id", "").startswith("req_")
+    assert resp.content_type == "application/json"
+    body = await resp.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if code is not None:
+        assert err["code"] == code, err
+    if param is not None:
+        assert err["param"] == param, err
+    return err

@@ -1,0 +1,231 @@
+"""The HTTP surface in-process: wire format, SSE framing, headers, every error path, auth,
+disconnects, billing once, conversations."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.api.helpers import assert_error, sse_events, state_of
+
+USER = [{"role": "user", "content": "Hello there, friend."}]
+
+
+async def chat(client, body, headers=None):
+    return await client.post("/v1/chat/completions", json=body, headers=headers or {})
+
+
+async def ledger_rows(client):
+    rows = await state_of(client).store.usage_summary(state_of(client).local_principal.org.id,
+                                                      start=0, end=None, group_by="model")
+    return {r["model"]: r for r in rows}
+
+
+async def test_non_streaming_completion_has_openai_shape_and_headers(make_client):
+    client = await make_client()
+    resp = await chat(client, {"model": "echo", "messages": USER})
+    assert resp.status == 200
+    body = await resp.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["model"] == "echo"
+    assert body["choices"][0]["message"]["content"] == "Hello there, friend."
+    assert body["choices"][0]["finish_reason"] == "stop"
+    usage = body["usage"]
+    assert usage["completion_tokens"] > 0 and usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert resp.headers["X-Request-Id"].startswith("req_")
+    for h in ("limit", "remaining", "reset"):
+        assert f"x-ratelimit-{h}-requests" in resp.headers and f"x-ratelimit-{h}-tokens" in resp.headers
+
+
+async def test_stream_sends_role_first_then_content_then_finish_usage_and_done(make_client):
+    client = await make_client()
+    resp = await chat(client, {"model": "echo", "messages": USER, "stream": True,
+                               "stream_options": {"include_usage": True}})
+    assert resp.status == 200
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    assert resp.headers["Cache-Control"] == "no-cache" and resp.headers["X-Accel-Buffering"] == "no"
+    assert resp.headers["X-Request-Id"].startswith("req_")
+    events, _ = await sse_events(resp)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "Hello there, friend."
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert len({c["id"] for c in chunks}) == 1
+
+
+async def test_model_text_that_looks_like_sse_framing_arrives_intact(make_client):
+    client = await make_client()
+    evil = "a\n\ndata: [DONE]\n\nb\r\nc"
+    resp = await chat(client, {"model": "echo", "stream": True, "messages": [{"role": "user", "content": evil}]})
+    events, _ = await sse_events(resp)
+    assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in events[:-1] if c["choices"]) == evil
+
+
+async def test_max_tokens_cuts_the_answer_with_finish_reason_length(make_client):
+    client = await make_client()
+    body = await (await chat(client, {"model": "echo", "messages": USER, "max_tokens": 2})).json()
+    assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 2
+
+
+async def test_heartbeat_comments_arrive_while_waiting_for_the_first_token(make_client, monkeypatch):
+    monkeypatch.setenv("CHAT_ECHO_TOKEN_DELAY_S", "0.3")
+    client = await make_client()
+    resp = await chat(client, {"model": "echo", "stream": True, "messages": [{"role": "user", "content": "x"}]})
+    _, comments = await sse_events(resp)
+    assert "processing" in comments
+
+
+@pytest.mark.parametrize(
+    "send, status, code, param",
+    [
+        (lambda c: c.post("/v1/chat/completions", data=b"{nope", headers={"Content-Type": "application/json"}), 400, "invalid_json", None),
+        (lambda c: c.post("/v1/chat/completions", json=[1]), 400, None, None),
+        (lambda c: c.post("/v1/chat/completions", data=b"x", headers={"Content-Type": "text/plain"}), 400, "invalid_content_type", None),
+        (lambda c: chat(c, {"model": "echo"}), 400, "missing_required_parameter", "messages"),
+        (lambda c: chat(c, {"model": "echo", "messages": USER, "temperature": -1}), 400, None, "temperature"),
+        (lambda c: chat(c, {"model": "echo", "messages": USER, "stream": True, "n": 3}), 400, None, "n"),
+        (lambda c: chat(c, {"model": "nope", "messages": USER}), 404, "model_not_found", None),
+        (lambda c: chat(c, {"model": "echo", "messages": USER, "max_tokens": 65}), 400, None, "max_tokens"),
+        (lambda c: chat(c, {"model": "echo", "stream": True, "messages": [{"role": "user", "content": "word " * 600}]}),
+         400, "context_length_exceeded", "messages"),
+        (lambda c: c.post("/v1/chat/completions", data=b"{" + b" " * 30000 + b"}", headers={"Content-Type": "application/json"}),
+         413, "request_too_large", None),
+        (lambda c: c.get("/v1/nothing-here"), 404, "unknown_url", None),
+        (lambda c: c.get("/v1/chat/completions"), 405, "method_not_allowed", None),
+        (lambda c: c.get("/v1/conversations/conv_missing"), 404, None, "conversation_id"),
+        (lambda c: c.get("/v1/conversations?limit=0"), 400, None, "limit"),
+        (lambda c: c.get("/v1/usage?group_by=planet"), 400, None, "group_by"),
+        (lambda c: chat(c, {"model": "echo", "messages": USER, "conversation_id": "conv_nope"}), 404, None, "conversation_id"),
+        (lambda c: c.post("/v1/chat/completions", json={"messages": USER}, headers={"Authorization": "Basic abc"}),
+         401, "invalid_api_key", None),
+    ],
+)
+async def test_every_error_path_renders_the_openai_envelope(make_client, send, status, code, param):
+    client = await make_client()
+    await assert_error(await send(client), status, code=code, param=param)
+    assert (await client.get("/health")).status == 200  # and the server keeps serving
+
+
+async def test_errors_before_a_stream_bill_nothing(make_client):
+    client = await make_client()
+    await chat(client, {"model": "echo", "stream": True, "messages": [{"role": "user", "content": "word " * 600}]})
+    assert await ledger_rows(client) == {}
+
+
+async def test_a_completed_request_is_billed_exactly_once_with_its_cost(make_client):
+    client = await make_client()
+    body = await (await chat(client, {"model": "echo", "messages": USER})).json()
+    rows = await ledger_rows(client)
+    assert rows["echo"]["requests"] == 1
+    assert rows["echo"]["completion_tokens"] == body["usage"]["completion_tokens"]
+    expected = (body["usage"]["prompt_tokens"] * 1.0 + body["usage"]["completion_tokens"] * 2.0) / 1e6
+    assert rows["echo"]["cost_usd"] == pytest.approx(expected)
+
+
+async def test_client_disconnect_mid_stream_aborts_and_bills_generated_tokens(make_client, monkeypatch):
+    monkeypatch.setenv("CHAT_ECHO_TOKEN_DELAY_S", "0.05")
+    client = await make_client()
+    long_text = " ".join(["word"] * 60)
+    resp = await chat(client, {"model": "echo", "stream": True, "messages": [{"role": "user", "content": long_text}]})
+    await resp.content.readline()  # the first frame arrived: the stream is running
+    resp.close()  # the client goes away
+    backend = state_of(client).models["echo"].backend
+    for _ in range(100):
+        rows = await ledger_rows(client)
+        if rows:
+            break
+        await asyncio.sleep(0.05)
+    assert len(backend.aborted_request_ids) == 1
+    assert backend.stats().num_running == 0
+    row = rows["echo"]
+    assert row["requests"] == 1 and 0 < row["completion_tokens"] < 60
+
+
+async def test_keyless_requests_are_refused_when_not_on_loopback(make_client):
+    client = await make_client('server.host="0.0.0.0"')
+    await assert_error(await chat(client, {"messages": USER}), 401, code="invalid_api_key")
+    await assert_error(await chat(client, {"messages": USER}, headers={"Authorization": "Bearer sk-wrong"}),
+                       401, code="invalid_api_key")
+    assert (await client.get("/health")).status == 200
+
+
+async def test_on_loopback_an_unknown_key_is_served_as_the_local_organisation(make_client):
+    client = await make_client()
+    resp = await chat(client, {"model": "echo", "messages": USER}, headers={"Authorization": "Bearer anything"})
+    assert resp.status == 200
+
+
+async def test_an_api_key_authenticates_and_its_tier_picks_the_model(make_client):
+    client = await make_client()
+    store = state_of(client).store
+    await store.create_org("acme", "free")
+    _key, secret = await store.create_key("acme")
+    resp = await chat(client, {"messages": USER}, headers={"Authorization": f"Bearer {secret}"})
+    assert resp.status == 200 and (await resp.json())["model"] == "echo2"
+    models = await (await client.get("/v1/models", headers={"Authorization": f"Bearer {secret}"})).json()
+    assert [m["id"] for m in models["data"]] == ["echo2"]
+    await assert_error(await chat(client, {"model": "echo", "messages": USER}, headers={"Authorization": f"Bearer {secret}"}),
+                       404, code="model_not_found")
+
+
+async def test_conversation_turns_are_stored_and_isolated_per_organisation(make_client):
+    client = await make_client()
+    conv = await (await client.post("/v1/conversations", json={})).json()
+    cid = conv["id"]
+    body = await (await chat(client, {"model": "echo", "messages": USER, "conversation_id": cid})).json()
+    assert body["conversation_id"] == cid and body["history_turns_dropped"] == 0
+    second = [{"role": "user", "content": "Second question."}]
+    body = await (await chat(client, {"model": "echo", "messages": second, "conversation_id": cid})).json()
+    assert body["usage"]["prompt_tokens"] > 20  # the history is in the prompt
+    got = await (await client.get(f"/v1/conversations/{cid}")).json()
+    assert [(m["role"], m["content"]) for m in got["messages"]] == [
+        ("user", USER[0]["content"]), ("assistant", USER[0]["content"]),
+        ("user", "Second question."), ("assistant", "Second question."),
+    ]
+    assert got["title"]  # from the first user message
+    assert got["messages"][1]["model"] == "echo" and got["messages"][1]["tokens"] > 0
+    store = state_of(client).store
+    await store.create_org("other", "free")
+    _k, secret = await store.create_key("other")
+    await assert_error(await client.get(f"/v1/conversations/{cid}", headers={"Authorization": f"Bearer {secret}"}),
+                       404, param="conversation_id")
+
+
+async def test_long_conversation_history_drops_oldest_turns_and_says_so(make_client):
+    client = await make_client()
+    cid = (await (await client.post("/v1/conversations", json={"title": "long"})).json())["id"]
+    for i in range(8):
+        msg = [{"role": "user", "content": f"turn {i} " + "lorem ipsum " * 12}]
+        body = await (await chat(client, {"model": "echo", "messages": msg, "conversation_id": cid, "max_tokens": 40})).json()
+        assert "error" not in body, body
+    assert body["history_turns_dropped"] > 0
+    assert body["usage"]["prompt_tokens"] + 40 <= 400
+
+
+async def test_conversation_rename_list_delete(make_client):
+    client = await make_client()
+    ids = [(await (await client.post("/v1/conversations", json={"title": f"c{i}"})).json())["id"] for i in range(3)]
+    listing = await (await client.get("/v1/conversations?limit=2")).json()
+    assert [c["id"] for c in listing["data"]] == ids[::-1][:2] and listing["has_more"]
+    renamed = await (await client.patch(f"/v1/conversations/{ids[0]}", json={"title": "New name"})).json()
+    assert renamed["title"] == "New name"
+    assert (await client.delete(f"/v1/conversations/{ids[1]}")).status == 200
+    await assert_error(await client.get(f"/v1/conversations/{ids[1]}"), 404)
+    await assert_error(await client.patch(f"/v1/conversations/{ids[0]}", json={"title": ""}), 400, param="title")
+
+
+async def test_health_ready_and_metrics(make_client):
+    client = await make_client()
+    assert (await client.get("/health")).status == 200
+    ready = await client.get("/ready")
+    assert ready.status == 200 and (await ready.json())["status"] == "ready"
+    await chat(client, {"model": "echo", "messages": USER})
+    text = await (await client.get("/metrics")).text()
+    assert "tokens" in text

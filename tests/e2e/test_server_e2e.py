@@ -1,0 +1,126 @@
+"""End to end: `server.py` as a subprocess on a tiny model, driven by the real `openai` SDK
+and by `curl -N`; greedy output equals `transformers`; SIGTERM drains gracefully."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+
+import pytest
+
+from engine.tokenizer import Tokenizer
+from testing.server_proc import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What does the word river mean?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e")
+    proc = ServerProcess(
+        ["--model", str(tiny_model_dir), "--db", str(tmp / "chat.db"),
+         "--set", "safety.enabled=false", "--set", "engine.kv_cache_bytes=8000000"],
+        log_path=tmp / "server.log",
+    )
+    with proc:
+        yield proc
+
+
+def hf_greedy(model_dir, messages, max_new_tokens: int) -> tuple[str, int]:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    tok = Tokenizer.from_dir(model_dir)
+    ids = tok.encode(tok.apply_chat_template(messages))
+    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=list(tok.eos_token_ids), pad_token_id=0)
+    new = out[0, len(ids):].tolist()
+    if new and new[-1] in tok.eos_token_ids:
+        new = new[:-1]
+    return tok.decode(new), len(new)
+
+
+def client_for(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.base_url + "/v1", api_key="local", max_retries=0, timeout=60)
+
+
+def test_openai_sdk_non_streaming_greedy_equals_transformers(server, tiny_model_dir):
+    client = client_for(server)
+    name = tiny_model_dir.name
+    resp = client.chat.completions.create(model=name, messages=QUESTION, temperature=0, max_tokens=24)
+    expected, num_tokens = hf_greedy(tiny_model_dir, QUESTION, 24)
+    assert resp.choices[0].message.content == expected
+    assert resp.usage.completion_tokens == num_tokens or resp.choices[0].finish_reason == "stop"
+    assert resp.model == name and resp.id.startswith("chatcmpl-")
+
+
+def test_openai_sdk_streaming_joins_to_the_same_text(server, tiny_model_dir):
+    client = client_for(server)
+    stream = client.chat.completions.create(model=tiny_model_dir.name, messages=QUESTION, temperature=0,
+                                            max_tokens=24, stream=True, stream_options={"include_usage": True})
+    parts, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            parts.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    expected, _ = hf_greedy(tiny_model_dir, QUESTION, 24)
+    assert "".join(parts) == expected
+    assert finish in ("stop", "length") and usage.completion_tokens > 0
+
+
+def test_openai_sdk_sees_api_errors_as_exceptions(server, tiny_model_dir):
+    import openai
+
+    client = client_for(server)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=QUESTION)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=tiny_model_dir.name, messages=QUESTION, temperature=5)
+    assert info.value.body["param"] == "temperature"
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_streams_sse_lines_ending_with_done(server, tiny_model_dir):
+    body = '{"model": "%s", "stream": true, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}' % tiny_model_dir.name
+    out = subprocess.run(
+        ["curl", "-sN", server.base_url + "/v1/chat/completions", "-H", "Content-Type: application/json", "-d", body],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout
+    frames = [f for f in out.split("\n\n") if f]
+    assert frames[-1] == "data: [DONE]"
+    assert all(f.startswith("data: ") or f.startswith(": ") for f in frames)
+    assert '"role":"assistant"' in frames[0]
+
+
+def test_sigterm_lets_a_running_stream_finish_then_exits(tiny_model_dir, tmp_path):
+    import httpx
+
+    proc = ServerProcess(["--model", str(tiny_model_dir), "--db", str(tmp_path / "chat.db"),
+                          "--set", "safety.enabled=false", "--set", "server.shutdown_grace_s=20"],
+                         log_path=tmp_path / "server.log").start()
+    result: dict = {}
+
+    def run_stream():
+        body = {"model": tiny_model_dir.name, "stream": True, "max_tokens": 120, "ignore_eos": True,
+                "messages": QUESTION}
+        with httpx.stream("POST", proc.base_url + "/v1/chat/completions", json=body, timeout=60) as resp:
+            result["text"] = "".join(resp.iter_text())
+
+    thread = threading.Thread(target=run_stream)
+    thread.start()
+    import time
+
+    time.sleep(1.0)
+    code = proc.terminate(timeout_s=40)
+    thread.join(30)
+    assert code == 0
+    assert result["text"].rstrip().endswith("data: [DONE]")
