@@ -1,15 +1,14 @@
 """The single writer: one task owns the write connection and runs whole transactions.
 
-Callers submit a job (an async function of the connection) and await its result; the job runs
-inside `BEGIN IMMEDIATE` ... `COMMIT` on this task, never on the caller's, so a cancelled caller
-cannot leave a transaction open. Jobs queued together share one commit (group commit), each in
-its own savepoint, so one failing job does not undo the others. A result is delivered only after
-its COMMIT returned: an acknowledged write is durable.
+Jobs (async functions of the connection) run inside `BEGIN IMMEDIATE` ... `COMMIT` on this task,
+never the caller's, so a cancelled caller cannot leave a transaction open. Jobs queued together
+share one commit, each in a savepoint; a result is delivered only after its COMMIT returned.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import sqlite3
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -98,7 +97,7 @@ class Writer:
                     await self._run_batch(batch)
                 except Exception as exc:  # a bug here must not kill the only writer
                     log.exception("store writer batch failed")
-                    _fail_all(batch, exc)
+                    _fail_all(batch, lambda exc=exc: exc)
             if is_last:
                 return
 
@@ -125,7 +124,7 @@ class Writer:
             cause = exc.__cause__ if isinstance(exc, _BatchAborted) else exc
             await self._rollback()
             self._set_writable(False, cause)
-            _fail_all(batch, StoreUnavailable(f"the database cannot be written: {cause}"), cause)
+            _fail_all(batch, functools.partial(_unavailable, cause))
             return
         self._set_writable(True, None)
         for pending, (is_ok, value) in zip(batch, outcomes, strict=True):
@@ -170,10 +169,13 @@ class Writer:
             log.error("store cannot be written", error=str(cause))
 
 
-def _fail_all(batch: list[_Pending], exc: BaseException, cause: BaseException | None = None) -> None:
+def _unavailable(cause: BaseException | None) -> StoreUnavailable:
+    err = StoreUnavailable(f"the database cannot be written: {cause}")
+    err.__cause__ = cause
+    return err
+
+
+def _fail_all(batch: list[_Pending], make_error: Callable[[], BaseException]) -> None:
     for pending in batch:
         if not pending.future.done():
-            err = StoreUnavailable(str(exc)) if cause is not None else exc
-            if cause is not None:
-                err.__cause__ = cause
-            pending.future.set_exception(err)
+            pending.future.set_exception(make_error())

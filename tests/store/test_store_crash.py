@@ -16,7 +16,7 @@ import pytest
 from settings import StoreConfig
 from store import Store
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NUM_RUNS = 3
