@@ -134,6 +134,7 @@ async def prepare(conn: aiosqlite.Connection, synchronous: str) -> None:
     # FULL by default: in WAL mode it syncs the log on every commit, so an acknowledged ledger
     # row survives power loss; NORMAL would survive a process crash but may lose the last commits.
     await conn.execute_fetchall(f"PRAGMA synchronous = {mode}")
+    await conn.execute_fetchall("PRAGMA journal_size_limit = 67108864")  # truncate the WAL after a burst
     check = await _scalar(conn, "PRAGMA quick_check")
     if check != "ok":
         raise StoreError(f"the database failed quick_check: {check}")
