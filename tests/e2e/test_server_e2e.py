@@ -3,6 +3,7 @@ and by `curl -N`; greedy output equals `transformers`; SIGTERM drains gracefully
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import threading
@@ -102,7 +103,7 @@ def test_curl_streams_sse_lines_ending_with_done(server, tiny_model_dir):
 
 
 def test_sigterm_lets_a_running_stream_finish_then_exits(tiny_model_dir, tmp_path):
-    import httpx
+    import urllib.request
 
     proc = ServerProcess(["--model", str(tiny_model_dir), "--db", str(tmp_path / "chat.db"),
                           "--set", "safety.enabled=false", "--set", "server.shutdown_grace_s=20"],
@@ -112,8 +113,10 @@ def test_sigterm_lets_a_running_stream_finish_then_exits(tiny_model_dir, tmp_pat
     def run_stream():
         body = {"model": tiny_model_dir.name, "stream": True, "max_tokens": 120, "ignore_eos": True,
                 "messages": QUESTION}
-        with httpx.stream("POST", proc.base_url + "/v1/chat/completions", json=body, timeout=60) as resp:
-            result["text"] = "".join(resp.iter_text())
+        req = urllib.request.Request(proc.base_url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            result["text"] = resp.read().decode()
 
     thread = threading.Thread(target=run_stream)
     thread.start()
