@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import threading
+import time
 
 import pytest
 
@@ -105,14 +106,17 @@ def test_curl_streams_sse_lines_ending_with_done(server, tiny_model_dir):
 def test_sigterm_lets_a_running_stream_finish_then_exits(tiny_model_dir, tmp_path):
     import urllib.request
 
-    proc = ServerProcess(["--model", str(tiny_model_dir), "--db", str(tmp_path / "chat.db"),
-                          "--set", "safety.enabled=false", "--set", "server.shutdown_grace_s=20"],
-                         log_path=tmp_path / "server.log").start()
+    from tests.e2e.test_durability import write_config
+
+    # The echo backend at 50 ms a token makes a stream last about 3 s: long enough to
+    # still be running when SIGTERM arrives, well inside the 20 s grace period.
+    proc = ServerProcess(["--config", write_config(tmp_path, tiny_model_dir), "--db", str(tmp_path / "chat.db"),
+                          "--set", "server.shutdown_grace_s=20"],
+                         env={"CHAT_ECHO_TOKEN_DELAY_S": "0.05"}, log_path=tmp_path / "server.log").start()
     result: dict = {}
 
     def run_stream():
-        body = {"model": tiny_model_dir.name, "stream": True, "max_tokens": 120, "ignore_eos": True,
-                "messages": QUESTION}
+        body = {"model": "echo", "stream": True, "messages": [{"role": "user", "content": " ".join(["w"] * 60)}]}
         req = urllib.request.Request(proc.base_url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as resp:
@@ -120,10 +124,9 @@ def test_sigterm_lets_a_running_stream_finish_then_exits(tiny_model_dir, tmp_pat
 
     thread = threading.Thread(target=run_stream)
     thread.start()
-    import time
-
     time.sleep(1.0)
     code = proc.terminate(timeout_s=40)
     thread.join(30)
     assert code == 0
     assert result["text"].rstrip().endswith("data: [DONE]")
+    assert result["text"].count('"content":"w') + result["text"].count('"content":" w') == 60
