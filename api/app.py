@@ -7,6 +7,7 @@ here are the only places that stamp request ids, authenticate and render errors.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import uuid
 from collections.abc import AsyncIterator
@@ -139,6 +140,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     store = await Store.open(Path(settings.store.path), settings.store)
     models = build_models(settings)
     started = []
+    purge_task = None
     try:
         for handle in models.values():
             await handle.backend.start()
@@ -149,9 +151,14 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             await state.safety.start()
         for queue in state.queues.values():
             await queue.start()
+        retention = {name: tier.retention_days for name, tier in settings.tiers.items()}
+        purge_task = asyncio.create_task(store.run_purge_loop(retention))
         log.info("server_ready", models=list(models), keyless=state.local_principal is not None)
         yield
     finally:
+        if purge_task is not None:
+            purge_task.cancel()
+            await asyncio.gather(purge_task, return_exceptions=True)
         if STATE in app:
             app[STATE].draining = True
             for queue in app[STATE].queues.values():

@@ -15,7 +15,7 @@ from aiohttp import web
 from api.chat import read_json
 from api.errors import ApiError, bad_request, not_found
 from api.state import PRINCIPAL, SETTINGS, STATE
-from store.types import Conversation, Message, StoreUnavailable
+from store.types import Conversation, Message, NotFound, StoreUnavailable
 
 _MAX_TITLE_CHARS = 200
 
@@ -108,9 +108,12 @@ async def list_conversations(request: web.Request) -> web.Response:
     if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
         raise bad_request(f"'limit' must be an integer from 1 to 100, got {limit_text!r}.", param="limit")
     after = request.query.get("after")
-    convs, has_more = await request.app[STATE].store.list_conversations(
-        request[PRINCIPAL].org.id, limit=int(limit_text), after=after
-    )
+    try:
+        convs, has_more = await request.app[STATE].store.list_conversations(
+            request[PRINCIPAL].org.id, limit=int(limit_text), after=after
+        )
+    except NotFound:
+        raise not_found(f"No conversation found with id '{after}' (the 'after' cursor).", param="after") from None
     data = [_conversation_obj(c, with_messages=False) for c in convs]
     return _json({"object": "list", "data": data, "has_more": has_more,
                   "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
@@ -179,7 +182,7 @@ async def usage(request: web.Request) -> web.Response:
         request[PRINCIPAL].org.id, start=start if start is not None else month_start(), end=end, group_by=group_by
     )
     totals = {k: sum(r.get(k, 0) or 0 for r in rows)
-              for k in ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_usd")}
+              for k in ("num_requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_usd")}
     return _json({"object": "usage", "group_by": group_by, "data": rows, "total": totals})
 
 

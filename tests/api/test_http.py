@@ -101,6 +101,7 @@ async def test_heartbeat_comments_arrive_while_waiting_for_the_first_token(make_
         (lambda c: c.get("/v1/chat/completions"), 405, "method_not_allowed", None),
         (lambda c: c.get("/v1/conversations/conv_missing"), 404, None, "conversation_id"),
         (lambda c: c.get("/v1/conversations?limit=0"), 400, None, "limit"),
+        (lambda c: c.get("/v1/conversations?after=conv_unknown"), 404, None, "after"),
         (lambda c: c.get("/v1/usage?group_by=planet"), 400, None, "group_by"),
         (lambda c: chat(c, {"model": "echo", "messages": USER, "conversation_id": "conv_nope"}), 404, None, "conversation_id"),
         (lambda c: c.post("/v1/chat/completions", json={"messages": USER}, headers={"Authorization": "Basic abc"}),
@@ -123,7 +124,7 @@ async def test_a_completed_request_is_billed_exactly_once_with_its_cost(make_cli
     client = await make_client()
     body = await (await chat(client, {"model": "echo", "messages": USER})).json()
     rows = await ledger_rows(client)
-    assert rows["echo"]["requests"] == 1
+    assert rows["echo"]["num_requests"] == 1
     assert rows["echo"]["completion_tokens"] == body["usage"]["completion_tokens"]
     expected = (body["usage"]["prompt_tokens"] * 1.0 + body["usage"]["completion_tokens"] * 2.0) / 1e6
     assert rows["echo"]["cost_usd"] == pytest.approx(expected)
@@ -145,7 +146,7 @@ async def test_client_disconnect_mid_stream_aborts_and_bills_generated_tokens(ma
     assert len(backend.aborted_request_ids) == 1
     assert backend.stats().num_running == 0
     row = rows["echo"]
-    assert row["requests"] == 1 and 0 < row["completion_tokens"] < 60
+    assert row["num_requests"] == 1 and 0 < row["completion_tokens"] < 60
 
 
 async def test_keyless_requests_are_refused_when_not_on_loopback(make_client):
