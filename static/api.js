@@ -1,0 +1,191 @@
+// The public HTTP API as the UI uses it: JSON calls, the API key and the chat SSE stream.
+// Knows nothing about the DOM. Every failure is an ApiFailure carrying the server's
+// OpenAI-style error fields, or `isNetwork` when no answer came back at all.
+
+const KEY_STORAGE = "chat.apiKey";
+const PAGE_SIZE = 30;
+
+export class ApiFailure extends Error {
+  constructor({ status = 0, type = null, code = null, message = "", param = null,
+                retryAfterS = null, isNetwork = false, isMidStream = false }) {
+    super(message || `HTTP ${status}`);
+    this.name = "ApiFailure";
+    this.status = status;
+    this.type = type;
+    this.code = code;
+    this.param = param;
+    this.retryAfterS = retryAfterS;
+    this.isNetwork = isNetwork;
+    this.isMidStream = isMidStream;
+  }
+}
+
+export function isAbort(error) {
+  return error != null && error.name === "AbortError";
+}
+
+// localStorage may throw (privacy modes, file://); the UI then works without a saved key.
+export function getKey() {
+  try { return localStorage.getItem(KEY_STORAGE); } catch { return null; }
+}
+
+export function setKey(key) {
+  try { localStorage.setItem(KEY_STORAGE, key); } catch { /* not persisted */ }
+}
+
+export function clearKey() {
+  try { localStorage.removeItem(KEY_STORAGE); } catch { /* nothing stored */ }
+}
+
+function headers(extra) {
+  const result = { ...extra };
+  const key = getKey();
+  if (key) result.Authorization = `Bearer ${key}`;
+  return result;
+}
+
+// Retry-After is delta-seconds or an HTTP date (RFC 9110 10.2.3).
+export function parseRetryAfter(value) {
+  if (!value) return null;
+  const seconds = Number(value);
+  if (Number.isFinite(seconds)) return Math.max(0, seconds);
+  const date = Date.parse(value);
+  return Number.isNaN(date) ? null : Math.max(0, (date - Date.now()) / 1000);
+}
+
+async function failureFrom(response) {
+  let body = null;
+  try { body = await response.json(); } catch { /* not JSON: keep the status text */ }
+  const error = (body && body.error) || {};
+  return new ApiFailure({
+    status: response.status,
+    type: error.type ?? null,
+    code: error.code ?? null,
+    param: error.param ?? null,
+    message: error.message || response.statusText || `HTTP ${response.status}`,
+    retryAfterS: parseRetryAfter(response.headers.get("Retry-After")),
+  });
+}
+
+function networkFailure(cause) {
+  return new ApiFailure({ isNetwork: true, message: `Network error: ${cause && cause.message ? cause.message : cause}` });
+}
+
+async function send(path, { method = "GET", body, signal, accept } = {}) {
+  const extra = {};
+  if (body !== undefined) extra["Content-Type"] = "application/json";
+  if (accept) extra.Accept = accept;
+  let response;
+  try {
+    response = await fetch(path, {
+      method, signal, cache: "no-store", headers: headers(extra),
+      body: body === undefined ? undefined : JSON.stringify(body),
+    });
+  } catch (error) {
+    throw isAbort(error) ? error : networkFailure(error);
+  }
+  if (!response.ok) throw await failureFrom(response);
+  return response;
+}
+
+async function json(path, options) {
+  const response = await send(path, options);
+  return response.json();
+}
+
+const conv = (id) => `/v1/conversations/${encodeURIComponent(id)}`;
+
+export const api = {
+  models: () => json("/v1/models"),
+  listConversations: (afterId) =>
+    json(`/v1/conversations?limit=${PAGE_SIZE}${afterId ? `&after=${encodeURIComponent(afterId)}` : ""}`),
+  getConversation: (id) => json(conv(id)),
+  createConversation: () => json("/v1/conversations", { method: "POST", body: {} }),
+  renameConversation: (id, title) => json(conv(id), { method: "PATCH", body: { title } }),
+  deleteConversation: (id) => json(conv(id), { method: "DELETE" }),
+  truncateConversation: (id, keepMessages) =>
+    json(`${conv(id)}/truncate`, { method: "POST", body: { keep_messages: keepMessages } }),
+  usage: () => json("/v1/usage?group_by=model"),
+};
+
+// One parsed SSE item: {comment} for ':' lines, {data} for a complete event.
+async function* sseEvents(body) {
+  const reader = body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  let dataLines = [];
+  try {
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, { stream: true });
+      let newline;
+      while ((newline = buffer.indexOf("\n")) >= 0) {
+        const line = buffer.slice(0, newline).replace(/\r$/, "");
+        buffer = buffer.slice(newline + 1);
+        if (line === "") {
+          if (dataLines.length) yield { data: dataLines.join("\n") };
+          dataLines = [];
+        } else if (line.startsWith(":")) {
+          yield { comment: line.slice(1).trim() };
+        } else if (line.startsWith("data:")) {
+          dataLines.push(line.slice(5).replace(/^ /, ""));
+        }
+      }
+    }
+    if (dataLines.length) yield { data: dataLines.join("\n") };
+  } finally {
+    reader.releaseLock();
+  }
+}
+
+function applyChunk(result, chunk, onDelta) {
+  if (chunk.model) result.model = chunk.model;
+  if (chunk.usage) result.usage = chunk.usage;
+  for (const choice of chunk.choices || []) {
+    const text = choice.delta && choice.delta.content;
+    if (text) onDelta(text);
+    if (choice.finish_reason) result.finishReason = choice.finish_reason;
+  }
+}
+
+// Streams one new user message into a stored conversation. Calls onDelta(text) per content
+// delta and onComment(text) per SSE comment (queue position, heartbeat). Resolves with
+// {model, fallbackFrom, finishReason, usage}; rejects with an AbortError when `signal`
+// aborts (the server then aborts the generation) or an ApiFailure.
+export async function streamChat({ model, content, conversationId, signal, onDelta, onComment }) {
+  const body = {
+    messages: [{ role: "user", content }],
+    stream: true,
+    stream_options: { include_usage: true },
+    conversation_id: conversationId,
+  };
+  if (model) body.model = model;
+  const response = await send("/v1/chat/completions", { method: "POST", body, signal, accept: "text/event-stream" });
+  const result = { model: null, fallbackFrom: response.headers.get("x-fallback-from"), finishReason: null, usage: null };
+  let isDone = false;
+  try {
+    for await (const event of sseEvents(response.body)) {
+      if (event.comment !== undefined) {
+        if (onComment) onComment(event.comment);
+      } else if (event.data === "[DONE]") {
+        isDone = true;
+        break;
+      } else {
+        const chunk = JSON.parse(event.data);
+        if (chunk.error) throw new ApiFailure({ ...streamError(chunk.error), isMidStream: true });
+        applyChunk(result, chunk, onDelta);
+      }
+    }
+  } catch (error) {
+    if (isAbort(error) || error instanceof ApiFailure) throw error;
+    throw networkFailure(error);
+  }
+  if (!isDone) throw networkFailure("the answer stream ended before it was complete");
+  return result;
+}
+
+function streamError(error) {
+  return { status: 200, type: error.type ?? null, code: error.code ?? null, param: error.param ?? null,
+           message: error.message || "The answer failed." };
+}

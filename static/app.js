@@ -1,0 +1,398 @@
+// The chat UI's entry point: boot (key, models, conversations), the send/stop/regenerate/
+// edit flow against the public API, the error banner and the usage summary. The server's
+// stored conversation is the truth; after each answer the view is re-synced from it.
+
+import { api, clearKey, getKey, isAbort, setKey, streamChat } from "./api.js";
+import { Sidebar, displayTitle } from "./sidebar.js";
+import { plural, editInPlace, renderMessages, scrollToBottom, setBusy, streamingTarget } from "./view.js";
+
+const $ = (id) => document.getElementById(id);
+const el = {
+  input: $("composer-input"), form: $("composer"), send: $("send"), stop: $("stop"), status: $("status"),
+  title: $("chat-title"), model: $("model-select"), banner: $("banner"), bannerText: $("banner-text"),
+  bannerRetry: $("banner-retry"), bannerClose: $("banner-close"), usage: $("usage-summary"),
+  keyDialog: $("key-dialog"), keyForm: $("key-form"), keyInput: $("key-input"), keyReason: $("key-reason"),
+  keyForget: $("key-forget"), openKey: $("open-key"), newChat: $("new-chat"), sidebar: $("sidebar"),
+  openSidebar: $("open-sidebar"), closeSidebar: $("close-sidebar"), backdrop: $("sidebar-backdrop"),
+};
+const MODEL_STORAGE = "chat.model";
+const SYNC_ATTEMPTS = 5;
+const SYNC_RETRY_MS = 300;
+
+// localStorage may throw (privacy modes); the model choice is then simply not remembered.
+function loadSetting(name) {
+  try { return localStorage.getItem(name); } catch { return null; }
+}
+
+function saveSetting(name, value) {
+  try { localStorage.setItem(name, value); } catch { /* not remembered */ }
+}
+
+const state = {
+  conversationId: null,
+  messages: [],       // {role, content, model?, tokens?, usage?, fallbackFrom?, finishReason?, isStopped?, errorText?}
+  controller: null,   // AbortController of the answer being streamed
+  retryTimer: null,
+};
+
+const sidebar = new Sidebar({
+  onOpen: (id) => { closeSidebar(); openConversation(id); },
+  onDeleted: (id) => { if (id === state.conversationId) newChat(); },
+  onRenamed: (c) => { if (c.id === state.conversationId) el.title.textContent = displayTitle(c); },
+  onError: (error) => showError(error, null),
+});
+
+// ---- banner ---------------------------------------------------------------------------
+function describe(error) {
+  if (error.isNetwork) return "Network connection lost. Check the connection, then retry.";
+  if (error.isMidStream) return `The answer failed: ${error.message}`;
+  const wait = error.retryAfterS != null ? Math.ceil(error.retryAfterS) : null;
+  switch (error.status) {
+    case 401: return `API key needed: ${error.message}`;
+    case 404: return error.param === "conversation_id" ? "This conversation no longer exists." : error.message;
+    case 429:
+      if (error.code === "insufficient_quota") return "Over budget: this month's spending limit is reached.";
+      return `Rate limited.${wait != null ? " You can retry in {s}." : " Retry in a moment."}`;
+    case 503: return `The server is busy.${wait != null ? " Retry in {s}." : " Retry in a moment."}`;
+    case 400:
+      if (error.code === "context_length_exceeded") {
+        return "This conversation is too long for the model. Start a new chat or edit an earlier message.";
+      }
+      return `The request was rejected: ${error.message}`;
+    default: return `Something went wrong (${error.status || "no answer"}): ${error.message}`;
+  }
+}
+
+function showBanner(text, { retry = null, isInfo = false, waitS = null } = {}) {
+  clearInterval(state.retryTimer);
+  el.banner.hidden = false;
+  el.banner.classList.toggle("banner-info", isInfo);
+  el.bannerRetry.hidden = retry == null;
+  el.bannerRetry.onclick = retry && (() => { hideBanner(); retry(); });
+  const deadline = Date.now() + (waitS || 0) * 1000;
+  const paint = () => {
+    const left = Math.max(0, Math.ceil((deadline - Date.now()) / 1000));
+    el.bannerText.textContent = text.replace("{s}", `${left} s`);
+    el.bannerRetry.disabled = left > 0;
+    if (left === 0) clearInterval(state.retryTimer);
+  };
+  paint();
+  if (waitS) state.retryTimer = setInterval(paint, 1000);
+}
+
+function hideBanner() {
+  clearInterval(state.retryTimer);
+  el.banner.hidden = true;
+}
+
+function showError(error, retry) {
+  if (error.status === 401) openKeyDialog(error.message);
+  const canRetry = retry != null && error.code !== "insufficient_quota" && error.status !== 400 && error.status !== 404;
+  showBanner(describe(error), { retry: canRetry ? retry : null, waitS: error.retryAfterS });
+}
+
+// ---- API key --------------------------------------------------------------------------
+function openKeyDialog(reason) {
+  el.keyReason.textContent = reason
+    ? `${reason} The key is kept in this browser's local storage only.`
+    : "The key is kept in this browser's local storage only.";
+  el.keyInput.value = getKey() || "";
+  el.openKey.hidden = false;
+  if (!el.keyDialog.open) el.keyDialog.showModal();
+}
+
+el.keyForm.addEventListener("submit", (event) => {
+  event.preventDefault();
+  const key = el.keyInput.value.trim();
+  if (key) setKey(key);
+  el.keyDialog.close();
+  boot();
+});
+el.keyForget.addEventListener("click", () => { clearKey(); el.keyInput.value = ""; el.keyDialog.close(); boot(); });
+el.openKey.addEventListener("click", () => openKeyDialog(null));
+
+// ---- models and usage ------------------------------------------------------------------
+async function loadModels() {
+  const { data } = await api.models();
+  const saved = loadSetting(MODEL_STORAGE);
+  el.model.replaceChildren(...data.map((m) => new Option(m.id, m.id)));
+  if (data.some((m) => m.id === saved)) el.model.value = saved;
+  el.model.disabled = data.length === 0;
+}
+
+el.model.addEventListener("change", () => saveSetting(MODEL_STORAGE, el.model.value));
+
+async function refreshUsage() {
+  try {
+    const { data, total } = await api.usage();
+    // Rows count requests as num_requests; `total.requests` is summed server-side.
+    const requests = total.requests || data.reduce((n, r) => n + (r.num_requests || r.requests || 0), 0);
+    const tokens = (total.prompt_tokens || 0) + (total.completion_tokens || 0);
+    const cost = Number(total.cost_usd || 0);
+    el.usage.textContent = `This month: ${plural(requests, "request")} \u00b7 ${plural(tokens, "token")}`
+      + ` \u00b7 $${cost.toFixed(cost < 1 ? 4 : 2)}`;
+    el.usage.title = data.map((r) => `${r.model}: ${plural(r.num_requests || r.requests, "request")},`
+      + ` ${plural((r.prompt_tokens || 0) + (r.completion_tokens || 0), "token")}, $${Number(r.cost_usd || 0).toFixed(4)}`).join("\n");
+  } catch (error) {
+    el.usage.textContent = "This month: usage unavailable";
+  }
+}
+
+// ---- conversations ---------------------------------------------------------------------
+function setConversation(id, title) {
+  state.conversationId = id;
+  el.title.textContent = id ? title : "New chat";
+  sidebar.setActive(id);
+  const hash = id ? `#${id}` : "";
+  if (window.location.hash !== hash) history.replaceState(null, "", `${window.location.pathname}${hash}`);
+}
+
+function newChat() {
+  if (state.controller) return;
+  hideBanner();
+  setConversation(null, null);
+  state.messages = [];
+  paint();
+  el.input.focus();
+}
+
+async function openConversation(id) {
+  if (state.controller) return;
+  try {
+    const conversation = await api.getConversation(id);
+    hideBanner();
+    setConversation(conversation.id, displayTitle(conversation));
+    state.messages = conversation.messages;
+    paint();
+    scrollToBottom();
+  } catch (error) {
+    showError(error, null);
+    if (error.status === 404) newChat();
+  }
+}
+
+// Re-reads the stored conversation; keeps live-only details (usage, cost, notes) of
+// messages that are still there. An aborted answer is stored a moment after the abort,
+// so wait for `expectedCount` messages a few times before giving up.
+async function syncFromServer(id, expectedCount) {
+  let conversation = null;
+  for (let attempt = 0; attempt < SYNC_ATTEMPTS; attempt += 1) {
+    conversation = await api.getConversation(id);
+    if (conversation.messages.length >= expectedCount) break;
+    await new Promise((r) => setTimeout(r, SYNC_RETRY_MS));
+  }
+  if (id !== state.conversationId) return;
+  state.messages = conversation.messages.map((stored, i) => {
+    const local = state.messages[i];
+    return local && local.role === stored.role ? { ...local, ...stored } : stored;
+  });
+  el.title.textContent = displayTitle(conversation);
+  sidebar.upsert(conversation);
+  sidebar.setActive(id);
+}
+
+// ---- sending ---------------------------------------------------------------------------
+const PROVISIONAL_TITLE_CHARS = 80;
+
+function provisionalTitle(content) {
+  const words = content.split(/\s+/).filter(Boolean).join(" ");
+  return words.length <= PROVISIONAL_TITLE_CHARS ? words : `${words.slice(0, PROVISIONAL_TITLE_CHARS - 1)}\u2026`;
+}
+
+function actionsFor(index) {
+  if (state.controller) return {};
+  const msg = state.messages[index];
+  const isLast = index === state.messages.length - 1;
+  const actions = {};
+  if (msg.role === "user") actions.onEdit = () => editMessage(index);
+  if (isLast && (msg.role === "assistant" || msg.role === "user")) actions.onRegenerate = () => regenerate();
+  return actions;
+}
+
+function paint() {
+  renderMessages(state.messages, actionsFor);
+}
+
+async function editMessage(index) {
+  const content = await editInPlace(index, state.messages[index].content);
+  if (content == null) { paint(); return; }
+  await send(content, index);
+}
+
+function regenerate() {
+  const lastUser = state.messages.map((m) => m.role).lastIndexOf("user");
+  if (lastUser >= 0) send(state.messages[lastUser].content, lastUser);
+}
+
+function setStreaming(isStreaming) {
+  el.send.hidden = isStreaming;
+  el.stop.hidden = !isStreaming;
+  el.model.disabled = isStreaming;
+  el.newChat.disabled = isStreaming;
+  setBusy(isStreaming);
+  if (!isStreaming) el.status.textContent = "";
+}
+
+function onComment(comment) {
+  const queued = /^queued position=(\d+)/.exec(comment);
+  if (queued) el.status.textContent = `Queued (position ${queued[1]})\u2026`;
+  else if (comment === "processing") el.status.textContent = "Reading your message\u2026";
+}
+
+// Sends `content` as the next user message. `keepMessages` (regenerate, edit, retry) first
+// truncates the stored conversation to that many messages, so the server and view agree.
+async function send(content, keepMessages = null) {
+  if (state.controller || !content.trim()) return;
+  hideBanner();
+  const keep = keepMessages ?? state.messages.length;
+  const controller = new AbortController();
+  state.controller = controller;
+  setStreaming(true);
+  try {
+    if (!state.conversationId) {
+      const created = await api.createConversation();
+      // The server titles it from the first message once stored; show the same meanwhile.
+      created.title = created.title || provisionalTitle(content);
+      setConversation(created.id, displayTitle(created));
+      sidebar.upsert(created);
+      sidebar.setActive(created.id);
+    } else if (keep < state.messages.length) {
+      await api.truncateConversation(state.conversationId, keep);
+    }
+  } catch (error) {
+    state.controller = null;
+    setStreaming(false);
+    showError(error, () => send(content, keepMessages));
+    return;
+  }
+  await streamAnswer(state.conversationId, content, keep, controller);
+}
+
+async function streamAnswer(conversationId, content, keep, controller) {
+  const answer = { role: "assistant", content: "", model: el.model.value || null, isStreaming: true };
+  state.messages = [...state.messages.slice(0, keep), { role: "user", content }, answer];
+  paint();
+  el.status.textContent = "Waiting for the model\u2026";
+  const target = streamingTarget(keep + 1);
+  let expected = keep + 2;
+  let failure = null;
+  try {
+    const result = await streamChat({
+      model: el.model.value || null, content, conversationId, signal: controller.signal, onComment,
+      onDelta: (text) => { el.status.textContent = ""; answer.content += text; target.append(text); },
+    });
+    Object.assign(answer, { model: result.model, usage: result.usage, fallbackFrom: result.fallbackFrom,
+                            finishReason: result.finishReason });
+    if (result.finishReason === "content_filter") {
+      showBanner("The answer was stopped by the content filter.", { isInfo: true });
+    }
+  } catch (error) {
+    if (isAbort(error)) {
+      answer.isStopped = true;
+      expected = keep + (answer.content ? 2 : 1);
+    } else {
+      failure = error;
+      answer.errorText = describe(error).replace("{s}", "a moment");
+      // Refused before the stream: nothing was stored; give the text back to retype or resend.
+      expected = error.status && !error.isMidStream ? keep : 0;
+      if (expected === keep && !el.input.value) el.input.value = content;
+    }
+  } finally {
+    answer.isStreaming = false;
+    state.controller = null;
+    setStreaming(false);
+  }
+  await finishTurn(conversationId, expected, failure, () => {
+    if (el.input.value === content) el.input.value = "";
+    send(content, keep);
+  });
+}
+
+async function finishTurn(conversationId, expected, failure, retry) {
+  try {
+    await syncFromServer(conversationId, expected);
+  } catch (error) {
+    failure = failure || error;
+  }
+  paint();
+  if (failure) showError(failure, retry);
+  refreshUsage();
+}
+
+function stop() {
+  if (state.controller) state.controller.abort();
+}
+
+el.form.addEventListener("submit", (event) => {
+  event.preventDefault();
+  const content = el.input.value;
+  if (!content.trim() || state.controller) return;
+  el.input.value = "";
+  autoGrow();
+  send(content);
+});
+
+el.input.addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+    event.preventDefault();
+    el.form.requestSubmit();
+  } else if (event.key === "Escape" && state.controller) {
+    stop();
+  }
+});
+
+function autoGrow() {
+  el.input.style.height = "auto";
+  el.input.style.height = `${Math.min(el.input.scrollHeight, 240)}px`;
+}
+
+el.input.addEventListener("input", autoGrow);
+el.stop.addEventListener("click", stop);
+el.newChat.addEventListener("click", () => { closeSidebar(); newChat(); });
+el.bannerClose.addEventListener("click", hideBanner);
+
+// ---- narrow screens: the sidebar slides over the chat ----------------------------------
+function openSidebar() {
+  el.sidebar.classList.add("open");
+  el.backdrop.hidden = false;
+  el.openSidebar.setAttribute("aria-expanded", "true");
+  el.newChat.focus();
+}
+
+function closeSidebar() {
+  if (!el.sidebar.classList.contains("open")) return;
+  el.sidebar.classList.remove("open");
+  el.backdrop.hidden = true;
+  el.openSidebar.setAttribute("aria-expanded", "false");
+}
+
+el.openSidebar.addEventListener("click", openSidebar);
+el.closeSidebar.addEventListener("click", () => { closeSidebar(); el.openSidebar.focus(); });
+el.backdrop.addEventListener("click", closeSidebar);
+document.addEventListener("keydown", (event) => { if (event.key === "Escape") closeSidebar(); });
+
+// ---- boot ------------------------------------------------------------------------------
+async function boot() {
+  hideBanner();
+  el.openKey.hidden = !getKey();
+  try {
+    await loadModels();
+  } catch (error) {
+    showError(error, boot);
+    return;
+  }
+  await sidebar.refresh();
+  refreshUsage();
+  // The hash only selects a stored conversation; nothing from the URL is ever sent.
+  const id = window.location.hash.slice(1);
+  if (/^[\w-]{1,100}$/.test(id)) await openConversation(id);
+  else newChat();
+  document.body.classList.add("ready");
+}
+
+window.addEventListener("hashchange", () => {
+  const id = window.location.hash.slice(1);
+  if (id && id !== state.conversationId) openConversation(id);
+});
+
+boot();

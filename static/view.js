@@ -1,0 +1,200 @@
+// The message list: one <article> per message, the streaming answer, per-message actions
+// and the meta line (model, fallback, tokens, cost). Finished assistant text is rendered
+// through render.js; everything else goes in as textContent. Owns no server calls.
+
+import { copyButton, renderMarkdown } from "./render.js";
+
+const messagesEl = document.getElementById("messages");
+const welcomeEl = document.getElementById("welcome");
+const NEAR_BOTTOM_PX = 80;
+
+const FINISH_NOTES = {
+  length: "Cut off at the token limit.",
+  content_filter: "Stopped by the content filter.",
+};
+
+function isNearBottom() {
+  return messagesEl.scrollHeight - messagesEl.scrollTop - messagesEl.clientHeight < NEAR_BOTTOM_PX;
+}
+
+export function scrollToBottom() {
+  messagesEl.scrollTop = messagesEl.scrollHeight;
+}
+
+function formatCost(usd) {
+  if (usd == null) return null;
+  if (usd === 0) return "$0";
+  return usd < 0.01 ? `$${usd.toPrecision(2)}` : `$${usd.toFixed(4)}`;
+}
+
+export function formatInt(n) {
+  return Number(n || 0).toLocaleString("en-US");
+}
+
+export function plural(n, word) {
+  return `${formatInt(n)} ${word}${Number(n) === 1 ? "" : "s"}`;
+}
+
+// The meta line under an assistant message: model, fallback, tokens, cost, notes.
+export function metaText(msg) {
+  const parts = [];
+  if (msg.model) parts.push(msg.model);
+  if (msg.fallbackFrom) parts.push(`fallback: ${msg.fallbackFrom} was busy`);
+  const usage = msg.usage;
+  if (usage) {
+    const cached = usage.prompt_tokens_details ? usage.prompt_tokens_details.cached_tokens : 0;
+    parts.push(`${formatInt(usage.prompt_tokens)} in${cached ? ` (${formatInt(cached)} cached)` : ""}`
+      + ` \u00b7 ${formatInt(usage.completion_tokens)} out`);
+    const cost = formatCost(usage.cost_usd);
+    if (cost) parts.push(cost);
+  } else if (msg.tokens != null) {
+    parts.push(plural(msg.tokens, "token"));
+  }
+  return parts.join(" \u00b7 ");
+}
+
+function noteText(msg) {
+  if (msg.isStopped) return "Stopped.";
+  if (msg.errorText) return msg.errorText;
+  return FINISH_NOTES[msg.finishReason] || "";
+}
+
+function actionButton(label, ariaLabel, onClick) {
+  const button = document.createElement("button");
+  button.type = "button";
+  button.className = "btn btn-small btn-ghost";
+  button.textContent = label;
+  button.setAttribute("aria-label", ariaLabel);
+  button.addEventListener("click", onClick);
+  return button;
+}
+
+function fillBody(body, msg) {
+  body.replaceChildren();
+  if (msg.role === "assistant" && !msg.isStreaming) {
+    body.classList.add("markdown");
+    renderMarkdown(body, msg.content);
+  } else {
+    body.classList.remove("markdown");
+    body.textContent = msg.content;
+  }
+}
+
+function roleLabel(role) {
+  return { user: "You", assistant: "Assistant", system: "System" }[role] || role;
+}
+
+// Builds one message; `actions` = {onEdit?, onRegenerate?} for the buttons it may show.
+export function messageElement(msg, index, actions) {
+  const article = document.createElement("article");
+  article.className = `msg msg-${msg.role}`;
+  article.dataset.index = String(index);
+  const role = document.createElement("h3");
+  role.className = "msg-role";
+  role.textContent = roleLabel(msg.role);
+  const body = document.createElement("div");
+  body.className = "msg-body";
+  fillBody(body, msg);
+  article.append(role, body);
+  const note = noteText(msg);
+  if (note) {
+    const noteEl = document.createElement("p");
+    noteEl.className = `msg-note${msg.errorText || msg.finishReason === "content_filter" ? " msg-note-warn" : ""}`;
+    noteEl.textContent = note;
+    article.append(noteEl);
+  }
+  const footer = document.createElement("div");
+  footer.className = "msg-foot";
+  if (msg.role === "assistant" && !msg.isStreaming) {
+    const meta = document.createElement("span");
+    meta.className = "msg-meta";
+    meta.textContent = metaText(msg);
+    footer.append(meta);
+  }
+  const buttons = document.createElement("span");
+  buttons.className = "msg-actions";
+  if (!msg.isStreaming && msg.content) buttons.append(copyButton(() => msg.content));
+  if (actions.onEdit) buttons.append(actionButton("Edit", `Edit message ${index + 1}`, actions.onEdit));
+  if (actions.onRegenerate) {
+    const label = msg.role === "assistant" ? "Regenerate" : "Retry";
+    buttons.append(actionButton(label, `${label} the answer`, actions.onRegenerate));
+  }
+  footer.append(buttons);
+  article.append(footer);
+  return article;
+}
+
+// Replaces the whole list. `actionsFor(index)` returns the actions of message `index`.
+export function renderMessages(messages, actionsFor) {
+  const stick = isNearBottom();
+  messagesEl.replaceChildren();
+  welcomeEl.hidden = messages.length > 0;
+  messagesEl.append(welcomeEl);
+  messages.forEach((msg, i) => messagesEl.append(messageElement(msg, i, actionsFor(i))));
+  if (stick || messages.length === 0) scrollToBottom();
+}
+
+// The element of the answer being streamed: a text node that only ever grows.
+export function streamingTarget(index) {
+  const body = messagesEl.querySelector(`article[data-index="${index}"] .msg-body`);
+  const text = document.createTextNode("");
+  body.replaceChildren(text);
+  body.classList.add("streaming");
+  return {
+    append(delta) {
+      const stick = isNearBottom();
+      text.appendData(delta);
+      if (stick) scrollToBottom();
+    },
+  };
+}
+
+// Turns a user message into an inline editor; resolves with the new text or null.
+export function editInPlace(index, original) {
+  const article = messagesEl.querySelector(`article[data-index="${index}"]`);
+  const body = article.querySelector(".msg-body");
+  const form = document.createElement("form");
+  form.className = "edit-form";
+  const area = document.createElement("textarea");
+  area.value = original;
+  area.setAttribute("aria-label", "Edit message");
+  const save = document.createElement("button");
+  save.type = "submit";
+  save.className = "btn btn-primary btn-small";
+  save.textContent = "Save & send";
+  const cancel = document.createElement("button");
+  cancel.type = "button";
+  cancel.className = "btn btn-ghost btn-small";
+  cancel.textContent = "Cancel";
+  const row = document.createElement("div");
+  row.className = "edit-actions";
+  row.append(cancel, save);
+  form.append(area, row);
+  body.replaceWith(form);
+  article.querySelector(".msg-foot").hidden = true;
+  const fit = () => {
+    area.style.height = "auto";
+    area.style.height = `${Math.min(area.scrollHeight + 4, 320)}px`;
+  };
+  area.addEventListener("input", fit);
+  fit();
+  area.focus();
+  return new Promise((resolve) => {
+    form.addEventListener("submit", (event) => {
+      event.preventDefault();
+      resolve(area.value.trim() ? area.value : null);
+    });
+    cancel.addEventListener("click", () => resolve(null));
+    area.addEventListener("keydown", (event) => {
+      if (event.key === "Escape") resolve(null);
+      if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+        event.preventDefault();
+        form.requestSubmit();
+      }
+    });
+  });
+}
+
+export function setBusy(isBusy) {
+  messagesEl.setAttribute("aria-busy", isBusy ? "true" : "false");
+}
