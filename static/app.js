@@ -97,7 +97,6 @@ function openKeyDialog(reason) {
     ? `${reason} The key is kept in this browser's local storage only.`
     : "The key is kept in this browser's local storage only.";
   el.keyInput.value = getKey() || "";
-  el.openKey.hidden = false;
   if (!el.keyDialog.open) el.keyDialog.showModal();
 }
 
@@ -248,8 +247,9 @@ async function send(content, keepMessages = null) {
   const controller = new AbortController();
   state.controller = controller;
   setStreaming(true);
+  const isNew = !state.conversationId;
   try {
-    if (!state.conversationId) {
+    if (isNew) {
       const created = await api.createConversation();
       // The server titles it from the first message once stored; show the same meanwhile.
       created.title = created.title || provisionalTitle(content);
@@ -265,17 +265,29 @@ async function send(content, keepMessages = null) {
     showError(error, () => send(content, keepMessages));
     return;
   }
-  await streamAnswer(state.conversationId, content, keep, controller);
+  const outcome = await streamAnswer(state.conversationId, content, keep, controller);
+  const retry = () => {
+    if (el.input.value === content) el.input.value = "";
+    send(content, isNew && outcome.isRefused ? null : keep);
+  };
+  if (isNew && outcome.isRefused) {
+    await discardConversation(state.conversationId);
+    showError(outcome.failure, retry);
+    return;
+  }
+  await finishTurn(state.conversationId, outcome, retry);
 }
 
+// Streams the answer to `content`; resolves with {expected, failure, isRefused}: how many
+// messages the server should now hold, the error if any, and whether it refused before
+// storing anything (then the text goes back into the composer).
 async function streamAnswer(conversationId, content, keep, controller) {
   const answer = { role: "assistant", content: "", model: el.model.value || null, isStreaming: true };
   state.messages = [...state.messages.slice(0, keep), { role: "user", content }, answer];
   paint();
   el.status.textContent = "Waiting for the model\u2026";
   const target = streamingTarget(keep + 1);
-  let expected = keep + 2;
-  let failure = null;
+  const outcome = { expected: keep + 2, failure: null, isRefused: false };
   try {
     const result = await streamChat({
       model: el.model.value || null, content, conversationId, signal: controller.signal, onComment,
@@ -283,39 +295,49 @@ async function streamAnswer(conversationId, content, keep, controller) {
     });
     Object.assign(answer, { model: result.model, usage: result.usage, fallbackFrom: result.fallbackFrom,
                             finishReason: result.finishReason });
-    if (result.finishReason === "content_filter") {
-      showBanner("The answer was stopped by the content filter.", { isInfo: true });
-    }
   } catch (error) {
     if (isAbort(error)) {
       answer.isStopped = true;
-      expected = keep + (answer.content ? 2 : 1);
+      outcome.expected = keep + (answer.content ? 2 : 1);
     } else {
-      failure = error;
+      outcome.failure = error;
       answer.errorText = describe(error).replace("{s}", "a moment");
-      // Refused before the stream: nothing was stored; give the text back to retype or resend.
-      expected = error.status && !error.isMidStream ? keep : 0;
-      if (expected === keep && !el.input.value) el.input.value = content;
+      outcome.isRefused = Boolean(error.status) && !error.isMidStream;
+      outcome.expected = outcome.isRefused ? keep : 0;
+      if (outcome.isRefused && !el.input.value) el.input.value = content;
     }
   } finally {
     answer.isStreaming = false;
     state.controller = null;
     setStreaming(false);
   }
-  await finishTurn(conversationId, expected, failure, () => {
-    if (el.input.value === content) el.input.value = "";
-    send(content, keep);
-  });
+  return outcome;
 }
 
-async function finishTurn(conversationId, expected, failure, retry) {
+async function discardConversation(id) {
   try {
-    await syncFromServer(conversationId, expected);
+    await api.deleteConversation(id);
+  } catch {
+    // Left empty on the server; it still shows in the list and can be deleted there.
+    await sidebar.refresh();
+  }
+  sidebar.remove(id);
+  newChat();
+}
+
+async function finishTurn(conversationId, outcome, retry) {
+  let failure = outcome.failure;
+  try {
+    await syncFromServer(conversationId, outcome.expected);
   } catch (error) {
     failure = failure || error;
   }
   paint();
+  const last = state.messages[state.messages.length - 1];
   if (failure) showError(failure, retry);
+  else if (last && last.finishReason === "content_filter") {
+    showBanner("The answer was stopped by the content filter.", { isInfo: true });
+  }
   refreshUsage();
 }
 
@@ -374,7 +396,7 @@ document.addEventListener("keydown", (event) => { if (event.key === "Escape") cl
 // ---- boot ------------------------------------------------------------------------------
 async function boot() {
   hideBanner();
-  el.openKey.hidden = !getKey();
+  el.openKey.textContent = getKey() ? "Change API key\u2026" : "Use an API key\u2026";
   try {
     await loadModels();
   } catch (error) {
@@ -389,6 +411,11 @@ async function boot() {
   else newChat();
   document.body.classList.add("ready");
 }
+
+window.addEventListener("offline", () => showBanner("You are offline. Answers resume when the network is back."));
+window.addEventListener("online", () => {
+  if (el.bannerText.textContent.startsWith("You are offline")) hideBanner();
+});
 
 window.addEventListener("hashchange", () => {
   const id = window.location.hash.slice(1);

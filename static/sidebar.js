@@ -62,6 +62,11 @@ export class Sidebar {
     this.render();
   }
 
+  remove(id) {
+    this.items = this.items.filter((c) => c.id !== id);
+    this.render();
+  }
+
   render() {
     listEl.replaceChildren(...this.items.map((c) => this.itemElement(c)));
     emptyEl.hidden = this.items.length > 0;
@@ -132,8 +137,7 @@ export class Sidebar {
         return;
       }
     }
-    this.items = this.items.filter((c) => c.id !== conversation.id);
-    this.render();
+    this.remove(conversation.id);
     this.callbacks.onDeleted(conversation.id);
   }
 }

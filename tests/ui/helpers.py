@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -52,6 +54,12 @@ price_input_per_mtok = 0.10
 price_cached_input_per_mtok = 0.01
 price_output_per_mtok = 0.30
 
+[tiers.free]
+models = ["echo-small"]
+max_tokens = 1024
+max_context_tokens = 16384
+budget_fallback = false
+
 [tiers.enterprise]
 models = ["echo-large", "echo-small"]
 max_tokens = 4096
@@ -63,6 +71,7 @@ requests_per_minute = {rpm}
 @dataclass
 class UiServer:
     proc: ServerProcess
+    config_path: Path
     db_path: Path
 
     @property
@@ -87,6 +96,15 @@ class UiServer:
             ).fetchall()
         return [dict(r) for r in rows]
 
+    def create_key(self, org: str, tier: str, *, budget_usd: str = "none") -> str:
+        """`server.py keys create` against the running server's database; returns the secret."""
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "server.py"), "--config", str(self.config_path), "keys", "create",
+             "--org", org, "--tier", tier, "--budget", budget_usd, "--db", str(self.db_path)],
+            cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
+        )
+        return out.stdout.strip().splitlines()[-1].strip()
+
     def stop(self) -> None:
         self.proc.__exit__(None, None, None)
 
@@ -101,7 +119,7 @@ def start_ui_server(tmp: Path, model_dir: Path, *, rpm: int = 600) -> UiServer:
         log_path=tmp / "server.log",
     )
     proc.start()
-    return UiServer(proc, db_path)
+    return UiServer(proc, config, db_path)
 
 
 @dataclass
@@ -178,6 +196,10 @@ def wait_for_answer_done(page, timeout_s: float = 60.0) -> None:
 
 def conversation_id(page) -> str:
     return page.evaluate("window.location.hash.slice(1)")
+
+
+def model_options(page) -> list[str]:
+    return page.locator("#model-select option").all_inner_texts()
 
 
 def sidebar_titles(page) -> list[str]:

@@ -1,0 +1,44 @@
+"""API keys in the browser: local mode asks for none; a key entered in the UI is kept in
+local storage, sent as a Bearer token and selects its organisation (tier, models, budget)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.ui.helpers import model_options, open_page, sidebar_titles, type_and_send, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_key_entered_in_the_browser_is_kept_and_selects_its_organisation(browser, ui_server):
+    secret = ui_server.create_key("acme-ui", "free", budget_usd="0")
+    watched = open_page(browser, ui_server.base_url)
+    try:
+        page = watched.page
+        assert not page.locator("#key-dialog").is_visible(), "local mode must not ask for a key"
+        assert model_options(page) == ["echo-large", "echo-small"]
+
+        page.get_by_role("button", name="Use an API key…").click()
+        page.get_by_label("Key", exact=True).fill(secret)
+        page.get_by_role("button", name="Save").click()
+        wait_until(lambda: model_options(page) == ["echo-small"])
+        assert sidebar_titles(page) == []  # acme-ui's conversations, not the local org's
+        assert page.evaluate("localStorage.getItem('chat.apiKey')") == secret
+
+        type_and_send(page, "hello from acme")
+        banner = page.get_by_role("alert")
+        banner.wait_for(state="visible")
+        assert "Over budget" in banner.inner_text()
+        assert page.get_by_role("button", name="Retry").is_hidden()
+        watched.screenshot("over-budget-light")
+
+        page.reload()
+        page.wait_for_selector("body.ready")
+        assert model_options(page) == ["echo-small"]
+        page.get_by_role("button", name="Change API key…").click()
+        page.get_by_role("button", name="Forget key").click()
+        wait_until(lambda: model_options(page) == ["echo-large", "echo-small"])
+        assert page.evaluate("localStorage.getItem('chat.apiKey')") is None
+        assert watched.dialogs == [] and watched.page_errors == []
+    finally:
+        watched.close()
