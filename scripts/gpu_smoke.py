@@ -1,0 +1,253 @@
+"""GPU smoke test: start server.py on one model with the TensorRT-LLM backend and exercise it.
+
+For a GPU host with TensorRT-LLM installed (see docs/trtllm.md). Writes a throwaway config,
+starts the server, waits for /ready, then runs one streaming request, a burst of concurrent
+streams and a client abort, and prints TTFT and throughput. Exit code 0 only if all passed.
+`--backend echo` (or native) dry-runs the script itself on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODEL_NAME = "smoke"
+QUESTIONS = (
+    "Explain in a few sentences how a river reaches the sea.",
+    "Write a short poem about servers that batch requests.",
+    "List five uses of a hash table and say why each works.",
+    "Describe the weather on a sunny day with a light breeze.",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamResult:
+    ok: bool
+    ttft_ms: float | None
+    total_ms: float
+    num_completion_tokens: int
+    finish_reason: str | None
+    error: str | None = None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model_dir", type=Path, help="Hugging Face layout model folder")
+    p.add_argument("--backend", default="trtllm", choices=("trtllm", "native", "echo"))
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=32, help="streams in the burst")
+    p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each request")
+    p.add_argument("--startup-timeout-s", type=float, default=1800.0, help="TensorRT-LLM loads for minutes")
+    p.add_argument("--request-timeout-s", type=float, default=600.0)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="extra server setting, passed to server.py --set (repeatable)")
+    return p.parse_args(argv)
+
+
+def write_config(args: argparse.Namespace, workdir: Path) -> Path:
+    cfg = f"""
+[server]
+host = "127.0.0.1"
+port = {args.port}
+local_tier = "enterprise"
+static_dir = {json.dumps(str(REPO_ROOT / "static"))}
+
+[store]
+path = {json.dumps(str(workdir / "smoke.db"))}
+synchronous = "NORMAL"
+
+[safety]
+enabled = false
+
+[trtllm]
+tensor_parallel_size = {args.tensor_parallel_size}
+max_batch_size = {args.max_batch_size}
+
+[models.{MODEL_NAME}]
+path = {json.dumps(str(args.model_dir.resolve()))}
+backend = "{args.backend}"
+
+[tiers.enterprise]
+priority = 2
+requests_per_minute = 1000000
+tokens_per_minute = 1000000000
+max_tokens = {max(args.max_tokens, 1024)}
+max_context_tokens = 1000000
+max_concurrent_streams = {args.concurrency * 2 + 4}
+models = ["{MODEL_NAME}"]
+"""
+    path = workdir / "smoke.toml"
+    path.write_text(cfg, encoding="utf-8")
+    return path
+
+
+def start_server(config: Path, overrides: list[str], log_file: Path) -> subprocess.Popen:
+    cmd = [sys.executable, str(REPO_ROOT / "server.py"), "--config", str(config)]
+    for item in overrides:
+        cmd += ["--set", item]
+    log = log_file.open("wb")
+    return subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+
+
+def stop_server(proc: subprocess.Popen, grace_s: float = 120.0) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)  # graceful: the backend shuts TensorRT-LLM and its MPI workers down
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+async def wait_ready(session: aiohttp.ClientSession, base: str, proc: subprocess.Popen, timeout_s: float) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before it was ready")
+        try:
+            async with session.get(f"{base}/ready") as resp:
+                if resp.status == 200:
+                    return time.monotonic() - started
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(1.0)
+    raise RuntimeError(f"server not ready after {timeout_s:.0f} s")
+
+
+def chat_body(question: str, max_tokens: int) -> dict:
+    return {
+        "model": MODEL_NAME, "messages": [{"role": "user", "content": question}], "stream": True,
+        "max_tokens": max_tokens, "temperature": 0, "stream_options": {"include_usage": True},
+    }
+
+
+async def stream_chat(session: aiohttp.ClientSession, base: str, body: dict, *, stop_after_chunks: int = 0,
+                      timeout_s: float = 600.0) -> StreamResult:
+    """One streaming request; with `stop_after_chunks` the client disconnects after that many."""
+    started = time.monotonic()
+    ttft_ms, num_chunks, usage, finish = None, 0, None, None
+    try:
+        async with session.post(f"{base}/v1/chat/completions", json=body,
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            if resp.status != 200:
+                return StreamResult(False, None, _ms(started), 0, None, f"HTTP {resp.status}: {await resp.text()}")
+            async for raw in resp.content:
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return StreamResult(False, ttft_ms, _ms(started), 0, None, json.dumps(chunk["error"]))
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices", []):
+                    if choice.get("delta", {}).get("content"):
+                        num_chunks += 1
+                        ttft_ms = ttft_ms if ttft_ms is not None else _ms(started)
+                    finish = choice.get("finish_reason") or finish
+                if stop_after_chunks and num_chunks >= stop_after_chunks:
+                    resp.close()  # the disconnect the server must turn into abort()
+                    return StreamResult(True, ttft_ms, _ms(started), num_chunks, "client_abort")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        return StreamResult(False, ttft_ms, _ms(started), 0, None, f"{type(exc).__name__}: {exc}")
+    num_tokens = (usage or {}).get("completion_tokens", 0)
+    return StreamResult(finish is not None, ttft_ms, _ms(started), num_tokens, finish)
+
+
+def _ms(started: float) -> float:
+    return (time.monotonic() - started) * 1000.0
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else float("nan")
+
+
+def report(name: str, results: list[StreamResult], wall_s: float) -> bool:
+    ok = [r for r in results if r.ok]
+    ttfts = [r.ttft_ms for r in ok if r.ttft_ms is not None]
+    tokens = sum(r.num_completion_tokens for r in ok)
+    print(f"{name}: {len(ok)}/{len(results)} ok, {tokens} completion tokens in {wall_s:.2f} s "
+          f"= {tokens / wall_s if wall_s else 0:.1f} tok/s")
+    if ttfts:
+        print(f"  TTFT ms: p50 {statistics.median(ttfts):.0f}  p95 {_percentile(ttfts, 0.95):.0f}  "
+              f"max {max(ttfts):.0f}")
+    for r in results:
+        if not r.ok:
+            print(f"  failed: {r.error}")
+    return len(ok) == len(results)
+
+
+async def run_checks(args: argparse.Namespace, base: str, proc: subprocess.Popen) -> bool:
+    async with aiohttp.ClientSession() as session:
+        ready_s = await wait_ready(session, base, proc, args.startup_timeout_s)
+        print(f"server ready after {ready_s:.1f} s (backend {args.backend}, model {args.model_dir})")
+        passed = True
+        started = time.monotonic()
+        single = await stream_chat(session, base, chat_body(QUESTIONS[0], args.max_tokens),
+                                   timeout_s=args.request_timeout_s)
+        passed &= report("single stream", [single], time.monotonic() - started)
+        bodies = [chat_body(QUESTIONS[i % len(QUESTIONS)] + f" (#{i})", args.max_tokens)
+                  for i in range(args.concurrency)]
+        started = time.monotonic()
+        burst = await asyncio.gather(*(stream_chat(session, base, b, timeout_s=args.request_timeout_s)
+                                       for b in bodies))
+        passed &= report(f"burst of {args.concurrency}", list(burst), time.monotonic() - started)
+        passed &= await check_abort(session, base, args)
+        return passed
+
+
+async def check_abort(session: aiohttp.ClientSession, base: str, args: argparse.Namespace) -> bool:
+    """Disconnect mid-stream, then check the server still serves and reports the engine idle."""
+    aborted = await stream_chat(session, base, chat_body(QUESTIONS[1], args.max_tokens), stop_after_chunks=3,
+                                timeout_s=args.request_timeout_s)
+    print(f"abort: disconnected after {aborted.num_completion_tokens} chunks (ok={aborted.ok})")
+    after = await stream_chat(session, base, chat_body(QUESTIONS[2], 16), timeout_s=args.request_timeout_s)
+    print(f"after abort: next request ok={after.ok} finish_reason={after.finish_reason}")
+    async with session.get(f"{base}/metrics") as resp:
+        lines = [ln for ln in (await resp.text()).splitlines() if "running" in ln and not ln.startswith("#")]
+    for line in lines[:6]:
+        print(f"  /metrics: {line}")
+    return aborted.ok and after.ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.model_dir.is_dir():
+        print(f"model folder not found: {args.model_dir}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="gpu-smoke-") as tmp:
+        workdir = Path(tmp)
+        log_file = workdir / "server.log"
+        proc = start_server(write_config(args, workdir), args.overrides, log_file)
+        try:
+            passed = asyncio.run(run_checks(args, f"http://127.0.0.1:{args.port}", proc))
+        except (RuntimeError, aiohttp.ClientError) as exc:
+            print(f"smoke test failed: {exc}", file=sys.stderr)
+            passed = False
+        finally:
+            stop_server(proc)
+        if not passed:
+            print("---- server log (tail) ----", file=sys.stderr)
+            print("\n".join(log_file.read_text(errors="replace").splitlines()[-60:]), file=sys.stderr)
+    print("GPU SMOKE: PASS" if passed else "GPU SMOKE: FAIL")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":  # required: TensorRT-LLM's MPI workers re-import the main module
+    sys.exit(main())
