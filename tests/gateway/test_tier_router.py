@@ -1,0 +1,165 @@
+"""The tier router: model choice per tier, visible fallback only under saturation, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from api.errors import ApiError
+from gateway.queue import ModelQueue
+from gateway.router import Route, TierRouter
+from settings import ConfigError, ModelConfig, QueueConfig, TierConfig
+from tests.gateway.fakes import FakeClock
+
+MODELS = {
+    "flagship": ModelConfig(fallback="mini"),
+    "mini": ModelConfig(),
+    "legacy": ModelConfig(),
+}
+TIERS = {
+    "free": TierConfig(priority=0, models=["mini"], wait_target_s=30.0, budget_fallback=False),
+    "plus": TierConfig(priority=1, models=["flagship", "mini"], wait_target_s=10.0, budget_fallback=True),
+    "enterprise": TierConfig(priority=2, models=["flagship"], wait_target_s=5.0),
+}
+
+
+class Backend:
+    def __init__(self) -> None:
+        self.room = True
+
+    def has_room(self) -> bool:
+        return self.room
+
+
+class Fixture:
+    def __init__(self, **queue_config) -> None:
+        self.clock = FakeClock()
+        self.backends = {name: Backend() for name in MODELS}
+        config = QueueConfig(**{"max_waiting_requests": 100, "max_wait_s": 120.0, **queue_config})
+        self.queues = {name: ModelQueue(name, config, b.has_room, self.clock) for name, b in self.backends.items()}
+        self.router = TierRouter(MODELS, TIERS, self.queues)
+
+    def saturate(self, model: str, num_waiting: int, stalled_s: float) -> None:
+        """No room, `num_waiting` requests queued, nothing admitted for `stalled_s`."""
+        self.backends[model].room = False
+        for i in range(num_waiting):
+            self.queues[model].enqueue(f"{model}-{i}", 2, 10)
+        self.clock.advance(stalled_s)
+
+    async def stop(self) -> None:
+        for queue in self.queues.values():
+            await queue.stop()
+
+
+async def test_free_requests_land_on_mini_and_paid_tiers_on_the_flagship():
+    fx = Fixture()
+    for _ in range(20):
+        assert fx.router.route("free", None) == Route("mini")
+        assert fx.router.route("plus", None) == Route("flagship")
+        assert fx.router.route("enterprise", "flagship") == Route("flagship")
+        assert fx.router.route("plus", "mini") == Route("mini")
+
+
+async def test_a_busy_flagship_within_the_wait_target_does_not_fall_back():
+    fx = Fixture()
+    fx.saturate("flagship", num_waiting=2, stalled_s=2.0)  # about 2 s per admission
+    assert fx.router.route("plus", "flagship") == Route("flagship")
+    await fx.stop()
+
+
+async def test_a_saturated_flagship_falls_back_to_mini_and_says_so():
+    fx = Fixture()
+    fx.saturate("flagship", num_waiting=3, stalled_s=4.0)  # plus would wait about 16 s > 10 s
+    assert fx.router.route("plus", "flagship") == Route("mini", fallback_from="flagship")
+    assert fx.router.route("plus", None) == Route("mini", fallback_from="flagship")
+    await fx.stop()
+
+
+async def test_a_full_flagship_queue_counts_as_saturated():
+    fx = Fixture(max_waiting_requests=2)
+    fx.saturate("flagship", num_waiting=2, stalled_s=0.0)
+    assert fx.router.route("plus", "flagship") == Route("mini", fallback_from="flagship")
+    await fx.stop()
+
+
+async def test_the_models_configured_fallback_is_tried_after_the_tiers_own_models():
+    fx = Fixture()
+    fx.saturate("flagship", num_waiting=3, stalled_s=4.0)
+    # enterprise lists only the flagship; its ModelConfig.fallback names mini
+    assert fx.router.route("enterprise", "flagship") == Route("mini", fallback_from="flagship")
+    await fx.stop()
+
+
+async def test_every_candidate_saturated_gives_503_with_retry_after():
+    fx = Fixture()
+    fx.saturate("flagship", num_waiting=3, stalled_s=0.0)
+    fx.saturate("mini", num_waiting=3, stalled_s=20.0)
+    with pytest.raises(ApiError) as info:
+        fx.router.route("plus", "flagship")
+    assert info.value.status == 503
+    assert int(info.value.headers["Retry-After"]) >= 20
+    await fx.stop()
+
+
+async def test_a_model_outside_the_tier_is_404_naming_the_model():
+    fx = Fixture()
+    with pytest.raises(ApiError) as info:
+        fx.router.route("free", "flagship")
+    assert (info.value.status, info.value.code, info.value.param) == (404, "model_not_found", "model")
+    assert "`flagship`" in info.value.message
+
+
+async def test_an_unknown_model_is_404():
+    fx = Fixture()
+    with pytest.raises(ApiError) as info:
+        fx.router.route("enterprise", "gpt-9")
+    assert (info.value.status, info.value.code) == (404, "model_not_found")
+
+
+async def test_auto_means_the_tiers_first_model():
+    fx = Fixture()
+    assert fx.router.route("plus", "auto") == Route("flagship")
+    assert fx.router.route("free", "auto") == Route("mini")
+
+
+async def test_over_budget_serves_the_tiers_cheapest_model_when_allowed():
+    fx = Fixture()
+    assert fx.router.route("plus", "flagship", over_budget=True) == Route("mini", fallback_from="flagship")
+
+
+async def test_over_budget_without_budget_fallback_is_a_quota_error_that_says_do_not_retry():
+    fx = Fixture()
+    with pytest.raises(ApiError) as info:
+        fx.router.route("free", None, over_budget=True)
+    assert (info.value.status, info.value.code) == (429, "insufficient_quota")
+    assert info.value.headers["x-should-retry"] == "false"
+
+
+async def test_a_request_too_big_for_every_queue_is_503():
+    fx = Fixture(max_waiting_tokens=100)
+    for backend in fx.backends.values():
+        backend.room = False
+    with pytest.raises(ApiError) as info:
+        fx.router.route("plus", None, num_tokens=101)
+    assert info.value.status == 503
+
+
+async def test_models_for_tier_lists_the_tiers_models_in_order_and_unknown_tiers_are_403():
+    fx = Fixture()
+    assert fx.router.models_for_tier("plus") == ["flagship", "mini"]
+    with pytest.raises(ApiError) as info:
+        fx.router.route("platinum", None)
+    assert info.value.status == 403
+
+
+async def test_a_model_without_a_queue_is_skipped():
+    fx = Fixture()
+    queues = {"mini": fx.queues["mini"]}
+    router = TierRouter(MODELS, TIERS, queues)
+    assert router.route("plus", "flagship") == Route("mini", fallback_from="flagship")
+
+
+def test_a_tier_naming_an_undeclared_model_is_a_config_error():
+    with pytest.raises(ConfigError, match="tiers.free.models"):
+        TierRouter(MODELS, {"free": TierConfig(models=["nope"])}, {})
+    with pytest.raises(ConfigError, match="models.a.fallback"):
+        TierRouter({"a": ModelConfig(fallback="zz")}, {}, {})
