@@ -1,0 +1,144 @@
+"""Prometheus metrics for GET /metrics, on a registry of its own (one per app, so tests can
+build many apps). Request-path code calls the small `observe_*` / `count_*` methods; engine
+and queue gauges are read from registered sources at scrape time, never pushed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import structlog
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.types import EngineStats
+
+log = structlog.get_logger(__name__)
+
+# Latency buckets in seconds (vLLM's choices, trimmed): TTFT and end-to-end span ms to minutes.
+_TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+@dataclass(frozen=True, slots=True)
+class _Sources:
+    stats: Callable[[], EngineStats] | None = None
+    num_waiting: Callable[[], int] | None = None  # the gateway queue in front of the engine
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, tm = self.registry, ("tier", "model")
+        self._ttft = Histogram("chat_time_to_first_token_seconds", "Arrival to first token.", tm,
+                               buckets=_TTFT_BUCKETS_S, registry=r)
+        self._itl = Histogram("chat_inter_token_latency_seconds", "Between streamed token events.", tm,
+                              buckets=_ITL_BUCKETS_S, registry=r)
+        self._queue = Histogram("chat_queue_time_seconds", "Time waiting in the gateway queue.", tm,
+                                buckets=_TTFT_BUCKETS_S, registry=r)
+        self._e2e = Histogram("chat_e2e_request_latency_seconds", "Arrival to last token.", tm,
+                              buckets=_E2E_BUCKETS_S, registry=r)
+        self._prompt_tokens = Counter("chat_prompt_tokens", "Prompt tokens of finished requests.", tm, registry=r)
+        self._cached_tokens = Counter("chat_cached_prompt_tokens", "Prompt tokens served from the prefix cache.",
+                                      tm, registry=r)
+        self._generation_tokens = Counter("chat_generation_tokens", "Completion tokens generated.", tm, registry=r)
+        self._finished = Counter("chat_requests_finished", "Finished requests by finish reason.",
+                                 (*tm, "finish_reason"), registry=r)
+        self._rejections = Counter("chat_rejections", "Requests refused before streaming (429, 503).",
+                                   ("status", "reason", "tier"), registry=r)
+        self._fallbacks = Counter("chat_fallbacks", "Requests served by another model than asked.",
+                                  ("tier", "from_model", "to_model"), registry=r)
+        self._safety = Counter("chat_safety_decisions", "Safety gate decisions.",
+                               ("layer", "category", "tier", "action"), registry=r)
+        self._sources: dict[str, _Sources] = {}
+        self.registry.register(_SourceCollector(self._sources))
+
+    def observe_queue_time(self, tier: str, model: str, seconds: float) -> None:
+        self._queue.labels(tier, model).observe(seconds)
+
+    def observe_ttft(self, tier: str, model: str, seconds: float) -> None:
+        self._ttft.labels(tier, model).observe(seconds)
+
+    def observe_itl(self, tier: str, model: str, seconds: float) -> None:
+        self._itl.labels(tier, model).observe(seconds)
+
+    def observe_e2e(self, tier: str, model: str, seconds: float) -> None:
+        self._e2e.labels(tier, model).observe(seconds)
+
+    def count_finished(self, tier: str, model: str, finish_reason: str, usage: tuple[int, int, int]) -> None:
+        """One finished (or aborted) request; usage is (prompt, cached, completion) tokens."""
+        num_prompt, num_cached, num_completion = usage
+        self._finished.labels(tier, model, finish_reason).inc()
+        self._prompt_tokens.labels(tier, model).inc(num_prompt)
+        self._cached_tokens.labels(tier, model).inc(num_cached)
+        self._generation_tokens.labels(tier, model).inc(num_completion)
+
+    def count_rejection(self, status: int, reason: str, tier: str) -> None:
+        self._rejections.labels(str(status), reason, tier).inc()
+
+    def count_fallback(self, tier: str, from_model: str, to_model: str) -> None:
+        self._fallbacks.labels(tier, from_model, to_model).inc()
+
+    def count_safety(self, layer: str, category: str, tier: str, action: str) -> None:
+        self._safety.labels(layer, category, tier, action).inc()
+
+    def set_stats_source(self, model: str, stats: Callable[[], EngineStats]) -> None:
+        """Read at every scrape: running/waiting requests, KV usage, prefix cache, preemptions."""
+        self._sources[model] = _Sources(stats, self._sources.get(model, _Sources()).num_waiting)
+
+    def set_queue_source(self, model: str, num_waiting: Callable[[], int]) -> None:
+        """Read at every scrape: requests waiting in the gateway queue of `model`."""
+        self._sources[model] = _Sources(self._sources.get(model, _Sources()).stats, num_waiting)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type, for the /metrics handler."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _SourceCollector(Collector):
+    """Gauges filled at scrape time; a failing source is skipped, never fails the scrape."""
+
+    def __init__(self, sources: dict[str, _Sources]):
+        self._sources = sources
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # dynamic: nothing to check at registration
+
+    def collect(self) -> Iterable[Metric]:
+        gauges = {
+            "running": GaugeMetricFamily("chat_requests_running", "Requests running in the engine.", labels=["model"]),
+            "waiting": GaugeMetricFamily(
+                "chat_requests_waiting", "Requests waiting (gateway queue + engine).", labels=["model"]
+            ),
+            "kv": GaugeMetricFamily("chat_kv_cache_usage_ratio", "Share of KV-cache blocks in use.", labels=["model"]),
+            "hit_rate": GaugeMetricFamily(
+                "chat_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up.", labels=["model"]
+            ),
+        }
+        preemptions = CounterMetricFamily("chat_preemptions", "Sequences preempted by the engine.", labels=["model"])
+        for model, sources in list(self._sources.items()):
+            num_waiting = _read(model, sources.num_waiting) or 0
+            stats = _read(model, sources.stats)
+            if stats is not None:
+                gauges["running"].add_metric([model], stats.num_running)
+                gauges["kv"].add_metric([model], stats.kv_usage)
+                queries = stats.prefix_cache_queries
+                gauges["hit_rate"].add_metric([model], stats.prefix_cache_hits / queries if queries else 0.0)
+                preemptions.add_metric([model], stats.num_preemptions)
+                num_waiting += stats.num_waiting
+            gauges["waiting"].add_metric([model], num_waiting)
+        yield from gauges.values()
+        yield preemptions
+
+
+def _read(model: str, source: Callable[[], object] | None) -> object | None:
+    if source is None:
+        return None
+    try:
+        return source()
+    except Exception:  # a dead backend must not take /metrics down with it
+        log.warning("metrics_source_failed", model=model, exc_info=True)
+        return None

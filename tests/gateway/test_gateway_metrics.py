@@ -1,0 +1,89 @@
+"""The Prometheus metrics: one registry per instance, request metrics, scrape-time engine gauges."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.types import EngineStats
+from gateway.metrics import Metrics
+
+
+def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
+    body, content_type = metrics.render()
+    assert content_type.startswith("text/plain")
+    out = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def test_two_instances_do_not_share_a_registry():
+    first, second = Metrics(), Metrics()
+    first.count_rejection(429, "key_requests", "free")
+    assert samples(first)[("chat_rejections_total", (("reason", "key_requests"), ("status", "429"), ("tier", "free")))] == 1
+    assert not any(name == "chat_rejections_total" for name, _ in samples(second))
+
+
+def test_request_latencies_and_tokens_are_recorded_per_tier_and_model():
+    metrics = Metrics()
+    metrics.observe_queue_time("plus", "flagship", 0.2)
+    metrics.observe_ttft("plus", "flagship", 0.3)
+    metrics.observe_itl("plus", "flagship", 0.02)
+    metrics.observe_itl("plus", "flagship", 0.04)
+    metrics.observe_e2e("plus", "flagship", 1.5)
+    metrics.count_finished("plus", "flagship", "stop", (100, 40, 7))
+    got = samples(metrics)
+    labels = (("model", "flagship"), ("tier", "plus"))
+    assert got[("chat_inter_token_latency_seconds_count", labels)] == 2
+    assert got[("chat_inter_token_latency_seconds_sum", labels)] == 0.06
+    assert got[("chat_time_to_first_token_seconds_count", labels)] == 1
+    assert got[("chat_queue_time_seconds_sum", labels)] == 0.2
+    assert got[("chat_e2e_request_latency_seconds_sum", labels)] == 1.5
+    assert got[("chat_prompt_tokens_total", labels)] == 100
+    assert got[("chat_cached_prompt_tokens_total", labels)] == 40
+    assert got[("chat_generation_tokens_total", labels)] == 7
+    assert got[("chat_requests_finished_total", (("finish_reason", "stop"), *labels))] == 1
+
+
+def test_fallbacks_and_safety_decisions_are_counted_with_their_labels():
+    metrics = Metrics()
+    metrics.count_fallback("plus", "flagship", "mini")
+    metrics.count_safety("pre", "violence", "free", "block")
+    metrics.count_safety("pre", "violence", "free", "block")
+    got = samples(metrics)
+    assert got[("chat_fallbacks_total", (("from_model", "flagship"), ("tier", "plus"), ("to_model", "mini")))] == 1
+    key = ("chat_safety_decisions_total", (("action", "block"), ("category", "violence"), ("layer", "pre"), ("tier", "free")))
+    assert got[key] == 2
+
+
+def test_engine_gauges_are_read_from_the_stats_source_at_scrape_time():
+    metrics = Metrics()
+    stats = {"value": EngineStats(num_running=3, num_waiting=1, num_kv_blocks_total=100, num_kv_blocks_free=25,
+                                  prefix_cache_queries=200, prefix_cache_hits=50, num_preemptions=4)}
+    metrics.set_stats_source("mini", lambda: stats["value"])
+    metrics.set_queue_source("mini", lambda: 5)
+    got = samples(metrics)
+    model = (("model", "mini"),)
+    assert got[("chat_requests_running", model)] == 3
+    assert got[("chat_requests_waiting", model)] == 6  # 5 in the gateway queue + 1 in the engine
+    assert got[("chat_kv_cache_usage_ratio", model)] == 0.75
+    assert got[("chat_prefix_cache_hit_rate", model)] == 0.25
+    assert got[("chat_preemptions_total", model)] == 4
+    stats["value"] = EngineStats(num_running=0)
+    assert samples(metrics)[("chat_requests_running", model)] == 0
+
+
+def test_a_failing_stats_source_does_not_break_the_scrape():
+    metrics = Metrics()
+
+    def broken() -> EngineStats:
+        raise RuntimeError("engine gone")
+
+    metrics.set_stats_source("mini", broken)
+    metrics.set_queue_source("mini", lambda: 2)
+    metrics.set_stats_source("flagship", lambda: EngineStats(num_running=1))
+    got = samples(metrics)
+    assert got[("chat_requests_waiting", (("model", "mini"),))] == 2
+    assert ("chat_requests_running", (("model", "mini"),)) not in got
+    assert got[("chat_requests_running", (("model", "flagship"),))] == 1
