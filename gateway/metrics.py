@@ -7,13 +7,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.types import EngineStats
+from engine.types import EngineStats, FinishReason
+
+if TYPE_CHECKING:
+    from store.types import RequestRecord
 
 log = structlog.get_logger(__name__)
 
@@ -23,10 +27,17 @@ _ITL_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5
 _E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 
+class WaitingQueue(Protocol):
+    """What the scrape reads from a gateway queue (gateway.queue.ModelQueue fits)."""
+
+    @property
+    def num_waiting(self) -> int: ...
+
+
 @dataclass(frozen=True, slots=True)
 class _Sources:
-    stats: Callable[[], EngineStats] | None = None
-    num_waiting: Callable[[], int] | None = None  # the gateway queue in front of the engine
+    stats: Callable[[], EngineStats]
+    queue: WaitingQueue | None = None  # the gateway queue in front of the engine
 
 
 class Metrics:
@@ -48,7 +59,7 @@ class Metrics:
         self._finished = Counter("chat_requests_finished", "Finished requests by finish reason.",
                                  (*tm, "finish_reason"), registry=r)
         self._rejections = Counter("chat_rejections", "Requests refused before streaming (429, 503).",
-                                   ("status", "reason", "tier"), registry=r)
+                                   (*tm, "reason", "status"), registry=r)
         self._fallbacks = Counter("chat_fallbacks", "Requests served by another model than asked.",
                                   ("tier", "from_model", "to_model"), registry=r)
         self._safety = Counter("chat_safety_decisions", "Safety gate decisions.",
@@ -68,6 +79,26 @@ class Metrics:
     def observe_e2e(self, tier: str, model: str, seconds: float) -> None:
         self._e2e.labels(tier, model).observe(seconds)
 
+    def observe_request(self, turn: object, record: RequestRecord, finish: FinishReason | None) -> None:
+        """Everything about one finished, aborted or failed request, read from its ledger record.
+
+        `turn` is accepted for the caller's convenience; the record carries every number.
+        The inter-token latency observed here is the request's mean (vLLM's TPOT); call
+        `observe_itl` per token instead for the full distribution.
+        """
+        tier, model = record.tier, record.model
+        for histogram, value_ms in ((self._queue, record.queue_ms), (self._ttft, record.ttft_ms),
+                                    (self._e2e, record.total_ms)):
+            if value_ms is not None:
+                histogram.labels(tier, model).observe(value_ms / 1000.0)
+        if record.ttft_ms is not None and record.total_ms is not None and record.completion_tokens > 1:
+            tpot_s = (record.total_ms - record.ttft_ms) / 1000.0 / (record.completion_tokens - 1)
+            self._itl.labels(tier, model).observe(tpot_s)
+        reason = finish.value if finish is not None else record.status.value
+        self.count_finished(tier, model, reason, (record.prompt_tokens, record.cached_tokens, record.completion_tokens))
+        if record.fallback_from is not None:
+            self.count_fallback(tier, record.fallback_from, model)
+
     def count_finished(self, tier: str, model: str, finish_reason: str, usage: tuple[int, int, int]) -> None:
         """One finished (or aborted) request; usage is (prompt, cached, completion) tokens."""
         num_prompt, num_cached, num_completion = usage
@@ -76,8 +107,9 @@ class Metrics:
         self._cached_tokens.labels(tier, model).inc(num_cached)
         self._generation_tokens.labels(tier, model).inc(num_completion)
 
-    def count_rejection(self, status: int, reason: str, tier: str) -> None:
-        self._rejections.labels(str(status), reason, tier).inc()
+    def count_rejection(self, tier: str, model: str, reason: str, status: int) -> None:
+        """A 429 or 503 before any stream opened; `reason` is RateLimitReason or QueueError code."""
+        self._rejections.labels(tier, model, reason, str(status)).inc()
 
     def count_fallback(self, tier: str, from_model: str, to_model: str) -> None:
         self._fallbacks.labels(tier, from_model, to_model).inc()
@@ -85,13 +117,14 @@ class Metrics:
     def count_safety(self, layer: str, category: str, tier: str, action: str) -> None:
         self._safety.labels(layer, category, tier, action).inc()
 
-    def set_stats_source(self, model: str, stats: Callable[[], EngineStats]) -> None:
-        """Read at every scrape: running/waiting requests, KV usage, prefix cache, preemptions."""
-        self._sources[model] = _Sources(stats, self._sources.get(model, _Sources()).num_waiting)
+    def set_stats_source(
+        self, model: str, stats: Callable[[], EngineStats], queue: WaitingQueue | None = None
+    ) -> None:
+        """Read at every scrape: running/waiting requests, KV usage, prefix cache, preemptions.
 
-    def set_queue_source(self, model: str, num_waiting: Callable[[], int]) -> None:
-        """Read at every scrape: requests waiting in the gateway queue of `model`."""
-        self._sources[model] = _Sources(self._sources.get(model, _Sources()).stats, num_waiting)
+        With `queue`, the waiting gauge adds the requests waiting in the gateway queue.
+        """
+        self._sources[model] = _Sources(stats, queue)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type, for the /metrics handler."""
@@ -120,7 +153,7 @@ class _SourceCollector(Collector):
         }
         preemptions = CounterMetricFamily("chat_preemptions", "Sequences preempted by the engine.", labels=["model"])
         for model, sources in list(self._sources.items()):
-            num_waiting = _read(model, sources.num_waiting) or 0
+            num_waiting = sources.queue.num_waiting if sources.queue is not None else 0
             stats = _read(model, sources.stats)
             if stats is not None:
                 gauges["running"].add_metric([model], stats.num_running)
@@ -134,9 +167,7 @@ class _SourceCollector(Collector):
         yield preemptions
 
 
-def _read(model: str, source: Callable[[], object] | None) -> object | None:
-    if source is None:
-        return None
+def _read(model: str, source: Callable[[], EngineStats]) -> EngineStats | None:
     try:
         return source()
     except Exception:  # a dead backend must not take /metrics down with it

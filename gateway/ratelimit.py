@@ -23,7 +23,7 @@ log = structlog.get_logger(__name__)
 
 Clock = Callable[[], float]
 _PERIOD_S = 60.0  # every limit is "per minute": a bucket refills its capacity in 60 s
-_OVERRIDABLE = frozenset({"requests_per_minute", "tokens_per_minute"})
+_OVERRIDABLE = frozenset({"requests_per_minute", "tokens_per_minute"})  # per key, per org
 
 
 class RateLimitReason(enum.Enum):
@@ -132,11 +132,10 @@ class Limits:
     tier_tokens_per_minute: int
 
     @classmethod
-    def for_tier(cls, tier: TierConfig, overrides: Mapping[str, int] | None = None) -> Limits:
-        overrides = overrides or {}
-        unknown = sorted(set(overrides) - _OVERRIDABLE)
-        if unknown:
-            raise ValueError(f"unknown rate-limit override {unknown[0]!r}")
+    def for_tier(cls, tier: TierConfig, overrides: Mapping[str, float] | None = None) -> Limits:
+        """The tier's limits with an organisation's overrides (other tier settings in the
+        overrides, such as max_tokens, are someone else's and are ignored here)."""
+        overrides = {k: v for k, v in (overrides or {}).items() if k in _OVERRIDABLE}
         return cls(
             requests_per_minute=int(overrides.get("requests_per_minute", tier.requests_per_minute)),
             tokens_per_minute=int(overrides.get("tokens_per_minute", tier.tokens_per_minute)),
@@ -212,7 +211,7 @@ class RateLimiter:
         tier_name: str,
         tier: TierConfig,
         est_tokens: int,
-        overrides: Mapping[str, int] | None = None,
+        overrides: Mapping[str, float] | None = None,
     ) -> Reservation:
         """Debit one request and `est_tokens` from every bucket, or none and raise RateLimited."""
         limits = Limits.for_tier(tier, overrides)
@@ -248,7 +247,7 @@ class RateLimiter:
             self._bucket(check).settle(check.need)
 
     def headers(
-        self, key: str, tier_name: str, tier: TierConfig, overrides: Mapping[str, int] | None = None
+        self, key: str, tier_name: str, tier: TierConfig, overrides: Mapping[str, float] | None = None
     ) -> dict[str, str]:
         """OpenAI's x-ratelimit-* headers, from the tightest bucket of each dimension."""
         limits = Limits.for_tier(tier, overrides)

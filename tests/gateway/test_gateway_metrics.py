@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.types import EngineStats
+from engine.types import EngineStats, FinishReason
 from gateway.metrics import Metrics
+from store.types import RequestRecord, RequestStatus
+
+
+class WaitingQueue:
+    def __init__(self, num_waiting: int):
+        self.num_waiting = num_waiting
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
@@ -20,8 +26,9 @@ def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
 
 def test_two_instances_do_not_share_a_registry():
     first, second = Metrics(), Metrics()
-    first.count_rejection(429, "key_requests", "free")
-    assert samples(first)[("chat_rejections_total", (("reason", "key_requests"), ("status", "429"), ("tier", "free")))] == 1
+    first.count_rejection("free", "mini", "key_requests", 429)
+    labels = (("model", "mini"), ("reason", "key_requests"), ("status", "429"), ("tier", "free"))
+    assert samples(first)[("chat_rejections_total", labels)] == 1
     assert not any(name == "chat_rejections_total" for name, _ in samples(second))
 
 
@@ -61,8 +68,7 @@ def test_engine_gauges_are_read_from_the_stats_source_at_scrape_time():
     metrics = Metrics()
     stats = {"value": EngineStats(num_running=3, num_waiting=1, num_kv_blocks_total=100, num_kv_blocks_free=25,
                                   prefix_cache_queries=200, prefix_cache_hits=50, num_preemptions=4)}
-    metrics.set_stats_source("mini", lambda: stats["value"])
-    metrics.set_queue_source("mini", lambda: 5)
+    metrics.set_stats_source("mini", lambda: stats["value"], WaitingQueue(5))
     got = samples(metrics)
     model = (("model", "mini"),)
     assert got[("chat_requests_running", model)] == 3
@@ -80,10 +86,34 @@ def test_a_failing_stats_source_does_not_break_the_scrape():
     def broken() -> EngineStats:
         raise RuntimeError("engine gone")
 
-    metrics.set_stats_source("mini", broken)
-    metrics.set_queue_source("mini", lambda: 2)
+    metrics.set_stats_source("mini", broken, WaitingQueue(2))
     metrics.set_stats_source("flagship", lambda: EngineStats(num_running=1))
     got = samples(metrics)
     assert got[("chat_requests_waiting", (("model", "mini"),))] == 2
     assert ("chat_requests_running", (("model", "mini"),)) not in got
     assert got[("chat_requests_running", (("model", "flagship"),))] == 1
+
+
+def record(**changes) -> RequestRecord:
+    fields = dict(request_id="req_1", org_id="org_1", key_id="key_1", model="mini", tier="plus",
+                  status=RequestStatus.FINISHED, prompt_tokens=50, cached_tokens=16, completion_tokens=11,
+                  cost_usd=0.0, queue_ms=100.0, ttft_ms=300.0, total_ms=1300.0, created_at=0.0, finished_at=1.3)
+    return RequestRecord(**{**fields, **changes})
+
+
+def test_observe_request_records_latencies_tokens_and_fallback_from_the_ledger_record():
+    metrics = Metrics()
+    metrics.observe_request(None, record(fallback_from="flagship"), FinishReason.STOP)
+    metrics.observe_request(None, record(status=RequestStatus.ERROR, queue_ms=None, ttft_ms=None,
+                                         completion_tokens=0), None)
+    got = samples(metrics)
+    labels = (("model", "mini"), ("tier", "plus"))
+    assert got[("chat_queue_time_seconds_count", labels)] == 1
+    assert got[("chat_time_to_first_token_seconds_sum", labels)] == 0.3
+    assert got[("chat_e2e_request_latency_seconds_count", labels)] == 2
+    assert got[("chat_inter_token_latency_seconds_sum", labels)] == 0.1  # (1.3 - 0.3) s / 10 gaps
+    assert got[("chat_prompt_tokens_total", labels)] == 100
+    assert got[("chat_generation_tokens_total", labels)] == 11
+    assert got[("chat_requests_finished_total", (("finish_reason", "stop"), *labels))] == 1
+    assert got[("chat_requests_finished_total", (("finish_reason", "error"), *labels))] == 1
+    assert got[("chat_fallbacks_total", (("from_model", "flagship"), ("tier", "plus"), ("to_model", "mini")))] == 1
