@@ -30,7 +30,8 @@ from engine.trtllm.mapping import (
     sampling_kwargs,
     supported_kwargs,
 )
-from engine.types import EngineError, EngineStats, GenerationRequest, RequestRejected, TokenEvent
+from engine.trtllm.slots import SlotPool
+from engine.types import EngineError, EngineStats, FinishReason, GenerationRequest, RequestRejected, TokenEvent
 from settings import ConfigError, TrtllmConfig
 
 log = structlog.get_logger(__name__)
@@ -85,7 +86,7 @@ class TrtllmBackend:
         self._api: TrtllmApi | None = None
         self._llm: Any = None
         self._supports_cache_salt = False
-        self._slots: asyncio.Semaphore | None = None
+        self._slots: SlotPool | None = None
         self._in_flight: dict[str, Flight] = {}
         self._stats_task: asyncio.Task | None = None
         self._iteration: IterationStats | None = None
@@ -102,7 +103,11 @@ class TrtllmBackend:
         if self.state is not BackendState.NEW:
             raise EngineError(f"TrtllmBackend.start() called twice (state {self.state.value})")
         self.state = BackendState.STARTING
-        self._api = load_api()
+        try:
+            self._api = load_api()
+        except ConfigError:
+            self.state = BackendState.FAILED
+            raise
         kwargs = llm_kwargs(self._api, self._model_dir, self._config, self._max_model_len)
         log.info("trtllm_building", version=self._api.version, model_dir=str(self._model_dir),
                  tensor_parallel_size=self._config.tensor_parallel_size, max_batch_size=self._config.max_batch_size)
@@ -112,7 +117,7 @@ class TrtllmBackend:
             self.state = BackendState.FAILED
             raise EngineError(f"TensorRT-LLM could not load {self._model_dir}: {exc}") from exc
         self._supports_cache_salt = accepts(self._llm.generate_async, "cache_salt")
-        self._slots = asyncio.Semaphore(self.max_in_flight)
+        self._slots = SlotPool(self.max_in_flight)
         self.state = BackendState.READY
         log.info("trtllm_ready", max_in_flight=self.max_in_flight, cache_salt=self._supports_cache_salt)
 
@@ -121,6 +126,8 @@ class TrtllmBackend:
             self.state = BackendState.STOPPED
             return
         self.state = BackendState.STOPPED
+        if self._slots is not None:
+            self._slots.turn_away_all()
         for flight in list(self._in_flight.values()):
             flight.request_abort()
             flight.force_finish("shutdown")
@@ -159,15 +166,18 @@ class TrtllmBackend:
             )
 
     def has_room(self) -> bool:
-        return self.state is BackendState.READY and self._slots is not None and not self._slots.locked()
+        return self.state is BackendState.READY and self._slots is not None and self._slots.has_free
 
     # -- generation -----------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        if self.state is not BackendState.READY or self._slots is None:
-            raise EngineError(f"the TensorRT-LLM backend is not serving (state {self.state.value})")
-        await self._slots.acquire()  # no suspension while a slot is free: has_room() sees it at once
+        self._require_serving()
+        assert self._slots is not None
+        if not await self._slots.acquire(request.request_id):  # turned away: aborted or shutting down
+            yield TokenEvent("", (), len(request.prompt_token_ids), 0, 0, FinishReason.ABORT)
+            return
         flight: Flight | None = None
         try:
+            self._require_serving()
             flight = self._submit(request)
             while True:
                 item = await flight.events.get()
@@ -185,11 +195,17 @@ class TrtllmBackend:
                 self._slots.release()
 
     def abort(self, request_id: str) -> None:
+        if self._slots is not None and self._slots.turn_away(request_id):
+            return  # it was still waiting for a slot: never submitted
         flight = self._in_flight.get(request_id)
         if flight is None or flight.is_retired:
             return
         flight.request_abort()
         flight.arm_abort_deadline(self.abort_grace_s)
+
+    def _require_serving(self) -> None:
+        if self.state is not BackendState.READY or self._slots is None:
+            raise EngineError(f"the TensorRT-LLM backend is not serving (state {self.state.value})")
 
     def _submit(self, request: GenerationRequest) -> Flight:
         if request.request_id in self._in_flight:

@@ -235,3 +235,30 @@ def test_the_adapter_streams_under_uvloop(standin_trtllm, tiny_model_dir):
 
     events = uvloop.run(main())
     assert events[-1].finish_reason is FinishReason.LENGTH and events[-1].num_completion_tokens == 6
+
+
+async def test_aborting_a_request_that_waits_for_a_slot_ends_it_at_once_unsubmitted(start_trtllm):
+    backend = await start_trtllm(max_in_flight=1)
+    prompt = ids(backend)
+    running = backend.generate(make_request(prompt, max_tokens=400))
+    await anext(running)
+    waiting_request = make_request(prompt, max_tokens=3)
+    waiting = asyncio.create_task(collect(backend, waiting_request))
+    await asyncio.sleep(0.05)
+    backend.abort(waiting_request.request_id)
+    events = await asyncio.wait_for(waiting, 5)
+    assert [(e.finish_reason, e.num_completion_tokens) for e in events] == [(FinishReason.ABORT, 0)]
+    assert len(backend._llm.submissions) == 1
+    await running.aclose()
+    assert backend.has_room()
+
+
+async def test_shutdown_turns_away_requests_waiting_for_a_slot(start_trtllm):
+    backend = await start_trtllm(max_in_flight=1)
+    running = backend.generate(make_request(ids(backend), max_tokens=400))
+    await anext(running)
+    waiting = asyncio.create_task(collect(backend, make_request(ids(backend), max_tokens=3)))
+    await asyncio.sleep(0.05)
+    await backend.shutdown()
+    assert (await asyncio.wait_for(waiting, 5))[-1].finish_reason is FinishReason.ABORT
+    await running.aclose()
