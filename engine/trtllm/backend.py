@@ -70,9 +70,8 @@ class TrtllmBackend:
 
     def __init__(self, model_dir: Path, config: TrtllmConfig, tokenizer: Tokenizer, *, max_model_len: int | None):
         if config.scheduler_policy not in SCHEDULER_POLICIES:
-            raise ConfigError(
-                f"trtllm.scheduler_policy: expected one of {', '.join(SCHEDULER_POLICIES)}, got {config.scheduler_policy!r}"
-            )
+            expected = ", ".join(SCHEDULER_POLICIES)
+            raise ConfigError(f"trtllm.scheduler_policy: expected one of {expected}, got {config.scheduler_policy!r}")
         limits = [n for n in (max_model_len, config.max_seq_len) if n]
         if not limits:
             raise ConfigError("trtllm: the model's context length is unknown; set trtllm.max_seq_len or max_model_len")

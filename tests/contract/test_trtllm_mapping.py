@@ -136,5 +136,6 @@ def test_max_model_len_is_the_smaller_of_the_model_and_trtllm_max_seq_len(tiny_m
     from engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(tiny_model_dir)
-    assert TrtllmBackend(tiny_model_dir, TrtllmConfig(max_seq_len=128), tokenizer, max_model_len=512).max_model_len == 128
+    capped = TrtllmBackend(tiny_model_dir, TrtllmConfig(max_seq_len=128), tokenizer, max_model_len=512)
+    assert capped.max_model_len == 128
     assert TrtllmBackend(tiny_model_dir, TrtllmConfig(), tokenizer, max_model_len=512).max_model_len == 512
