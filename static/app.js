@@ -226,6 +226,7 @@ function regenerate() {
 function setStreaming(isStreaming) {
   el.send.hidden = isStreaming;
   el.stop.hidden = !isStreaming;
+  el.stop.disabled = false;
   el.model.disabled = isStreaming;
   el.newChat.disabled = isStreaming;
   setBusy(isStreaming);
@@ -270,12 +271,19 @@ async function send(content, keepMessages = null) {
     if (el.input.value === content) el.input.value = "";
     send(content, isNew && outcome.isRefused ? null : keep);
   };
-  if (isNew && outcome.isRefused) {
-    await discardConversation(state.conversationId);
-    showError(outcome.failure, retry);
-    return;
+  try {
+    if (isNew && outcome.isRefused) {
+      await discardConversation(state.conversationId);
+    } else {
+      await finishTurn(state.conversationId, outcome);
+    }
+  } finally {
+    state.controller = null;
+    setStreaming(false);
+    paint();
   }
-  await finishTurn(state.conversationId, outcome, retry);
+  if (outcome.failure) showError(outcome.failure, retry);
+  refreshUsage();
 }
 
 // Streams the answer to `content`; resolves with {expected, failure, isRefused}: how many
@@ -308,8 +316,7 @@ async function streamAnswer(conversationId, content, keep, controller) {
     }
   } finally {
     answer.isStreaming = false;
-    state.controller = null;
-    setStreaming(false);
+    el.stop.disabled = true;  // still busy until the view is re-synced with the server
   }
   return outcome;
 }
@@ -322,23 +329,20 @@ async function discardConversation(id) {
     await sidebar.refresh();
   }
   sidebar.remove(id);
-  newChat();
+  setConversation(null, null);
+  state.messages = [];
 }
 
-async function finishTurn(conversationId, outcome, retry) {
-  let failure = outcome.failure;
+async function finishTurn(conversationId, outcome) {
   try {
     await syncFromServer(conversationId, outcome.expected);
   } catch (error) {
-    failure = failure || error;
+    outcome.failure = outcome.failure || error;
   }
-  paint();
   const last = state.messages[state.messages.length - 1];
-  if (failure) showError(failure, retry);
-  else if (last && last.finishReason === "content_filter") {
+  if (!outcome.failure && last && last.finishReason === "content_filter") {
     showBanner("The answer was stopped by the content filter.", { isInfo: true });
   }
-  refreshUsage();
 }
 
 function stop() {

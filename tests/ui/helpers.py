@@ -149,6 +149,7 @@ class Watched:
 def open_page(browser, base_url: str, *, color_scheme: str = "light", viewport: dict | None = None,
               path: str = "/") -> Watched:
     context = browser.new_context(color_scheme=color_scheme, viewport=viewport or DESKTOP, reduced_motion="reduce")
+    context.grant_permissions(["clipboard-read", "clipboard-write"], origin=base_url)
     page = context.new_page()
     watched = Watched(page, base_url)
 

@@ -129,7 +129,7 @@ def test_edit_and_resend_then_regenerate_keep_the_server_in_step(ui, ui_server):
     cid = conversation_id(page)
 
     page.locator("article.msg-user").first.get_by_role("button", name="Edit message 1").click()
-    editor = page.get_by_label("Edit message")
+    editor = page.get_by_role("textbox", name="Edit message")
     editor.fill("edited question")
     editor.press("Enter")
     wait_for_answer_done(page)
@@ -157,9 +157,12 @@ def test_markdown_renders_with_highlighted_code_and_a_copy_button(ui):
     assert body.locator("code.hljs .hljs-keyword").count() >= 1
     link = body.get_by_role("link", name="links")
     assert link.get_attribute("target") == "_blank" and "noopener" in link.get_attribute("rel")
-    copy = body.get_by_role("button", name="Copy code")
+    copy = body.locator(".code-block .copy-button")
+    assert copy.inner_text() == "Copy code"
     copy.click()
-    wait_until(lambda: copy.inner_text() in ("Copied", "Copy failed"))
+    wait_until(lambda: copy.inner_text() == "Copied")
+    copied = page.evaluate("navigator.clipboard.readText()")
+    assert copied.startswith("def add(a: int, b: int) -> int:") and "return a + b" in copied
     ui.screenshot("markdown-light")
     assert not ui.console_errors and not ui.page_errors
 
