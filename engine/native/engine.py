@@ -1,0 +1,150 @@
+"""LLMEngine: requests in, per-step token outputs out; synchronous and single-threaded.
+
+Wires the Scheduler (what to compute) to the ModelRunner (computing it) and keeps the
+request-id map and counters. It never touches tensors itself; the async front (backend.py)
+drives `step()` from one worker thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from engine.native.block_manager import BlockManager, cdiv
+from engine.native.scheduler import Scheduler, SchedulerConfig
+from engine.native.sequence import Sequence
+from engine.types import EngineStats, FinishReason, GenerationRequest, RequestRejected
+from settings import EngineConfig
+
+if TYPE_CHECKING:
+    from engine.native.runner import ModelRunner
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step produced for one request; counts are cumulative."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_completion_tokens: int
+    finish_reason: FinishReason | None = None
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, config: EngineConfig, *, eos_token_ids: tuple[int, ...]):
+        self.runner = runner
+        self.config = config
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_model_len = runner.max_model_len
+        self.block_manager = BlockManager(
+            runner.num_kv_blocks, runner.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.block_manager
+        )
+        self._seqs: dict[str, Sequence] = {}
+        self._seq_ids = itertools.count()
+        self.num_prompt_tokens_processed = 0
+        self.num_generation_tokens = 0
+
+    @classmethod
+    def from_model_dir(
+        cls, model_dir: Path | str, config: EngineConfig, *, eos_token_ids: tuple[int, ...], max_model_len: int | None = None
+    ) -> LLMEngine:
+        from engine.native.runner import ModelRunner  # torch is imported here, not at module import
+
+        return cls(ModelRunner(model_dir, config, max_model_len=max_model_len), config, eos_token_ids=eos_token_ids)
+
+    def check_request(self, request: GenerationRequest) -> None:
+        """Reject what could never run: too long for the context window or the whole KV pool."""
+        num_prompt = len(request.prompt_token_ids)
+        total = num_prompt + request.sampling.max_tokens
+        if num_prompt == 0:
+            raise RequestRejected("the prompt is empty", param="messages")
+        if total > self.max_model_len:
+            raise RequestRejected(
+                f"this model's context window is {self.max_model_len} tokens, but the request needs "
+                f"{total} ({num_prompt} in the prompt + {request.sampling.max_tokens} max_tokens)",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        # The last sampled token's K/V is never computed, so a sequence holds at most total - 1.
+        num_blocks = cdiv(total - 1, self.block_manager.block_size)
+        if num_blocks > self.block_manager.num_blocks:
+            capacity = self.block_manager.num_blocks * self.block_manager.block_size
+            raise RequestRejected(
+                f"the request needs {total} tokens of KV cache ({num_prompt} prompt + "
+                f"{request.sampling.max_tokens} max_tokens) but the whole cache holds {capacity}",
+                param="max_tokens",
+                code="kv_cache_too_small",
+            )
+
+    def add_request(self, request: GenerationRequest) -> None:
+        self.check_request(request)
+        if request.request_id in self._seqs:
+            raise RequestRejected(f"request id {request.request_id!r} is already running", param="request_id")
+        seq = Sequence(next(self._seq_ids), request, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
+        self._seqs[request.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Retire a request wherever it is and free its blocks; None if it is not here."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        return self._output(seq, ())
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._seqs)
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        sampled = self.runner.execute(batch)
+        for seq, n in zip(batch.seqs, batch.num_scheduled_tokens):
+            # Everything but a decode token is prefill work (recompute after preemption included).
+            if seq.num_completion_tokens == 0 or seq.num_uncomputed_tokens > 1:
+                self.num_prompt_tokens_processed += n
+        updated = self.scheduler.postprocess(batch, sampled)
+        outputs = []
+        for seq in updated:
+            self.num_generation_tokens += 1
+            if seq.is_finished:
+                del self._seqs[seq.request_id]
+            outputs.append(self._output(seq, (seq.token_ids[-1],)))
+        return outputs
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks_total=bm.num_blocks,
+            num_kv_blocks_free=bm.num_free_blocks,
+            prefix_cache_queries=bm.num_queried_tokens,
+            prefix_cache_hits=bm.num_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens_processed=self.num_prompt_tokens_processed,
+            num_generation_tokens=self.num_generation_tokens,
+        )
+
+    @staticmethod
+    def _output(seq: Sequence, new_token_ids: tuple[int, ...]) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_token_ids,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            num_completion_tokens=seq.num_completion_tokens,
+            finish_reason=seq.finish_reason,
+        )

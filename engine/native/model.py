@@ -1,0 +1,88 @@
+"""The Llama forward pass over a flat batch that mixes prefill chunks and decode tokens.
+
+Plain tensors and functional ops (no nn.Module): the weights come fused from the loader, the
+KV cache is owned by the runner and passed per layer. Numerics follow `transformers`' Llama
+(RMSNorm, rotate-half RoPE with the same inverse frequencies, SiLU-gated MLP).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from engine.native.attention import AttentionMetadata, paged_attention
+from engine.native.loader import LlamaArgs, LlamaWeights
+
+
+def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
+    """Inverse frequencies exactly as transformers computes them (default, linear, llama3)."""
+    dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
+    scaling = dict(args.rope_scaling)
+    if args.rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if args.rope_type != "llama3":
+        return inv_freq
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class Llama:
+    def __init__(self, args: LlamaArgs, weights: LlamaWeights, max_positions: int):
+        self.args = args
+        self.weights = weights
+        device, dtype = weights.embed.device, weights.embed.dtype
+        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * rope_inv_freq(args)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
+        self._split = (args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_slots, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden] residual stream before the final norm
+        x = F.embedding(input_ids, self.weights.embed)
+        cos = self.cos.index_select(0, positions).unsqueeze(1)  # [num_tokens, 1, head_dim]
+        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        for i, layer in enumerate(self.weights.layers):
+            x = self._layer(i, layer, x, cos, sin, kv_cache, meta)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
+        h = F.rms_norm(hidden, (self.args.hidden_size,), self.weights.norm, self.args.rms_norm_eps)
+        return F.linear(h, self.weights.lm_head)
+
+    def _layer(self, i, layer, x, cos, sin, kv_cache, meta) -> torch.Tensor:
+        args = self.args
+        num_tokens = x.shape[0]
+        h = F.rms_norm(x, (args.hidden_size,), layer.input_norm, args.rms_norm_eps)
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
+        q_size, kv_size = self._split
+        # q and k sit side by side in qkv: rotate both with one set of ops.
+        qk = _rotate(qkv[:, : q_size + kv_size].view(num_tokens, -1, args.head_dim), cos, sin)
+        q, k = qk[:, : args.num_heads], qk[:, args.num_heads :]
+        v = qkv[:, q_size + kv_size :].view(num_tokens, args.num_kv_heads, args.head_dim)
+        o = paged_attention(q, k, v, kv_cache[i, 0], kv_cache[i, 1], meta)  # [num_tokens, heads, head_dim]
+        x = x + F.linear(o.reshape(num_tokens, q_size), layer.o_proj)
+        h = F.rms_norm(x, (args.hidden_size,), layer.post_norm, args.rms_norm_eps)
+        gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer.down)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE, rotate-half form: x * cos + rotate_half(x) * sin. x: [num_tokens, heads, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,233 @@
+"""The only code that touches tensors: loads the model, owns the KV pool, runs steps, samples.
+
+Turns a ScheduledBatch into flat model inputs (decode rows first, then prefill chunks) and
+attention metadata, runs one forward pass, computes logits only for rows that produce a token,
+and samples. Per-step Python work is proportional to sequences, not tokens, wherever it can be.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import structlog
+import torch
+
+from engine.native import kernels
+from engine.native.attention import AttentionMetadata, PrefillChunk
+from engine.native.loader import LlamaArgs, load_llama_args, load_llama_weights
+from engine.native.model import Llama
+from engine.native.sampler import Sampler, SamplingRow
+from engine.native.scheduler import ScheduledBatch
+from engine.native.sequence import Sequence
+from engine.types import EngineError
+from settings import EngineConfig
+
+log = structlog.get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise EngineError(f"engine.device is {name!r} but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":  # bf16 is slower than fp32 on CPUs without AMX
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise EngineError(f"engine.dtype {name!r} is not one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise EngineError("cannot read MemAvailable from /proc/meminfo; set engine.kv_cache_bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor  # [num_sampled] rows of the flat batch whose logits are needed
+    sampled_batch_indices: tuple[int, ...]  # for each logit row, its index in the batch
+    sampling_rows: list[SamplingRow]
+
+
+class ModelRunner:
+    def __init__(self, model_dir: Path | str, config: EngineConfig, *, max_model_len: int | None = None):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        self.args: LlamaArgs = load_llama_args(Path(model_dir))
+        self.max_model_len = max_model_len or self.args.max_position_embeddings
+        self.block_size = config.block_size
+        weights = load_llama_weights(Path(model_dir), self.args, self.dtype, self.device)
+        self.model = Llama(self.args, weights, self.max_model_len)
+        self.num_kv_blocks = self._num_kv_blocks()
+        a = self.args
+        # Never read before written (context lengths bound every read), so no zero-fill.
+        self.kv_cache = torch.empty(
+            (a.num_layers, 2, self.num_kv_blocks * self.block_size, a.num_kv_heads, a.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.use_kernel = (
+            config.native_kernels and self.device.type == "cpu" and self.dtype == torch.float32 and kernels.load()
+        )
+        self.sampler = Sampler(a.vocab_size)
+        log.info(
+            "model_loaded",
+            model_dir=str(model_dir),
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            num_kv_blocks=self.num_kv_blocks,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            paged_attention_kernel=self.use_kernel,
+        )
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        a = self.args
+        return a.num_layers * 2 * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+
+    def _num_kv_blocks(self) -> int:
+        budget = self.config.kv_cache_bytes
+        if budget <= 0:
+            budget = int(free_memory_bytes(self.device) * self.config.kv_cache_memory_fraction)
+        # More than every slot's longest sequence twice over (the rest as prefix cache) is waste.
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        num_blocks = min(budget // self.kv_bytes_per_block, 2 * self.config.max_num_seqs * blocks_per_seq)
+        if num_blocks < 1:
+            raise EngineError(f"KV cache budget of {budget} bytes holds no block of {self.kv_bytes_per_block} bytes")
+        return int(num_blocks)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[int | None]:
+        """Run one step; returns the sampled token per sequence (None: prefill not yet done)."""
+        inputs = self.prepare(batch)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        sampled: list[int | None] = [None] * len(batch.seqs)
+        if inputs.sampled_batch_indices:
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))
+            tokens = self.sampler(logits, inputs.sampling_rows)
+            for batch_index, token in zip(inputs.sampled_batch_indices, tokens, strict=True):
+                sampled[batch_index] = token
+        return sampled
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        bs = self.block_size
+        decodes = [i for i, n in enumerate(batch.num_scheduled_tokens) if n == 1]
+        prefills = [i for i, n in enumerate(batch.num_scheduled_tokens) if n > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for i in decodes:
+            seq = batch.seqs[i]
+            p = seq.num_computed_tokens
+            input_ids.append(seq.token_ids[p])
+            positions.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+        decode_meta = self._decode_metadata([batch.seqs[i] for i in decodes], positions)
+        slot_arrays = [np.asarray(slots, dtype=np.int64)]
+        position_arrays = [np.asarray(positions, dtype=np.int64)]
+        chunks = []
+        for i in prefills:
+            chunk, chunk_slots, chunk_positions = self._prefill_chunk(batch.seqs[i], batch.num_scheduled_tokens[i], len(input_ids))
+            seq = batch.seqs[i]
+            input_ids.extend(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + chunk.end - chunk.start])
+            chunks.append(chunk)
+            slot_arrays.append(chunk_slots)
+            position_arrays.append(chunk_positions)
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(np.concatenate(slot_arrays)),
+            num_decode_tokens=len(decodes),
+            prefills=tuple(chunks),
+            block_size=bs,
+            **decode_meta,
+        )
+        rows, batch_indices, sampling_rows = self._sampling_rows(batch, decodes, chunks, prefills)
+        return StepInputs(
+            input_ids=self._to_device(np.asarray(input_ids, dtype=np.int64)),
+            positions=self._to_device(np.concatenate(position_arrays)),
+            meta=meta,
+            logit_rows=self._to_device(np.asarray(rows, dtype=np.int64)),
+            sampled_batch_indices=tuple(batch_indices),
+            sampling_rows=sampling_rows,
+        )
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    def _decode_metadata(self, seqs: list[Sequence], positions: list[int]) -> dict:
+        none = dict(
+            decode_block_tables=None, decode_context_lens=None, decode_max_context_len=0, decode_slots=None, decode_mask=None
+        )
+        if not seqs:
+            return none
+        bs = self.block_size
+        context_lens = np.asarray(positions, dtype=np.int32) + 1
+        max_len = int(context_lens.max())
+        max_blocks = -(-max_len // bs)
+        tables = np.empty((len(seqs), max_blocks), dtype=np.int32)
+        for row, seq in zip(tables, seqs):
+            table = seq.block_table[:max_blocks]
+            row[: len(table)] = table
+            row[len(table) :] = table[0]  # padding points at written slots: finite, masked out
+        if self.use_kernel:
+            return {
+                **none,
+                "decode_block_tables": torch.from_numpy(tables),
+                "decode_context_lens": torch.from_numpy(context_lens),
+                "decode_max_context_len": max_len,
+            }
+        slot_grid = (tables[:, :, None] * bs + np.arange(bs, dtype=np.int32)).reshape(len(seqs), -1)[:, :max_len]
+        valid = np.arange(max_len)[None, :] < context_lens[:, None]
+        slot_grid = np.where(valid, slot_grid, slot_grid[:, :1]).astype(np.int64)
+        return {
+            **none,
+            "decode_slots": self._to_device(slot_grid),
+            "decode_mask": self._to_device(valid[:, None, None, :]),
+            "decode_max_context_len": max_len,
+        }
+
+    def _prefill_chunk(self, seq: Sequence, num_tokens: int, row_start: int) -> tuple[PrefillChunk, np.ndarray, np.ndarray]:
+        bs = self.block_size
+        start = seq.num_computed_tokens
+        table = np.asarray(seq.block_table, dtype=np.int64)
+        context = np.arange(start + num_tokens, dtype=np.int64)
+        context_slots = table[context // bs] * bs + context % bs
+        chunk_positions = context[start:]
+        if start == 0:  # no cached context: attend within the chunk, plain causal
+            chunk = PrefillChunk(row_start, row_start + num_tokens, None, None)
+        else:
+            mask = context[None, :] <= chunk_positions[:, None]  # [q_len, context_len], bottom-right causal
+            chunk = PrefillChunk(row_start, row_start + num_tokens, self._to_device(context_slots), self._to_device(mask))
+        return chunk, context_slots[start:], chunk_positions
+
+    def _sampling_rows(self, batch, decodes, chunks, prefills) -> tuple[list[int], list[int], list[SamplingRow]]:
+        rows, batch_indices, sampling_rows = [], [], []
+        candidates = [(i, row) for row, i in enumerate(decodes)]
+        candidates += [(i, chunk.end - 1) for i, chunk in zip(prefills, chunks)]
+        for i, row in candidates:
+            seq = batch.seqs[i]
+            if seq.num_computed_tokens + batch.num_scheduled_tokens[i] < seq.num_tokens:
+                continue  # mid-prompt chunk: no token yet
+            rows.append(row)
+            batch_indices.append(i)
+            sampling_rows.append(SamplingRow(seq.sampling, seq.token_ids, seq.num_prompt_tokens, seq.stop_token_ids))
+        return rows, batch_indices, sampling_rows

@@ -1,0 +1,113 @@
+"""Turns one step's logits into next tokens, one row per sequence, honouring SamplingParams.
+
+Order: presence/frequency penalties, min_tokens (stop ids masked), then greedy argmax or
+temperature, top-k, top-p and a draw. A seeded request draws from a generator seeded by
+(seed, position), so its output does not depend on what else shares the batch or on preemption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.types import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one sequence."""
+
+    params: SamplingParams
+    token_ids: list[int]  # the sequence's prompt and completion so far (shared, not copied)
+    num_prompt_tokens: int
+    stop_token_ids: frozenset[int]
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, *, seed: int | None = None):
+        self.vocab_size = vocab_size
+        self._generator = torch.Generator()
+        if seed is not None:
+            self._generator.manual_seed(seed)
+        else:
+            self._generator.seed()
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        """logits: [num_rows, vocab] fp32 (any device) -> one token id per row."""
+        logits = logits[:, : self.vocab_size].float()
+        if not any(_needs_processing(r) for r in rows):
+            return logits.argmax(dim=-1).tolist()
+        logits = logits.clone()
+        _apply_penalties(logits, rows)
+        _mask_stop_tokens_before_min(logits, rows)
+        greedy = logits.argmax(dim=-1)
+        sampled_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if sampled_rows:
+            idx = torch.tensor(sampled_rows, device=logits.device)
+            greedy[idx] = self._sample(logits.index_select(0, idx), [rows[i] for i in sampled_rows])
+        return greedy.tolist()
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        temps = torch.tensor([r.params.temperature for r in rows], device=logits.device)
+        logits = logits / temps[:, None]
+        if any(r.params.top_k is not None for r in rows) or any(r.params.top_p < 1.0 for r in rows):
+            logits = _top_k_top_p(logits, rows)
+        probs = torch.softmax(logits, dim=-1)
+        # Exponential race (Gumbel-max in another guise): argmax(p / E) ~ Categorical(p).
+        noise = torch.empty_like(probs)
+        for i, r in enumerate(rows):
+            if r.params.seed is None:
+                noise[i].exponential_(generator=self._generator)
+            else:
+                g = torch.Generator(device=probs.device)
+                g.manual_seed((r.params.seed * 1_000_003 + r.num_completion_tokens) % (2**63))
+                noise[i].exponential_(generator=g)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _needs_processing(row: SamplingRow) -> bool:
+    p = row.params
+    return (
+        not p.is_greedy
+        or p.presence_penalty != 0.0
+        or p.frequency_penalty != 0.0
+        or (p.min_tokens > row.num_completion_tokens and bool(row.stop_token_ids))
+    )
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """OpenAI semantics: subtract frequency * count and presence * (count > 0) per token."""
+    for i, r in enumerate(rows):
+        p = r.params
+        if (p.presence_penalty == 0.0 and p.frequency_penalty == 0.0) or r.num_completion_tokens == 0:
+            continue
+        ids = torch.tensor(r.token_ids[r.num_prompt_tokens :], device=logits.device)
+        counts = torch.zeros(logits.shape[1], device=logits.device).index_add_(0, ids, torch.ones_like(ids, dtype=torch.float))
+        logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+
+def _mask_stop_tokens_before_min(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    for i, r in enumerate(rows):
+        if r.params.min_tokens > r.num_completion_tokens and r.stop_token_ids:
+            ids = [t for t in r.stop_token_ids if t < logits.shape[1]]
+            logits[i, ids] = float("-inf")
+
+
+def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Keep each row's top-k tokens, then the smallest set whose probability reaches top_p."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ks = torch.tensor([min(r.params.top_k or vocab, vocab) for r in rows], device=logits.device)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
+    top_ps = torch.tensor([r.params.top_p for r in rows], device=logits.device)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_ps[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)

@@ -1,0 +1,128 @@
+"""Checkpoint loading: sharded and 16-bit checkpoints, and clear errors naming the bad file."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine.native.loader import ModelLoadError, load_llama_args, load_llama_weights
+from engine.native.runner import ModelRunner
+from settings import EngineConfig
+
+VARIANT = "untied-gqa-theta"
+CONFIG = EngineConfig(device="cpu", kv_cache_bytes=1 << 20)
+
+
+@pytest.fixture
+def model_copy(tiny_models, tmp_path):
+    target = tmp_path / "model"
+    shutil.copytree(tiny_models.path(VARIANT), target)
+    return target
+
+
+def greedy(model_dir, prompt: list[int], n: int) -> list[int]:
+    from engine.native.engine import LLMEngine
+    from engine.types import GenerationRequest, SamplingParams
+
+    engine = LLMEngine.from_model_dir(model_dir, CONFIG, eos_token_ids=())
+    engine.add_request(GenerationRequest("r", tuple(prompt), SamplingParams(max_tokens=n, temperature=0.0)))
+    tokens = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+    return tokens
+
+
+def test_sharded_checkpoint_with_index_loads_the_same_weights(tiny_models, tmp_path):
+    sharded = tmp_path / "sharded"
+    tiny_models.reference(VARIANT).save_pretrained(sharded, max_shard_size="60KB")
+    assert (sharded / "model.safetensors.index.json").exists() and not (sharded / "model.safetensors").exists()
+    args = load_llama_args(sharded)
+    a = load_llama_weights(sharded, args, torch.float32, torch.device("cpu"))
+    b = load_llama_weights(tiny_models.path(VARIANT), args, torch.float32, torch.device("cpu"))
+    assert torch.equal(a.layers[1].qkv, b.layers[1].qkv) and torch.equal(a.lm_head, b.lm_head)
+    assert not torch.equal(a.lm_head, a.embed)  # untied
+
+
+def test_bfloat16_checkpoint_is_upcast_and_matches_transformers(tiny_models, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    bf16 = tmp_path / "bf16"
+    copy.deepcopy(tiny_models.reference(VARIANT)).to(torch.bfloat16).save_pretrained(bf16)  # .to() is in place
+    shutil.copy(tiny_models.path(VARIANT) / "config.json", bf16 / "config.json")
+    runner = ModelRunner(bf16, CONFIG)
+    assert runner.model.weights.embed.dtype == torch.float32
+    hf = LlamaForCausalLM.from_pretrained(bf16, dtype=torch.float32).eval()
+    prompt = [5, 17, 33, 80, 4, 9]
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=10**9, pad_token_id=0)
+    assert greedy(bf16, prompt, 12) == expected[0, len(prompt) :].tolist()
+
+
+def test_rope_theta_is_read_from_either_layout(tiny_models):
+    new = load_llama_args(tiny_models.path("tied-gqa-parameters"))
+    old = load_llama_args(tiny_models.path("untied-gqa-theta"))
+    llama3 = load_llama_args(tiny_models.path("tied-gqa-llama3-rope"))
+    assert new.rope_theta == old.rope_theta == 10000.0
+    assert new.rope_type == old.rope_type == "default"
+    assert llama3.rope_type == "llama3" and llama3.rope_theta == 500000.0 and dict(llama3.rope_scaling)["factor"] == 8.0
+
+
+def test_missing_config_is_named(model_copy):
+    (model_copy / "config.json").unlink()
+    with pytest.raises(ModelLoadError, match=r"config\.json: missing"):
+        ModelRunner(model_copy, CONFIG)
+
+
+def test_malformed_config_is_named(model_copy):
+    (model_copy / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match=r"config\.json: cannot parse JSON"):
+        load_llama_args(model_copy)
+
+
+def test_config_missing_a_key_names_the_key(model_copy):
+    cfg = json.loads((model_copy / "config.json").read_text())
+    del cfg["hidden_size"]
+    (model_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="missing key 'hidden_size'"):
+        load_llama_args(model_copy)
+
+
+def test_unsupported_rope_type_is_refused(model_copy):
+    cfg = json.loads((model_copy / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (model_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="rope type 'yarn'"):
+        load_llama_args(model_copy)
+
+
+def test_missing_weights_are_named(model_copy):
+    (model_copy / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="no model.safetensors or model.safetensors.index.json"):
+        ModelRunner(model_copy, CONFIG)
+
+
+def test_missing_shard_is_named(tiny_models, tmp_path):
+    sharded = tmp_path / "sharded"
+    tiny_models.reference(VARIANT).save_pretrained(sharded, max_shard_size="60KB")
+    shard = sorted(sharded.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(ModelLoadError, match=f"{shard.name}: missing"):
+        ModelRunner(sharded, CONFIG)
+
+
+def test_corrupt_safetensors_is_named(model_copy):
+    (model_copy / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: cannot read safetensors"):
+        ModelRunner(model_copy, CONFIG)
+
+
+def test_shape_mismatch_names_the_tensor(model_copy):
+    cfg = json.loads((model_copy / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (model_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"mlp\.gate_proj\.weight has shape"):
+        ModelRunner(model_copy, CONFIG)

@@ -1,0 +1,109 @@
+"""Sampler: greedy, seeded reproducibility, temperature/top-k/top-p, penalties, min_tokens."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from engine.native.sampler import Sampler, SamplingRow
+from engine.types import SamplingParams
+
+VOCAB = 10
+EOS = 9
+
+
+def row(completion: list[int] | None = None, **params) -> SamplingRow:
+    prompt = [1, 2, 3]
+    sampling = SamplingParams(max_tokens=100, **params)
+    return SamplingRow(sampling, prompt + (completion or []), len(prompt), frozenset({EOS}))
+
+
+def logits_of(*values: float) -> torch.Tensor:
+    return torch.tensor([list(values)], dtype=torch.float32)
+
+
+def test_greedy_takes_the_argmax_of_each_row():
+    logits = torch.randn(4, VOCAB)
+    assert Sampler(VOCAB, seed=0)(logits, [row(temperature=0.0)] * 4) == logits.argmax(-1).tolist()
+
+
+def test_seeded_sampling_repeats_whatever_else_is_in_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(1, VOCAB)
+    seeded = row(temperature=1.0, seed=1234)
+    alone = [Sampler(VOCAB)(logits, [seeded])[0] for _ in range(5)]
+    crowd = Sampler(VOCAB)(torch.cat([torch.randn(3, VOCAB), logits]), [row(temperature=1.0)] * 3 + [seeded])[-1]
+    assert len(set(alone)) == 1 and crowd == alone[0]
+
+
+def test_a_seeded_request_draws_a_fresh_value_at_every_position():
+    logits = torch.zeros(1, VOCAB)  # uniform: a stuck generator would repeat one token
+    tokens = [Sampler(VOCAB)(logits, [row(list(range(n)), temperature=1.0, seed=7)])[0] for n in range(30)]
+    assert len(set(tokens)) > 3
+
+
+def test_different_seeds_give_different_streams():
+    logits = torch.zeros(1, VOCAB)
+    a = [Sampler(VOCAB)(logits, [row([0] * n, temperature=1.0, seed=1)])[0] for n in range(20)]
+    b = [Sampler(VOCAB)(logits, [row([0] * n, temperature=1.0, seed=2)])[0] for n in range(20)]
+    assert a != b
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    torch.manual_seed(1)
+    logits = torch.randn(8, VOCAB)
+    sampler = Sampler(VOCAB, seed=0)
+    assert sampler(logits, [row(temperature=1.5, top_k=1)] * 8) == logits.argmax(-1).tolist()
+    assert sampler(logits, [row(temperature=1.5, top_p=1e-6)] * 8) == logits.argmax(-1).tolist()
+
+
+def test_top_k_never_samples_outside_the_k_best():
+    logits = logits_of(5, 4, 3, 0, 0, 0, 0, 0, 0, 0)
+    sampler = Sampler(VOCAB, seed=0)
+    drawn = Counter(sampler(logits.repeat(200, 1), [row(temperature=5.0, top_k=3)] * 200))
+    assert set(drawn) == {0, 1, 2}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05] + [0.0] * 6])
+    logits = torch.log(probs.clamp_min(1e-12))
+    drawn = Counter(Sampler(VOCAB, seed=0)(logits.repeat(300, 1), [row(temperature=1.0, top_p=0.75)] * 300))
+    assert set(drawn) == {0, 1}
+
+
+def test_temperature_sampling_follows_the_softmax():
+    logits = logits_of(2.0, 1.0, 0.0, *([-30.0] * 7))
+    n = 4000
+    drawn = Counter(Sampler(VOCAB, seed=3)(logits.repeat(n, 1), [row(temperature=1.0)] * n))
+    expected = torch.softmax(logits[0], -1)[:3]
+    for token in range(3):
+        assert abs(drawn[token] / n - expected[token].item()) < 0.03
+
+
+def test_frequency_penalty_counts_repeats_and_presence_penalty_does_not():
+    logits = logits_of(0, 0, 0, 0, 3.0, 2.5, 0, 0, 0, 0)
+    sampler = Sampler(VOCAB, seed=0)
+    # Token 4 appeared twice: frequency 0.3 costs 0.6 (beaten by 5); presence 0.3 costs 0.3 (still wins).
+    assert sampler(logits, [row([4, 4], temperature=0.0, frequency_penalty=0.3)]) == [5]
+    assert sampler(logits, [row([4, 4], temperature=0.0, presence_penalty=0.3)]) == [4]
+    assert sampler(logits, [row([4, 4], temperature=0.0, presence_penalty=0.6)]) == [5]
+    assert sampler(logits, [row([], temperature=0.0, frequency_penalty=2.0)]) == [4]
+
+
+def test_negative_penalties_encourage_repeats():
+    logits = logits_of(0, 0, 0, 0, 2.0, 2.5, 0, 0, 0, 0)
+    assert Sampler(VOCAB, seed=0)(logits, [row([4], temperature=0.0, presence_penalty=-1.0)]) == [4]
+
+
+def test_min_tokens_suppresses_stop_tokens_until_reached():
+    logits = logits_of(0, 0, 0, 0, 0, 1.0, 0, 0, 0, 5.0)  # EOS (9) is the argmax
+    sampler = Sampler(VOCAB, seed=0)
+    assert sampler(logits, [row([5], temperature=0.0, min_tokens=3)]) == [5]
+    assert sampler(logits, [row([5, 5, 5], temperature=0.0, min_tokens=3)]) == [EOS]
+    assert all(t != EOS for t in sampler(logits.repeat(50, 1), [row([], temperature=2.0, min_tokens=2)] * 50))
+
+
+def test_logits_past_the_vocabulary_are_never_chosen():
+    logits = torch.cat([torch.zeros(1, VOCAB), torch.full((1, 6), 100.0)], dim=1)  # padded lm_head
+    assert Sampler(VOCAB, seed=0)(logits, [row(temperature=0.0)]) == [0]
