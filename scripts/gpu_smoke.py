@@ -213,17 +213,34 @@ async def run_checks(args: argparse.Namespace, base: str, proc: subprocess.Popen
 
 
 async def check_abort(session: aiohttp.ClientSession, base: str, args: argparse.Namespace) -> bool:
-    """Disconnect mid-stream, then check the server still serves and reports the engine idle."""
+    """Disconnect mid-stream; the engine must go idle and the next request must succeed."""
     aborted = await stream_chat(session, base, chat_body(QUESTIONS[1], args.max_tokens), stop_after_chunks=3,
                                 timeout_s=args.request_timeout_s)
     print(f"abort: disconnected after {aborted.num_completion_tokens} chunks (ok={aborted.ok})")
+    idle = await wait_engine_idle(session, base, timeout_s=30.0)
     after = await stream_chat(session, base, chat_body(QUESTIONS[2], 16), timeout_s=args.request_timeout_s)
     print(f"after abort: next request ok={after.ok} finish_reason={after.finish_reason}")
-    async with session.get(f"{base}/metrics") as resp:
-        lines = [ln for ln in (await resp.text()).splitlines() if "running" in ln and not ln.startswith("#")]
-    for line in lines[:6]:
-        print(f"  /metrics: {line}")
-    return aborted.ok and after.ok
+    return aborted.ok and idle and after.ok
+
+
+async def wait_engine_idle(session: aiohttp.ClientSession, base: str, timeout_s: float) -> bool:
+    """Poll /metrics until every running-requests gauge of the model reads 0."""
+    deadline = time.monotonic() + timeout_s
+    lines: list[str] = []
+    while time.monotonic() < deadline:
+        async with session.get(f"{base}/metrics") as resp:
+            text = await resp.text()
+        lines = [ln for ln in text.splitlines()
+                 if not ln.startswith("#") and "running" in ln and f'model="{MODEL_NAME}"' in ln]
+        if not lines:
+            print("  /metrics has no running-requests gauge for the model; idle check skipped")
+            return True
+        if all(float(ln.rsplit(" ", 1)[-1]) == 0 for ln in lines):
+            print(f"  engine idle after the abort: {lines[0]}")
+            return True
+        await asyncio.sleep(0.5)
+    print(f"  engine still busy {timeout_s:.0f} s after the abort: {lines}")
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
