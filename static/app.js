@@ -4,7 +4,7 @@
 
 import { api, clearKey, getKey, isAbort, setKey, streamChat } from "./api.js";
 import { Sidebar, displayTitle } from "./sidebar.js";
-import { plural, editInPlace, renderMessages, scrollToBottom, setBusy, streamingTarget } from "./view.js";
+import { plural, editInPlace, keepingBottom, renderMessages, scrollToBottom, setBusy, streamingTarget } from "./view.js";
 
 const $ = (id) => document.getElementById(id);
 const el = {
@@ -65,7 +65,7 @@ function describe(error) {
 
 function showBanner(text, { retry = null, isInfo = false, waitS = null } = {}) {
   clearInterval(state.retryTimer);
-  el.banner.hidden = false;
+  keepingBottom(() => { el.banner.hidden = false; });
   el.banner.classList.toggle("banner-info", isInfo);
   el.bannerRetry.hidden = retry == null;
   el.bannerRetry.onclick = retry && (() => { hideBanner(); retry(); });
@@ -290,7 +290,7 @@ async function send(content, keepMessages = null) {
 // messages the server should now hold, the error if any, and whether it refused before
 // storing anything (then the text goes back into the composer).
 async function streamAnswer(conversationId, content, keep, controller) {
-  const answer = { role: "assistant", content: "", model: el.model.value || null, isStreaming: true };
+  const answer = { role: "assistant", content: "", model: null, isStreaming: true };
   state.messages = [...state.messages.slice(0, keep), { role: "user", content }, answer];
   paint();
   el.status.textContent = "Waiting for the model\u2026";

@@ -21,6 +21,13 @@ export function scrollToBottom() {
   messagesEl.scrollTop = messagesEl.scrollHeight;
 }
 
+// Runs `change` (which may resize the message list) and keeps the newest message in view.
+export function keepingBottom(change) {
+  const stick = isNearBottom();
+  change();
+  if (stick) scrollToBottom();
+}
+
 function formatCost(usd) {
   if (usd == null) return null;
   if (usd === 0) return "$0";

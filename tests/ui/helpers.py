@@ -122,6 +122,14 @@ def start_ui_server(tmp: Path, model_dir: Path, *, rpm: int = 600) -> UiServer:
     return UiServer(proc, config, db_path)
 
 
+def restart_ui_server(server: UiServer) -> UiServer:
+    """Starts the server again on the same port, config and database (after a kill)."""
+    proc = ServerProcess(server.proc.args, env={"CHAT_ECHO_TOKEN_DELAY_S": "0"}, log_path=server.proc.log_path)
+    proc.port = server.proc.port
+    proc.start()
+    return UiServer(proc, server.config_path, server.db_path)
+
+
 @dataclass
 class Watched:
     """A page plus what it did: dialogs opened, console errors, requests sent."""

@@ -12,6 +12,7 @@ from tests.ui.helpers import (
     conversation_id,
     last_answer,
     open_page,
+    restart_ui_server,
     sidebar_titles,
     start_ui_server,
     type_and_send,
@@ -225,6 +226,33 @@ def test_rate_limited_send_shows_the_wait_and_gives_the_text_back(browser, tiny_
         assert page.get_by_role("button", name="Retry").is_disabled()
         watched.screenshot("rate-limited-light")
         assert not watched.page_errors
+    finally:
+        watched.close()
+        server.stop()
+
+
+def test_network_loss_mid_stream_shows_retry_and_retry_completes_after_restart(browser, tiny_model_dir, tmp_path):
+    server = start_ui_server(tmp_path, tiny_model_dir)
+    watched = open_page(browser, server.base_url)
+    try:
+        page = watched.page
+        type_and_send(page, LONG_TEXT)
+        wait_until(lambda: len(last_answer(page).locator(".msg-body").inner_text()) > 20)
+        server.proc.kill()  # the connection drops mid-answer, as when the network goes
+        banner = page.get_by_role("alert")
+        banner.wait_for(state="visible")
+        assert "Network connection lost" in banner.inner_text()
+        watched.screenshot("network-lost-light")
+
+        restarted = restart_ui_server(server)
+        server = restarted
+        page.get_by_role("button", name="Retry").click()
+        wait_until(lambda: last_answer(page).locator(".msg-body").inner_text().strip() == LONG_TEXT, timeout_s=120)
+        wait_for_answer_done(page)
+        _, stored = server.get_json(f"/v1/conversations/{conversation_id(page)}")
+        assert [m["role"] for m in stored["messages"]] == ["user", "assistant"]
+        assert stored["messages"][1]["content"] == LONG_TEXT
+        assert watched.dialogs == [] and watched.page_errors == []
     finally:
         watched.close()
         server.stop()
