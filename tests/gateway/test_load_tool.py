@@ -1,0 +1,39 @@
+"""bench/load.py's pure parts: loopback only, tier mix, percentiles, the per-tier summary."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.load import Result, parse_mix, percentile, require_loopback, summarize
+
+
+def test_the_load_tool_refuses_any_host_but_loopback():
+    require_loopback("http://127.0.0.1:8000")
+    require_loopback("http://localhost:8000")
+    with pytest.raises(SystemExit):
+        require_loopback("http://10.0.0.5:8000")
+
+
+def test_the_mix_is_normalised_to_shares():
+    assert parse_mix("free=2,plus=1,enterprise=1") == {"free": 0.5, "plus": 0.25, "enterprise": 0.25}
+
+
+def test_percentiles_interpolate_between_ranks():
+    assert percentile([], 0.5) is None
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert percentile([0.0, 10.0], 0.99) == pytest.approx(9.9)
+
+
+def test_the_summary_counts_outcomes_per_tier():
+    results = [
+        Result("free", "completed", 200, ttft_s=0.5, itls_s=[0.1, 0.2], latency_s=1.0),
+        Result("free", "rejected", 429, code="rate_limit_exceeded", latency_s=0.004),
+        Result("free", "rejected", 503, code="queue_full", latency_s=0.006),
+        Result("plus", "completed", 200, ttft_s=0.1, fallback_from="flagship", latency_s=0.5),
+        Result("plus", "timeout"),
+    ]
+    free, plus = summarize(results, ["free", "plus"])
+    assert (free["sent"], free["admitted"], free["completed"], free["429"], free["503"]) == (3, 1, 1, 1, 1)
+    assert free["ttft_p50_ms"] == 500.0 and free["reject_p99_ms"] == pytest.approx(6.0, abs=0.1)
+    assert free["refusal_codes"] == {"rate_limit_exceeded": 1, "queue_full": 1}
+    assert (plus["fallbacks"], plus["errors"], plus["reject_p99_ms"]) == (1, 1, None)
