@@ -55,12 +55,19 @@ async def request_id_middleware(request: web.Request, handler) -> web.StreamResp
     request[REQUEST_ID] = "req_" + uuid.uuid4().hex
     structlog.contextvars.bind_contextvars(request_id=request[REQUEST_ID])
     try:
-        response = await handler(request)
+        return await handler(request)
     finally:
         structlog.contextvars.unbind_contextvars("request_id")
-    if not response.prepared:
+
+
+async def _stamp_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """Runs just before any response's headers go out, streams included."""
+    if REQUEST_ID in request:
         response.headers["X-Request-Id"] = request[REQUEST_ID]
-    return response
+    response.headers.setdefault("X-Content-Type-Options", "nosniff")
+    if not request.path.startswith("/v1/"):
+        response.headers.setdefault("Content-Security-Policy", CSP)
+        response.headers.setdefault("Referrer-Policy", "no-referrer")
 
 
 @web.middleware
@@ -121,17 +128,6 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
         raise unauthorized("You didn't provide an API key. Send 'Authorization: Bearer <API key>'.")
     request[PRINCIPAL] = principal
     return await handler(request)
-
-
-@web.middleware
-async def security_headers_middleware(request: web.Request, handler) -> web.StreamResponse:
-    response = await handler(request)
-    if not response.prepared:
-        response.headers.setdefault("X-Content-Type-Options", "nosniff")
-        if not request.path.startswith("/v1/"):
-            response.headers.setdefault("Content-Security-Policy", CSP)
-            response.headers.setdefault("Referrer-Policy", "no-referrer")
-    return response
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -208,10 +204,11 @@ async def _on_shutdown(app: web.Application) -> None:
 def init(settings: Settings) -> web.Application:
     app = web.Application(
         client_max_size=settings.server.max_body_bytes,
-        middlewares=[request_id_middleware, error_middleware, security_headers_middleware, auth_middleware],
+        middlewares=[request_id_middleware, error_middleware, auth_middleware],
     )
     app[SETTINGS] = settings
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_on_shutdown)
+    app.on_response_prepare.append(_stamp_headers)
     resources.add_routes(app, chat.chat_completions)
     return app

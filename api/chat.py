@@ -211,7 +211,9 @@ async def _next_event(
             await on_idle("processing")
     finally:
         if not task.done():
+            # Let the cancelled step finish before anyone closes the generator.
             task.cancel()
+            await asyncio.wait({task})
 
 
 def _count(turn: Turn, event: TokenEvent) -> None:

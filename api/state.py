@@ -31,8 +31,8 @@ from store.types import Principal, RequestRecord, StoreUnavailable
 
 log = structlog.get_logger(__name__)
 
-PRINCIPAL = "principal"  # request-scoped keys (aiohttp Request is a MutableMapping)
-REQUEST_ID = "request_id"
+PRINCIPAL = web.RequestKey("principal", Principal)  # set by the auth middleware
+REQUEST_ID = web.RequestKey("request_id", str)  # set by the request-id middleware
 
 
 @dataclass(slots=True)

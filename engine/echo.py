@@ -84,7 +84,7 @@ class EchoBackend:
             done = len(answer_ids[:limit])
             reason = FinishReason.LENGTH if len(answer_ids) > limit else FinishReason.STOP
             yield TokenEvent(detok.flush(), (), num_prompt, 0, done, reason)
-        except GeneratorExit:
+        except (GeneratorExit, asyncio.CancelledError):
             self.aborted_request_ids.append(request.request_id)
             raise
         finally:

@@ -135,7 +135,8 @@ async def test_client_disconnect_mid_stream_aborts_and_bills_generated_tokens(ma
     client = await make_client()
     long_text = " ".join(["word"] * 60)
     resp = await chat(client, {"model": "echo", "stream": True, "messages": [{"role": "user", "content": long_text}]})
-    await resp.content.readline()  # the first frame arrived: the stream is running
+    while b'"content":"word' not in await resp.content.readline():  # tokens are flowing
+        pass
     resp.close()  # the client goes away
     backend = state_of(client).models["echo"].backend
     for _ in range(100):
