@@ -1,19 +1,18 @@
 // The chat UI's entry point: boot (key, models, conversations), the send/stop/regenerate/
-// edit flow against the public API, the error banner and the usage summary. The server's
+// edit flow against the public API, the model picker and the usage summary. The server's
 // stored conversation is the truth; after each answer the view is re-synced from it.
 
-import { api, clearKey, getKey, isAbort, setKey, streamChat } from "./api.js";
+import { api, getKey, isAbort, streamChat } from "./api.js";
+import { describe, hideBanner, initKeyDialog, showBanner, showError } from "./notices.js";
 import { Sidebar, displayTitle } from "./sidebar.js";
-import { plural, editInPlace, keepingBottom, renderMessages, scrollToBottom, setBusy, streamingTarget } from "./view.js";
+import { plural, editInPlace, renderMessages, scrollToBottom, setBusy, streamingTarget } from "./view.js";
 
 const $ = (id) => document.getElementById(id);
 const el = {
   input: $("composer-input"), form: $("composer"), send: $("send"), stop: $("stop"), status: $("status"),
-  title: $("chat-title"), model: $("model-select"), banner: $("banner"), bannerText: $("banner-text"),
-  bannerRetry: $("banner-retry"), bannerClose: $("banner-close"), usage: $("usage-summary"),
-  keyDialog: $("key-dialog"), keyForm: $("key-form"), keyInput: $("key-input"), keyReason: $("key-reason"),
-  keyForget: $("key-forget"), openKey: $("open-key"), newChat: $("new-chat"), sidebar: $("sidebar"),
-  openSidebar: $("open-sidebar"), closeSidebar: $("close-sidebar"), backdrop: $("sidebar-backdrop"),
+  title: $("chat-title"), model: $("model-select"), usage: $("usage-summary"), openKey: $("open-key"),
+  newChat: $("new-chat"), sidebar: $("sidebar"), openSidebar: $("open-sidebar"),
+  closeSidebar: $("close-sidebar"), backdrop: $("sidebar-backdrop"),
 };
 const MODEL_STORAGE = "chat.model";
 const SYNC_ATTEMPTS = 5;
@@ -32,7 +31,6 @@ const state = {
   conversationId: null,
   messages: [],       // {role, content, model?, tokens?, usage?, fallbackFrom?, finishReason?, isStopped?, errorText?}
   controller: null,   // AbortController of the answer being streamed
-  retryTimer: null,
 };
 
 const sidebar = new Sidebar({
@@ -41,74 +39,6 @@ const sidebar = new Sidebar({
   onRenamed: (c) => { if (c.id === state.conversationId) el.title.textContent = displayTitle(c); },
   onError: (error) => showError(error, null),
 });
-
-// ---- banner ---------------------------------------------------------------------------
-function describe(error) {
-  if (error.isNetwork) return "Network connection lost. Check the connection, then retry.";
-  if (error.isMidStream) return `The answer failed: ${error.message}`;
-  const wait = error.retryAfterS != null ? Math.ceil(error.retryAfterS) : null;
-  switch (error.status) {
-    case 401: return `API key needed: ${error.message}`;
-    case 404: return error.param === "conversation_id" ? "This conversation no longer exists." : error.message;
-    case 429:
-      if (error.code === "insufficient_quota") return "Over budget: this month's spending limit is reached.";
-      return `Rate limited.${wait != null ? " You can retry in {s}." : " Retry in a moment."}`;
-    case 503: return `The server is busy.${wait != null ? " Retry in {s}." : " Retry in a moment."}`;
-    case 400:
-      if (error.code === "context_length_exceeded") {
-        return "This conversation is too long for the model. Start a new chat or edit an earlier message.";
-      }
-      return `The request was rejected: ${error.message}`;
-    default: return `Something went wrong (${error.status || "no answer"}): ${error.message}`;
-  }
-}
-
-function showBanner(text, { retry = null, isInfo = false, waitS = null } = {}) {
-  clearInterval(state.retryTimer);
-  keepingBottom(() => { el.banner.hidden = false; });
-  el.banner.classList.toggle("banner-info", isInfo);
-  el.bannerRetry.hidden = retry == null;
-  el.bannerRetry.onclick = retry && (() => { hideBanner(); retry(); });
-  const deadline = Date.now() + (waitS || 0) * 1000;
-  const paint = () => {
-    const left = Math.max(0, Math.ceil((deadline - Date.now()) / 1000));
-    el.bannerText.textContent = text.replace("{s}", `${left} s`);
-    el.bannerRetry.disabled = left > 0;
-    if (left === 0) clearInterval(state.retryTimer);
-  };
-  paint();
-  if (waitS) state.retryTimer = setInterval(paint, 1000);
-}
-
-function hideBanner() {
-  clearInterval(state.retryTimer);
-  el.banner.hidden = true;
-}
-
-function showError(error, retry) {
-  if (error.status === 401) openKeyDialog(error.message);
-  const canRetry = retry != null && error.code !== "insufficient_quota" && error.status !== 400 && error.status !== 404;
-  showBanner(describe(error), { retry: canRetry ? retry : null, waitS: error.retryAfterS });
-}
-
-// ---- API key --------------------------------------------------------------------------
-function openKeyDialog(reason) {
-  el.keyReason.textContent = reason
-    ? `${reason} The key is kept in this browser's local storage only.`
-    : "The key is kept in this browser's local storage only.";
-  el.keyInput.value = getKey() || "";
-  if (!el.keyDialog.open) el.keyDialog.showModal();
-}
-
-el.keyForm.addEventListener("submit", (event) => {
-  event.preventDefault();
-  const key = el.keyInput.value.trim();
-  if (key) setKey(key);
-  el.keyDialog.close();
-  boot();
-});
-el.keyForget.addEventListener("click", () => { clearKey(); el.keyInput.value = ""; el.keyDialog.close(); boot(); });
-el.openKey.addEventListener("click", () => openKeyDialog(null));
 
 // ---- models and usage ------------------------------------------------------------------
 async function loadModels() {
@@ -375,7 +305,6 @@ function autoGrow() {
 el.input.addEventListener("input", autoGrow);
 el.stop.addEventListener("click", stop);
 el.newChat.addEventListener("click", () => { closeSidebar(); newChat(); });
-el.bannerClose.addEventListener("click", hideBanner);
 
 // ---- narrow screens: the sidebar slides over the chat ----------------------------------
 function openSidebar() {
@@ -416,10 +345,7 @@ async function boot() {
   document.body.classList.add("ready");
 }
 
-window.addEventListener("offline", () => showBanner("You are offline. Answers resume when the network is back."));
-window.addEventListener("online", () => {
-  if (el.bannerText.textContent.startsWith("You are offline")) hideBanner();
-});
+initKeyDialog(boot);
 
 window.addEventListener("hashchange", () => {
   const id = window.location.hash.slice(1);
