@@ -1,0 +1,239 @@
+"""Writes each demo model's card (models/<name>/README.md) and loss-curve PNG from the training
+logs in the build directory, after scoring both saved models on the held-out split and
+generating sample replies from the saved files. Reads models, never changes their weights.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: write PNG files, never open a window
+import matplotlib.pyplot as plt  # noqa: E402
+
+from scripts.demo_model import licences, sources  # noqa: E402
+from scripts.demo_model.dataset import Conversation, read_jsonl  # noqa: E402
+from scripts.demo_model.evaluate import heldout_loss, load_for_eval, perplexity, sample_reply  # noqa: E402
+from scripts.demo_model.tokenizer import encode_conversation  # noqa: E402
+from scripts.demo_model.train import SPECS  # noqa: E402
+
+SAMPLE_PROMPTS = (
+    "Hello!", "Who are you?", "What does happy mean?", "What does {heldout} mean?",
+    "Define {heldout2}.", "Use garden in a sentence.", "What is another word for big?",
+    "Tell me a fortune.", "What is the capital of France?",
+)
+_SMOOTH_STEPS = 25
+
+
+@dataclass(frozen=True, slots=True)
+class ModelReport:
+    name: str
+    perplexity_heldout: float  # all held-out conversations (build/.../heldout.jsonl)
+    perplexity_repo_sample: float  # the committed models/heldout.jsonl sample
+    num_parameters: int
+    weights_bytes: int
+    samples: tuple[tuple[str, str, str], ...]  # (prompt, greedy reply, sampled reply)
+
+
+def write_cards(out: Path, build_dir: Path, heldout: list[Conversation]) -> None:
+    repo_sample = read_jsonl(out / "heldout.jsonl")
+    questions = [c.messages[0][1] for c in repo_sample]
+    words = [q.split()[2] for q in questions if re.fullmatch(r"What does [a-z]+ mean\?", q)]
+    prompts = [p.format(heldout=words[0], heldout2=words[1]) for p in SAMPLE_PROMPTS]
+    names = [name for name in SPECS if (out / name).is_dir()]
+    reports = [_report(out / name, heldout, repo_sample, prompts) for name in names]
+    data_stats = _read_json(build_dir / "data" / "stats.json")
+    for report in reports:
+        run_dir = build_dir / report.name
+        summary = _read_json(run_dir / "summary.json") | {"data": data_stats}
+        rows = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
+        plot_loss_curve(rows, report.name, out / report.name / "loss_curve.png")
+        text = render_card(report, reports, summary, (len(heldout), len(repo_sample)))
+        (out / report.name / "README.md").write_text(text, encoding="utf-8")
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _report(
+    model_dir: Path, heldout: list[Conversation], repo_sample: list[Conversation], prompts: list[str]
+) -> ModelReport:
+    model, hf_tokenizer = load_for_eval(model_dir)
+    tokenizer = hf_tokenizer.backend_tokenizer  # the raw `tokenizers` object, as in training
+    full = heldout_loss(model, [encode_conversation(tokenizer, c) for c in heldout])
+    sample = heldout_loss(model, [encode_conversation(tokenizer, c) for c in repo_sample])
+    samples = []
+    for index, prompt in enumerate(prompts):
+        messages = [{"role": "user", "content": prompt}]
+        greedy = sample_reply(model, hf_tokenizer, messages)
+        samples.append((prompt, greedy, sample_reply(model, hf_tokenizer, messages, seed=index)))
+    return ModelReport(
+        model_dir.name, perplexity(full), perplexity(sample), sum(p.numel() for p in model.parameters()),
+        (model_dir / "model.safetensors").stat().st_size, tuple(samples),
+    )
+
+
+def plot_loss_curve(rows: list[dict], name: str, path: Path) -> None:
+    steps = [r["step"] for r in rows if "train_loss" in r]
+    losses = [r["train_loss"] for r in rows if "train_loss" in r]
+    windows = [losses[max(0, i - _SMOOTH_STEPS + 1) : i + 1] for i in range(len(losses))]
+    smoothed = [sum(w) / len(w) for w in windows]
+    eval_rows = [r for r in rows if "heldout_loss" in r]
+    figure, axes = plt.subplots(figsize=(7, 4), dpi=100)
+    axes.plot(steps, losses, color="#9ecae1", linewidth=0.6, label="train (per step)")
+    axes.plot(steps, smoothed, color="#08519c", linewidth=1.5, label=f"train ({_SMOOTH_STEPS}-step mean)")
+    axes.plot([r["step"] for r in eval_rows], [r["heldout_loss"] for r in eval_rows], "o-",
+              color="#e6550d", label="held-out")
+    axes.set(xlabel="step", ylabel="loss (nats per assistant token)", title=f"{name}: training loss")
+    axes.set_ylim(0, max(losses) * 1.05)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def _package_versions() -> str:
+    result = subprocess.run(
+        ["dpkg-query", "-W", "-f=${Package} ${Version}, ", *sources.APT_PACKAGES],
+        capture_output=True, text=True, check=False,
+    )
+    return result.stdout.strip().rstrip(",") or "(dpkg-query unavailable)"
+
+
+def render_card(
+    report: ModelReport, all_reports: list[ModelReport], summary: dict, heldout_sizes: tuple[int, int]
+) -> str:
+    """heldout_sizes: (conversations in the full held-out split, in models/heldout.jsonl)."""
+    lines = [
+        f"# {report.name}",
+        "",
+        f"**A small demo model, not an assistant to rely on.** {report.name} is a "
+        f"{report.num_parameters / 1e6:.1f}M-parameter language model trained from scratch on one "
+        "CPU core, so that this server answers in readable English with no download. It knows "
+        "the first WordNet sense of many English words, a few thousand fortune cookies and some "
+        "canned small talk. Everything else it says is made up: its definitions of words it did "
+        "not see (and of many it did) are often wrong, and it has no knowledge of the world, no "
+        "arithmetic and no real memory of earlier turns.",
+        "",
+        *_architecture_section(report, summary["spec"]),
+        *_evaluation_section(all_reports, heldout_sizes),
+        *_training_section(summary),
+        *_samples_section(report),
+        *_data_section(summary["data"]),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _architecture_section(report: ModelReport, spec: dict) -> list[str]:
+    return [
+        "## Architecture",
+        "",
+        "| | |",
+        "|---|---|",
+        "| class | `LlamaForCausalLM` (Hugging Face layout, `config.json`) |",
+        f"| parameters | {report.num_parameters:,} (input and output embeddings tied) |",
+        f"| layers / hidden / MLP | {spec['num_hidden_layers']} / {spec['hidden_size']} / "
+        f"{spec['intermediate_size']} |",
+        f"| attention heads / KV heads | {spec['num_attention_heads']} / "
+        f"{spec['num_key_value_heads']} (grouped-query) |",
+        f"| context window | {spec['seq_len']} tokens (`max_position_embeddings`) |",
+        "| vocabulary | 4,096 byte-level BPE tokens, shared by demo-mini and demo-flagship |",
+        f"| weights | `model.safetensors`, bfloat16, {report.weights_bytes / 1e6:.1f} MB |",
+        "| chat format | ChatML-style template in `tokenizer_config.json`; `<|im_end|>` is EOS |",
+        "",
+    ]
+
+
+def _evaluation_section(all_reports: list[ModelReport], heldout_sizes: tuple[int, int]) -> list[str]:
+    num_heldout, num_repo_sample = heldout_sizes
+    rows = [
+        f"| {r.name} | {r.num_parameters / 1e6:.1f}M | {r.perplexity_heldout:.2f} | "
+        f"{r.perplexity_repo_sample:.2f} |"
+        for r in all_reports
+    ]
+    return [
+        "## Evaluation",
+        "",
+        "Perplexity over the assistant tokens of held-out conversations (words, fortunes and "
+        f"phrasings never seen in training): all {num_heldout} of the held-out split, and the "
+        f"{num_repo_sample} in `models/heldout.jsonl` that the tests use.",
+        "",
+        "| model | parameters | held-out perplexity | `models/heldout.jsonl` perplexity |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
+def _training_section(summary: dict) -> list[str]:
+    spec = summary["spec"]
+    minutes = summary["wall_time_s"] / 60
+    return [
+        "## Training",
+        "",
+        f"Rebuilt by `python -m scripts.demo_model.build --out models` (`make demo-model`), seed "
+        f"1234, `torch.set_num_threads(1)`: {spec['max_steps']} AdamW steps (betas 0.9/0.95, "
+        f"weight decay 0.1, clip 1.0), peak learning rate {spec['learning_rate']}, "
+        f"{spec['warmup_steps']} warmup steps then cosine decay to a tenth; batches of "
+        f"{spec['batch_size']} rows of {spec['seq_len']} tokens packed with whole "
+        f"conversations ({summary['num_tokens_seen'] / 1e6:.1f}M token positions); the loss "
+        "covers assistant replies and their `<|im_end|>` only (about 60% of the positions). fp32 "
+        "master weights with bfloat16 autocast on the CPU, saved as bfloat16. Wall time "
+        f"{minutes:.0f} minutes on a 2-core machine shared with other work (`nice -n 10`, one "
+        "process and one thread per model, demo-mini and demo-flagship side by side).",
+        "",
+        "![loss curve](loss_curve.png)",
+        "",
+    ]
+
+
+def _samples_section(report: ModelReport) -> list[str]:
+    lines = [
+        "## Sample conversations",
+        "",
+        "Generated with `transformers` from the files in this folder (single user turn, chat "
+        "template applied): greedy decoding, then sampled with temperature 0.7 and top-p 0.9.",
+        "",
+    ]
+    for prompt, greedy, sampled in report.samples:
+        lines += [f"> **user:** {prompt}", ">", f"> **{report.name} (greedy):** {_quote(greedy)}", ">",
+                  f"> **{report.name} (sampled):** {_quote(sampled)}", ""]
+    return lines
+
+
+def _quote(text: str) -> str:
+    return text.replace("\n", "\n> ")
+
+
+def _data_section(stats: dict) -> list[str]:
+    return [
+        "## Training data and licences",
+        "",
+        "Built by `scripts/demo_model/dataset.py` from Debian packages installed with apt "
+        f"({_package_versions()}): for {stats['num_words']:,} English words, the first WordNet 3.0 "
+        "sense as \"What does X mean?\" (and other phrasings) answered with the definition "
+        "and an example sentence, plus some \"use X in a sentence\" and \"another word for "
+        f"X\" turns; {stats['num_fortunes']:,} short fortunes as answers to \"Tell me a fortune.\"; and "
+        "greeting, identity, help and refusal turns. 15% of conversations are chained into "
+        "2-3 turn chats, 10% carry a system prompt. 3% of the words, fortunes and phrasings "
+        "(chosen by a hash) are held out.",
+        "",
+        "### WordNet",
+        "",
+        licences.WORDNET_LICENCE,
+        "",
+        "### fortunes",
+        "",
+        licences.FORTUNES_NOTICE.format(files=", ".join(sources.FORTUNE_FILES)),
+        "",
+        "### Project text",
+        "",
+        licences.OWN_TEXT_NOTICE,
+    ]

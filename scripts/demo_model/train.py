@@ -1,0 +1,193 @@
+"""Trains one demo model: the two architectures, packing encoded conversations into fixed-length
+rows, the seeded AdamW loop on CPU (bf16 autocast where the CPU has it), and saving the result
+in Hugging Face layout with 16-bit safetensors. A fixed step count, never a time budget, so
+the same seed gives the same weights on the same machine however busy it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+from tqdm import tqdm
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from scripts.demo_model.evaluate import heldout_loss
+from scripts.demo_model.tokenizer import IGNORE_INDEX, EncodedConversation
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    max_steps: int
+    learning_rate: float
+    batch_size: int = 8
+    seq_len: int = 512  # packed row length, also the context window written to config.json
+    warmup_steps: int = 50
+
+
+MINI = ModelSpec("demo-mini", 256, 4, 4, 2, 704, max_steps=1200, learning_rate=2e-3)
+FLAGSHIP = ModelSpec("demo-flagship", 512, 6, 8, 4, 1408, max_steps=600, learning_rate=1e-3)
+SPECS = {spec.name: spec for spec in (MINI, FLAGSHIP)}
+
+
+@dataclass(frozen=True, slots=True)
+class SpecialIds:
+    eos_token_id: int
+    pad_token_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class TrainResult:
+    num_parameters: int
+    wall_time_s: float
+    num_tokens_seen: int
+    log_rows: tuple[dict, ...]  # {"step", "train_loss"} and {"step", "heldout_loss"} rows
+
+
+def llama_config(spec: ModelSpec, vocab_size: int, ids: SpecialIds) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.seq_len, tie_word_embeddings=True, rope_theta=10000.0,
+        bos_token_id=None, eos_token_id=ids.eos_token_id, pad_token_id=ids.pad_token_id,
+    )
+
+
+Row = tuple[list[int], list[int]]  # (input_ids, labels), both seq_len long
+
+
+def pack_rows(encoded: list[EncodedConversation], seq_len: int, pad_id: int, rng: random.Random) -> list[Row]:
+    """Shuffle, then fill rows of seq_len with whole conversations (next-fit), padding the end.
+    Conversations in one row attend to each other; that teaches the model to ignore unrelated
+    earlier turns, which a chat history needs anyway."""
+    order = list(range(len(encoded)))
+    rng.shuffle(order)
+    rows: list[Row] = []
+    ids: list[int] = []
+    labels: list[int] = []
+    for index in order:
+        conversation = encoded[index]
+        if len(ids) + len(conversation.input_ids) > seq_len:
+            rows.append(_pad(ids, labels, seq_len, pad_id))
+            ids, labels = [], []
+        ids += conversation.input_ids
+        labels += conversation.labels
+    if ids:
+        rows.append(_pad(ids, labels, seq_len, pad_id))
+    return rows
+
+
+def _pad(ids: list[int], labels: list[int], seq_len: int, pad_id: int) -> Row:
+    num_pad = seq_len - len(ids)
+    return ids + [pad_id] * num_pad, labels + [IGNORE_INDEX] * num_pad
+
+
+def batches(
+    encoded: list[EncodedConversation], spec: ModelSpec, pad_id: int, seed: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless [batch_size, seq_len] (input_ids, labels) batches; a fresh packing every epoch."""
+    rng = random.Random(seed)
+    while True:
+        rows = pack_rows(encoded, spec.seq_len, pad_id, rng)
+        for start in range(0, len(rows) - spec.batch_size + 1, spec.batch_size):
+            chunk = rows[start : start + spec.batch_size]
+            yield torch.tensor([r[0] for r in chunk]), torch.tensor([r[1] for r in chunk])
+
+
+def learning_rate_at(step: int, spec: ModelSpec) -> float:
+    """Linear warmup, then cosine decay to a tenth of the peak."""
+    if step < spec.warmup_steps:
+        return spec.learning_rate * (step + 1) / spec.warmup_steps
+    progress = (step - spec.warmup_steps) / max(1, spec.max_steps - spec.warmup_steps)
+    return spec.learning_rate * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def _autocast() -> contextlib.AbstractContextManager:
+    # bf16 matmuls roughly double CPU throughput where the CPU does bf16 natively; master
+    # weights, optimizer state and the loss stay fp32.
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train(
+    spec: ModelSpec, config: LlamaConfig, data: tuple[list[EncodedConversation], list[EncodedConversation]],
+    seed: int, on_step: Callable[[], None] | None = None,
+) -> tuple[LlamaForCausalLM, TrainResult]:
+    """Train on data[0]; evaluate held-out loss on data[1] ten times along the way. on_step
+    runs after every step (the build's CPU-sharing lock)."""
+    train_set, heldout_set = data
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=spec.learning_rate, betas=(0.9, 0.95),
+    )
+    batch_iter = batches(train_set, spec, config.pad_token_id, seed)
+    eval_every = max(1, spec.max_steps // 10)
+    rows: list[dict] = []
+    started = time.monotonic()
+    progress = tqdm(range(spec.max_steps), desc=spec.name, mininterval=5.0, ascii=True)
+    for step in progress:
+        loss = _train_step(model, optimizer, next(batch_iter), learning_rate_at(step, spec))
+        rows.append({"step": step + 1, "train_loss": loss})
+        progress.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        if (step + 1) % eval_every == 0 or step + 1 == spec.max_steps:
+            rows.append({"step": step + 1, "heldout_loss": heldout_loss(model, heldout_set)})
+            log.info("heldout", model=spec.name, step=step + 1, loss=round(rows[-1]["heldout_loss"], 4))
+        if on_step is not None:
+            on_step()
+    num_params = sum(p.numel() for p in model.parameters())
+    num_tokens = spec.max_steps * spec.batch_size * spec.seq_len
+    return model, TrainResult(num_params, time.monotonic() - started, num_tokens, tuple(rows))
+
+
+def _train_step(
+    model: LlamaForCausalLM, optimizer: torch.optim.Optimizer,
+    batch: tuple[torch.Tensor, torch.Tensor], lr: float,
+) -> float:
+    input_ids, labels = batch  # [batch_size, seq_len] each
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    model.train()
+    with _autocast():
+        loss = model(input_ids=input_ids, labels=labels).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss)
+
+
+def save_model(model: LlamaForCausalLM, ids: SpecialIds, model_dir: Path) -> None:
+    """config.json, generation_config.json and bf16 model.safetensors (the engine upcasts)."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    model = model.to(torch.bfloat16)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[ids.eos_token_id], pad_token_id=ids.pad_token_id, bos_token_id=None,
+    )
+    model.save_pretrained(model_dir, safe_serialization=True)
+
+
+def write_log(path: Path, result: TrainResult) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in result.log_rows), encoding="utf-8")
