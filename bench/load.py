@@ -61,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/load.py", description=__doc__.splitlines()[0])
     p.add_argument("--config", type=Path, default=ROOT / "config.toml", help="server config (spawned server)")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="server --set, repeatable")
+    p.add_argument("--model", type=Path, help="server --model: one model folder for every tier (one queue)")
     p.add_argument("--url", help="use a running loopback server instead of spawning one (needs --db)")
     p.add_argument("--db", type=Path, help="the server's database, to create keys (default: a temp file)")
     p.add_argument("--mix", default="free=0.5,plus=0.3,enterprise=0.2", help="tier shares of the arrivals")
@@ -97,9 +98,13 @@ def require_loopback(url: str) -> None:
         raise SystemExit(f"refusing to load {host}: this tool only drives 127.0.0.1")
 
 
+def server_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--config", str(args.config), *(a for s in args.overrides for a in ("--set", s))]
+    return flags if args.model is None else [*flags, "--model", str(args.model)]
+
+
 def create_key(args: argparse.Namespace, db: Path, org: str, tier: str) -> str:
-    sets = [a for s in args.overrides for a in ("--set", s)]
-    cmd = [sys.executable, str(ROOT / "server.py"), "--config", str(args.config), *sets,
+    cmd = [sys.executable, str(ROOT / "server.py"), *server_flags(args),
            "keys", "create", "--org", org, "--tier", tier, "--db", str(db)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
     if out.returncode != 0:
@@ -296,7 +301,8 @@ async def drive(args: argparse.Namespace, url: str, db: Path) -> None:
         wall = time.perf_counter()
         results = await open_loop(session, plan, rate, args)
         wall = time.perf_counter() - wall
-    print(f"{len(results)} requests at {rate:.2f}/s over {wall:.1f} s, max_tokens {args.max_tokens}, mix {args.mix}")
+    print(f"{len(results)} requests at {rate:.2f}/s over {wall:.1f} s (arrivals and drain),"
+          f" max_tokens {args.max_tokens}, mix {args.mix}, {args.keys_per_tier} keys per tier")
     rows = summarize(results, sorted(mix, key=lambda t: -priority[t]))
     print(render(rows, args.markdown))
     for row in rows:
@@ -316,8 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="load-") as tmp:
         db = args.db or Path(tmp) / "load.db"
-        server_args = ["--config", str(args.config), "--db", str(db), *(a for s in args.overrides for a in ("--set", s))]
-        server = ServerProcess(server_args, log_path=args.server_log or Path(tmp) / "server.log")
+        server = ServerProcess([*server_flags(args), "--db", str(db)], log_path=args.server_log or Path(tmp) / "server.log")
         server.start(timeout_s=300.0)
         try:
             asyncio.run(drive(args, server.base_url, db))

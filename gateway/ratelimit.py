@@ -216,17 +216,24 @@ class RateLimiter:
         """Debit one request and `est_tokens` from every bucket, or none and raise RateLimited."""
         limits = Limits.for_tier(tier, overrides)
         checks = _checks_for(key, tier_name, limits, est_tokens)
-        waits = [(self._bucket(c).retry_after_s(c.need), c) for c in checks]
-        if waits:
-            retry_after_s, worst = max(waits, key=lambda w: w[0])
-            if retry_after_s > 0:
-                raise self._refusal(worst, retry_after_s, key, tier_name, limits)
+        self._raise_if_limited(key, tier_name, limits, checks)
         for check in checks:
             self._bucket(check).take(check.need)
         self._num_acquires += 1
         if self._num_acquires % self._prune_every == 0:
             self.prune()
         return Reservation(key, tier_name, est_tokens, checks)
+
+    def check(
+        self, key: str, tier_name: str, tier: TierConfig, overrides: Mapping[str, float] | None = None
+    ) -> None:
+        """Raise RateLimited if a request (of at least one token) would be refused now; debit nothing.
+
+        Cheap: call it right after authentication, before tokenizing or reading the budget,
+        so a client over its limit is refused without any of that work.
+        """
+        limits = Limits.for_tier(tier, overrides)
+        self._raise_if_limited(key, tier_name, limits, _checks_for(key, tier_name, limits, 1))
 
     def settle(self, reservation: Reservation, actual_tokens: int) -> None:
         """Refund estimate minus actual tokens (or charge the excess); a second call is a no-op."""
@@ -281,6 +288,13 @@ class RateLimiter:
             self._num_streams[key] = num_open
         else:
             self._num_streams.pop(key, None)
+
+    def _raise_if_limited(self, key: str, tier_name: str, limits: Limits, checks: tuple[_Check, ...]) -> None:
+        waits = [(self._bucket(c).retry_after_s(c.need), c) for c in checks]
+        if waits:
+            retry_after_s, worst = max(waits, key=lambda w: w[0])
+            if retry_after_s > 0:
+                raise self._refusal(worst, retry_after_s, key, tier_name, limits)
 
     def _bucket(self, check: _Check) -> TokenBucket:
         refill_per_s = check.capacity / _PERIOD_S

@@ -225,3 +225,17 @@ def test_token_bucket_alone_reports_retry_after_for_a_given_need():
     clock.advance(1.0)
     assert bucket.level == pytest.approx(2.0)
     assert bucket.reset_s() == pytest.approx(4.0)
+
+
+def test_check_refuses_like_acquire_but_debits_nothing():
+    clock = FakeClock()
+    limiter = RateLimiter(clock)
+    for _ in range(3):
+        limiter.check("k1", "free", tier())
+    assert limiter.headers("k1", "free", tier())["x-ratelimit-remaining-requests"] == "5"
+    for _ in range(5):
+        limiter.acquire("k1", "free", tier(), 10)
+    with pytest.raises(RateLimited) as info:
+        limiter.check("k1", "free", tier())
+    assert info.value.retry_after_s == pytest.approx(12.0)
+    limiter.check("k2", "free", tier())  # another key is unaffected
