@@ -93,7 +93,7 @@ def trim_history(
 
 def encode_chat(model: ModelHandle, context: list[ChatMessage]) -> list[int]:
     messages = [{"role": m.role, "content": m.content} for m in context]
-    return model.tokenizer.encode(model.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return model.tokenizer.encode_chat(messages)
 
 
 def resolve_max_tokens(chat: ChatRequest, tier: TierConfig, tier_name: str, room: int) -> int:

@@ -88,6 +88,9 @@ class Tokenizer:
         self.eos_token = special_tokens.get("eos_token")
         self.eos_token_ids = eos_token_ids
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._special_texts = tuple(
+            t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content
+        )
 
     @classmethod
     def from_dir(cls, path: Path | str) -> "Tokenizer":
@@ -104,6 +107,33 @@ class Tokenizer:
         special = {k: _token_text(tok_cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
         eos_ids = _eos_ids(path, tokenizer, special["eos_token"])
         return cls(tokenizer, template, special, eos_ids)
+
+    def encode_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+        """Render and tokenize a chat so that message text can never become control tokens.
+
+        Text such as "<|im_end|>" typed by a user is tokenized as plain text (the injection
+        of transformers#29279). Chats without such text take the plain path, which is
+        token-for-token what transformers produces.
+        """
+        if not any(tok in str(m.get("content", "")) for m in messages for tok in self._special_texts):
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+        sentinels = [f"\x00{i}\x00" for i in range(len(messages))]
+        rendered = self.apply_chat_template(
+            [{**m, "content": s} for m, s in zip(messages, sentinels)], add_generation_prompt=add_generation_prompt
+        )
+        ids: list[int] = []
+        for i, sentinel in enumerate(sentinels):
+            head, _, rendered = rendered.partition(sentinel)
+            ids += self.encode(head)
+            ids += self._encode_literal(str(messages[i].get("content", "")))
+        return ids + self.encode(rendered)
+
+    def _encode_literal(self, text: str) -> list[int]:
+        self._tok.encode_special_tokens = True
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        finally:
+            self._tok.encode_special_tokens = False
 
     def encode(self, text: str) -> list[int]:
         # Rendered chat text already holds its special tokens: add none.
