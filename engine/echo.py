@@ -31,6 +31,7 @@ class EchoBackend:
         self._num_generated = 0
         self.aborted_request_ids: list[str] = []
         self.token_delay_s = float(os.environ.get("CHAT_ECHO_TOKEN_DELAY_S", "0"))
+        self.max_running = int(os.environ.get("CHAT_ECHO_MAX_RUNNING", "0"))  # 0: unlimited
 
     @property
     def max_model_len(self) -> int:
@@ -48,7 +49,7 @@ class EchoBackend:
             raise RequestRejected("prompt does not fit", param="messages")
 
     def has_room(self) -> bool:
-        return True
+        return self.max_running == 0 or len(self._running) < self.max_running
 
     def abort(self, request_id: str) -> None:
         event = self._running.get(request_id)

@@ -1,0 +1,103 @@
+"""The gateway seen over HTTP: 429s with their headers, budgets, 503 from a full queue,
+visible fallback, queue-position comments, per-key stream limits."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.api.helpers import assert_error, sse_events, state_of
+
+USER = [{"role": "user", "content": "Hello there."}]
+LONG = [{"role": "user", "content": " ".join(["word"] * 40)}]
+
+
+async def chat(client, body, headers=None):
+    return await client.post("/v1/chat/completions", json=body, headers=headers or {})
+
+
+async def test_rate_limit_gives_429_with_retry_after_and_ratelimit_headers(make_client):
+    client = await make_client("tiers.enterprise.requests_per_minute=2")
+    first = await chat(client, {"model": "echo", "messages": USER})
+    second = await chat(client, {"model": "echo", "messages": USER})
+    assert first.status == second.status == 200
+    assert int(first.headers["x-ratelimit-remaining-requests"]) > int(second.headers["x-ratelimit-remaining-requests"])
+    refused = await chat(client, {"model": "echo", "messages": USER})
+    await assert_error(refused, 429, code="rate_limit_exceeded")
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert refused.headers["x-ratelimit-limit-requests"] == "2"
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    assert "x-should-retry" not in refused.headers
+
+
+async def test_over_budget_is_429_insufficient_quota_that_the_sdk_must_not_retry(make_client):
+    client = await make_client("tiers.free.budget_fallback=false")
+    store = state_of(client).store
+    await store.create_org("broke", "free", budget_usd=0.0)
+    _key, secret = await store.create_key("broke")
+    resp = await chat(client, {"messages": USER}, headers={"Authorization": f"Bearer {secret}"})
+    await assert_error(resp, 429, code="insufficient_quota")
+    assert resp.headers["x-should-retry"] == "false"
+
+
+async def test_over_budget_with_budget_fallback_is_served_by_the_cheaper_model_visibly(make_client):
+    client = await make_client("tiers.enterprise.budget_fallback=true")
+    store = state_of(client).store
+    await store.create_org("thrifty", "enterprise", budget_usd=0.0)
+    _key, secret = await store.create_key("thrifty")
+    resp = await chat(client, {"model": "echo", "messages": USER}, headers={"Authorization": f"Bearer {secret}"})
+    assert resp.status == 200
+    assert (await resp.json())["model"] == "echo2" and resp.headers["x-fallback-from"] == "echo"
+
+
+async def test_full_queue_is_503_with_retry_after_and_waiters_see_their_position(make_client, monkeypatch):
+    monkeypatch.setenv("CHAT_ECHO_TOKEN_DELAY_S", "0.03")
+    monkeypatch.setenv("CHAT_ECHO_MAX_RUNNING", "1")
+    client = await make_client("queue.max_waiting_requests=1", 'tiers.enterprise.models=["echo"]',
+                               "tiers.enterprise.wait_target_s=1000")
+    running = asyncio.create_task(chat(client, {"model": "echo", "stream": True, "messages": LONG}))
+    await asyncio.sleep(0.3)
+    waiting = asyncio.create_task(chat(client, {"model": "echo", "stream": True, "messages": USER}))
+    await asyncio.sleep(0.3)
+    refused = await chat(client, {"model": "echo", "stream": True, "messages": USER})
+    await assert_error(refused, 503)  # the router sees the full queue first
+    assert int(refused.headers["Retry-After"]) >= 1
+    _, comments = await sse_events(await waiting)
+    assert any(c.startswith("queued position=") for c in comments)
+    events, _ = await sse_events(await running)
+    assert events[-1] == "[DONE]"
+
+
+async def test_a_saturated_model_falls_back_to_the_next_one_and_says_so(make_client, monkeypatch):
+    monkeypatch.setenv("CHAT_ECHO_TOKEN_DELAY_S", "0.03")
+    monkeypatch.setenv("CHAT_ECHO_MAX_RUNNING", "1")
+    client = await make_client("tiers.enterprise.wait_target_s=0.001")
+    running = asyncio.create_task(chat(client, {"model": "echo", "stream": True, "messages": LONG}))
+    await asyncio.sleep(0.2)
+    waiting = asyncio.create_task(chat(client, {"model": "echo", "stream": True, "messages": USER}))
+    await asyncio.sleep(0.2)  # a backlog that has not moved for 0.2 s: well past the wait target
+    resp = await chat(client, {"model": "echo", "messages": USER})
+    assert resp.status == 200
+    assert (await resp.json())["model"] == "echo2" and resp.headers["x-fallback-from"] == "echo"
+    await (await running).read()
+    await (await waiting).read()
+    unsaturated = await chat(client, {"model": "echo", "messages": USER})
+    assert (await unsaturated.json())["model"] == "echo" and "x-fallback-from" not in unsaturated.headers
+
+
+async def test_concurrent_streams_per_key_are_limited(make_client, monkeypatch):
+    monkeypatch.setenv("CHAT_ECHO_TOKEN_DELAY_S", "0.03")
+    client = await make_client("tiers.enterprise.max_concurrent_streams=1")
+    running = asyncio.create_task(chat(client, {"model": "echo", "stream": True, "messages": LONG}))
+    await asyncio.sleep(0.3)
+    await assert_error(await chat(client, {"model": "echo", "messages": USER}), 429, code="rate_limit_exceeded")
+    await (await running).read()
+    assert (await chat(client, {"model": "echo", "messages": USER})).status == 200
+
+
+async def test_metrics_expose_requests_tokens_and_rejections(make_client):
+    client = await make_client("tiers.enterprise.requests_per_minute=1")
+    await chat(client, {"model": "echo", "messages": USER})
+    await chat(client, {"model": "echo", "messages": USER})
+    text = await (await client.get("/metrics")).text()
+    assert "429" in text or "rate" in text
+    assert 'model="echo"' in text
