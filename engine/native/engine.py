@@ -8,7 +8,7 @@ drives `step()` from one worker thread.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -50,6 +50,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.num_prompt_tokens_processed = 0
         self.num_generation_tokens = 0
+        self.num_steps = 0
 
     @classmethod
     def from_model_dir(
@@ -87,6 +88,8 @@ class LLMEngine:
         self.check_request(request)
         if request.request_id in self._seqs:
             raise RequestRejected(f"request id {request.request_id!r} is already running", param="request_id")
+        if self.config.prefix_cache_scope == "shared":  # one namespace for all tenants, by config
+            request = replace(request, cache_salt=None)
         seq = Sequence(next(self._seq_ids), request, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
         self._seqs[request.request_id] = seq
         self.scheduler.add(seq)
@@ -111,6 +114,7 @@ class LLMEngine:
         if batch.is_empty:
             return []
         sampled = self.runner.execute(batch)
+        self.num_steps += 1
         for seq, n in zip(batch.seqs, batch.num_scheduled_tokens):
             # Everything but a decode token is prefill work (recompute after preemption included).
             if seq.num_completion_tokens == 0 or seq.num_uncomputed_tokens > 1:

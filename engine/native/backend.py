@@ -1,0 +1,283 @@
+"""NativeBackend: the Backend protocol over LLMEngine, stepping in one worker thread.
+
+The event loop never runs torch: requests and aborts go to the step thread through an inbox;
+each step's outputs come back in one call_soon_threadsafe, where they are detokenized (stop
+strings included) and fanned out to per-request queues. Closing a request's iterator aborts
+it; its blocks are freed at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import structlog
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.native.engine import LLMEngine, RequestOutput
+from engine.native.loader import load_llama_args
+from engine.tokenizer import Tokenizer
+from engine.types import EngineError, EngineStats, FinishReason, GenerationRequest, RequestRejected, TokenEvent
+from settings import EngineConfig
+
+log = structlog.get_logger(__name__)
+
+_MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request: GenerationRequest
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    request_id: str
+    error: Exception
+
+
+class _Stop:
+    pass
+
+
+class _Stream:
+    """The loop-side state of one request: its queue, detokenizer and last counts."""
+
+    def __init__(self, request: GenerationRequest, tokenizer: Tokenizer):
+        self.queue: asyncio.Queue[TokenEvent | Exception] = asyncio.Queue()
+        self.detokenizer = IncrementalDetokenizer(tokenizer, request.sampling.stop, request.prompt_token_ids)
+        self.last = TokenEvent("", (), len(request.prompt_token_ids), 0, 0)
+        self.done = False
+
+    def advance(self, out: RequestOutput) -> TokenEvent:
+        text, hit_stop = self.detokenizer.push(out.new_token_ids)
+        reason = FinishReason.STOP if hit_stop else out.finish_reason
+        if reason in (FinishReason.STOP, FinishReason.LENGTH) and not hit_stop:
+            text += self.detokenizer.flush()
+        self.last = TokenEvent(
+            text,
+            out.new_token_ids,
+            out.num_prompt_tokens,
+            out.num_cached_tokens,
+            out.num_completion_tokens,
+            reason,
+        )
+        self.done = reason is not None
+        return self.last
+
+    def finish_aborted(self) -> None:
+        if not self.done:
+            self.done = True
+            self.queue.put_nowait(replace(self.last, text="", token_ids=(), finish_reason=FinishReason.ABORT))
+
+
+class NativeBackend:
+    def __init__(
+        self, model_dir: Path | str, config: EngineConfig, tokenizer: Tokenizer, *, max_model_len: int | None = None
+    ):
+        self._model_dir = Path(model_dir)
+        self._config = config
+        self._tokenizer = tokenizer
+        self._max_model_len = max_model_len or load_llama_args(self._model_dir).max_position_embeddings
+        self._engine: LLMEngine | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stats = EngineStats()
+        self._stopping = False
+        self._dead = False
+        self._mean_prompt_tokens = 256.0  # running estimate for has_room()
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def engine(self) -> LLMEngine | None:
+        """The engine, for tests and benchmarks; only the step thread may call into it."""
+        return self._engine
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._engine = await asyncio.to_thread(
+            LLMEngine.from_model_dir,
+            self._model_dir,
+            self._config,
+            eos_token_ids=self._tokenizer.eos_token_ids,
+            max_model_len=self._max_model_len,
+        )
+        self._stats = self._engine.stats()
+        self._thread = threading.Thread(target=self._run, name="native-engine-step", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        if self._thread is not None:
+            for request_id in list(self._streams):
+                self._post(_Abort(request_id))
+            self._post(_Stop())
+            await asyncio.to_thread(self._thread.join)
+            await asyncio.sleep(0)  # let the last posted outputs reach their streams
+        for stream in self._streams.values():
+            stream.finish_aborted()
+        engine, self._engine = self._engine, None
+        if engine is not None and engine.runner.device.type == "cuda":
+            import torch
+
+            del engine
+            torch.cuda.empty_cache()
+
+    def check_request(self, request: GenerationRequest) -> None:
+        if self._engine is not None:
+            self._engine.check_request(request)
+            return
+        total = len(request.prompt_token_ids) + request.sampling.max_tokens
+        if total > self._max_model_len:
+            raise RequestRejected(
+                f"this model's context window is {self._max_model_len} tokens, but the request needs {total}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+
+    def has_room(self) -> bool:
+        """Nothing waits in the engine, a batch slot is free, and a typical prompt's blocks are free."""
+        if self._engine is None or self._stopping or self._dead:
+            return False
+        stats = self._stats
+        blocks_needed = math.ceil(self._mean_prompt_tokens / self._config.block_size) + 1
+        return (
+            stats.num_waiting == 0
+            and len(self._streams) < self._config.max_num_seqs
+            and stats.num_kv_blocks_free >= blocks_needed
+        )
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        if self._engine is None or self._stopping or self._dead:
+            raise EngineError("the native engine is not running")
+        self._engine.check_request(request)
+        if request.request_id in self._streams:
+            raise RequestRejected(f"request id {request.request_id!r} is already running", param="request_id")
+        stream = _Stream(request, self._tokenizer)
+        self._streams[request.request_id] = stream
+        self._mean_prompt_tokens += (len(request.prompt_token_ids) - self._mean_prompt_tokens) / 16
+        self._post(_Add(request))
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if self._streams.get(request.request_id) is stream:
+                del self._streams[request.request_id]
+            if not stream.done:  # closed early (client gone, cancelled): free it in the engine
+                stream.done = True
+                self._post(_Abort(request.request_id))
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._streams:
+            self._post(_Abort(request_id))
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def health(self) -> bool:
+        return not self._dead and (self._thread is None or self._thread.is_alive() or self._stopping)
+
+    # -- loop side -------------------------------------------------------------------------
+
+    def _post(self, item: _Add | _Abort | _Stop) -> None:
+        self._inbox.put(item)
+        self._wakeup.set()
+
+    def _dispatch(self, items: list[RequestOutput | _Failure]) -> None:
+        for item in items:
+            stream = self._streams.get(item.request_id)
+            if stream is None or stream.done:
+                continue
+            if isinstance(item, _Failure):
+                stream.done = True
+                stream.queue.put_nowait(item.error)
+                continue
+            event = stream.advance(item)
+            if event.finish_reason is FinishReason.STOP and item.finish_reason is None:
+                self._post(_Abort(item.request_id))  # a stop string ended it: free the sequence
+            stream.queue.put_nowait(event)
+
+    # -- step thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self._engine
+        failures = 0
+        while True:
+            self._wakeup.clear()
+            items, stop = self._drain_inbox(engine)
+            if not stop and engine.has_unfinished_requests():
+                started = time.perf_counter()
+                try:
+                    items += engine.step()
+                    failures = 0
+                except Exception as exc:  # a bug or device error: fail what is in flight, keep serving
+                    failures += 1
+                    log.exception("engine_step_failed", consecutive_failures=failures)
+                    items += self._fail_all(engine, exc)
+                    self._dead = failures >= _MAX_CONSECUTIVE_STEP_FAILURES
+                self._stats = replace(engine.stats(), extra={"step_ms": (time.perf_counter() - started) * 1e3})
+            else:
+                self._stats = engine.stats()
+            if items and not self._publish(items):
+                return
+            if stop or self._dead:
+                return
+            if not engine.has_unfinished_requests():
+                self._wakeup.wait()
+
+    def _drain_inbox(self, engine: LLMEngine) -> tuple[list[RequestOutput | _Failure], bool]:
+        items: list[RequestOutput | _Failure] = []
+        stop = False
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return items, stop
+            if isinstance(msg, _Add):
+                try:
+                    engine.add_request(msg.request)
+                except RequestRejected as exc:
+                    items.append(_Failure(msg.request.request_id, exc))
+            elif isinstance(msg, _Abort):
+                out = engine.abort_request(msg.request_id)
+                if out is not None:
+                    items.append(out)
+            else:
+                stop = True
+
+    def _fail_all(self, engine: LLMEngine, exc: Exception) -> list[_Failure]:
+        error = EngineError(f"the native engine failed a step: {type(exc).__name__}: {exc}")
+        request_ids = [seq.request_id for seq in engine.scheduler.running + engine.scheduler.waiting]
+        for request_id in request_ids:
+            engine.abort_request(request_id)
+        return [_Failure(request_id, error) for request_id in request_ids]
+
+    def _publish(self, items: list) -> bool:
+        try:
+            self._loop.call_soon_threadsafe(self._dispatch, items)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            log.warning("native_engine_loop_closed")
+            return False
+        return True

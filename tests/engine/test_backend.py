@@ -1,0 +1,147 @@
+"""NativeBackend: concurrent requests batched in the step thread, text and stop strings, and
+every way a request can end early (aclose, cancellation, abort, shutdown) freeing its blocks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.native.backend import NativeBackend
+from engine.tokenizer import Tokenizer
+from engine.types import FinishReason, GenerationRequest, RequestRejected, SamplingParams
+from settings import EngineConfig
+
+VARIANT = "tied-gqa-parameters"
+
+
+@pytest.fixture
+async def backend(tiny_models):
+    model_dir = tiny_models.path(VARIANT)
+    config = EngineConfig(device="cpu", kv_cache_bytes=24 * 8192, max_num_seqs=8, max_num_batched_tokens=64)
+    backend = NativeBackend(model_dir, config, Tokenizer.from_dir(model_dir))
+    await backend.start()
+    yield backend
+    await backend.shutdown()
+
+
+def request(request_id: str, prompt: list[int], max_tokens: int = 16, **sampling) -> GenerationRequest:
+    params = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, "ignore_eos": True, **sampling})
+    return GenerationRequest(request_id, tuple(prompt), params)
+
+
+async def collect(backend: NativeBackend, req: GenerationRequest):
+    return [event async for event in backend.generate(req)]
+
+
+async def wait_until_idle(backend: NativeBackend) -> None:
+    async def idle():
+        while True:
+            s = backend.stats()
+            if s.num_running == 0 and s.num_waiting == 0 and s.num_kv_blocks_free == s.num_kv_blocks_total:
+                return
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(idle(), timeout=30)
+    assert backend.engine.num_requests == 0
+
+
+async def test_concurrent_requests_are_batched_and_match_transformers(backend, tiny_models):
+    prompts = [[5 + i] * (3 + 7 * i) for i in range(6)]
+    results = await asyncio.gather(*(collect(backend, request(f"r{i}", p)) for i, p in enumerate(prompts)))
+    for prompt, events in zip(prompts, results):
+        tokens = [t for e in events for t in e.token_ids]
+        assert tokens == tiny_models.greedy(VARIANT, prompt, 16, None)
+        assert events[-1].finish_reason is FinishReason.LENGTH and events[-1].num_completion_tokens == 16
+        assert [e.num_completion_tokens for e in events] == list(range(1, 17))
+    assert backend.engine.num_steps < 6 * 16  # steps carried several sequences at once
+    await wait_until_idle(backend)
+
+
+async def test_streamed_text_is_the_decoded_completion(backend, tiny_models):
+    tokenizer = Tokenizer.from_dir(tiny_models.path(VARIANT))
+    prompt = tokenizer.encode("<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n")
+    events = await collect(backend, request("t", prompt, max_tokens=24))
+    tokens = [t for e in events for t in e.token_ids]
+    assert "".join(e.text for e in events) == tokenizer.decode(tokens)
+
+
+async def test_stop_string_ends_the_stream_without_the_stop_text(backend, tiny_models):
+    tokenizer = Tokenizer.from_dir(tiny_models.path(VARIANT))
+    prompt = [40, 41, 42, 43]
+    events = await collect(backend, request("full", prompt, max_tokens=24))
+    full = "".join(e.text for e in events)
+    streamed = "".join(e.text for e in events[:-1])  # random weights: the final flush may be broken bytes
+    stop = streamed[len(streamed) // 2 : len(streamed) // 2 + 2]
+    assert len(stop) == 2, "the continuation should have text to stop on"
+    events = await collect(backend, request("stopped", prompt, max_tokens=24, stop=(stop,)))
+    assert events[-1].finish_reason is FinishReason.STOP
+    assert "".join(e.text for e in events) == full[: full.index(stop)]
+    assert len(events) < 24 and stop not in tokenizer.decode([t for e in events for t in e.token_ids][:-1])
+    await wait_until_idle(backend)
+
+
+async def test_closing_the_iterator_aborts_and_frees_blocks(backend):
+    stream = backend.generate(request("closed", list(range(3, 60)), max_tokens=300))
+    first = await stream.__anext__()
+    assert first.num_completion_tokens == 1
+    await stream.aclose()
+    await wait_until_idle(backend)
+
+
+async def test_cancelling_the_consumer_aborts_and_frees_blocks(backend):
+    started = asyncio.Event()
+
+    async def consume():
+        async for _ in backend.generate(request("cancelled", list(range(3, 40)), max_tokens=300)):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(started.wait(), 30)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_until_idle(backend)
+
+
+async def test_abort_by_id_ends_the_stream_with_abort(backend):
+    stream = backend.generate(request("aborted", [7, 8, 9], max_tokens=300))
+    await stream.__anext__()
+    backend.abort("aborted")
+    rest = [e async for e in stream]
+    assert rest[-1].finish_reason is FinishReason.ABORT
+    await wait_until_idle(backend)
+
+
+async def test_request_larger_than_the_whole_cache_is_rejected_with_numbers(backend):
+    capacity = backend.stats().num_kv_blocks_total * 16
+    too_big = request("big", [5] * 100, max_tokens=capacity)
+    assert 100 + capacity <= backend.max_model_len
+    with pytest.raises(RequestRejected, match=rf"needs {100 + capacity} tokens.*holds {capacity}"):
+        backend.check_request(too_big)
+    with pytest.raises(RequestRejected, match="context window is 512"):
+        backend.check_request(request("long", [5] * 500, max_tokens=100))
+
+
+async def test_has_room_until_batch_slots_are_taken(backend):
+    assert backend.has_room()
+    streams = [backend.generate(request(f"s{i}", [9, i + 3], max_tokens=300)) for i in range(8)]
+    for s in streams:
+        await s.__anext__()
+    assert not backend.has_room()
+    for s in streams:
+        await s.aclose()
+    await wait_until_idle(backend)
+    assert backend.has_room()
+
+
+async def test_shutdown_ends_in_flight_streams_with_abort(tiny_models):
+    model_dir = tiny_models.path(VARIANT)
+    backend = NativeBackend(model_dir, EngineConfig(device="cpu", kv_cache_bytes=1 << 20), Tokenizer.from_dir(model_dir))
+    await backend.start()
+    stream = backend.generate(request("inflight", [3, 4, 5], max_tokens=300))
+    await stream.__anext__()
+    await backend.shutdown()
+    rest = [e async for e in stream]
+    assert rest[-1].finish_reason is FinishReason.ABORT
+    assert not backend.has_room()
