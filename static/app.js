@@ -5,7 +5,7 @@
 import { api, getKey, isAbort, streamChat } from "./api.js";
 import { describe, hideBanner, initKeyDialog, showBanner, showError } from "./notices.js";
 import { Sidebar, displayTitle } from "./sidebar.js";
-import { plural, editInPlace, renderMessages, scrollToBottom, setBusy, streamingTarget } from "./view.js";
+import { formatCost, plural, editInPlace, renderMessages, scrollToBottom, setBusy, streamingTarget } from "./view.js";
 
 const $ = (id) => document.getElementById(id);
 const el = {
@@ -51,18 +51,18 @@ async function loadModels() {
 
 el.model.addEventListener("change", () => saveSetting(MODEL_STORAGE, el.model.value));
 
+function usageLine(row) {
+  const tokens = (row.prompt_tokens || 0) + (row.completion_tokens || 0);
+  const cost = formatCost(Number(row.cost_usd || 0));
+  return `${plural(row.num_requests ?? row.requests ?? 0, "request")} \u00b7 ${plural(tokens, "token")} \u00b7 ${cost}`;
+}
+
 async function refreshUsage() {
   try {
     const { data, total } = await api.usage();
-    // Rows count requests as num_requests; `total.requests` is summed server-side.
-    const requests = total.requests || data.reduce((n, r) => n + (r.num_requests || r.requests || 0), 0);
-    const tokens = (total.prompt_tokens || 0) + (total.completion_tokens || 0);
-    const cost = Number(total.cost_usd || 0);
-    el.usage.textContent = `This month: ${plural(requests, "request")} \u00b7 ${plural(tokens, "token")}`
-      + ` \u00b7 $${cost.toFixed(cost < 1 ? 4 : 2)}`;
-    el.usage.title = data.map((r) => `${r.model}: ${plural(r.num_requests || r.requests, "request")},`
-      + ` ${plural((r.prompt_tokens || 0) + (r.completion_tokens || 0), "token")}, $${Number(r.cost_usd || 0).toFixed(4)}`).join("\n");
-  } catch (error) {
+    el.usage.textContent = `This month: ${usageLine(total)}`;
+    el.usage.title = data.map((row) => `${row.model}: ${usageLine(row)}`).join("\n");
+  } catch {
     el.usage.textContent = "This month: usage unavailable";
   }
 }

@@ -28,7 +28,7 @@ export function keepingBottom(change) {
   if (stick) scrollToBottom();
 }
 
-function formatCost(usd) {
+export function formatCost(usd) {
   if (usd == null) return null;
   if (usd === 0) return "$0";
   return usd < 0.01 ? `$${usd.toPrecision(2)}` : `$${usd.toFixed(4)}`;

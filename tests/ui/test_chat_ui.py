@@ -68,6 +68,10 @@ def test_answer_grows_while_streaming_then_persists_across_a_reload(ui, ui_serve
     assert any(t.startswith("The quick brown fox") for t in sidebar_titles(page))
     status, stored = ui_server.get_json(f"/v1/conversations/{cid}")
     assert status == 200 and [m["role"] for m in stored["messages"]] == ["user", "assistant"]
+    _, usage = ui_server.get_json("/v1/usage?group_by=model")
+    num_requests = usage["total"]["num_requests"]
+    expected = f"This month: {num_requests} request{'' if num_requests == 1 else 's'} \u00b7 "
+    wait_until(lambda: page.locator("#usage-summary").inner_text().startswith(expected))
     assert not ui.dialogs and not ui.console_errors and not ui.page_errors
 
 
