@@ -25,6 +25,10 @@ log = structlog.get_logger(__name__)
 Clock = Callable[[], float]
 _EWMA_WEIGHT = 0.2  # weight of the newest admission interval in the moving average
 _HANDOFF_LOOP_TURNS = 3
+_ARRIVAL_WINDOW_S = 10.0  # time constant of the per-priority arrival-rate average
+
+
+MAX_RETRY_AFTER_S = 60.0  # the openai SDK waits at most 60 s (v1) for a Retry-After
 
 
 class QueueError(Exception):
@@ -36,6 +40,14 @@ class QueueError(Exception):
         super().__init__(message)
         self.message = message
         self.retry_after_s = retry_after_s
+
+    @property
+    def retry_after_s(self) -> float:
+        return self._retry_after_s
+
+    @retry_after_s.setter
+    def retry_after_s(self, seconds: float) -> None:
+        self._retry_after_s = min(max(1.0, seconds), MAX_RETRY_AFTER_S)  # also turns inf into a number
 
     def to_api_error(self) -> ApiError:
         return overloaded(self.message, retry_after_s=self.retry_after_s, code=self.code)
@@ -269,6 +281,7 @@ class ModelQueue:
         self._interval_s: float | None = None  # moving average of seconds between admissions
         self._last_admit_s: float | None = None
         self._backlog_since_s: float | None = None  # when the queue last became non-empty
+        self._arrivals: dict[int, _DecayingRate] = {}  # queued arrivals per second, by priority
         self.num_admitted = 0
         self.num_cancelled = 0
         self.num_rejected = 0
@@ -308,6 +321,7 @@ class ModelQueue:
             raise
         self._queue.push(ticket.entry)
         self._tickets[request_id] = ticket
+        self._arrivals.setdefault(priority, _DecayingRate()).add(now)
         if self._backlog_since_s is None:
             self._backlog_since_s = now
         self._ensure_dispatcher()
@@ -331,8 +345,19 @@ class ModelQueue:
         return self._estimate_s(priority, self._clock())
 
     def _estimate_s(self, priority: int | None, now: float) -> float:
-        ahead = self._queue.num_waiting if priority is None else self._queue.num_ahead(priority, now)
-        return (ahead + 1) * self._service_interval_s(now)
+        """(ahead + 1) admissions, plus one per higher-priority request that will arrive and
+        cut in before this one has aged past its priority (gap * aging_s seconds)."""
+        interval_s = self._service_interval_s(now)
+        if priority is None:
+            priority = min(self._arrivals, default=0)
+        base_s = (self._queue.num_ahead(priority, now) + 1) * interval_s
+        cut_ins = [(rate.per_s(now), self._cut_in_window_s(q - priority))
+                   for q, rate in self._arrivals.items() if q > priority]
+        return _wait_with_cut_ins(base_s, interval_s, [c for c in cut_ins if c[0] > 0])
+
+    def _cut_in_window_s(self, priority_gap: int) -> float:
+        aging_s = self.config.aging_s
+        return priority_gap * aging_s if aging_s > 0 else math.inf
 
     def notify(self) -> None:
         """Capacity may have freed (a request finished): look at the head now."""
@@ -415,6 +440,43 @@ class ModelQueue:
             return average_s
         stalled_s = now - max(self._last_admit_s or -math.inf, self._backlog_since_s)
         return max(average_s, stalled_s)
+
+
+def _wait_with_cut_ins(base_s: float, interval_s: float, cut_ins: list[tuple[float, float]]) -> float:
+    """Solve W = base + interval * sum(rate * min(W, window)) over (rate, window) pairs.
+
+    W is piecewise linear: walk the windows upwards, capping each class W outlasts.
+    """
+    capped = 0.0  # sum of rate * window over the classes whose window W exceeds
+    open_rate = sum(rate for rate, _ in cut_ins)
+    for rate, window_s in sorted(cut_ins, key=lambda c: c[1]):
+        denominator = 1.0 - interval_s * open_rate
+        if denominator > 0:
+            wait_s = (base_s + interval_s * capped) / denominator
+            if wait_s <= window_s:
+                return wait_s
+        capped += rate * window_s  # inf when aging is off: the wait has no bound
+        open_rate -= rate
+    return base_s + interval_s * capped
+
+
+class _DecayingRate:
+    """Events per second, exponentially averaged with time constant _ARRIVAL_WINDOW_S."""
+
+    __slots__ = ("_per_s", "_updated_s")
+
+    def __init__(self) -> None:
+        self._per_s = 0.0
+        self._updated_s: float | None = None
+
+    def add(self, now: float) -> None:
+        self._per_s = self.per_s(now) + 1.0 / _ARRIVAL_WINDOW_S
+        self._updated_s = now
+
+    def per_s(self, now: float) -> float:
+        if self._updated_s is None:
+            return 0.0
+        return self._per_s * math.exp(-max(0.0, now - self._updated_s) / _ARRIVAL_WINDOW_S)
 
 
 async def _wait_event(event: asyncio.Event, timeout_s: float) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import structlog
 
 from api.errors import ApiError, not_found, overloaded, quota_exceeded
-from gateway.queue import ModelQueue
+from gateway.queue import MAX_RETRY_AFTER_S, ModelQueue
 from settings import ConfigError, ModelConfig, TierConfig
 
 log = structlog.get_logger(__name__)
@@ -106,7 +106,7 @@ class TierRouter:
 
     def _saturated(self, tier: TierConfig, candidates: list[str]) -> ApiError:
         waits_s = [self._queues[model].estimated_wait_s(tier.priority) for model in candidates]
-        retry_after_s = max(1.0, min(waits_s, default=1.0))
+        retry_after_s = min(max(1.0, min(waits_s, default=1.0)), MAX_RETRY_AFTER_S)
         return overloaded(
             "The server is overloaded; please retry after the time in the Retry-After header.",
             retry_after_s=retry_after_s,

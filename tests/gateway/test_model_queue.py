@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -217,4 +218,44 @@ async def test_a_failing_has_room_does_not_kill_the_dispatcher():
     queue = ModelQueue("mini", cfg, flaky_has_room, FakeClock(), poll_interval_s=0.01)
     ticket = queue.enqueue("a", FREE, 10)
     assert await asyncio.wait_for(ticket.wait(), 5.0) is True
+    await queue.stop()
+
+
+async def test_a_low_priority_estimate_counts_higher_priority_arrivals_that_will_cut_in():
+    clock = FakeClock()
+    queue = make_queue(Slots(0), clock, max_waiting_requests=100, max_wait_s=1000.0)
+    queue.enqueue("f0", FREE, 10)
+    for i in range(5):  # 5 enterprise arrivals at once: about 0.5 per second over the 10 s window
+        queue.enqueue(f"e{i}", ENTERPRISE, 10)
+    clock.advance(1.0)  # nothing admitted for 1 s: 1 s per admission
+    assert queue.estimated_wait_s(ENTERPRISE) == pytest.approx(6.0)  # 5 ahead, nobody cuts in
+    rate = 0.5 * math.exp(-0.1)
+    # 6 ahead; enterprise requests arriving meanwhile go first (W = 7 + rate * W)
+    assert queue.estimated_wait_s(FREE) == pytest.approx(7.0 / (1.0 - rate))
+    await queue.stop()
+
+
+async def test_cut_ins_stop_once_the_waiter_has_aged_past_the_higher_tier():
+    clock = FakeClock()
+    queue = make_queue(Slots(0), clock, max_waiting_requests=100, max_wait_s=1000.0)
+    for i in range(30):  # 3 enterprise per second: more than the 1 per second served
+        queue.enqueue(f"e{i}", ENTERPRISE, 10)
+    clock.advance(1.0)
+    rate = 3.0 * math.exp(-0.1)
+    # cut-ins only during the 2 levels * 10 s it takes a free request to age past enterprise
+    assert queue.estimated_wait_s(FREE) == pytest.approx(31.0 + rate * 20.0)
+    await queue.stop()
+
+
+async def test_without_aging_a_flooded_low_tier_has_no_wait_bound_and_is_refused():
+    clock = FakeClock()
+    queue = make_queue(Slots(0), clock, max_waiting_requests=100, max_wait_s=1000.0, aging_s=0.0)
+    for i in range(30):
+        queue.enqueue(f"e{i}", ENTERPRISE, 10)
+    clock.advance(1.0)
+    assert math.isinf(queue.estimated_wait_s(FREE))
+    with pytest.raises(WaitTooLong) as info:
+        queue.enqueue("f", FREE, 10)
+    assert info.value.to_api_error().headers["Retry-After"] == "60"
+    assert queue.estimated_wait_s(ENTERPRISE) == pytest.approx(31.0)
     await queue.stop()

@@ -163,3 +163,12 @@ def test_a_tier_naming_an_undeclared_model_is_a_config_error():
         TierRouter(MODELS, {"free": TierConfig(models=["nope"])}, {})
     with pytest.raises(ConfigError, match="models.a.fallback"):
         TierRouter({"a": ModelConfig(fallback="zz")}, {}, {})
+
+
+async def test_retry_after_stays_finite_when_every_wait_estimate_is_unbounded():
+    fx = Fixture(aging_s=0.0, max_wait_s=10**9)
+    fx.saturate("mini", num_waiting=30, stalled_s=1.0)  # enterprise floods faster than it is served
+    with pytest.raises(ApiError) as info:
+        fx.router.route("free", None)
+    assert (info.value.status, info.value.headers["Retry-After"]) == (503, "60")
+    await fx.stop()
