@@ -1,0 +1,72 @@
+"""The server over the real native engine (tiny model): prefix caching seen by clients.
+
+The next turn of a conversation reuses the previous turn's KV blocks (cached_tokens > 0),
+and the cache is salted per organisation: another org's identical prompt misses.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from api.app import init
+from settings import load_settings
+from tests.api.helpers import state_of
+
+SYSTEM = {"role": "system", "content": "You are a helpful assistant. " * 8}
+
+
+@pytest.fixture
+async def client(aiohttp_client, tmp_path, tiny_model_dir):
+    settings = load_settings(None, [
+        f'models.tiny.path="{tiny_model_dir}"',
+        'tiers.enterprise.models=["tiny"]',
+        'tiers.free.models=["tiny"]',
+        f'store.path="{tmp_path / "chat.db"}"',
+        "safety.enabled=false",
+        "engine.kv_cache_bytes=4000000",
+        "engine.device=\"cpu\"",
+    ])
+    return await aiohttp_client(init(settings), server_kwargs={"handler_cancellation": True})
+
+
+async def ask(client, messages, headers=None, **extra):
+    resp = await client.post("/v1/chat/completions", headers=headers or {},
+                             json={"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 8, **extra})
+    assert resp.status == 200, await resp.text()
+    return await resp.json()
+
+
+async def test_next_conversation_turn_hits_the_prefix_cache(client):
+    cid = (await (await client.post("/v1/conversations", json={})).json())["id"]
+    first = await ask(client, [SYSTEM, {"role": "user", "content": "What does river mean?"}], conversation_id=cid)
+    second = await ask(client, [{"role": "user", "content": "And sea?"}], conversation_id=cid)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= first["usage"]["prompt_tokens"] - 16  # all full blocks of the first prompt
+    assert cached % 16 == 0
+
+
+async def test_prefix_cache_is_salted_per_organisation(client):
+    store = state_of(client).store
+    await store.create_org("a", "free")
+    await store.create_org("b", "free")
+    _, key_a = await store.create_key("a")
+    _, key_b = await store.create_key("b")
+    msgs = [SYSTEM, {"role": "user", "content": "Hello"}]
+    await ask(client, msgs, {"Authorization": f"Bearer {key_a}"})
+    again_a = await ask(client, msgs, {"Authorization": f"Bearer {key_a}"})
+    other_b = await ask(client, msgs, {"Authorization": f"Bearer {key_b}"})
+    assert again_a["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert other_b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+async def test_engine_is_empty_after_requests_and_a_disconnect(client):
+    body = {"model": "tiny", "stream": True, "max_tokens": 200, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Tell me a long story."}]}
+    resp = await client.post("/v1/chat/completions", json=body)
+    await resp.content.readline()
+    resp.close()
+    await ask(client, [{"role": "user", "content": "hi"}])
+    stats = state_of(client).models["tiny"].backend.stats()
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.num_kv_blocks_free == stats.num_kv_blocks_total  # cached blocks stay reusable, none owned
