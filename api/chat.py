@@ -174,8 +174,8 @@ async def _pump(
             _count(turn, event)
             text = event.text
             if out_filter is not None:
-                text, blocked = out_filter.feed(text)
-                if blocked is not None:
+                text, blocked = await out_filter.feed(text)
+                if blocked is not None and not blocked.allowed:
                     state.count_filtered(turn, blocked)
                     return FinishReason.CONTENT_FILTER
             if text:
@@ -184,8 +184,8 @@ async def _pump(
             if event.finish_reason is not None:
                 finish = event.finish_reason
         if out_filter is not None:
-            tail, blocked = out_filter.finish()
-            if blocked is not None:
+            tail, blocked = await out_filter.finish()
+            if blocked is not None and not blocked.allowed:
                 state.count_filtered(turn, blocked)
                 return FinishReason.CONTENT_FILTER
             if tail:
