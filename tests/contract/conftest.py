@@ -45,7 +45,15 @@ async def _native(model_dir: Path, tokenizer: Tokenizer) -> BackendUnderTest:
     await backend.start()
 
     def inject_failure() -> None:
-        pytest.skip("no failure injection for the native engine yet")
+        """The next forward pass raises, as a device error would (then the runner is itself again)."""
+        runner = backend.engine.runner
+        original = runner.execute
+
+        def fail_once(batch):
+            runner.execute = original
+            raise RuntimeError("injected device failure")
+
+        runner.execute = fail_once
 
     return BackendUnderTest("native", backend, tokenizer, inject_failure)
 

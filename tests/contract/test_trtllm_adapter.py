@@ -262,3 +262,14 @@ async def test_shutdown_turns_away_requests_waiting_for_a_slot(start_trtllm):
     await backend.shutdown()
     assert (await asyncio.wait_for(waiting, 5))[-1].finish_reason is FinishReason.ABORT
     await running.aclose()
+
+
+async def test_stats_keep_flowing_after_an_idle_period_ends_the_stats_iterator(start_trtllm):
+    backend = await start_trtllm(stats_interval_s=0.05)
+    await collect(backend, make_request(ids(backend), max_tokens=3))
+    assert await eventually(lambda: backend.stats().num_kv_blocks_free == 4096)
+    await asyncio.sleep(0.3)  # idle: get_stats_async times out and stays ended until a new submission
+    stream = backend.generate(make_request(ids(backend), max_tokens=400))
+    await anext(stream)
+    assert await eventually(lambda: backend.stats().num_kv_blocks_free < 4096)
+    await stream.aclose()

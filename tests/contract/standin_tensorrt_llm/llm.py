@@ -166,7 +166,7 @@ class LLM:
         self.submissions: list[Submission] = []
         self.is_shut_down = False
         self._next_id = 0
-        self._stats: asyncio.Queue | None = None
+        self._stats: IterationResult | None = None
         self._executor = Executor(self.args, ordinary, self.standin)
 
     def generate_async(self, inputs: Any, sampling_params: SamplingParams | None = None, lora_request: Any = None,
@@ -211,10 +211,13 @@ class LLM:
             raise ValueError(f"The prompt ({len(prompt)} tokens) exceeds max_num_tokens ({self.args.max_num_tokens})")
 
     def _bind_stats(self) -> None:
-        if self._stats is not None or not self.args.enable_iter_perf_stats:
+        if self._stats is not None:
+            self._stats.mark_undone()  # as the real executor does on each submission
+            return
+        if not self.args.enable_iter_perf_stats:
             return
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        self._stats = queue
+        self._stats = IterationResult(queue)
 
         def push(entry: str) -> None:
             if queue.qsize() >= _MAX_STATS_QUEUED:
@@ -230,9 +233,12 @@ class LLM:
         self._executor.on_stats = on_stats
 
     def get_stats_async(self, timeout: float | None = 2) -> IterationResult:
+        """The same iterator every call; it ends after `timeout` idle and stays ended until
+        the next generate_async (the real one's `mark_undone`)."""
         if self._stats is None:
             raise RuntimeError("iteration stats need enable_iter_perf_stats and a generate_async call first")
-        return IterationResult(self._stats, timeout)
+        self._stats.set_timeout(timeout)
+        return self._stats
 
     def shutdown(self) -> None:
         self.is_shut_down = True
@@ -240,19 +246,29 @@ class LLM:
 
 
 class IterationResult:
-    """Async iterator over queued stats entries (JSON strings); ends after `timeout` idle."""
+    """Async iterator over queued stats entries (JSON strings, parsed); ends after `timeout` idle."""
 
-    def __init__(self, queue: asyncio.Queue, timeout: float | None):
+    def __init__(self, queue: asyncio.Queue):
         self._queue = queue
+        self._timeout: float | None = 2
+        self._done = False
+
+    def set_timeout(self, timeout: float | None) -> None:
         self._timeout = timeout
+
+    def mark_undone(self) -> None:
+        self._done = False
 
     def __aiter__(self) -> IterationResult:
         return self
 
     async def __anext__(self) -> dict:
+        if self._done:
+            raise StopAsyncIteration
         try:
             return json.loads(await asyncio.wait_for(self._queue.get(), self._timeout))
         except TimeoutError:
+            self._done = True
             raise StopAsyncIteration from None
 
 
