@@ -36,7 +36,7 @@ from settings import ConfigError, TrtllmConfig
 
 log = structlog.get_logger(__name__)
 
-INSTALL_HINT = "install the optional extra on a GPU host (see docs/trtllm.md)"
+INSTALL_HINT = "install it on a GPU host with requirements-trtllm.txt (see docs/trtllm.md)"
 
 
 class BackendState(enum.Enum):
