@@ -55,8 +55,11 @@ train-safety: $(VENV)/.installed-dev
 eval-safety: $(VENV)/.installed-dev
 	$(PY) -m scripts.eval_safety $(ARGS)
 
-gpu-smoke: $(VENV)/.installed
-	$(PY) -m scripts.gpu_smoke $(ARGS)
+# On a GPU host with TensorRT-LLM installed in its own environment (see docs/trtllm.md):
+#   make gpu-smoke MODEL=/path/to/hf-model [SMOKE_ARGS="--tensor-parallel-size 2"] [TRT_PYTHON=python]
+TRT_PYTHON ?= python
+gpu-smoke:
+	$(TRT_PYTHON) scripts/gpu_smoke.py $(MODEL) $(SMOKE_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache artifacts
