@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.queue import PriorityQueue, QueueEntry, QueueFull
+from gateway.priority_queue import PriorityQueue, QueueEntry, QueueFull
 
 FREE, PLUS, ENTERPRISE = 0, 1, 2
 
