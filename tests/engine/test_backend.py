@@ -145,3 +145,21 @@ async def test_shutdown_ends_in_flight_streams_with_abort(tiny_models):
     rest = [e async for e in stream]
     assert rest[-1].finish_reason is FinishReason.ABORT
     assert not backend.has_room()
+
+
+async def test_next_chat_turn_reuses_the_previous_turns_blocks(backend, tiny_models):
+    tokenizer = Tokenizer.from_dir(tiny_models.path(VARIANT))
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant who answers briefly. " * 3},
+        {"role": "user", "content": "What does the word river mean?"},
+    ]
+    first_prompt = tokenizer.encode(tokenizer.apply_chat_template(messages))
+    first = await collect(backend, request("turn1", first_prompt, max_tokens=12))
+    messages += [
+        {"role": "assistant", "content": "".join(e.text for e in first)},
+        {"role": "user", "content": "And the sea?"},
+    ]
+    second_prompt = tokenizer.encode(tokenizer.apply_chat_template(messages))
+    assert second_prompt[: len(first_prompt)] == first_prompt  # the history renders byte-stably
+    second = await collect(backend, request("turn2", second_prompt, max_tokens=4))
+    assert second[-1].num_cached_tokens >= len(first_prompt) // 16 * 16 > 0
