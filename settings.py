@@ -40,6 +40,7 @@ class ServerConfig:
         False, "Serve keyless requests on a non-loopback address (dangerous; off by default)."
     )
     local_tier: str = setting("enterprise", "Tier of keyless requests when bound to loopback.")
+    require_keys: bool = setting(False, "Require an API key on every /v1 request, even on loopback.")
     cors_origins: list[str] = setting([], "Origins allowed by CORS; empty: same-origin only.")
     log_level: str = setting("info", "debug, info, warning or error.")
     log_json: bool = setting(False, "Log JSON lines instead of human-readable console lines.")

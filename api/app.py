@@ -47,6 +47,8 @@ def is_loopback(host: str) -> bool:
 
 
 def keyless_allowed(settings: Settings) -> bool:
+    if settings.server.require_keys:
+        return False
     return is_loopback(settings.server.host) or settings.server.allow_public_without_keys
 
 

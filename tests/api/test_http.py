@@ -161,6 +161,11 @@ async def test_keyless_requests_are_refused_when_not_on_loopback(make_client):
     assert (await client.get("/health")).status == 200
 
 
+async def test_require_keys_refuses_keyless_requests_even_on_loopback(make_client):
+    client = await make_client("server.require_keys=true")
+    await assert_error(await chat(client, {"messages": USER}), 401, code="invalid_api_key")
+
+
 async def test_on_loopback_an_unknown_key_is_served_as_the_local_organisation(make_client):
     client = await make_client()
     resp = await chat(client, {"model": "echo", "messages": USER}, headers={"Authorization": "Bearer anything"})
