@@ -50,21 +50,21 @@ class Llama:
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-        kv_cache: torch.Tensor,  # [num_layers, 2, num_slots, num_kv_heads, head_dim]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache), see attention.py
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden] residual stream before the final norm
         x = F.embedding(input_ids, self.weights.embed)
         cos = self.cos.index_select(0, positions).unsqueeze(1)  # [num_tokens, 1, head_dim]
         sin = self.sin.index_select(0, positions).unsqueeze(1)
         for i, layer in enumerate(self.weights.layers):
-            x = self._layer(i, layer, x, cos, sin, kv_cache, meta)
+            x = self._layer(layer, x, cos, sin, kv_caches[i], meta)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
         h = F.rms_norm(hidden, (self.args.hidden_size,), self.weights.norm, self.args.rms_norm_eps)
         return F.linear(h, self.weights.lm_head)
 
-    def _layer(self, i, layer, x, cos, sin, kv_cache, meta) -> torch.Tensor:
+    def _layer(self, layer, x, cos, sin, kv_cache, meta) -> torch.Tensor:
         args = self.args
         num_tokens = x.shape[0]
         h = F.rms_norm(x, (args.hidden_size,), layer.input_norm, args.rms_norm_eps)
@@ -74,7 +74,7 @@ class Llama:
         qk = _rotate(qkv[:, : q_size + kv_size].view(num_tokens, -1, args.head_dim), cos, sin)
         q, k = qk[:, : args.num_heads], qk[:, args.num_heads :]
         v = qkv[:, q_size + kv_size :].view(num_tokens, args.num_kv_heads, args.head_dim)
-        o = paged_attention(q, k, v, kv_cache[i, 0], kv_cache[i, 1], meta)  # [num_tokens, heads, head_dim]
+        o = paged_attention(q, k, v, *kv_cache, meta)  # [num_tokens, heads, head_dim]
         x = x + F.linear(o.reshape(num_tokens, q_size), layer.o_proj)
         h = F.rms_norm(x, (args.hidden_size,), layer.post_norm, args.rms_norm_eps)
         gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)

@@ -15,7 +15,7 @@ import structlog
 import torch
 
 from engine.native import kernels
-from engine.native.attention import AttentionMetadata, PrefillChunk
+from engine.native.attention import AttentionMetadata, PrefillChunk, allocate_kv_cache
 from engine.native.loader import LlamaArgs, load_llama_args, load_llama_weights
 from engine.native.model import Llama
 from engine.native.sampler import Sampler, SamplingRow
@@ -79,11 +79,8 @@ class ModelRunner:
         self.model = Llama(self.args, weights, self.max_model_len)
         self.num_kv_blocks = self._num_kv_blocks()
         a = self.args
-        # Never read before written (context lengths bound every read), so no zero-fill.
-        self.kv_cache = torch.empty(
-            (a.num_layers, 2, self.num_kv_blocks * self.block_size, a.num_kv_heads, a.head_dim),
-            dtype=self.dtype,
-            device=self.device,
+        self.kv_pool, self.kv_caches = allocate_kv_cache(
+            a.num_layers, self.num_kv_blocks, self.block_size, a.num_kv_heads, a.head_dim, self.dtype, self.device
         )
         self.use_kernel = (
             config.native_kernels and self.device.type == "cpu" and self.dtype == torch.float32 and kernels.load()
@@ -120,7 +117,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Run one step; returns the sampled token per sequence (None: prefill not yet done)."""
         inputs = self.prepare(batch)
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         sampled: list[int | None] = [None] * len(batch.seqs)
         if inputs.sampled_batch_indices:
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))
@@ -147,14 +144,17 @@ class ModelRunner:
         position_arrays = [np.asarray(positions, dtype=np.int64)]
         chunks = []
         for i in prefills:
-            chunk, chunk_slots, chunk_positions = self._prefill_chunk(batch.seqs[i], batch.num_scheduled_tokens[i], len(input_ids))
-            seq = batch.seqs[i]
-            input_ids.extend(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + chunk.end - chunk.start])
+            seq, n = batch.seqs[i], batch.num_scheduled_tokens[i]
+            chunk, chunk_slots, chunk_positions = self._prefill_chunk(seq, n, len(input_ids))
+            input_ids.extend(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n])
             chunks.append(chunk)
             slot_arrays.append(chunk_slots)
             position_arrays.append(chunk_positions)
+        slot_mapping = np.concatenate(slot_arrays)
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(np.concatenate(slot_arrays)),
+            slot_mapping=self._to_device(slot_mapping),
+            slot_blocks=self._to_device(slot_mapping // bs),
+            slot_offsets=self._to_device(slot_mapping % bs),
             num_decode_tokens=len(decodes),
             prefills=tuple(chunks),
             block_size=bs,
@@ -200,6 +200,7 @@ class ModelRunner:
         slot_grid = np.where(valid, slot_grid, slot_grid[:, :1]).astype(np.int64)
         return {
             **none,
+            "decode_block_tables": self._to_device(tables),
             "decode_slots": self._to_device(slot_grid),
             "decode_mask": self._to_device(valid[:, None, None, :]),
             "decode_max_context_len": max_len,
@@ -212,11 +213,15 @@ class ModelRunner:
         context = np.arange(start + num_tokens, dtype=np.int64)
         context_slots = table[context // bs] * bs + context % bs
         chunk_positions = context[start:]
+        end = row_start + num_tokens
         if start == 0:  # no cached context: attend within the chunk, plain causal
-            chunk = PrefillChunk(row_start, row_start + num_tokens, None, None)
+            chunk = PrefillChunk(row_start, end, len(context), None, None, None)
         else:
             mask = context[None, :] <= chunk_positions[:, None]  # [q_len, context_len], bottom-right causal
-            chunk = PrefillChunk(row_start, row_start + num_tokens, self._to_device(context_slots), self._to_device(mask))
+            blocks = table[: -(-len(context) // bs)]
+            chunk = PrefillChunk(
+                row_start, end, len(context), self._to_device(blocks), self._to_device(context_slots), self._to_device(mask)
+            )
         return chunk, context_slots[start:], chunk_positions
 
     def _sampling_rows(self, batch, decodes, chunks, prefills) -> tuple[list[int], list[int], list[SamplingRow]]:

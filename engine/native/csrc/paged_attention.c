@@ -2,15 +2,142 @@
  *
  * One query token per sequence reads its whole context straight from the block pool through
  * its block table: no gather copy. Work is split over (sequence, KV head) with OpenMP; the
- * query heads of a GQA group share each K/V row while it is in L1. fp32 only.
+ * query heads of a GQA group share each K/V block while it is in L1. fp32 only. An AVX-512
+ * path is used where the compiler targets it (block_size, head_dim multiples of 16); it keeps
+ * four independent FMA chains in flight, since one chain is bound by FMA latency.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+typedef struct {
+    int64_t group, head_dim, num_kv_heads, row, block_size;
+    float scale;
+} Dims;
+
+/* Blocks sit at random places in the pool, beyond the hardware prefetcher's reach: ask for the
+ * next K block and this block's V rows (read again after the softmax) while computing. */
+static void prefetch_block(const float *k_cache, const float *v_cache, const int32_t *table, int64_t b, int has_next,
+                           int64_t h, const Dims *d)
+{
+    const int64_t bs = d->block_size;
+    if (has_next) {
+        const char *next = (const char *)(k_cache + ((int64_t)table[b + 1] * d->num_kv_heads + h) * d->head_dim * bs);
+        for (int64_t off = 0; off < d->head_dim * bs * (int64_t)sizeof(float); off += 64) __builtin_prefetch(next + off);
+    }
+    const float *vb = v_cache + (int64_t)table[b] * bs * d->row + h * d->head_dim;
+    for (int64_t j = 0; j < bs; j++)
+        for (int64_t off = 0; off < d->head_dim * (int64_t)sizeof(float); off += 64)
+            __builtin_prefetch((const char *)(vb + j * d->row) + off);
+}
+
+/* scores[g * len + t] = scale * q_g . k_t for every token t of the context. K blocks are stored
+ * transposed, [head][dim][token], so 16 tokens' scores come out of one vector FMA chain with no
+ * horizontal reductions. */
+static void qk_scores(const float *qg, const float *k_cache, const float *v_cache, const int32_t *table, int64_t h,
+                      int64_t len, const Dims *d, float *scores)
+{
+    const int64_t bs = d->block_size;
+    for (int64_t t0 = 0; t0 < len; t0 += bs) {
+        const int64_t n = len - t0 < bs ? len - t0 : bs;
+        const float *kt = k_cache + ((int64_t)table[t0 / bs] * d->num_kv_heads + h) * d->head_dim * bs;
+        prefetch_block(k_cache, v_cache, table, t0 / bs, t0 + bs < len, h, d);
+        for (int64_t g = 0; g < d->group; g++) {
+            const float *qp = qg + g * d->head_dim;
+            float *out = scores + g * len + t0;
+#if defined(__AVX512F__)
+            if (bs % 16 == 0) {
+                const __m512 scale = _mm512_set1_ps(d->scale);
+                for (int64_t j0 = 0; j0 < n; j0 += 16) {
+                    /* Four partial sums over the head dimension: independent FMA chains. */
+                    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+                    const float *kj = kt + j0;
+                    for (int64_t c = 0; c < d->head_dim; c += 4)
+                        for (int u = 0; u < 4; u++)
+                            acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(qp[c + u]), _mm512_loadu_ps(kj + (c + u) * bs), acc[u]);
+                    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+                    const int64_t m = n - j0 < 16 ? n - j0 : 16;
+                    _mm512_mask_storeu_ps(out + j0, (__mmask16)((1u << m) - 1), _mm512_mul_ps(sum, scale));
+                }
+                continue;
+            }
+#endif
+            for (int64_t j = 0; j < n; j++) {
+                float dot = 0.0f;
+                for (int64_t c = 0; c < d->head_dim; c++) dot += qp[c] * kt[c * bs + j];
+                out[j] = dot * d->scale;
+            }
+        }
+    }
+}
+
+/* In place: each row of scores becomes softmax(row). */
+static void softmax_rows(float *scores, int64_t rows, int64_t len)
+{
+    for (int64_t g = 0; g < rows; g++) {
+        float *sg = scores + g * len;
+        float top = sg[0];
+        for (int64_t t = 1; t < len; t++) top = sg[t] > top ? sg[t] : top;
+        float sum = 0.0f;
+        for (int64_t t = 0; t < len; t++) {
+            sg[t] = expf(sg[t] - top);
+            sum += sg[t];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t t = 0; t < len; t++) sg[t] *= inv;
+    }
+}
+
+/* out_g = sum_t p[g, t] * v_t; one accumulator per (g, 16 dims) stays in a register. */
+static void weighted_values(const float *probs, const float *v_cache, const int32_t *table, int64_t h, int64_t len,
+                            const Dims *d, float *og)
+{
+#if defined(__AVX512F__)
+    if (d->head_dim % 16 == 0) {
+        for (int64_t g = 0; g < d->group; g++) {
+            const float *pg = probs + g * len;
+            for (int64_t c = 0; c < d->head_dim; c += 16) {
+                /* Four partial sums over tokens (t mod 4): independent FMA chains. */
+                __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+                for (int64_t t0 = 0; t0 < len; t0 += d->block_size) {
+                    const int64_t n = len - t0 < d->block_size ? len - t0 : d->block_size;
+                    const float *vb =
+                        v_cache + (int64_t)table[t0 / d->block_size] * d->block_size * d->row + h * d->head_dim + c;
+                    const float *pb = pg + t0;
+                    int64_t j = 0;
+                    for (; j + 4 <= n; j += 4)
+                        for (int u = 0; u < 4; u++)
+                            acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(pb[j + u]), _mm512_loadu_ps(vb + (j + u) * d->row), acc[u]);
+                    for (; j < n; j++)
+                        acc[0] = _mm512_fmadd_ps(_mm512_set1_ps(pb[j]), _mm512_loadu_ps(vb + j * d->row), acc[0]);
+                }
+                const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+                _mm512_storeu_ps(og + g * d->head_dim + c, sum);
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < d->group * d->head_dim; i++) og[i] = 0.0f;
+    for (int64_t t0 = 0; t0 < len; t0 += d->block_size) {
+        const int64_t n = len - t0 < d->block_size ? len - t0 : d->block_size;
+        const float *vb = v_cache + (int64_t)table[t0 / d->block_size] * d->block_size * d->row + h * d->head_dim;
+        for (int64_t j = 0; j < n; j++) {
+            for (int64_t g = 0; g < d->group; g++) {
+                const float p = probs[g * len + t0 + j];
+                float *ap = og + g * d->head_dim;
+                for (int64_t c = 0; c < d->head_dim; c++) ap[c] += p * vb[j * d->row + c];
+            }
+        }
+    }
+}
 
 void paged_decode_attention_f32(
     const float *q,               /* [num_seqs, num_heads, head_dim] */
-    const float *k_cache,         /* [num_slots, num_kv_heads, head_dim] */
+    const float *k_cache,         /* [num_blocks, num_kv_heads, head_dim, block_size] */
     const float *v_cache,         /* [num_slots, num_kv_heads, head_dim] */
     const int32_t *block_tables,  /* [num_seqs, max_blocks] */
     const int32_t *context_lens,  /* [num_seqs] */
@@ -18,64 +145,20 @@ void paged_decode_attention_f32(
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t max_blocks, int64_t block_size, int64_t max_context_len, float scale)
 {
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t row = num_kv_heads * head_dim; /* floats between consecutive slots */
+    const Dims d = {num_heads / num_kv_heads, head_dim, num_kv_heads, num_kv_heads * head_dim, block_size, scale};
 #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * group * max_context_len);
-        float *acc = malloc(sizeof(float) * group * head_dim);
+        float *scores = malloc(sizeof(float) * d.group * max_context_len);
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < num_seqs * num_kv_heads; task++) {
             const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
             const int64_t len = context_lens[s];
-            const float *qg = q + (s * num_heads + h * group) * head_dim;
+            const int64_t first_head = s * num_heads + h * d.group;
             const int32_t *table = block_tables + s * max_blocks;
-            for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-                const int64_t n = len - t0 < block_size ? len - t0 : block_size;
-                const float *kb = k_cache + ((int64_t)table[t0 / block_size] * block_size) * row + h * head_dim;
-                for (int64_t j = 0; j < n; j++) {
-                    const float *kp = kb + j * row;
-                    for (int64_t g = 0; g < group; g++) {
-                        const float *qp = qg + g * head_dim;
-                        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                        for (int64_t d = 0; d < head_dim; d++) dot += qp[d] * kp[d];
-                        scores[g * len + t0 + j] = dot * scale;
-                    }
-                }
-            }
-            for (int64_t g = 0; g < group; g++) {
-                float *sg = scores + g * len;
-                float top = sg[0];
-                for (int64_t t = 1; t < len; t++) top = sg[t] > top ? sg[t] : top;
-                float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < len; t++) {
-                    sg[t] = expf(sg[t] - top);
-                    sum += sg[t];
-                }
-                const float inv = 1.0f / sum;
-#pragma omp simd
-                for (int64_t t = 0; t < len; t++) sg[t] *= inv;
-            }
-            for (int64_t i = 0; i < group * head_dim; i++) acc[i] = 0.0f;
-            for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-                const int64_t n = len - t0 < block_size ? len - t0 : block_size;
-                const float *vb = v_cache + ((int64_t)table[t0 / block_size] * block_size) * row + h * head_dim;
-                for (int64_t j = 0; j < n; j++) {
-                    const float *vp = vb + j * row;
-                    for (int64_t g = 0; g < group; g++) {
-                        const float p = scores[g * len + t0 + j];
-                        float *ap = acc + g * head_dim;
-#pragma omp simd
-                        for (int64_t d = 0; d < head_dim; d++) ap[d] += p * vp[d];
-                    }
-                }
-            }
-            float *og = out + (s * num_heads + h * group) * head_dim;
-            for (int64_t i = 0; i < group * head_dim; i++) og[i] = acc[i];
+            qk_scores(q + first_head * head_dim, k_cache, v_cache, table, h, len, &d, scores);
+            softmax_rows(scores, d.group, len);
+            weighted_values(scores, v_cache, table, h, len, &d, out + first_head * head_dim);
         }
         free(scores);
-        free(acc);
     }
 }
