@@ -65,7 +65,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _prepare(state: AppState, principal, request_id: str, chat: protocol.ChatRequest) -> Turn:
     tier_name, tier = state.tier_of(principal)
     over_budget = await state.over_budget(principal)
-    route = state.router.route(tier_name, chat.model, over_budget=over_budget)
+    try:
+        route = state.router.route(tier_name, chat.model, over_budget=over_budget)
+    except ApiError as exc:
+        if exc.status in (429, 503):  # saturation or budget: count it like the queue's refusals
+            state.metrics.count_rejection(tier_name, chat.model or "auto", exc.code or "router", exc.status)
+        raise
     history = None
     if chat.conversation_id is not None:
         conv = await state.store.get_conversation(principal.org.id, chat.conversation_id)
