@@ -41,8 +41,8 @@ class ModelSpec:
     warmup_steps: int = 50
 
 
-MINI = ModelSpec("demo-mini", 256, 4, 4, 2, 704, max_steps=1200, learning_rate=2e-3)
-FLAGSHIP = ModelSpec("demo-flagship", 512, 6, 8, 4, 1408, max_steps=600, learning_rate=1e-3)
+MINI = ModelSpec("demo-mini", 256, 4, 4, 2, 704, max_steps=400, learning_rate=2e-3)
+FLAGSHIP = ModelSpec("demo-flagship", 512, 6, 8, 4, 1408, max_steps=900, learning_rate=2e-3)
 SPECS = {spec.name: spec for spec in (MINI, FLAGSHIP)}
 
 

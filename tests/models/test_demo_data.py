@@ -1,0 +1,92 @@
+"""The demo-model build pipeline's pure parts, on hand-written inputs: WordNet and fortune
+parsing, answer formats, the held-out split, chat encoding with assistant-only labels, and
+row packing. Needs neither the Debian packages nor training."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from scripts.demo_model.dataset import Conversation, Split, definition_answer, split_of
+from scripts.demo_model.sources import PartOfSpeech, Sense, _normalise_fortune, _parse_data_line
+from scripts.demo_model.tokenizer import IGNORE_INDEX, encode_conversation
+from scripts.demo_model.train import MINI, learning_rate_at, pack_rows
+
+from engine.tokenizer import Tokenizer
+
+MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
+DOG_LINE = (
+    "02084071 05 n 03 dog 0 domestic_dog 0 Canis_familiaris 0 001 @ 02083346 n 0000 | a member "
+    'of the genus Canis that has been domesticated by man; "the dog barked all night"'
+)
+
+
+def test_wordnet_data_line_parses_into_definition_example_and_synonyms():
+    sense = _parse_data_line(DOG_LINE, "dog", PartOfSpeech.NOUN, 1)
+    assert sense == Sense("dog", PartOfSpeech.NOUN, "a member of the genus Canis that has been "
+                          "domesticated by man", ("the dog barked all night",),
+                          ("domestic dog", "Canis familiaris"), 1)
+
+
+def test_wordnet_proper_noun_synsets_are_skipped():
+    line = "09044862 15 n 01 Paris 0 001 @ 08524735 n 0000 | the capital of France"
+    assert _parse_data_line(line, "paris", PartOfSpeech.NOUN, 0) is None
+
+
+def test_definition_answer_names_part_of_speech_and_quotes_example():
+    sense = _parse_data_line(DOG_LINE, "dog", PartOfSpeech.NOUN, 1)
+    assert definition_answer(sense) == (
+        'The noun dog means a member of the genus Canis that has been domesticated by man. '
+        'For example: "The dog barked all night."'
+    )
+    verb = Sense("run", PartOfSpeech.VERB, "move fast by using one's feet", (), (), 29)
+    assert definition_answer(verb) == "The verb run means to move fast by using one's feet."
+
+
+def test_fortune_keeps_attribution_on_its_own_line_and_drops_long_or_listed_ones():
+    raw = "A dream will always triumph over reality.\n\t\t-- Stanislaw Lem"
+    assert _normalise_fortune(raw) == "A dream will always triumph over reality.\n-- Stanislaw Lem"
+    assert _normalise_fortune("(1) Avoid fried meats.\n(2) Keep going.") is None
+    assert _normalise_fortune("word " * 60) is None
+
+
+def test_heldout_split_is_a_stable_few_percent_of_keys():
+    words = [f"word{i}" for i in range(5000)]
+    heldout = [w for w in words if split_of(w) is Split.HELDOUT]
+    assert 0.01 < len(heldout) / len(words) < 0.06
+    assert [w for w in words if split_of(w) is Split.HELDOUT] == heldout
+
+
+def test_encoding_equals_engine_rendered_template_and_labels_only_assistant_replies():
+    tokenizer = Tokenizer.from_dir(MODELS_DIR / "demo-mini")
+    raw = tokenizer._tok  # the same `tokenizers` object the build trains and saves
+    conversation = Conversation("multi_turn", (
+        ("system", "Be concise."), ("user", "What does dog mean?"),
+        ("assistant", "The noun dog means a domestic animal."), ("user", "Thanks!"),
+        ("assistant", "You're welcome!"),
+    ))
+    encoded = encode_conversation(raw, conversation)
+    messages = [{"role": r, "content": c} for r, c in conversation.messages]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    assert list(encoded.input_ids) == tokenizer.encode(rendered)
+    trained = tokenizer.decode([t for t in encoded.labels if t != IGNORE_INDEX], skip_special_tokens=False)
+    assert trained == "The noun dog means a domestic animal.<|im_end|>You're welcome!<|im_end|>"
+
+
+def test_pack_rows_fills_rows_with_whole_conversations_and_masks_padding():
+    tokenizer = Tokenizer.from_dir(MODELS_DIR / "demo-mini")._tok
+    conversations = [Conversation("smalltalk", (("user", f"Hi {i}"), ("assistant", "Hello! " * (i % 7 + 1))))
+                     for i in range(40)]
+    encoded = [encode_conversation(tokenizer, c) for c in conversations]
+    rows = pack_rows(encoded, 64, pad_id=2, rng=random.Random(0))
+    assert all(len(ids) == 64 and len(labels) == 64 for ids, labels in rows)
+    packed_tokens = sum(sum(1 for t in ids if t != 2) for ids, _ in rows)
+    assert packed_tokens == sum(len(e.input_ids) for e in encoded)
+    for ids, labels in rows:
+        assert all(label == IGNORE_INDEX for token, label in zip(ids, labels) if token == 2)
+
+
+def test_learning_rate_warms_up_then_decays_to_a_tenth():
+    assert learning_rate_at(0, MINI) < learning_rate_at(MINI.warmup_steps, MINI)
+    assert learning_rate_at(MINI.warmup_steps, MINI) == MINI.learning_rate
+    assert abs(learning_rate_at(MINI.max_steps, MINI) - MINI.learning_rate / 10) < 1e-9

@@ -1,0 +1,123 @@
+"""The committed demo models: complete Hugging Face folders within the size limits, the
+project's chat template, readable answers to held-out questions, and a flagship that beats
+the mini on held-out perplexity. Runs the real weights with transformers on CPU."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
+MODEL_NAMES = ("demo-mini", "demo-flagship")
+PROJECT_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+REQUIRED_FILES = (
+    "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+    "tokenizer_config.json", "README.md", "loss_curve.png",
+)
+PARAMETER_RANGES = {"demo-mini": (1e6, 10e6), "demo-flagship": (15e6, 30e6)}
+MAX_TOTAL_WEIGHT_BYTES = 60 * 1024 * 1024
+_WORDLIKE = re.compile(r"^[\"'(]*[A-Za-z][A-Za-z'-]*[.,;:!?)\"']*$")
+
+
+def _parameter_count_and_dtypes(name: str) -> tuple[int, set[str]]:
+    count, dtypes = 0, set()
+    with safe_open(MODELS_DIR / name / "model.safetensors", framework="pt") as weights:
+        for key in weights.keys():
+            tensor = weights.get_slice(key)
+            shape = tensor.get_shape()
+            count += math.prod(shape)
+            dtypes.add(tensor.get_dtype())
+    return count, dtypes
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_model_folder_has_hf_files_16bit_weights_and_parameter_count_in_range(name):
+    for filename in REQUIRED_FILES:
+        assert (MODELS_DIR / name / filename).is_file(), filename
+    count, dtypes = _parameter_count_and_dtypes(name)
+    low, high = PARAMETER_RANGES[name]
+    assert low <= count <= high
+    assert dtypes <= {"BF16", "F16"}
+    config = json.loads((MODELS_DIR / name / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_both_models_weigh_under_60_mb_together():
+    total = sum((MODELS_DIR / name / "model.safetensors").stat().st_size for name in MODEL_NAMES)
+    assert total < MAX_TOTAL_WEIGHT_BYTES
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_tokenizer_config_has_project_chat_template_and_im_end_is_eos(name):
+    tokenizer_config = json.loads((MODELS_DIR / name / "tokenizer_config.json").read_text())
+    generation_config = json.loads((MODELS_DIR / name / "generation_config.json").read_text())
+    vocab = json.loads((MODELS_DIR / name / "tokenizer.json").read_text())["added_tokens"]
+    ids = {token["content"]: token["id"] for token in vocab}
+    assert tokenizer_config["chat_template"] == PROJECT_CHAT_TEMPLATE
+    assert tokenizer_config["eos_token"] == "<|im_end|>"
+    assert tokenizer_config["pad_token"] in ids
+    assert generation_config["eos_token_id"] == [ids["<|im_end|>"]]
+    assert "<|im_start|>" in ids
+
+
+def test_models_share_one_tokenizer():
+    mini, flagship = ((MODELS_DIR / name / "tokenizer.json").read_bytes() for name in MODEL_NAMES)
+    assert mini == flagship
+
+
+def test_heldout_sample_holds_only_words_kept_out_of_training(heldout_sample):
+    from scripts.demo_model.dataset import Split, split_of
+
+    definitions = [c for c in heldout_sample if c.source == "definition"]
+    assert len(definitions) >= 20
+    for conversation in definitions:
+        word = conversation.messages[1][1].split()[2]  # "The noun <word> means ..."
+        assert split_of(word) is Split.HELDOUT, word
+
+
+def _known_words(hf_tokenizer) -> set[str]:
+    """Whole-word tokens of the BPE vocabulary: the few thousand commonest training words."""
+    return {t.lstrip("Ġ").lower() for t in hf_tokenizer.get_vocab() if t.lstrip("Ġ").isalpha()}
+
+
+def _assert_readable(reply: str, known_words: set[str]) -> None:
+    words = reply.split()
+    assert len(words) >= 4, reply
+    assert reply[-1] in '.!?"', reply
+    wordlike = [w for w in words if _WORDLIKE.match(w)]
+    assert len(wordlike) >= 0.85 * len(words), reply
+    known = [w for w in wordlike if re.sub(r"[^A-Za-z]", "", w).lower() in known_words]
+    assert len(known) >= 0.6 * len(wordlike), reply
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_model_answers_heldout_what_does_x_mean_with_words_and_punctuation(name, loaded_models, heldout_sample):
+    from scripts.demo_model.evaluate import sample_reply
+
+    model, hf_tokenizer = loaded_models(name)
+    questions = [c.messages[0][1] for c in heldout_sample
+                 if re.fullmatch(r"What does [a-z]+ mean\?", c.messages[0][1])][:2]
+    assert questions
+    for question in questions:
+        reply = sample_reply(model, hf_tokenizer, [{"role": "user", "content": question}], max_new_tokens=64)
+        _assert_readable(reply, _known_words(hf_tokenizer))
+
+
+def test_flagship_heldout_perplexity_is_lower_than_mini(loaded_models, heldout_sample):
+    from scripts.demo_model.evaluate import heldout_loss, perplexity
+    from scripts.demo_model.tokenizer import encode_conversation
+
+    perplexities = {}
+    for name in MODEL_NAMES:
+        model, hf_tokenizer = loaded_models(name)
+        encoded = [encode_conversation(hf_tokenizer.backend_tokenizer, c) for c in heldout_sample]
+        perplexities[name] = perplexity(heldout_loss(model, encoded))
+    assert perplexities["demo-flagship"] < perplexities["demo-mini"] < 100.0, perplexities
