@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from playwright.sync_api import expect
 
 from tests.ui.helpers import (
     PHONE,
@@ -107,7 +108,7 @@ def test_rename_and_delete_a_conversation(ui, ui_server):
     title_box.fill("Trip to <b>Lisbon</b>")
     title_box.press("Enter")
     wait_until(lambda: ui_server.get_json(f"/v1/conversations/{cid}")[1].get("title") == "Trip to <b>Lisbon</b>")
-    assert page.locator("#chat-title").inner_text() == "Trip to <b>Lisbon</b>"
+    expect(page.locator("#chat-title")).to_have_text("Trip to <b>Lisbon</b>")  # waits for the UI to catch up
     page.reload()
     page.wait_for_selector("body.ready")
     assert "Trip to <b>Lisbon</b>" in sidebar_titles(page)
