@@ -43,11 +43,12 @@ bench: $(VENV)/.installed-dev
 load: $(VENV)/.installed-dev
 	$(PY) -m bench.load $(ARGS)
 
+# Rebuilds the training data (Debian's WordNet and fortunes), the tokenizer and both demo models.
 demo-model: $(VENV)/.installed-dev
-	@command -v wn >/dev/null || test -d /usr/share/wordnet || { \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq wordnet-base fortunes-min >/dev/null; \
-	  else sudo apt-get update -qq && sudo apt-get install -y -qq wordnet-base fortunes-min >/dev/null; fi; }
-	$(PY) -m scripts.demo_model.build $(ARGS)
+	@dpkg -s wordnet-base fortunes fortunes-min >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends wordnet-base fortunes fortunes-min >/dev/null; \
+	  else sudo apt-get update -qq && sudo apt-get install -y -qq --no-install-recommends wordnet-base fortunes fortunes-min >/dev/null; fi; }
+	nice -n 10 $(PY) -m scripts.demo_model.build --out models --jobs 2 $(ARGS)
 
 train-safety: $(VENV)/.installed-dev
 	$(PY) -m scripts.train_safety $(ARGS)
