@@ -1,0 +1,479 @@
+"""Engine benchmark (`make bench`): the native engine against transformers on one machine, one run.
+
+Reference model: Llama, vocab 8192, hidden 512, 8 layers, 8 heads, 2 KV heads, intermediate
+1408, tied embeddings, random weights (seed 0), fp32. Prints one table and one JSON line:
+throughput, TTFT and inter-token latency per concurrency; transformers baselines; the fraction
+of the measured fp32 matmul peak; the chunked-prefill ITL test and the prefix-cache TTFT test.
+Other paths (the HTTP server) plug in through `run_load(generate, requests, concurrency)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # `python bench/bench_engine.py` as well as `python -m bench.bench_engine`
+
+from engine.native.backend import NativeBackend  # noqa: E402
+from engine.tokenizer import Tokenizer  # noqa: E402
+from engine.types import GenerationRequest, SamplingParams  # noqa: E402
+from settings import EngineConfig  # noqa: E402
+
+REFERENCE = dict(
+    vocab_size=8192,
+    hidden_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    intermediate_size=1408,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+)
+NEVER_EOS = 10**9  # an id past the vocabulary: transformers runs to max_new_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int  # generated exactly (EOS ignored)
+
+
+# A path under test: takes a request, yields the number of new tokens in each chunk received.
+GenerateFn = Callable[[BenchRequest], AsyncIterator[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    name: str
+    concurrency: int
+    num_requests: int
+    wall_s: float
+    prompt_tokens: int
+    output_tokens: int
+    output_tokens_per_s: float
+    ttft_ms_p50: float
+    ttft_ms_p99: float
+    itl_ms_p50: float
+    itl_ms_p99: float
+    compute_fraction: float = 0.0  # of the fp32 matmul peak, prompt and generated tokens counted
+
+
+def build_reference_model(path: Path) -> Path:
+    """Write the reference checkpoint (and a tokenizer so a server can load it) once."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from testing.tiny_model import train_tokenizer, write_tokenizer_files
+
+    if (path / "config.json").exists() and (path / "model.safetensors").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    eos_id = write_tokenizer_files(path, train_tokenizer(REFERENCE["vocab_size"]))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**REFERENCE, eos_token_id=eos_id, pad_token_id=0, bos_token_id=None))
+    model.to(torch.float32).save_pretrained(path)
+    return path
+
+
+def make_requests(n: int, prompt_len: int, max_tokens: int, seed: int, prefix: str = "r") -> list[BenchRequest]:
+    rng = random.Random(seed)
+    vocab = REFERENCE["vocab_size"]
+    return [
+        BenchRequest(f"{prefix}{i}", tuple(rng.randrange(3, vocab) for _ in range(prompt_len)), max_tokens)
+        for i in range(n)
+    ]
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+async def run_load(name: str, generate: GenerateFn, requests: list[BenchRequest], concurrency: int) -> LoadResult:
+    """Closed loop: `concurrency` clients, each sending its next request when one finishes."""
+    pending = list(requests)
+    ttfts: list[float] = []
+    itls: list[float] = []
+    num_out = 0
+
+    async def client() -> None:
+        nonlocal num_out
+        while pending:
+            req = pending.pop(0)
+            sent = last = time.perf_counter()
+            first = True
+            async for n in generate(req):
+                now = time.perf_counter()
+                if first:
+                    ttfts.append((now - sent) * 1e3)
+                    first = False
+                elif n:
+                    itls.extend([(now - last) * 1e3 / n] * n)
+                last = now
+                num_out += n
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
+    return LoadResult(
+        name, concurrency, len(requests), wall, sum(len(r.prompt_token_ids) for r in requests), num_out,
+        num_out / wall, _pct(ttfts, 50), _pct(ttfts, 99), _pct(itls, 50), _pct(itls, 99),
+    )  # fmt: skip
+
+
+def backend_generate(backend: NativeBackend) -> GenerateFn:
+    async def generate(req: BenchRequest) -> AsyncIterator[int]:
+        sampling = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+        async for event in backend.generate(GenerationRequest(req.request_id, req.prompt_token_ids, sampling)):
+            yield len(event.token_ids)
+
+    return generate
+
+
+def measure_matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+def workload_flops(prompt_len: int, output_len: int, num_requests: int) -> float:
+    """FLOPs of every processed token: 2 x matmul parameters plus attention over its context."""
+    r = REFERENCE
+    h, layers, heads = r["hidden_size"], r["num_hidden_layers"], r["num_attention_heads"]
+    head_dim = h // heads
+    kv = r["num_key_value_heads"] * head_dim
+    params = layers * (h * (h + 2 * kv) + h * h + 3 * h * r["intermediate_size"]) + r["vocab_size"] * h
+    contexts = np.arange(1, prompt_len + output_len)  # the last sampled token is never fed back
+    per_request = 2 * params * len(contexts) + 4 * layers * heads * head_dim * contexts.sum()
+    return float(per_request * num_requests)
+
+
+# -- transformers baselines ------------------------------------------------------------------
+
+
+def _hf_config(model, max_tokens: int):
+    config = copy.deepcopy(model.generation_config)
+    config.max_new_tokens, config.min_new_tokens, config.do_sample = max_tokens, None, False
+    config.eos_token_id, config.pad_token_id = NEVER_EOS, 0
+    return config
+
+
+@torch.inference_mode()
+def hf_one_at_a_time(model, requests: list[BenchRequest]) -> LoadResult:
+    ttfts, num_out = [], 0
+    start = time.perf_counter()
+    for req in requests:
+        ids = torch.tensor([req.prompt_token_ids])
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=_hf_config(model, 1))
+        ttfts.append((time.perf_counter() - t0) * 1e3)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=_hf_config(model, req.max_tokens))
+        num_out += out.shape[1] - ids.shape[1]
+    # TTFT runs are separate prefills; subtract them from the wall time of the generation runs.
+    wall = time.perf_counter() - start - sum(ttfts) / 1e3
+    return LoadResult("transformers one-at-a-time", 1, len(requests), wall, 0, num_out, num_out / wall,
+                      _pct(ttfts, 50), _pct(ttfts, 99), float("nan"), float("nan"))  # fmt: skip
+
+
+@torch.inference_mode()
+def hf_static_batch(model, requests: list[BenchRequest], batch_size: int) -> LoadResult:
+    num_out = 0
+    start = time.perf_counter()
+    for i in range(0, len(requests), batch_size):
+        ids = torch.tensor([r.prompt_token_ids for r in requests[i : i + batch_size]])  # equal lengths: no padding
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=_hf_config(model, requests[i].max_tokens))
+        num_out += out[:, ids.shape[1] :].numel()
+    wall = time.perf_counter() - start
+    nan = float("nan")
+    return LoadResult(f"transformers static batch {batch_size}", batch_size, len(requests), wall, 0, num_out,
+                      num_out / wall, nan, nan, nan, nan)  # fmt: skip
+
+
+@torch.inference_mode()
+def hf_generate_batch(model, requests: list[BenchRequest]) -> LoadResult | None:
+    if not hasattr(model, "generate_batch"):
+        return None
+    start = time.perf_counter()
+    outputs = model.generate_batch(
+        inputs=[list(r.prompt_token_ids) for r in requests], generation_config=_hf_config(model, requests[0].max_tokens)
+    )
+    wall = time.perf_counter() - start
+    num_out = sum(len(o.generated_tokens) for o in outputs.values())
+    nan = float("nan")
+    return LoadResult("transformers generate_batch", len(requests), len(requests), wall, 0, num_out, num_out / wall,
+                      nan, nan, nan, nan)  # fmt: skip
+
+
+# -- mechanism tests -------------------------------------------------------------------------
+
+
+async def chunked_prefill_itl(backend: NativeBackend, *, num_streams: int, long_prompt_len: int) -> dict:
+    """While `num_streams` decode, a long prompt arrives: their ITL during its prefill vs median."""
+    generate = backend_generate(backend)
+    streams = make_requests(num_streams, 128, 2048, seed=11, prefix="itl")  # they run until cancelled
+    gaps: list[tuple[float, float]] = []  # (previous token time, this token time)
+    warm = asyncio.Event()
+    done = asyncio.Event()
+    num_warm = 0
+
+    async def stream(req: BenchRequest) -> None:
+        nonlocal num_warm
+        last, count = None, 0
+        async for _ in generate(req):
+            now = time.perf_counter()
+            if last is not None:
+                gaps.append((last, now))
+            last, count = now, count + 1
+            if count == 16:
+                num_warm += 1
+                if num_warm == num_streams:
+                    warm.set()
+            if done.is_set() and count > 16:
+                return
+
+    tasks = [asyncio.create_task(stream(r)) for r in streams]
+    await asyncio.wait_for(warm.wait(), timeout=120)
+    await asyncio.sleep(0.5)  # a stretch of pure decoding for the median
+    long_req = make_requests(1, long_prompt_len, 1, seed=12, prefix="long")[0]
+    arrived = time.perf_counter()
+    async for _ in generate(long_req):
+        pass
+    prefilled = time.perf_counter()
+    await asyncio.sleep(0.5)
+    done.set()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    all_ms = [(b - a) * 1e3 for a, b in gaps]
+    during_ms = [(b - a) * 1e3 for a, b in gaps if b > arrived and a < prefilled]
+    median = statistics.median(all_ms)
+    p99 = _pct(during_ms, 99)
+    return {
+        "streams": num_streams,
+        "long_prompt_tokens": long_prompt_len,
+        "prefill_ms": (prefilled - arrived) * 1e3,
+        "itl_ms_median": median,
+        "itl_ms_p99_during_prefill": p99,
+        "ratio": p99 / median,
+        "target_ratio_below": 3.0,
+    }
+
+
+async def prefix_cache_ttft(backend: NativeBackend, *, system_len: int, repeats: int) -> dict:
+    """TTFT of a prompt behind a shared system prompt, cold (first sight) vs warm (cached)."""
+    generate = backend_generate(backend)
+
+    async def ttft(req: BenchRequest) -> float:
+        start = time.perf_counter()
+        async for _ in generate(req):
+            return (time.perf_counter() - start) * 1e3
+        raise RuntimeError("no token")
+
+    cold, warm = [], []
+    for i in range(repeats):
+        system = make_requests(1, system_len, 1, seed=100 + i, prefix="sys")[0].prompt_token_ids
+        user = [make_requests(1, 32, 1, seed=200 + 10 * i + j)[0].prompt_token_ids for j in range(2)]
+        cold.append(await ttft(BenchRequest(f"cold{i}", system + user[0], 1)))
+        warm.append(await ttft(BenchRequest(f"warm{i}", system + user[1], 1)))
+    return {
+        "system_prompt_tokens": system_len,
+        "ttft_ms_cold": statistics.median(cold),
+        "ttft_ms_warm": statistics.median(warm),
+        "ratio": statistics.median(warm) / statistics.median(cold),
+        "target_ratio_at_most": 0.2,
+    }
+
+
+# -- driver ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    num_requests: int
+    prompt_len: int
+    output_len: int
+    concurrencies: tuple[int, ...]
+    hf_one_at_a_time_requests: int
+    hf_static_requests: int
+    hf_generate_batch_requests: int
+    long_prompt_len: int
+    system_prompt_len: int
+
+
+FULL = Plan(64, 128, 128, (1, 8, 32, 64), 6, 64, 32, 2048, 1024)
+QUICK = Plan(16, 128, 32, (1, 8, 16), 2, 16, 8, 1024, 1024)
+
+
+def engine_config(args) -> EngineConfig:
+    return EngineConfig(
+        device=args.device,
+        kv_cache_bytes=args.kv_cache_mb << 20,
+        max_num_seqs=64,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        native_kernels=not args.no_kernel,
+    )
+
+
+async def bench_engine(model_dir: Path, plan: Plan, args, peak_gflops: float) -> tuple[list[LoadResult], dict, dict]:
+    backend = NativeBackend(model_dir, engine_config(args), Tokenizer.from_dir(model_dir))
+    await backend.start()
+    try:
+        generate = backend_generate(backend)
+        await run_load("warmup", generate, make_requests(8, plan.prompt_len, 8, seed=1, prefix="w"), 8)
+        results = []
+        for c in plan.concurrencies:
+            reqs = make_requests(plan.num_requests, plan.prompt_len, plan.output_len, seed=c, prefix=f"c{c}-")
+            r = await run_load("native engine", generate, reqs, c)
+            flops = workload_flops(plan.prompt_len, plan.output_len, plan.num_requests)
+            results.append(_with_fraction(r, flops, peak_gflops))
+        itl = await chunked_prefill_itl(backend, num_streams=16, long_prompt_len=plan.long_prompt_len)
+        prefix = await prefix_cache_ttft(backend, system_len=plan.system_prompt_len, repeats=3)
+        return results, itl, prefix
+    finally:
+        await backend.shutdown()
+
+
+def _with_fraction(r: LoadResult, flops: float, peak_gflops: float) -> LoadResult:
+    return LoadResult(**{**asdict(r), "compute_fraction": flops / r.wall_s / (peak_gflops * 1e9)})
+
+
+def bench_transformers(model_dir: Path, plan: Plan, peak_gflops: float, skip_generate_batch: bool) -> list[LoadResult]:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    reqs = make_requests(max(plan.hf_static_requests, 32), plan.prompt_len, plan.output_len, seed=32, prefix="hf")
+    one = hf_one_at_a_time(model, reqs[: plan.hf_one_at_a_time_requests])
+    batch = min(32, plan.hf_static_requests)
+    static = hf_static_batch(model, reqs[: plan.hf_static_requests], batch)
+    flops = workload_flops(plan.prompt_len, plan.output_len, plan.hf_static_requests)
+    results = [_with_fraction(one, workload_flops(plan.prompt_len, plan.output_len, one.num_requests), peak_gflops)]
+    results.append(_with_fraction(static, flops, peak_gflops))
+    if not skip_generate_batch:
+        cb = hf_generate_batch(model, reqs[: plan.hf_generate_batch_requests])
+        if cb is not None:
+            results.append(_with_fraction(cb, workload_flops(plan.prompt_len, plan.output_len, cb.num_requests), peak_gflops))
+    return results
+
+
+def checks(engine: list[LoadResult], hf: list[LoadResult], itl: dict, prefix: dict) -> dict:
+    by_c = {r.concurrency: r for r in engine}
+    one = next(r for r in hf if "one-at-a-time" in r.name)
+    static = next(r for r in hf if "static" in r.name)
+    out = {}
+    top = by_c.get(32) or engine[-1]
+    out["conc32_vs_static_batch"] = top.output_tokens_per_s / static.output_tokens_per_s
+    out["conc32_compute_fraction"] = top.compute_fraction
+    out["conc1_vs_one_at_a_time"] = by_c[1].output_tokens_per_s / one.output_tokens_per_s
+    out["pass"] = {
+        "conc32_ge_1.5x_static": out["conc32_vs_static_batch"] >= 1.5,
+        "conc32_ge_35pct_compute": out["conc32_compute_fraction"] >= 0.35,
+        "conc1_ge_2x_one_at_a_time": out["conc1_vs_one_at_a_time"] >= 2.0,
+        "chunked_prefill_p99_lt_3x_median": itl["ratio"] < 3.0,
+        "prefix_warm_le_one_fifth_cold": prefix["ratio"] <= 0.2,
+    }
+    return out
+
+
+def print_report(engine, hf, itl, prefix, summary, machine) -> None:
+    print(f"machine: {machine['cpu']} | {machine['threads']} threads | fp32 matmul peak {machine['peak_gflops']:.0f} GFLOP/s")
+    header = f"{'path':34} {'conc':>5} {'reqs':>5} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'compute':>8}"
+    print(header)
+    print("-" * len(header))
+    for r in engine + hf:
+        print(
+            f"{r.name:34} {r.concurrency:>5} {r.num_requests:>5} {r.output_tokens_per_s:>10.1f} {r.ttft_ms_p50:>9.1f} "
+            f"{r.ttft_ms_p99:>9.1f} {r.itl_ms_p50:>8.1f} {r.itl_ms_p99:>8.1f} {r.compute_fraction:>7.1%}"
+        )
+    print(
+        f"chunked prefill: {itl['long_prompt_tokens']}-token prompt over {itl['streams']} streams: ITL p99 during "
+        f"prefill {itl['itl_ms_p99_during_prefill']:.1f} ms vs median {itl['itl_ms_median']:.1f} ms = {itl['ratio']:.2f}x (< 3x)"
+    )
+    print(
+        f"prefix cache: {prefix['system_prompt_tokens']}-token system prompt: TTFT warm {prefix['ttft_ms_warm']:.1f} ms "
+        f"vs cold {prefix['ttft_ms_cold']:.1f} ms = {prefix['ratio']:.3f} (<= 0.2)"
+    )
+    print(
+        f"targets: conc32/static {summary['conc32_vs_static_batch']:.2f}x (>= 1.5), conc32 compute "
+        f"{summary['conc32_compute_fraction']:.1%} (>= 35%), conc1/one-at-a-time {summary['conc1_vs_one_at_a_time']:.2f}x (>= 2)"
+    )
+    for name, ok in summary["pass"].items():
+        print(f"  {'PASS' if ok else 'FAIL'} {name}")
+
+
+def machine_info(peak: float) -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "peak_gflops": peak}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a short run for iterating (fewer requests and tokens)")
+    p.add_argument("--model-dir", type=Path, default=ROOT / "build" / "bench-model", help="where the reference model lives")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--kv-cache-mb", type=int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig().max_num_batched_tokens)
+    p.add_argument("--no-kernel", action="store_true", help="use the pure-PyTorch paged attention")
+    p.add_argument("--engine-only", action="store_true", help="skip the transformers baselines")
+    p.add_argument("--skip-generate-batch", action="store_true", help="skip transformers' generate_batch")
+    p.add_argument("--json", type=Path, help="also write the JSON line to this file")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    model_dir = build_reference_model(args.model_dir)
+    peak = measure_matmul_peak_gflops()
+    engine, itl, prefix = asyncio.run(bench_engine(model_dir, plan, args, peak))
+    hf = [] if args.engine_only else bench_transformers(model_dir, plan, peak, args.skip_generate_batch)
+    summary = checks(engine, hf, itl, prefix) if hf else {}
+    machine = machine_info(peak)
+    if summary:
+        print_report(engine, hf, itl, prefix, summary, machine)
+    else:
+        print_report(engine, [], itl, prefix, {"conc32_vs_static_batch": float("nan"), "conc32_compute_fraction": (
+            engine[-1].compute_fraction), "conc1_vs_one_at_a_time": float("nan"), "pass": {}}, machine)
+    record = {
+        "machine": machine,
+        "plan": asdict(plan),
+        "engine_config": {k: getattr(engine_config(args), k) for k in ("max_num_batched_tokens", "max_num_seqs", "block_size", "native_kernels")},
+        "engine": [asdict(r) for r in engine],
+        "baselines": [asdict(r) for r in hf],
+        "chunked_prefill": itl,
+        "prefix_cache": prefix,
+        "summary": summary,
+    }
+    line = json.dumps(record, default=float)
+    print(line)
+    if args.json:
+        args.json.write_text(line + "\n")
+    return record
+
+
+if __name__ == "__main__":
+    main()
