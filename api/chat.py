@@ -105,7 +105,8 @@ async def _serve_stream(request: web.Request, state: AppState, turn: Turn, admis
     created = protocol.now_s()
 
     def chunk(delta: dict, finish: str | None = None) -> dict:
-        return protocol.chunk_body(turn.completion_id, turn.model.name, created, delta, finish, turn.chat.include_usage)
+        usage = _usage(state, turn) if turn.chat.continuous_usage else None
+        return protocol.chunk_body(turn.completion_id, turn.model.name, created, delta, finish, turn.chat.include_usage, usage)
 
     finish: FinishReason | None = None
     try:

@@ -66,6 +66,7 @@ class ChatRequest:
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # stream_options.continuous_usage_stats (vLLM's extension): usage on every chunk
     user: str | None
     conversation_id: str | None
 
@@ -77,7 +78,7 @@ def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int) ->
     _reject_unsupported(raw)
     stream = _opt_bool(raw, "stream", False)
     stream_options = raw.get("stream_options")
-    include_usage = _stream_options(stream_options, stream)
+    include_usage, continuous_usage = _stream_options(stream_options, stream)
     max_tokens = _opt_int(raw, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _opt_int(raw, "max_tokens", 1)
@@ -104,6 +105,7 @@ def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int) ->
         ignore_eos=_opt_bool(raw, "ignore_eos", False),
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
         user=_opt_str(raw, "user"),
         conversation_id=_opt_str(raw, "conversation_id"),
     )
@@ -251,9 +253,10 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _stream_options(value: Any, stream: bool) -> bool:
+def _stream_options(value: Any, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats); the second is vLLM's extension and needs the first."""
     if value is None:
-        return False
+        return False, False
     if not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
     if not isinstance(value, dict):
@@ -261,7 +264,12 @@ def _stream_options(value: Any, stream: bool) -> bool:
     include = value.get("include_usage", False)
     if not isinstance(include, bool):
         raise bad_request("'stream_options.include_usage' must be a boolean.", param="stream_options.include_usage")
-    return include
+    continuous = value.get("continuous_usage_stats", False)
+    if not isinstance(continuous, bool):
+        raise bad_request(
+            "'stream_options.continuous_usage_stats' must be a boolean.", param="stream_options.continuous_usage_stats"
+        )
+    return include, include and continuous
 
 
 # ---- rendering -------------------------------------------------------------------------
@@ -303,7 +311,13 @@ def completion_body(
 
 
 def chunk_body(
-    completion_id: str, model: str, created: int, delta: dict, finish_reason: str | None, include_usage: bool
+    completion_id: str,
+    model: str,
+    created: int,
+    delta: dict,
+    finish_reason: str | None,
+    include_usage: bool,
+    usage: dict | None = None,
 ) -> dict:
     body = {
         "id": completion_id,
@@ -314,7 +328,7 @@ def chunk_body(
         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
     }
     if include_usage:
-        body["usage"] = None  # as OpenAI does: null on every chunk but the last
+        body["usage"] = usage  # as OpenAI does: null on every chunk but the last (unless continuous)
     return body
 
 

@@ -34,6 +34,19 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
 
 
+# On CPU a step's time grows with its tokens, so a step that decodes running streams takes
+# prompt tokens in small chunks; on CUDA a 512-token step costs about what a decode step does.
+_CPU_PREFILL_TOKENS_WHILE_DECODING = 64
+
+
+def _prefill_cap(config: EngineConfig, device) -> int | None:
+    if config.max_prefill_tokens_while_decoding > 0:
+        return config.max_prefill_tokens_while_decoding
+    if device is not None and getattr(device, "type", "cpu") != "cpu":
+        return None
+    return _CPU_PREFILL_TOKENS_WHILE_DECODING
+
+
 class LLMEngine:
     def __init__(self, runner: ModelRunner, config: EngineConfig, *, eos_token_ids: tuple[int, ...]):
         self.runner = runner
@@ -44,7 +57,12 @@ class LLMEngine:
             runner.num_kv_blocks, runner.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.block_manager
+            SchedulerConfig(
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                _prefill_cap(config, getattr(runner, "device", None)),
+            ),
+            self.block_manager,
         )
         self._seqs: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()

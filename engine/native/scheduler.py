@@ -20,6 +20,9 @@ from engine.types import FinishReason
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
+    # Prompt tokens allowed in a step that also carries decode tokens: a long prompt is fed in
+    # small chunks while streams are running, so their inter-token latency stays flat.
+    max_prefill_tokens_while_decoding: int | None = None  # None: only max_num_batched_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,17 +68,26 @@ class Scheduler:
         scheduled: dict[Sequence, int] = {}  # insertion-ordered: the batch's row order
         num_preemptions_before = self.num_preemptions
         # Decodes first, so running streams keep flowing while long prompts prefill in chunks.
-        for seq in sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1):
-            budget = self._budget_left(scheduled)
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decodes:
+            if seq.status is SequenceStatus.RUNNING and self._budget_left(scheduled) > 0:
+                if self._make_room(seq, 1, scheduled):
+                    self.block_manager.allocate(seq, 1)
+                    scheduled[seq] = 1
+        prefill_budget = self._prefill_budget(scheduled)
+        for seq in prefills:
+            budget = min(self._budget_left(scheduled), prefill_budget)
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             if self._make_room(seq, num_new, scheduled):
                 self.block_manager.allocate(seq, num_new)
                 scheduled[seq] = num_new
+                prefill_budget -= num_new
         # Admitting new work while evicting running work would only thrash.
         if self.num_preemptions == num_preemptions_before:
-            self._admit_waiting(scheduled)
+            self._admit_waiting(scheduled, prefill_budget)
         return ScheduledBatch(tuple(scheduled), tuple(scheduled.values()))
 
     def postprocess(self, batch: ScheduledBatch, sampled_token_ids: SequenceOf[int | None]) -> list[Sequence]:
@@ -105,6 +117,13 @@ class Scheduler:
     def _budget_left(self, scheduled: dict[Sequence, int]) -> int:
         return self.config.max_num_batched_tokens - sum(scheduled.values())
 
+    def _prefill_budget(self, scheduled: dict[Sequence, int]) -> int:
+        """Prompt tokens this step may take: capped when it already carries decode tokens."""
+        cap = self.config.max_prefill_tokens_while_decoding
+        if cap is None or not scheduled:  # everything scheduled so far is a decode
+            return self.config.max_num_batched_tokens
+        return cap
+
     def _make_room(self, seq: Sequence, num_new: int, scheduled: dict[Sequence, int]) -> bool:
         """Preempt from the back of `running` until `seq` fits; False if `seq` itself went."""
         while not self.block_manager.can_allocate(seq, num_new):
@@ -114,9 +133,9 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, scheduled: dict[Sequence, int]) -> None:
+    def _admit_waiting(self, scheduled: dict[Sequence, int], prefill_budget: int) -> None:
         bm = self.block_manager
-        while self.waiting and (budget := self._budget_left(scheduled)) > 0:
+        while self.waiting and (budget := min(self._budget_left(scheduled), prefill_budget)) > 0:
             seq = self.waiting[0]
             prefix_block_ids = bm.find_cached_prefix(seq)
             num_new = min(seq.num_tokens - len(prefix_block_ids) * bm.block_size, budget)
@@ -132,6 +151,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             insort(self.running, seq, key=_order)
             scheduled[seq] = num_new
+            prefill_budget -= num_new
 
     def _preempt_lower_than(self, seq: Sequence, scheduled: dict[Sequence, int]) -> bool:
         if not self.running or self.running[-1].priority >= seq.priority:

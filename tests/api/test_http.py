@@ -59,6 +59,18 @@ async def test_stream_sends_role_first_then_content_then_finish_usage_and_done(m
     assert len({c["id"] for c in chunks}) == 1
 
 
+async def test_continuous_usage_stats_puts_running_counts_on_every_content_chunk(make_client):
+    client = await make_client()
+    resp = await chat(client, {"model": "echo", "messages": USER, "stream": True,
+                               "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    events, _ = await sse_events(resp)
+    content = [c for c in events[:-1] if c["choices"] and c["choices"][0]["delta"].get("content")]
+    counts = [c["usage"]["completion_tokens"] for c in content]
+    assert counts == sorted(counts) and counts[0] >= 1 and len(set(counts)) == len(counts)
+    final = events[-2]["usage"]
+    assert final["completion_tokens"] == counts[-1] and final["prompt_tokens"] == content[0]["usage"]["prompt_tokens"]
+
+
 async def test_model_text_that_looks_like_sse_framing_arrives_intact(make_client):
     client = await make_client()
     evil = "a\n\ndata: [DONE]\n\nb\r\nc"

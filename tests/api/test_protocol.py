@@ -64,6 +64,13 @@ def test_stream_options_include_usage_is_read_when_streaming():
     assert parse({"messages": MSG, "stream": True, "stream_options": {"include_usage": True}}).include_usage
 
 
+def test_continuous_usage_stats_needs_include_usage():
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    assert parse({"messages": MSG, "stream": True, "stream_options": both}).continuous_usage
+    alone = {"continuous_usage_stats": True}
+    assert not parse({"messages": MSG, "stream": True, "stream_options": alone}).continuous_usage
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
@@ -102,6 +109,10 @@ def test_stream_options_include_usage_is_read_when_streaming():
         ({"messages": MSG, "stream": "yes"}, "stream"),
         ({"messages": MSG, "stream_options": {"include_usage": True}}, "stream_options"),
         ({"messages": MSG, "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+        (
+            {"messages": MSG, "stream": True, "stream_options": {"continuous_usage_stats": "yes"}},
+            "stream_options.continuous_usage_stats",
+        ),
         ({"messages": MSG, "seed": "x"}, "seed"),
         ({"messages": MSG, "min_tokens": -1}, "min_tokens"),
         ({"messages": MSG, "min_tokens": 9, "max_tokens": 3}, "min_tokens"),

@@ -14,9 +14,11 @@ from engine.types import FinishReason
 from native_harness import SchedulerDriver, make_request
 
 
-def driver(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, caching=True) -> SchedulerDriver:
+def driver(
+    num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, caching=True, prefill_cap=None
+) -> SchedulerDriver:
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
-    return SchedulerDriver(Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), bm))
+    return SchedulerDriver(Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, prefill_cap), bm))
 
 
 def reference_outputs(requests) -> dict[str, list[int]]:
@@ -50,6 +52,24 @@ def test_decodes_are_scheduled_before_prefill_chunks_and_share_the_step():
     batch = d.batches[-1]
     assert batch.seqs[:3] == tuple(runners) and batch.num_scheduled_tokens == (1, 1, 1, 13)
     assert batch.seqs[3] is long and batch.num_tokens == 16
+
+
+def test_prefill_is_capped_while_decodes_ride_along_and_not_when_alone():
+    d = driver(max_num_batched_tokens=32, prefill_cap=6)
+    first = d.add(make_request("first", list(range(1, 21)), max_tokens=30))
+    d.step()
+    assert d.batches[-1].num_scheduled_tokens == (20,)  # nothing decoding: the whole budget
+    long = d.add(make_request("long", list(range(1, 40)), max_tokens=2))
+    second = d.add(make_request("second", list(range(1, 5)), max_tokens=2))
+    d.step()
+    # One decode plus at most 6 prompt tokens, shared in priority order.
+    assert d.batches[-1].seqs == (first, long) and d.batches[-1].num_scheduled_tokens == (1, 6)
+    while long.num_uncomputed_tokens > 1:
+        d.step()
+        batch = d.batches[-1]
+        assert sum(n for s, n in zip(batch.seqs, batch.num_scheduled_tokens) if s.num_completion_tokens == 0 or n > 1) <= 6
+    d.run()
+    assert long.num_completion_tokens == 2 and second.num_completion_tokens == 2
 
 
 def test_max_num_seqs_caps_the_running_set():
