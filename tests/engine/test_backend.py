@@ -163,3 +163,33 @@ async def test_next_chat_turn_reuses_the_previous_turns_blocks(backend, tiny_mod
     assert second_prompt[: len(first_prompt)] == first_prompt  # the history renders byte-stably
     second = await collect(backend, request("turn2", second_prompt, max_tokens=4))
     assert second[-1].num_cached_tokens >= len(first_prompt) // 16 * 16 > 0
+
+
+async def test_the_model_loads_and_steps_in_one_thread(backend):
+    import threading
+
+    seen = []
+    engine = backend.engine
+    original = engine.step
+
+    def step():
+        seen.append(threading.get_ident())
+        return original()
+
+    engine.step = step
+    await collect(backend, request("t", [5, 6, 7], max_tokens=3))
+    assert set(seen) == {backend._thread.ident} and backend._thread.ident != threading.get_ident()
+
+
+async def test_a_model_that_fails_to_load_fails_start_and_leaves_no_thread(tmp_path, tiny_models):
+    model_dir = tiny_models.path(VARIANT)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (broken / name).write_bytes((model_dir / name).read_bytes())
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    backend = NativeBackend(broken, EngineConfig(device="cpu", kv_cache_bytes=24 * 8192), Tokenizer.from_dir(model_dir))
+    with pytest.raises(Exception):
+        await backend.start()
+    assert backend._thread is None and backend.engine is None and not backend.has_room()
+    await backend.shutdown()  # still safe
