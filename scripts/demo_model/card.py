@@ -1,6 +1,8 @@
 """Writes each demo model's card (models/<name>/README.md) and loss-curve PNG from the training
-logs in the build directory, after scoring both saved models on the held-out split and
-generating sample replies from the saved files. Reads models, never changes their weights.
+logs in the build directory, after scoring both saved models on the held-out split (with
+transformers) and asking the real server for sample conversations: `server.py` runs as a
+subprocess with the default config.toml and answers POST /v1/chat/completions, so the card
+shows what users get. Reads models, never changes their weights.
 """
 
 from __future__ import annotations
@@ -8,6 +10,8 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import tempfile
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,16 +22,47 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from scripts.demo_model import licences, sources  # noqa: E402
 from scripts.demo_model.dataset import Conversation, read_jsonl  # noqa: E402
-from scripts.demo_model.evaluate import heldout_loss, load_for_eval, perplexity, sample_reply  # noqa: E402
+from scripts.demo_model.evaluate import heldout_loss, load_for_eval, perplexity  # noqa: E402
 from scripts.demo_model.tokenizer import encode_conversation  # noqa: E402
 from scripts.demo_model.train import SPECS  # noqa: E402
+from testing.server_proc import ServerProcess  # noqa: E402
 
 SAMPLE_PROMPTS = (
     "Hello!", "Who are you?", "What does happy mean?", "What does {heldout} mean?",
     "Define {heldout2}.", "Use garden in a sentence.", "What is another word for big?",
     "Tell me a fortune.", "What is the capital of France?",
 )
+# Multi-turn chats: each user turn is sent with the earlier turns and the server's own
+# (greedy) replies in `messages`, as the web UI does.
+SAMPLE_CHATS = (
+    ("Hello!", "What does {heldout} mean?", "Thank you!"),
+    ("Who are you?", "What does garden mean?", "Use it in a sentence."),
+)
+MAX_TOKENS = 96
+SAMPLED = {"temperature": 0.7, "top_p": 0.9}  # plus "seed": the prompt's index
 _SMOOTH_STEPS = 25
+_REQUEST_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    text: str
+    finish_reason: str  # as the server returned it: stop, length, content_filter
+
+
+@dataclass(frozen=True, slots=True)
+class PromptSample:
+    prompt: str
+    greedy: Reply
+    sampled: Reply
+    seed: int
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSamples:
+    prompts: tuple[PromptSample, ...]  # single user turn, greedy and sampled
+    chats: tuple[tuple[tuple[str, Reply], ...], ...]  # multi-turn, greedy: (user text, reply) per turn
+    server_settings: str  # how server.py was configured, for the card
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +72,7 @@ class ModelReport:
     perplexity_repo_sample: float  # the committed models/heldout.jsonl sample
     num_parameters: int
     weights_bytes: int
-    samples: tuple[tuple[str, str, str], ...]  # (prompt, greedy reply, sampled reply)
+    samples: ServerSamples
 
 
 def write_cards(out: Path, build_dir: Path, heldout: list[Conversation]) -> None:
@@ -45,8 +80,10 @@ def write_cards(out: Path, build_dir: Path, heldout: list[Conversation]) -> None
     questions = [c.messages[0][1] for c in repo_sample]
     words = [q.split()[2] for q in questions if re.fullmatch(r"What does [a-z]+ mean\?", q)]
     prompts = [p.format(heldout=words[0], heldout2=words[1]) for p in SAMPLE_PROMPTS]
+    chats = [[p.format(heldout=words[0]) for p in chat] for chat in SAMPLE_CHATS]
     names = [name for name in SPECS if (out / name).is_dir()]
-    reports = [_report(out / name, heldout, repo_sample, prompts) for name in names]
+    samples = server_samples(names, prompts, chats)
+    reports = [_report(out / name, heldout, repo_sample, samples[name]) for name in names]
     data_stats = _read_json(build_dir / "data" / "stats.json")
     for report in reports:
         run_dir = build_dir / report.name
@@ -61,21 +98,89 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+def server_samples(
+    names: list[str], prompts: list[str], chats: list[list[str]], server_args: tuple[str, ...] = ()
+) -> dict[str, ServerSamples]:
+    """Start `server.py` (default config.toml, then server_args) and ask it, per model, every
+    prompt greedily and sampled, and every multi-turn chat greedily."""
+    settings = describe_server_settings(server_args)
+    with tempfile.TemporaryDirectory(prefix="demo-card-") as tmp:
+        log_path = Path(tmp) / "server.log"
+        proc = ServerProcess(["--db", str(Path(tmp) / "chat.db"), *server_args], log_path=log_path)
+        try:
+            proc.start(timeout_s=600.0)  # two models and the safety embedder on a busy CPU
+            return {name: _ask_server(proc.base_url, name, prompts, chats, settings) for name in names}
+        except Exception:
+            print(f"server log (end):\n{log_path.read_text(errors='replace')[-4000:]}")
+            raise
+        finally:
+            if proc.proc is not None and proc.proc.poll() is None:
+                try:
+                    proc.terminate()  # SIGTERM; kills after 30 s
+                except subprocess.TimeoutExpired:
+                    pass
+
+
+def describe_server_settings(server_args: tuple[str, ...] = ()) -> str:
+    """The settings the samples were produced with, for the card."""
+    import torch
+
+    device = "CUDA, bfloat16" if torch.cuda.is_available() else "CPU, float32"
+    extra = "".join(f" `{arg}`" for arg in server_args if arg != "--set")
+    overrides = f" plus{extra}" if extra else ""
+    safety = "off" if "safety.enabled=false" in server_args else "on, as shipped"
+    return (f"its default `config.toml`{overrides} (native engine, `engine.device` "
+            f"and `dtype` auto: {device} on the machine that wrote this card; safety screening "
+            f"{safety})")
+
+
+def _ask_server(
+    base_url: str, name: str, prompts: list[str], chats: list[list[str]], settings: str
+) -> ServerSamples:
+    singles = []
+    for seed, prompt in enumerate(prompts):
+        messages = [{"role": "user", "content": prompt}]
+        greedy = chat_completion(base_url, name, messages, temperature=0.0)
+        sampled = chat_completion(base_url, name, messages, **SAMPLED, seed=seed)
+        singles.append(PromptSample(prompt, greedy, sampled, seed))
+    conversations = []
+    for chat in chats:
+        messages: list[dict] = []
+        turns = []
+        for user_text in chat:
+            messages.append({"role": "user", "content": user_text})
+            reply = chat_completion(base_url, name, messages, temperature=0.0)
+            messages.append({"role": "assistant", "content": reply.text})
+            turns.append((user_text, reply))
+        conversations.append(tuple(turns))
+    return ServerSamples(tuple(singles), tuple(conversations), settings)
+
+
+def chat_completion(base_url: str, model: str, messages: list[dict], **params) -> Reply:
+    """One non-streaming POST /v1/chat/completions; params: temperature, top_p, seed."""
+    body = {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, **params}
+    request = urllib.request.Request(
+        base_url + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=_REQUEST_TIMEOUT_S) as response:
+        answer = json.loads(response.read())
+    if answer["model"] != model:  # a fallback to another model would mislabel the sample
+        raise RuntimeError(f"asked {model}, answered by {answer['model']}")
+    choice = answer["choices"][0]
+    return Reply(choice["message"]["content"].strip(), choice["finish_reason"])
+
+
 def _report(
-    model_dir: Path, heldout: list[Conversation], repo_sample: list[Conversation], prompts: list[str]
+    model_dir: Path, heldout: list[Conversation], repo_sample: list[Conversation], samples: ServerSamples
 ) -> ModelReport:
     model, hf_tokenizer = load_for_eval(model_dir)
     tokenizer = hf_tokenizer.backend_tokenizer  # the raw `tokenizers` object, as in training
     full = heldout_loss(model, [encode_conversation(tokenizer, c) for c in heldout])
     sample = heldout_loss(model, [encode_conversation(tokenizer, c) for c in repo_sample])
-    samples = []
-    for index, prompt in enumerate(prompts):
-        messages = [{"role": "user", "content": prompt}]
-        greedy = sample_reply(model, hf_tokenizer, messages)
-        samples.append((prompt, greedy, sample_reply(model, hf_tokenizer, messages, seed=index)))
     return ModelReport(
         model_dir.name, perplexity(full), perplexity(sample), sum(p.numel() for p in model.parameters()),
-        (model_dir / "model.safetensors").stat().st_size, tuple(samples),
+        (model_dir / "model.safetensors").stat().st_size, samples,
     )
 
 
@@ -195,21 +300,51 @@ def _training_section(summary: dict) -> list[str]:
 
 
 def _samples_section(report: ModelReport) -> list[str]:
+    name = report.name
     lines = [
         "## Sample conversations",
         "",
-        "Generated with `transformers` from the files in this folder (single user turn, chat "
-        "template applied): greedy decoding, then sampled with temperature 0.7 and top-p 0.9.",
+        "Produced by the server in this repository: `server.py` started with "
+        f"{report.samples.server_settings} and a fresh temporary database, serving demo-flagship "
+        "and demo-mini; each reply is the answer "
+        f"to a non-streaming `POST /v1/chat/completions` with `\"model\": \"{name}\"` and "
+        f"`\"max_tokens\": {MAX_TOKENS}`, which the native engine generated from the prompt "
+        "rendered with this model's chat template (`tokenizer_config.json`). Each prompt was sent "
+        "twice: greedy (`\"temperature\": 0`) and sampled (`\"temperature\": "
+        f"{SAMPLED['temperature']}, \"top_p\": {SAMPLED['top_p']}` and the `\"seed\"` shown, so "
+        "the same request gives the same reply). Rebuilt by `python -m scripts.demo_model.build "
+        "--cards-only`.",
+        "",
+        "### Single questions",
         "",
     ]
-    for prompt, greedy, sampled in report.samples:
-        lines += [f"> **user:** {prompt}", ">", f"> **{report.name} (greedy):** {_quote(greedy)}", ">",
-                  f"> **{report.name} (sampled):** {_quote(sampled)}", ""]
+    for sample in report.samples.prompts:
+        lines += [f"> **user:** {sample.prompt}", ">",
+                  f"> **{name} (greedy):** {_reply(sample.greedy)}", ">",
+                  f"> **{name} (sampled, seed {sample.seed}):** {_reply(sample.sampled)}", ""]
+    lines += [
+        "### Multi-turn chats",
+        "",
+        "Greedy; every request carries the whole chat so far in `messages`, the model's earlier "
+        "replies included.",
+        "",
+    ]
+    for chat in report.samples.chats:
+        for index, (user_text, reply) in enumerate(chat):
+            lines += [*([">"] if index else []), f"> **user:** {user_text}", ">",
+                      f"> **{name}:** {_reply(reply)}"]
+        lines.append("")
     return lines
 
 
+def _reply(reply: Reply) -> str:
+    notes = {"stop": "", "length": f" *(cut off at {MAX_TOKENS} tokens)*"}
+    note = notes.get(reply.finish_reason, f" *(finish_reason: {reply.finish_reason})*")
+    return _quote(reply.text) + note
+
+
 def _quote(text: str) -> str:
-    return text.replace("\n", "\n> ")
+    return text.replace("\n", "\\\n> ")  # a hard line break inside the quote
 
 
 def _data_section(stats: dict) -> list[str]:

@@ -1,0 +1,82 @@
+"""The demo models' cards: their sample conversations come from the real server (`server.py`
+answering POST /v1/chat/completions), and the card says so with the request parameters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from scripts.demo_model.card import (
+    MAX_TOKENS, ModelReport, PromptSample, Reply, ServerSamples, describe_server_settings, render_card,
+    server_samples,
+)
+
+MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
+MODEL_NAMES = ("demo-mini", "demo-flagship")
+PROVENANCE = "Produced by the server in this repository: `server.py` started with"
+SPEC = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "seq_len": 128, "max_steps": 10, "learning_rate": 0.002,
+        "warmup_steps": 2, "batch_size": 4}
+SUMMARY = {"spec": SPEC, "wall_time_s": 60.0, "num_tokens_seen": 5120,
+           "data": {"num_words": 10, "num_fortunes": 3}}
+
+
+def _fake_report() -> ModelReport:
+    samples = ServerSamples(
+        prompts=(PromptSample("Hello!", Reply("Hi there.", "stop"), Reply("Quote\n-- Someone", "length"), 0),),
+        chats=((("Hello!", Reply("Hi there.", "stop")), ("Use it in a sentence.", Reply("No.", "content_filter"))),),
+        server_settings=describe_server_settings(),
+    )
+    return ModelReport("demo-test", 30.0, 31.0, 1_000_000, 2_000_000, samples)
+
+
+def test_card_says_samples_come_from_the_server_with_request_parameters():
+    report = _fake_report()
+    text = render_card(report, [report], SUMMARY, (100, 10))
+    assert PROVENANCE in text
+    assert "default `config.toml`" in text and "safety screening on" in text
+    assert "`POST /v1/chat/completions`" in text and '`"model": "demo-test"`' in text
+    assert f'`"max_tokens": {MAX_TOKENS}`' in text and '`"temperature": 0`' in text
+    assert '`"temperature": 0.7, "top_p": 0.9`' in text and "chat template" in text
+    assert "transformers" not in text.split("## Sample conversations")[1]
+    assert "> **demo-test (greedy):** Hi there." in text
+    assert f"> **demo-test (sampled, seed 0):** Quote\\\n> -- Someone *(cut off at {MAX_TOKENS} tokens)*" in text
+    chat = text.split("### Multi-turn chats")[1]
+    assert "> **user:** Hello!\n>\n> **demo-test:** Hi there.\n>\n> **user:** Use it in a sentence." in chat
+    assert "> **demo-test:** No. *(finish_reason: content_filter)*" in chat
+
+
+def test_settings_description_names_overrides_and_safety_off():
+    text = describe_server_settings(("--set", "safety.enabled=false"))
+    assert "plus `safety.enabled=false`" in text and "safety screening off" in text
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_committed_cards_show_server_samples_and_multi_turn_chats(name):
+    text = (MODELS_DIR / name / "README.md").read_text(encoding="utf-8")
+    samples = text.split("## Sample conversations")[1].split("## Training data")[0]
+    assert PROVENANCE in samples and "Generated with `transformers`" not in text
+    assert samples.count(f"> **{name} (greedy):**") == samples.count(f"> **{name} (sampled, seed ") >= 5
+    chats = samples.split("### Multi-turn chats")[1]
+    assert chats.count("> **user:**") >= 4 and chats.count(f"> **{name}:**") >= 4
+
+
+@pytest.mark.slow
+def test_server_samples_greedy_replies_equal_transformers(tmp_path, loaded_models):
+    """The card's HTTP path end to end: server.py serving demo-mini, replies as transformers'."""
+    from scripts.demo_model.evaluate import sample_reply
+
+    model_dir = MODELS_DIR / "demo-mini"
+    args = ("--model", str(model_dir), "--set", "engine.device=cpu", "--set", "engine.dtype=float32")
+    samples = server_samples(["demo-mini"], ["Hello!"], [["Hello!", "What does garden mean?"]], args)
+    sample = samples["demo-mini"]
+    model, tokenizer = loaded_models("demo-mini")
+    hello = [{"role": "user", "content": "Hello!"}]
+    assert sample.prompts[0].greedy == Reply(sample_reply(model, tokenizer, hello), "stop")
+    assert sample.prompts[0].sampled.finish_reason in ("stop", "length") and sample.prompts[0].sampled.text
+    (first, first_reply), (second, second_reply) = sample.chats[0]
+    assert (first, first_reply) == ("Hello!", sample.prompts[0].greedy)
+    history = [*hello, {"role": "assistant", "content": first_reply.text},
+               {"role": "user", "content": second}]
+    assert second_reply.text == sample_reply(model, tokenizer, history)
