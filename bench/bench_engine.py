@@ -75,16 +75,44 @@ class LoadResult:
     compute_fraction: float = 0.0  # of the fp32 matmul peak, prompt and generated tokens counted
 
 
+def train_bench_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer in which every one of the `vocab_size` ids but the specials
+    decodes to ASCII text, trained on the ASCII of this Python's standard library sources: the
+    random model's tokens then stream as text through the HTTP server, as a real model's do."""
+    import sysconfig
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from testing.tiny_model import SPECIAL_TOKENS
+
+    texts, size = [], 0
+    for source in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        text = source.read_text(encoding="utf-8", errors="ignore").encode("ascii", "ignore").decode()
+        texts.append(text)
+        size += len(text)
+        if size > 4_000_000:
+            break
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"the bench tokenizer has {tok.get_vocab_size()} ids, not {vocab_size}")
+    return tok
+
+
 def build_reference_model(path: Path) -> Path:
     """Write the reference checkpoint (and a tokenizer so a server can load it) once."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from testing.tiny_model import train_tokenizer, write_tokenizer_files
+    from testing.tiny_model import write_tokenizer_files
 
     if (path / "config.json").exists() and (path / "model.safetensors").exists():
         return path
     path.mkdir(parents=True, exist_ok=True)
-    eos_id = write_tokenizer_files(path, train_tokenizer(REFERENCE["vocab_size"]))
+    eos_id = write_tokenizer_files(path, train_bench_tokenizer(REFERENCE["vocab_size"]))
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**REFERENCE, eos_token_id=eos_id, pad_token_id=0, bos_token_id=None))
     model.to(torch.float32).save_pretrained(path)
@@ -286,7 +314,7 @@ def hf_static_batch(model, requests: list[BenchRequest], batch_size: int) -> Loa
                       num_out / wall, nan, nan, nan, nan)  # fmt: skip
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: transformers' continuous batching updates its tensors in place
 def hf_generate_batch(model, requests: list[BenchRequest]) -> LoadResult | None:
     if not hasattr(model, "generate_batch"):
         return None
@@ -399,8 +427,8 @@ class Plan:
     system_prompt_len: int
 
 
-FULL = Plan(64, 128, 128, (1, 8, 32, 64), 6, 64, 32, 2048, 1024)
-QUICK = Plan(16, 128, 32, (1, 8, 16), 2, 16, 8, 1024, 1024)
+FULL = Plan(64, 128, 128, (1, 8, 32, 64), 6, 64, 8, 2048, 1024)
+QUICK = Plan(16, 128, 32, (1, 8, 16), 2, 16, 4, 1024, 1024)
 SECTIONS = ("engine", "http", "transformers", "chunked", "prefix")
 
 
@@ -576,7 +604,7 @@ def machine_info(peak: float) -> dict:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a short run for iterating (fewer requests and tokens)")
-    p.add_argument("--model-dir", type=Path, default=ROOT / "build" / "bench-model", help="where the reference model lives")
+    p.add_argument("--model-dir", type=Path, default=ROOT / "build" / "bench-model-v2", help="where the reference model lives")
     p.add_argument("--device", default="auto")
     p.add_argument("--kv-cache-mb", type=int, default=1024)
     p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig().max_num_batched_tokens)
