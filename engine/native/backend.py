@@ -93,8 +93,9 @@ class NativeBackend:
         self._engine: LLMEngine | None = None
         self._streams: dict[str, _Stream] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wakeup = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._stepper: _StepThread | None = None
+        self._stopped = threading.Event()  # set by the step thread once this engine left it
+        self._failures = 0  # consecutive failed steps
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats = EngineStats()
         self._stopping = False
@@ -111,31 +112,34 @@ class NativeBackend:
         return self._engine
 
     async def start(self) -> None:
-        """Load the model in the step thread itself and wait until it is ready (or failed).
+        """Load the model in its device's step thread and wait until it is ready (or failed).
 
-        The engine is built and stepped by the same thread on purpose: with GNU OpenMP every
-        thread that runs multi-threaded torch ops keeps its own worker pool, and once there are
-        more pool threads than cores, each parallel region hands off through the kernel instead
-        of spinning, which costs about 80 us per op (a third of a small decode step on 2 cores).
+        Every native engine on one device is built and stepped by one shared thread, round-robin
+        (see _StepThread): with GNU OpenMP (torch's CPU threading) each thread that runs
+        multi-threaded torch ops keeps its own worker pool, and once a process has more pool
+        threads than cores each parallel region hands work over through the kernel instead of
+        spinning, about 80 us per op on the 2-core development machine, a third of a small
+        decode step. Two models in two threads would pay that on every op.
         """
+        from engine.native.runner import resolve_device
+
         self._loop = asyncio.get_running_loop()
         ready: asyncio.Future[EngineStats] = self._loop.create_future()
-        self._thread = threading.Thread(target=self._run, args=(ready,), name="native-engine-step", daemon=True)
-        self._thread.start()
+        self._stepper = _StepThread.attach(str(resolve_device(self._config.device)), self, ready)
         try:
             self._stats = await ready
         except BaseException:
-            await asyncio.to_thread(self._thread.join)
-            self._thread = None
+            self._stepper = None
             raise
 
     async def shutdown(self) -> None:
         self._stopping = True
-        if self._thread is not None:
+        stepper = self._stepper
+        if stepper is not None:
             for request_id in list(self._streams):
                 self._post(_Abort(request_id))
             self._post(_Stop())
-            await asyncio.to_thread(self._thread.join)
+            await asyncio.to_thread(self._wait_stopped, stepper)
             await asyncio.sleep(0)  # let the last posted outputs reach their streams
         for stream in self._streams.values():
             stream.finish_aborted()
@@ -145,6 +149,11 @@ class NativeBackend:
 
             del engine
             torch.cuda.empty_cache()
+
+    def _wait_stopped(self, stepper: _StepThread) -> None:
+        while not self._stopped.wait(0.1):
+            if not stepper.thread.is_alive():  # the thread itself died: nothing will stop us
+                return
 
     def check_request(self, request: GenerationRequest) -> None:
         if self._engine is not None:
@@ -203,13 +212,14 @@ class NativeBackend:
         return self._stats
 
     def health(self) -> bool:
-        return not self._dead and (self._thread is None or self._thread.is_alive() or self._stopping)
+        return not self._dead and (self._stepper is None or self._stepper.thread.is_alive() or self._stopping)
 
     # -- loop side -------------------------------------------------------------------------
 
     def _post(self, item: _Add | _Abort | _Stop) -> None:
         self._inbox.put(item)
-        self._wakeup.set()
+        if self._stepper is not None:
+            self._stepper.wakeup.set()
 
     def _dispatch(self, items: list[RequestOutput | _Failure]) -> None:
         for item in items:
@@ -247,33 +257,29 @@ class NativeBackend:
         self._loop.call_soon_threadsafe(settle, engine.stats())
         return engine
 
-    def _run(self, ready: asyncio.Future) -> None:
-        engine = self._build(ready)
-        if engine is None:
-            return
-        failures = 0
-        while True:
-            self._wakeup.clear()
-            items, stop = self._drain_inbox(engine)
-            if not stop and engine.has_unfinished_requests():
-                started = time.perf_counter()
-                try:
-                    items += engine.step()
-                    failures = 0
-                except Exception as exc:  # a bug or device error: fail what is in flight, keep serving
-                    failures += 1
-                    log.exception("engine_step_failed", consecutive_failures=failures)
-                    items += self._fail_all(engine, exc)
-                    self._dead = failures >= _MAX_CONSECUTIVE_STEP_FAILURES
-                self._stats = replace(engine.stats(), extra={"step_ms": (time.perf_counter() - started) * 1e3})
-            else:
-                self._stats = engine.stats()
-            if items and not self._publish(items):
-                return
-            if stop or self._dead:
-                return
-            if not engine.has_unfinished_requests():
-                self._wakeup.wait()
+    def _tick(self) -> str:
+        """One turn of the step thread for this engine: take in requests and aborts, run one
+        step if there is work, publish the outputs. Returns "busy", "idle" or "done"."""
+        engine = self._engine
+        items, stop = self._drain_inbox(engine)
+        if not stop and engine.has_unfinished_requests():
+            started = time.perf_counter()
+            try:
+                items += engine.step()
+                self._failures = 0
+            except Exception as exc:  # a bug or device error: fail what is in flight, keep serving
+                self._failures += 1
+                log.exception("engine_step_failed", consecutive_failures=self._failures)
+                items += self._fail_all(engine, exc)
+                self._dead = self._failures >= _MAX_CONSECUTIVE_STEP_FAILURES
+            self._stats = replace(engine.stats(), extra={"step_ms": (time.perf_counter() - started) * 1e3})
+        else:
+            self._stats = engine.stats()
+        if items and not self._publish(items):
+            return "done"
+        if stop or self._dead:
+            return "done"
+        return "busy" if engine.has_unfinished_requests() else "idle"
 
     def _drain_inbox(self, engine: LLMEngine) -> tuple[list[RequestOutput | _Failure], bool]:
         items: list[RequestOutput | _Failure] = []
@@ -309,3 +315,57 @@ class NativeBackend:
             log.warning("native_engine_loop_closed")
             return False
         return True
+
+
+class _StepThread:
+    """The thread that builds and steps every native engine of one device, one step each in
+    turn, and sleeps when none has work. It exits when its last engine leaves, so that its
+    OpenMP pool goes with it."""
+
+    _registry: dict[str, _StepThread] = {}
+    _registry_lock = threading.Lock()
+
+    def __init__(self, key: str):
+        self.key = key
+        self.wakeup = threading.Event()
+        self._arrivals: list[tuple[NativeBackend, asyncio.Future]] = []
+        self._members: list[NativeBackend] = []
+        self.thread = threading.Thread(target=self._run, name=f"native-engine-step-{key}", daemon=True)
+
+    @classmethod
+    def attach(cls, key: str, backend: NativeBackend, ready: asyncio.Future) -> _StepThread:
+        """Hand `backend` to the step thread of `key` (started if none runs), to be built there."""
+        with cls._registry_lock:
+            stepper = cls._registry.get(key)
+            fresh = stepper is None
+            if fresh:
+                stepper = cls._registry[key] = cls(key)
+            stepper._arrivals.append((backend, ready))
+            stepper.wakeup.set()
+        if fresh:
+            stepper.thread.start()
+        return stepper
+
+    def _run(self) -> None:
+        while True:
+            self.wakeup.clear()
+            with self._registry_lock:
+                arrivals, self._arrivals = self._arrivals, []
+            for backend, ready in arrivals:
+                if backend._build(ready) is not None:
+                    self._members.append(backend)
+            busy = False
+            for backend in list(self._members):
+                state = backend._tick()
+                if state == "done":
+                    self._members.remove(backend)
+                    backend._stopped.set()
+                busy = busy or state == "busy"
+            if not self._members:
+                with self._registry_lock:
+                    if not self._arrivals:
+                        del self._registry[self.key]
+                        return
+                continue
+            if not busy:
+                self.wakeup.wait()

@@ -178,10 +178,12 @@ async def test_the_model_loads_and_steps_in_one_thread(backend):
 
     engine.step = step
     await collect(backend, request("t", [5, 6, 7], max_tokens=3))
-    assert set(seen) == {backend._thread.ident} and backend._thread.ident != threading.get_ident()
+    assert set(seen) == {backend._stepper.thread.ident} and backend._stepper.thread.ident != threading.get_ident()
 
 
 async def test_a_model_that_fails_to_load_fails_start_and_leaves_no_thread(tmp_path, tiny_models):
+    import threading
+
     model_dir = tiny_models.path(VARIANT)
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -191,5 +193,27 @@ async def test_a_model_that_fails_to_load_fails_start_and_leaves_no_thread(tmp_p
     backend = NativeBackend(broken, EngineConfig(device="cpu", kv_cache_bytes=24 * 8192), Tokenizer.from_dir(model_dir))
     with pytest.raises(Exception):
         await backend.start()
-    assert backend._thread is None and backend.engine is None and not backend.has_room()
+    assert backend._stepper is None and backend.engine is None and not backend.has_room()
     await backend.shutdown()  # still safe
+    await asyncio.sleep(0.2)
+    assert not [t for t in threading.enumerate() if t.name.startswith("native-engine-step")]
+
+
+async def test_engines_on_one_device_share_one_step_thread_which_ends_with_the_last(tiny_models):
+    model_dir = tiny_models.path(VARIANT)
+    config = EngineConfig(device="cpu", kv_cache_bytes=24 * 8192, max_num_seqs=8, max_num_batched_tokens=64)
+    first, second = (NativeBackend(model_dir, config, Tokenizer.from_dir(model_dir)) for _ in range(2))
+    await first.start()
+    await second.start()
+    assert first._stepper is second._stepper and first._stepper.thread.is_alive()
+    a, b = await asyncio.gather(
+        collect(first, request("a", [5, 6, 7], max_tokens=6)), collect(second, request("b", [5, 6, 7], max_tokens=6))
+    )
+    assert [e.token_ids for e in a] == [e.token_ids for e in b]  # same model, same prompt, interleaved steps
+    thread = first._stepper.thread
+    await first.shutdown()
+    assert thread.is_alive() and second.health()
+    assert len(await collect(second, request("c", [8, 9], max_tokens=4))) == 4
+    await second.shutdown()
+    await asyncio.to_thread(thread.join, 5)
+    assert not thread.is_alive()
