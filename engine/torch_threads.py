@@ -1,0 +1,55 @@
+"""Per-thread limits on torch's CPU threads.
+
+torch's CPU ops run on GNU OpenMP, and every thread that runs a multi-threaded op keeps its own
+pool of OpenMP worker threads while it lives. Once a process holds more pool threads than
+cores, libgomp stops spinning between parallel regions and hands work over through the kernel,
+which costs about 80 us per op (measured on the 2-core development machine): a small decode
+step has hundreds of ops. The native engines therefore share one step thread per device
+(engine/native/backend.py), and other code that runs torch on the side (the safety
+classifier) limits its own threads to one with `single_threaded_torch()`, which creates no
+pool at all. `torch.set_num_threads` would not do: it also changes the process-wide default.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+from functools import cache
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+@cache
+def _openmp() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch uses (its bundled libgomp), or None where there is none."""
+    import torch
+
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*"))):
+        try:
+            lib = ctypes.CDLL(path)
+            lib.omp_set_num_threads.argtypes = [ctypes.c_int]
+            return lib
+        except (OSError, AttributeError):
+            continue
+    try:
+        lib = ctypes.CDLL("libgomp.so.1")
+        lib.omp_set_num_threads.argtypes = [ctypes.c_int]
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+def single_threaded_torch() -> bool:
+    """Make torch ops called from the current thread run on this thread alone (no OpenMP pool).
+
+    Affects only the calling thread. Returns False where torch has no OpenMP runtime to tell.
+    """
+    lib = _openmp()
+    if lib is None:
+        log.debug("openmp_runtime_not_found")
+        return False
+    lib.omp_set_num_threads(1)
+    return True
