@@ -90,3 +90,25 @@ def test_learning_rate_warms_up_then_decays_to_a_tenth():
     assert learning_rate_at(0, MINI) < learning_rate_at(MINI.warmup_steps, MINI)
     assert learning_rate_at(MINI.warmup_steps, MINI) == MINI.learning_rate
     assert abs(learning_rate_at(MINI.max_steps, MINI) - MINI.learning_rate / 10) < 1e-9
+
+
+def test_training_is_reproducible_from_its_seed():
+    """Same seed, same data: the same weights bit for bit (what `make demo-model` relies on)."""
+    import torch
+
+    from scripts.demo_model.train import ModelSpec, SpecialIds, llama_config, train
+
+    tokenizer = Tokenizer.from_dir(MODELS_DIR / "demo-mini")._tok
+    conversations = [Conversation("smalltalk", (("user", f"What does word{i} mean?"), ("assistant", "It means a thing. " * (i % 3 + 1))))
+                     for i in range(24)]
+    encoded = [encode_conversation(tokenizer, c) for c in conversations]
+    spec = ModelSpec("repro", 32, 1, 2, 1, 64, max_steps=4, learning_rate=1e-2, batch_size=2, seq_len=64, warmup_steps=1)
+    config = llama_config(spec, tokenizer.get_vocab_size(), SpecialIds(eos_token_id=2, pad_token_id=0))
+
+    def weights(seed: int) -> dict:
+        model, _ = train(spec, config, (encoded[:20], encoded[20:]), seed)
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    first, again, other = weights(7), weights(7), weights(8)
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert not all(torch.equal(first[k], other[k]) for k in first)
