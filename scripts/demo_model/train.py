@@ -175,7 +175,7 @@ def _train_step(
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(loss)
+    return float(loss.detach())
 
 
 def save_model(model: LlamaForCausalLM, ids: SpecialIds, model_dir: Path) -> None:
