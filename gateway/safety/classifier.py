@@ -2,8 +2,9 @@
 
 The head pools the token states of the latest user turns with a few learned attention
 queries plus a mean, then a one-hidden-layer MLP gives softmax probabilities over
-`benign` and the categories. Each turn's pooled summary is cached (keyed by a digest of its
-text), so a conversation only pays the encoder for its new turn. Numpy only; blocking.
+`benign` and the categories. Each turn's pooled summaries (one per encoder window) are cached,
+keyed by a digest of its text, so a conversation only pays the encoder for its new turn.
+Numpy only; blocking.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from gateway.safety.types import BENIGN
 
 log = structlog.get_logger(__name__)
 
-HEAD_FORMAT = "safety-head/1"
+HEAD_FORMAT = "safety-head/2"  # /2 added the encoder adapter; /1 files (no adapter) still load
+_READABLE_FORMATS = ("safety-head/1", HEAD_FORMAT)
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -43,6 +45,7 @@ class SafetyHead:
     b2: np.ndarray  # [num_classes]
     max_tokens: int  # window size the head was trained with
     context_turns: int  # user turns the head was trained to read together
+    adapter: dict[str, np.ndarray]  # encoder weight name -> delta [out, in] to add (may be empty)
 
     @property
     def categories(self) -> tuple[str, ...]:
@@ -51,7 +54,7 @@ class SafetyHead:
     @classmethod
     def load(cls, path: Path) -> SafetyHead:
         with np.load(path, allow_pickle=False) as z:
-            if str(z["format"]) != HEAD_FORMAT:
+            if str(z["format"]) not in _READABLE_FORMATS:
                 raise ValueError(f"{path}: not a {HEAD_FORMAT} file")
             head = cls(
                 classes=tuple(str(c) for c in z["classes"]),
@@ -63,9 +66,11 @@ class SafetyHead:
                 b2=z["b2"].astype(np.float32),
                 max_tokens=int(z["max_tokens"]),
                 context_turns=int(z["context_turns"]),
+                adapter=_adapter_deltas(z),
             )
         num_queries, dim = head.queries.shape
-        if head.classes[0] != BENIGN or head.w1.shape[0] != (num_queries + 1) * dim or head.w2.shape[1] != len(head.classes):
+        shapes_ok = head.w1.shape[0] == (num_queries + 1) * dim and head.w2.shape[1] == len(head.classes)
+        if head.classes[0] != BENIGN or not shapes_ok:
             raise ValueError(f"{path}: inconsistent head shapes or classes")
         return head
 
@@ -75,6 +80,12 @@ class SafetyHead:
         logits -= logits.max(axis=1, keepdims=True)
         e = np.exp(logits)
         return e / e.sum(axis=1, keepdims=True)
+
+
+def _adapter_deltas(z) -> dict[str, np.ndarray]:
+    """Low-rank factors `adapter.<weight>.A` [rank, in] and `.B` [out, rank] -> B @ A."""
+    names = sorted(k[len("adapter.") : -len(".A")] for k in z.files if k.startswith("adapter.") and k.endswith(".A"))
+    return {n: z[f"adapter.{n}.B"].astype(np.float32) @ z[f"adapter.{n}.A"].astype(np.float32) for n in names}
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,30 +107,44 @@ def summarize(head: SafetyHead, states: np.ndarray) -> TurnSummary:
     return TurnSummary(peak, e.sum(axis=0), e.T @ states, states.sum(axis=0), len(states))
 
 
+def merge(parts: Sequence[TurnSummary], bonus: Sequence[np.ndarray | float] | None = None) -> TurnSummary:
+    """One summary of several token runs read as one; `bonus` is added to each run's
+    attention logits. Exact: attention over the concatenated tokens gives the same."""
+    if len(parts) == 1 and bonus is None:
+        return parts[0]
+    bonus = bonus if bonus is not None else [0.0] * len(parts)
+    peaks = np.stack([s.peak + b for s, b in zip(parts, bonus)])  # [runs, queries]
+    top = peaks.max(axis=0)
+    scale = np.exp(peaks - top)  # [runs, queries]
+    weight = sum(sc * s.weight for sc, s in zip(scale, parts))
+    value = sum(sc[:, None] * s.value for sc, s in zip(scale, parts))
+    state_sum = sum(s.state_sum for s in parts)
+    return TurnSummary(top, weight, value, state_sum, sum(s.num_tokens for s in parts))
+
+
 def pool(head: SafetyHead, summaries: Sequence[TurnSummary]) -> np.ndarray:
     """[(num_queries + 1) * dim] features of the turns read together; the last one is newest.
 
     Equal to attention over the concatenated tokens with `last_bias` added to the newest
     turn's logits, which is what the training script computes."""
     bonus = [head.last_bias if i == len(summaries) - 1 else 0.0 for i in range(len(summaries))]
-    peaks = np.stack([s.peak + b for s, b in zip(summaries, bonus)])  # [turns, queries]
-    top = peaks.max(axis=0)
-    scale = np.exp(peaks - top)  # [turns, queries]
-    weight = sum(sc * s.weight for sc, s in zip(scale, summaries))
-    value = sum(sc[:, None] * s.value for sc, s in zip(scale, summaries))
-    attended = value / weight[:, None]  # [queries, dim]
-    mean = sum(s.state_sum for s in summaries) / max(1, sum(s.num_tokens for s in summaries))
+    s = merge(summaries, bonus)
+    attended = s.value / s.weight[:, None]  # [queries, dim]
+    mean = s.state_sum / max(1, s.num_tokens)
     return np.concatenate([attended.reshape(-1), mean]).astype(np.float32)
+
+
+Windows = tuple[TurnSummary, ...]  # one text's summaries, one per encoder window
 
 
 class SafetyClassifier:
     """Scores conversations and answer windows; thread-safe."""
 
     def __init__(self, embedder, head: SafetyHead, *, max_windows: int, cache_entries: int):
-        self._embedder = embedder  # MiniLmEmbedder (or anything with the same `encode`)
+        self.embedder = embedder  # MiniLmEmbedder (or anything with the same `encode`)
         self.head = head
         self._max_windows = max_windows
-        self._cache: OrderedDict[bytes, TurnSummary] = OrderedDict()
+        self._cache: OrderedDict[bytes, Windows] = OrderedDict()
         self._cache_entries = cache_entries
         self._lock = threading.Lock()
 
@@ -128,20 +153,31 @@ class SafetyClassifier:
         return self.head.categories
 
     def score_turns(self, turns: Sequence[str]) -> np.ndarray:
-        """[num_categories]: per category, the higher of (the newest turn alone, all `turns`
-        read together). Callers pass the latest few user turns, oldest first."""
-        summaries = self._summaries(turns)
-        rows = [pool(self.head, summaries[-1:])]
-        if len(summaries) > 1:
-            rows.append(pool(self.head, summaries))
+        """[num_categories]: per category, the highest score of the views of the newest turn
+        (whole, and each of its windows alone when it is long) and of all `turns` read
+        together. Callers pass the latest few user turns, oldest first."""
+        windows = self._windows(turns)
+        whole = [merge(w) for w in windows]
+        rows = self._views(windows[-1])
+        if len(whole) > 1:
+            rows.append(pool(self.head, whole))
         return self.head.probabilities(np.stack(rows))[:, 1:].max(axis=0)
 
     def score_text(self, text: str) -> np.ndarray:
         """[num_categories] for one text read alone (a window of a streamed answer); not cached."""
-        states = self._embedder.encode([text], max_windows=self._max_windows)[0]
-        return self.head.probabilities(pool(self.head, [summarize(self.head, states)])[None])[0, 1:]
+        states = self.embedder.encode_windows([text], max_windows=self._max_windows)[0]
+        rows = self._views(tuple(summarize(self.head, s) for s in states))
+        return self.head.probabilities(np.stack(rows))[:, 1:].max(axis=0)
 
-    def _summaries(self, turns: Sequence[str]) -> list[TurnSummary]:
+    def _views(self, windows: Windows) -> list[np.ndarray]:
+        """A text read whole, plus each window alone when there are several: a harmful
+        request inside a long harmless message is not averaged away."""
+        rows = [pool(self.head, [merge(windows)])]
+        if len(windows) > 1:
+            rows += [pool(self.head, [w]) for w in windows]
+        return rows
+
+    def _windows(self, turns: Sequence[str]) -> list[Windows]:
         keys = [hashlib.blake2b(t.encode("utf-8", "surrogatepass"), digest_size=16).digest() for t in turns]
         with self._lock:
             found = {k: self._cache[k] for k in keys if k in self._cache}
@@ -149,8 +185,8 @@ class SafetyClassifier:
                 self._cache.move_to_end(k)
         missing = [(k, t) for k, t in zip(keys, turns) if k not in found]
         if missing:
-            states = self._embedder.encode([t for _, t in missing], max_windows=self._max_windows)
-            new = {k: summarize(self.head, s) for (k, _), s in zip(missing, states)}
+            states = self.embedder.encode_windows([t for _, t in missing], max_windows=self._max_windows)
+            new = {k: tuple(summarize(self.head, w) for w in s) for (k, _), s in zip(missing, states)}
             found.update(new)
             with self._lock:
                 self._cache.update(new)

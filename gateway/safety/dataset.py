@@ -25,6 +25,7 @@ class Record:
     label: str  # "benign" or a category
     topic: str  # for benign records: medical, legal, security, ...; "multi_turn" for conversations
     turns: tuple[str, ...]
+    source: str = ""  # "" for the first, hand-written JSON records; else what safety/build_data.py built it from
 
     @property
     def is_harmful(self) -> bool:
@@ -42,7 +43,7 @@ def load_split(split: str, data_dir: Path = DATA_DIR) -> list[Record]:
             raw = json.loads(line)
             record = Record(
                 id=raw["id"], split=raw["split"], kind=raw["kind"], label=raw["label"],
-                topic=raw["topic"], turns=tuple(raw["turns"]),
+                topic=raw["topic"], turns=tuple(raw["turns"]), source=raw.get("source", ""),
             )
             if record.split != split or record.label not in CLASSES or not record.turns:
                 raise ValueError(f"{split}.jsonl:{line_no}: bad record {record.id}")
@@ -56,12 +57,17 @@ class Example:
     label: int  # index into CLASSES
 
 
-def training_examples(records: list[Record], *, seed: int, num_prefixed: int = 2) -> list[Example]:
+def training_examples(
+    records: list[Record], *, seed: int, num_prefixed: int = 2, benign_openings: bool = False
+) -> list[Example]:
     """The records as examples, plus augmentations that teach the head about context.
 
     - single prompts also appear after 1-3 random benign single-turn prompts, keeping their
       label (a harmful ask stays harmful after small talk; a benign one stays benign);
-    - every prefix of a benign conversation is benign (each of its requests was allowed)."""
+    - every prefix of a benign conversation is benign (each of its requests was allowed);
+    - with `benign_openings`, so is every prefix of a harmful conversation that stops before
+      its last turn: the request is only complete there, and the same opening also starts a
+      benign twin."""
     rng = random.Random(seed)
     pool = [r.turns[0] for r in records if not r.is_harmful and not r.is_multi_turn and r.kind == "prompt"]
     examples = []
@@ -72,6 +78,6 @@ def training_examples(records: list[Record], *, seed: int, num_prefixed: int = 2
             for _ in range(num_prefixed):
                 prefix = rng.sample(pool, rng.randint(1, 3))
                 examples.append(Example((*prefix, *r.turns), label))
-        if r.is_multi_turn and not r.is_harmful:
-            examples.extend(Example(r.turns[:i], label) for i in range(1, len(r.turns)))
+        if r.is_multi_turn and (benign_openings or not r.is_harmful):
+            examples.extend(Example(r.turns[:i], 0) for i in range(1, len(r.turns)))
     return examples

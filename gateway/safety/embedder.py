@@ -12,7 +12,7 @@ import math
 import os
 import threading
 from dataclasses import dataclass
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +45,7 @@ def resolve_dtype(name: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class _BertShape:
+class BertShape:
     num_layers: int
     num_heads: int
     hidden_size: int
@@ -53,62 +53,129 @@ class _BertShape:
     max_position_embeddings: int
 
 
+# Matmul weights an adapter may change: per layer, the fused q/k/v, the attention output,
+# and the two feed-forward projections.
+ADAPTABLE = ("qkv", "attention.output.dense", "intermediate.dense", "output.dense")
+
+
+def load_bert(model_dir: Path) -> tuple[BertShape, dict]:
+    """Shape and float32 torch weights, q/k/v fused per layer into `encoder.layer.N.qkv`."""
+    import torch
+    from safetensors.torch import load_file
+
+    cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    shape = BertShape(
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=cfg["num_attention_heads"],
+        hidden_size=cfg["hidden_size"],
+        layer_norm_eps=cfg["layer_norm_eps"],
+        max_position_embeddings=cfg["max_position_embeddings"],
+    )
+    raw = load_file(str(model_dir / "model.safetensors"))
+    w: dict = {k: v for k, v in raw.items() if k.startswith("embeddings.") and k != "embeddings.position_ids"}
+    for i in range(shape.num_layers):
+        p = f"encoder.layer.{i}."
+        att = p + "attention.self."
+        w[p + "qkv.weight"] = torch.cat([raw[att + n + ".weight"] for n in ("query", "key", "value")])
+        w[p + "qkv.bias"] = torch.cat([raw[att + n + ".bias"] for n in ("query", "key", "value")])
+        for name in ("attention.output.dense", "attention.output.LayerNorm", "intermediate.dense",
+                     "output.dense", "output.LayerNorm"):
+            w[p + name + ".weight"] = raw[p + name + ".weight"]
+            w[p + name + ".bias"] = raw[p + name + ".bias"]
+    return shape, w
+
+
+def embed_tokens(ids, w: dict, shape: BertShape):
+    """[batch, seq] token ids -> [batch, seq, hidden] float32 input states of layer 0."""
+    import torch.nn.functional as F
+
+    x = (
+        w["embeddings.word_embeddings.weight"][ids]
+        + w["embeddings.position_embeddings.weight"][: ids.shape[1]]
+        + w["embeddings.token_type_embeddings.weight"][0]
+    )
+    ln_weight, ln_bias = w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"]
+    return F.layer_norm(x, (shape.hidden_size,), ln_weight, ln_bias, shape.layer_norm_eps)
+
+
+def attention_mask(mask, dtype):
+    """[batch, seq] 1/0 -> additive [batch, 1, 1, seq]: padded keys get no attention."""
+    return ((1 - mask[:, None, None, :]) * -1e4).to(dtype)
+
+
+def bert_layer(x, attn_mask, w: dict, p: str, shape: BertShape, dtype):
+    """One encoder layer (post-LayerNorm BERT). x: [batch, seq, hidden] float32; matmuls in
+    `dtype`, residuals and LayerNorms in float32. Differentiable (the trainer uses it)."""
+    import torch.nn.functional as F
+
+    batch, seq_len, hidden = x.shape
+    head_dim = hidden // shape.num_heads
+    qkv = F.linear(x.to(dtype), w[p + "qkv.weight"], w[p + "qkv.bias"])  # [batch, seq, 3 * hidden]
+    q, k, v = qkv.view(batch, seq_len, 3, shape.num_heads, head_dim).permute(2, 0, 3, 1, 4)
+    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=1.0 / math.sqrt(head_dim))
+    ctx = ctx.transpose(1, 2).reshape(batch, seq_len, hidden)
+    att = F.linear(ctx, w[p + "attention.output.dense.weight"], w[p + "attention.output.dense.bias"])
+    ln_weight, ln_bias = w[p + "attention.output.LayerNorm.weight"], w[p + "attention.output.LayerNorm.bias"]
+    x = F.layer_norm(x + att.float(), (hidden,), ln_weight, ln_bias, shape.layer_norm_eps)
+    ff = F.linear(x.to(dtype), w[p + "intermediate.dense.weight"], w[p + "intermediate.dense.bias"])
+    ff = F.linear(F.gelu(ff), w[p + "output.dense.weight"], w[p + "output.dense.bias"])
+    ln_weight, ln_bias = w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"]
+    return F.layer_norm(x + ff.float(), (hidden,), ln_weight, ln_bias, shape.layer_norm_eps)
+
+
 class MiniLmEmbedder:
     """Text -> per-token 384-d states. Thread-safe; one forward at a time."""
 
-    def __init__(self, model_dir: Path | None = None, *, dtype: str = "float32", max_tokens: int = 128):
+    def __init__(
+        self,
+        model_dir: Path | None = None,
+        *,
+        dtype: str = "float32",
+        max_tokens: int = 128,
+        adapter: Mapping[str, np.ndarray] | None = None,
+    ):
+        """`adapter`: weight deltas from the trained head file (`encoder.layer.N.<name>.weight`
+        -> [out, in] array), added to the shipped weights before any cast."""
         import torch
-        from safetensors.torch import load_file
         from tokenizers import Tokenizer
 
         self._torch = torch
         model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
-        cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-        self._shape = _BertShape(
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=cfg["num_attention_heads"],
-            hidden_size=cfg["hidden_size"],
-            layer_norm_eps=cfg["layer_norm_eps"],
-            max_position_embeddings=cfg["max_position_embeddings"],
-        )
+        self._shape, w = load_bert(model_dir)
+        for key, delta in (adapter or {}).items():
+            if key not in w or tuple(w[key].shape) != delta.shape:
+                raise ValueError(f"adapter weight {key} does not fit the encoder")
+            w[key] = w[key] + torch.from_numpy(np.asarray(delta, dtype=np.float32))
         self.max_tokens = min(max_tokens, self._shape.max_position_embeddings)
         self._dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        self._weights = self._cast(w)
         self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self._tokenizer.no_padding()  # the shipped file pads to 128; we pad per batch instead
         self._tokenizer.no_truncation()  # we cut texts into windows ourselves
         self._cls_id = self._tokenizer.token_to_id("[CLS]")
         self._sep_id = self._tokenizer.token_to_id("[SEP]")
-        self._weights = self._prepare(load_file(str(model_dir / "model.safetensors")))
         self._lock = threading.Lock()
         log.info("safety_embedder_loaded", model_dir=str(model_dir), dtype=dtype, max_tokens=self.max_tokens)
 
-    def _prepare(self, raw: dict) -> dict:
-        """Fuse q/k/v per layer and cast the matmul weights once."""
-        torch = self._torch
-        w: dict = {k: v for k, v in raw.items() if k.startswith("embeddings.")}
-        for i in range(self._shape.num_layers):
-            p = f"encoder.layer.{i}."
-            att = p + "attention.self."
-            w[p + "qkv.weight"] = torch.cat([raw[att + n + ".weight"] for n in ("query", "key", "value")])
-            w[p + "qkv.bias"] = torch.cat([raw[att + n + ".bias"] for n in ("query", "key", "value")])
-            for name in (
-                "attention.output.dense", "attention.output.LayerNorm",
-                "intermediate.dense", "output.dense", "output.LayerNorm",
-            ):
-                w[p + name + ".weight"] = raw[p + name + ".weight"]
-                w[p + name + ".bias"] = raw[p + name + ".bias"]
-        for key in list(w):
-            if key.endswith(".weight") and "LayerNorm" not in key and "embeddings" not in key:
-                w[key] = w[key].to(self._dtype)
-                w[key.replace(".weight", ".bias")] = w[key.replace(".weight", ".bias")].to(self._dtype)
-        return w
+    def _cast(self, w: dict) -> dict:
+        """Matmul weights and biases in the compute dtype, once; LayerNorms stay float32."""
+        out = dict(w)
+        for key in w:
+            if key.startswith("encoder.") and "LayerNorm" not in key:
+                out[key] = w[key].to(self._dtype)
+        return out
 
     def encode(self, texts: Sequence[str], *, max_windows: int = 1) -> list[np.ndarray]:
-        """Per text, the last hidden states of its tokens, [num_tokens, 384] float32.
+        """Per text, the last hidden states of its tokens, [num_tokens, 384] float32: the
+        states of its windows (see `encode_windows`) concatenated."""
+        return [np.concatenate(parts) for parts in self.encode_windows(texts, max_windows=max_windows)]
+
+    def encode_windows(self, texts: Sequence[str], *, max_windows: int = 1) -> list[list[np.ndarray]]:
+        """Per text, per window, the last hidden states of its tokens, [num_tokens, 384].
 
         A text longer than one window (`max_tokens`, [CLS] and [SEP] included) is read as
-        several windows, its first one and its last `max_windows - 1`; their states are
-        concatenated. One forward pass serves all texts."""
+        several windows, its first one and its last `max_windows - 1`, each encoded on its
+        own. One forward pass serves all texts."""
         if not texts:
             return []
         windows: list[list[int]] = []
@@ -121,7 +188,7 @@ class MiniLmEmbedder:
         out: list[list[np.ndarray]] = [[] for _ in texts]
         for owner, ids, state in zip(owners, windows, states):
             out[owner].append(state[: len(ids)])
-        return [np.concatenate(parts) for parts in out]
+        return out
 
     def _windows(self, text: str, max_windows: int) -> list[list[int]]:
         body = self.max_tokens - 2  # room for [CLS] and [SEP]
@@ -146,41 +213,11 @@ class MiniLmEmbedder:
             return self._hidden(self._torch.from_numpy(ids), self._torch.from_numpy(mask)).numpy()
 
     def _hidden(self, ids, mask):
-        torch, w, s = self._torch, self._weights, self._shape
-        F = torch.nn.functional
-        seq_len = ids.shape[1]
-        x = (
-            w["embeddings.word_embeddings.weight"][ids]
-            + w["embeddings.position_embeddings.weight"][:seq_len]
-            + w["embeddings.token_type_embeddings.weight"][0]
-        )  # [num_windows, seq_len, hidden]
-        x = F.layer_norm(x, (s.hidden_size,), w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], s.layer_norm_eps)
-        # Additive mask so that padded keys get no attention. [num_windows, 1, 1, seq_len]
-        attn_mask = ((1 - mask[:, None, None, :]) * -1e4).to(self._dtype)
-        for i in range(s.num_layers):
-            x = self._layer(x, attn_mask, f"encoder.layer.{i}.")
-        return x.float()
-
-    def _layer(self, x, attn_mask, p: str):
-        torch, w, s = self._torch, self._weights, self._shape
-        F = torch.nn.functional
-        batch, seq_len, hidden = x.shape
-        head_dim = hidden // s.num_heads
-        h = x.to(self._dtype)
-        qkv = F.linear(h, w[p + "qkv.weight"], w[p + "qkv.bias"])  # [batch, seq, 3 * hidden]
-        q, k, v = qkv.view(batch, seq_len, 3, s.num_heads, head_dim).permute(2, 0, 3, 1, 4)
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=1.0 / math.sqrt(head_dim))
-        ctx = ctx.transpose(1, 2).reshape(batch, seq_len, hidden)
-        att = F.linear(ctx, w[p + "attention.output.dense.weight"], w[p + "attention.output.dense.bias"])
-        x = F.layer_norm(
-            x + att.float(), (hidden,), w[p + "attention.output.LayerNorm.weight"],
-            w[p + "attention.output.LayerNorm.bias"], s.layer_norm_eps,
-        )
-        ff = F.gelu(F.linear(x.to(self._dtype), w[p + "intermediate.dense.weight"], w[p + "intermediate.dense.bias"]))
-        ff = F.linear(ff, w[p + "output.dense.weight"], w[p + "output.dense.bias"])
-        return F.layer_norm(
-            x + ff.float(), (hidden,), w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"], s.layer_norm_eps
-        )
+        x = embed_tokens(ids, self._weights, self._shape)  # [num_windows, seq_len, hidden]
+        attn_mask = attention_mask(mask, self._dtype)
+        for i in range(self._shape.num_layers):
+            x = bert_layer(x, attn_mask, self._weights, f"encoder.layer.{i}.", self._shape, self._dtype)
+        return x
 
 
 def mean_pool(states: np.ndarray) -> np.ndarray:

@@ -76,8 +76,8 @@ class SafetyGate:
             self._guard = GuardModel(guard, timeout_s=config.guard_timeout_s)
         registry = registry if registry is not None else prometheus_client.CollectorRegistry()
         self._decisions = prometheus_client.Counter(
-            "chat_safety_gate_decisions", "Safety gate decisions (prompt screening and output filtering).", ("stage", "layer", "category", "tier", "action"),
-            registry=registry,
+            "chat_safety_gate_decisions", "Safety gate decisions (prompt screening and output filtering).",
+            ("stage", "layer", "category", "tier", "action"), registry=registry,
         )
         self._screen_seconds = prometheus_client.Histogram(
             "chat_safety_prompt_screen_seconds", "Time to screen a prompt (rules, classifier, guard).",
@@ -157,7 +157,9 @@ class SafetyGate:
         if verdict.allowed:
             log.debug("safety_allowed", stage=stage.value, tier=tier)
         else:
-            log.info("safety_blocked", stage=stage.value, layer=layer, category=category, tier=tier, score=verdict.score)
+            log.info(
+                "safety_blocked", stage=stage.value, layer=layer, category=category, tier=tier, score=verdict.score
+            )
 
 
 def load_classifier(config: SafetyConfig) -> SafetyClassifier:
@@ -180,7 +182,7 @@ def load_classifier(config: SafetyConfig) -> SafetyClassifier:
         dtype = resolve_dtype(config.embed_dtype)
     except ValueError as exc:
         raise ConfigError(f"safety.embed_dtype: {exc}") from None
-    embedder = MiniLmEmbedder(dtype=dtype, max_tokens=head.max_tokens)
+    embedder = MiniLmEmbedder(dtype=dtype, max_tokens=head.max_tokens, adapter=head.adapter)
     log.info("safety_classifier_loaded", path=str(path), categories=list(head.categories))
     return SafetyClassifier(
         embedder, head, max_windows=config.max_windows, cache_entries=config.embed_cache_entries

@@ -67,7 +67,8 @@ BUILTIN_DENY: dict[str, tuple[str, ...]] = {
         rf"\b{_GROUP}\b[^.?!\n]{{0,30}}\b(?:should|must|need to|deserve to|ought to) (?:all )?(?:be )?"
         r"(?:killed|exterminated|gassed|burned|lynched|wiped out|eradicated|shot|sterili[sz]ed|stoned)\b",
         rf"\b(?:write|compose|create|generate|make)\b[^.?!\n]{{0,40}}\b{_GROUP}\b[^.?!\n]{{0,20}}"
-        r"\b(?:are|is)\b[^.?!\n]{0,10}\b(?:vermin|subhuman|sub-human|animals|rats|apes|cockroaches|parasites|filth|inferior)\b",
+        r"\b(?:are|is)\b[^.?!\n]{0,10}"
+        r"\b(?:vermin|subhuman|sub-human|animals|rats|apes|cockroaches|parasites|filth|inferior)\b",
     ),
 }
 
@@ -75,7 +76,7 @@ BUILTIN_DENY: dict[str, tuple[str, ...]] = {
 # otherwise catch ("report child sexual abuse", "sex education for kids").
 BUILTIN_ALLOW: dict[str, tuple[str, ...]] = {
     "sexual_minors": (
-        r"\bsex(?:ual)? (?:abuse|assault|exploitation|education|ed|predators?|offenders?|harassment|health)\b",
+        r"\bsex(?:ual|ually)? (?:abus\w*|assault\w*|exploit\w*|education|ed|predators?|offenders?|harass\w*|health)\b",
         r"\b(?:detect|report|prevent|combat|fight|flag|recogni[sz]e|protect)\w*\b[^.?!\n]{0,40}"
         r"\b(?:child (?:porn\w*|sexual abuse material)|csam)\b",
     ),
@@ -110,7 +111,9 @@ class RuleSet:
         cls, deny: Mapping[str, Sequence[str]], allow: Mapping[str, Sequence[str]], *, builtin: bool
     ) -> RuleSet:
         """Operator patterns, plus the built-in ones when `builtin`."""
-        return cls(_merge(BUILTIN_DENY, deny) if builtin else deny, _merge(BUILTIN_ALLOW, allow) if builtin else allow)
+        if builtin:
+            deny, allow = _merge(BUILTIN_DENY, deny), _merge(BUILTIN_ALLOW, allow)
+        return cls(deny, allow)
 
     @property
     def is_empty(self) -> bool:

@@ -28,7 +28,8 @@ def user(text: str) -> dict:
 async def test_rules_block_a_prompt_and_the_decision_is_counted():
     registry = prometheus_client.CollectorRegistry()
     gate = SafetyGate(RULES_ONLY, registry=registry)
-    verdict = await gate.screen_prompt([user("hi"), {"role": "assistant", "content": "hello"}, user(SECRET)], tier="free")
+    messages = [user("hi"), {"role": "assistant", "content": "hello"}, user(SECRET)]
+    verdict = await gate.screen_prompt(messages, tier="free")
     assert verdict == Verdict.block(SafetyLayer.RULES, "secrets")
     assert decisions(registry, stage="prompt", layer="rules", category="secrets", tier="free", action="block") == 1
 
@@ -45,7 +46,8 @@ async def test_only_user_turns_are_screened_and_text_parts_are_read():
     gate = SafetyGate(RULES_ONLY)
     system_only = [{"role": "system", "content": SECRET}, user("hello")]
     assert (await gate.screen_prompt(system_only, tier="free")).allowed
-    parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me about"}, {"type": "text", "text": "Project Bluebird"}]}]
+    texts = ["Tell me about", "Project Bluebird"]
+    parts = [{"role": "user", "content": [{"type": "text", "text": t} for t in texts]}]
     assert not (await gate.screen_prompt(parts, tier="free")).allowed
 
 

@@ -117,7 +117,10 @@ def window_classifier(word: str):
     return classify
 
 
-@pytest.mark.parametrize("parts", chunkings(BENIGN + " Then a vile sentence came. " + BENIGN), ids=lambda p: f"{len(p)}-chunks")
+VILE = BENIGN + " Then a vile sentence came. " + BENIGN
+
+
+@pytest.mark.parametrize("parts", chunkings(VILE), ids=lambda p: f"{len(p)}-chunks")
 async def test_text_waits_for_a_classifier_check_before_release(parts):
     released, verdict, _ = await run(make(classify=window_classifier("vile")), parts)
     assert verdict is not None and verdict.layer == SafetyLayer.CLASSIFIER
