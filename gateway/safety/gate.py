@@ -8,8 +8,10 @@ The gate never sees the engine; the server decides what a block means for the re
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,28 @@ from gateway.safety.output import OutputFilter, OutputPolicy
 from gateway.safety.rules import ALL_CATEGORIES, RuleSet
 from gateway.safety.types import SafetyLayer, Stage, Verdict
 from settings import ConfigError, SafetyConfig
+
+# The classifier's torch work runs on these threads, each limited to one OpenMP thread: a second
+# multi-threaded torch thread would give the process a second OpenMP pool, and with more pool
+# threads than cores every torch op, the engine's included, pays ~80 us to hand work over
+# (engine/torch_threads.py). Two of them let two requests be screened at once.
+_TORCH_WORKERS = 2
+_executor: ThreadPoolExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def _torch_executor() -> ThreadPoolExecutor:
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            from engine.torch_threads import single_threaded_torch
+
+            _executor = ThreadPoolExecutor(_TORCH_WORKERS, "safety-torch", initializer=single_threaded_torch)
+        return _executor
+
+
+async def _off_loop(fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(_torch_executor(), fn, *args)
 
 log = structlog.get_logger(__name__)
 
@@ -91,14 +115,14 @@ class SafetyGate:
     async def start(self) -> None:
         """Load the embedder and the head, off the event loop. Until then only rules apply."""
         if self.config.classifier and self._classifier is None:
-            self._classifier = await asyncio.to_thread(load_classifier, self.config)
+            self._classifier = await _off_loop(load_classifier, self.config)
 
     async def screen_prompt(self, messages: Sequence[dict], *, tier: str) -> Verdict:
         started_s = time.perf_counter()
         turns = user_turns(messages)
         verdict = Verdict.allow()
         if turns:
-            verdict = await asyncio.to_thread(self._screen_sync, turns)
+            verdict = await _off_loop(self._screen_sync, turns)
             if verdict.allowed and self._guard is not None:
                 verdict = await self._guard.classify(turns[-self.config.context_turns :])
         self._screen_seconds.observe(time.perf_counter() - started_s)
@@ -138,7 +162,7 @@ class SafetyGate:
 
     async def _classify_output(self, text: str) -> Verdict:
         assert self._classifier is not None  # only handed out when loaded
-        scores = await asyncio.to_thread(self._classifier.score_text, text)
+        scores = await _off_loop(self._classifier.score_text, text)
         return self._judge(scores, lambda _category: self.config.output_threshold)
 
     def _judge(self, scores: np.ndarray, threshold: Callable[[str], float]) -> Verdict:
