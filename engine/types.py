@@ -108,6 +108,21 @@ class RequestRejected(Exception):
         self.code = code
 
 
+def check_fits_context(request: GenerationRequest, max_model_len: int) -> None:
+    """Reject an empty prompt, or prompt + max_tokens beyond the context window, naming the numbers."""
+    num_prompt = len(request.prompt_token_ids)
+    total = num_prompt + request.sampling.max_tokens
+    if num_prompt == 0:
+        raise RequestRejected("the prompt is empty", param="messages")
+    if total > max_model_len:
+        raise RequestRejected(
+            f"this model's context window is {max_model_len} tokens, but the request needs "
+            f"{total} ({num_prompt} in the prompt + {request.sampling.max_tokens} max_tokens)",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+
+
 @runtime_checkable
 class Backend(Protocol):
     """What the server needs from an inference backend, per request.

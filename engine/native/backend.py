@@ -23,7 +23,15 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.native.engine import LLMEngine, RequestOutput
 from engine.native.loader import load_llama_args
 from engine.tokenizer import Tokenizer
-from engine.types import EngineError, EngineStats, FinishReason, GenerationRequest, RequestRejected, TokenEvent
+from engine.types import (
+    EngineError,
+    EngineStats,
+    FinishReason,
+    GenerationRequest,
+    RequestRejected,
+    TokenEvent,
+    check_fits_context,
+)
 from settings import EngineConfig
 
 log = structlog.get_logger(__name__)
@@ -159,13 +167,7 @@ class NativeBackend:
         if self._engine is not None:
             self._engine.check_request(request)
             return
-        total = len(request.prompt_token_ids) + request.sampling.max_tokens
-        if total > self._max_model_len:
-            raise RequestRejected(
-                f"this model's context window is {self._max_model_len} tokens, but the request needs {total}",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
+        check_fits_context(request, self._max_model_len)
 
     def has_room(self) -> bool:
         """Nothing waits in the engine, a batch slot is free, and a typical prompt's blocks are free."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from engine.native.block_manager import BlockManager, cdiv
 from engine.native.scheduler import Scheduler, SchedulerConfig
 from engine.native.sequence import Sequence
-from engine.types import EngineStats, FinishReason, GenerationRequest, RequestRejected
+from engine.types import EngineStats, FinishReason, GenerationRequest, RequestRejected, check_fits_context
 from settings import EngineConfig
 
 if TYPE_CHECKING:
@@ -80,17 +80,9 @@ class LLMEngine:
 
     def check_request(self, request: GenerationRequest) -> None:
         """Reject what could never run: too long for the context window or the whole KV pool."""
+        check_fits_context(request, self.max_model_len)
         num_prompt = len(request.prompt_token_ids)
         total = num_prompt + request.sampling.max_tokens
-        if num_prompt == 0:
-            raise RequestRejected("the prompt is empty", param="messages")
-        if total > self.max_model_len:
-            raise RequestRejected(
-                f"this model's context window is {self.max_model_len} tokens, but the request needs "
-                f"{total} ({num_prompt} in the prompt + {request.sampling.max_tokens} max_tokens)",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
         # The last sampled token's K/V is never computed, so a sequence holds at most total - 1.
         num_blocks = cdiv(total - 1, self.block_manager.block_size)
         if num_blocks > self.block_manager.num_blocks:

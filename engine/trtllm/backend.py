@@ -31,7 +31,15 @@ from engine.trtllm.mapping import (
     supported_kwargs,
 )
 from engine.trtllm.slots import SlotPool
-from engine.types import EngineError, EngineStats, FinishReason, GenerationRequest, RequestRejected, TokenEvent
+from engine.types import (
+    EngineError,
+    EngineStats,
+    FinishReason,
+    GenerationRequest,
+    RequestRejected,
+    TokenEvent,
+    check_fits_context,
+)
 from settings import ConfigError, TrtllmConfig
 
 log = structlog.get_logger(__name__)
@@ -145,17 +153,8 @@ class TrtllmBackend:
 
     # -- admission ------------------------------------------------------------------------
     def check_request(self, request: GenerationRequest) -> None:
+        check_fits_context(request, self._max_model_len)
         num_prompt = len(request.prompt_token_ids)
-        total = num_prompt + request.sampling.max_tokens
-        if num_prompt == 0:
-            raise RequestRejected("the prompt is empty", param="messages")
-        if total > self._max_model_len:
-            raise RequestRejected(
-                f"this model's context window is {self._max_model_len} tokens, but the request needs "
-                f"{total} ({num_prompt} in the prompt + {request.sampling.max_tokens} max_tokens)",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
         if not self._config.enable_chunked_prefill and num_prompt > self._config.max_num_tokens:
             raise RequestRejected(
                 f"the prompt has {num_prompt} tokens; without chunked prefill this server takes at most "
