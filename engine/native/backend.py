@@ -1,4 +1,4 @@
-"""NativeBackend: the Backend protocol over LLMEngine, stepping in one worker thread.
+"""NativeBackend: the Backend protocol over LLMEngine, stepped by its device's step thread.
 
 The event loop never runs torch: requests and aborts go to the step thread through an inbox;
 each step's outputs come back in one call_soon_threadsafe, where they are detokenized (stop
@@ -137,6 +137,9 @@ class NativeBackend:
         try:
             self._stats = await ready
         except BaseException:
+            # Failed, or cancelled while loading: a model that still finishes loading finds this
+            # _Stop first in its inbox and leaves the step thread at once.
+            self._post(_Stop())
             self._stepper = None
             raise
 

@@ -217,3 +217,19 @@ async def test_engines_on_one_device_share_one_step_thread_which_ends_with_the_l
     await second.shutdown()
     await asyncio.to_thread(thread.join, 5)
     assert not thread.is_alive()
+
+
+async def test_a_start_cancelled_while_loading_leaves_no_engine_in_the_step_thread(tiny_models):
+    import threading
+
+    model_dir = tiny_models.path(VARIANT)
+    backend = NativeBackend(model_dir, EngineConfig(device="cpu", kv_cache_bytes=24 * 8192), Tokenizer.from_dir(model_dir))
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(backend.start(), timeout=0.001)
+    for _ in range(100):  # the load finishes, reads the _Stop left for it, and the thread ends
+        if not [t for t in threading.enumerate() if t.name.startswith("native-engine-step")]:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the step thread kept the cancelled engine")
+    assert backend._stopped.is_set() or backend.engine is None
