@@ -24,22 +24,18 @@ log = structlog.get_logger(__name__)
 
 @cache
 def _openmp() -> ctypes.CDLL | None:
-    """The OpenMP runtime torch uses (its bundled libgomp), or None where there is none."""
+    """The OpenMP runtime torch uses (its bundled libgomp, else the system's), or None."""
     import torch
 
-    for path in sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*"))):
+    bundled = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*")))
+    for path in (*bundled, "libgomp.so.1"):
         try:
             lib = ctypes.CDLL(path)
             lib.omp_set_num_threads.argtypes = [ctypes.c_int]
             return lib
         except (OSError, AttributeError):
             continue
-    try:
-        lib = ctypes.CDLL("libgomp.so.1")
-        lib.omp_set_num_threads.argtypes = [ctypes.c_int]
-        return lib
-    except (OSError, AttributeError):
-        return None
+    return None
 
 
 def single_threaded_torch() -> bool:

@@ -39,12 +39,10 @@ class RequestOutput:
 _CPU_PREFILL_TOKENS_WHILE_DECODING = 64
 
 
-def _prefill_cap(config: EngineConfig, device) -> int | None:
+def _prefill_cap(config: EngineConfig, device_type: str) -> int | None:
     if config.max_prefill_tokens_while_decoding > 0:
         return config.max_prefill_tokens_while_decoding
-    if device is not None and getattr(device, "type", "cpu") != "cpu":
-        return None
-    return _CPU_PREFILL_TOKENS_WHILE_DECODING
+    return _CPU_PREFILL_TOKENS_WHILE_DECODING if device_type == "cpu" else None
 
 
 class LLMEngine:
@@ -60,7 +58,7 @@ class LLMEngine:
             SchedulerConfig(
                 config.max_num_seqs,
                 config.max_num_batched_tokens,
-                _prefill_cap(config, getattr(runner, "device", None)),
+                _prefill_cap(config, runner.device.type),
             ),
             self.block_manager,
         )
