@@ -16,19 +16,26 @@ import ctypes
 import glob
 import os
 from functools import cache
+from pathlib import Path
 
 import structlog
 
 log = structlog.get_logger(__name__)
 
 
-@cache
-def _openmp() -> ctypes.CDLL | None:
-    """The OpenMP runtime torch uses (its bundled libgomp, else the system's), or None."""
+def openmp_library_path() -> Path | None:
+    """The GNU OpenMP runtime bundled with torch (torch/lib/libgomp-*.so*), or None."""
     import torch
 
     bundled = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*")))
-    for path in (*bundled, "libgomp.so.1"):
+    return Path(bundled[0]) if bundled else None
+
+
+@cache
+def _openmp() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch uses (its bundled libgomp, else the system's), or None."""
+    bundled = openmp_library_path()
+    for path in (*([str(bundled)] if bundled else []), "libgomp.so.1"):
         try:
             lib = ctypes.CDLL(path)
             lib.omp_set_num_threads.argtypes = [ctypes.c_int]

@@ -60,6 +60,18 @@ def allocate_kv_cache(
     return pool, views
 
 
+def write_kv_cache(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, head_dim, block_size]
+    v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+) -> None:
+    """Store this step's keys and values at their slots (kernels.rope_and_cache does it in C)."""
+    k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+
+
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -68,8 +80,7 @@ def paged_attention(
     v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
     meta: AttentionMetadata,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    """Attention of every row over its context; this step's k and v must already be in the cache."""
     if not meta.prefills:
         return _decode(q, k_cache, v_cache, meta)
     out = torch.empty_like(q)
@@ -104,8 +115,12 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
             meta.decode_max_context_len,
         )
     b, length = meta.decode_slots.shape
-    keys = _gather_keys(k_cache, meta.decode_block_tables.long(), length)  # [b, kv_heads, length, head_dim]
-    values = v_cache.index_select(0, meta.decode_slots.view(-1)).view(b, length, *v_cache.shape[1:]).transpose(1, 2)
+    # By slot, not by whole blocks: a row shorter than the longest must not read the unwritten
+    # tail of its last block (whatever the memory held, NaN included: masking does not undo a
+    # NaN score). Its padding repeats its first slot.
+    slots = meta.decode_slots
+    keys = k_cache[slots // meta.block_size, :, :, slots % meta.block_size].transpose(1, 2)  # [b, kv_heads, length, head_dim]
+    values = v_cache.index_select(0, slots.view(-1)).view(b, length, *v_cache.shape[1:]).transpose(1, 2)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, enable_gqa=True)
     return out.squeeze(2)
 

@@ -1,8 +1,15 @@
-"""The optional compiled CPU kernel (csrc/paged_attention.c): build, load, call.
+"""The optional compiled CPU kernels (csrc/*.c): build, load, call.
+
+- paged_attention.c: decode attention straight from the paged KV cache.
+- packed_linear.c: the linear layers, from weights packed once into column panels (AVX-512).
+- fused_ops.c: RMSNorm (with the residual add), SiLU * up, RoPE + the KV-cache write.
 
 Built once per machine with the system C compiler (no torch headers, about a second) into
-build/native/, keyed by a hash of the source, flags and CPU, and called through ctypes (which
-releases the GIL). Anything that goes wrong leaves the engine on its pure-PyTorch path.
+build/native/, keyed by a hash of the sources, flags and CPU, and called through ctypes (which
+releases the GIL). The library links the OpenMP runtime torch itself uses, so its parallel
+regions run on the same worker threads as torch's ops (a second runtime would add a second
+pool of spinning threads: see engine/torch_threads.py). Anything that goes wrong leaves the
+engine on its pure-PyTorch path.
 """
 
 from __future__ import annotations
@@ -14,16 +21,20 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 import torch
 
+from engine.torch_threads import openmp_library_path
+
 log = structlog.get_logger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "packed_linear.c", "fused_ops.c"))
 _BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "native"
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+_PANEL = 32  # output columns per packed panel (PANEL in packed_linear.c)
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -36,13 +47,23 @@ def _cpu_signature() -> str:
         return platform.processor()
 
 
+def _link_openmp() -> list[str]:
+    """Link torch's own OpenMP runtime where it ships one, else the compiler's."""
+    torch_openmp = openmp_library_path()
+    if torch_openmp is None:
+        return ["-fopenmp"]
+    return [str(torch_openmp), f"-Wl,-rpath,{torch_openmp.parent}"]
+
+
 def library_path() -> Path:
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()
-    return _BUILD_DIR / f"paged_attention-{platform.machine()}-{key[:16]}.so"
+    digest = hashlib.sha256(" ".join([*_FLAGS, *_link_openmp(), _cpu_signature()]).encode())
+    for source in _SOURCES:
+        digest.update(source.read_bytes())
+    return _BUILD_DIR / f"native-kernels-{platform.machine()}-{digest.hexdigest()[:16]}.so"
 
 
 def build() -> Path:
-    """Compile the kernel if this machine has no up-to-date build; returns the library path."""
+    """Compile the kernels if this machine has no up-to-date build; returns the library path."""
     target = library_path()
     if target.exists():
         return target
@@ -50,16 +71,18 @@ def build() -> Path:
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) found")
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: concurrent builders never see a half-written file.
-    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
-        tmp_path = Path(tmp.name)
-    try:
-        subprocess.run([compiler, *_FLAGS, "-o", str(tmp_path), str(_SOURCE), "-lm"], check=True, capture_output=True)
-        os.replace(tmp_path, target)
-    except subprocess.CalledProcessError as exc:
-        raise RuntimeError(f"compiling {_SOURCE.name} failed: {exc.stderr.decode(errors='replace')[-2000:]}") from None
-    finally:
-        tmp_path.unlink(missing_ok=True)
+    # Build in a scratch directory and rename: concurrent builders never see a half-written file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        objects = [str(Path(scratch) / f"{source.stem}.o") for source in _SOURCES]
+        library = Path(scratch) / "kernels.so"
+        try:
+            for source, obj in zip(_SOURCES, objects, strict=True):
+                subprocess.run([compiler, *_FLAGS, "-c", "-o", obj, str(source)], check=True, capture_output=True)
+            link = [compiler, "-shared", "-o", str(library), *objects, *_link_openmp(), "-lm"]
+            subprocess.run(link, check=True, capture_output=True)
+        except subprocess.CalledProcessError as exc:
+            raise RuntimeError(f"building the native kernels failed: {exc.stderr.decode(errors='replace')[-2000:]}") from None
+        os.replace(library, target)
     return target
 
 
@@ -74,6 +97,17 @@ def load() -> bool:
         fn = lib.paged_decode_attention_f32
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+        lib.packed_linear_available.restype = ctypes.c_int
+        lib.packed_linear_available.argtypes = []
+        for name in ("pack_linear_weight_f32", "packed_linear_f32"):
+            getattr(lib, name).restype = None
+        lib.pack_linear_weight_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+        lib.packed_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        lib.rms_norm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+        lib.silu_mul_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+        lib.rope_and_cache_f32.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5
+        for name in ("rms_norm_f32", "silu_mul_f32", "rope_and_cache_f32"):
+            getattr(lib, name).restype = None
         _lib = lib
         log.info("native_kernel_loaded", path=str(library_path()))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
@@ -110,3 +144,83 @@ def paged_decode_attention(
         head_dim**-0.5,
     )
     return out
+
+
+def packed_linear_available() -> bool:
+    """Whether the loaded kernels include the packed linear layers (AVX-512 CPUs)."""
+    return load() and bool(_lib.packed_linear_available())
+
+
+@dataclass(frozen=True, slots=True)
+class PackedLinear:
+    """A linear layer's weight [out_features, in_features], packed for packed_linear()."""
+
+    panels: torch.Tensor  # [ceil(out_features / 32), in_features, 32] fp32
+    out_features: int
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+
+def pack_linear(weight: torch.Tensor) -> PackedLinear:
+    """Pack an fp32 CPU weight [out_features, in_features] once, at load time."""
+    if not packed_linear_available():
+        raise RuntimeError("the packed linear kernel is not available on this machine")
+    weight = weight.detach().to(torch.float32).contiguous()
+    n, k = weight.shape
+    panels = torch.empty((-(-n // _PANEL), k, _PANEL), dtype=torch.float32)
+    _lib.pack_linear_weight_f32(weight.data_ptr(), panels.data_ptr(), n, k)
+    return PackedLinear(panels, n, k)
+
+
+def packed_linear(x: torch.Tensor, weight: PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, W, bias) for x [rows, in_features] fp32 on the CPU and W packed by pack_linear."""
+    x = x.contiguous()
+    rows, k = x.shape
+    if k != weight.in_features:
+        raise ValueError(f"input has {k} features, the layer takes {weight.in_features}")
+    out = torch.empty((rows, weight.out_features), dtype=torch.float32)
+    if rows:
+        bias_ptr = None if bias is None else bias.contiguous().data_ptr()
+        _lib.packed_linear_f32(x.data_ptr(), weight.panels.data_ptr(), bias_ptr, out.data_ptr(), rows, weight.out_features, k)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """F.rms_norm over the last dim of x [rows, dim]. With residual, x += residual first, in place."""
+    assert x.is_contiguous() and (residual is None or residual.is_contiguous())
+    out = torch.empty_like(x)
+    rows, dim = x.shape
+    res_ptr = None if residual is None else residual.data_ptr()
+    _lib.rms_norm_f32(x.data_ptr(), res_ptr, weight.data_ptr(), out.data_ptr(), rows, dim, eps)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [rows, 2 * dim] -> silu(gate) * up [rows, dim]."""
+    gate_up = gate_up.contiguous()
+    rows, width = gate_up.shape
+    out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+    _lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+    return out
+
+
+def rope_and_cache(
+    qkv: torch.Tensor,  # [tokens, (heads + 2 * kv_heads) * head_dim], rotated in place
+    positions: torch.Tensor,  # [tokens] int64
+    cos: torch.Tensor,  # [max_positions, head_dim]
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, kv_heads, head_dim, block_size]
+    v_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [tokens] int64
+    num_heads: int,
+) -> None:
+    """RoPE on q and k in place, then the new k and v written into the paged cache."""
+    assert qkv.is_contiguous() and positions.dtype == slot_mapping.dtype == torch.int64
+    _, kv_heads, head_dim, block_size = k_cache.shape
+    _lib.rope_and_cache_f32(
+        qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        slot_mapping.data_ptr(), qkv.shape[0], num_heads, kv_heads, head_dim, block_size,
+    )

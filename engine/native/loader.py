@@ -54,6 +54,9 @@ class LlamaArgs:
 
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
+    """One decoder layer. The four matmul weights are plain tensors as loaded; on CPUs with the
+    compiled kernels the runner swaps them for kernels.PackedLinear (model.pack_linear_layers)."""
+
     input_norm: torch.Tensor  # [hidden]
     qkv: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None  # Qwen2-style attention bias

@@ -17,7 +17,7 @@ import torch
 from engine.native import kernels
 from engine.native.attention import AttentionMetadata, PrefillChunk, allocate_kv_cache
 from engine.native.loader import LlamaArgs, load_llama_args, load_llama_weights
-from engine.native.model import Llama
+from engine.native.model import Llama, pack_linear_layers
 from engine.native.sampler import Sampler, SamplingRow
 from engine.native.scheduler import ScheduledBatch
 from engine.native.sequence import Sequence
@@ -75,15 +75,18 @@ class ModelRunner:
         self.args: LlamaArgs = load_llama_args(Path(model_dir))
         self.max_model_len = max_model_len or self.args.max_position_embeddings
         self.block_size = config.block_size
+        self.use_kernel = (
+            config.native_kernels and self.device.type == "cpu" and self.dtype == torch.float32 and kernels.load()
+        )
+        self.packed_linear = self.use_kernel and kernels.packed_linear_available()
         weights = load_llama_weights(Path(model_dir), self.args, self.dtype, self.device)
-        self.model = Llama(self.args, weights, self.max_model_len)
+        if self.packed_linear:
+            weights = pack_linear_layers(weights)
+        self.model = Llama(self.args, weights, self.max_model_len, fused_cpu_ops=self.packed_linear)
         self.num_kv_blocks = self._num_kv_blocks()
         a = self.args
         self.kv_pool, self.kv_caches = allocate_kv_cache(
             a.num_layers, self.num_kv_blocks, self.block_size, a.num_kv_heads, a.head_dim, self.dtype, self.device
-        )
-        self.use_kernel = (
-            config.native_kernels and self.device.type == "cpu" and self.dtype == torch.float32 and kernels.load()
         )
         self.sampler = Sampler(a.vocab_size)
         log.info(
@@ -95,6 +98,7 @@ class ModelRunner:
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             paged_attention_kernel=self.use_kernel,
+            packed_linear_kernel=self.packed_linear,
         )
 
     @property

@@ -41,11 +41,11 @@ class Sampler:
         """logits: [num_rows, vocab] fp32 (any device) -> one token id per row."""
         logits = logits[:, : self.vocab_size].float()
         if not any(_needs_processing(r) for r in rows):
-            return logits.argmax(dim=-1).tolist()
+            return _argmax(logits).tolist()
         logits = logits.clone()
         _apply_penalties(logits, rows)
         _mask_stop_tokens_before_min(logits, rows)
-        greedy = logits.argmax(dim=-1)
+        greedy = _argmax(logits)
         sampled_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if sampled_rows:
             idx = torch.tensor(sampled_rows, device=logits.device)
@@ -67,7 +67,13 @@ class Sampler:
                 g = torch.Generator(device=probs.device)
                 g.manual_seed((r.params.seed * 1_000_003 + r.num_completion_tokens) % (2**63))
                 noise[i].exponential_(generator=g)
-        return (probs / noise).argmax(dim=-1)
+        return _argmax(probs / noise)
+
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of each row's first largest value, as argmax; torch's CPU max(dim) is 2-3x faster."""
+    return x.max(dim=-1).indices
 
 
 def _needs_processing(row: SamplingRow) -> bool:

@@ -8,6 +8,7 @@ import zlib
 
 import pytest
 
+from engine.native import kernels
 from engine.native.engine import LLMEngine
 from engine.native.loader import load_llama_args
 from engine.types import FinishReason, GenerationRequest, SamplingParams
@@ -29,6 +30,8 @@ def engine_for(model_dir, *, num_blocks: int, native_kernels: bool = True, **ove
     )
     engine = LLMEngine.from_model_dir(model_dir, config, eos_token_ids=(2,))
     assert engine.block_manager.num_blocks == num_blocks
+    # The pool is never zeroed: a slot read before it is written would poison the output.
+    engine.runner.kv_pool.fill_(float("nan"))
     return engine
 
 
@@ -92,6 +95,7 @@ def test_mixed_workload_matches_transformers_greedy_token_for_token(tiny_models,
     model_dir = tiny_models.path(variant)
     engine = engine_for(model_dir, num_blocks=24, native_kernels=native_kernels)
     assert engine.runner.use_kernel == native_kernels
+    assert engine.runner.packed_linear == (native_kernels and kernels.packed_linear_available())
     arrivals, expected = mixed_workload(tiny_models, variant, load_llama_args(model_dir).vocab_size)
     outputs = run_with_arrivals(engine, arrivals)
     assert outputs == expected

@@ -18,16 +18,19 @@ typedef struct {
     float scale;
 } Dims;
 
-/* Blocks sit at random places in the pool, beyond the hardware prefetcher's reach: ask for the
- * next K block and this block's V rows (read again after the softmax) while computing. */
-static void prefetch_block(const float *k_cache, const float *v_cache, const int32_t *table, int64_t b, int has_next,
-                           int64_t h, const Dims *d)
+/* Blocks sit at random places in the pool, beyond the hardware prefetcher's reach: while block b
+ * is scored, ask for the K and V of block b + PREFETCH_BLOCKS (V is read again after the softmax).
+ * Several blocks ahead keep enough memory requests in flight (tuned on the 2-core VM). */
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 2
+#endif
+
+static void prefetch_block(const float *k_cache, const float *v_cache, const int32_t *table, int64_t b, int64_t h,
+                           const Dims *d)
 {
     const int64_t bs = d->block_size;
-    if (has_next) {
-        const char *next = (const char *)(k_cache + ((int64_t)table[b + 1] * d->num_kv_heads + h) * d->head_dim * bs);
-        for (int64_t off = 0; off < d->head_dim * bs * (int64_t)sizeof(float); off += 64) __builtin_prefetch(next + off);
-    }
+    const char *k = (const char *)(k_cache + ((int64_t)table[b] * d->num_kv_heads + h) * d->head_dim * bs);
+    for (int64_t off = 0; off < d->head_dim * bs * (int64_t)sizeof(float); off += 64) __builtin_prefetch(k + off);
     const float *vb = v_cache + (int64_t)table[b] * bs * d->row + h * d->head_dim;
     for (int64_t j = 0; j < bs; j++)
         for (int64_t off = 0; off < d->head_dim * (int64_t)sizeof(float); off += 64)
@@ -40,12 +43,39 @@ static void prefetch_block(const float *k_cache, const float *v_cache, const int
 static void qk_scores(const float *qg, const float *k_cache, const float *v_cache, const int32_t *table, int64_t h,
                       int64_t len, const Dims *d, float *scores)
 {
-    const int64_t bs = d->block_size;
+    const int64_t bs = d->block_size, num_blocks = (len + bs - 1) / bs;
+    for (int64_t b = 0; b < PREFETCH_BLOCKS && b < num_blocks; b++) prefetch_block(k_cache, v_cache, table, b, h, d);
     for (int64_t t0 = 0; t0 < len; t0 += bs) {
         const int64_t n = len - t0 < bs ? len - t0 : bs;
         const float *kt = k_cache + ((int64_t)table[t0 / bs] * d->num_kv_heads + h) * d->head_dim * bs;
-        prefetch_block(k_cache, v_cache, table, t0 / bs, t0 + bs < len, h, d);
-        for (int64_t g = 0; g < d->group; g++) {
+        if (t0 / bs + PREFETCH_BLOCKS < num_blocks) prefetch_block(k_cache, v_cache, table, t0 / bs + PREFETCH_BLOCKS, h, d);
+        int64_t g = 0;
+#if defined(__AVX512F__)
+        /* Four query heads at a time: each 16-token row of K feeds four FMA chains. */
+        for (; bs % 16 == 0 && g + 4 <= d->group; g += 4) {
+            const float *q4 = qg + g * d->head_dim;
+            const __m512 scale = _mm512_set1_ps(d->scale);
+            for (int64_t j0 = 0; j0 < n; j0 += 16) {
+                __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps(),
+                       acc3 = _mm512_setzero_ps();
+                for (int64_t c = 0; c < d->head_dim; c++) {
+                    const __m512 kv = _mm512_loadu_ps(kt + c * bs + j0);
+                    acc0 = _mm512_fmadd_ps(_mm512_set1_ps(q4[c]), kv, acc0);
+                    acc1 = _mm512_fmadd_ps(_mm512_set1_ps(q4[d->head_dim + c]), kv, acc1);
+                    acc2 = _mm512_fmadd_ps(_mm512_set1_ps(q4[2 * d->head_dim + c]), kv, acc2);
+                    acc3 = _mm512_fmadd_ps(_mm512_set1_ps(q4[3 * d->head_dim + c]), kv, acc3);
+                }
+                const int64_t m = n - j0 < 16 ? n - j0 : 16;
+                const __mmask16 mask = (__mmask16)((1u << m) - 1);
+                float *out = scores + g * len + t0 + j0;
+                _mm512_mask_storeu_ps(out, mask, _mm512_mul_ps(acc0, scale));
+                _mm512_mask_storeu_ps(out + len, mask, _mm512_mul_ps(acc1, scale));
+                _mm512_mask_storeu_ps(out + 2 * len, mask, _mm512_mul_ps(acc2, scale));
+                _mm512_mask_storeu_ps(out + 3 * len, mask, _mm512_mul_ps(acc3, scale));
+            }
+        }
+#endif
+        for (; g < d->group; g++) {
             const float *qp = qg + g * d->head_dim;
             float *out = scores + g * len + t0;
 #if defined(__AVX512F__)
@@ -96,6 +126,34 @@ static void weighted_values(const float *probs, const float *v_cache, const int3
                             const Dims *d, float *og)
 {
 #if defined(__AVX512F__)
+    if (d->head_dim == 64 && d->group % 4 == 0) {
+        /* Four query heads x 64 dims = 16 accumulators in registers: each V row is read once
+         * per four heads instead of once per head and 16 dims. */
+        for (int64_t g0 = 0; g0 < d->group; g0 += 4) {
+            __m512 acc[4][4];
+            for (int g = 0; g < 4; g++)
+                for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
+            for (int64_t t0 = 0; t0 < len; t0 += d->block_size) {
+                const int64_t n = len - t0 < d->block_size ? len - t0 : d->block_size;
+                const float *vb = v_cache + (int64_t)table[t0 / d->block_size] * d->block_size * d->row + h * 64;
+                for (int64_t j = 0; j < n; j++) {
+                    const float *vr = vb + j * d->row;
+                    const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16), v2 = _mm512_loadu_ps(vr + 32),
+                                 v3 = _mm512_loadu_ps(vr + 48);
+                    for (int g = 0; g < 4; g++) {
+                        const __m512 pg = _mm512_set1_ps(probs[(g0 + g) * len + t0 + j]);
+                        acc[g][0] = _mm512_fmadd_ps(pg, v0, acc[g][0]);
+                        acc[g][1] = _mm512_fmadd_ps(pg, v1, acc[g][1]);
+                        acc[g][2] = _mm512_fmadd_ps(pg, v2, acc[g][2]);
+                        acc[g][3] = _mm512_fmadd_ps(pg, v3, acc[g][3]);
+                    }
+                }
+            }
+            for (int g = 0; g < 4; g++)
+                for (int c = 0; c < 4; c++) _mm512_storeu_ps(og + (g0 + g) * 64 + c * 16, acc[g][c]);
+        }
+        return;
+    }
     if (d->head_dim % 16 == 0) {
         for (int64_t g = 0; g < d->group; g++) {
             const float *pg = probs + g * len;
