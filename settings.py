@@ -62,7 +62,7 @@ class EngineConfig:
     max_prefill_tokens_while_decoding: int = setting(
         0,
         "Most prompt tokens prefilled in a step that also decodes running streams (bounds their "
-        "inter-token latency while a long prompt prefills); 0: auto (64 on CPU, no cap on CUDA).",
+        "inter-token latency while a long prompt prefills); 0: auto (32 on CPU, no cap on CUDA).",
     )
     enable_prefix_caching: bool = setting(True, "Reuse KV blocks of identical prompt prefixes.")
     prefix_cache_scope: str = setting(

@@ -36,7 +36,7 @@ class RequestOutput:
 
 # On CPU a step's time grows with its tokens, so a step that decodes running streams takes
 # prompt tokens in small chunks; on CUDA a 512-token step costs about what a decode step does.
-_CPU_PREFILL_TOKENS_WHILE_DECODING = 64
+_CPU_PREFILL_TOKENS_WHILE_DECODING = 32
 
 
 def _prefill_cap(config: EngineConfig, device_type: str) -> int | None:
