@@ -61,8 +61,9 @@ class EngineConfig:
     max_num_batched_tokens: int = setting(512, "Token budget of one step (decodes + prefill chunks).")
     max_prefill_tokens_while_decoding: int = setting(
         0,
-        "Most prompt tokens prefilled in a step that also decodes running streams (bounds their "
-        "inter-token latency while a long prompt prefills); 0: auto (32 on CPU, no cap on CUDA).",
+        "Most prompt tokens prefilled in a step that also decodes running streams, or twice the "
+        "number of those streams if that is more (bounds their inter-token latency while a long "
+        "prompt prefills); 0: auto (32 on CPU, no cap on CUDA).",
     )
     enable_prefix_caching: bool = setting(True, "Reuse KV blocks of identical prompt prefixes.")
     prefix_cache_scope: str = setting(

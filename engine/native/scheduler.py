@@ -118,11 +118,16 @@ class Scheduler:
         return self.config.max_num_batched_tokens - sum(scheduled.values())
 
     def _prefill_budget(self, scheduled: dict[Sequence, int]) -> int:
-        """Prompt tokens this step may take: capped when it already carries decode tokens."""
+        """Prompt tokens this step may take: capped when it already carries decode tokens.
+
+        The cap grows with the decodes (twice their number, if that is more): a step's decode
+        part costs more the more streams it carries, so the same relative delay to those
+        streams allows a larger prompt chunk, and prompts are not throttled at high load.
+        """
         cap = self.config.max_prefill_tokens_while_decoding
         if cap is None or not scheduled:  # everything scheduled so far is a decode
             return self.config.max_num_batched_tokens
-        return cap
+        return max(cap, 2 * len(scheduled))
 
     def _make_room(self, seq: Sequence, num_new: int, scheduled: dict[Sequence, int]) -> bool:
         """Preempt from the back of `running` until `seq` fits; False if `seq` itself went."""

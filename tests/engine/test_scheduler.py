@@ -72,6 +72,17 @@ def test_prefill_is_capped_while_decodes_ride_along_and_not_when_alone():
     assert long.num_completion_tokens == 2 and second.num_completion_tokens == 2
 
 
+def test_prefill_cap_grows_with_the_decodes_in_the_step():
+    d = driver(max_num_batched_tokens=64, prefill_cap=6)
+    for i in range(5):
+        d.add(make_request(f"d{i}", [i + 1] * 2, max_tokens=20))
+    d.step()
+    d.step()  # five streams decoding
+    d.add(make_request("long", list(range(1, 40)), max_tokens=2))
+    d.step()
+    assert d.batches[-1].num_scheduled_tokens == (1, 1, 1, 1, 1, 10)  # max(6, 2 x 5 decodes)
+
+
 def test_max_num_seqs_caps_the_running_set():
     d = driver(max_num_seqs=2)
     for i in range(4):
