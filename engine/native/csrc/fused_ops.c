@@ -57,7 +57,9 @@ void rope_and_cache_f32(float *qkv, const int64_t *positions, const float *cos_t
                         int64_t kv_heads, int64_t head_dim, int64_t block_size)
 {
     const int64_t width = (heads + 2 * kv_heads) * head_dim, half = head_dim / 2;
-#pragma omp parallel for schedule(static) if (tokens * width >= PARALLEL_MIN_FLOATS)
+    /* Each token's k lands in head_dim scattered cache lines (K blocks are transposed): memory-
+     * bound from a few tokens on, so both threads help early. */
+#pragma omp parallel for schedule(static) if (tokens >= 8)
     for (int64_t t = 0; t < tokens; t++) {
         float *row = qkv + t * width;
         const float *c = cos_table + positions[t] * head_dim, *s = sin_table + positions[t] * head_dim;
