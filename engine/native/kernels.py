@@ -3,6 +3,7 @@
 - paged_attention.c: decode attention straight from the paged KV cache.
 - packed_linear.c: the linear layers, from weights packed once into column panels (AVX-512).
 - fused_ops.c: RMSNorm (with the residual add), SiLU * up, RoPE + the KV-cache write.
+- decode_step.c: all the layers of a decode-only step in one call, from the kernels above.
 
 Built once per machine with the system C compiler (no torch headers, about a second) into
 build/native/, keyed by a hash of the sources, flags and CPU, and called through ctypes (which
@@ -31,7 +32,9 @@ from engine.torch_threads import openmp_library_path
 
 log = structlog.get_logger(__name__)
 
-_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "packed_linear.c", "fused_ops.c"))
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = tuple(_CSRC / name for name in ("paged_attention.c", "packed_linear.c", "fused_ops.c", "decode_step.c"))
+_HEADERS = (_CSRC / "kernels.h",)
 _BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "native"
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 _PANEL = 32  # output columns per packed panel (PANEL in packed_linear.c)
@@ -57,7 +60,7 @@ def _link_openmp() -> list[str]:
 
 def library_path() -> Path:
     digest = hashlib.sha256(" ".join([*_FLAGS, *_link_openmp(), _cpu_signature()]).encode())
-    for source in _SOURCES:
+    for source in (*_SOURCES, *_HEADERS):
         digest.update(source.read_bytes())
     return _BUILD_DIR / f"native-kernels-{platform.machine()}-{digest.hexdigest()[:16]}.so"
 
@@ -106,7 +109,11 @@ def load() -> bool:
         lib.rms_norm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         lib.silu_mul_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
         lib.rope_and_cache_f32.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5
-        for name in ("rms_norm_f32", "silu_mul_f32", "rope_and_cache_f32"):
+        lib.decode_layers_f32.argtypes = (
+            [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 7
+            + [ctypes.c_float] * 2 + [ctypes.c_void_p]
+        )
+        for name in ("rms_norm_f32", "silu_mul_f32", "rope_and_cache_f32", "decode_layers_f32"):
             getattr(lib, name).restype = None
         _lib = lib
         log.info("native_kernel_loaded", path=str(library_path()))
@@ -224,3 +231,41 @@ def rope_and_cache(
         qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         slot_mapping.data_ptr(), qkv.shape[0], num_heads, kv_heads, head_dim, block_size,
     )
+
+
+class DecodeStack:
+    """Runs every layer of a decode-only step in one call (csrc/decode_step.c).
+
+    Holds the per-layer addresses of the packed weights and the KV cache, so it must live no
+    longer than the weights and the cache it was built from (the model keeps it beside them).
+    """
+
+    def __init__(self, layers, kv_caches, *, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 intermediate: int, eps: float):
+        rows = []
+        for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+            bias = layer.qkv_bias.data_ptr() if layer.qkv_bias is not None else 0
+            rows.append([
+                layer.input_norm.data_ptr(), layer.qkv.panels.data_ptr(), bias, layer.o_proj.panels.data_ptr(),
+                layer.post_norm.data_ptr(), layer.gate_up.panels.data_ptr(), layer.down.panels.data_ptr(),
+                k_cache.data_ptr(), v_cache.data_ptr(),
+            ])
+        self._keep = (layers, kv_caches)
+        self.kv_cache_ptr = kv_caches[0][0].data_ptr()
+        self._table = torch.tensor(rows, dtype=torch.int64)
+        self._dims = (len(rows), hidden, heads, kv_heads, head_dim, intermediate, kv_caches[0][0].shape[-1])
+        self._eps, self._scale = eps, head_dim**-0.5
+        self._scratch_per_token = 3 * hidden + (heads + 2 * kv_heads) * head_dim + 2 * heads * head_dim + 3 * intermediate
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int) -> torch.Tensor:
+        """x [tokens, hidden] (the embeddings) becomes the residual stream after the last layer, in place."""
+        assert x.is_contiguous() and block_tables.is_contiguous() and block_tables.dtype == context_lens.dtype == torch.int32
+        tokens = x.shape[0]
+        scratch = torch.empty(tokens * self._scratch_per_token, dtype=torch.float32)
+        _lib.decode_layers_f32(
+            x.data_ptr(), positions.data_ptr(), slots.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            block_tables.data_ptr(), context_lens.data_ptr(), block_tables.shape[1], max_context_len, tokens,
+            self._table.data_ptr(), *self._dims, self._eps, self._scale, scratch.data_ptr(),
+        )
+        return x

@@ -72,6 +72,7 @@ class Llama:
         self.args = args
         self.weights = weights
         self.fused_cpu_ops = fused_cpu_ops
+        self._stack: kernels.DecodeStack | None = None  # built on the first decode-only step
         device, dtype = weights.embed.device, weights.embed.dtype
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * rope_inv_freq(args)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
@@ -108,6 +109,10 @@ class Llama:
         The residual add is folded into the next RMSNorm: a layer leaves its MLP output in
         `delta`, and the next layer's first norm adds it to x in place.
         """
+        if not meta.prefills and meta.decode_block_tables is not None:  # every row a decode: all in C
+            stack = self._decode_stack(kv_caches)
+            return stack(x, positions, meta.slot_mapping, self.cos, self.sin, meta.decode_block_tables,
+                         meta.decode_context_lens, meta.decode_max_context_len)
         args, eps = self.args, self.args.rms_norm_eps
         num_tokens = x.shape[0]
         q_size, kv_size = self._split
@@ -123,6 +128,16 @@ class Llama:
             h = kernels.rms_norm(x, layer.post_norm, eps, residual=linear(o.reshape(num_tokens, q_size), layer.o_proj))
             delta = linear(kernels.silu_mul(linear(h, layer.gate_up)), layer.down)
         return x.add_(delta) if delta is not None else x
+
+    def _decode_stack(self, kv_caches) -> kernels.DecodeStack:
+        stack = self._stack
+        if stack is None or stack.kv_cache_ptr != kv_caches[0][0].data_ptr():
+            a = self.args
+            stack = self._stack = kernels.DecodeStack(
+                self.weights.layers, kv_caches, hidden=a.hidden_size, heads=a.num_heads, kv_heads=a.num_kv_heads,
+                head_dim=a.head_dim, intermediate=a.intermediate_size, eps=a.rms_norm_eps,
+            )
+        return stack
 
     def _layer(self, layer, x, cos, sin, kv_cache, meta) -> torch.Tensor:
         args = self.args

@@ -99,6 +99,8 @@ def test_mixed_workload_matches_transformers_greedy_token_for_token(tiny_models,
     arrivals, expected = mixed_workload(tiny_models, variant, load_llama_args(model_dir).vocab_size)
     outputs = run_with_arrivals(engine, arrivals)
     assert outputs == expected
+    # With the CPU kernels, the decode-only steps ran every layer in one C call (decode_step.c).
+    assert (engine.runner.model._stack is not None) == engine.runner.packed_linear
     stats = engine.stats()
     assert stats.num_preemptions > 0, "the KV budget was meant to force preemption"
     assert stats.prefix_cache_hits > 0, "shared prefixes were meant to hit the cache"

@@ -1,0 +1,17 @@
+/* The kernels' entry points, shared by the C files that call each other (decode_step.c). */
+#ifndef NATIVE_KERNELS_H
+#define NATIVE_KERNELS_H
+#include <stdint.h>
+
+void paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+                                const int32_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
+                                int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks, int64_t block_size,
+                                int64_t max_context_len, float scale);
+void packed_linear_f32(const float *x, const float *wp, const float *bias, float *out, int64_t m, int64_t n, int64_t k);
+void rms_norm_f32(float *x, const float *residual, const float *weight, float *out, int64_t rows, int64_t dim,
+                  float eps);
+void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t dim);
+void rope_and_cache_f32(float *qkv, const int64_t *positions, const float *cos_table, const float *sin_table,
+                        float *k_cache, float *v_cache, const int64_t *slots, int64_t tokens, int64_t heads,
+                        int64_t kv_heads, int64_t head_dim, int64_t block_size);
+#endif
