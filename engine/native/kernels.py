@@ -38,6 +38,16 @@ _HEADERS = (_CSRC / "kernels.h",)
 _BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "native"
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 _PANEL = 32  # output columns per packed panel (PANEL in packed_linear.c)
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {  # argument types of the C entry points (csrc/*.c); all return void
+    "paged_decode_attention_f32": [_P] * 6 + [_I] * 7 + [_F],
+    "pack_linear_weight_f32": [_P] * 2 + [_I] * 2,
+    "packed_linear_f32": [_P] * 4 + [_I] * 3,
+    "rms_norm_f32": [_P] * 4 + [_I] * 2 + [_F],
+    "silu_mul_f32": [_P] * 2 + [_I] * 2,
+    "rope_and_cache_f32": [_P] * 7 + [_I] * 5,
+    "decode_layers_f32": [_P] * 7 + [_I] * 3 + [_P] + [_I] * 7 + [_F] * 2 + [_P],
+}
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -97,24 +107,10 @@ def load() -> bool:
     _tried = True
     try:
         lib = ctypes.CDLL(str(build()))
-        fn = lib.paged_decode_attention_f32
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
-        lib.packed_linear_available.restype = ctypes.c_int
-        lib.packed_linear_available.argtypes = []
-        for name in ("pack_linear_weight_f32", "packed_linear_f32"):
-            getattr(lib, name).restype = None
-        lib.pack_linear_weight_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-        lib.packed_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-        lib.rms_norm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
-        lib.silu_mul_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-        lib.rope_and_cache_f32.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5
-        lib.decode_layers_f32.argtypes = (
-            [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 7
-            + [ctypes.c_float] * 2 + [ctypes.c_void_p]
-        )
-        for name in ("rms_norm_f32", "silu_mul_f32", "rope_and_cache_f32", "decode_layers_f32"):
-            getattr(lib, name).restype = None
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = None, argtypes
+        lib.packed_linear_available.restype, lib.packed_linear_available.argtypes = ctypes.c_int, []
         _lib = lib
         log.info("native_kernel_loaded", path=str(library_path()))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
