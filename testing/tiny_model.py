@@ -45,6 +45,7 @@ class TinyModelSpec:
     initializer_range: float = 0.1  # larger than usual so greedy argmax has clear winners
     seed: int = 0
     rope_layout: str = "parameters"  # "parameters" (newer transformers) or "theta" (older)
+    architecture: str = "llama"  # or "qwen2": the same layers plus biases on q, k and v
 
 
 def train_tokenizer(vocab_size: int, text: str = _CORPUS):
@@ -82,7 +83,7 @@ def write_tokenizer_files(path: Path, tok) -> int:
 def build_tiny_llama(path: Path | str, spec: TinyModelSpec | None = None, **overrides) -> Path:
     """Write a random-weight Llama checkpoint folder at `path` and return it."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     spec = spec or TinyModelSpec()
     if overrides:
@@ -91,7 +92,11 @@ def build_tiny_llama(path: Path | str, spec: TinyModelSpec | None = None, **over
     path.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(spec.vocab_size)
     eos_id = write_tokenizer_files(path, tok)
-    config = LlamaConfig(
+    config_class, model_class = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[spec.architecture]
+    config = config_class(
         vocab_size=tok.get_vocab_size(),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -107,7 +112,11 @@ def build_tiny_llama(path: Path | str, spec: TinyModelSpec | None = None, **over
         bos_token_id=None,
     )
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = model_class(config).to(torch.float32).eval()
+    with torch.no_grad():  # transformers starts biases at zero, which would test nothing
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(std=spec.initializer_range)
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=config.pad_token_id)
     model.save_pretrained(path, safe_serialization=True)
     if spec.rope_layout == "theta":

@@ -207,6 +207,11 @@ def load_llama_weights(model_dir: Path, args: LlamaArgs, dtype: torch.dtype, dev
         if reader.has(f"{p}self_attn.q_proj.bias"):
             sizes = (("q", q_out), ("k", kv_out), ("v", kv_out))
             bias = torch.cat([reader.get(f"{p}self_attn.{n}_proj.bias", (o,)) for n, o in sizes])
+        for name in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            if reader.has(f"{p}{name}.bias"):  # e.g. Llama with attention_bias or mlp_bias
+                raise ModelLoadError(
+                    f"{model_dir}: {p}{name}.bias is not supported (biases only on q, k and v, as in Qwen2)"
+                )
         mlp = [reader.get(f"{p}mlp.{n}_proj.weight", (args.intermediate_size, h)) for n in ("gate", "up")]
         layers.append(
             LayerWeights(

@@ -1,8 +1,8 @@
 """Tiny checkpoints for the native-engine tests, built once per session, and their references.
 
 Variants cover what the loader must handle: tied and untied embeddings, GQA and plain
-multi-head attention, RoPE settings as `rope_parameters` or as top-level `rope_theta`, and
-llama3-style RoPE scaling. `transformers` runs the same weights as the reference.
+multi-head attention, RoPE settings as `rope_parameters` or as top-level `rope_theta`,
+llama3-style RoPE scaling, and Qwen2 (biases on q, k and v). `transformers` runs the same weights as the reference.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ VARIANTS = {
     "untied-gqa-theta": dict(tie_word_embeddings=False, num_key_value_heads=2, rope_layout="theta", seed=1),
     "untied-mha-parameters": dict(tie_word_embeddings=False, num_key_value_heads=4, seed=2),
     "tied-gqa-llama3-rope": dict(num_key_value_heads=1, seed=3, rope_theta=500000.0),
+    "qwen2-qkv-bias": dict(architecture="qwen2", tie_word_embeddings=False, num_key_value_heads=2, seed=4),
 }
 
 
@@ -57,9 +58,9 @@ class TinyModels:
 
     def reference(self, variant: str):
         if variant not in self._hf:
-            from transformers import LlamaForCausalLM
+            from transformers import AutoModelForCausalLM
 
-            self._hf[variant] = LlamaForCausalLM.from_pretrained(self.path(variant), dtype=torch.float32).eval()
+            self._hf[variant] = AutoModelForCausalLM.from_pretrained(self.path(variant), dtype=torch.float32).eval()
         return self._hf[variant]
 
     def greedy(self, variant: str, prompt: list[int], max_tokens: int, eos_token_id: int | None) -> list[int]:

@@ -90,7 +90,9 @@ def mixed_workload(tiny_models, variant: str, vocab_size: int, seed: int = 0) ->
 
 
 @pytest.mark.parametrize("native_kernels", [True, False], ids=["c-kernel", "pytorch"])
-@pytest.mark.parametrize("variant", ["tied-gqa-parameters", "untied-gqa-theta", "untied-mha-parameters", "tied-gqa-llama3-rope"])
+@pytest.mark.parametrize(
+    "variant", ["tied-gqa-parameters", "untied-gqa-theta", "untied-mha-parameters", "tied-gqa-llama3-rope", "qwen2-qkv-bias"]
+)
 def test_mixed_workload_matches_transformers_greedy_token_for_token(tiny_models, variant, native_kernels):
     model_dir = tiny_models.path(variant)
     engine = engine_for(model_dir, num_blocks=24, native_kernels=native_kernels)

@@ -126,3 +126,15 @@ def test_shape_mismatch_names_the_tensor(model_copy):
     (model_copy / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match=r"mlp\.gate_proj\.weight has shape"):
         ModelRunner(model_copy, CONFIG)
+
+
+def test_a_bias_the_engine_does_not_apply_is_refused(model_copy):
+    # A Llama checkpoint with attention_bias=True has o_proj biases: loading it without them
+    # would give wrong answers, so it must fail by name instead.
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(model_copy / "model.safetensors")
+    tensors["model.layers.1.self_attn.o_proj.bias"] = torch.zeros(tensors["model.layers.1.self_attn.o_proj.weight"].shape[0])
+    save_file(tensors, model_copy / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.self_attn\.o_proj\.bias is not supported"):
+        ModelRunner(model_copy, CONFIG)
