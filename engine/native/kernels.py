@@ -100,7 +100,7 @@ def build() -> Path:
 
 
 def load() -> bool:
-    """Build (if needed) and load the kernel once; False if it is unavailable here."""
+    """Build (if needed) and load the kernels once; False if they are unavailable here."""
     global _lib, _tried
     if _tried:
         return _lib is not None

@@ -72,7 +72,9 @@ def test_rope_and_cache_matches_the_pytorch_path():
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     qk = _rotate(qkv[:, : q_size + kv_size].reshape(tokens, -1, head_dim), cos[positions, None], sin[positions, None])
     meta = AttentionMetadata(
-        slots, slots // block_size, slots % block_size, 0, None, None, 0, None, None, (), block_size
+        slot_mapping=slots, slot_blocks=slots // block_size, slot_offsets=slots % block_size, num_decode_tokens=0,
+        decode_block_tables=None, decode_context_lens=None, decode_max_context_len=0, decode_slots=None,
+        decode_mask=None, prefills=(), block_size=block_size,
     )
     write_kv_cache(qk[:, heads:], qkv[:, q_size + kv_size :].reshape(tokens, kv_heads, head_dim), *caches[0], meta)
     fused = qkv.clone()

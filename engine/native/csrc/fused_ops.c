@@ -10,6 +10,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
+
 /* Parallel only when there is enough work to pay for waking the other threads. */
 #define PARALLEL_MIN_FLOATS 32768
 

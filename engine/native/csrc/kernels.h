@@ -1,4 +1,5 @@
-/* The kernels' entry points, shared by the C files that call each other (decode_step.c). */
+/* The kernels' entry points: each kernel file includes this, so the compiler checks its
+ * definitions against them, and decode_step.c calls them. */
 #ifndef NATIVE_KERNELS_H
 #define NATIVE_KERNELS_H
 #include <stdint.h>

@@ -13,6 +13,8 @@
  * fp32 only; AVX-512 only (packed_linear_available() says whether this build has it).
  */
 #include <stdint.h>
+
+#include "kernels.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif

@@ -8,6 +8,8 @@
  */
 #include <math.h>
 #include <stdint.h>
+
+#include "kernels.h"
 #include <stdlib.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -219,13 +221,6 @@ void paged_decode_attention_f32(
             const int64_t first_head = s * num_heads + h * d.group;
             const int32_t *table = block_tables + s * max_blocks;
             qk_scores(q + first_head * head_dim, k_cache, v_cache, table, h, len, &d, scores);
-            if (task + 1 < num_seqs * num_kv_heads) {
-                /* The next task's first blocks load while this one finishes from cache. */
-                const int64_t s1 = (task + 1) / num_kv_heads, h1 = (task + 1) % num_kv_heads;
-                const int64_t blocks1 = (context_lens[s1] + block_size - 1) / block_size;
-                for (int64_t b = 0; b < PREFETCH_BLOCKS && b < blocks1; b++)
-                    prefetch_block(k_cache, v_cache, block_tables + s1 * max_blocks, b, h1, &d);
-            }
             softmax_rows(scores, d.group, len);
             weighted_values(scores, v_cache, table, h, len, &d, out + first_head * head_dim);
         }
