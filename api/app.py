@@ -17,13 +17,12 @@ import structlog
 from aiohttp import web
 
 from api import chat, resources
-from api.errors import ApiError, internal_error, overloaded, unauthorized
+from api.errors import ApiError, from_gateway, internal_error, overloaded, unauthorized
 from api.state import PRINCIPAL, REQUEST_ID, SETTINGS, STATE, AppState
 from engine.registry import build_models
+from gateway.admission import build_admission
+from gateway.errors import GatewayError
 from gateway.metrics import Metrics
-from gateway.queue import ModelQueue
-from gateway.ratelimit import RateLimiter
-from gateway.router import TierRouter
 from settings import Settings
 from store.store import Store
 from store.types import StoreUnavailable
@@ -78,6 +77,8 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         return await handler(request)
     except ApiError as exc:
         return error_response(request, exc)
+    except GatewayError as exc:
+        return error_response(request, from_gateway(exc))
     except StoreUnavailable as exc:
         log.error("store_unavailable", path=request.path, error=str(exc))
         return error_response(request, overloaded("The database cannot be written; try again later.",
@@ -147,7 +148,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         app[STATE] = state
         if state.safety is not None:
             await state.safety.start()
-        for queue in state.queues.values():
+        for queue in state.admission.queues.values():
             await queue.start()
         retention = {name: tier.retention_days for name, tier in settings.tiers.items()}
         purge_task = asyncio.create_task(store.run_purge_loop(retention))
@@ -159,7 +160,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             await asyncio.gather(purge_task, return_exceptions=True)
         if STATE in app:
             app[STATE].draining = True
-            for queue in app[STATE].queues.values():
+            for queue in app[STATE].admission.queues.values():
                 await queue.stop()
         for handle in reversed(started):
             await handle.backend.shutdown()
@@ -168,13 +169,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 async def _make_state(settings: Settings, store: Store, models) -> AppState:
     metrics = Metrics()
-    queues = {
-        name: ModelQueue(name, settings.queue, has_room=handle.backend.has_room)
-        for name, handle in models.items()
-    }
-    for name, handle in models.items():
-        metrics.set_stats_source(name, handle.backend.stats, queues[name])
-    router = TierRouter(settings.models, settings.tiers, queues)
+    admission = build_admission(settings, {name: handle.backend for name, handle in models.items()}, metrics)
     local = None
     if keyless_allowed(settings):
         if settings.server.local_tier not in settings.tiers:
@@ -191,8 +186,8 @@ async def _make_state(settings: Settings, store: Store, models) -> AppState:
 
         safety = SafetyGate(settings.safety, registry=metrics.registry)
     return AppState(
-        settings=settings, models=models, store=store, limiter=RateLimiter(), queues=queues,
-        router=router, metrics=metrics, safety=safety, local_principal=local,
+        settings=settings, models=models, store=store, admission=admission,
+        metrics=metrics, safety=safety, local_principal=local,
     )
 
 

@@ -1,9 +1,10 @@
 """POST /v1/chat/completions: the request path from validated body to SSE or JSON.
 
-Owns the order of the request path (validate, route, screen, admit, queue, generate,
-filter, bill) and the one finish path per request: `finish_turn` writes exactly one ledger
-row and the conversation messages before the client sees the end of its answer, and the
-`Admission` context releases the bucket, stream slot and queue ticket exactly once.
+Owns the order of the request path: the cheap refusals first (rate limits and the stream
+cap, sized from the body's bytes), then validate, read the store, route, tokenize, screen,
+place in the queue, generate, filter, bill. `finish_turn` is the one finish path per request:
+exactly one ledger row and the conversation messages before the client sees the end of its
+answer; the admission `Pass` releases the bucket, stream slot and queue ticket exactly once.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ import structlog
 from aiohttp import web
 
 from api import protocol
-from api.errors import ApiError, bad_request, overloaded
+from api.errors import ApiError, bad_request, from_gateway, overloaded
 from api.sse import ClientGone, SSEWriter
 from api.state import PRINCIPAL, REQUEST_ID, STATE, AppState
 from api.turn import Turn, TurnInputs, conversation_not_found, make_turn
+from api.waiting import LazyStream, wait_admitted
 from engine.types import EngineError, FinishReason, TokenEvent
+from gateway.admission import Pass
+from gateway.errors import Overloaded
 from store.types import RequestRecord, RequestStatus
 
 log = structlog.get_logger(__name__)
@@ -48,29 +52,38 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     if state.draining:
         raise overloaded("The server is shutting down.", retry_after_s=5, code="server_shutting_down")
+    caller = state.caller(request[PRINCIPAL])
+    declared = request.content_length  # a body larger than max_body_bytes is a 413 later anyway
+    num_bytes = len(await request.read()) if declared is None else min(declared, state.settings.server.max_body_bytes)
+    with state.admission.check(caller, request[REQUEST_ID], num_bytes) as grant:  # cheap refusals first
+        return await _admit_and_serve(request, state, grant)
+
+
+async def _admit_and_serve(request: web.Request, state: AppState, grant: Pass) -> web.StreamResponse:
     cfg = state.settings.server
     chat = protocol.parse_chat_request(
         await read_json(request), max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars
     )
-    turn = await _prepare(state, request[PRINCIPAL], request[REQUEST_ID], chat)
+    principal = request[PRINCIPAL]
+    state.admission.route(grant, chat.model, over_budget=await state.over_budget(principal))
+    turn = await _prepare(state, principal, grant, chat)
     verdict = await state.screen_prompt(turn)
     if verdict is not None:
         return await _refuse(request, state, turn, verdict)
-    async with state.admission(turn) as admission:
-        if chat.stream:
-            return await _serve_stream(request, state, turn, admission)
-        return await _serve_unary(state, turn, admission)
-
-
-async def _prepare(state: AppState, principal, request_id: str, chat: protocol.ChatRequest) -> Turn:
-    tier_name, tier = state.tier_of(principal)
-    over_budget = await state.over_budget(principal)
+    if not state.store.is_writable:
+        raise overloaded("The usage ledger cannot be written; try again later.", retry_after_s=30,
+                         code="store_unavailable")
+    state.admission.place(grant, turn.est_tokens)
     try:
-        route = state.router.route(tier_name, chat.model, over_budget=over_budget)
-    except ApiError as exc:
-        if exc.status in (429, 503):  # saturation or budget: count it like the queue's refusals
-            state.metrics.count_rejection(tier_name, chat.model or "auto", exc.code or "router", exc.status)
-        raise
+        if chat.stream:
+            return await _serve_stream(request, state, turn, grant)
+        return await _serve_unary(state, turn, grant)
+    finally:  # the buckets settle on what the engine really processed
+        grant.num_tokens_used = turn.num_prompt_tokens + turn.num_completion_tokens if grant.is_admitted else 0
+
+
+async def _prepare(state: AppState, principal, grant: Pass, chat: protocol.ChatRequest) -> Turn:
+    assert grant.route is not None
     history = None
     if chat.conversation_id is not None:
         conv = await state.store.get_conversation(principal.org.id, chat.conversation_id)
@@ -79,13 +92,13 @@ async def _prepare(state: AppState, principal, request_id: str, chat: protocol.C
         history = tuple(protocol.ChatMessage(m.role, m.content) for m in conv.messages)
     return make_turn(
         TurnInputs(
-            request_id=request_id,
+            request_id=grant.request_id,
             principal=principal,
-            tier_name=tier_name,
-            tier=tier,
+            tier_name=grant.caller.tier_name,
+            tier=grant.caller.tier,
             chat=chat,
-            model=state.models[route.model],
-            fallback_from=route.fallback_from,
+            model=state.models[grant.route.model],
+            fallback_from=grant.route.fallback_from,
             history=history,
             cache_salt=state.cache_salt(principal),
         )
@@ -100,8 +113,8 @@ def _extra_fields(turn: Turn) -> dict:
     return extra
 
 
-async def _serve_stream(request: web.Request, state: AppState, turn: Turn, admission) -> web.StreamResponse:
-    writer = await SSEWriter.open(request, state.response_headers(turn))
+async def _serve_stream(request: web.Request, state: AppState, turn: Turn, grant: Pass) -> web.StreamResponse:
+    stream = LazyStream(request, lambda: state.response_headers(turn))
     created = protocol.now_s()
 
     def chunk(delta: dict, finish: str | None = None) -> dict:
@@ -110,7 +123,8 @@ async def _serve_stream(request: web.Request, state: AppState, turn: Turn, admis
 
     finish: FinishReason | None = None
     try:
-        await admission.wait(on_wait=lambda pos: writer.comment(f"queued position={pos}"))
+        await wait_admitted(state, grant, turn, stream.comment)
+        writer = await stream.open()
         await writer.data(chunk({"role": "assistant", "content": ""}))
         finish = await _pump(state, turn, lambda text: writer.data(chunk({"content": text})), writer.comment)
         await finish_turn(state, turn, _STATUS[finish], finish)
@@ -121,10 +135,15 @@ async def _serve_stream(request: web.Request, state: AppState, turn: Turn, admis
     except (ClientGone, asyncio.CancelledError):
         await finish_turn(state, turn, RequestStatus.ABORTED, FinishReason.ABORT)
         raise asyncio.CancelledError() from None
+    except Overloaded as exc:  # displaced from the queue by a higher tier
+        if not stream.is_open:
+            raise  # nothing sent yet: a plain 503 with Retry-After
+        grant.close(refund=True)
+        await _stream_error(await stream.open(), from_gateway(exc), turn)
     except (EngineError, ApiError) as exc:
         await finish_turn(state, turn, RequestStatus.ERROR, None)
-        await _stream_error(writer, exc, turn)
-    return writer._response
+        await _stream_error(await stream.open(), exc, turn)
+    return (await stream.open())._response
 
 
 async def _stream_error(writer: SSEWriter, exc: Exception, turn: Turn) -> None:
@@ -138,9 +157,9 @@ async def _stream_error(writer: SSEWriter, exc: Exception, turn: Turn) -> None:
         pass
 
 
-async def _serve_unary(state: AppState, turn: Turn, admission) -> web.Response:
+async def _serve_unary(state: AppState, turn: Turn, grant: Pass) -> web.Response:
     try:
-        await admission.wait(on_wait=None)
+        await wait_admitted(state, grant, turn, None)
         finish = await _pump(state, turn, _no_emit, None)
     except asyncio.CancelledError:  # client went away (handler cancellation) or shutdown
         await finish_turn(state, turn, RequestStatus.ABORTED, FinishReason.ABORT)

@@ -1,12 +1,17 @@
 """The one error type of the HTTP surface and the one renderer of OpenAI's error envelope.
 
-Any layer (api, gateway, store) raises `ApiError` (or a subclass helper below); the error
-middleware renders it. Nothing else writes error bodies.
+`api` raises `ApiError` (or a helper below); the gateway raises its own plain types
+(`gateway.errors`), which `from_gateway` maps to status, envelope and headers through the
+one table `GATEWAY_ERRORS`. The error middleware renders both. Nothing else writes error bodies.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from gateway.errors import BucketView, GatewayError, Reason
+from gateway.ratelimit import format_reset
 
 
 @dataclass(eq=False)
@@ -46,18 +51,6 @@ def unauthorized(message: str) -> ApiError:
     return ApiError(401, message, "invalid_request_error", "invalid_api_key")
 
 
-def rate_limited(message: str, *, retry_after_s: float, headers: dict[str, str] | None = None) -> ApiError:
-    hdrs = dict(headers or {})
-    hdrs["Retry-After"] = str(max(1, int(-(-retry_after_s // 1))))
-    return ApiError(429, message, "rate_limit_exceeded", "rate_limit_exceeded", None, hdrs)
-
-
-def quota_exceeded(message: str, headers: dict[str, str] | None = None) -> ApiError:
-    hdrs = dict(headers or {})
-    hdrs["x-should-retry"] = "false"
-    return ApiError(429, message, "insufficient_quota", "insufficient_quota", None, hdrs)
-
-
 def overloaded(message: str, *, retry_after_s: float, code: str = "server_overloaded") -> ApiError:
     hdrs = {"Retry-After": str(max(1, int(-(-retry_after_s // 1))))}
     return ApiError(503, message, "server_error", code, None, hdrs)
@@ -65,3 +58,44 @@ def overloaded(message: str, *, retry_after_s: float, code: str = "server_overlo
 
 def internal_error() -> ApiError:
     return ApiError(500, "The server had an error while processing your request.", "server_error", "internal_error")
+
+
+# Every gateway refusal: HTTP status, OpenAI error type, error code. 429 means the caller's own
+# limits (or plan), 503 the server's load; both carry Retry-After unless retrying cannot help.
+GATEWAY_ERRORS: dict[Reason, tuple[int, str, str]] = {
+    Reason.KEY_REQUESTS: (429, "rate_limit_exceeded", "rate_limit_exceeded"),
+    Reason.KEY_TOKENS: (429, "rate_limit_exceeded", "rate_limit_exceeded"),
+    Reason.TIER_REQUESTS: (429, "rate_limit_exceeded", "rate_limit_exceeded"),
+    Reason.TIER_TOKENS: (429, "rate_limit_exceeded", "rate_limit_exceeded"),
+    Reason.CONCURRENT_STREAMS: (429, "rate_limit_exceeded", "rate_limit_exceeded"),
+    Reason.REQUEST_TOO_LARGE: (429, "rate_limit_exceeded", "rate_limit_exceeded"),
+    Reason.QUEUE_FULL: (503, "server_error", "queue_full"),
+    Reason.WAIT_TOO_LONG: (503, "server_error", "queue_wait_too_long"),
+    Reason.DISPLACED: (503, "server_error", "queue_displaced"),
+    Reason.SHUTTING_DOWN: (503, "server_error", "server_shutting_down"),
+    Reason.OVER_QUOTA: (429, "insufficient_quota", "insufficient_quota"),
+    Reason.MODEL_NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
+    Reason.TIER_NOT_ENABLED: (403, "invalid_request_error", "tier_not_enabled"),
+}
+
+
+def from_gateway(exc: GatewayError) -> ApiError:
+    status, error_type, code = GATEWAY_ERRORS[exc.reason]
+    headers = ratelimit_headers(exc.buckets)
+    if exc.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+        if status == 429:
+            headers["retry-after-ms"] = str(max(1, math.ceil(exc.retry_after_s * 1000)))
+    if not exc.should_retry:
+        headers["x-should-retry"] = "false"
+    return ApiError(status, exc.message, error_type, code, exc.param, headers)
+
+
+def ratelimit_headers(buckets: tuple[BucketView, ...]) -> dict[str, str]:
+    """OpenAI's x-ratelimit-{limit,remaining,reset}-{requests,tokens}."""
+    headers: dict[str, str] = {}
+    for view in buckets:
+        headers[f"x-ratelimit-limit-{view.unit}"] = str(view.limit)
+        headers[f"x-ratelimit-remaining-{view.unit}"] = str(max(0, math.floor(view.remaining)))
+        headers[f"x-ratelimit-reset-{view.unit}"] = format_reset(view.reset_s)
+    return headers

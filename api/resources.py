@@ -53,7 +53,7 @@ def _model_obj(name: str) -> dict:
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     tier_name, _ = state.tier_of(request[PRINCIPAL])
-    names = state.router.models_for_tier(tier_name)
+    names = state.admission.router.models_for_tier(tier_name)
     return _json({"object": "list", "data": [_model_obj(n) for n in names]})
 
 
@@ -61,7 +61,7 @@ async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     tier_name, _ = state.tier_of(request[PRINCIPAL])
     name = request.match_info["model"]
-    if name not in state.router.models_for_tier(tier_name):
+    if name not in state.admission.router.models_for_tier(tier_name):
         raise not_found(f"The model '{name}' does not exist or you do not have access to it.", code="model_not_found")
     return _json(_model_obj(name))
 

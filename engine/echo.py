@@ -37,6 +37,10 @@ class EchoBackend:
     def max_model_len(self) -> int:
         return self._max_model_len
 
+    @property
+    def max_num_running(self) -> int:
+        return self.max_running
+
     async def start(self) -> None:
         return None
 

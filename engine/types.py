@@ -148,6 +148,15 @@ class Backend(Protocol):
         """Raise RequestRejected if this backend could never serve the request."""
         ...
 
+    @property
+    def max_num_running(self) -> int:
+        """Most requests this backend runs at once (its batch); 0: no limit of its own.
+
+        The gateway holds at most this many engine reservations, so requests beyond it wait
+        in the gateway's priority queue rather than inside the backend.
+        """
+        ...
+
     def has_room(self) -> bool:
         """True when a new request would start promptly (the queue in front admits by this)."""
         ...

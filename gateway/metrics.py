@@ -33,6 +33,9 @@ class WaitingQueue(Protocol):
     @property
     def num_waiting(self) -> int: ...
 
+    @property
+    def num_reserved(self) -> int: ...
+
 
 @dataclass(frozen=True, slots=True)
 class _Sources:
@@ -58,8 +61,10 @@ class Metrics:
         self._generation_tokens = Counter("chat_generation_tokens", "Completion tokens generated.", tm, registry=r)
         self._finished = Counter("chat_requests_finished", "Finished requests by finish reason.",
                                  (*tm, "finish_reason"), registry=r)
-        self._rejections = Counter("chat_rejections", "Requests refused before streaming (429, 503).",
-                                   (*tm, "reason", "status"), registry=r)
+        self._rejections = Counter("chat_rejections", "Requests refused: caller's limits or server load.",
+                                   (*tm, "reason", "kind"), registry=r)
+        self._over_lower = Counter("chat_refused_over_lower_tier", "Load refusals while a lower tier held a "
+                                   "queue place (it had aged past the refused request's tier).", tm, registry=r)
         self._fallbacks = Counter("chat_fallbacks", "Requests served by another model than asked.",
                                   ("tier", "from_model", "to_model"), registry=r)
         self._safety = Counter("chat_safety_decisions", "Safety gate decisions.",
@@ -107,9 +112,12 @@ class Metrics:
         self._cached_tokens.labels(tier, model).inc(num_cached)
         self._generation_tokens.labels(tier, model).inc(num_completion)
 
-    def count_rejection(self, tier: str, model: str, reason: str, status: int) -> None:
-        """A 429 or 503 before any stream opened; `reason` is RateLimitReason or QueueError code."""
-        self._rejections.labels(tier, model, reason, str(status)).inc()
+    def count_rejection(self, tier: str, model: str, reason: str, kind: str) -> None:
+        """A refused request; `reason` is a gateway.errors.Reason value, `kind` limit or load."""
+        self._rejections.labels(tier, model, reason, kind).inc()
+
+    def count_refused_over_lower_tier(self, tier: str, model: str) -> None:
+        self._over_lower.labels(tier, model).inc()
 
     def count_fallback(self, tier: str, from_model: str, to_model: str) -> None:
         self._fallbacks.labels(tier, from_model, to_model).inc()
@@ -147,6 +155,12 @@ class _SourceCollector(Collector):
                 "chat_requests_waiting", "Requests waiting (gateway queue + engine).", labels=["model"]
             ),
             "kv": GaugeMetricFamily("chat_kv_cache_usage_ratio", "Share of KV-cache blocks in use.", labels=["model"]),
+            "engine_waiting": GaugeMetricFamily(
+                "chat_engine_requests_waiting", "Requests the engine holds but has not started.", labels=["model"]
+            ),
+            "reserved": GaugeMetricFamily(
+                "chat_requests_reserved", "Engine reservations held (admitted, not yet finished).", labels=["model"]
+            ),
             "hit_rate": GaugeMetricFamily(
                 "chat_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up.", labels=["model"]
             ),
@@ -154,6 +168,8 @@ class _SourceCollector(Collector):
         preemptions = CounterMetricFamily("chat_preemptions", "Sequences preempted by the engine.", labels=["model"])
         for model, sources in list(self._sources.items()):
             num_waiting = sources.queue.num_waiting if sources.queue is not None else 0
+            if sources.queue is not None:
+                gauges["reserved"].add_metric([model], sources.queue.num_reserved)
             stats = _read(model, sources.stats)
             if stats is not None:
                 gauges["running"].add_metric([model], stats.num_running)
@@ -162,6 +178,7 @@ class _SourceCollector(Collector):
                 gauges["hit_rate"].add_metric([model], stats.prefix_cache_hits / queries if queries else 0.0)
                 preemptions.add_metric([model], stats.num_preemptions)
                 num_waiting += stats.num_waiting
+                gauges["engine_waiting"].add_metric([model], stats.num_waiting)
             gauges["waiting"].add_metric([model], num_waiting)
         yield from gauges.values()
         yield preemptions

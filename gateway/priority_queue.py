@@ -1,51 +1,14 @@
-"""The pure waiting-room state of one model: a bounded priority queue with aging.
+"""The waiting line of one model: entries ordered by priority with aging, bounded in size.
 
-No clock, no asyncio: callers pass arrival times in, and tests drive it directly. Also
-owns the queue's refusals (503 with Retry-After); `gateway.queue` adds the admission loop.
+No clock, no asyncio: callers pass arrival and current times in, and tests drive it
+directly. `gateway.waiting_room` adds reservations, displacement and wait estimates on top.
 """
 
 from __future__ import annotations
 
-import heapq
+import bisect
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-
-from api.errors import ApiError, overloaded
-
-MAX_RETRY_AFTER_S = 60.0  # the openai SDK waits at most 60 s (v1) for a Retry-After
-
-
-class QueueError(Exception):
-    """The queue refused or dropped a request: a 503 with Retry-After, before any stream opens."""
-
-    code = "server_overloaded"
-
-    def __init__(self, message: str, retry_after_s: float = 1.0):
-        super().__init__(message)
-        self.message = message
-        self.retry_after_s = retry_after_s
-
-    @property
-    def retry_after_s(self) -> float:
-        return self._retry_after_s
-
-    @retry_after_s.setter
-    def retry_after_s(self, seconds: float) -> None:
-        self._retry_after_s = min(max(1.0, seconds), MAX_RETRY_AFTER_S)  # also turns inf into a number
-
-    def to_api_error(self) -> ApiError:
-        return overloaded(self.message, retry_after_s=self.retry_after_s, code=self.code)
-
-
-class QueueFull(QueueError):
-    code = "queue_full"
-
-
-class WaitTooLong(QueueError):
-    code = "queue_wait_too_long"
-
-
-class QueueClosed(QueueError):
-    code = "server_shutting_down"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +17,8 @@ class QueueEntry:
     priority: int  # the tier's priority; higher goes first
     arrival_s: float
     num_tokens: int  # prompt + max_tokens, counted against max_waiting_tokens
+    key: str = ""  # the caller (API key), for a per-key cap on running requests
+    max_running_per_key: int = 0  # this entry waits while its key runs this many; 0: no cap
 
 
 class PriorityQueue:
@@ -63,100 +28,94 @@ class PriorityQueue:
     order of `arrival_s - priority * aging_s` (one priority level is worth a head start of
     `aging_s` seconds). A low-priority entry therefore passes every higher one that arrives
     more than (priority gap) * aging_s after it: its wait is bounded. aging_s <= 0 turns
-    aging off (strict priority, FIFO within a priority).
+    aging off (strict priority, FIFO within a priority). The line is a sorted list: queues
+    hold hundreds of entries, and the tail (for displacement) is as cheap as the head.
     """
 
     def __init__(self, max_waiting_requests: int, max_waiting_tokens: int, aging_s: float):
         self.max_waiting_requests = max_waiting_requests
         self.max_waiting_tokens = max_waiting_tokens
         self.aging_s = aging_s
-        self._heap: list[tuple[float, float, int, str]] = []  # (key, key, seq, request_id)
-        self._live: dict[str, tuple[QueueEntry, int]] = {}  # request_id -> (entry, seq)
+        self._line: list[tuple[float, float, int]] = []  # (sort key, sort key, seq), head first
+        self._by_seq: dict[int, QueueEntry] = {}
+        self._seq_of: dict[str, int] = {}  # request_id -> seq
         self._seq = 0
         self.num_waiting_tokens = 0
 
     def __len__(self) -> int:
-        return len(self._live)
+        return len(self._line)
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._live
+        return request_id in self._seq_of
+
+    def __iter__(self) -> Iterator[QueueEntry]:
+        """Entries from the head to the tail."""
+        return (self._by_seq[item[2]] for item in list(self._line))
 
     @property
     def num_waiting(self) -> int:
-        return len(self._live)
+        return len(self._line)
 
-    def check_room(self, num_tokens: int) -> None:
-        """Raise QueueFull if an entry of `num_tokens` would break a bound."""
-        if len(self._live) >= self.max_waiting_requests:
-            raise QueueFull(f"The queue is full ({self.max_waiting_requests} requests waiting).")
-        if self.num_waiting_tokens + num_tokens > self.max_waiting_tokens:
-            raise QueueFull(f"The queue is full ({self.num_waiting_tokens} tokens waiting).")
+    def has_room(self, num_tokens: int) -> bool:
+        return (len(self._line) < self.max_waiting_requests
+                and self.num_waiting_tokens + num_tokens <= self.max_waiting_tokens)
 
     def push(self, entry: QueueEntry) -> None:
-        if entry.request_id in self._live:
+        if entry.request_id in self._seq_of:
             raise ValueError(f"request {entry.request_id!r} is already queued")
-        self.check_room(entry.num_tokens)
+        if not self.has_room(entry.num_tokens):
+            raise ValueError(f"no room for {entry.request_id!r}: check has_room() first")
         self._seq += 1
-        self._live[entry.request_id] = (entry, self._seq)
+        self._by_seq[self._seq] = entry
+        self._seq_of[entry.request_id] = self._seq
         self.num_waiting_tokens += entry.num_tokens
-        heapq.heappush(self._heap, (*self._sort_key(entry.priority, entry.arrival_s), self._seq, entry.request_id))
+        bisect.insort(self._line, (*self.sort_key(entry.priority, entry.arrival_s), self._seq))
 
     def pop_head(self) -> QueueEntry | None:
-        while self._heap:
-            *_, seq, request_id = heapq.heappop(self._heap)
-            live = self._live.get(request_id)
-            if live is not None and live[1] == seq:  # else a stale item left by remove()
-                return self._forget(request_id)
-        return None
+        return self.remove(self._by_seq[self._line[0][2]].request_id) if self._line else None
 
     def peek_head(self) -> QueueEntry | None:
-        while self._heap:
-            *_, seq, request_id = self._heap[0]
-            live = self._live.get(request_id)
-            if live is not None and live[1] == seq:
-                return live[0]
-            heapq.heappop(self._heap)
-        return None
+        return self._by_seq[self._line[0][2]] if self._line else None
+
+    def peek_tail(self) -> QueueEntry | None:
+        return self._by_seq[self._line[-1][2]] if self._line else None
+
+    def first(self, is_eligible: Callable[[QueueEntry], bool]) -> QueueEntry | None:
+        """The entry nearest the head for which `is_eligible` holds."""
+        return next((entry for entry in self if is_eligible(entry)), None)
 
     def remove(self, request_id: str) -> QueueEntry | None:
-        """Drop a waiting entry (its heap item goes stale and is skipped later)."""
-        if request_id not in self._live:
+        seq = self._seq_of.pop(request_id, None)
+        if seq is None:
             return None
-        entry = self._forget(request_id)
-        if len(self._heap) > 2 * len(self._live) + 64:  # keep stale items from piling up
-            self._heap = [item for item in self._heap if self._is_live(item)]
-            heapq.heapify(self._heap)
+        entry = self._by_seq.pop(seq)
+        item = (*self.sort_key(entry.priority, entry.arrival_s), seq)
+        del self._line[bisect.bisect_left(self._line, item)]
+        self.num_waiting_tokens -= entry.num_tokens
         return entry
 
     def position(self, request_id: str) -> int | None:
         """1 for the head; None when not waiting."""
-        live = self._live.get(request_id)
-        if live is None:
+        seq = self._seq_of.get(request_id)
+        if seq is None:
             return None
-        entry, seq = live
-        key = (*self._sort_key(entry.priority, entry.arrival_s), seq)
-        return 1 + sum(1 for e, s in self._live.values() if (*self._sort_key(e.priority, e.arrival_s), s) < key)
+        entry = self._by_seq[seq]
+        return 1 + bisect.bisect_left(self._line, (*self.sort_key(entry.priority, entry.arrival_s), seq))
 
     def num_ahead(self, priority: int, arrival_s: float) -> int:
         """How many waiting entries would stay ahead of a new entry pushed now."""
-        key = self._sort_key(priority, arrival_s)
-        return sum(1 for e, _ in self._live.values() if self._sort_key(e.priority, e.arrival_s) <= key)
+        return bisect.bisect_right(self._line, (*self.sort_key(priority, arrival_s), self._seq + 1))
+
+    def goes_before(self, entry: QueueEntry, priority: int, arrival_s: float) -> bool:
+        """Would `entry` stay ahead of a new entry (priority, arrival_s)?"""
+        return self.sort_key(entry.priority, entry.arrival_s) <= self.sort_key(priority, arrival_s)
 
     def effective_priority(self, entry: QueueEntry, now_s: float) -> float:
         if self.aging_s <= 0:
             return float(entry.priority)
         return entry.priority + (now_s - entry.arrival_s) / self.aging_s
 
-    def _sort_key(self, priority: int, arrival_s: float) -> tuple[float, float]:
+    def sort_key(self, priority: int, arrival_s: float) -> tuple[float, float]:
         if self.aging_s <= 0:
             return (-priority, arrival_s)
         return (arrival_s - priority * self.aging_s, 0.0)
-
-    def _is_live(self, item: tuple[float, float, int, str]) -> bool:
-        live = self._live.get(item[3])
-        return live is not None and live[1] == item[2]
-
-    def _forget(self, request_id: str) -> QueueEntry:
-        entry, _ = self._live.pop(request_id)
-        self.num_waiting_tokens -= entry.num_tokens
-        return entry

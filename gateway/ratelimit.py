@@ -1,13 +1,14 @@
 """Token buckets per API key and per tier, and per-key concurrent-stream tickets.
 
-Owns the admission-time debit (prompt + max_tokens), its exactly-once settlement against the
-real counts, and OpenAI's `x-ratelimit-*` headers. Knows nothing of HTTP or the store: the
-caller passes the tier and any per-organisation overrides. All times come from `clock`.
+Owns the admission-time debit (first an estimate from the body's size, topped up to prompt +
+max_tokens once tokenized), its exactly-once settlement against the real counts, and the
+bucket levels behind OpenAI's `x-ratelimit-*` headers. Knows nothing of HTTP or the store:
+the caller passes the tier and any per-organisation overrides. All times come from `clock`.
 """
 
 from __future__ import annotations
 
-import enum
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -16,7 +17,7 @@ from types import TracebackType
 
 import structlog
 
-from api.errors import ApiError, rate_limited
+from gateway.errors import BucketView, RateLimited, Reason
 from settings import TierConfig
 
 log = structlog.get_logger(__name__)
@@ -26,40 +27,8 @@ _PERIOD_S = 60.0  # every limit is "per minute": a bucket refills its capacity i
 _OVERRIDABLE = frozenset({"requests_per_minute", "tokens_per_minute"})  # per key, per org
 
 
-class RateLimitReason(enum.Enum):
-    KEY_REQUESTS = "key_requests"
-    KEY_TOKENS = "key_tokens"
-    TIER_REQUESTS = "tier_requests"
-    TIER_TOKENS = "tier_tokens"
-    CONCURRENT_STREAMS = "concurrent_streams"
-    REQUEST_TOO_LARGE = "request_too_large"  # the estimate exceeds a bucket's whole capacity
-
-
-class RateLimited(Exception):
-    """A request refused by a limit; `to_api_error()` gives the 429 to send."""
-
-    def __init__(
-        self,
-        reason: RateLimitReason,
-        retry_after_s: float,
-        headers: dict[str, str],
-        message: str,
-        *,
-        should_retry: bool = True,
-    ):
-        super().__init__(message)
-        self.reason = reason
-        self.retry_after_s = retry_after_s
-        self.headers = headers
-        self.message = message
-        self.should_retry = should_retry
-
-    def to_api_error(self) -> ApiError:
-        headers = dict(self.headers)
-        headers["retry-after-ms"] = str(max(1, math.ceil(self.retry_after_s * 1000)))
-        if not self.should_retry:
-            headers["x-should-retry"] = "false"
-        return rate_limited(self.message, retry_after_s=self.retry_after_s, headers=headers)
+RateLimitReason = Reason  # the bucket reasons are gateway.errors.Reason members
+_TOKEN_REASONS = frozenset({Reason.KEY_TOKENS, Reason.TIER_TOKENS})
 
 
 class TokenBucket:
@@ -159,13 +128,15 @@ class _Check:
 class Reservation:
     """What one admitted request took from the buckets; settled or cancelled exactly once."""
 
-    __slots__ = ("key", "tier_name", "num_tokens_estimated", "_checks", "is_settled")
+    __slots__ = ("key", "tier_name", "num_tokens_estimated", "_checks", "_limits", "is_settled")
 
-    def __init__(self, key: str, tier_name: str, num_tokens_estimated: int, checks: tuple[_Check, ...]):
+    def __init__(self, key: str, tier_name: str, num_tokens_estimated: int, checks: tuple[_Check, ...],
+                 limits: Limits):
         self.key = key
         self.tier_name = tier_name
         self.num_tokens_estimated = num_tokens_estimated
         self._checks = checks
+        self._limits = limits
         self.is_settled = False
 
 
@@ -222,7 +193,7 @@ class RateLimiter:
         self._num_acquires += 1
         if self._num_acquires % self._prune_every == 0:
             self.prune()
-        return Reservation(key, tier_name, est_tokens, checks)
+        return Reservation(key, tier_name, est_tokens, checks, limits)
 
     def check(
         self, key: str, tier_name: str, tier: TierConfig, overrides: Mapping[str, float] | None = None
@@ -242,8 +213,29 @@ class RateLimiter:
         reservation.is_settled = True
         refund = reservation.num_tokens_estimated - actual_tokens
         for check in reservation._checks:
-            if check.reason in (RateLimitReason.KEY_TOKENS, RateLimitReason.TIER_TOKENS):
+            if check.reason in (Reason.KEY_TOKENS, Reason.TIER_TOKENS):
                 self._bucket(check).settle(refund)
+
+    def top_up(self, reservation: Reservation, num_tokens: int) -> None:
+        """Move a reservation's token debit from its first estimate to `num_tokens`.
+
+        The body-size estimate is taken before parsing; once tokenized, the request owes
+        prompt + max_tokens. Raises RateLimited (changing nothing) if the extra is not there.
+        """
+        extra = num_tokens - reservation.num_tokens_estimated
+        checks = [c for c in reservation._checks if c.reason in _TOKEN_REASONS]
+        if extra > 0:
+            waits = [(math.inf if num_tokens > c.capacity else self._bucket(c).retry_after_s(extra), c) for c in checks]
+            if waits:
+                retry_after_s, worst = max(waits, key=lambda w: w[0])
+                if retry_after_s > 0:
+                    raise self._refusal(dataclasses.replace(worst, need=num_tokens), retry_after_s,
+                                        reservation.key, reservation.tier_name, reservation._limits)
+        for check in checks:
+            self._bucket(check).settle(-extra)
+        reservation.num_tokens_estimated = num_tokens
+        reservation._checks = tuple(dataclasses.replace(c, need=num_tokens) if c.reason in _TOKEN_REASONS else c
+                                    for c in reservation._checks)
 
     def cancel(self, reservation: Reservation) -> None:
         """The request was never served (e.g. a 503 after admission): refund everything, once."""
@@ -253,19 +245,18 @@ class RateLimiter:
         for check in reservation._checks:
             self._bucket(check).settle(check.need)
 
-    def headers(
+    def buckets(
         self, key: str, tier_name: str, tier: TierConfig, overrides: Mapping[str, float] | None = None
-    ) -> dict[str, str]:
-        """OpenAI's x-ratelimit-* headers, from the tightest bucket of each dimension."""
-        limits = Limits.for_tier(tier, overrides)
-        return self._headers(key, tier_name, limits)
+    ) -> tuple[BucketView, ...]:
+        """The tightest bucket of each dimension (for OpenAI's x-ratelimit-* headers)."""
+        return self._views(key, tier_name, Limits.for_tier(tier, overrides))
 
     def open_stream(self, key: str, limit: int) -> StreamTicket:
         """Claim one of the key's `limit` concurrent streams (0: unlimited) or raise RateLimited."""
         num_open = self._num_streams.get(key, 0)
         if limit > 0 and num_open >= limit:
             message = f"Too many concurrent requests for this API key (limit {limit}); wait for one to finish."
-            raise RateLimited(RateLimitReason.CONCURRENT_STREAMS, 1.0, {}, message)
+            raise RateLimited(Reason.CONCURRENT_STREAMS, message, retry_after_s=1.0)
         self._num_streams[key] = num_open + 1
         return StreamTicket(self, key)
 
@@ -308,7 +299,7 @@ class RateLimiter:
     def _refusal(
         self, check: _Check, retry_after_s: float, key: str, tier_name: str, limits: Limits
     ) -> RateLimited:
-        headers = self._headers(key, tier_name, limits)
+        views = self._views(key, tier_name, limits)
         scope = "this API key" if check.bucket_id[0] == "key" else f"the {tier_name} tier"
         unit = check.bucket_id[2]
         if math.isinf(retry_after_s):
@@ -316,28 +307,25 @@ class RateLimiter:
                 f"Request too large: it needs {check.need} tokens (prompt + max_tokens) but {scope} "
                 f"allows {check.capacity} tokens per minute. Reduce the prompt or max_tokens."
             )
-            return RateLimited(RateLimitReason.REQUEST_TOO_LARGE, _PERIOD_S, headers, message, should_retry=False)
+            return RateLimited(Reason.REQUEST_TOO_LARGE, message, retry_after_s=_PERIOD_S, buckets=views)
         message = (
             f"Rate limit reached for {unit} per minute on {scope}: limit {check.capacity}, "
             f"requested {check.need}. Please try again in {format_reset(retry_after_s)}."
         )
         log.debug("rate_limited", reason=check.reason.value, tier=tier_name, retry_after_s=retry_after_s)
-        return RateLimited(check.reason, retry_after_s, headers, message)
+        return RateLimited(check.reason, message, retry_after_s=retry_after_s, buckets=views)
 
-    def _headers(self, key: str, tier_name: str, limits: Limits) -> dict[str, str]:
-        headers: dict[str, str] = {}
+    def _views(self, key: str, tier_name: str, limits: Limits) -> tuple[BucketView, ...]:
+        views = []
         for unit, pairs in (
             ("requests", ((key, "key", limits.requests_per_minute), (tier_name, "tier", limits.tier_requests_per_minute))),
             ("tokens", ((key, "key", limits.tokens_per_minute), (tier_name, "tier", limits.tier_tokens_per_minute))),
         ):
-            views = [self._peek((scope, name, unit), capacity) for name, scope, capacity in pairs if capacity > 0]
-            if not views:
-                continue  # unlimited: OpenAI sends no header for a dimension without a limit
-            capacity, remaining, reset_s = min(views, key=lambda v: v[1])
-            headers[f"x-ratelimit-limit-{unit}"] = str(capacity)
-            headers[f"x-ratelimit-remaining-{unit}"] = str(max(0, math.floor(remaining)))
-            headers[f"x-ratelimit-reset-{unit}"] = format_reset(reset_s)
-        return headers
+            peeks = [self._peek((scope, name, unit), capacity) for name, scope, capacity in pairs if capacity > 0]
+            if peeks:  # unlimited: OpenAI sends no header for a dimension without a limit
+                capacity, remaining, reset_s = min(peeks, key=lambda v: v[1])
+                views.append(BucketView(unit, capacity, remaining, reset_s))
+        return tuple(views)
 
     def _peek(self, bucket_id: BucketId, capacity: int) -> tuple[int, float, float]:
         """(capacity, remaining, reset_s) without creating a bucket."""
@@ -350,10 +338,10 @@ class RateLimiter:
 
 def _checks_for(key: str, tier_name: str, limits: Limits, est_tokens: int) -> tuple[_Check, ...]:
     candidates = (
-        _Check(RateLimitReason.KEY_REQUESTS, ("key", key, "requests"), limits.requests_per_minute, 1),
-        _Check(RateLimitReason.KEY_TOKENS, ("key", key, "tokens"), limits.tokens_per_minute, est_tokens),
-        _Check(RateLimitReason.TIER_REQUESTS, ("tier", tier_name, "requests"), limits.tier_requests_per_minute, 1),
-        _Check(RateLimitReason.TIER_TOKENS, ("tier", tier_name, "tokens"), limits.tier_tokens_per_minute, est_tokens),
+        _Check(Reason.KEY_REQUESTS, ("key", key, "requests"), limits.requests_per_minute, 1),
+        _Check(Reason.KEY_TOKENS, ("key", key, "tokens"), limits.tokens_per_minute, est_tokens),
+        _Check(Reason.TIER_REQUESTS, ("tier", tier_name, "requests"), limits.tier_requests_per_minute, 1),
+        _Check(Reason.TIER_TOKENS, ("tier", tier_name, "tokens"), limits.tier_tokens_per_minute, est_tokens),
     )
     return tuple(c for c in candidates if c.capacity > 0)
 

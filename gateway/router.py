@@ -1,8 +1,7 @@
 """Which model serves a tier's request: the preferred one, or a visible fallback under load.
 
 Pure decision logic over the configured models and tiers and the per-model queues' own
-estimates; it enqueues nothing. The caller enqueues on `queues[route.model]` right after
-`route()`, with no await in between, so the estimate it was routed on still holds.
+assessments; it enqueues nothing. Knows no HTTP: refusals are `gateway.errors` types.
 """
 
 from __future__ import annotations
@@ -12,8 +11,9 @@ from dataclasses import dataclass
 
 import structlog
 
-from api.errors import ApiError, not_found, overloaded, quota_exceeded
-from gateway.queue import MAX_RETRY_AFTER_S, ModelQueue
+from gateway.errors import NotEnabled, NotFound, OverQuota, Reason
+from gateway.queue import ModelQueue, refusal
+from gateway.waiting_room import Offer, Outcome
 from settings import ConfigError, ModelConfig, TierConfig
 
 log = structlog.get_logger(__name__)
@@ -44,6 +44,7 @@ class TierRouter:
         self._models = models
         self._tiers = tiers
         self._queues = queues
+        self._top_priority = max((t.priority for t in tiers.values() if t.models), default=0)
 
     def models_for_tier(self, tier_name: str) -> list[str]:
         """The models a tier may ask for, preferred first (for GET /v1/models)."""
@@ -59,28 +60,57 @@ class TierRouter:
     ) -> Route:
         """The first candidate whose queue takes the request within the tier's wait target.
 
-        Raises ApiError: 404 model_not_found, 403 for an unknown tier, 429 insufficient_quota
-        when over budget without budget_fallback, 503 with Retry-After when all are saturated.
+        The top tier is never refused for waiting: when every candidate is past its target it
+        goes to the first that still has a place for it. Raises NotFound, NotEnabled,
+        OverQuota (over budget without budget_fallback), or Overloaded from the first
+        candidate when none takes the request.
         """
         tier = self._tier(tier_name)
         asked = self._asked_model(tier, requested_model)
         if over_budget:
             if not tier.budget_fallback:
-                raise quota_exceeded("You exceeded your current budget; check your plan and billing details.")
+                raise OverQuota("You exceeded your current budget; check your plan and billing details.")
             candidates = [tier.models[-1]]  # the tier's cheapest model
         else:
             candidates = self._candidates(tier, asked)
+        placements = {}
         for model in candidates:
-            if self._queues[model].can_take(tier.priority, num_tokens, tier.wait_target_s):
-                if model != asked:
-                    log.info("route_fallback", tier=tier_name, asked=asked, model=model, over_budget=over_budget)
-                return Route(model, None if model == asked else asked)
-        raise self._saturated(tier, candidates)
+            offer = Offer("", tier.priority, num_tokens, wait_limit_s=min(tier.wait_target_s, self._max_wait_s(model)))
+            placements[model] = self._queues[model].assess(offer)
+            if placements[model].outcome is not Outcome.REFUSED:
+                return self._chosen(tier_name, asked, model, over_budget)
+        if self._is_top(tier):
+            for model in candidates:
+                offer = Offer("", tier.priority, num_tokens, wait_limit_s=self._max_wait_s(model))
+                if self._queues[model].assess(offer).outcome is not Outcome.REFUSED:
+                    return self._chosen(tier_name, asked, model, over_budget)
+        if not placements:
+            raise NotEnabled(Reason.TIER_NOT_ENABLED, f"No model of the tier {tier_name!r} is loaded.")
+        soonest = min(placements.values(), key=lambda p: p.retry_after_s)
+        raise refusal(soonest)
+
+    def wait_limit_s(self, tier_name: str, model: str) -> float:
+        """The estimated wait above which a request of this tier is shed from `model`'s queue:
+        its wait target, except for the top tier (only the queue's own max_wait_s)."""
+        tier = self._tier(tier_name)
+        limit_s = self._max_wait_s(model)
+        return limit_s if self._is_top(tier) else min(tier.wait_target_s, limit_s)
+
+    def _chosen(self, tier_name: str, asked: str, model: str, over_budget: bool) -> Route:
+        if model != asked:
+            log.info("route_fallback", tier=tier_name, asked=asked, model=model, over_budget=over_budget)
+        return Route(model, None if model == asked else asked)
+
+    def _is_top(self, tier: TierConfig) -> bool:
+        return tier.priority >= self._top_priority
+
+    def _max_wait_s(self, model: str) -> float:
+        return self._queues[model].config.max_wait_s
 
     def _tier(self, tier_name: str) -> TierConfig:
         tier = self._tiers.get(tier_name)
         if tier is None or not tier.models:
-            raise ApiError(403, f"The tier {tier_name!r} is not enabled on this server.", code="tier_not_enabled")
+            raise NotEnabled(Reason.TIER_NOT_ENABLED, f"The tier {tier_name!r} is not enabled on this server.")
         return tier
 
     def _asked_model(self, tier: TierConfig, requested_model: str | None) -> str:
@@ -88,9 +118,9 @@ class TierRouter:
             return tier.models[0]
         if requested_model not in self._models or requested_model not in tier.models:
             # the same answer for "unknown" and "not in your tier": no probing of other tiers
-            raise not_found(
+            raise NotFound(
+                Reason.MODEL_NOT_FOUND,
                 f"The model `{requested_model}` does not exist or you do not have access to it.",
-                code="model_not_found",
                 param="model",
             )
         return requested_model
@@ -103,11 +133,3 @@ class TierRouter:
             order.append(fallback)
             fallback = self._models[fallback].fallback
         return [model for model in order if model in self._queues]  # skip models not loaded
-
-    def _saturated(self, tier: TierConfig, candidates: list[str]) -> ApiError:
-        waits_s = [self._queues[model].estimated_wait_s(tier.priority) for model in candidates]
-        retry_after_s = min(max(1.0, min(waits_s, default=1.0)), MAX_RETRY_AFTER_S)
-        return overloaded(
-            "The server is overloaded; please retry after the time in the Retry-After header.",
-            retry_after_s=retry_after_s,
-        )

@@ -163,10 +163,13 @@ function setStreaming(isStreaming) {
   if (!isStreaming) el.status.textContent = "";
 }
 
+// ": queued position=N wait_s=M" while the request waits for the model (M: estimated seconds).
 function onComment(comment) {
-  const queued = /^queued position=(\d+)/.exec(comment);
-  if (queued) el.status.textContent = `Queued (position ${queued[1]})\u2026`;
-  else if (comment === "processing") el.status.textContent = "Reading your message\u2026";
+  const queued = /^queued position=(\d+)(?: wait_s=(\d+))?/.exec(comment);
+  if (queued) {
+    const wait = queued[2] === undefined ? "" : `, about ${Math.max(1, Number(queued[2]))} s`;
+    el.status.textContent = `Queued (position ${queued[1]}${wait})\u2026`;
+  } else if (comment === "processing") el.status.textContent = "Reading your message\u2026";
 }
 
 // Sends `content` as the next user message. `keepMessages` (regenerate, edit, retry) first

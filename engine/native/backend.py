@@ -115,6 +115,10 @@ class NativeBackend:
         return self._max_model_len
 
     @property
+    def max_num_running(self) -> int:
+        return self._config.max_num_seqs
+
+    @property
     def engine(self) -> LLMEngine | None:
         """The engine, for tests and benchmarks; only the step thread may call into it."""
         return self._engine

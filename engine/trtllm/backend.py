@@ -105,6 +105,10 @@ class TrtllmBackend:
     def max_model_len(self) -> int:
         return self._max_model_len
 
+    @property
+    def max_num_running(self) -> int:
+        return self.max_in_flight
+
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         if self.state is not BackendState.NEW:

@@ -85,13 +85,18 @@ async def test_a_saturated_model_falls_back_to_the_next_one_and_says_so(make_cli
 
 
 async def test_concurrent_streams_per_key_are_limited(make_client, monkeypatch):
+    # With an API key: keyless local use waits for a stream instead (test_admission_http.py).
     monkeypatch.setenv("CHAT_ECHO_TOKEN_DELAY_S", "0.03")
     client = await make_client("tiers.enterprise.max_concurrent_streams=1")
-    running = asyncio.create_task(chat(client, {"model": "echo", "stream": True, "messages": LONG}))
+    await state_of(client).store.create_org("acme", "enterprise")
+    _key, secret = await state_of(client).store.create_key("acme")
+    headers = {"Authorization": f"Bearer {secret}"}
+    running = asyncio.create_task(chat(client, {"model": "echo", "stream": True, "messages": LONG}, headers))
     await asyncio.sleep(0.3)
-    await assert_error(await chat(client, {"model": "echo", "messages": USER}), 429, code="rate_limit_exceeded")
+    await assert_error(await chat(client, {"model": "echo", "messages": USER}, headers), 429,
+                       code="rate_limit_exceeded")
     await (await running).read()
-    assert (await chat(client, {"model": "echo", "messages": USER})).status == 200
+    assert (await chat(client, {"model": "echo", "messages": USER}, headers)).status == 200
 
 
 async def test_metrics_expose_requests_tokens_and_rejections(make_client):

@@ -48,6 +48,10 @@ class ScriptedBackend:
     def max_model_len(self) -> int:
         return self._max_model_len
 
+    @property
+    def max_num_running(self) -> int:
+        return 0
+
     async def start(self) -> None:
         return None
 

@@ -10,8 +10,9 @@ from store.types import RequestRecord, RequestStatus
 
 
 class WaitingQueue:
-    def __init__(self, num_waiting: int):
+    def __init__(self, num_waiting: int, num_reserved: int = 0):
         self.num_waiting = num_waiting
+        self.num_reserved = num_reserved
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
@@ -26,8 +27,8 @@ def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
 
 def test_two_instances_do_not_share_a_registry():
     first, second = Metrics(), Metrics()
-    first.count_rejection("free", "mini", "key_requests", 429)
-    labels = (("model", "mini"), ("reason", "key_requests"), ("status", "429"), ("tier", "free"))
+    first.count_rejection("free", "mini", "key_requests", "limit")
+    labels = (("kind", "limit"), ("model", "mini"), ("reason", "key_requests"), ("tier", "free"))
     assert samples(first)[("chat_rejections_total", labels)] == 1
     assert not any(name == "chat_rejections_total" for name, _ in samples(second))
 
@@ -68,10 +69,11 @@ def test_engine_gauges_are_read_from_the_stats_source_at_scrape_time():
     metrics = Metrics()
     stats = {"value": EngineStats(num_running=3, num_waiting=1, num_kv_blocks_total=100, num_kv_blocks_free=25,
                                   prefix_cache_queries=200, prefix_cache_hits=50, num_preemptions=4)}
-    metrics.set_stats_source("mini", lambda: stats["value"], WaitingQueue(5))
+    metrics.set_stats_source("mini", lambda: stats["value"], WaitingQueue(5, num_reserved=3))
     got = samples(metrics)
     model = (("model", "mini"),)
     assert got[("chat_requests_running", model)] == 3
+    assert got[("chat_requests_reserved", model)] == 3
     assert got[("chat_requests_waiting", model)] == 6  # 5 in the gateway queue + 1 in the engine
     assert got[("chat_kv_cache_usage_ratio", model)] == 0.75
     assert got[("chat_prefix_cache_hit_rate", model)] == 0.25

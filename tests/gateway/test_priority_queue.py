@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.priority_queue import PriorityQueue, QueueEntry, QueueFull
+from gateway.priority_queue import PriorityQueue, QueueEntry
 
 FREE, PLUS, ENTERPRISE = 0, 1, 2
 
@@ -63,13 +63,15 @@ def test_aging_bounds_a_free_requests_wait_under_a_flood_of_enterprise_traffic()
     assert simulate_flood(aging_s=0.0, horizon_s=1000) is None  # without aging it starves
 
 
-def test_bounds_on_waiting_requests_and_tokens_raise_queue_full():
+def test_bounds_on_waiting_requests_and_tokens_are_kept():
     queue = PriorityQueue(max_waiting_requests=2, max_waiting_tokens=100, aging_s=10.0)
     queue.push(entry("a", FREE, 0.0, 60))
-    with pytest.raises(QueueFull, match="tokens"):
+    assert not queue.has_room(41)
+    with pytest.raises(ValueError, match="no room"):
         queue.push(entry("b", FREE, 0.0, 41))
     queue.push(entry("b", FREE, 0.0, 40))
-    with pytest.raises(QueueFull, match="requests"):
+    assert not queue.has_room(0)
+    with pytest.raises(ValueError, match="no room"):
         queue.push(entry("c", ENTERPRISE, 0.0, 0))
     assert (queue.num_waiting, queue.num_waiting_tokens) == (2, 100)
 
@@ -111,15 +113,29 @@ def test_position_counts_the_entries_ahead():
     assert queue.position("f") == 2
 
 
-def test_many_removals_keep_the_heap_compact_and_the_order_right():
+def test_many_removals_keep_the_order_right():
     queue = PriorityQueue(10_000, 10**9, aging_s=10.0)
     for i in range(2000):
         queue.push(entry(f"r{i}", i % 3, float(i)))
     for i in range(0, 2000, 2):
         queue.remove(f"r{i}")
-    assert len(queue._heap) <= 2 * queue.num_waiting + 64
+    assert queue.num_waiting == 1000
     popped = drain(queue)
     assert len(popped) == 1000 and all(int(r[1:]) % 2 == 1 for r in popped)
+    keys = [queue.sort_key(int(r[1:]) % 3, float(r[1:])) for r in popped]
+    assert keys == sorted(keys)
+
+
+def test_the_tail_is_the_entry_served_last_and_first_skips_ineligible_entries():
+    queue = PriorityQueue(10, 1000, aging_s=10.0)
+    queue.push(entry("f", FREE, 0.0))
+    queue.push(entry("e", ENTERPRISE, 5.0))
+    queue.push(entry("p", PLUS, 9.0))
+    assert [e.request_id for e in queue] == ["e", "p", "f"]
+    assert queue.peek_tail().request_id == "f"
+    assert queue.first(lambda e: e.priority < ENTERPRISE).request_id == "p"
+    assert not queue.goes_before(queue.peek_tail(), ENTERPRISE, 15.0)  # f is at level 1.5
+    assert queue.goes_before(queue.peek_tail(), ENTERPRISE, 25.0)  # f has aged past a new one
 
 
 def test_peek_head_matches_pop_head():

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from api.errors import ApiError
+from gateway.errors import NotEnabled, NotFound, Overloaded, OverQuota, Reason
 from gateway.queue import ModelQueue
 from gateway.router import Route, TierRouter
+from gateway.waiting_room import Offer
 from settings import ConfigError, ModelConfig, QueueConfig, TierConfig
 from tests.gateway.fakes import FakeClock
 
@@ -42,7 +43,7 @@ class Fixture:
         """No room, `num_waiting` requests queued, nothing admitted for `stalled_s`."""
         self.backends[model].room = False
         for i in range(num_waiting):
-            self.queues[model].enqueue(f"{model}-{i}", 2, 10)
+            self.queues[model].enqueue(Offer(f"{model}-{i}", 2, 10))
         self.clock.advance(stalled_s)
 
     async def stop(self) -> None:
@@ -89,30 +90,39 @@ async def test_the_models_configured_fallback_is_tried_after_the_tiers_own_model
     await fx.stop()
 
 
-async def test_every_candidate_saturated_gives_503_with_retry_after():
+async def test_every_candidate_saturated_sheds_a_lower_tier_with_retry_after():
     fx = Fixture()
     fx.saturate("flagship", num_waiting=3, stalled_s=0.0)
     fx.saturate("mini", num_waiting=3, stalled_s=20.0)
-    with pytest.raises(ApiError) as info:
+    with pytest.raises(Overloaded) as info:
         fx.router.route("plus", "flagship")
-    assert info.value.status == 503
-    assert int(info.value.headers["Retry-After"]) >= 20
+    assert info.value.reason is Reason.WAIT_TOO_LONG
+    assert info.value.retry_after_s >= 20
+    await fx.stop()
+
+
+async def test_the_top_tier_is_never_refused_for_its_wait_target():
+    fx = Fixture()
+    fx.saturate("flagship", num_waiting=3, stalled_s=0.0)
+    fx.saturate("mini", num_waiting=3, stalled_s=20.0)  # 80 s estimated on both: far past 5 s
+    assert fx.router.route("enterprise", "flagship") == Route("flagship")
+    assert fx.router.wait_limit_s("enterprise", "flagship") == 120.0  # only the queue's max_wait_s
+    assert fx.router.wait_limit_s("plus", "flagship") == 10.0
     await fx.stop()
 
 
 async def test_a_model_outside_the_tier_is_404_naming_the_model():
     fx = Fixture()
-    with pytest.raises(ApiError) as info:
+    with pytest.raises(NotFound) as info:
         fx.router.route("free", "flagship")
-    assert (info.value.status, info.value.code, info.value.param) == (404, "model_not_found", "model")
+    assert (info.value.reason, info.value.param) == (Reason.MODEL_NOT_FOUND, "model")
     assert "`flagship`" in info.value.message
 
 
 async def test_an_unknown_model_is_404():
     fx = Fixture()
-    with pytest.raises(ApiError) as info:
+    with pytest.raises(NotFound):
         fx.router.route("enterprise", "gpt-9")
-    assert (info.value.status, info.value.code) == (404, "model_not_found")
 
 
 async def test_auto_means_the_tiers_first_model():
@@ -128,27 +138,25 @@ async def test_over_budget_serves_the_tiers_cheapest_model_when_allowed():
 
 async def test_over_budget_without_budget_fallback_is_a_quota_error_that_says_do_not_retry():
     fx = Fixture()
-    with pytest.raises(ApiError) as info:
+    with pytest.raises(OverQuota) as info:
         fx.router.route("free", None, over_budget=True)
-    assert (info.value.status, info.value.code) == (429, "insufficient_quota")
-    assert info.value.headers["x-should-retry"] == "false"
+    assert info.value.reason is Reason.OVER_QUOTA and not info.value.should_retry
 
 
 async def test_a_request_too_big_for_every_queue_is_503():
     fx = Fixture(max_waiting_tokens=100)
     for backend in fx.backends.values():
         backend.room = False
-    with pytest.raises(ApiError) as info:
+    with pytest.raises(Overloaded) as info:
         fx.router.route("plus", None, num_tokens=101)
-    assert info.value.status == 503
+    assert info.value.reason is Reason.QUEUE_FULL
 
 
 async def test_models_for_tier_lists_the_tiers_models_in_order_and_unknown_tiers_are_403():
     fx = Fixture()
     assert fx.router.models_for_tier("plus") == ["flagship", "mini"]
-    with pytest.raises(ApiError) as info:
+    with pytest.raises(NotEnabled):
         fx.router.route("platinum", None)
-    assert info.value.status == 403
 
 
 async def test_a_model_without_a_queue_is_skipped():
@@ -168,7 +176,7 @@ def test_a_tier_naming_an_undeclared_model_is_a_config_error():
 async def test_retry_after_stays_finite_when_every_wait_estimate_is_unbounded():
     fx = Fixture(aging_s=0.0, max_wait_s=10**9)
     fx.saturate("mini", num_waiting=30, stalled_s=1.0)  # enterprise floods faster than it is served
-    with pytest.raises(ApiError) as info:
+    with pytest.raises(Overloaded) as info:
         fx.router.route("free", None)
-    assert (info.value.status, info.value.headers["Retry-After"]) == (503, "60")
+    assert info.value.retry_after_s == 60.0
     await fx.stop()

@@ -1,0 +1,175 @@
+"""Admission: the one path from a caller's limits to a reservation in a model's engine.
+
+Cheap refusals come first (`check`: the request and token buckets, debited with an estimate
+from the body's size, and the key's concurrent-stream cap), before anyone parses, reads the
+store, tokenizes or screens; `route` and `place` follow once the request is sized. A `Pass`
+owns what one request holds (bucket debit, stream slot, queue ticket) and `close()` releases
+each exactly once. Plain values in, `gateway.errors` out: no HTTP here. Chat completions and
+any other endpoint that generates (the Responses API) call this same object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import TracebackType
+
+import structlog
+
+from gateway.errors import GatewayError, Overloaded, Reason
+from gateway.metrics import Metrics
+from gateway.queue import ModelQueue, QueueTicket
+from gateway.ratelimit import RateLimiter, Reservation, StreamTicket
+from gateway.router import Route, TierRouter
+from gateway.waiting_room import Offer
+from engine.types import Backend
+from settings import Settings, TierConfig
+
+log = structlog.get_logger(__name__)
+
+BYTES_PER_TOKEN = 4  # a prompt's size in tokens, estimated from its UTF-8 JSON bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    key: str  # the limiter's key: the API key id, or "org:<id>" without a key
+    tier_name: str
+    tier: TierConfig
+    overrides: Mapping[str, float] | None = None  # the organisation's per-key limits
+    waits_for_stream: bool = False  # keyless local use: over the stream cap, wait instead of 429
+
+
+def estimate_tokens(num_body_bytes: int) -> int:
+    return max(1, num_body_bytes // BYTES_PER_TOKEN)
+
+
+class Pass:
+    """Everything one request holds from `check` to its end; a context manager releases it."""
+
+    def __init__(self, admission: Admission, caller: Caller, request_id: str, reservation: Reservation,
+                 stream: StreamTicket | None):
+        self._admission = admission
+        self.caller = caller
+        self.request_id = request_id
+        self.reservation = reservation
+        self.stream = stream
+        self.route: Route | None = None
+        self.ticket: QueueTicket | None = None
+        self.num_tokens_used = 0  # prompt + completion tokens actually processed (set by the handler)
+        self.is_closed = False
+
+    @property
+    def is_admitted(self) -> bool:
+        return self.ticket is not None and self.ticket.admitted_s is not None
+
+    async def wait(self, timeout_s: float | None = None) -> bool:
+        """True once the request holds an engine reservation; raises Overloaded if displaced."""
+        assert self.ticket is not None, "place() first"
+        try:
+            return await self.ticket.wait(timeout_s)
+        except Overloaded:
+            self._admission.count_displaced(self)
+            raise
+
+    def close(self, *, refund: bool = False) -> None:
+        """Release the queue ticket, stream slot and bucket debit, once.
+
+        `refund`: the server refused the request (load, quota): give back every unit, the
+        request included. Otherwise the tokens are settled on `num_tokens_used`.
+        """
+        if self.is_closed:
+            return
+        self.is_closed = True
+        if self.ticket is not None:
+            self.ticket.release()
+        if self.stream is not None:
+            self.stream.release()
+        limiter = self._admission.limiter
+        if refund:
+            limiter.cancel(self.reservation)
+        else:
+            limiter.settle(self.reservation, self.num_tokens_used)
+
+    def __enter__(self) -> Pass:
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close(refund=isinstance(exc, GatewayError))
+
+
+class Admission:
+    def __init__(self, limiter: RateLimiter, router: TierRouter, queues: Mapping[str, ModelQueue],
+                 metrics: Metrics | None = None):
+        self.limiter = limiter
+        self.router = router
+        self.queues = queues
+        self._metrics = metrics
+
+    def check(self, caller: Caller, request_id: str, num_body_bytes: int) -> Pass:
+        """The cheap refusals: buckets (size from the body's bytes) and the stream cap.
+
+        Raises RateLimited having taken nothing.
+        """
+        stream = None
+        try:
+            if not caller.waits_for_stream:
+                stream = self.limiter.open_stream(caller.key, caller.tier.max_concurrent_streams)
+            reservation = self.limiter.acquire(caller.key, caller.tier_name, caller.tier,
+                                               estimate_tokens(num_body_bytes), caller.overrides)
+        except GatewayError as exc:
+            if stream is not None:
+                stream.release()
+            self._count(caller, "-", exc)
+            raise
+        return Pass(self, caller, request_id, reservation, stream)
+
+    def route(self, grant: Pass, requested_model: str | None, *, over_budget: bool = False) -> Route:
+        """Which model serves; raises NotFound, OverQuota or Overloaded (every candidate full)."""
+        try:
+            grant.route = self.router.route(grant.caller.tier_name, requested_model, over_budget=over_budget)
+        except GatewayError as exc:
+            self._count(grant.caller, requested_model or "auto", exc)
+            raise
+        return grant.route
+
+    def place(self, grant: Pass, num_tokens: int) -> QueueTicket:
+        """Debit the real size (prompt + max_tokens), then reserve or queue on the routed model.
+
+        Raises RateLimited or Overloaded; a queued ticket may later fail with DISPLACED.
+        """
+        assert grant.route is not None, "route() first"
+        caller, model = grant.caller, grant.route.model
+        offer = Offer(grant.request_id, caller.tier.priority, num_tokens, caller.key,
+                      caller.tier.max_concurrent_streams if caller.waits_for_stream else 0,
+                      self.router.wait_limit_s(caller.tier_name, model))
+        try:
+            self.limiter.top_up(grant.reservation, num_tokens)
+            grant.ticket = self.queues[model].enqueue(offer)
+        except GatewayError as exc:
+            self._count(caller, model, exc)
+            raise
+        return grant.ticket
+
+    def count_displaced(self, grant: Pass) -> None:
+        if grant.route is not None and self._metrics is not None:
+            self._metrics.count_rejection(grant.caller.tier_name, grant.route.model, Reason.DISPLACED.value, "load")
+
+    def _count(self, caller: Caller, model: str, exc: GatewayError) -> None:
+        if self._metrics is None:
+            return
+        kind = "load" if isinstance(exc, Overloaded) else "limit"
+        self._metrics.count_rejection(caller.tier_name, model, exc.reason.value, kind)
+        if isinstance(exc, Overloaded) and exc.num_outranked_waiting:
+            self._metrics.count_refused_over_lower_tier(caller.tier_name, model)
+
+
+def build_admission(settings: Settings, backends: Mapping[str, Backend], metrics: Metrics) -> Admission:
+    """One queue per model (as many reservations as its backend runs at once), the router
+    over them and a fresh limiter; the queues feed the metrics' gauges."""
+    queues = {
+        name: ModelQueue(name, settings.queue, has_room=backend.has_room, capacity=backend.max_num_running)
+        for name, backend in backends.items()
+    }
+    for name, backend in backends.items():
+        metrics.set_stats_source(name, backend.stats, queues[name])
+    return Admission(RateLimiter(), TierRouter(settings.models, settings.tiers, queues), queues, metrics)

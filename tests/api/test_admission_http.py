@@ -1,0 +1,109 @@
+"""Admission over HTTP: cheap refusals before parsing, displacement as a 503, keyless local
+bursts that wait instead of 429, queue comments with the estimated wait."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+from api.app import init
+from settings import load_settings
+from tests.api.helpers import assert_error, sse_events, state_of
+
+ROOT = Path(__file__).resolve().parents[2]
+USER = [{"role": "user", "content": "Hello there."}]
+LONG = [{"role": "user", "content": " ".join(["word"] * 40)}]
+
+
+async def chat(client, body, headers=None):
+    return await client.post("/v1/chat/completions", json=body, headers=headers or {})
+
+
+async def key_for(client, tier: str) -> dict[str, str]:
+    store = state_of(client).store
+    org = f"org-{tier}-{uuid.uuid4().hex[:8]}"
+    await store.create_org(org, tier)
+    _key, secret = await store.create_key(org)
+    return {"Authorization": f"Bearer {secret}"}
+
+
+async def test_a_caller_over_its_rate_limit_is_refused_before_its_body_is_parsed(make_client):
+    client = await make_client("tiers.enterprise.requests_per_minute=1")
+    assert (await chat(client, {"model": "echo", "messages": USER})).status == 200
+    resp = await client.post("/v1/chat/completions", data=b"{not json",
+                             headers={"Content-Type": "application/json"})
+    await assert_error(resp, 429, code="rate_limit_exceeded")  # not 400: nothing was parsed
+
+
+async def test_a_keyless_local_burst_over_the_stream_cap_waits_instead_of_429(make_client, monkeypatch):
+    monkeypatch.setenv("CHAT_ECHO_TOKEN_DELAY_S", "0.02")
+    client = await make_client("tiers.enterprise.max_concurrent_streams=1")
+    responses = await asyncio.gather(*(chat(client, {"model": "echo", "messages": USER}) for _ in range(4)))
+    assert [r.status for r in responses] == [200] * 4
+    assert state_of(client).admission.queues["echo"].num_reserved == 0
+
+
+async def test_a_keyed_caller_over_its_stream_cap_still_gets_429(make_client, monkeypatch):
+    monkeypatch.setenv("CHAT_ECHO_TOKEN_DELAY_S", "0.03")
+    client = await make_client("tiers.enterprise.max_concurrent_streams=1")
+    headers = await key_for(client, "enterprise")
+    running = asyncio.create_task(chat(client, {"model": "echo", "stream": True, "messages": LONG}, headers))
+    await asyncio.sleep(0.3)
+    await assert_error(await chat(client, {"model": "echo", "messages": USER}, headers), 429,
+                       code="rate_limit_exceeded")
+    await (await running).read()
+
+
+async def test_a_higher_tier_displaces_a_waiting_lower_one_which_gets_503_with_retry_after(make_client, monkeypatch):
+    monkeypatch.setenv("CHAT_ECHO_TOKEN_DELAY_S", "0.03")
+    monkeypatch.setenv("CHAT_ECHO_MAX_RUNNING", "1")
+    client = await make_client("queue.max_waiting_requests=1", 'tiers.free.models=["echo"]',
+                               'tiers.enterprise.models=["echo"]', "server.heartbeat_s=5")
+    free = await key_for(client, "free")
+    enterprise = await key_for(client, "enterprise")
+    running = asyncio.create_task(chat(client, {"stream": True, "messages": LONG}, enterprise))
+    await asyncio.sleep(0.2)
+    waiting = asyncio.create_task(chat(client, {"stream": True, "messages": USER}, free))
+    await asyncio.sleep(0.2)
+    newcomer = asyncio.create_task(chat(client, {"stream": True, "messages": USER}, enterprise))
+    displaced = await waiting
+    await assert_error(displaced, 503, code="queue_displaced")
+    assert int(displaced.headers["Retry-After"]) >= 1
+    for task in (running, newcomer):
+        events, _ = await sse_events(await task)
+        assert events[-1] == "[DONE]"
+
+
+async def test_waiting_streams_see_their_position_and_estimated_wait(make_client, monkeypatch):
+    monkeypatch.setenv("CHAT_ECHO_TOKEN_DELAY_S", "0.03")
+    monkeypatch.setenv("CHAT_ECHO_MAX_RUNNING", "1")
+    client = await make_client('tiers.enterprise.models=["echo"]')
+    running = asyncio.create_task(chat(client, {"stream": True, "messages": LONG}))
+    await asyncio.sleep(0.2)
+    _, comments = await sse_events(await chat(client, {"stream": True, "messages": USER}))
+    queued = [c for c in comments if c.startswith("queued ")]
+    assert queued and all(c.split()[1] == "position=1" and c.split()[2].startswith("wait_s=") for c in queued)
+    await (await running).read()
+
+
+async def test_32_concurrent_keyless_local_requests_on_the_default_configuration_are_all_served(
+    aiohttp_client, tmp_path, tiny_model_dir
+):
+    """config.toml as shipped (local tier enterprise: 16 streams, 5 s target; 64 sequences), with
+    the tiny model in place of the demo models and a small KV pool."""
+    settings = load_settings(ROOT / "config.toml", [
+        f'models.demo-flagship.path="{tiny_model_dir}"',
+        f'models.demo-mini.path="{tiny_model_dir}"',
+        f'store.path="{tmp_path / "chat.db"}"',
+        "safety.enabled=false",
+        "engine.kv_cache_bytes=16000000",
+        'engine.device="cpu"',
+    ])
+    client = await aiohttp_client(init(settings), server_kwargs={"handler_cancellation": True})
+    bodies = [{"messages": [{"role": "user", "content": f"Question {i}: what is a river?"}], "max_tokens": 8,
+               "temperature": 0} for i in range(32)]
+    responses = await asyncio.gather(*(chat(client, body) for body in bodies))
+    assert [r.status for r in responses] == [200] * 32, [await r.text() for r in responses if r.status != 200][:2]
+    state = state_of(client)
+    assert all(q.num_reserved == 0 and q.num_waiting == 0 for q in state.admission.queues.values())
