@@ -102,6 +102,9 @@ class TierConfig:
     wait_target_s: float = setting(10.0, "Estimated queue wait above which the router falls back.")
     retention_days: int = setting(30, "Days a deleted conversation is kept before purging.")
     budget_fallback: bool = setting(False, "Over budget: serve the tier's last model instead of 429.")
+    file_storage_bytes: int = setting(104_857_600, "Bytes of uploaded files an organisation may keep.")
+    max_files: int = setting(100, "Uploaded files an organisation may keep.")
+    file_retention_days: int = setting(30, "Days an uploaded file is kept (its expires_at); 0: until deleted.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +124,27 @@ class StoreConfig:
     num_read_connections: int = setting(2, "Read-only connections; writes always use one writer.")
     last_used_flush_s: float = setting(30.0, "How often API keys' last_used_at is written (coalesced).")
     max_db_bytes: int = setting(0, "Largest database file; writes beyond it fail with 503. 0: no limit.")
+
+
+@dataclass(frozen=True, slots=True)
+class FilesConfig:
+    dir: str = setting("", "Folder of uploaded files, one per id; empty: 'files' beside the database.")
+    max_file_bytes: int = setting(
+        20_971_520, "Largest upload; refused with 413 as soon as the stream passes it (never buffered whole)."
+    )
+    max_pdf_pages: int = setting(300, "Most pages read from a PDF when it is turned into text.")
+
+
+@dataclass(frozen=True, slots=True)
+class ImagesConfig:
+    max_image_bytes: int = setting(10_485_760, "Largest encoded image (data: URL, uploaded file or fetched URL).")
+    max_image_pixels: int = setting(
+        16_777_216, "Most pixels (width x height) an image may declare; more is refused as a decompression bomb."
+    )
+    max_images_per_request: int = setting(8, "Most images one chat request may carry.")
+    allow_remote_urls: bool = setting(False, "Fetch http(s) image URLs (a door to SSRF: keep off unless needed).")
+    remote_allow_hosts: list[str] = setting([], "Host names remote images may be fetched from when allowed.")
+    remote_timeout_s: float = setting(5.0, "Deadline of one remote image fetch, connect to last byte.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +208,8 @@ class Settings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    files: FilesConfig = field(default_factory=FilesConfig)
+    images: ImagesConfig = field(default_factory=ImagesConfig)
     safety: SafetyConfig = field(default_factory=SafetyConfig)
     trtllm: TrtllmConfig = field(default_factory=TrtllmConfig)
     models: dict[str, ModelConfig] = field(default_factory=dict)

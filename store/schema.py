@@ -104,8 +104,28 @@ CREATE TABLE meta (
 ) STRICT;
 """
 
+# Uploaded files (#20): metadata and owner here, the bytes on disk by id. A message keeps the
+# parts it was sent with (file ids, image refs) so that a conversation shows its attachments
+# and re-renders the same prompt on the next turn.
+_V2_FILES = """
+CREATE TABLE files (
+    id         TEXT PRIMARY KEY,
+    org_id     TEXT NOT NULL REFERENCES orgs(id),
+    filename   TEXT NOT NULL,
+    purpose    TEXT NOT NULL,
+    bytes      INTEGER NOT NULL CHECK (bytes >= 0),
+    sha256     TEXT NOT NULL,
+    media_type TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    expires_at REAL                         -- NULL: kept until deleted
+) STRICT;
+CREATE INDEX files_org ON files(org_id, created_at DESC, id DESC);
+CREATE INDEX files_expiry ON files(expires_at) WHERE expires_at IS NOT NULL;
+ALTER TABLE messages ADD COLUMN parts_json TEXT;  -- NULL: text only
+"""
+
 # (version, script); version N leaves `PRAGMA user_version = N`.
-MIGRATIONS: tuple[tuple[int, str], ...] = ((1, _V1),)
+MIGRATIONS: tuple[tuple[int, str], ...] = ((1, _V1), (2, _V2_FILES))
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 

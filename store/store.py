@@ -20,16 +20,19 @@ import aiosqlite
 import structlog
 
 from settings import StoreConfig
-from store import conversations, keys, ledger, schema
+from store import conversations, files, keys, ledger, schema
 from store.types import (
     ApiKey,
     Conversation,
+    FileQuery,
+    FileQuota,
     NotFound,
     Org,
     Principal,
     RequestRecord,
     StoreError,
     StoreUnavailable,
+    StoredFile,
 )
 from store.writer import Writer, is_storage_error
 
@@ -213,6 +216,37 @@ class Store:
             except StoreError as exc:
                 log.warning("purge failed", error=str(exc))
             await asyncio.sleep(self.config.purge_interval_s)
+
+    # --- uploaded files (metadata; the bytes are store.blobs') ---------------------------
+
+    async def insert_file(self, f: StoredFile, quota: FileQuota) -> StoredFile:
+        """Record an uploaded file; raises QuotaExceeded (nothing written) past the org's quota."""
+        return await self._write(functools.partial(files.insert, f=f, quota=quota))
+
+    async def file_usage(self, org_id: str) -> tuple[int, int]:
+        """(number of files, bytes) the organisation keeps now."""
+        async with self._reader() as conn:
+            return await files.usage(conn, org_id, time.time())
+
+    async def get_file(self, org_id: str, file_id: str) -> StoredFile | None:
+        async with self._reader() as conn:
+            return await files.get(conn, org_id, file_id, time.time())
+
+    async def list_files(self, org_id: str, query: FileQuery) -> tuple[list[StoredFile], bool]:
+        async with self._reader() as conn:
+            return await files.list_page(conn, org_id, time.time(), query)
+
+    async def delete_file(self, org_id: str, file_id: str) -> bool:
+        return await self._write(functools.partial(files.delete, org_id=org_id, file_id=file_id))
+
+    async def purge_expired_files(self, now: float | None = None) -> list[str]:
+        """Delete the rows of expired files; returns their ids (the caller removes the bytes)."""
+        job = functools.partial(files.purge_expired, now=time.time() if now is None else now)
+        return await self._write(job)
+
+    async def file_ids(self) -> set[str]:
+        async with self._reader() as conn:
+            return await files.live_ids(conn)
 
     # --- the usage ledger ----------------------------------------------------------------
 

@@ -119,3 +119,38 @@ class RequestRecord:
     new_messages: tuple[tuple[str, str], ...] = ()  # (role, content) sent with this request
     assistant_content: str | None = None  # None: no assistant message is stored
     fallback_from: str | None = None  # the model first chosen, when the router fell back
+
+
+class QuotaExceeded(StoreError):
+    """An organisation's file quota (count or bytes) would be passed; nothing was written."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredFile:
+    """An uploaded file's metadata; its bytes live on disk under the files folder, by id."""
+
+    id: str  # 'file-' + 24 hex digits
+    org_id: str
+    filename: str
+    purpose: str
+    bytes: int
+    sha256: str  # hex digest of the content
+    media_type: str
+    created_at: float
+    expires_at: float | None  # None: kept until deleted
+
+
+@dataclass(frozen=True, slots=True)
+class FileQuota:
+    max_files: int
+    max_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class FileQuery:
+    """Filters and paging of a file listing; `after` is the last id of the previous page."""
+
+    limit: int = 10_000
+    purpose: str | None = None
+    after: str | None = None
+    ascending: bool = False
