@@ -17,11 +17,12 @@ import orjson
 import structlog
 from aiohttp import web
 
-from api import protocol
+from api import attachments, protocol
 from api.errors import ApiError, bad_request, from_gateway, overloaded
 from api.sse import ClientGone, SSEWriter
 from api.state import PRINCIPAL, REQUEST_ID, STATE, AppState
-from api.turn import Turn, TurnInputs, conversation_not_found, make_turn
+from api.files import BLOBS
+from api.turn import Turn, TurnInputs, conversation_not_found
 from api.waiting import LazyStream, wait_admitted
 from engine.types import EngineError, FinishReason, TokenEvent
 from gateway.admission import Pass
@@ -66,7 +67,7 @@ async def _admit_and_serve(request: web.Request, state: AppState, grant: Pass) -
     )
     principal = request[PRINCIPAL]
     state.admission.route(grant, chat.model, over_budget=await state.over_budget(principal))
-    turn = await _prepare(state, principal, grant, chat)
+    turn = await _prepare(state, principal, grant, chat, request.app[BLOBS])
     verdict = await state.screen_prompt(turn)
     if verdict is not None:
         return await _refuse(request, state, turn, verdict)
@@ -82,27 +83,30 @@ async def _admit_and_serve(request: web.Request, state: AppState, grant: Pass) -
         grant.num_tokens_used = turn.num_prompt_tokens + turn.num_completion_tokens if grant.is_admitted else 0
 
 
-async def _prepare(state: AppState, principal, grant: Pass, chat: protocol.ChatRequest) -> Turn:
+async def _prepare(state: AppState, principal, grant: Pass, chat: protocol.ChatRequest, blobs) -> Turn:
     assert grant.route is not None
     history = None
     if chat.conversation_id is not None:
         conv = await state.store.get_conversation(principal.org.id, chat.conversation_id)
         if conv is None:
             raise conversation_not_found(chat.conversation_id)
-        history = tuple(protocol.ChatMessage(m.role, m.content) for m in conv.messages)
-    return make_turn(
-        TurnInputs(
-            request_id=grant.request_id,
-            principal=principal,
-            tier_name=grant.caller.tier_name,
-            tier=grant.caller.tier,
-            chat=chat,
-            model=state.models[grant.route.model],
-            fallback_from=grant.route.fallback_from,
-            history=history,
-            cache_salt=state.cache_salt(principal),
-        )
+        history = tuple(attachments.history_message(m) for m in conv.messages)
+    inputs = TurnInputs(
+        request_id=grant.request_id,
+        principal=principal,
+        tier_name=grant.caller.tier_name,
+        tier=grant.caller.tier,
+        chat=chat,
+        model=state.models[grant.route.model],
+        fallback_from=grant.route.fallback_from,
+        history=history,
+        cache_salt=state.cache_salt(principal),
     )
+    # Files and images (api/attachments.py): resolved, checked against the model, fitted to the context.
+    ctx = attachments.AttachContext(state.store, blobs, principal.org.id, state.settings.files, state.settings.images)
+    prepared = await attachments.prepare_turn(ctx, inputs)
+    prepared.turn.truncated_files = tuple(t.as_dict() for t in prepared.truncated)
+    return prepared.turn
 
 
 def _extra_fields(turn: Turn) -> dict:
@@ -110,6 +114,8 @@ def _extra_fields(turn: Turn) -> dict:
     if turn.chat.conversation_id is not None:
         extra["conversation_id"] = turn.chat.conversation_id
         extra["history_turns_dropped"] = turn.history_turns_dropped
+    if turn.truncated_files:
+        extra["truncated_files"] = list(turn.truncated_files)
     return extra
 
 
@@ -308,6 +314,7 @@ async def finish_turn(
         finished_at=time.time(),
         conversation_id=turn.chat.conversation_id,
         new_messages=turn.new_messages,
+        new_message_parts=turn.new_message_parts,
         assistant_content=content if (content or status is RequestStatus.FINISHED) else None,
         fallback_from=turn.fallback_from,
     )

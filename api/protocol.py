@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from api.errors import ApiError, bad_request
+from api.parts import Part, has_attachments, parse_parts, parse_truncation, text_of
 
 ROLES = frozenset({"system", "developer", "user", "assistant"})
 MAX_STOP_STRINGS = 4
@@ -38,14 +39,15 @@ _IGNORED_DEFAULTS: dict[str, tuple[Any, ...]] = {
 _KNOWN = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
     "stop", "presence_penalty", "frequency_penalty", "n", "stream", "stream_options", "user",
-    "top_k", "min_tokens", "ignore_eos", "conversation_id",
+    "top_k", "min_tokens", "ignore_eos", "conversation_id", "truncation",
 }
 
 
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
     role: str
-    content: str
+    content: str  # the message's own text (its text parts joined)
+    parts: tuple[Part, ...] = ()  # set only when the message has file or image parts (api/parts.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +71,7 @@ class ChatRequest:
     continuous_usage: bool  # stream_options.continuous_usage_stats (vLLM's extension): usage on every chunk
     user: str | None
     conversation_id: str | None
+    truncation: str = "disabled"  # 'auto': cut attached files that do not fit the context
 
 
 def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int) -> ChatRequest:
@@ -108,6 +111,7 @@ def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int) ->
         continuous_usage=continuous_usage,
         user=_opt_str(raw, "user"),
         conversation_id=_opt_str(raw, "conversation_id"),
+        truncation=parse_truncation(raw),
     )
 
 
@@ -164,25 +168,20 @@ def _message(value: Any, index: int) -> ChatMessage:
     content = value.get("content")
     if content is None and role == "assistant":
         content = ""
-    return ChatMessage("system" if role == "developer" else role, _content(content, f"{where}.content"))
+    text, parts = _content(content, f"{where}.content")
+    if parts and role != "user":
+        raise bad_request(f"Only user messages may carry files or images ('{where}').", param=f"{where}.content")
+    return ChatMessage("system" if role == "developer" else role, text, parts)
 
 
-def _content(value: Any, where: str) -> str:
+def _content(value: Any, where: str) -> tuple[str, tuple[Part, ...]]:
+    """(the text, the parts when there are file or image parts, else ())."""
     if isinstance(value, str):
-        return value
+        return value, ()
     if not isinstance(value, list):
-        raise bad_request(f"'{where}' must be a string or an array of text parts, got {_kind(value)}.", param=where)
-    texts = []
-    for i, part in enumerate(value):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise bad_request(
-                f"'{where}[{i}]' must be a text part {{\"type\": \"text\", \"text\": ...}}; "
-                "other part types are not supported.",
-                param=f"{where}[{i}]",
-                code="unsupported_value",
-            )
-        texts.append(part["text"])
-    return "".join(texts)
+        raise bad_request(f"'{where}' must be a string or an array of content parts, got {_kind(value)}.", param=where)
+    parts = parse_parts(value, where)
+    return text_of(parts), parts if has_attachments(parts) else ()
 
 
 def _opt_str(raw: dict[str, Any], key: str) -> str | None:

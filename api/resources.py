@@ -10,6 +10,7 @@ import calendar
 import time
 from pathlib import Path
 
+import orjson
 from aiohttp import web
 
 from api.chat import read_json
@@ -68,8 +69,11 @@ async def get_model(request: web.Request) -> web.Response:
 
 # -- conversations -----------------------------------------------------------------------
 def _message_obj(m: Message) -> dict:
-    return {"id": m.id, "object": "conversation.message", "role": m.role, "content": m.content,
-            "created_at": m.created_at, "tokens": m.tokens, "model": m.model}
+    obj = {"id": m.id, "object": "conversation.message", "role": m.role, "content": m.content,
+           "created_at": m.created_at, "tokens": m.tokens, "model": m.model}
+    if m.parts_json is not None:  # sent with files or images: the parts as sent (file ids, image refs)
+        obj["parts"] = orjson.loads(m.parts_json)
+    return obj
 
 
 def _conversation_obj(c: Conversation, *, with_messages: bool) -> dict:

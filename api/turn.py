@@ -37,6 +37,8 @@ class Turn:
     created_at: float
     history_turns_dropped: int = 0
     new_messages: tuple[tuple[str, str], ...] = ()
+    new_message_parts: tuple[str | None, ...] = ()  # per new message: its parts as JSON (attachments), or None
+    truncated_files: tuple[dict, ...] = ()  # files cut to fit the context (truncation: auto)
     # filled while serving
     admitted_s: float | None = None
     first_token_s: float | None = None

@@ -56,7 +56,11 @@ async def record(conn: aiosqlite.Connection, rec: RequestRecord) -> bool:
 
 def _turn(rec: RequestRecord) -> list[Message]:
     new_id = conversations.new_message_id
-    turn = [Message(new_id(), role, content, rec.created_at) for role, content in rec.new_messages]
+    parts = rec.new_message_parts
+    turn = [
+        Message(new_id(), role, content, rec.created_at, parts_json=parts[i] if i < len(parts) else None)
+        for i, (role, content) in enumerate(rec.new_messages)
+    ]
     if rec.assistant_content is not None:
         turn.append(
             Message(

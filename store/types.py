@@ -84,6 +84,7 @@ class Message:
     created_at: float
     tokens: int | None = None  # completion tokens of an assistant message; None for others
     model: str | None = None  # the model that wrote an assistant message
+    parts_json: str | None = None  # the content parts it was sent with (files, images); None: text only
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +120,7 @@ class RequestRecord:
     new_messages: tuple[tuple[str, str], ...] = ()  # (role, content) sent with this request
     assistant_content: str | None = None  # None: no assistant message is stored
     fallback_from: str | None = None  # the model first chosen, when the router fell back
+    new_message_parts: tuple[str | None, ...] = ()  # per new message: its parts as JSON, or None
 
 
 class QuotaExceeded(StoreError):

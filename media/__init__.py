@@ -1,0 +1,1 @@
+"""Attachments turned into model input: documents into text, images into checked pixels."""
