@@ -66,7 +66,9 @@ async def _admit_and_serve(request: web.Request, state: AppState, grant: Pass) -
         await read_json(request), max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars
     )
     principal = request[PRINCIPAL]
-    state.admission.route(grant, chat.model, over_budget=await state.over_budget(principal))
+    state.admission.route(grant, chat.model)  # a saturated queue refuses before any store read
+    if await state.over_budget(principal):
+        state.admission.route(grant, chat.model, over_budget=True)
     turn = await _prepare(state, principal, grant, chat, request.app[BLOBS])
     verdict = await state.screen_prompt(turn)
     if verdict is not None:

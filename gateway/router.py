@@ -75,14 +75,15 @@ class TierRouter:
             candidates = self._candidates(tier, asked)
         placements = {}
         for model in candidates:
-            offer = Offer("", tier.priority, num_tokens, wait_limit_s=min(tier.wait_target_s, self._max_wait_s(model)))
+            offer = Offer("", tier.priority, num_tokens, wait_limit_s=self._target_s(tier_name, tier, model))
             placements[model] = self._queues[model].assess(offer)
             if placements[model].outcome is not Outcome.REFUSED:
                 return self._chosen(tier_name, asked, model, over_budget)
         if self._is_top(tier):
             for model in candidates:
                 offer = Offer("", tier.priority, num_tokens, wait_limit_s=self._max_wait_s(model))
-                if self._queues[model].assess(offer).outcome is not Outcome.REFUSED:
+                placements[model] = self._queues[model].assess(offer)  # the refusal to report
+                if placements[model].outcome is not Outcome.REFUSED:
                     return self._chosen(tier_name, asked, model, over_budget)
         if not placements:
             raise NotEnabled(Reason.TIER_NOT_ENABLED, f"No model of the tier {tier_name!r} is loaded.")
@@ -90,11 +91,23 @@ class TierRouter:
         raise refusal(soonest)
 
     def wait_limit_s(self, tier_name: str, model: str) -> float:
-        """The estimated wait above which a request of this tier is shed from `model`'s queue:
-        its wait target, except for the top tier (only the queue's own max_wait_s)."""
+        """The estimated wait above which a request of this tier is shed from `model`'s queue.
+
+        The top tier has none but the queue's max_wait_s. Any other tier uses the smallest
+        wait target among itself and the tiers above it (the top one aside): a lower tier,
+        which always waits at least as long, is then shed whenever a higher one is.
+        """
         tier = self._tier(tier_name)
         limit_s = self._max_wait_s(model)
-        return limit_s if self._is_top(tier) else min(tier.wait_target_s, limit_s)
+        if self._is_top(tier):
+            return limit_s
+        targets = [t.wait_target_s for t in self._tiers.values()
+                   if t.models and tier.priority <= t.priority < self._top_priority]
+        return min([limit_s, *targets])
+
+    def _target_s(self, tier_name: str, tier: TierConfig, model: str) -> float:
+        """Where a fallback is taken: the tier's own target (the top tier's too)."""
+        return min(tier.wait_target_s, self.wait_limit_s(tier_name, model))
 
     def _chosen(self, tier_name: str, asked: str, model: str, over_budget: bool) -> Route:
         if model != asked:

@@ -108,6 +108,17 @@ async def test_the_top_tier_is_never_refused_for_its_wait_target():
     assert fx.router.route("enterprise", "flagship") == Route("flagship")
     assert fx.router.wait_limit_s("enterprise", "flagship") == 120.0  # only the queue's max_wait_s
     assert fx.router.wait_limit_s("plus", "flagship") == 10.0
+    assert fx.router.wait_limit_s("free", "mini") == 10.0  # never above a higher tier's: shed first
+    await fx.stop()
+
+
+async def test_a_top_tier_refusal_names_the_full_queue_not_its_wait_target():
+    fx = Fixture(max_waiting_requests=3)
+    fx.saturate("flagship", num_waiting=3, stalled_s=20.0)
+    fx.saturate("mini", num_waiting=3, stalled_s=0.0)
+    with pytest.raises(Overloaded) as info:
+        fx.router.route("enterprise", "flagship")
+    assert info.value.reason is Reason.QUEUE_FULL
     await fx.stop()
 
 
