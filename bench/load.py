@@ -1,9 +1,10 @@
-"""Open-loop load generator: Poisson arrivals of mixed-tier chat streams on a loopback server.
+"""Load generator: mixed-tier chat streams at a multiple of capacity on a loopback server.
 
 Starts `server.py` on 127.0.0.1 (or uses `--url`, which must be loopback), creates API keys
-per tier with the store CLI, measures capacity with a short closed loop unless `--rate` is
-given, then sends streams at `--overload` x capacity for a bounded time and count and prints
-per tier: TTFT, inter-token latency, completions, 429s and 503s, and how fast refusals came.
+per tier with the store CLI and measures capacity with a short closed loop. Two scenarios:
+`priority` (the default, `bench/priority.py`: one model with two sequences and a queue of 4,
+clients that retry refusals; checks issue #15's targets and can write bench/RESULTS.md) and
+`open-loop` (Poisson arrivals at `--overload` x capacity, per tier TTFT, ITL, 429s and 503s).
 """
 
 from __future__ import annotations
@@ -80,7 +81,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="also write the raw per-request results here")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     p.add_argument("--server-log", type=Path, help="spawned server's log file")
-    return p.parse_args(argv)
+    p.add_argument("--scenario", choices=("priority", "open-loop"), default="priority")
+    p.add_argument("--retry-s", type=float, default=0.25, help="priority: a refused client asks again after this")
+    p.add_argument("--patience-s", type=float, default=10.0, help="priority: a client gives up after this")
+    p.add_argument("--shares", default="0.2,0.3,0.5", help="priority: enterprise,plus,free shares of arrivals")
+    p.add_argument("--write-results", action="store_true", help="priority: write the table into bench/RESULTS.md")
+    args = p.parse_args(argv)
+    args.shares = tuple(float(x) for x in args.shares.split(","))
+    return args
 
 
 def parse_mix(text: str) -> dict[str, float]:
@@ -314,6 +322,8 @@ async def drive(args: argparse.Namespace, url: str, db: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.scenario == "priority":
+        return run_priority(args)
     if args.url is not None:
         require_loopback(args.url)
         if args.db is None:
@@ -329,6 +339,45 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.__exit__(None, None, None)
     return 0
+
+
+def run_priority(args: argparse.Namespace) -> int:
+    from bench import priority
+
+    args.overrides = [*priority.SERVER_SETTINGS, *args.overrides]
+    if args.model is None:
+        from testing.tiny_model import build_tiny_llama
+
+        args.model = ROOT / "build" / "load-model"
+        if not (args.model / "config.json").exists():  # 8 layers, hidden 512, random weights (seed 0)
+            build_tiny_llama(args.model, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                             num_attention_heads=8, num_key_value_heads=2, vocab_size=512,
+                             max_position_embeddings=1024)
+    with tempfile.TemporaryDirectory(prefix="load-") as tmp:
+        db = Path(tmp) / "load.db"
+        server = ServerProcess([*server_flags(args), "--db", str(db)], log_path=args.server_log or Path(tmp) / "server.log")
+        server.start(timeout_s=300.0)
+        try:
+            import uvloop  # the client shares the machine with the server: keep its loop cheap
+
+            run = uvloop.run(priority.drive(args, server.base_url, db))
+        finally:
+            server.__exit__(None, None, None)
+    capacity = run.num_clients.pop("_capacity")
+    rows = priority.summarize(run)
+    checks = priority.targets(rows, run)
+    header = (f"{time.strftime('%Y-%m-%d')}, {priority.cpu_name()}, CPU fp32, one torch thread. Capacity "
+              f"{capacity:.2f} req/s (closed loop of 6); {args.overload:g}x that in client arrivals for "
+              f"{args.duration_s:g} s, shares enterprise/plus/free {'/'.join(f'{x:g}' for x in args.shares)}; "
+              f"a refused client retries after {args.retry_s:g} s for up to {args.patience_s:g} s; max_tokens "
+              f"{args.max_tokens}. Server: `{' '.join(priority.SERVER_SETTINGS)}`.")
+    text = priority.markdown(rows, checks, header)
+    print(text)
+    for row in rows:
+        print(f"{row['tier']}: refusals by code {row['refusal_codes']}")
+    if args.write_results:
+        priority.write_results(text)
+    return 0 if all(ok for *_, ok in checks) else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,197 @@
+"""The priority scenario of `make load`: one model at three times its capacity, three tiers.
+
+One model with `engine.max_num_seqs=2` and a queue of 4, per-key limits raised so the queue
+decides. Arrivals (Poisson, 3x the capacity a closed loop measured first) are clients of
+one tier, each on its own key; a refused client retries `--retry-s` later until served or
+out of patience. A sampler reads /metrics meanwhile. Prints, and with `--write-results`
+writes to bench/RESULTS.md, per tier: requests, served, refused, TTFT and refusal latency,
+and checks the targets of issue #15.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import platform
+import random
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from bench.load import Plan, Result, _count_codes, calibrate, create_key, one_request, percentile, prompt
+
+TIERS = ("enterprise", "plus", "free")
+SERVER_SETTINGS = ("engine.max_num_seqs=2", "queue.max_waiting_requests=4", "safety.enabled=false",
+                   "engine.num_threads=1", "tiers.free.requests_per_minute=100000",
+                   "tiers.plus.requests_per_minute=100000", "tiers.enterprise.requests_per_minute=100000")
+RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
+SECTION = "## Load: priority under overload (`make load`, issue #15)"
+
+
+@dataclass(slots=True)
+class Sample:
+    running: float = 0.0  # the engine's own count of running sequences
+    engine_waiting: float = 0.0  # requests the engine holds but has not started
+    reserved: float = 0.0  # the gateway's reservations
+
+
+@dataclass(slots=True)
+class Run:
+    results: list[Result] = field(default_factory=list)
+    num_clients: dict[str, int] = field(default_factory=dict)
+    num_clients_served: dict[str, int] = field(default_factory=dict)
+    samples: list[Sample] = field(default_factory=list)
+    over_lower: dict[str, float] = field(default_factory=dict)
+
+
+def is_refusal(result: Result) -> bool:
+    return result.outcome == "rejected" or (result.outcome == "error" and result.code == "queue_displaced")
+
+
+async def client(session: aiohttp.ClientSession, plan: Plan, tier: str, key: str, rng: random.Random,
+                 args: argparse.Namespace, run: Run) -> None:
+    """One user: ask; on a refusal wait retry_s and ask again, until served or out of patience."""
+    give_up = time.perf_counter() + args.patience_s
+    run.num_clients[tier] = run.num_clients.get(tier, 0) + 1
+    while True:
+        result = await one_request(session, plan, tier, key, prompt(rng, plan.prompt_words))
+        run.results.append(result)
+        if result.outcome == "completed":
+            run.num_clients_served[tier] = run.num_clients_served.get(tier, 0) + 1
+            return
+        if time.perf_counter() + args.retry_s > give_up:
+            return
+        await asyncio.sleep(args.retry_s)
+
+
+async def sample_metrics(session: aiohttp.ClientSession, url: str, run: Run, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            async with session.get(url + "/metrics") as resp:
+                text = await resp.text()
+        except aiohttp.ClientError:
+            text = ""
+        values = {name: sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M))
+                  for name in ("chat_requests_running", "chat_engine_requests_waiting", "chat_requests_reserved")}
+        run.samples.append(Sample(values["chat_requests_running"], values["chat_engine_requests_waiting"],
+                                  values["chat_requests_reserved"]))
+        for tier, value in re.findall(r'^chat_refused_over_lower_tier_total\{[^}]*tier="(\w+)"[^}]*\} (\S+)$', text, re.M):
+            run.over_lower[tier] = float(value)
+        await asyncio.sleep(0.1)
+
+
+async def drive(args: argparse.Namespace, url: str, db: Path) -> Run:
+    keys = {tier: [create_key(args, db, f"prio-{tier}-{i}", tier) for i in range(args.keys_per_tier)]
+            for tier in TIERS}
+    keys["calibrate"] = [create_key(args, db, "prio-calibrate", "enterprise")]
+    plan = Plan(url, {}, keys, args.max_tokens, args.prompt_words, args.timeout_s)
+    mix = {"enterprise": args.shares[0], "plus": args.shares[1], "free": args.shares[2]}
+    run = Run()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        capacity = await calibrate(session, plan, args.calibrate_s, 6)
+        rate = args.overload * capacity
+        print(f"capacity {capacity:.2f} req/s; arrivals {rate:.2f} clients/s", flush=True)
+        await asyncio.sleep(3.0)
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(sample_metrics(session, url, run, stop))
+        rng = random.Random(args.seed)
+        tasks, next_key, start, at_s = [], dict.fromkeys(TIERS, 0), time.perf_counter(), 0.0
+        while (at_s := at_s + rng.expovariate(rate)) < args.duration_s:
+            await asyncio.sleep(max(0.0, start + at_s - time.perf_counter()))
+            tier = rng.choices(list(mix), list(mix.values()))[0]
+            key = keys[tier][next_key[tier] % len(keys[tier])]
+            next_key[tier] += 1
+            tasks.append(asyncio.create_task(client(session, plan, tier, key, random.Random(rng.random()), args, run)))
+        await asyncio.gather(*tasks)
+        stop.set()
+        await sampler
+    run.num_clients["_capacity"] = capacity  # type: ignore[assignment]
+    return run
+
+
+def summarize(run: Run) -> list[dict]:
+    rows = []
+    for tier in TIERS:
+        mine = [r for r in run.results if r.tier == tier]
+        served = [r for r in mine if r.outcome == "completed"]
+        refused = [r for r in mine if is_refusal(r)]
+        quick = [r.latency_s for r in refused if r.status in (429, 503) and r.latency_s is not None]
+        rows.append({
+            "tier": tier, "clients": run.num_clients.get(tier, 0),
+            "clients_served": run.num_clients_served.get(tier, 0), "requests": len(mine),
+            "served": len(served), "refused": len(refused),
+            "displaced": sum(r.code == "queue_displaced" for r in refused),
+            "other": len(mine) - len(served) - len(refused),
+            "served_share": round(len(served) / len(mine), 3) if mine else 0.0,
+            "ttft_p50_ms": _ms(percentile([r.ttft_s for r in served if r.ttft_s is not None], 0.5)),
+            "ttft_p99_ms": _ms(percentile([r.ttft_s for r in served if r.ttft_s is not None], 0.99)),
+            "refusal_p50_ms": _ms(percentile(quick, 0.5)), "refusal_p99_ms": _ms(percentile(quick, 0.99)),
+            "refused_over_lower_tier": int(run.over_lower.get(tier, 0)),
+            "refusal_codes": _count_codes(refused),
+        })
+    return rows
+
+
+def targets(rows: list[dict], run: Run) -> list[tuple[str, str, bool]]:
+    by = {row["tier"]: row for row in rows}
+    most_running = max((s.running for s in run.samples), default=0)
+    most_held = max((s.running + s.engine_waiting for s in run.samples), default=0)
+    most_reserved = max((s.reserved for s in run.samples), default=0)
+    p99s = [row["refusal_p99_ms"] for row in rows if row["refusal_p99_ms"] is not None]
+    shares = [by[t]["served_share"] for t in TIERS]
+    return [
+        ("enterprise refused while a lower tier held a queue place",
+         f"{by['enterprise']['refused_over_lower_tier']} (server counter)", by["enterprise"]["refused_over_lower_tier"] == 0),
+        ("served share enterprise > plus > free", " > ".join(f"{s:.3f}" for s in shares), shares[0] > shares[1] > shares[2]),
+        ("free still served", f"{by['free']['served']} requests", by["free"]["served"] > 0),
+        ("never more in the engine than its capacity (2)",
+         f"max running {most_running:.0f}, held {most_held:.0f}, reserved {most_reserved:.0f} over {len(run.samples)} samples",
+         most_held <= 2 and most_reserved <= 2),
+        ("refusals p99 < 50 ms", ", ".join(f"{p:.1f}" for p in p99s) + " ms", bool(p99s) and max(p99s) < 50.0),
+    ]
+
+
+COLUMNS = ["tier", "clients", "clients_served", "requests", "served", "refused", "displaced", "served_share",
+           "ttft_p50_ms", "ttft_p99_ms", "refusal_p50_ms", "refusal_p99_ms"]
+
+
+def markdown(rows: list[dict], checks: list[tuple[str, str, bool]], header: str) -> str:
+    lines = [SECTION, "", header, "",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join("-" if row[c] is None else str(row[c]) for c in COLUMNS) + " |" for row in rows]
+    lines += ["", "| target | measured | |", "|---|---|---|"]
+    lines += [f"| {name} | {value} | {'met' if ok else 'MISSED'} |" for name, value, ok in checks]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(section: str, path: Path = RESULTS_MD) -> None:
+    """Replace this scenario's section of RESULTS.md (or put it first), keeping the rest."""
+    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmark results\n"
+    head, sep, rest = text.partition(SECTION)
+    tail = ""
+    if sep:
+        following = re.search(r"^## ", rest[1:], re.M)
+        tail = rest[1 + following.start():] if following else ""
+    else:
+        first = re.search(r"^## ", text, re.M)
+        head, tail = (text[:first.start()], text[first.start():]) if first else (text + "\n", "")
+    path.write_text(head + section + "\n" + tail, encoding="utf-8")
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                flags = Path("/proc/cpuinfo").read_text()
+                isa = "AVX-512" if " avx512f" in flags else "no AVX-512"
+                return f"{line.split(':', 1)[1].strip()} ({isa})"
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, 1)
