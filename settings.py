@@ -80,12 +80,22 @@ class EngineConfig:
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     path: str = setting("", "Local model folder in Hugging Face layout.")
-    backend: str = setting("native", "native (PyTorch engine), trtllm (GPU hosts), or echo (tests).")
-    max_model_len: int = setting(0, "Context window in tokens; 0: from the model's config.json.")
+    backend: str = setting(
+        "native", "native (PyTorch engine), trtllm (GPU hosts), openai (other OpenAI-compatible servers), or echo (tests)."
+    )
+    max_model_len: int = setting(
+        0, "Context window in tokens; 0: from the model's config.json (openai: from the upstream's /models, else none)."
+    )
     price_input_per_mtok: float = setting(0.0, "USD per million prompt tokens.")
     price_cached_input_per_mtok: float = setting(0.0, "USD per million prompt tokens served from cache.")
     price_output_per_mtok: float = setting(0.0, "USD per million completion tokens.")
     fallback: str = setting("", "Model to serve this model's tier traffic when it is saturated.")
+    # backend = "openai" only (docs/scale-out.md):
+    urls: list[str] = setting([], "openai: base URLs of the upstream replicas, e.g. http://gpu-a:8000/v1.")
+    upstream_model: str = setting("", "openai: the model name the upstream knows; empty: this model's name.")
+    api_key_env: str = setting("", "openai: environment variable holding the upstream's API key; empty: none.")
+    max_in_flight: int = setting(64, "openai: requests sent to one replica at once; the rest wait in our queue.")
+    tokenizer: str = setting("", "openai: local tokenizer folder for exact counts and context checks; empty: estimate.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +213,17 @@ class TrtllmConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class UpstreamConfig:
+    connect_timeout_s: float = setting(5.0, "Seconds to open a connection to an upstream replica.")
+    first_token_timeout_s: float = setting(120.0, "Seconds an upstream may take to send its first chunk.")
+    idle_timeout_s: float = setting(60.0, "Seconds an upstream stream may stay silent between chunks.")
+    max_attempts: int = setting(2, "Replicas tried for one request before its first token (retries never follow a token).")
+    breaker_failures: int = setting(3, "Consecutive 5xx or timeouts that take a replica out (a refused connection: at once).")
+    breaker_open_s: float = setting(5.0, "Seconds a replica stays out before it is probed (GET /models) again.")
+    affinity_entries: int = setting(100_000, "Conversations remembered for sending their turns to the same replica.")
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     server: ServerConfig = field(default_factory=ServerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -212,6 +233,7 @@ class Settings:
     images: ImagesConfig = field(default_factory=ImagesConfig)
     safety: SafetyConfig = field(default_factory=SafetyConfig)
     trtllm: TrtllmConfig = field(default_factory=TrtllmConfig)
+    upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     models: dict[str, ModelConfig] = field(default_factory=dict)
     tiers: dict[str, TierConfig] = field(default_factory=dict)
 

@@ -20,6 +20,7 @@ from api import chat, files, resources
 from api.errors import ApiError, from_gateway, internal_error, overloaded, unauthorized
 from api.state import PRINCIPAL, REQUEST_ID, SETTINGS, STATE, AppState
 from engine.registry import build_models
+from engine.upstream.metrics import register_upstream_metrics
 from gateway.admission import build_admission
 from gateway.errors import GatewayError
 from gateway.metrics import Metrics
@@ -170,6 +171,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 async def _make_state(settings: Settings, store: Store, models) -> AppState:
     metrics = Metrics()
     admission = build_admission(settings, {name: handle.backend for name, handle in models.items()}, metrics)
+    register_upstream_metrics(metrics.registry, {name: handle.backend for name, handle in models.items()})
     local = None
     if keyless_allowed(settings):
         if settings.server.local_tier not in settings.tiers:

@@ -24,7 +24,7 @@ from api.state import PRINCIPAL, REQUEST_ID, STATE, AppState
 from api.files import BLOBS
 from api.turn import Turn, TurnInputs, conversation_not_found
 from api.waiting import LazyStream, wait_admitted
-from engine.types import EngineError, FinishReason, TokenEvent
+from engine.types import EngineError, EngineUnavailable, FinishReason, RequestRejected, TokenEvent, UsageSource
 from gateway.admission import Pass
 from gateway.errors import Overloaded
 from store.types import RequestRecord, RequestStatus
@@ -148,7 +148,7 @@ async def _serve_stream(request: web.Request, state: AppState, turn: Turn, grant
             raise  # nothing sent yet: a plain 503 with Retry-After
         grant.close(refund=True)
         await _stream_error(await stream.open(), from_gateway(exc), turn)
-    except (EngineError, ApiError) as exc:
+    except (EngineError, RequestRejected, ApiError) as exc:
         await finish_turn(state, turn, RequestStatus.ERROR, None)
         await _stream_error(await stream.open(), exc, turn)
     return (await stream.open())._response
@@ -156,13 +156,25 @@ async def _serve_stream(request: web.Request, state: AppState, turn: Turn, grant
 
 async def _stream_error(writer: SSEWriter, exc: Exception, turn: Turn) -> None:
     """After headers are sent an error is one `data:` frame with the error object, then the end."""
-    error = exc if isinstance(exc, ApiError) else ApiError(500, "The model failed while generating.", "server_error", "engine_error")
+    error = _engine_api_error(exc)
     log.error("stream_failed", request_id=turn.request_id, error=str(exc))
     try:
         await writer.data(error.body())
         await writer.done()
     except ClientGone:
         pass
+
+
+def _engine_api_error(exc: Exception) -> ApiError:
+    """A backend's failure in our envelope: the caller's fault (400), unreachable (503), else 500."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, RequestRejected):  # e.g. an upstream server's 400, passed on with its message
+        return ApiError(400, exc.message, "invalid_request_error", exc.code or "invalid_value", exc.param)
+    if isinstance(exc, EngineUnavailable):
+        return overloaded("The model is unavailable right now; please retry after the time in the Retry-After header.",
+                          retry_after_s=exc.retry_after_s, code="model_unavailable")
+    return ApiError(500, "The model failed while generating.", "server_error", "engine_error")
 
 
 async def _serve_unary(state: AppState, turn: Turn, grant: Pass) -> web.Response:
@@ -172,10 +184,10 @@ async def _serve_unary(state: AppState, turn: Turn, grant: Pass) -> web.Response
     except asyncio.CancelledError:  # client went away (handler cancellation) or shutdown
         await finish_turn(state, turn, RequestStatus.ABORTED, FinishReason.ABORT)
         raise
-    except EngineError as exc:
+    except (EngineError, RequestRejected) as exc:
         await finish_turn(state, turn, RequestStatus.ERROR, None)
         log.error("request_failed", request_id=turn.request_id, error=str(exc))
-        raise ApiError(500, "The model failed while generating.", "server_error", "engine_error") from None
+        raise _engine_api_error(exc) from None
     await finish_turn(state, turn, _STATUS[finish], finish)
     body = protocol.completion_body(
         turn.completion_id, turn.model.name, protocol.now_s(), "".join(turn.text_parts),
@@ -250,6 +262,9 @@ async def _next_event(
 
 
 def _count(turn: Turn, event: TokenEvent) -> None:
+    if event.usage_source is not UsageSource.ENGINE:  # counted by an upstream server, or recounted for it
+        turn.reported_prompt_tokens = event.num_prompt_tokens
+        turn.usage_source = event.usage_source
     turn.num_cached_tokens = event.num_cached_tokens
     turn.num_completion_tokens = event.num_completion_tokens
     if turn.first_token_s is None and event.num_completion_tokens > 0:
@@ -319,6 +334,7 @@ async def finish_turn(
         new_message_parts=turn.new_message_parts,
         assistant_content=content if (content or status is RequestStatus.FINISHED) else None,
         fallback_from=turn.fallback_from,
+        usage_source=turn.usage_source.value,
     )
     await state.record(turn, record, finish)
 

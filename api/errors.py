@@ -73,6 +73,7 @@ GATEWAY_ERRORS: dict[Reason, tuple[int, str, str]] = {
     Reason.WAIT_TOO_LONG: (503, "server_error", "queue_wait_too_long"),
     Reason.DISPLACED: (503, "server_error", "queue_displaced"),
     Reason.SHUTTING_DOWN: (503, "server_error", "server_shutting_down"),
+    Reason.MODEL_UNAVAILABLE: (503, "server_error", "model_unavailable"),
     Reason.OVER_QUOTA: (429, "insufficient_quota", "insufficient_quota"),
     Reason.MODEL_NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
     Reason.TIER_NOT_ENABLED: (403, "invalid_request_error", "tier_not_enabled"),

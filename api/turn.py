@@ -8,6 +8,7 @@ errors that name the numbers. Nothing is queued or generated here.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from api.errors import ApiError, bad_request, not_found
 from api.protocol import ChatMessage, ChatRequest
 from engine.registry import ModelHandle
-from engine.types import GenerationRequest, RequestRejected, SamplingParams
+from engine.types import ChatPrompt, GenerationRequest, RequestRejected, SamplingParams, UsageSource
 from settings import TierConfig
 from store.types import Principal
 
@@ -46,9 +47,13 @@ class Turn:
     num_completion_tokens: int = 0
     text_parts: list[str] = field(default_factory=list)
     recorded: bool = False  # set by the one finish path; a second call is a no-op
+    reported_prompt_tokens: int | None = None  # a backend's own count (an upstream's usage), if it reported one
+    usage_source: UsageSource = UsageSource.ENGINE
 
     @property
     def num_prompt_tokens(self) -> int:
+        if self.reported_prompt_tokens is not None:
+            return self.reported_prompt_tokens
         return len(self.gen.prompt_token_ids)
 
     @property
@@ -122,6 +127,21 @@ def check_fits(num_prompt: int, max_tokens: int, limit: int, model_name: str) ->
     )
 
 
+# Validated request fields handed, as the client sent them, to backends that forward the chat
+# to another server (engine/upstream); add a field here when api/protocol.py accepts it.
+PASS_THROUGH_FIELDS = (
+    "tools", "tool_choice", "parallel_tool_calls", "response_format", "logprobs", "top_logprobs", "n", "logit_bias",
+)
+
+
+def chat_prompt(chat: ChatRequest, context: list[ChatMessage]) -> ChatPrompt:
+    """The context as OpenAI message objects, plus the pass-through fields the request carries."""
+    messages = tuple({k: v for k, v in dataclasses.asdict(m).items() if v is not None} for m in context)
+    options = {name: value for name in PASS_THROUGH_FIELDS
+               if (value := getattr(chat, name, None)) is not None and value != () and value != {}}
+    return ChatPrompt(messages, options)
+
+
 def sampling_from(chat: ChatRequest, max_tokens: int) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
@@ -171,6 +191,7 @@ def make_turn(inp: TurnInputs) -> Turn:
         priority=tier.priority,
         cache_salt=inp.cache_salt,
         arrival_s=now,
+        chat=chat_prompt(chat, context),
     )
     try:
         model.backend.check_request(gen)

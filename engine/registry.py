@@ -18,7 +18,7 @@ from settings import ConfigError, ModelConfig, Settings
 
 log = structlog.get_logger(__name__)
 
-BACKENDS = ("native", "trtllm", "echo")
+BACKENDS = ("native", "trtllm", "openai", "echo")
 
 
 @dataclass(slots=True)
@@ -26,7 +26,7 @@ class ModelHandle:
     name: str
     config: ModelConfig
     backend: Backend
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer  # backend "openai": the counter of engine/upstream/counting.py
 
     @property
     def max_model_len(self) -> int:
@@ -50,6 +50,11 @@ def build_model(name: str, config: ModelConfig, settings: Settings) -> ModelHand
     """Construct (not start) the backend for one model; raises ConfigError on bad setup."""
     if config.backend not in BACKENDS:
         raise ConfigError(f"models.{name}.backend: expected one of {', '.join(BACKENDS)}, got {config.backend!r}")
+    if config.backend == "openai":
+        from engine.upstream.build import build_upstream_model
+
+        backend, counter = build_upstream_model(name, config, settings.upstream)
+        return ModelHandle(name, config, backend, counter)
     model_dir = Path(config.path)
     if not model_dir.is_dir():
         raise ConfigError(f"models.{name}.path: model folder not found: {model_dir}")

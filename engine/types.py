@@ -8,9 +8,9 @@ must not add their own fields to these types.
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 class FinishReason(enum.Enum):
@@ -41,9 +41,31 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+class UsageSource(enum.Enum):
+    """Who counted a request's tokens (said in its ledger row)."""
+
+    ENGINE = "engine"  # the engine in this process that ran the model
+    UPSTREAM = "upstream"  # the usage an upstream server reported
+    TOKENIZER = "tokenizer"  # the upstream reported none: recounted with the model's local tokenizer
+    ESTIMATE = "estimate"  # no usage reported and no local tokenizer: estimated from the text
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """The prompt as chat messages, for backends that hand text to another server.
+
+    `messages` are OpenAI message objects (stored history included, as rendered for the
+    template); `options` are further validated request fields as the client sent them
+    (tools, response_format, logprobs, n, ...), for servers that support them.
+    """
+
+    messages: tuple[Mapping[str, Any], ...]
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """One request as a backend sees it: token ids, not text."""
+    """One request as a backend sees it: token ids, not text (plus the chat, for text backends)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -51,6 +73,7 @@ class GenerationRequest:
     priority: int = 0  # higher runs first; preemption evicts the lowest first
     cache_salt: str | None = None  # prefix-cache namespace (per organisation); None: shared
     arrival_s: float = 0.0  # time.monotonic() when the request entered the server
+    chat: ChatPrompt | None = None  # the same prompt as messages; token backends ignore it
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +90,7 @@ class TokenEvent:
     num_cached_tokens: int
     num_completion_tokens: int
     finish_reason: FinishReason | None = None
+    usage_source: UsageSource = UsageSource.ENGINE
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +117,14 @@ class EngineStats:
 
 class EngineError(Exception):
     """A backend failed while serving a request (not the caller's fault): a 500/503."""
+
+
+class EngineUnavailable(EngineError):
+    """The backend cannot be reached right now (every upstream replica down): a 503 with Retry-After."""
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class RequestRejected(Exception):

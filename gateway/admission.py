@@ -163,11 +163,17 @@ class Admission:
             self._metrics.count_refused_over_lower_tier(caller.tier_name, model)
 
 
+def _always() -> bool:
+    return True
+
+
 def build_admission(settings: Settings, backends: Mapping[str, Backend], metrics: Metrics) -> Admission:
     """One queue per model (as many reservations as its backend runs at once), the router
     over them and a fresh limiter; the queues feed the metrics' gauges."""
     queues = {
-        name: ModelQueue(name, settings.queue, has_room=backend.has_room, capacity=backend.max_num_running)
+        name: ModelQueue(name, settings.queue, has_room=backend.has_room, capacity=backend.max_num_running,
+                         # optional: only backends that can lose their server (engine/upstream) have it
+                         is_available=getattr(backend, "is_available", _always))
         for name, backend in backends.items()
     }
     for name, backend in backends.items():

@@ -26,6 +26,7 @@ class Reason(enum.Enum):
     WAIT_TOO_LONG = "queue_wait_too_long"  # shed: the estimated wait passes the tier's target
     DISPLACED = "queue_displaced"  # a more urgent request took this one's place
     SHUTTING_DOWN = "server_shutting_down"
+    MODEL_UNAVAILABLE = "model_unavailable"  # the backend cannot be reached (every upstream replica down)
     # the caller's plan
     OVER_QUOTA = "insufficient_quota"
     MODEL_NOT_FOUND = "model_not_found"
@@ -36,7 +37,9 @@ RATE_LIMIT_REASONS = frozenset({
     Reason.KEY_REQUESTS, Reason.KEY_TOKENS, Reason.TIER_REQUESTS, Reason.TIER_TOKENS,
     Reason.CONCURRENT_STREAMS, Reason.REQUEST_TOO_LARGE,
 })
-LOAD_REASONS = frozenset({Reason.QUEUE_FULL, Reason.WAIT_TOO_LONG, Reason.DISPLACED, Reason.SHUTTING_DOWN})
+LOAD_REASONS = frozenset({
+    Reason.QUEUE_FULL, Reason.WAIT_TOO_LONG, Reason.DISPLACED, Reason.SHUTTING_DOWN, Reason.MODEL_UNAVAILABLE,
+})
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from settings import QueueConfig
 log = structlog.get_logger(__name__)
 
 Clock = Callable[[], float]
+UNAVAILABLE_RETRY_S = 5.0  # Retry-After while a model's backend cannot be reached
 
 
 class TicketState(enum.Enum):
@@ -109,11 +110,13 @@ class ModelQueue:
         *,
         capacity: int = 0,
         poll_interval_s: float = 0.05,
+        is_available: Callable[[], bool] = lambda: True,
     ):
         self.model_name = model_name
         self.config = config
         self.room = WaitingRoom(config, capacity, clock)
         self._has_room = has_room
+        self._is_available = is_available  # False: the backend cannot be reached; the router falls back
         self._clock = clock
         self._poll_interval_s = poll_interval_s
         self._tickets: dict[str, QueueTicket] = {}
@@ -131,6 +134,8 @@ class ModelQueue:
     def assess(self, offer: Offer) -> Placement:
         if self._is_closed:
             return Placement(Outcome.REFUSED, Reason.SHUTTING_DOWN, 5.0)
+        if not self._is_available():
+            return Placement(Outcome.REFUSED, Reason.MODEL_UNAVAILABLE, UNAVAILABLE_RETRY_S)
         return self.room.assess(offer, engine_has_room=self._engine_has_room())
 
     def estimated_wait_s(self, priority: int | None = None) -> float:
@@ -140,6 +145,8 @@ class ModelQueue:
         """A ticket, already admitted when a reservation is free; raises Overloaded if refused."""
         if self._is_closed:
             raise Overloaded(Reason.SHUTTING_DOWN, "The server is shutting down.", retry_after_s=5.0)
+        if not self._is_available():
+            raise refusal(Placement(Outcome.REFUSED, Reason.MODEL_UNAVAILABLE, UNAVAILABLE_RETRY_S))
         placement = self.room.place(offer, engine_has_room=self._engine_has_room())
         if placement.outcome is Outcome.REFUSED:
             raise refusal(placement)
@@ -210,6 +217,8 @@ def refusal(placement: Placement) -> Overloaded:
         message = f"Estimated queue wait {placement.estimated_wait_s:.0f}s is too long for this tier; retry later."
     elif placement.reason is Reason.SHUTTING_DOWN:
         message = "The server is shutting down."
+    elif placement.reason is Reason.MODEL_UNAVAILABLE:
+        message = "The model cannot be reached right now; retry after the time in Retry-After."
     else:
         message = "The queue is full of requests of your tier or higher; retry after the time in Retry-After."
     return Overloaded(placement.reason or Reason.QUEUE_FULL, message, retry_after_s=placement.retry_after_s,

@@ -31,13 +31,14 @@ async def record(conn: aiosqlite.Connection, rec: RequestRecord) -> bool:
     cursor = await conn.execute(
         "INSERT INTO usage (request_id, org_id, key_id, model, tier, status, prompt_tokens, cached_tokens,"
         " completion_tokens, cost_usd, queue_ms, ttft_ms, total_ms, created_at, finished_at,"
-        " conversation_id, fallback_from) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        " conversation_id, fallback_from, usage_source)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
         " ON CONFLICT (request_id) DO NOTHING",
         (
             rec.request_id, rec.org_id, rec.key_id, rec.model, rec.tier, rec.status.value,
             rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens, rec.cost_usd,
             rec.queue_ms, rec.ttft_ms, rec.total_ms, rec.created_at, rec.finished_at,
-            rec.conversation_id, rec.fallback_from,
+            rec.conversation_id, rec.fallback_from, rec.usage_source,
         ),
     )  # fmt: skip
     if cursor.rowcount == 0:

@@ -124,8 +124,15 @@ CREATE INDEX files_expiry ON files(expires_at) WHERE expires_at IS NOT NULL;
 ALTER TABLE messages ADD COLUMN parts_json TEXT;  -- NULL: text only
 """
 
+# Who counted a ledger row's tokens: 'engine' (this process), 'upstream' (the usage an
+# upstream server reported), 'tokenizer' (our recount with the local tokenizer), 'estimate'.
+_V3_USAGE_SOURCE = """
+ALTER TABLE usage ADD COLUMN usage_source TEXT NOT NULL DEFAULT 'engine'
+    CHECK (usage_source IN ('engine', 'upstream', 'tokenizer', 'estimate'));
+"""
+
 # (version, script); version N leaves `PRAGMA user_version = N`.
-MIGRATIONS: tuple[tuple[int, str], ...] = ((1, _V1), (2, _V2_FILES))
+MIGRATIONS: tuple[tuple[int, str], ...] = ((1, _V1), (2, _V2_FILES), (3, _V3_USAGE_SOURCE))
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 

@@ -121,6 +121,7 @@ class RequestRecord:
     assistant_content: str | None = None  # None: no assistant message is stored
     fallback_from: str | None = None  # the model first chosen, when the router fell back
     new_message_parts: tuple[str | None, ...] = ()  # per new message: its parts as JSON, or None
+    usage_source: str = "engine"  # who counted the tokens: engine, upstream, tokenizer or estimate
 
 
 class QuotaExceeded(StoreError):

@@ -1,0 +1,157 @@
+"""The OpenAI wire format as an upstream speaks it: the request body we send, the stream
+chunks and error bodies we read. Pure functions; no I/O.
+
+Only what the front door validated is sent. Sampling fields beyond OpenAI's (top_k,
+min_tokens, ignore_eos: vLLM, SGLang and llama.cpp's server take them) are sent only when
+the request asks for them, so servers that know only OpenAI's fields are not disturbed.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from engine.types import FinishReason, GenerationRequest, RequestRejected
+
+# Upstream finish reasons we relay; tool calls end a turn like a stop (tool-call deltas are
+# relayed once the seam carries them).
+_FINISH = {
+    "stop": FinishReason.STOP,
+    "eos": FinishReason.STOP,
+    "tool_calls": FinishReason.STOP,
+    "function_call": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.ABORT,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One `data:` payload of an upstream stream."""
+
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+class ErrorKind(enum.Enum):
+    CLIENT = "client"  # the request's own fault (400, 413, 422): passed on as a 400
+    BUSY = "busy"  # 429: try another replica, else 503 with Retry-After
+    CONFIG = "config"  # 401, 403, 404: our configuration is wrong (key, model name)
+    SERVER = "server"  # 5xx or an error event: counts against the replica's breaker
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamError:
+    kind: ErrorKind
+    status: int
+    message: str
+    code: str | None = None
+    param: str | None = None
+    retry_after_s: float | None = None
+
+    def rejected(self) -> RequestRejected:
+        return RequestRejected(self.message, param=self.param, code=self.code)
+
+
+def request_body(request: GenerationRequest, upstream_model: str) -> dict[str, Any]:
+    """The streaming chat request for the upstream; usage is always asked for."""
+    if request.chat is None:
+        raise ValueError("an upstream request needs the chat messages (GenerationRequest.chat)")
+    s = request.sampling
+    body: dict[str, Any] = {
+        **request.chat.options,
+        "model": upstream_model,
+        "messages": [dict(m) for m in request.chat.messages],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": s.max_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+    }
+    optional = {
+        "seed": s.seed,
+        "stop": list(s.stop) or None,
+        "presence_penalty": s.presence_penalty or None,
+        "frequency_penalty": s.frequency_penalty or None,
+        "top_k": s.top_k,
+        "min_tokens": s.min_tokens or None,
+        "ignore_eos": s.ignore_eos or None,
+        "stop_token_ids": list(s.stop_token_ids) or None,
+    }
+    body.update({k: v for k, v in optional.items() if v is not None})
+    return body
+
+
+def parse_chunk(payload: dict[str, Any]) -> Chunk | UpstreamError:
+    """A decoded `data:` payload: text and finish of choice 0, usage, or an error event."""
+    if "error" in payload or payload.get("object") == "error":
+        return _error_from(500, payload, None)
+    text, finish = "", None
+    choices = payload.get("choices") or []
+    for choice in choices:
+        if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+            continue  # n > 1: only the first choice reaches the seam today
+        delta = choice.get("delta") or {}
+        content = delta.get("content") if isinstance(delta, dict) else None
+        text = content if isinstance(content, str) else ""
+        reason = choice.get("finish_reason")
+        finish = _FINISH.get(reason, FinishReason.STOP) if reason else None
+    return Chunk(text, finish, parse_usage(payload.get("usage")))
+
+
+def parse_usage(raw: Any) -> Usage | None:
+    if not isinstance(raw, dict):
+        return None
+    details = raw.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    try:
+        return Usage(int(raw.get("prompt_tokens") or 0), int(raw.get("completion_tokens") or 0), int(cached or 0))
+    except (TypeError, ValueError):
+        return None
+
+
+def classify_http_error(status: int, body: bytes, retry_after: str | None) -> UpstreamError:
+    """An upstream's non-200 answer, with the message of its error envelope."""
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        payload = {"message": body[:300].decode(errors="replace")}
+    return _error_from(status, payload if isinstance(payload, dict) else {}, retry_after)
+
+
+def _error_from(status: int, payload: dict[str, Any], retry_after: str | None) -> UpstreamError:
+    error = payload.get("error", payload)
+    if not isinstance(error, dict):  # e.g. {"error": "some text"}
+        error = {"message": str(error)}
+    if isinstance(error.get("code"), int) and status == 500:  # vLLM's {"object": "error", "code": 400}
+        status = error["code"]
+    message = str(error.get("message") or f"upstream answered HTTP {status}")
+    code = error.get("code") if isinstance(error.get("code"), str) else None
+    param = error.get("param") if isinstance(error.get("param"), str) else None
+    if status in (400, 413, 422):
+        kind = ErrorKind.CLIENT
+    elif status == 429:
+        kind = ErrorKind.BUSY
+    elif status in (401, 403, 404):
+        kind = ErrorKind.CONFIG
+    else:
+        kind = ErrorKind.SERVER
+    return UpstreamError(kind, status, message, code, param, _seconds(retry_after))
+
+
+def _seconds(value: str | None) -> float | None:
+    try:
+        return max(0.0, float(value)) if value else None
+    except ValueError:
+        return None

@@ -1,0 +1,317 @@
+"""End to end: two real instances of this server on a tiny model as upstreams, and a third in
+front of them with `backend = "openai"`. One set of processes serves the whole module; the
+test that kills and restarts an upstream runs last.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import sqlite3
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from testing.server_proc import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+UPSTREAM_NAME = "tiny-llama"
+QUESTION = [{"role": "user", "content": "What does the word river mean?"}]
+SLOW_WORDS = 150  # the echo model at 20 ms a token: a stream of ~3 s
+
+
+def upstream_config(tmp_path, model_dir) -> str:
+    path = tmp_path / "upstream.toml"
+    path.write_text(f"""
+[server]
+local_tier = "enterprise"
+[safety]
+enabled = false
+[engine]
+kv_cache_bytes = 8000000
+[models.{UPSTREAM_NAME}]
+path = "{model_dir}"
+backend = "native"
+[models.echo]
+path = "{model_dir}"
+backend = "echo"
+[tiers.enterprise]
+models = ["{UPSTREAM_NAME}", "echo"]
+max_tokens = 400
+max_context_tokens = 100000
+max_concurrent_streams = 64
+requests_per_minute = 100000
+tokens_per_minute = 100000000
+""")
+    return str(path)
+
+
+def front_config(tmp_path, model_dir, urls: list[str], dead_port: int) -> str:
+    urls_toml = json.dumps(urls)
+    path = tmp_path / "front.toml"
+    path.write_text(f"""
+[server]
+local_tier = "enterprise"
+[safety]
+enabled = true
+classifier = false
+output_classifier = false
+deny = {{ weapons = ["forbidden-upstream-test-phrase"] }}
+[upstream]
+connect_timeout_s = 2.0
+breaker_open_s = 0.5
+[models.tiny]
+backend = "openai"
+urls = {urls_toml}
+upstream_model = "{UPSTREAM_NAME}"
+tokenizer = "{model_dir}"
+max_in_flight = 8
+[models.tiny-est]
+backend = "openai"
+urls = {urls_toml}
+upstream_model = "{UPSTREAM_NAME}"
+[models.slow]
+backend = "openai"
+urls = {urls_toml}
+upstream_model = "echo"
+tokenizer = "{model_dir}"
+[models.dead]
+backend = "openai"
+urls = ["http://127.0.0.1:{dead_port}/v1"]
+fallback = "tiny"
+[models.dead-alone]
+backend = "openai"
+urls = ["http://127.0.0.1:{dead_port}/v1"]
+[tiers.enterprise]
+models = ["tiny", "tiny-est", "slow", "dead", "dead-alone"]
+max_tokens = 400
+max_context_tokens = 100000
+max_concurrent_streams = 64
+requests_per_minute = 100000
+tokens_per_minute = 100000000
+""")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("upstream")
+    env = {"CHAT_ECHO_TOKEN_DELAY_S": "0.02"}
+    ups = [ServerProcess(["--config", upstream_config(tmp, tiny_model_dir), "--db", str(tmp / f"up{i}.db")],
+                         env=env, log_path=tmp / f"up{i}.log") for i in range(2)]
+    dead_port = ServerProcess([]).port  # a free port nobody listens on
+    urls = [u.base_url + "/v1" for u in ups]
+    front = ServerProcess(["--config", front_config(tmp, tiny_model_dir, urls, dead_port), "--db", str(tmp / "front.db")],
+                          log_path=tmp / "front.log")
+    try:
+        for proc in (*ups, front):
+            proc.start()
+        yield {"ups": ups, "front": front, "db": tmp / "front.db", "tmp": tmp}
+    finally:
+        for proc in (front, *ups):
+            proc.kill()
+
+
+# -- helpers ------------------------------------------------------------------------------
+def post(base_url: str, body: dict, timeout_s: float = 60) -> tuple[int, dict, dict]:
+    req = urllib.request.Request(base_url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, dict(resp.headers), json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), json.loads(exc.read())
+
+
+def stream(base_url: str, body: dict) -> list[dict | str]:
+    """Every `data:` payload of a stream, decoded; '[DONE]' as a string."""
+    req = urllib.request.Request(base_url + "/v1/chat/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        text = resp.read().decode()
+    frames = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+    return [f if f == "[DONE]" else json.loads(f) for f in frames]
+
+
+def stream_text(frames) -> str:
+    return "".join(c["delta"].get("content") or "" for f in frames if isinstance(f, dict) for c in f.get("choices", []))
+
+
+def metric(base_url: str, name: str, **labels) -> float:
+    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        match = re.match(rf"^{re.escape(name)}\{{(.*)\}} (\S+)$", line)
+        if match and all(f'{k}="{v}"' in match.group(1) for k, v in labels.items()):
+            total += float(match.group(2))
+    return total
+
+
+def wait_until(check, timeout_s: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def served_by(cluster, model: str) -> list[float]:
+    return [metric(cluster["front"].base_url, "chat_upstream_requests_total", model=model,
+                   replica=u.base_url + "/v1") for u in cluster["ups"]]
+
+
+def greedy(messages, max_tokens=24, model="tiny", **extra) -> dict:
+    return {"model": model, "messages": messages, "temperature": 0, "max_tokens": max_tokens, **extra}
+
+
+# -- tests --------------------------------------------------------------------------------
+def test_greedy_answer_through_the_front_equals_the_upstreams_own(cluster):
+    front, up = cluster["front"], cluster["ups"][0]
+    status, _, own = post(up.base_url, greedy(QUESTION, model=UPSTREAM_NAME))
+    assert status == 200
+    for model in ("tiny", "tiny-est"):
+        status, headers, relayed = post(front.base_url, greedy(QUESTION, model=model))
+        assert status == 200, relayed
+        assert relayed["choices"][0]["message"]["content"] == own["choices"][0]["message"]["content"]
+        assert relayed["choices"][0]["finish_reason"] == own["choices"][0]["finish_reason"]
+        assert relayed["model"] == model and relayed["id"] == "chatcmpl-" + headers["X-Request-Id"].removeprefix("req_")
+        for key in ("prompt_tokens", "completion_tokens"):
+            assert relayed["usage"][key] == own["usage"][key], (model, key)
+
+
+def test_streaming_is_relayed_with_exact_text_and_usage(cluster):
+    front, up = cluster["front"], cluster["ups"][1]
+    body = greedy(QUESTION, max_tokens=40, stream_options={"include_usage": True})
+    own = stream(up.base_url, {**body, "model": UPSTREAM_NAME})
+    relayed = stream(front.base_url, body)
+    assert relayed[-1] == "[DONE]"
+    assert stream_text(relayed) == stream_text(own) != ""
+    assert len({f["id"] for f in relayed if isinstance(f, dict)}) == 1  # our own completion id throughout
+    assert relayed[-2]["usage"]["completion_tokens"] == own[-2]["usage"]["completion_tokens"]
+    assert relayed[-2]["usage"]["prompt_tokens"] == own[-2]["usage"]["prompt_tokens"]
+    num_content_chunks = sum(1 for f in relayed if isinstance(f, dict) and f["choices"] and f["choices"][0]["delta"].get("content"))
+    assert num_content_chunks > 1  # chunk by chunk, not one block at the end
+
+
+def test_the_ledger_bills_the_upstreams_usage_and_says_so(cluster):
+    status, headers, body = post(cluster["front"].base_url, greedy(QUESTION, model="tiny-est"))
+    assert status == 200
+    request_id = headers["X-Request-Id"]
+
+    def row():
+        with sqlite3.connect(f"file:{cluster['db']}?mode=ro", uri=True) as conn:
+            return conn.execute("SELECT prompt_tokens, completion_tokens, usage_source FROM usage WHERE request_id = ?",
+                                (request_id,)).fetchone()
+
+    wait_until(lambda: row() is not None, what="the ledger row")
+    assert row() == (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"], "upstream")
+
+
+def test_a_conversations_next_turn_goes_to_the_same_replica_and_hits_its_cache(cluster):
+    for i in range(3):  # three conversations: least-outstanding spreads them, affinity keeps each
+        first = [{"role": "user", "content": f"Conversation {i}: tell me about rivers, the sea and the weather."}]
+        before = served_by(cluster, "tiny")
+        status, _, turn1 = post(cluster["front"].base_url, greedy(first, max_tokens=20))
+        assert status == 200
+        after1 = served_by(cluster, "tiny")
+        replica = max(range(2), key=lambda r: after1[r] - before[r])
+        history = [*first, {"role": "assistant", "content": turn1["choices"][0]["message"]["content"]},
+                   {"role": "user", "content": "And what about the lazy dog?"}]
+        status, _, turn2 = post(cluster["front"].base_url, greedy(history, max_tokens=8))
+        assert status == 200
+        after2 = served_by(cluster, "tiny")
+        assert after2[replica] - after1[replica] == 1 and sum(after2) - sum(after1) == 1
+        assert turn2["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16  # at least one KV block reused
+
+
+def test_the_prompt_screen_runs_in_front_and_nothing_reaches_the_upstream(cluster):
+    before = served_by(cluster, "tiny")
+    status, _, body = post(cluster["front"].base_url,
+                           greedy([{"role": "user", "content": "say forbidden-upstream-test-phrase"}]))
+    assert status == 200 and body["choices"][0]["finish_reason"] == "content_filter"
+    assert served_by(cluster, "tiny") == before
+
+
+def test_an_upstream_client_error_is_passed_on_with_its_message(cluster):
+    # No local tokenizer and no max_model_len: the upstream's own context check answers.
+    long_prompt = [{"role": "user", "content": "river " * 300}]
+    status, _, body = post(cluster["front"].base_url, greedy(long_prompt, max_tokens=400, model="tiny-est"))
+    assert status == 400
+    assert body["error"]["code"] == "context_length_exceeded"
+    assert "maximum context length" in body["error"]["message"]
+
+
+def test_an_unreachable_model_falls_back_visibly_or_gives_503_with_retry_after(cluster):
+    status, headers, body = post(cluster["front"].base_url, greedy(QUESTION, model="dead"))
+    assert status == 200 and headers["x-fallback-from"] == "dead" and body["model"] == "tiny"
+    status, headers, body = post(cluster["front"].base_url, greedy(QUESTION, model="dead-alone"))
+    assert status == 503 and int(headers["Retry-After"]) >= 1
+    assert body["error"]["code"] == "model_unavailable"
+    assert metric(cluster["front"].base_url, "chat_upstream_breaker_state", model="dead-alone") == 2
+
+
+def test_a_disconnect_at_the_front_aborts_the_upstream_request(cluster):
+    front = cluster["front"]
+
+    def upstream_aborts() -> float:
+        return sum(metric(u.base_url, "chat_requests_finished_total", model="echo", finish_reason="abort")
+                   for u in cluster["ups"])
+
+    before = upstream_aborts()
+    conn = http.client.HTTPConnection("127.0.0.1", front.port, timeout=30)
+    body = {"model": "slow", "stream": True, "messages": [{"role": "user", "content": " ".join(["w"] * SLOW_WORDS)}]}
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    while '"content":"w' not in (line := resp.readline().decode()) and '"content":" w' not in line:
+        assert line, "the stream ended before its first token"
+    conn.sock.close()  # the client goes away mid-answer
+    conn.close()
+    wait_until(lambda: upstream_aborts() == before + 1, what="the upstream to count an aborted request")
+    wait_until(lambda: metric(front.base_url, "chat_upstream_requests_in_flight", model="slow") == 0,
+               what="the front to release the upstream slot")
+
+
+def test_killing_an_upstream_mid_stream_errors_that_stream_and_new_requests_go_to_the_other(cluster):
+    front, ups = cluster["front"], cluster["ups"]
+    result: dict = {}
+    conn = http.client.HTTPConnection("127.0.0.1", front.port, timeout=60)
+    body = {"model": "slow", "stream": True, "messages": [{"role": "user", "content": " ".join(["w"] * SLOW_WORDS)}]}
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    wait_until(lambda: metric(front.base_url, "chat_upstream_requests_in_flight", model="slow") == 1, what="in flight")
+    victim = next(i for i, u in enumerate(ups)
+                  if metric(front.base_url, "chat_upstream_requests_in_flight", model="slow", replica=u.base_url + "/v1"))
+    port = ups[victim].port
+    ups[victim].kill()
+    result["text"] = resp.read().decode()
+    conn.close()
+    frames = [line[6:] for line in result["text"].split("\n") if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    assert json.loads(frames[-2])["error"]["code"] == "model_unavailable"
+    label = dict(model="slow", replica=ups[victim].base_url + "/v1")
+    assert metric(front.base_url, "chat_upstream_breaker_state", **label) == 2
+
+    survivor = ups[1 - victim].base_url + "/v1"
+    before = metric(front.base_url, "chat_upstream_requests_total", model="tiny", replica=survivor)
+    for _ in range(3):
+        status, _, answer = post(front.base_url, greedy(QUESTION))
+        assert status == 200, answer
+    assert metric(front.base_url, "chat_upstream_requests_total", model="tiny", replica=survivor) >= before + 3
+
+    restarted = ServerProcess(ups[victim].args, env={"CHAT_ECHO_TOKEN_DELAY_S": "0.02"},
+                              log_path=cluster["tmp"] / "restarted.log")
+    restarted.port = port
+    ups[victim] = restarted.start()
+    wait_until(lambda: metric(front.base_url, "chat_upstream_breaker_state", **label) == 1,
+               what="the probe to let the replica back in (half-open)")
+    for i in range(4):  # the half-open replica takes one trial request; its success closes the breaker
+        messages = [{"role": "user", "content": f"new conversation {i}"}]  # no affinity to the survivor
+        status, _, answer = post(front.base_url, greedy(messages, max_tokens=4, model="slow"))
+        assert status == 200, answer
+    assert metric(front.base_url, "chat_upstream_breaker_state", **label) == 0

@@ -1,0 +1,77 @@
+"""The upstream wire format: the body we send, the chunks and errors we read, and counting."""
+
+from __future__ import annotations
+
+from engine.types import ChatPrompt, FinishReason, GenerationRequest, RequestRejected, SamplingParams, UsageSource
+from engine.upstream.counting import EstimatingCounter
+from engine.upstream.wire import Chunk, ErrorKind, UpstreamError, classify_http_error, parse_chunk, request_body
+
+
+def make_request(sampling: SamplingParams, **options) -> GenerationRequest:
+    chat = ChatPrompt(({"role": "user", "content": "hi"},), options)
+    return GenerationRequest("req_1", (1, 2), sampling, chat=chat)
+
+
+def test_the_body_always_streams_and_asks_for_usage_and_sends_only_what_was_asked():
+    body = request_body(make_request(SamplingParams(max_tokens=16, temperature=0.0)), "Qwen/Qwen3-8B")
+    assert body == {
+        "model": "Qwen/Qwen3-8B", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+        "stream_options": {"include_usage": True}, "max_tokens": 16, "temperature": 0.0, "top_p": 1.0,
+    }
+
+
+def test_extensions_and_pass_through_fields_are_sent_when_present():
+    sampling = SamplingParams(max_tokens=8, seed=7, stop=("\n\n",), top_k=20, min_tokens=2, ignore_eos=True,
+                              presence_penalty=0.5)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    body = request_body(make_request(sampling, tools=tools, response_format={"type": "json_object"}, n=2), "m")
+    assert body["seed"] == 7 and body["stop"] == ["\n\n"] and body["top_k"] == 20
+    assert body["min_tokens"] == 2 and body["ignore_eos"] is True and body["presence_penalty"] == 0.5
+    assert body["tools"] == tools and body["response_format"] == {"type": "json_object"} and body["n"] == 2
+    assert "frequency_penalty" not in body
+
+
+def test_pass_through_fields_never_override_what_the_front_decided():
+    body = request_body(make_request(SamplingParams(max_tokens=8), model="other", stream=False), "m")
+    assert body["model"] == "m" and body["stream"] is True
+
+
+def test_chunks_give_text_finish_and_usage():
+    assert parse_chunk({"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]}) == Chunk("Hel")
+    last = parse_chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+    assert last.finish_reason is FinishReason.LENGTH and last.text == ""
+    usage = parse_chunk({"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 3,
+                                                  "prompt_tokens_details": {"cached_tokens": 8}}}).usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == (12, 3, 8)
+    no_details = parse_chunk({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1,
+                                                       "prompt_tokens_details": None}}).usage
+    assert no_details.cached_tokens == 0
+
+
+def test_an_error_event_in_the_stream_is_an_upstream_error():
+    error = parse_chunk({"error": {"message": "CUDA out of memory", "type": "server_error"}})
+    assert isinstance(error, UpstreamError) and error.kind is ErrorKind.SERVER and "memory" in error.message
+
+
+def test_http_errors_are_classified_with_the_upstreams_message():
+    client = classify_http_error(400, b'{"error": {"message": "too long", "code": "context_length_exceeded", '
+                                      b'"param": "messages"}}', None)
+    assert client.kind is ErrorKind.CLIENT
+    rejected = client.rejected()
+    assert isinstance(rejected, RequestRejected) and rejected.message == "too long" and rejected.param == "messages"
+    vllm_style = classify_http_error(400, b'{"object": "error", "message": "bad top_k", "code": 400}', None)
+    assert vllm_style.kind is ErrorKind.CLIENT and vllm_style.message == "bad top_k"
+    assert classify_http_error(429, b"{}", "7").retry_after_s == 7.0
+    assert classify_http_error(429, b"{}", None).kind is ErrorKind.BUSY
+    assert classify_http_error(401, b"{}", None).kind is ErrorKind.CONFIG
+    assert classify_http_error(502, b"<html>bad gateway</html>", None).kind is ErrorKind.SERVER
+
+
+def test_the_estimating_counter_counts_about_four_bytes_a_token_and_keeps_prompts_apart():
+    counter = EstimatingCounter()
+    assert counter.usage_source is UsageSource.ESTIMATE
+    assert counter.count("abcdefgh") == 2 and counter.count("abcdefghi") == 3
+    a = counter.encode_chat([{"role": "user", "content": "hello there"}])
+    b = counter.encode_chat([{"role": "user", "content": "hello where"}])
+    assert a != b and len(a) == len(b)
+    assert counter.decode(counter.encode("Ünïcödé ok")) == "Ünïcödé ok"
