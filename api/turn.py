@@ -8,7 +8,6 @@ errors that name the numbers. Nothing is queued or generated here.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -135,8 +134,9 @@ PASS_THROUGH_FIELDS = (
 
 
 def chat_prompt(chat: ChatRequest, context: list[ChatMessage]) -> ChatPrompt:
-    """The context as OpenAI message objects, plus the pass-through fields the request carries."""
-    messages = tuple({k: v for k, v in dataclasses.asdict(m).items() if v is not None} for m in context)
+    """The context as OpenAI message objects (the text the template sees), plus the pass-through
+    fields the request carries."""
+    messages = tuple({"role": m.role, "content": m.content} for m in context)
     options = {name: value for name in PASS_THROUGH_FIELDS
                if (value := getattr(chat, name, None)) is not None and value != () and value != {}}
     return ChatPrompt(messages, options)
