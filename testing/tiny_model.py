@@ -135,3 +135,35 @@ def _rewrite_rope_as_theta(config_file: Path, rope_theta: float) -> None:
 
 def _asdict(spec: TinyModelSpec) -> dict:
     return {name: getattr(spec, name) for name in spec.__slots__}
+
+
+def build_tiny_family(path: Path | str, model_type: str, *, seed: int = 0, tokenizer: bool = False, **config) -> Path:
+    """A random-weight checkpoint of any served family, built with transformers' own config class.
+
+    Norm weights and biases are moved away from their neutral start (ones, or zeros for Gemma's
+    1 + weight) so that a norm or bias the engine skipped would change the output.
+    """
+    import torch
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM, GenerationConfig
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    eos_id, pad_id, vocab_size = 2, 0, config.pop("vocab_size", 512)
+    if tokenizer:
+        tok = train_tokenizer(vocab_size)
+        eos_id, pad_id, vocab_size = write_tokenizer_files(path, tok), tok.token_to_id("<|endoftext|>"), tok.get_vocab_size()
+    defaults = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False,
+        eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None,
+    )
+    hf_config = CONFIG_MAPPING[model_type](**{**defaults, **config})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1:  # norm weights and biases
+                param.add_(torch.randn_like(param) * 0.1)
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
+    model.save_pretrained(path, safe_serialization=True)
+    return path

@@ -20,6 +20,20 @@ from engine.native import kernels
 
 
 @dataclass(frozen=True, slots=True)
+class AttentionSpec:
+    """How one layer attends: its q.k scale, its sliding window and its logit soft-cap."""
+
+    scale: float
+    sliding_window: int | None = None  # the last `sliding_window` positions, this one included
+    softcap: float | None = None  # scores become softcap * tanh(scores / softcap)
+
+    @property
+    def runs_in_kernel(self) -> bool:
+        """The compiled decode kernel attends to the whole context, uncapped."""
+        return self.sliding_window is None and self.softcap is None
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillChunk:
     start: int  # first row of the chunk in the flat batch
     end: int
@@ -27,6 +41,7 @@ class PrefillChunk:
     context_blocks: torch.Tensor | None  # [num_blocks] int64, None: the chunk is the whole context
     context_slots: torch.Tensor | None  # [context_len] int64
     mask: torch.Tensor | None  # [q_len, context_len] bool, None: plain causal (no cached context)
+    window_mask: torch.Tensor | None = None  # [q_len, context_len] bool for sliding layers (None: no such layer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,12 +51,13 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [num_tokens] int64: slot_mapping % block_size
     num_decode_tokens: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32 (padded with block 0 of the row)
-    decode_context_lens: torch.Tensor | None  # [num_decodes] int32, the new token included
+    decode_context_lens: torch.Tensor | None  # [num_decodes] int32, the new token included (kernel path only)
     decode_max_context_len: int
     decode_slots: torch.Tensor | None  # [num_decodes, max_context_len] int64 (gather path only)
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context_len] bool (gather path only)
     prefills: tuple[PrefillChunk, ...]
     block_size: int
+    decode_window_mask: torch.Tensor | None = None  # like decode_mask, for sliding layers
 
 
 def allocate_kv_cache(
@@ -79,16 +95,18 @@ def paged_attention(
     k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, head_dim, block_size]
     v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
     meta: AttentionMetadata,
+    spec: AttentionSpec | None = None,  # None: Llama's (head_dim ** -0.5, whole context)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attention of every row over its context; this step's k and v must already be in the cache."""
+    spec = spec or AttentionSpec(q.shape[-1] ** -0.5)
     if not meta.prefills:
-        return _decode(q, k_cache, v_cache, meta)
+        return _decode(q, k_cache, v_cache, meta, spec)
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
     if nd:
-        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta)
+        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, spec)
     for chunk in meta.prefills:
-        out[chunk.start : chunk.end] = _prefill(q, k, v, k_cache, v_cache, chunk)
+        out[chunk.start : chunk.end] = _prefill(q, k, v, k_cache, v_cache, chunk, spec)
     return out
 
 
@@ -103,8 +121,27 @@ def _gather_keys(k_cache: torch.Tensor, block_ids: torch.Tensor, length: int) ->
     return keys[..., :length, :]
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    if meta.decode_slots is None:
+def _attend(q, keys, values, mask, spec: AttentionSpec) -> torch.Tensor:
+    """SDPA over [batch, heads, len, head_dim]; with a soft-cap, the same steps as transformers' eager path."""
+    if spec.softcap is None:
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=mask is None, scale=spec.scale, enable_gqa=True
+        )
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * spec.scale
+    scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
+
+
+def _decode(q, k_cache, v_cache, meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
+    head_dim = q.shape[-1]
+    if meta.decode_context_lens is not None and spec.runs_in_kernel:
+        if spec.scale != head_dim**-0.5:  # the kernel scales by head_dim ** -0.5
+            q = q * (spec.scale * head_dim**0.5)
         return kernels.paged_decode_attention(
             q,
             k_cache,
@@ -121,13 +158,11 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
     slots = meta.decode_slots
     keys = k_cache[slots // meta.block_size, :, :, slots % meta.block_size].transpose(1, 2)  # [b, kv_heads, length, head_dim]
     values = v_cache.index_select(0, slots.view(-1)).view(b, length, *v_cache.shape[1:]).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, enable_gqa=True)
-    return out.squeeze(2)
+    mask = meta.decode_window_mask if spec.sliding_window is not None else meta.decode_mask
+    return _attend(q.unsqueeze(2), keys, values, mask, spec).squeeze(2)
 
 
-def _prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: PrefillChunk
-) -> torch.Tensor:
+def _prefill(q, k, v, k_cache, v_cache, chunk: PrefillChunk, spec: AttentionSpec) -> torch.Tensor:
     qs = q[chunk.start : chunk.end].transpose(0, 1)  # [num_heads, q_len, head_dim]
     if chunk.context_blocks is None:
         keys = k[chunk.start : chunk.end].transpose(0, 1)
@@ -135,12 +170,6 @@ def _prefill(
     else:
         keys = _gather_keys(k_cache, chunk.context_blocks, chunk.context_len)
         values = v_cache.index_select(0, chunk.context_slots).transpose(0, 1)
-    out = F.scaled_dot_product_attention(
-        qs.unsqueeze(0),
-        keys.unsqueeze(0),
-        values.unsqueeze(0),
-        attn_mask=chunk.mask,
-        is_causal=chunk.mask is None,
-        enable_gqa=True,
-    )
+    mask = chunk.window_mask if spec.sliding_window is not None else chunk.mask
+    out = _attend(qs.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), mask, spec)
     return out[0].transpose(0, 1)

@@ -21,7 +21,7 @@ import structlog
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.native.engine import LLMEngine, RequestOutput
-from engine.native.loader import load_llama_args
+from engine.native.loader import load_model_args
 from engine.tokenizer import Tokenizer
 from engine.types import (
     EngineError,
@@ -97,7 +97,7 @@ class NativeBackend:
         self._model_dir = Path(model_dir)
         self._config = config
         self._tokenizer = tokenizer
-        self._max_model_len = max_model_len or load_llama_args(self._model_dir).max_position_embeddings
+        self._max_model_len = max_model_len or load_model_args(self._model_dir).max_position_embeddings
         self._engine: LLMEngine | None = None
         self._streams: dict[str, _Stream] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -1,9 +1,9 @@
-"""Reads a Hugging Face Llama-family checkpoint folder into engine-ready weights.
+"""Reads a Hugging Face checkpoint folder of a served family (families.py) into engine-ready weights.
 
-Owns every checkpoint quirk in one place: config.json layouts of old and new `transformers`
-(`rope_theta` vs `rope_parameters`/`rope_scaling`), single or sharded safetensors, tied or
-untied embeddings, 16-bit weights upcast to the engine dtype. It fuses q/k/v and gate/up
-projections for fewer matmuls. Every failure names the file at fault.
+Owns every checkpoint quirk in one place: config.json read through transformers' config class
+(so every layout it ever wrote resolves the same way), single or sharded safetensors, tied or
+untied embeddings, 16-bit weights converted to the engine dtype, each family's tensor names.
+It fuses q/k/v and gate/up projections for fewer matmuls. Every failure names the file at fault.
 """
 
 from __future__ import annotations
@@ -16,12 +16,10 @@ from typing import Any
 import structlog
 import torch
 
+from engine.native.families import FAMILIES, ModelArgs, Norms, QKNorm, UnsupportedConfig, model_args_from_config
 from engine.types import EngineError
 
 log = structlog.get_logger(__name__)
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
 class ModelLoadError(EngineError):
@@ -29,45 +27,26 @@ class ModelLoadError(EngineError):
 
 
 @dataclass(frozen=True, slots=True)
-class LlamaArgs:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_type: str
-    rope_scaling: tuple[tuple[str, float], ...]  # llama3/linear settings, sorted (key, value)
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-
-    @property
-    def num_parameters(self) -> int:
-        """Parameters of the matmuls a token passes through (embedding lookup excluded)."""
-        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        return self.num_layers * (attn + mlp) + self.vocab_size * self.hidden_size
-
-
-@dataclass(frozen=True, slots=True)
 class LayerWeights:
     """One decoder layer. The four matmul weights are plain tensors as loaded; on CPUs with the
-    compiled kernels the runner swaps them for kernels.PackedLinear (model.pack_linear_layers)."""
+    compiled kernels the runner swaps them for kernels.PackedLinear (model.pack_linear_layers).
+    A norm the family does not have is None; Gemma's (1 + weight) is stored as that sum."""
 
-    input_norm: torch.Tensor  # [hidden]
+    input_norm: torch.Tensor | None  # [hidden] before attention (None: OLMo 2)
     qkv: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None  # Qwen2-style attention bias
     o_proj: torch.Tensor  # [hidden, num_heads * head_dim]
-    post_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor | None  # [hidden] before the MLP (None: OLMo 2)
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
+    q_norm: torch.Tensor | None = None  # [head_dim] (per head) or [num_heads * head_dim] (whole)
+    k_norm: torch.Tensor | None = None  # [head_dim] or [num_kv_heads * head_dim]
+    attn_out_norm: torch.Tensor | None = None  # [hidden] on attention's output (Gemma, OLMo 2)
+    mlp_out_norm: torch.Tensor | None = None  # [hidden] on the MLP's output (Gemma, OLMo 2)
 
 
 @dataclass(frozen=True, slots=True)
-class LlamaWeights:
+class ModelWeights:
     embed: torch.Tensor  # [vocab, hidden]
     layers: tuple[LayerWeights, ...]
     norm: torch.Tensor  # [hidden]
@@ -86,56 +65,38 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _rope_settings(cfg: dict[str, Any], where: Path) -> tuple[float, str, tuple[tuple[str, float], ...]]:
-    """(theta, rope type, scaling settings) from any of the layouts transformers has written."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise ModelLoadError(f"{where}: rope_parameters/rope_scaling must be an object")
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(f"{where}: rope type {rope_type!r} is not supported ({', '.join(SUPPORTED_ROPE_TYPES)})")
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    scaling = tuple(sorted((k, float(params[k])) for k in keys if k in params))
-    return float(theta), rope_type, scaling
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
-def load_llama_args(model_dir: Path) -> LlamaArgs:
-    """Parse and check config.json."""
+def load_model_args(model_dir: Path) -> ModelArgs:
+    """Parse and check config.json, through transformers' config class for its family."""
     where = Path(model_dir) / "config.json"
     cfg = _read_json(where)
     model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(f"{where}: model_type {model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{where}: hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
+    if model_type not in FAMILIES:
+        hint = " (a multimodal checkpoint: its text model is not served on its own yet)" if "text_config" in cfg else ""
+        raise ModelLoadError(f"{where}: model_type {model_type!r} is not one of {', '.join(FAMILIES)}{hint}")
+    for key in _REQUIRED_KEYS:
+        if key not in cfg:
+            raise ModelLoadError(f"{where}: missing key {key!r}")
+    from transformers import CONFIG_MAPPING
+
     try:
-        hidden, num_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        theta, rope_type, scaling = _rope_settings(cfg, where)
-        args = LlamaArgs(
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_type=rope_type,
-            rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        )
-    except KeyError as exc:
-        raise ModelLoadError(f"{where}: missing key {exc.args[0]!r}") from None
-    except (TypeError, ValueError) as exc:
+        args = model_args_from_config(CONFIG_MAPPING[model_type].from_dict(cfg))
+    except UnsupportedConfig as exc:
+        raise ModelLoadError(f"{where}: {exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"{where}: malformed value: {exc}") from None
     if args.num_heads % args.num_kv_heads:
         raise ModelLoadError(f"{where}: num_attention_heads must be a multiple of num_key_value_heads")
-    if cfg.get("sliding_window") and cfg.get("use_sliding_window", model_type == "mistral"):
-        raise ModelLoadError(f"{where}: sliding-window attention is not supported")
     return args
+
+
+def checkpoint_dtype(model_dir: Path) -> torch.dtype | None:
+    """The dtype config.json says the weights were saved in (None if it does not say)."""
+    cfg = _read_json(Path(model_dir) / "config.json")
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name)
 
 
 def _weight_files(model_dir: Path) -> dict[str, Path]:
@@ -172,12 +133,12 @@ class _TensorReader:
     def __init__(self, files: dict[str, Path], dtype: torch.dtype, device: torch.device):
         self._files = files
         self._open: dict[Path, Any] = {}
-        self._dtype, self._device = dtype, device
+        self.dtype, self._device = dtype, device
 
     def has(self, name: str) -> bool:
         return name in self._files
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         from safetensors import safe_open
 
         path = self._files.get(name)
@@ -191,43 +152,78 @@ class _TensorReader:
         tensor = self._open[path].get_tensor(name)
         if tuple(tensor.shape) != shape:
             raise ModelLoadError(f"{path}: {name} has shape {tuple(tensor.shape)}, config.json implies {shape}")
-        return tensor.to(device=self._device, dtype=self._dtype)
+        return tensor.to(device=self._device, dtype=dtype or self.dtype)
 
 
-def load_llama_weights(model_dir: Path, args: LlamaArgs, dtype: torch.dtype, device: torch.device) -> LlamaWeights:
+class _LayerReader:
+    """Reads one layer's tensors under the family's names and shapes."""
+
+    def __init__(self, reader: _TensorReader, args: ModelArgs, index: int):
+        self.r, self.a, self.p = reader, args, f"model.layers.{index}."
+
+    def norm(self, name: str, size: int) -> torch.Tensor:
+        weight = self.r.get(f"{self.p}{name}.weight", (size,), torch.float32)
+        return (weight + self.a.family.norm_offset).to(self.r.dtype)
+
+    def attention(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        a, p = self.a, f"{self.p}self_attn."
+        h, sizes = a.hidden_size, (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim)
+        if a.family.fused_projections:
+            return self.r.get(f"{p}qkv_proj.weight", (sum(sizes), h)), None
+        qkv = torch.cat([self.r.get(f"{p}{n}_proj.weight", (o, h)) for n, o in zip("qkv", sizes)]).contiguous()
+        if not self.r.has(f"{p}q_proj.bias"):
+            return qkv, None
+        return qkv, torch.cat([self.r.get(f"{p}{n}_proj.bias", (o,)) for n, o in zip("qkv", sizes)])
+
+    def mlp(self) -> torch.Tensor:
+        a, p = self.a, f"{self.p}mlp."
+        if a.family.fused_projections:
+            return self.r.get(f"{p}gate_up_proj.weight", (2 * a.intermediate_size, a.hidden_size))
+        pair = [self.r.get(f"{p}{n}_proj.weight", (a.intermediate_size, a.hidden_size)) for n in ("gate", "up")]
+        return torch.cat(pair).contiguous()
+
+    def qk_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        a = self.a
+        if a.family.qk_norm is QKNorm.NONE:
+            return None, None
+        whole = a.family.qk_norm is QKNorm.WHOLE
+        q_size, k_size = (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim) if whole else (a.head_dim, a.head_dim)
+        return self.norm("self_attn.q_norm", q_size), self.norm("self_attn.k_norm", k_size)
+
+    def layer(self) -> LayerWeights:
+        a, h = self.a, self.a.hidden_size
+        for name in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.qkv_proj"):
+            if self.r.has(f"{self.p}{name}.bias"):  # e.g. Llama with attention_bias or mlp_bias
+                raise ModelLoadError(f"{self.p}{name}.bias is not supported (biases only on q, k and v, as in Qwen2)")
+        qkv, bias = self.attention()
+        q_norm, k_norm = self.qk_norms()
+        norms = a.family.norms
+        mlp_in = {Norms.PRE: "post_attention_layernorm", Norms.SANDWICH: "pre_feedforward_layernorm"}.get(norms)
+        return LayerWeights(
+            input_norm=None if norms is Norms.POST else self.norm("input_layernorm", h),
+            qkv=qkv,
+            qkv_bias=bias,
+            o_proj=self.r.get(f"{self.p}self_attn.o_proj.weight", (h, a.num_heads * a.head_dim)),
+            post_norm=None if mlp_in is None else self.norm(mlp_in, h),
+            gate_up=self.mlp(),
+            down=self.r.get(f"{self.p}mlp.down_proj.weight", (h, a.intermediate_size)),
+            q_norm=q_norm,
+            k_norm=k_norm,
+            attn_out_norm=None if norms is Norms.PRE else self.norm("post_attention_layernorm", h),
+            mlp_out_norm=None if norms is Norms.PRE else self.norm("post_feedforward_layernorm", h),
+        )
+
+
+def load_model_weights(model_dir: Path, args: ModelArgs, dtype: torch.dtype, device: torch.device) -> ModelWeights:
     model_dir = Path(model_dir)
     reader = _TensorReader(_weight_files(model_dir), dtype, device)
-    h, d = args.hidden_size, args.head_dim
-    q_out, kv_out = args.num_heads * d, args.num_kv_heads * d
-    layers = []
-    for i in range(args.num_layers):
-        p = f"model.layers.{i}."
-        attn = [reader.get(f"{p}self_attn.{n}_proj.weight", (o, h)) for n, o in (("q", q_out), ("k", kv_out), ("v", kv_out))]
-        bias = None
-        if reader.has(f"{p}self_attn.q_proj.bias"):
-            sizes = (("q", q_out), ("k", kv_out), ("v", kv_out))
-            bias = torch.cat([reader.get(f"{p}self_attn.{n}_proj.bias", (o,)) for n, o in sizes])
-        for name in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
-            if reader.has(f"{p}{name}.bias"):  # e.g. Llama with attention_bias or mlp_bias
-                raise ModelLoadError(
-                    f"{model_dir}: {p}{name}.bias is not supported (biases only on q, k and v, as in Qwen2)"
-                )
-        mlp = [reader.get(f"{p}mlp.{n}_proj.weight", (args.intermediate_size, h)) for n in ("gate", "up")]
-        layers.append(
-            LayerWeights(
-                input_norm=reader.get(f"{p}input_layernorm.weight", (h,)),
-                qkv=torch.cat(attn).contiguous(),
-                qkv_bias=bias,
-                o_proj=reader.get(f"{p}self_attn.o_proj.weight", (h, q_out)),
-                post_norm=reader.get(f"{p}post_attention_layernorm.weight", (h,)),
-                gate_up=torch.cat(mlp).contiguous(),
-                down=reader.get(f"{p}mlp.down_proj.weight", (h, args.intermediate_size)),
-            )
-        )
+    layers = [_LayerReader(reader, args, i).layer() for i in range(args.num_layers)]
+    h = args.hidden_size
     embed = reader.get("model.embed_tokens.weight", (args.vocab_size, h))
     tied = args.tie_word_embeddings or not reader.has("lm_head.weight")
     if tied and not args.tie_word_embeddings:
         log.warning("lm_head_missing_using_tied_embeddings", model_dir=str(model_dir))
     lm_head = embed if tied else reader.get("lm_head.weight", (args.vocab_size, h))
-    norm = reader.get("model.norm.weight", (h,))
-    return LlamaWeights(embed=embed, layers=tuple(layers), norm=norm, lm_head=lm_head)
+    norm = (reader.get("model.norm.weight", (h,), torch.float32) + args.family.norm_offset).to(dtype)
+    return ModelWeights(embed=embed, layers=tuple(layers), norm=norm, lm_head=lm_head)
+

@@ -1,23 +1,29 @@
-"""The Llama forward pass over a flat batch that mixes prefill chunks and decode tokens.
+"""The decoder forward pass of every served family over a flat batch of prefill chunks and decode tokens.
 
 Plain tensors and functional ops (no nn.Module): the weights come fused from the loader (and,
 on CPUs with the compiled kernels, packed for them), the KV cache is owned by the runner and
-passed per layer. Numerics follow `transformers`' Llama
-(RMSNorm, rotate-half RoPE with the same inverse frequencies, SiLU-gated MLP).
+passed per layer. What differs between families is data in ModelArgs (families.py): norm
+placement, q/k norms, activation, multipliers, soft-caps, per-layer window and rope. Numerics
+follow `transformers` (RMSNorm, rotate-half RoPE with its own inverse-frequency functions).
+Llama-like families also have a fused CPU path (one compiled call per operation, and a
+decode-only step in one call); the others run the same matmul kernels from the general path.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
+import structlog
 import torch
 import torch.nn.functional as F
 
 from engine.native import kernels
-from engine.native.attention import AttentionMetadata, paged_attention, write_kv_cache
+from engine.native.attention import AttentionMetadata, AttentionSpec, paged_attention, write_kv_cache
+from engine.native.families import Activation, ModelArgs, QKNorm
 from engine.native.kernels import PackedLinear
-from engine.native.loader import LlamaArgs, LlamaWeights
+from engine.native.loader import ModelWeights
+
+log = structlog.get_logger(__name__)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -26,7 +32,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedLinear, bias: torch.Ten
     return F.linear(x, weight, bias)
 
 
-def pack_linear_layers(weights: LlamaWeights) -> LlamaWeights:
+def pack_linear_layers(weights: ModelWeights) -> ModelWeights:
     """Every matmul weight packed for the compiled kernel; the originals are released.
 
     The embedding table stays as it is (a lookup, not a matmul); a tied lm_head gets its own
@@ -45,39 +51,57 @@ def pack_linear_layers(weights: LlamaWeights) -> LlamaWeights:
     return dataclasses.replace(weights, layers=layers, lm_head=kernels.pack_linear(weights.lm_head))
 
 
-def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
-    """Inverse frequencies exactly as transformers computes them (default, linear, llama3)."""
-    dim = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
-    scaling = dict(args.rope_scaling)
-    if args.rope_type == "linear":
-        return inv_freq / scaling["factor"]
-    if args.rope_type != "llama3":
-        return inv_freq
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
-    return torch.where(is_medium, smoothed, scaled)
+def rope_inv_freq(args: ModelArgs, key: str, max_positions: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, cos/sin scale) for one rope setting, as transformers computes them.
+
+    Length-dependent types are fixed for the engine's whole context, as vLLM does: `dynamic`
+    stretches for max_positions beyond max_position_embeddings, and `longrope` uses its long
+    factors when max_positions exceeds original_max_position_embeddings.
+    """
+    rope = args.rope(key)
+    dim = args.rotary_dim(key)
+    if rope["rope_type"] == "default":
+        exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
+        return 1.0 / (float(rope["rope_theta"]) ** exponent), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    seq_len = max_positions
+    if rope["rope_type"] == "dynamic":
+        seq_len = max(max_positions, args.max_position_embeddings)
+    layer_type = key or None
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](args.hf_config, None, seq_len=seq_len, layer_type=layer_type)
+    return inv_freq.to(torch.float), float(scale)
 
 
-class Llama:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+class Model:
     """fused_cpu_ops: run the step's small operations as the compiled kernels (kernels.py) and the
     matmuls from packed weights; needs fp32 on the CPU and weights from pack_linear_layers."""
 
-    def __init__(self, args: LlamaArgs, weights: LlamaWeights, max_positions: int, *, fused_cpu_ops: bool = False):
+    def __init__(self, args: ModelArgs, weights: ModelWeights, max_positions: int, *, fused_cpu_ops: bool = False):
         self.args = args
         self.weights = weights
-        self.fused_cpu_ops = fused_cpu_ops
+        self.packed = fused_cpu_ops
+        # Llama-like layers run as one compiled call per operation; a decode-only step of a model
+        # without q/k norms runs in one call (decode_step.c). Other families use the general path.
+        self.fused_cpu_ops = fused_cpu_ops and args.is_llama_like
+        self.uses_decode_stack = self.fused_cpu_ops and args.family.qk_norm is QKNorm.NONE
         self._stack: kernels.DecodeStack | None = None  # built on the first decode-only step
         device, dtype = weights.embed.device, weights.embed.dtype
-        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * rope_inv_freq(args)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        self.rope_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for key, _ in args.rope_parameters:
+            inv_freq, scale = rope_inv_freq(args, key, max_positions)
+            freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, rotary_dim]
+            self.rope_tables[key] = ((emb.cos() * scale).to(device, dtype), (emb.sin() * scale).to(device, dtype))
+        self.cos, self.sin = self.rope_tables[next(iter(self.rope_tables))]
+        self.attention_specs = tuple(
+            AttentionSpec(args.attention_scale, layer.sliding_window, args.attn_logit_softcap) for layer in args.layers
+        )
+        self._embed_scale = torch.tensor(args.embedding_multiplier, dtype=dtype, device=device)
         self._split = (args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim)
 
     def forward(
@@ -88,20 +112,31 @@ class Llama:
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden] residual stream before the final norm
         x = F.embedding(input_ids, self.weights.embed)
+        if self.args.embedding_multiplier != 1.0:
+            x = x * self._embed_scale
         if self.fused_cpu_ops:
             return self._forward_fused(x, positions, kv_caches, meta)
-        cos = self.cos.index_select(0, positions).unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        rope = {  # [num_tokens, 1, rotary_dim] each
+            key: (cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1))
+            for key, (cos, sin) in self.rope_tables.items()
+        }
         for i, layer in enumerate(self.weights.layers):
-            x = self._layer(layer, x, cos, sin, kv_caches[i], meta)
+            key = self.args.layers[i].rope
+            x = self._layer(i, layer, x, rope.get(key) if key is not None else None, kv_caches[i], meta)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
-        if self.fused_cpu_ops:
-            h = kernels.rms_norm(hidden, self.weights.norm, self.args.rms_norm_eps)
+        args = self.args
+        if self.packed:
+            h = kernels.rms_norm(hidden.contiguous(), self.weights.norm, args.rms_norm_eps)
         else:
-            h = F.rms_norm(hidden, (self.args.hidden_size,), self.weights.norm, self.args.rms_norm_eps)
-        return linear(h, self.weights.lm_head)
+            h = _rms_norm(hidden, self.weights.norm, args.rms_norm_eps)
+        logits = linear(h, self.weights.lm_head)
+        if args.logits_divisor != 1.0:
+            logits = logits / args.logits_divisor
+        if args.final_logit_softcap is not None:
+            logits = torch.tanh(logits / args.final_logit_softcap) * args.final_logit_softcap
+        return logits
 
     def _forward_fused(self, x, positions, kv_caches, meta) -> torch.Tensor:
         """The same layers as _layer, as one compiled call per operation.
@@ -109,7 +144,7 @@ class Llama:
         The residual add is folded into the next RMSNorm: a layer leaves its MLP output in
         `delta`, and the next layer's first norm adds it to x in place.
         """
-        if not meta.prefills and meta.decode_block_tables is not None:  # every row a decode: all in C
+        if self.uses_decode_stack and not meta.prefills and meta.decode_context_lens is not None:  # all in C
             stack = self._decode_stack(kv_caches)
             return stack(x, positions, meta.slot_mapping, self.cos, self.sin, meta.decode_block_tables,
                          meta.decode_context_lens, meta.decode_max_context_len)
@@ -120,6 +155,10 @@ class Llama:
         for layer, (k_cache, v_cache) in zip(self.weights.layers, kv_caches, strict=True):
             h = kernels.rms_norm(x, layer.input_norm, eps, residual=delta)
             qkv = linear(h, layer.qkv, layer.qkv_bias)
+            if layer.q_norm is not None:  # per head, before RoPE (Qwen3)
+                qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, args.head_dim)
+                qk[:, : args.num_heads] = _rms_norm(qk[:, : args.num_heads], layer.q_norm, eps)
+                qk[:, args.num_heads :] = _rms_norm(qk[:, args.num_heads :], layer.k_norm, eps)
             kernels.rope_and_cache(qkv, positions, self.cos, self.sin, k_cache, v_cache, meta.slot_mapping, args.num_heads)
             q = qkv[:, :q_size].view(num_tokens, args.num_heads, args.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(num_tokens, args.num_kv_heads, args.head_dim)
@@ -139,26 +178,47 @@ class Llama:
             )
         return stack
 
-    def _layer(self, layer, x, cos, sin, kv_cache, meta) -> torch.Tensor:
-        args = self.args
+    def _layer(self, i: int, layer, x, rope, kv_cache, meta) -> torch.Tensor:
+        args, eps = self.args, self.args.rms_norm_eps
         num_tokens = x.shape[0]
-        h = F.rms_norm(x, (args.hidden_size,), layer.input_norm, args.rms_norm_eps)
-        qkv = linear(h, layer.qkv, layer.qkv_bias)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
-        q_size, kv_size = self._split
-        # q and k sit side by side in qkv: rotate both with one set of ops.
-        qk = _rotate(qkv[:, : q_size + kv_size].view(num_tokens, -1, args.head_dim), cos, sin)
-        q, k = qk[:, : args.num_heads], qk[:, args.num_heads :]
-        v = qkv[:, q_size + kv_size :].view(num_tokens, args.num_kv_heads, args.head_dim)
+        h = x if layer.input_norm is None else _rms_norm(x, layer.input_norm, eps)
+        q, k, v = self._qkv(layer, h)
+        if rope is not None:
+            q, k = _rotate(q, *rope), _rotate(k, *rope)
         write_kv_cache(k, v, *kv_cache, meta)
-        o = paged_attention(q, k, v, *kv_cache, meta)  # [num_tokens, heads, head_dim]
-        x = x + linear(o.reshape(num_tokens, q_size), layer.o_proj)
-        h = F.rms_norm(x, (args.hidden_size,), layer.post_norm, args.rms_norm_eps)
+        o = paged_attention(q, k, v, *kv_cache, meta, self.attention_specs[i])  # [num_tokens, heads, head_dim]
+        o = linear(o.reshape(num_tokens, -1), layer.o_proj)
+        if layer.attn_out_norm is not None:
+            o = _rms_norm(o, layer.attn_out_norm, eps)
+        x = x + o * args.residual_multiplier if args.residual_multiplier != 1.0 else x + o
+        h = x if layer.post_norm is None else _rms_norm(x, layer.post_norm, eps)
         gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, layer.down)
+        act = F.silu(gate) if args.activation is Activation.SILU else F.gelu(gate, approximate="tanh")
+        m = linear(act * up, layer.down)
+        if layer.mlp_out_norm is not None:
+            m = _rms_norm(m, layer.mlp_out_norm, eps)
+        return x + m * args.residual_multiplier if args.residual_multiplier != 1.0 else x + m
+
+    def _qkv(self, layer, h) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim], q/k normed as the family does."""
+        args, eps = self.args, self.args.rms_norm_eps
+        q_size, kv_size = self._split
+        qkv = linear(h, layer.qkv, layer.qkv_bias)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
+        q, k, v = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size], qkv[:, q_size + kv_size :]
+        if args.family.qk_norm is QKNorm.WHOLE:
+            q, k = _rms_norm(q, layer.q_norm, eps), _rms_norm(k, layer.k_norm, eps)
+        shape = (h.shape[0], -1, args.head_dim)
+        q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
+        if args.family.qk_norm is QKNorm.PER_HEAD:
+            q, k = _rms_norm(q, layer.q_norm, eps), _rms_norm(k, layer.k_norm, eps)
+        return q, k, v
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE, rotate-half form: x * cos + rotate_half(x) * sin. x: [num_tokens, heads, head_dim]."""
-    half = x.shape[-1] // 2
+    """RoPE, rotate-half form on the first rotary_dim (= cos.shape[-1]) features. x: [num_tokens, heads, head_dim]."""
+    dim = cos.shape[-1]
+    if dim != x.shape[-1]:  # partial rotary (Phi-3): the rest passes through
+        return torch.cat((_rotate(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
+    half = dim // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -16,8 +16,9 @@ import torch
 
 from engine.native import kernels
 from engine.native.attention import AttentionMetadata, PrefillChunk, allocate_kv_cache
-from engine.native.loader import LlamaArgs, load_llama_args, load_llama_weights
-from engine.native.model import Llama, pack_linear_layers
+from engine.native.families import ModelArgs
+from engine.native.loader import checkpoint_dtype, load_model_args, load_model_weights
+from engine.native.model import Model, pack_linear_layers
 from engine.native.sampler import Sampler, SamplingRow
 from engine.native.scheduler import ScheduledBatch
 from engine.native.sequence import Sequence
@@ -38,9 +39,14 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":  # bf16 is slower than fp32 on CPUs without AMX
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+def resolve_dtype(name: str, device: torch.device, saved: torch.dtype | None = None) -> torch.dtype:
+    """The engine dtype; `saved` is the checkpoint's. auto: on CUDA the checkpoint's 16-bit dtype
+    as shipped (bf16 for a 32-bit one), on the CPU fp32 (bf16/fp16 matmuls are slower there
+    without AMX, and the compiled kernels are fp32)."""
+    if name == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        return saved if saved in (torch.bfloat16, torch.float16) else torch.bfloat16
     if name not in _DTYPES:
         raise EngineError(f"engine.dtype {name!r} is not one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
@@ -69,20 +75,25 @@ class ModelRunner:
     def __init__(self, model_dir: Path | str, config: EngineConfig, *, max_model_len: int | None = None):
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
-        self.args: LlamaArgs = load_llama_args(Path(model_dir))
+        self.args: ModelArgs = load_model_args(Path(model_dir))
+        saved_dtype = checkpoint_dtype(Path(model_dir))
+        self.dtype = resolve_dtype(config.dtype, self.device, saved_dtype)
         self.max_model_len = max_model_len or self.args.max_position_embeddings
         self.block_size = config.block_size
         self.use_kernel = (
             config.native_kernels and self.device.type == "cpu" and self.dtype == torch.float32 and kernels.load()
         )
         self.packed_linear = self.use_kernel and kernels.packed_linear_available()
-        weights = load_llama_weights(Path(model_dir), self.args, self.dtype, self.device)
+        weights = load_model_weights(Path(model_dir), self.args, self.dtype, self.device)
         if self.packed_linear:
             weights = pack_linear_layers(weights)
-        self.model = Llama(self.args, weights, self.max_model_len, fused_cpu_ops=self.packed_linear)
+        self.model = Model(self.args, weights, self.max_model_len, fused_cpu_ops=self.packed_linear)
+        # Sliding layers and soft-capped scores are attended on the gather path, also when the
+        # decode kernel serves the other layers.
+        self.sliding_window = self.args.sliding_window
+        self.gather_decode = not self.use_kernel or self.sliding_window is not None or self.args.attn_logit_softcap is not None
         self.num_kv_blocks = self._num_kv_blocks()
         a = self.args
         self.kv_pool, self.kv_caches = allocate_kv_cache(
@@ -92,13 +103,17 @@ class ModelRunner:
         log.info(
             "model_loaded",
             model_dir=str(model_dir),
+            model_type=self.args.model_type,
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
+            checkpoint_dtype=str(saved_dtype).removeprefix("torch.") if saved_dtype else "unknown",
             num_kv_blocks=self.num_kv_blocks,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             paged_attention_kernel=self.use_kernel,
             packed_linear_kernel=self.packed_linear,
+            fused_layer_kernels=self.model.fused_cpu_ops,
+            one_call_decode_step=self.model.uses_decode_stack,
         )
 
     @property
@@ -178,11 +193,12 @@ class ModelRunner:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     def _decode_metadata(self, seqs: list[Sequence], positions: list[int]) -> dict:
-        none = dict(
-            decode_block_tables=None, decode_context_lens=None, decode_max_context_len=0, decode_slots=None, decode_mask=None
+        meta = dict(
+            decode_block_tables=None, decode_context_lens=None, decode_max_context_len=0, decode_slots=None,
+            decode_mask=None, decode_window_mask=None,
         )
         if not seqs:
-            return none
+            return meta
         bs = self.block_size
         context_lens = np.asarray(positions, dtype=np.int32) + 1
         max_len = int(context_lens.max())
@@ -192,23 +208,21 @@ class ModelRunner:
             table = seq.block_table[:max_blocks]
             row[: len(table)] = table
             row[len(table) :] = table[0]  # padding points at written slots: finite, masked out
+        meta["decode_max_context_len"] = max_len
         if self.use_kernel:
-            return {
-                **none,
-                "decode_block_tables": torch.from_numpy(tables),
-                "decode_context_lens": torch.from_numpy(context_lens),
-                "decode_max_context_len": max_len,
-            }
-        slot_grid = (tables[:, :, None] * bs + np.arange(bs, dtype=np.int32)).reshape(len(seqs), -1)[:, :max_len]
-        valid = np.arange(max_len)[None, :] < context_lens[:, None]
-        slot_grid = np.where(valid, slot_grid, slot_grid[:, :1]).astype(np.int64)
-        return {
-            **none,
-            "decode_block_tables": self._to_device(tables),
-            "decode_slots": self._to_device(slot_grid),
-            "decode_mask": self._to_device(valid[:, None, None, :]),
-            "decode_max_context_len": max_len,
-        }
+            meta.update(decode_block_tables=torch.from_numpy(tables), decode_context_lens=torch.from_numpy(context_lens))
+        else:
+            meta["decode_block_tables"] = self._to_device(tables)
+        if self.gather_decode:
+            slot_grid = (tables[:, :, None] * bs + np.arange(bs, dtype=np.int32)).reshape(len(seqs), -1)[:, :max_len]
+            index = np.arange(max_len)[None, :]
+            valid = index < context_lens[:, None]
+            meta["decode_slots"] = self._to_device(np.where(valid, slot_grid, slot_grid[:, :1]).astype(np.int64))
+            meta["decode_mask"] = self._to_device(valid[:, None, None, :])
+            if self.sliding_window is not None:  # positions p - window + 1 .. p
+                in_window = valid & (index > context_lens[:, None] - 1 - self.sliding_window)
+                meta["decode_window_mask"] = self._to_device(in_window[:, None, None, :])
+        return meta
 
     def _prefill_chunk(self, seq: Sequence, num_tokens: int, row_start: int) -> tuple[PrefillChunk, np.ndarray, np.ndarray]:
         bs = self.block_size
@@ -218,13 +232,19 @@ class ModelRunner:
         context_slots = table[context // bs] * bs + context % bs
         chunk_positions = context[start:]
         end = row_start + num_tokens
+        window_mask = None
+        if self.sliding_window is not None:  # [q_len, context_len]: causal, within the window
+            keys = context[start:] if start == 0 else context
+            causal = keys[None, :] <= chunk_positions[:, None]
+            window_mask = self._to_device(causal & (keys[None, :] > chunk_positions[:, None] - self.sliding_window))
         if start == 0:  # no cached context: attend within the chunk, plain causal
-            chunk = PrefillChunk(row_start, end, len(context), None, None, None)
+            chunk = PrefillChunk(row_start, end, len(context), None, None, None, window_mask)
         else:
             mask = context[None, :] <= chunk_positions[:, None]  # [q_len, context_len], bottom-right causal
             blocks = table[: -(-len(context) // bs)]
             chunk = PrefillChunk(
-                row_start, end, len(context), self._to_device(blocks), self._to_device(context_slots), self._to_device(mask)
+                row_start, end, len(context), self._to_device(blocks), self._to_device(context_slots),
+                self._to_device(mask), window_mask,
             )
         return chunk, context_slots[start:], chunk_positions
 

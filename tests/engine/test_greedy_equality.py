@@ -10,7 +10,7 @@ import pytest
 
 from engine.native import kernels
 from engine.native.engine import LLMEngine
-from engine.native.loader import load_llama_args
+from engine.native.loader import load_model_args
 from engine.types import FinishReason, GenerationRequest, SamplingParams
 from native_harness import check_invariants
 from settings import EngineConfig
@@ -19,7 +19,7 @@ BLOCK_SIZE = 16
 
 
 def engine_for(model_dir, *, num_blocks: int, native_kernels: bool = True, **overrides) -> LLMEngine:
-    args = load_llama_args(model_dir)
+    args = load_model_args(model_dir)
     block_bytes = args.num_layers * 2 * BLOCK_SIZE * args.num_kv_heads * args.head_dim * 4
     config = EngineConfig(
         device="cpu",
@@ -98,7 +98,7 @@ def test_mixed_workload_matches_transformers_greedy_token_for_token(tiny_models,
     engine = engine_for(model_dir, num_blocks=24, native_kernels=native_kernels)
     assert engine.runner.use_kernel == native_kernels
     assert engine.runner.packed_linear == (native_kernels and kernels.packed_linear_available())
-    arrivals, expected = mixed_workload(tiny_models, variant, load_llama_args(model_dir).vocab_size)
+    arrivals, expected = mixed_workload(tiny_models, variant, load_model_args(model_dir).vocab_size)
     outputs = run_with_arrivals(engine, arrivals)
     assert outputs == expected
     # With the CPU kernels, the decode-only steps ran every layer in one C call (decode_step.c).
@@ -112,7 +112,7 @@ def test_roomy_pool_without_preemption_also_matches(tiny_models):
     variant = "tied-gqa-parameters"
     model_dir = tiny_models.path(variant)
     engine = engine_for(model_dir, num_blocks=200, max_num_batched_tokens=512, max_num_seqs=64)
-    arrivals, expected = mixed_workload(tiny_models, variant, load_llama_args(model_dir).vocab_size)
+    arrivals, expected = mixed_workload(tiny_models, variant, load_model_args(model_dir).vocab_size)
     assert run_with_arrivals(engine, arrivals) == expected
     assert engine.stats().num_preemptions == 0
 
@@ -121,6 +121,6 @@ def test_prefix_caching_off_gives_the_same_tokens_without_hits(tiny_models):
     variant = "tied-gqa-parameters"
     model_dir = tiny_models.path(variant)
     engine = engine_for(model_dir, num_blocks=24, enable_prefix_caching=False)
-    arrivals, expected = mixed_workload(tiny_models, variant, load_llama_args(model_dir).vocab_size)
+    arrivals, expected = mixed_workload(tiny_models, variant, load_model_args(model_dir).vocab_size)
     assert run_with_arrivals(engine, arrivals) == expected
     assert engine.stats().prefix_cache_hits == 0

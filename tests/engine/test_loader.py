@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from engine.native.loader import ModelLoadError, load_llama_args, load_llama_weights
+from engine.native.loader import ModelLoadError, load_model_args, load_model_weights
 from engine.native.runner import ModelRunner
 from settings import EngineConfig
 
@@ -41,9 +41,9 @@ def test_sharded_checkpoint_with_index_loads_the_same_weights(tiny_models, tmp_p
     sharded = tmp_path / "sharded"
     tiny_models.reference(VARIANT).save_pretrained(sharded, max_shard_size="60KB")
     assert (sharded / "model.safetensors.index.json").exists() and not (sharded / "model.safetensors").exists()
-    args = load_llama_args(sharded)
-    a = load_llama_weights(sharded, args, torch.float32, torch.device("cpu"))
-    b = load_llama_weights(tiny_models.path(VARIANT), args, torch.float32, torch.device("cpu"))
+    args = load_model_args(sharded)
+    a = load_model_weights(sharded, args, torch.float32, torch.device("cpu"))
+    b = load_model_weights(tiny_models.path(VARIANT), args, torch.float32, torch.device("cpu"))
     assert torch.equal(a.layers[1].qkv, b.layers[1].qkv) and torch.equal(a.lm_head, b.lm_head)
     assert not torch.equal(a.lm_head, a.embed)  # untied
 
@@ -63,12 +63,12 @@ def test_bfloat16_checkpoint_is_upcast_and_matches_transformers(tiny_models, tmp
 
 
 def test_rope_theta_is_read_from_either_layout(tiny_models):
-    new = load_llama_args(tiny_models.path("tied-gqa-parameters"))
-    old = load_llama_args(tiny_models.path("untied-gqa-theta"))
-    llama3 = load_llama_args(tiny_models.path("tied-gqa-llama3-rope"))
+    new = load_model_args(tiny_models.path("tied-gqa-parameters"))
+    old = load_model_args(tiny_models.path("untied-gqa-theta"))
+    llama3 = load_model_args(tiny_models.path("tied-gqa-llama3-rope"))
     assert new.rope_theta == old.rope_theta == 10000.0
     assert new.rope_type == old.rope_type == "default"
-    assert llama3.rope_type == "llama3" and llama3.rope_theta == 500000.0 and dict(llama3.rope_scaling)["factor"] == 8.0
+    assert llama3.rope_type == "llama3" and llama3.rope_theta == 500000.0 and llama3.rope("")["factor"] == 8.0
 
 
 def test_missing_config_is_named(model_copy):
@@ -80,7 +80,7 @@ def test_missing_config_is_named(model_copy):
 def test_malformed_config_is_named(model_copy):
     (model_copy / "config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match=r"config\.json: cannot parse JSON"):
-        load_llama_args(model_copy)
+        load_model_args(model_copy)
 
 
 def test_config_missing_a_key_names_the_key(model_copy):
@@ -88,15 +88,15 @@ def test_config_missing_a_key_names_the_key(model_copy):
     del cfg["hidden_size"]
     (model_copy / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="missing key 'hidden_size'"):
-        load_llama_args(model_copy)
+        load_model_args(model_copy)
 
 
 def test_unsupported_rope_type_is_refused(model_copy):
     cfg = json.loads((model_copy / "config.json").read_text())
-    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    cfg["rope_scaling"] = {"rope_type": "mrope", "factor": 4.0}
     (model_copy / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="rope type 'yarn'"):
-        load_llama_args(model_copy)
+    with pytest.raises(ModelLoadError, match="rope type 'mrope'"):
+        load_model_args(model_copy)
 
 
 def test_missing_weights_are_named(model_copy):

@@ -1,0 +1,231 @@
+"""What differs between the model families the native engine serves, as data.
+
+Each family is one `Family` row (weight layout and the few structural switches); every number
+(head_dim, multipliers, soft-caps, sliding windows, rope settings per layer) is read from the
+checkpoint's config through `transformers`' own config class, so defaults and the config.json
+layouts of every transformers version are resolved exactly as transformers resolves them.
+It never touches weights or tensors (model.py runs what ModelArgs describes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Norms(Enum):
+    """Where a decoder layer's RMSNorms sit."""
+
+    PRE = "pre"  # Llama: norm -> attention -> add; norm -> MLP -> add
+    SANDWICH = "sandwich"  # Gemma 2/3: pre and post norm around both attention and MLP
+    POST = "post"  # OLMo 2: attention -> norm -> add; MLP -> norm -> add
+
+
+class QKNorm(Enum):
+    NONE = "none"
+    PER_HEAD = "per_head"  # Qwen3, Gemma 3: RMSNorm over each head's head_dim
+    WHOLE = "whole"  # OLMo 2: RMSNorm over the whole q (and k) projection
+
+
+class Activation(Enum):
+    SILU = "silu"
+    GELU_TANH = "gelu_pytorch_tanh"
+
+
+_ACTIVATIONS = {"silu": Activation.SILU, "gelu_pytorch_tanh": Activation.GELU_TANH, "gelu_tanh": Activation.GELU_TANH}
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    norms: Norms = Norms.PRE
+    qk_norm: QKNorm = QKNorm.NONE
+    norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + weight)
+    scale_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size)
+    fused_projections: bool = False  # Phi-3: qkv_proj and gate_up_proj in the checkpoint
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(),
+    "mistral": Family(),
+    "qwen2": Family(),
+    "qwen3": Family(qk_norm=QKNorm.PER_HEAD),
+    "smollm3": Family(),
+    "granite": Family(),
+    "olmo2": Family(norms=Norms.POST, qk_norm=QKNorm.WHOLE),
+    "phi3": Family(fused_projections=True),
+    "gemma2": Family(norms=Norms.SANDWICH, norm_offset=1.0, scale_embeddings=True),
+    "gemma3_text": Family(norms=Norms.SANDWICH, qk_norm=QKNorm.PER_HEAD, norm_offset=1.0, scale_embeddings=True),
+}
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
+
+
+class UnsupportedConfig(ValueError):
+    """The config asks for something the engine does not implement; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    sliding_window: int | None  # attend to the last `sliding_window` positions (this one included)
+    rope: str | None  # key into ModelArgs.rope_parameters; None: this layer has no rotary embedding
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArgs:
+    model_type: str
+    family: Family
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    activation: Activation
+    layers: tuple[LayerSpec, ...]
+    rope_parameters: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]  # per rope key, sorted items
+    attention_scale: float  # multiplies q.k (head_dim ** -0.5 unless the family sets it)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_divisor: float = 1.0  # Granite's logits_scaling
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    hf_config: Any = field(default=None, compare=False, repr=False)  # for transformers' rope functions
+
+    @property
+    def rope_type(self) -> str:
+        return self.rope(self.layers[0].rope or next(iter(dict(self.rope_parameters)), ""))["rope_type"]
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self.rope(self.layers[0].rope or next(iter(dict(self.rope_parameters)), ""))["rope_theta"])
+
+    def rope(self, key: str) -> dict[str, Any]:
+        return dict(dict(self.rope_parameters)[key])
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The one window size of the sliding layers (None: every layer attends to everything)."""
+        windows = {layer.sliding_window for layer in self.layers} - {None}
+        return windows.pop() if windows else None
+
+    @property
+    def is_llama_like(self) -> bool:
+        """Runs through the fused CPU layer path: Llama's layer plus, at most, per-head q/k norms."""
+        f = self.family
+        ropes = {layer.rope for layer in self.layers}
+        return (
+            f.norms is Norms.PRE
+            and f.qk_norm in (QKNorm.NONE, QKNorm.PER_HEAD)
+            and self.activation is Activation.SILU
+            and len(ropes) == 1
+            and None not in ropes
+            and self.rotary_dim(next(iter(ropes))) == self.head_dim
+            and self.sliding_window is None
+            and self.attn_logit_softcap is None
+            and self.attention_scale == self.head_dim**-0.5
+            and self.residual_multiplier == 1.0
+        )
+
+    def rotary_dim(self, key: str) -> int:
+        return int(self.head_dim * float(self.rope(key).get("partial_rotary_factor", 1.0)))
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameters of the matmuls a token passes through (embedding lookup excluded)."""
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_layers * (attn + mlp) + self.vocab_size * self.hidden_size
+
+
+def model_args_from_config(config: Any) -> ModelArgs:
+    """ModelArgs from a transformers config object; UnsupportedConfig names what is missing."""
+    family = FAMILIES.get(config.model_type)
+    if family is None:
+        raise UnsupportedConfig(f"model_type {config.model_type!r} is not one of {', '.join(FAMILIES)}")
+    act_name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    if act_name not in _ACTIVATIONS:
+        raise UnsupportedConfig(f"hidden_act {act_name!r} is not supported ({', '.join(_ACTIVATIONS)})")
+    num_heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
+    rope_params = _rope_parameters(config)
+    layers = _layer_specs(config, rope_params)
+    if len({layer.sliding_window for layer in layers} - {None}) > 1:
+        raise UnsupportedConfig("sliding layers with different window sizes are not supported")
+    pre_attn = getattr(config, "query_pre_attn_scalar", None)
+    scale = float(getattr(config, "attention_multiplier", None) or (pre_attn or head_dim) ** -0.5)
+    return ModelArgs(
+        model_type=config.model_type,
+        family=family,
+        vocab_size=int(config.vocab_size),
+        hidden_size=int(config.hidden_size),
+        intermediate_size=int(config.intermediate_size),
+        num_layers=int(config.num_hidden_layers),
+        num_heads=num_heads,
+        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(getattr(config, "max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        activation=_ACTIVATIONS[act_name],
+        layers=layers,
+        rope_parameters=tuple((k, tuple(sorted(v.items()))) for k, v in rope_params.items()),
+        attention_scale=scale,
+        embedding_multiplier=_embedding_multiplier(config, family),
+        residual_multiplier=float(getattr(config, "residual_multiplier", 1.0) or 1.0),
+        logits_divisor=float(getattr(config, "logits_scaling", 1.0) or 1.0),
+        attn_logit_softcap=_optional_float(getattr(config, "attn_logit_softcapping", None)),
+        final_logit_softcap=_optional_float(getattr(config, "final_logit_softcapping", None)),
+        hf_config=config,
+    )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _embedding_multiplier(config: Any, family: Family) -> float:
+    if family.scale_embeddings:
+        return float(config.hidden_size) ** 0.5
+    return float(getattr(config, "embedding_multiplier", 1.0) or 1.0)
+
+
+def _rope_parameters(config: Any) -> dict[str, dict[str, Any]]:
+    """Rope settings keyed by layer type ("" when one set serves every layer)."""
+    params = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+    nested = all(isinstance(v, dict) for v in params.values()) and params
+    table = dict(params) if nested else {"": dict(params)}
+    partial = getattr(config, "partial_rotary_factor", None)
+    for key, rope in table.items():
+        rope.setdefault("rope_type", rope.get("type", "default"))
+        if rope["rope_type"] not in ROPE_TYPES:
+            raise UnsupportedConfig(f"rope type {rope['rope_type']!r} is not supported ({', '.join(ROPE_TYPES)})")
+        if partial is not None:
+            rope.setdefault("partial_rotary_factor", float(partial))
+        table[key] = {k: v for k, v in rope.items() if k != "type"}
+    return table
+
+
+def _layer_specs(config: Any, rope_params: dict[str, dict[str, Any]]) -> tuple[LayerSpec, ...]:
+    num_layers = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or (
+        ["sliding_attention" if window else "full_attention"] * num_layers
+    )
+    uses_rope = getattr(config, "no_rope_layers", None) or [1] * num_layers  # SmolLM3: 0 means no rope
+    specs = []
+    for i in range(num_layers):
+        kind = layer_types[i]
+        if kind not in ("full_attention", "sliding_attention"):
+            raise UnsupportedConfig(f"layer type {kind!r} is not supported (full_attention, sliding_attention)")
+        rope_key = kind if kind in rope_params else ""
+        specs.append(
+            LayerSpec(
+                sliding_window=int(window) if kind == "sliding_attention" and window else None,
+                rope=rope_key if uses_rope[i] else None,
+            )
+        )
+    return tuple(specs)

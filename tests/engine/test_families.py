@@ -1,0 +1,78 @@
+"""Every served family's greedy output equals transformers' token for token, on both paths.
+
+Each checkpoint comes from transformers' own config class (conftest.FAMILY_VARIANTS). The
+workload crosses the sliding windows (24-40 tokens) and the 32-token chunked-prefill step,
+shares a prefix (cache hits) and runs in a KV pool small enough to preempt, NaN-filled first.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import pytest
+
+from conftest import FAMILY_VARIANTS
+from engine.native.loader import load_model_args
+from engine.types import GenerationRequest, SamplingParams
+from test_greedy_equality import engine_for, run_with_arrivals
+
+
+def family_workload(tiny_models, variant: str, vocab_size: int, min_len: int) -> tuple[list, dict[str, list[int]]]:
+    """Five requests; every prompt has at least `min_len` tokens (long-context rope variants)."""
+    rng = random.Random(zlib.crc32(variant.encode()))
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, vocab_size) for _ in range(n)]
+
+    system = tokens(40 + min_len)
+    specs = [  # (arrival step, prompt, max_tokens, stops on a token)
+        (0, tokens(5 + min_len), 16, False),
+        (0, system + tokens(6), 16, True),
+        (1, tokens(70 + min_len), 12, False),  # prefilled in chunks, longer than any window
+        (3, system + tokens(9), 16, False),  # shares system's cached blocks
+        (5, tokens(20 + min_len), 16, False),
+    ]
+    arrivals, expected = [], {}
+    for i, (step, prompt, max_tokens, stops) in enumerate(specs):
+        ref = tiny_models.greedy(variant, prompt, max_tokens, None)
+        stop_ids: tuple[int, ...] = ()
+        if stops:
+            stop_ids = (ref[len(ref) // 2],)
+            ref = tiny_models.greedy(variant, prompt, max_tokens, stop_ids[0])
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop_token_ids=stop_ids)
+        arrivals.append((step, GenerationRequest(f"r{i}", tuple(prompt), sampling)))
+        expected[f"r{i}"] = ref
+    return arrivals, expected
+
+
+@pytest.mark.parametrize("native_kernels", [True, False], ids=["c-kernel", "pytorch"])
+@pytest.mark.parametrize("variant", list(FAMILY_VARIANTS))
+def test_family_matches_transformers_greedy_token_for_token(tiny_models, variant, native_kernels):
+    model_dir = tiny_models.path(variant)
+    args = load_model_args(model_dir)
+    # longrope: transformers switches to the long factors once a sequence passes the original
+    # context; the engine (serving 512 tokens) always uses them, so every prompt starts past it.
+    long_context = args.rope_type == "longrope"
+    engine = engine_for(model_dir, num_blocks=16 if long_context else 10, native_kernels=native_kernels)
+    assert engine.runner.use_kernel == native_kernels
+    arrivals, expected = family_workload(tiny_models, variant, args.vocab_size, 66 if long_context else 0)
+    assert run_with_arrivals(engine, arrivals) == expected
+    stats = engine.stats()
+    assert stats.num_preemptions > 0, "the KV budget was meant to force preemption"
+    assert stats.prefix_cache_hits > 0, "shared prefixes were meant to hit the cache"
+
+
+def test_family_configs_switch_on_their_features(tiny_models):
+    args = {variant: load_model_args(tiny_models.path(variant)) for variant in FAMILY_VARIANTS}
+    assert args["qwen3"].head_dim == 32 != args["qwen3"].hidden_size // args["qwen3"].num_heads
+    gemma3 = args["gemma3"]
+    assert [layer.sliding_window for layer in gemma3.layers] == [24, None, 24]
+    assert [layer.rope for layer in gemma3.layers] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert gemma3.embedding_multiplier == 8.0 and gemma3.attention_scale == 20**-0.5
+    assert args["gemma2"].attn_logit_softcap == 3.0 and args["gemma2"].final_logit_softcap == 5.0
+    assert args["phi3"].rotary_dim("") == 8 and args["phi3"].sliding_window == 40
+    assert [layer.rope for layer in args["smollm3"].layers] == ["", None, ""]
+    assert args["granite"].residual_multiplier == 0.6 and args["granite"].logits_divisor == 2.5
+    assert args["llama-yarn"].rope_type == "yarn" and args["llama-dynamic"].rope_type == "dynamic"
+    assert args["qwen3"].is_llama_like and not args["gemma2"].is_llama_like
