@@ -39,6 +39,9 @@ _STATUS = {
 }
 
 
+_STORED_EMPTY = (RequestStatus.FINISHED, RequestStatus.FILTERED)  # an empty answer is still stored
+
+
 async def read_json(request: web.Request) -> object:
     if request.content_type not in ("application/json", ""):
         raise bad_request(f"Content-Type must be application/json, got {request.content_type}.", code="invalid_content_type")
@@ -278,23 +281,27 @@ def _usage(state: AppState, turn: Turn) -> dict:
 
 
 async def _refuse(request: web.Request, state: AppState, turn: Turn, verdict) -> web.StreamResponse:
-    """A prompt blocked before the engine: a refusal answer (or a 400 in error mode)."""
+    """A prompt blocked before the engine: a refusal answer (or a 400 in error mode). The
+    refusal is stored as the assistant message, with finish_reason content_filter."""
     cfg = state.settings.safety
-    await finish_turn(state, turn, RequestStatus.FILTERED, FinishReason.CONTENT_FILTER, prompt_billed=False)
-    if cfg.block_mode == "error":
+    refusal = state.safety.refusal_text(verdict)  # the category's text (self-harm: where to get help)
+    is_error = cfg.block_mode == "error"  # then no answer at all: a 400, nothing stored
+    turn.text_parts = [] if is_error else [refusal]
+    await finish_turn(state, turn, RequestStatus.FILTERED, FinishReason.CONTENT_FILTER, prompt_billed=False,
+                      store_answer=not is_error)
+    if is_error:
         raise ApiError(400, "The prompt was blocked by the content policy.", "invalid_request_error",
                        "content_policy_violation", "messages")
-    turn.text_parts = [cfg.refusal_message]
     usage = protocol.usage_dict(0, 0, 0, 0.0)
     created = protocol.now_s()
     if not turn.chat.stream:
-        body = protocol.completion_body(turn.completion_id, turn.model.name, created, cfg.refusal_message,
+        body = protocol.completion_body(turn.completion_id, turn.model.name, created, refusal,
                                         "content_filter", usage, _extra_fields(turn))
         return web.json_response(body, headers=state.response_headers(turn), dumps=_dumps)
     writer = await SSEWriter.open(request, state.response_headers(turn))
     mk = protocol.chunk_body
     await writer.data(mk(turn.completion_id, turn.model.name, created, {"role": "assistant", "content": ""}, None, turn.chat.include_usage))
-    await writer.data(mk(turn.completion_id, turn.model.name, created, {"content": cfg.refusal_message}, None, turn.chat.include_usage))
+    await writer.data(mk(turn.completion_id, turn.model.name, created, {"content": refusal}, None, turn.chat.include_usage))
     await writer.data(mk(turn.completion_id, turn.model.name, created, {}, "content_filter", turn.chat.include_usage))
     if turn.chat.include_usage:
         await writer.data(protocol.usage_chunk_body(turn.completion_id, turn.model.name, created, usage))
@@ -303,7 +310,8 @@ async def _refuse(request: web.Request, state: AppState, turn: Turn, verdict) ->
 
 
 async def finish_turn(
-    state: AppState, turn: Turn, status: RequestStatus, finish: FinishReason | None, *, prompt_billed: bool = True
+    state: AppState, turn: Turn, status: RequestStatus, finish: FinishReason | None, *, prompt_billed: bool = True,
+    store_answer: bool = True,
 ) -> None:
     """The one place a request is billed and its messages stored (idempotent on request_id)."""
     if turn.recorded:
@@ -332,9 +340,12 @@ async def finish_turn(
         conversation_id=turn.chat.conversation_id,
         new_messages=turn.new_messages,
         new_message_parts=turn.new_message_parts,
-        assistant_content=content if (content or status is RequestStatus.FINISHED) else None,
+        # A refused or filtered answer is stored too (the text sent, maybe none), so the
+        # conversation shows what happened after a reload.
+        assistant_content=content if store_answer and (content or status in _STORED_EMPTY) else None,
         fallback_from=turn.fallback_from,
         usage_source=turn.usage_source.value,
+        finish_reason=finish.value if finish is not None else None,
     )
     await state.record(turn, record, finish)
 

@@ -73,6 +73,8 @@ def _message_obj(m: Message) -> dict:
            "created_at": m.created_at, "tokens": m.tokens, "model": m.model}
     if m.parts_json is not None:  # sent with files or images: the parts as sent (file ids, image refs)
         obj["parts"] = orjson.loads(m.parts_json)
+    if m.finish_reason is not None:  # assistant messages: stop, length or content_filter
+        obj["finish_reason"] = m.finish_reason
     return obj
 
 

@@ -45,7 +45,7 @@ async def get(
     if not with_messages:
         return conv
     msg_rows = await conn.execute_fetchall(
-        "SELECT id, role, content, created_at, tokens, model, parts_json FROM messages"
+        "SELECT id, role, content, created_at, tokens, model, parts_json, finish_reason FROM messages"
         " WHERE conversation_id = ? ORDER BY seq",
         (conversation_id,),
     )
@@ -156,10 +156,10 @@ async def append_turn(
     first_seq = seq_rows[0][0]
     await conn.executemany(
         "INSERT INTO messages (id, conversation_id, seq, role, content, created_at, tokens, model, request_id,"
-        " parts_json) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        " parts_json, finish_reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         [
             (m.id, conversation_id, first_seq + i, m.role, m.content, m.created_at, m.tokens, m.model, request_id,
-             m.parts_json)
+             m.parts_json, m.finish_reason)
             for i, m in enumerate(messages)
         ],
     )

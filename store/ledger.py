@@ -66,7 +66,7 @@ def _turn(rec: RequestRecord) -> list[Message]:
         turn.append(
             Message(
                 new_id(), "assistant", rec.assistant_content, rec.finished_at,
-                rec.completion_tokens, rec.model,
+                rec.completion_tokens, rec.model, finish_reason=rec.finish_reason,
             )
         )  # fmt: skip
     return turn

@@ -131,8 +131,29 @@ ALTER TABLE usage ADD COLUMN usage_source TEXT NOT NULL DEFAULT 'engine'
     CHECK (usage_source IN ('engine', 'upstream', 'tokenizer', 'estimate'));
 """
 
+_V4_FEEDBACK = """
+ALTER TABLE messages ADD COLUMN finish_reason TEXT;  -- assistant messages: stop, length, content_filter
+-- What users said about answers, for evaluation and tuning. Prompt and answer are copied, so
+-- the row outlives a regenerated or edited turn (which truncates the messages it rates).
+CREATE TABLE feedback (
+    message_id      TEXT PRIMARY KEY,       -- the assistant message rated
+    org_id          TEXT NOT NULL REFERENCES orgs(id),
+    conversation_id TEXT NOT NULL,
+    model           TEXT,
+    prompt          TEXT NOT NULL,          -- the user message it answered
+    answer          TEXT NOT NULL,
+    rating          INTEGER CHECK (rating IN (-1, 1)),  -- thumbs down / up; NULL: none
+    comment         TEXT,
+    regenerated     INTEGER NOT NULL DEFAULT 0 CHECK (regenerated IN (0, 1)),
+    edited_prompt   TEXT,                   -- the user's rewrite of the prompt; NULL: not edited
+    created_at      REAL NOT NULL,
+    updated_at      REAL NOT NULL
+) STRICT;
+CREATE INDEX feedback_org_updated ON feedback(org_id, updated_at);
+"""
+
 # (version, script); version N leaves `PRAGMA user_version = N`.
-MIGRATIONS: tuple[tuple[int, str], ...] = ((1, _V1), (2, _V2_FILES), (3, _V3_USAGE_SOURCE))
+MIGRATIONS: tuple[tuple[int, str], ...] = ((1, _V1), (2, _V2_FILES), (3, _V3_USAGE_SOURCE), (4, _V4_FEEDBACK))
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 

@@ -85,6 +85,7 @@ class Message:
     tokens: int | None = None  # completion tokens of an assistant message; None for others
     model: str | None = None  # the model that wrote an assistant message
     parts_json: str | None = None  # the content parts it was sent with (files, images); None: text only
+    finish_reason: str | None = None  # assistant messages: why the answer ended (stop, length, content_filter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +123,7 @@ class RequestRecord:
     fallback_from: str | None = None  # the model first chosen, when the router fell back
     new_message_parts: tuple[str | None, ...] = ()  # per new message: its parts as JSON, or None
     usage_source: str = "engine"  # who counted the tokens: engine, upstream, tokenizer or estimate
+    finish_reason: str | None = None  # of the stored assistant message
 
 
 class QuotaExceeded(StoreError):
