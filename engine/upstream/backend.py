@@ -225,7 +225,10 @@ class UpstreamBackend:
         self._flights[request.request_id] = flight
         started_s = time.monotonic()
         try:
-            async with self._session.post(replica.base_url + "/chat/completions", json=body,
+            # sock_read bounds the wait for the response headers too; the stream's own deadlines follow.
+            timeout = aiohttp.ClientTimeout(total=None, connect=self._config.connect_timeout_s,
+                                            sock_read=max(self._config.first_token_timeout_s, self._config.idle_timeout_s))
+            async with self._session.post(replica.base_url + "/chat/completions", json=body, timeout=timeout,
                                           headers=self._headers(request.request_id)) as response:
                 flight.response = response
                 if response.status != 200:
