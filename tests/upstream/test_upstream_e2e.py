@@ -12,6 +12,7 @@ import sqlite3
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -108,8 +109,9 @@ def cluster(tiny_model_dir, tmp_path_factory):
     front = ServerProcess(["--config", front_config(tmp, tiny_model_dir, urls, dead_port), "--db", str(tmp / "front.db")],
                           log_path=tmp / "front.log")
     try:
-        for proc in (*ups, front):
-            proc.start()
+        with ThreadPoolExecutor(len(ups)) as pool:  # the upstreams start side by side
+            list(pool.map(ServerProcess.start, ups))
+        front.start()
         yield {"ups": ups, "front": front, "db": tmp / "front.db", "tmp": tmp}
     finally:
         for proc in (front, *ups):
