@@ -59,21 +59,32 @@ def apply_cli(settings, args: argparse.Namespace):
 
 
 def serve(settings) -> None:
+    """Check the model folders, bind the port, then serve; the ready block is printed once
+    everything has started. Raises ConfigError or PortInUse before anything is opened."""
     import uvloop
     from aiohttp import web
 
-    from api.app import init, is_loopback
+    from api.app import init, is_loopback, keyless_allowed
+    from api.startup import bind_listening_socket, check_model_folders, ready_text
 
+    check_model_folders(settings)
+    sock = bind_listening_socket(settings.server.host, settings.server.port)
     if not is_loopback(settings.server.host) and settings.server.allow_public_without_keys:
         import structlog
 
         structlog.get_logger("server").warning(
             "serving_without_keys_on_public_interface", host=settings.server.host
         )
+    app = init(settings)
+
+    async def say_ready(_app: web.Application) -> None:  # runs after the app's own startup
+        sys.stdout.write(ready_text(settings, is_keyless=keyless_allowed(settings)))
+        sys.stdout.flush()
+
+    app.on_startup.append(say_ready)
     web.run_app(
-        init(settings),
-        host=settings.server.host,
-        port=settings.server.port,
+        app,
+        sock=sock,
         shutdown_timeout=settings.server.shutdown_grace_s,
         handler_cancellation=True,
         access_log=None,
@@ -83,7 +94,9 @@ def serve(settings) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """0 after a clean shutdown; 1 when the server cannot start (the message says why)."""
     from api.logs import configure_logging
+    from api.startup import PortInUse
     from settings import ConfigError, load_settings
 
     args = build_parser().parse_args(argv)
@@ -91,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = apply_cli(load_settings(args.config, args.overrides), args)
     except ConfigError as exc:
         sys.stderr.write(f"config error: {exc}\n")
-        return 2
+        return 1
     configure_logging(settings.server.log_level, json_lines=settings.server.log_json)
     if args.command in ("keys", "orgs"):
         from store.cli import run_cli
@@ -101,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         serve(settings)
     except ConfigError as exc:
         sys.stderr.write(f"config error: {exc}\n")
-        return 2
+        return 1
+    except PortInUse as exc:
+        sys.stderr.write(f"cannot start: {exc}\n")
+        return 1
     return 0
 
 

@@ -252,9 +252,38 @@ def load_settings(path: Path | None, overrides: list[str] | tuple[str, ...] = ()
             raise ConfigError(f"config file not found: {path}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+        _resolve_paths(raw, Path(path).resolve().parent)
     for item in overrides:
         _apply_override(raw, item)
     return _build(Settings, raw, "")
+
+
+# Settings that name files or folders: (section, key, default). Relative values in a config
+# file (and these defaults when it gives none) are relative to that file's folder, so the
+# server finds its files from any working directory; --set and --db/--model values stay
+# relative to the working directory, as shell arguments are.
+_PATH_SETTINGS = (
+    ("server", "static_dir", "static"), ("store", "path", "data/chat.db"), ("files", "dir", ""),
+    ("safety", "classifier_path", "safety/classifier.npz"),
+)
+
+
+def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
+    for section, key, default in _PATH_SETTINGS:
+        node = raw.setdefault(section, {})
+        if isinstance(node, dict):
+            node[key] = _resolve(node.get(key, default), base)
+    for model in (raw.get("models") or {}).values():
+        if isinstance(model, dict) and "path" in model:
+            model["path"] = _resolve(model["path"], base)
+
+
+def _resolve(value: Any, base: Path) -> Any:
+    """Relative non-empty paths become absolute under base; anything else is left as it is
+    (wrong types are reported by _build, naming the key)."""
+    if not isinstance(value, str) or not value or value.startswith(":") or Path(value).is_absolute():
+        return value
+    return str(base / value)
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:

@@ -137,8 +137,10 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     """Start store, models, queues and the safety gate; stop them in reverse order."""
     settings = app[SETTINGS]
-    store = await Store.open(Path(settings.store.path), settings.store)
+    # Models first: a config error there (a missing folder) must not leave the store's
+    # writer thread running, which kept the process alive after "config error".
     models = build_models(settings)
+    store = await Store.open(Path(settings.store.path), settings.store)
     started = []
     purge_task = None
     try:

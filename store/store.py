@@ -361,10 +361,7 @@ def _with_last_used(key: ApiKey, pending_s: float | None) -> ApiKey:
 
 
 def _log_sqlite_version() -> None:
-    if schema.sqlite_version_is_safe():
-        log.info("sqlite", version=sqlite3.sqlite_version)
-    else:
-        log.warning(
-            "sqlite is older than 3.52.0, which fixes a WAL-reset corruption bug; upgrade when possible",
-            version=sqlite3.sqlite_version,
-        )
+    # Debug only: the WAL-reset bug fixed in 3.52.0 needs two connections writing at once, and
+    # the store writes through one connection; a warning on every start and every `keys`
+    # command told users of Debian's SQLite about a problem they cannot have.
+    log.debug("sqlite", version=sqlite3.sqlite_version, has_wal_reset_fix=schema.sqlite_version_is_safe())

@@ -71,3 +71,19 @@ def test_every_setting_has_help_and_appears_in_config_toml():
         assert help_text, key
         leaf = key.rsplit(".", 1)[-1]
         assert re.search(rf"(^|\W){re.escape(leaf)}\b", text), f"{key} is not documented in config.toml"
+
+
+def test_relative_paths_in_a_config_file_are_relative_to_its_folder_and_set_to_the_cwd(tmp_path):
+    config = tmp_path / "conf" / "config.toml"
+    config.parent.mkdir()
+    config.write_text('[store]\npath = "data/chat.db"\n[models.m]\npath = "models/m"\n'
+                      '[models.abs]\npath = "/opt/models/abs"\n')
+    settings = load_settings(config, ['safety.classifier_path="elsewhere/head.npz"'])
+    base = config.parent.resolve()
+    assert settings.store.path == str(base / "data" / "chat.db")
+    assert settings.models["m"].path == str(base / "models" / "m")
+    assert settings.models["abs"].path == "/opt/models/abs"
+    assert settings.server.static_dir == str(base / "static")  # a default, under the file's folder
+    assert settings.safety.classifier_path == "elsewhere/head.npz"  # --set: as typed
+    assert settings.files.dir == ""  # empty keeps its meaning (beside the database)
+    assert load_settings(None).store.path == "data/chat.db"  # no file: nothing to resolve against
