@@ -283,7 +283,7 @@ def usage_dict(prompt_tokens: int, cached_tokens: int, completion_tokens: int, c
         "completion_tokens_details": {"reasoning_tokens": 0},
     }
     if cost_usd is not None:
-        usage["cost_usd"] = round(cost_usd, 8)  # extension: cost from the server's price table
+        usage["cost_usd"] = round(cost_usd, 9)  # extension: cost from the server's price table (nano-dollars)
     return usage
 
 

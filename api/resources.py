@@ -16,6 +16,7 @@ from aiohttp import web
 from api.chat import read_json
 from api.errors import ApiError, bad_request, not_found
 from api.state import PRINCIPAL, SETTINGS, STATE
+from store import money
 from store.types import Conversation, Message, NotFound, StoreUnavailable
 
 _MAX_TITLE_CHARS = 200
@@ -188,7 +189,8 @@ async def usage(request: web.Request) -> web.Response:
         request[PRINCIPAL].org.id, start=start if start is not None else month_start(), end=end, group_by=group_by
     )
     totals = {k: sum(r.get(k, 0) or 0 for r in rows)
-              for k in ("num_requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_usd")}
+              for k in ("num_requests", "prompt_tokens", "cached_tokens", "completion_tokens")}
+    totals["cost_usd"] = money.sum_usd(r.get("cost_usd") for r in rows)  # decimal, not float, addition
     return _json({"object": "usage", "group_by": group_by, "data": rows, "total": totals})
 
 

@@ -22,6 +22,7 @@ from gateway.admission import Admission, Caller
 from gateway.coalesce import Coalescer
 from gateway.metrics import Metrics
 from settings import Settings, TierConfig
+from store import money
 from store.store import Store
 from store.types import Principal, RequestRecord, StoreUnavailable
 
@@ -70,13 +71,14 @@ class AppState:
         return Caller(key, tier_name, tier, principal.org.limits, waits_for_stream=is_local and principal.key_id is None)
 
     def cost_usd(self, turn: Turn) -> float:
+        """Computed in decimal and rounded to the nano-dollar (store/money.py)."""
         cfg = turn.model.config
         uncached = turn.num_prompt_tokens - turn.num_cached_tokens
-        return (
-            uncached * cfg.price_input_per_mtok
-            + turn.num_cached_tokens * cfg.price_cached_input_per_mtok
-            + turn.num_completion_tokens * cfg.price_output_per_mtok
-        ) / 1e6
+        return float(money.cost_usd((
+            (uncached, cfg.price_input_per_mtok),
+            (turn.num_cached_tokens, cfg.price_cached_input_per_mtok),
+            (turn.num_completion_tokens, cfg.price_output_per_mtok),
+        )))
 
     def response_headers(self, turn: Turn) -> dict[str, str]:
         caller = self.caller(turn.principal)

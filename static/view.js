@@ -28,10 +28,14 @@ export function keepingBottom(change) {
   if (stick) scrollToBottom();
 }
 
+// Plain decimals, never an exponent: $0.000052 (two significant digits below a cent), $1.2500.
 export function formatCost(usd) {
   if (usd == null) return null;
   if (usd === 0) return "$0";
-  return usd < 0.01 ? `$${usd.toPrecision(2)}` : `$${usd.toFixed(4)}`;
+  if (usd >= 0.01) return `$${usd.toFixed(4)}`;
+  const digits = Math.min(9, 1 - Math.floor(Math.log10(usd)));
+  const text = usd.toFixed(digits);
+  return Number(text) === 0 ? "<$0.000000001" : `$${text}`;
 }
 
 export function formatInt(n) {

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from settings import Settings
+from store.money import format_usd
 from store.store import UNSET, Store
 from store.types import Conflict, NotFound, Org, StoreError
 
@@ -166,7 +167,7 @@ def _check_tier(tier: str, settings: Settings) -> None:
 
 
 def _money(usd: float | None) -> str:
-    return "none" if usd is None else f"${usd:,.2f}"
+    return format_usd(usd)
 
 
 def _time(t: float | None) -> str:

@@ -76,7 +76,7 @@ async def month_spend_usd(conn: aiosqlite.Connection, org_id: str, now: float) -
     rows = await conn.execute_fetchall(
         "SELECT cost_usd FROM org_month_spend WHERE org_id = ? AND month = ?", (org_id, month_of(now))
     )
-    return float(rows[0][0]) if rows else 0.0
+    return round(float(rows[0][0]), 9) if rows else 0.0  # float additions drift below a nano-dollar
 
 
 async def summary(
@@ -97,7 +97,7 @@ async def summary(
     rows = await conn.execute_fetchall(
         f"SELECT {expr} AS {name}{key_prefix}, count(*) AS num_requests,"
         " sum(u.prompt_tokens) AS prompt_tokens, sum(u.cached_tokens) AS cached_tokens,"
-        " sum(u.completion_tokens) AS completion_tokens, sum(u.cost_usd) AS cost_usd"
+        " sum(u.completion_tokens) AS completion_tokens, round(sum(u.cost_usd), 9) AS cost_usd"
         " FROM usage u LEFT JOIN api_keys k ON k.id = u.key_id"
         f" WHERE {where} GROUP BY {expr} ORDER BY {expr}",
         params,

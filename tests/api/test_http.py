@@ -251,3 +251,16 @@ async def test_health_ready_and_metrics(make_client):
     await chat(client, {"model": "echo", "messages": USER})
     text = await (await client.get("/metrics")).text()
     assert "tokens" in text
+
+
+async def test_usage_totals_are_summed_as_decimals(make_client):
+    from decimal import Decimal
+
+    client = await make_client()
+    costs = []
+    for _ in range(3):
+        body = await (await chat(client, {"model": "echo", "messages": USER})).json()
+        costs.append(Decimal(str(body["usage"]["cost_usd"])))
+    usage = await (await client.get("/v1/usage")).json()
+    assert Decimal(str(usage["total"]["cost_usd"])) == sum(costs)
+    assert len(repr(usage["total"]["cost_usd"])) <= 12  # no 5.199999999999997e-05
