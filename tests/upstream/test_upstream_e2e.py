@@ -232,6 +232,24 @@ def test_a_conversations_next_turn_goes_to_the_same_replica_and_hits_its_cache(c
         assert turn2["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16  # at least one KV block reused
 
 
+def test_a_stored_conversation_keeps_its_replica_across_turns(cluster):
+    front = cluster["front"]
+    req = urllib.request.Request(front.base_url + "/v1/conversations", data=b"{}",
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        conversation_id = json.loads(resp.read())["id"]
+    replicas = []
+    for question in ("Tell me about the sea and the weather today.", "And the river?", "And the fox?"):
+        before = served_by(cluster, "tiny")
+        status, _, answer = post(front.base_url, greedy([{"role": "user", "content": question}], max_tokens=12,
+                                                        conversation_id=conversation_id))
+        assert status == 200, answer
+        after = served_by(cluster, "tiny")
+        replicas.append(max(range(2), key=lambda r: after[r] - before[r]))
+    assert len(set(replicas)) == 1  # the history lives in our SQLite; its KV cache on one replica
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+
+
 def test_the_prompt_screen_runs_in_front_and_nothing_reaches_the_upstream(cluster):
     before = served_by(cluster, "tiny")
     status, _, body = post(cluster["front"].base_url,

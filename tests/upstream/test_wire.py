@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from engine.types import ChatPrompt, FinishReason, GenerationRequest, RequestRejected, SamplingParams, UsageSource
-from engine.upstream.counting import EstimatingCounter
+from engine.tokenizer import Tokenizer
+from engine.upstream.counting import EstimatingCounter, TokenizerCounter
 from engine.upstream.wire import Chunk, ErrorKind, UpstreamError, classify_http_error, parse_chunk, request_body
 
 
@@ -75,3 +76,13 @@ def test_the_estimating_counter_counts_about_four_bytes_a_token_and_keeps_prompt
     b = counter.encode_chat([{"role": "user", "content": "hello where"}])
     assert a != b and len(a) == len(b)
     assert counter.decode(counter.encode("Ünïcödé ok")) == "Ünïcödé ok"
+
+
+def test_the_tokenizer_counter_counts_with_the_models_own_tokenizer(tiny_model_dir):
+    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    counter = TokenizerCounter(tokenizer)
+    messages = [{"role": "user", "content": "What does the word river mean?"}]
+    assert counter.usage_source is UsageSource.TOKENIZER
+    assert counter.encode_chat(messages) == tokenizer.encode_chat(messages)
+    assert counter.count("A river is a large natural stream.") == len(tokenizer.encode("A river is a large natural stream."))
+    assert len(counter.encode_chat(messages, tools=[{"type": "function"}])) > len(counter.encode_chat(messages))
