@@ -234,7 +234,7 @@ class UpstreamBackend:
                 if response.status != 200:
                     raise self._http_failure(replica, response.status, await response.read(),
                                              response.headers.get("Retry-After"))
-                async for event in self._relay(response, replica, progress, started_s):
+                async for event in self._relay(response, flight, progress, started_s):
                     yield event
         except _AttemptFailed:
             raise
@@ -250,15 +250,18 @@ class UpstreamBackend:
             if flight.response is not None and not flight.response.closed:
                 flight.response.close()  # left early (client gone): close now, never drain
 
-    async def _relay(self, response: aiohttp.ClientResponse, replica: Replica, progress: _Progress,
+    async def _relay(self, response: aiohttp.ClientResponse, flight: _Flight, progress: _Progress,
                      started_s: float) -> AsyncIterator[TokenEvent]:
-        cfg = self._config
+        cfg, replica = self._config, flight.replica
         deadline_s = started_s + cfg.first_token_timeout_s
 
         def timeout_s() -> float:
             return cfg.idle_timeout_s if progress.num_yielded else max(0.0, deadline_s - time.monotonic())
 
         async for payload in sse_payloads(response, timeout_s):
+            if flight.is_aborted:  # aborted before the response arrived: it was not closed then
+                yield self._final(progress, FinishReason.ABORT)
+                return
             if payload is DONE:
                 break
             chunk = parse_chunk(payload)

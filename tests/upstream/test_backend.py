@@ -238,3 +238,14 @@ async def test_a_missing_api_key_variable_stops_the_start_naming_the_variable_no
                               UpstreamConfig(), EstimatingCounter(), max_model_len=None)
     with pytest.raises(ConfigError, match="SURELY_UNSET_UPSTREAM_KEY"):
         await backend.start()
+
+
+async def test_abort_from_another_task_while_waiting_for_a_chunk_ends_the_stream_at_once(aiohttp_server):
+    script = Script(words=5, delay_s=2.0)
+    async with backend_for([await serve(aiohttp_server, script)]) as backend:
+        backend._config = UpstreamConfig(first_token_timeout_s=30.0, idle_timeout_s=30.0)
+        events = backend.generate(request("req_7"))
+        asyncio.get_running_loop().call_later(0.2, backend.abort, "req_7")
+        async with asyncio.timeout(1.5):  # well before the first chunk (2 s)
+            received = [event async for event in events]
+    assert [e.finish_reason for e in received] == [FinishReason.ABORT]
