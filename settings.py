@@ -107,9 +107,13 @@ class TierConfig:
     tier_tokens_per_minute: int = setting(0, "Token bucket shared by the whole tier; 0: none.")
     max_tokens: int = setting(1024, "Largest max_tokens a request may ask for.")
     max_context_tokens: int = setting(4096, "Largest prompt + max_tokens.")
-    max_concurrent_streams: int = setting(4, "Requests in flight per key.")
+    max_concurrent_streams: int = setting(
+        4, "Requests in flight per key (429 above; keyless local use waits for a stream instead)."
+    )
     models: list[str] = setting([], "Models this tier may use, preferred first.")
-    wait_target_s: float = setting(10.0, "Estimated queue wait above which the router falls back.")
+    wait_target_s: float = setting(
+        10.0, "Estimated queue wait above which the router falls back, then sheds (never the top tier)."
+    )
     retention_days: int = setting(30, "Days a deleted conversation is kept before purging.")
     budget_fallback: bool = setting(False, "Over budget: serve the tier's last model instead of 429.")
     file_storage_bytes: int = setting(104_857_600, "Bytes of uploaded files an organisation may keep.")
