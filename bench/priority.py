@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import platform
 import random
 import re
@@ -182,15 +183,17 @@ def write_results(section: str, path: Path = RESULTS_MD) -> None:
 
 
 def cpu_name() -> str:
+    """The CPU's model name and ISA from /proc/cpuinfo (AMD family 25 with AVX-512 is Zen 4)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                flags = Path("/proc/cpuinfo").read_text()
-                isa = "AVX-512" if " avx512f" in flags else "no AVX-512"
-                return f"{line.split(':', 1)[1].strip()} ({isa})"
+        info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+        return platform.processor() or "unknown CPU"
+    fields = dict(line.split(":", 1) for line in info.splitlines()[:30] if ":" in line)
+    name = fields.get("model name\t", "unknown CPU").strip()
+    has_avx512 = " avx512f" in info
+    if "AMD" in name and fields.get("cpu family\t", "").strip() == "25" and has_avx512:
+        name += " (Zen 4)"
+    return f"{name}, {'AVX-512' if has_avx512 else 'no AVX-512'}, {os.cpu_count()} cores"
 
 
 def _ms(seconds: float | None) -> float | None:

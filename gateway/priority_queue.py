@@ -49,8 +49,11 @@ class PriorityQueue:
         return request_id in self._seq_of
 
     def __iter__(self) -> Iterator[QueueEntry]:
-        """Entries from the head to the tail."""
-        return (self._by_seq[item[2]] for item in list(self._line))
+        """Entries from the head to the tail (do not push or remove while iterating)."""
+        return (self._by_seq[item[2]] for item in self._line)
+
+    def from_tail(self) -> Iterator[QueueEntry]:
+        return (self._by_seq[item[2]] for item in reversed(self._line))
 
     @property
     def num_waiting(self) -> int:

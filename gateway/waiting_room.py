@@ -115,12 +115,14 @@ class WaitingRoom:
         if self._can_admit_now(engine_has_room, offer):
             return Placement(Outcome.ADMITTED)
         wait_s = self._estimate_s(offer.priority, now)
-        if wait_s > offer.wait_limit_s:
-            return Placement(Outcome.REFUSED, Reason.WAIT_TOO_LONG, max(1.0, wait_s - offer.wait_limit_s), wait_s,
-                             num_outranked_waiting=self._num_outranked(offer.priority))
-        victims = self._victims(offer, now)
+        is_too_long = wait_s > offer.wait_limit_s
+        # Past its wait limit, a request is shed only if nobody it goes before waits: else the
+        # last of those (a lower tier, who would wait even longer) is shed in its place.
+        victims = self._victims(offer, now, min_victims=1 if is_too_long else 0)
         if victims is None:
-            return Placement(Outcome.REFUSED, Reason.QUEUE_FULL, max(1.0, self._service_interval_s(now)), wait_s,
+            reason, retry_after_s = ((Reason.WAIT_TOO_LONG, wait_s - offer.wait_limit_s) if is_too_long
+                                     else (Reason.QUEUE_FULL, self._service_interval_s(now)))
+            return Placement(Outcome.REFUSED, reason, max(1.0, retry_after_s), wait_s,
                              num_outranked_waiting=self._num_outranked(offer.priority))
         return Placement(Outcome.QUEUED, estimated_wait_s=wait_s, displaced=tuple(v.request_id for v in victims))
 
@@ -188,14 +190,15 @@ class WaitingRoom:
             return False
         return self._line.first(self._is_eligible) is None  # nobody who could start is waiting
 
-    def _victims(self, offer: Offer, now: float) -> list[QueueEntry] | None:
-        """Tail entries this offer goes before, enough to make room; None if that is not enough."""
+    def _victims(self, offer: Offer, now: float, *, min_victims: int = 0) -> list[QueueEntry] | None:
+        """Tail entries this offer goes before: at least `min_victims`, and enough to make
+        room; None if there are not that many."""
         if offer.num_tokens > self._line.max_waiting_tokens:
             return None
         victims: list[QueueEntry] = []
         num_requests, num_tokens = self._line.num_waiting, self._line.num_waiting_tokens
-        for entry in reversed(list(self._line)):
-            if num_requests < self._line.max_waiting_requests \
+        for entry in self._line.from_tail():
+            if len(victims) >= min_victims and num_requests < self._line.max_waiting_requests \
                     and num_tokens + offer.num_tokens <= self._line.max_waiting_tokens:
                 return victims
             if self._line.goes_before(entry, offer.priority, now):
@@ -203,7 +206,7 @@ class WaitingRoom:
             victims.append(entry)
             num_requests, num_tokens = num_requests - 1, num_tokens - entry.num_tokens
         fits = num_requests < self._line.max_waiting_requests and num_tokens + offer.num_tokens <= self._line.max_waiting_tokens
-        return victims if fits else None
+        return victims if fits and len(victims) >= min_victims else None
 
     def _num_outranked(self, priority: int) -> int:
         return sum(1 for entry in self._line if entry.priority < priority)

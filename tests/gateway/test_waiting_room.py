@@ -210,3 +210,20 @@ def test_assess_changes_nothing():
     room.place(offer("f"))
     assert room.assess(offer("e", ENTERPRISE)).displaced == ("f",)
     assert room.is_waiting("f") and room.num_displaced == 0
+
+
+def test_past_its_wait_limit_a_request_sheds_the_last_lower_tier_request_instead_of_being_refused():
+    clock = FakeClock()
+    room = make_room(capacity=1, clock=clock, max_waiting_requests=10)
+    room.place(offer("running", ENTERPRISE))
+    room.place(offer("e1", ENTERPRISE))
+    room.place(offer("f1", FREE))
+    room.place(offer("f2", FREE))
+    clock.advance(8.0)  # 8 s per admission: plus would wait over 16 s, past its 15 s limit
+    placement = room.place(offer("p", PLUS, wait_limit_s=15.0))
+    assert (placement.outcome, placement.displaced) == (Outcome.QUEUED, ("f2",))  # the lowest tier goes first
+    assert room.place(offer("p2", PLUS, wait_limit_s=15.0)).displaced == ("f1",)
+    shed = room.place(offer("p3", PLUS, wait_limit_s=15.0))  # no lower tier left: now plus is shed
+    assert (shed.outcome, shed.reason, shed.num_outranked_waiting) == (Outcome.REFUSED, Reason.WAIT_TOO_LONG, 0)
+    free = room.place(offer("f3", FREE, wait_limit_s=15.0))
+    assert (free.outcome, free.reason) == (Outcome.REFUSED, Reason.WAIT_TOO_LONG)
