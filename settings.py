@@ -45,6 +45,7 @@ class ServerConfig:
     log_level: str = setting("info", "debug, info, warning or error.")
     log_json: bool = setting(False, "Log JSON lines instead of human-readable console lines.")
     static_dir: str = setting("static", "Folder of the web chat UI, served at /.")
+    max_n: int = setting(8, "Most choices (`n`) one chat request may ask for.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,9 @@ class ModelConfig:
     price_cached_input_per_mtok: float = setting(0.0, "USD per million prompt tokens served from cache.")
     price_output_per_mtok: float = setting(0.0, "USD per million completion tokens.")
     fallback: str = setting("", "Model to serve this model's tier traffic when it is saturated.")
+    tool_parser: str = setting(
+        "auto", "Tool-call text format: auto (from the chat template), hermes, llama3_json or mistral."
+    )
     # backend = "openai" only (docs/scale-out.md):
     urls: list[str] = setting([], "openai: base URLs of the upstream replicas, e.g. http://gpu-a:8000/v1.")
     upstream_model: str = setting("", "openai: the model name the upstream knows; empty: this model's name.")

@@ -18,13 +18,16 @@ import structlog
 from aiohttp import web
 
 from api import attachments, protocol
+from api.answer import Answer
 from api.errors import ApiError, bad_request, from_gateway, overloaded
+from api.files import BLOBS
 from api.sse import ClientGone, SSEWriter
 from api.state import PRINCIPAL, REQUEST_ID, STATE, AppState
-from api.files import BLOBS
+from api.toolparse import ToolCallParser
+from api.tools import ChoiceMode, detect_format
 from api.turn import Turn, TurnInputs, conversation_not_found
 from api.waiting import LazyStream, wait_admitted
-from engine.types import EngineError, EngineUnavailable, FinishReason, RequestRejected, TokenEvent, UsageSource
+from engine.types import EngineError, EngineUnavailable, FinishReason, RequestRejected, TokenEvent, TokenLogprob, UsageSource
 from gateway.admission import Pass
 from gateway.errors import Overloaded
 from store.types import RequestRecord, RequestStatus
@@ -132,14 +135,26 @@ async def _serve_stream(request: web.Request, state: AppState, turn: Turn, grant
         usage = _usage(state, turn) if turn.chat.continuous_usage else None
         return protocol.chunk_body(turn.completion_id, turn.model.name, created, delta, finish, turn.chat.include_usage, usage)
 
+    answer = make_answer(turn)
+
+    async def send(deltas: list[dict]) -> None:
+        for d in deltas:
+            body = chunk(d["delta"])
+            body["choices"][0]["logprobs"] = d.get("logprobs")
+            await writer.data(body)
+
+    async def emit(text: str, logprobs: tuple[TokenLogprob, ...]) -> None:
+        await send(answer.feed(text, logprobs))
+
     finish: FinishReason | None = None
     try:
         await wait_admitted(state, grant, turn, stream.comment)
         writer = await stream.open()
         await writer.data(chunk({"role": "assistant", "content": ""}))
-        finish = await _pump(state, turn, lambda text: writer.data(chunk({"content": text})), writer.comment)
+        finish = await _pump(state, turn, emit, writer.comment)
+        await send(answer.close())
         await finish_turn(state, turn, _STATUS[finish], finish)
-        await writer.data(chunk({}, finish.value))
+        await writer.data(chunk({}, answer.finish_reason(finish)))
         if turn.chat.include_usage:
             await writer.data(protocol.usage_chunk_body(turn.completion_id, turn.model.name, created, _usage(state, turn)))
         await writer.done()
@@ -181,9 +196,15 @@ def _engine_api_error(exc: Exception) -> ApiError:
 
 
 async def _serve_unary(state: AppState, turn: Turn, grant: Pass) -> web.Response:
+    answer = make_answer(turn)
+
+    async def emit(text: str, logprobs: tuple[TokenLogprob, ...]) -> None:
+        answer.feed(text, logprobs)
+
     try:
         await wait_admitted(state, grant, turn, None)
-        finish = await _pump(state, turn, _no_emit, None)
+        finish = await _pump(state, turn, emit, None)
+        answer.close()
     except asyncio.CancelledError:  # client went away (handler cancellation) or shutdown
         await finish_turn(state, turn, RequestStatus.ABORTED, FinishReason.ABORT)
         raise
@@ -194,13 +215,21 @@ async def _serve_unary(state: AppState, turn: Turn, grant: Pass) -> web.Response
     await finish_turn(state, turn, _STATUS[finish], finish)
     body = protocol.completion_body(
         turn.completion_id, turn.model.name, protocol.now_s(), "".join(turn.text_parts),
-        finish.value, _usage(state, turn), _extra_fields(turn),
+        answer.finish_reason(finish), _usage(state, turn), _extra_fields(turn),
     )
+    body["choices"][0]["message"] = answer.message()
+    body["choices"][0]["logprobs"] = answer.logprobs_obj()
     return web.json_response(body, headers=state.response_headers(turn), dumps=_dumps)
 
 
-async def _no_emit(_text: str) -> None:
-    return None
+def make_answer(turn: Turn) -> Answer:
+    """The client's view of the generation: tool calls parsed when tools may be called."""
+    chat, tokenizer = turn.chat, turn.model.tokenizer
+    parser = None
+    if chat.tools and chat.tool_choice.mode is not ChoiceMode.NONE:
+        fmt = detect_format(getattr(tokenizer, "chat_template", None), turn.model.config.tool_parser)
+        parser = ToolCallParser(fmt, frozenset(t.name for t in chat.tools))
+    return Answer(tokenizer, parser, chat.logprobs)
 
 
 def _dumps(obj: object) -> str:
@@ -210,7 +239,7 @@ def _dumps(obj: object) -> str:
 async def _pump(
     state: AppState,
     turn: Turn,
-    emit: Callable[[str], Awaitable[None]],
+    emit: Callable[[str, tuple[TokenLogprob, ...]], Awaitable[None]],
     on_idle: Callable[[str], Awaitable[None]] | None,
 ) -> FinishReason:
     """Run the generation, filtering output; returns the finish reason. Closing aborts."""
@@ -228,7 +257,8 @@ async def _pump(
                     return FinishReason.CONTENT_FILTER
             if text:
                 turn.text_parts.append(text)
-                await emit(text)
+            if text or event.logprobs:
+                await emit(text, event.logprobs)
             if event.finish_reason is not None:
                 finish = event.finish_reason
         if out_filter is not None:
@@ -238,7 +268,7 @@ async def _pump(
                 return FinishReason.CONTENT_FILTER
             if tail:
                 turn.text_parts.append(tail)
-                await emit(tail)
+                await emit(tail, ())
         return finish
     finally:
         await events.aclose()  # aborts the request in the backend if it is still running

@@ -2,32 +2,31 @@
 
 The raw body (a `dict` from JSON) and the validated `ChatRequest` are different types;
 every validation error names the field, the limit and the value received. Nothing here
-tokenizes or touches the engine; context-window checks happen after tokenization.
+tokenizes or touches the engine (a JSON schema is only checked by the grammar library, so an
+unsupported feature is a 400 naming it); context-window checks happen after tokenization.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from api import tools as tooling
 from api.errors import ApiError, bad_request
 from api.parts import Part, has_attachments, parse_parts, parse_truncation, text_of
+from engine.types import StructuredKind, StructuredOutput
 
-ROLES = frozenset({"system", "developer", "user", "assistant"})
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
+MAX_TOP_LOGPROBS = 20
 
 # Fields we accept but ignore when they carry their default (harmless for a text chat).
 _IGNORED_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}),
     "store": (None, False),
     "metadata": None,  # any value
     "service_tier": None,
@@ -40,6 +39,7 @@ _KNOWN = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
     "stop", "presence_penalty", "frequency_penalty", "n", "stream", "stream_options", "user",
     "top_k", "min_tokens", "ignore_eos", "conversation_id", "truncation",
+    "logprobs", "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
 }
 
 
@@ -48,6 +48,37 @@ class ChatMessage:
     role: str
     content: str  # the message's own text (its text parts joined)
     parts: tuple[Part, ...] = ()  # set only when the message has file or image parts (api/parts.py)
+    tool_calls: tuple[tooling.ToolCall, ...] = ()  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' shape)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _json_or_text(c.arguments)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+    def as_wire_dict(self) -> dict[str, Any]:
+        """The message as OpenAI's API takes it (tool-call arguments as JSON text)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.as_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _json_or_text(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +103,15 @@ class ChatRequest:
     user: str | None
     conversation_id: str | None
     truncation: str = "disabled"  # 'auto': cut attached files that do not fit the context
+    response_format: StructuredOutput | None = None  # None: free text
+    logprobs: int | None = None  # None: not asked; k: chosen token + top k alternatives
+    n: int = 1
+    tools: tuple[tooling.Tool, ...] = ()
+    tool_choice: tooling.ToolChoice = tooling.ToolChoice(tooling.ChoiceMode.NONE)
+    parallel_tool_calls: bool = True
 
 
-def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int) -> ChatRequest:
+def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int, max_n: int = 1) -> ChatRequest:
     """Validate a decoded JSON body; raise ApiError(400) naming the field on any problem."""
     if not isinstance(raw, dict):
         raise bad_request(f"The request body must be a JSON object, got {_kind(raw)}.", param=None)
@@ -90,9 +127,15 @@ def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int) ->
         raise bad_request(
             f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens}).", param="min_tokens"
         )
-    n = _opt_int(raw, "n", 1)
-    if n not in (None, 1):
-        raise bad_request(f"Only n=1 is supported, got n={n}.", param="n", code="unsupported_value")
+    n = _opt_int(raw, "n", 1) or 1
+    if n > max_n:
+        raise bad_request(f"'n' must be at most {max_n} on this server, got {n}.", param="n", code="unsupported_value")
+    tools = tooling.parse_tools(raw.get("tools"))
+    tool_choice = tooling.parse_tool_choice(raw.get("tool_choice"), tools)
+    response_format = parse_response_format(raw.get("response_format"))
+    if response_format is not None and tool_choice.mode in (tooling.ChoiceMode.REQUIRED, tooling.ChoiceMode.NAMED):
+        raise bad_request("A forced 'tool_choice' cannot be combined with a JSON 'response_format'.",
+                          param="response_format")
     return ChatRequest(
         model=_opt_str(raw, "model"),
         messages=_messages(raw.get("messages"), max_messages, max_prompt_chars),
@@ -112,7 +155,78 @@ def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int) ->
         user=_opt_str(raw, "user"),
         conversation_id=_opt_str(raw, "conversation_id"),
         truncation=parse_truncation(raw),
+        response_format=response_format,
+        logprobs=_logprobs(raw),
+        n=n,
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=_opt_bool(raw, "parallel_tool_calls", True),
     )
+
+
+def wire_options(chat: ChatRequest) -> dict[str, Any]:
+    """The validated fields beyond messages and sampling, in OpenAI's wire shape, for backends
+    that forward the chat to another server (engine/upstream)."""
+    out: dict[str, Any] = {}
+    if chat.tools:
+        out["tools"] = [t.as_template_arg() for t in chat.tools]
+        choice = chat.tool_choice
+        out["tool_choice"] = (
+            {"type": "function", "function": {"name": choice.name}}
+            if choice.mode is tooling.ChoiceMode.NAMED else choice.mode.value
+        )
+        out["parallel_tool_calls"] = chat.parallel_tool_calls
+    fmt = chat.response_format
+    if fmt is not None and fmt.kind is StructuredKind.JSON_OBJECT:
+        out["response_format"] = {"type": "json_object"}
+    elif fmt is not None and fmt.kind is StructuredKind.JSON_SCHEMA:
+        schema = {"name": "response", "schema": json.loads(fmt.spec), "strict": True}
+        out["response_format"] = {"type": "json_schema", "json_schema": schema}
+    if chat.logprobs is not None:
+        out["logprobs"] = True
+        out["top_logprobs"] = chat.logprobs
+    if chat.n > 1:
+        out["n"] = chat.n
+    return out
+
+
+def parse_response_format(value: Any, param: str = "response_format") -> StructuredOutput | None:
+    """`{"type": "text" | "json_object" | "json_schema", ...}` -> the grammar, or None for text."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(StructuredKind.JSON_OBJECT)
+    if kind != "json_schema":
+        raise bad_request(f"'{param}.type' must be text, json_object or json_schema; got {kind!r}.",
+                          param=f"{param}.type")
+    spec = value.get("json_schema") if param == "response_format" else value  # Responses: flattened
+    if not isinstance(spec, dict):
+        raise bad_request(f"'{param}.json_schema' must be an object.", param=f"{param}.json_schema")
+    where = f"{param}.json_schema" if param == "response_format" else param
+    name = spec.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad_request(f"'{where}.name' must be a non-empty string.", param=f"{where}.name")
+    schema = spec.get("schema", {"type": "object"})
+    if not isinstance(schema, dict):
+        raise bad_request(f"'{where}.schema' must be a JSON schema object.", param=f"{where}.schema")
+    if not isinstance(spec.get("strict", False), (bool, type(None))):
+        raise bad_request(f"'{where}.strict' must be a boolean.", param=f"{where}.strict")
+    text = tooling.schema_text(schema)
+    tooling.check_schema(text, f"{where}.schema")
+    return StructuredOutput(StructuredKind.JSON_SCHEMA, text)
+
+
+def _logprobs(raw: dict[str, Any]) -> int | None:
+    wanted = _opt_bool(raw, "logprobs", False)
+    top = _opt_int(raw, "top_logprobs", 0)
+    if top is not None and top > MAX_TOP_LOGPROBS:
+        raise bad_request(f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {top}.", param="top_logprobs")
+    if top and not wanted:
+        raise bad_request("'top_logprobs' needs 'logprobs' set to true.", param="top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _kind(value: Any) -> str:
@@ -162,7 +276,7 @@ def _message(value: Any, index: int) -> ChatMessage:
     role = value.get("role")
     if role not in ROLES:
         raise bad_request(
-            f"'{where}.role' must be one of system, developer, user, assistant; got {role!r}.",
+            f"'{where}.role' must be one of system, developer, user, assistant, tool; got {role!r}.",
             param=f"{where}.role",
         )
     content = value.get("content")
@@ -171,7 +285,17 @@ def _message(value: Any, index: int) -> ChatMessage:
     text, parts = _content(content, f"{where}.content")
     if parts and role != "user":
         raise bad_request(f"Only user messages may carry files or images ('{where}').", param=f"{where}.content")
-    return ChatMessage("system" if role == "developer" else role, text, parts)
+    calls = tooling.parse_message_tool_calls(value.get("tool_calls"), f"{where}.tool_calls") if role == "assistant" else ()
+    call_id = value.get("tool_call_id")
+    if role == "tool" and not isinstance(call_id, str):
+        raise bad_request(f"'{where}.tool_call_id' is required for a tool message.", param=f"{where}.tool_call_id")
+    return ChatMessage(
+        "system" if role == "developer" else role,
+        text,
+        parts,
+        tool_calls=calls,
+        tool_call_id=call_id if role == "tool" else None,
+    )
 
 
 def _content(value: Any, where: str) -> tuple[str, tuple[Part, ...]]:

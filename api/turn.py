@@ -13,7 +13,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from api.errors import ApiError, bad_request, not_found
-from api.protocol import ChatMessage, ChatRequest
+from api.protocol import ChatMessage, ChatRequest, wire_options
+from api.tools import ChoiceMode, Tool, detect_format, forced_call_grammar, template_takes_tools, tools_system_prompt
 from engine.registry import ModelHandle
 from engine.types import ChatPrompt, GenerationRequest, RequestRejected, SamplingParams, UsageSource
 from settings import TierConfig
@@ -75,7 +76,11 @@ def build_context(
 
 
 def trim_history(
-    model: ModelHandle, history: list[ChatMessage], new: tuple[ChatMessage, ...], budget_tokens: int
+    model: ModelHandle,
+    history: list[ChatMessage],
+    new: tuple[ChatMessage, ...],
+    budget_tokens: int,
+    tools: tuple[Tool, ...] = (),
 ) -> tuple[list[int], list[ChatMessage], int]:
     """Drop the oldest non-system history turns until the prompt fits `budget_tokens`.
 
@@ -86,7 +91,7 @@ def trim_history(
     dropped = 0
     while True:
         context = build_context(kept, new)
-        ids = encode_chat(model, context)
+        ids = encode_chat(model, context, tools)
         droppable = [i for i, m in enumerate(kept) if m.role != "system"]
         if len(ids) <= budget_tokens or not droppable:
             return ids, context, dropped
@@ -97,9 +102,25 @@ def trim_history(
         dropped += span
 
 
-def encode_chat(model: ModelHandle, context: list[ChatMessage]) -> list[int]:
-    messages = [{"role": m.role, "content": m.content} for m in context]
-    return model.tokenizer.encode_chat(messages)
+def encode_chat(model: ModelHandle, context: list[ChatMessage], tools: tuple[Tool, ...] = ()) -> list[int]:
+    """Render through the chat template; tools go in as `tools=` (or a system message, for a
+    template that ignores them)."""
+    messages = [m.as_template_dict() for m in context]
+    if not tools:
+        return model.tokenizer.encode_chat(messages)
+    template = getattr(model.tokenizer, "chat_template", None)  # None: an upstream model's token counter
+    if template is None or template_takes_tools(template):
+        return model.tokenizer.encode_chat(messages, tools=[t.as_template_arg() for t in tools])
+    fmt = detect_format(template, model.config.tool_parser)
+    prompt = {"role": "system", "content": tools_system_prompt(tools, fmt)}
+    if messages and messages[0]["role"] == "system":
+        prompt["content"] = messages[0]["content"] + "\n\n" + prompt["content"]
+        messages = messages[1:]
+    return model.tokenizer.encode_chat([prompt, *messages])
+
+
+def prompt_tools(chat: ChatRequest) -> tuple[Tool, ...]:
+    return chat.tools if chat.tool_choice.mode is not ChoiceMode.NONE else ()
 
 
 def resolve_max_tokens(chat: ChatRequest, tier: TierConfig, tier_name: str, room: int) -> int:
@@ -126,24 +147,21 @@ def check_fits(num_prompt: int, max_tokens: int, limit: int, model_name: str) ->
     )
 
 
-# Validated request fields handed, as the client sent them, to backends that forward the chat
-# to another server (engine/upstream); add a field here when api/protocol.py accepts it.
-PASS_THROUGH_FIELDS = (
-    "tools", "tool_choice", "parallel_tool_calls", "response_format", "logprobs", "top_logprobs", "n", "logit_bias",
-)
-
-
 def chat_prompt(chat: ChatRequest, context: list[ChatMessage]) -> ChatPrompt:
-    """The context as OpenAI message objects (the text the template sees), plus the pass-through
-    fields the request carries."""
-    messages = tuple({"role": m.role, "content": m.content} for m in context)
-    options = {name: value for name in PASS_THROUGH_FIELDS
-               if (value := getattr(chat, name, None)) is not None and value != () and value != {}}
-    return ChatPrompt(messages, options)
+    """The context as OpenAI message objects (the text the template sees), plus the validated
+    fields beyond sampling (tools, response_format, logprobs, n) in OpenAI's wire shape."""
+    messages = tuple(m.as_wire_dict() for m in context)
+    return ChatPrompt(messages, wire_options(chat))
 
 
-def sampling_from(chat: ChatRequest, max_tokens: int) -> SamplingParams:
+def sampling_from(chat: ChatRequest, max_tokens: int, model: ModelHandle | None = None) -> SamplingParams:
+    structured = chat.response_format
+    if chat.tool_choice.mode in (ChoiceMode.REQUIRED, ChoiceMode.NAMED) and model is not None:
+        fmt = detect_format(getattr(model.tokenizer, "chat_template", None), model.config.tool_parser)
+        structured = forced_call_grammar(chat.tools, chat.tool_choice, fmt, chat.parallel_tool_calls)
     return SamplingParams(
+        structured=structured,
+        logprobs=chat.logprobs,
         max_tokens=max_tokens,
         temperature=chat.temperature,
         top_p=chat.top_p,
@@ -177,17 +195,17 @@ def make_turn(inp: TurnInputs) -> Turn:
     dropped = 0
     if inp.history is not None:
         reserve = chat.max_tokens if chat.max_tokens is not None else min(tier.max_tokens, 64)
-        ids, context, dropped = trim_history(model, list(inp.history), chat.messages, limit - reserve)
+        ids, context, dropped = trim_history(model, list(inp.history), chat.messages, limit - reserve, prompt_tools(chat))
     else:
         context = build_context([], chat.messages)
-        ids = encode_chat(model, context)
+        ids = encode_chat(model, context, prompt_tools(chat))
     max_tokens = resolve_max_tokens(chat, tier, inp.tier_name, max(limit - len(ids), 0))
     check_fits(len(ids), max(max_tokens, 1), limit, model.name)
     now = time.monotonic()
     gen = GenerationRequest(
         request_id=inp.request_id,
         prompt_token_ids=tuple(ids),
-        sampling=sampling_from(chat, max_tokens),
+        sampling=sampling_from(chat, max_tokens, model),
         priority=tier.priority,
         cache_salt=inp.cache_salt,
         arrival_s=now,

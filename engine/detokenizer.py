@@ -1,9 +1,11 @@
-"""Incremental detokenization with stop strings, for backends that stream token ids.
+"""Incremental detokenization, and the one stop-string filter every backend uses.
 
-Turns one request's generated token ids into text deltas that are always whole characters
-(a multi-byte character split across tokens is held until complete) and never contain any
-part of a stop string: the tail that could still become a stop string is held back.
-It does not decide when generation ends beyond reporting a stop-string hit.
+`StopStringFilter` turns a request's cumulative output text into deltas that never contain
+any part of a stop string (the tail that could still become one is held back); the native
+backend feeds it from `IncrementalDetokenizer`, the TensorRT-LLM adapter from the executor's
+cumulative text. The detokenizer turns generated token ids into whole characters (a multi-byte
+character split across tokens is held until complete). Neither decides when generation ends
+beyond reporting a stop-string hit.
 """
 
 from __future__ import annotations
@@ -27,15 +29,13 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0  # start of the decoding window in _ids
         self._read_offset = len(context)  # tokens before this are already in _text
         self._text = ""  # all generated text decoded so far
-        self._num_emitted_chars = 0
-        self._stop = tuple(s for s in stop if s)
-        self._holdback_chars = max((len(s) for s in self._stop), default=1) - 1
+        self._stop = StopStringFilter(stop)
         self.stopped = False
 
     @property
     def text(self) -> str:
         """All text emitted so far."""
-        return self._text[: self._num_emitted_chars]
+        return self._text[: self._stop.num_emitted_chars]
 
     def push(self, token_ids: Sequence[int]) -> tuple[str, bool]:
         """Add new tokens; return (text safe to send now, whether a stop string was hit)."""
@@ -68,14 +68,42 @@ class IncrementalDetokenizer:
         return ""  # an incomplete UTF-8 sequence, or a token that adds no text yet
 
     def _emit(self, *, final: bool) -> tuple[str, bool]:
+        text = self._stop.update(self._text, final=final)
+        self.stopped = self._stop.stopped
+        return text, self.stopped
+
+
+class StopStringFilter:
+    """Safe deltas of a growing text: cut at the first stop string, the possible start of one held.
+
+    Holds back the last `len(longest stop) - 1` characters while the text grows, and a
+    trailing U+FFFD (an incomplete UTF-8 sequence still being decoded).
+    """
+
+    def __init__(self, stop: tuple[str, ...]):
+        self._stop = tuple(s for s in stop if s)
+        self._holdback_chars = max((len(s) for s in self._stop), default=1) - 1
+        self._num_emitted_chars = 0
+        self.stopped = False
+
+    @property
+    def num_emitted_chars(self) -> int:
+        return self._num_emitted_chars
+
+    def update(self, text: str, *, final: bool) -> str:
+        """The new safe text, given the whole output text so far."""
+        if self.stopped:
+            return ""
         start = self._num_emitted_chars
-        hits = [i for i in (self._text.find(s, start) for s in self._stop) if i >= 0]
+        # Emitted text never holds a stop string's start, so the search can begin where it ended.
+        hits = [i for i in (text.find(s, start) for s in self._stop) if i >= 0]
         if hits:
             end = min(hits)
             self.stopped = True
         elif final:
-            end = len(self._text)
+            end = len(text)
         else:
-            end = max(start, len(self._text) - self._holdback_chars)
+            end = len(text.rstrip("\ufffd")) - self._holdback_chars
+        end = max(start, min(end, len(text)))
         self._num_emitted_chars = end
-        return self._text[start:end], self.stopped
+        return text[start:end]

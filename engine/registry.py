@@ -19,6 +19,7 @@ from settings import ConfigError, ModelConfig, Settings
 log = structlog.get_logger(__name__)
 
 BACKENDS = ("native", "trtllm", "openai", "echo")
+TOOL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")  # api/tools.py ToolFormat
 
 
 @dataclass(slots=True)
@@ -50,6 +51,10 @@ def build_model(name: str, config: ModelConfig, settings: Settings) -> ModelHand
     """Construct (not start) the backend for one model; raises ConfigError on bad setup."""
     if config.backend not in BACKENDS:
         raise ConfigError(f"models.{name}.backend: expected one of {', '.join(BACKENDS)}, got {config.backend!r}")
+    if config.tool_parser not in TOOL_PARSERS:
+        raise ConfigError(
+            f"models.{name}.tool_parser: expected one of {', '.join(TOOL_PARSERS)}, got {config.tool_parser!r}"
+        )
     if config.backend == "openai":
         from engine.upstream.build import build_upstream_model
 

@@ -108,7 +108,9 @@ class Tokenizer:
         eos_ids = _eos_ids(path, tokenizer, special["eos_token"])
         return cls(tokenizer, template, special, eos_ids)
 
-    def encode_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
         """Render and tokenize a chat so that message text can never become control tokens.
 
         Text such as "<|im_end|>" typed by a user is tokenized as plain text (the injection
@@ -116,10 +118,11 @@ class Tokenizer:
         token-for-token what transformers produces.
         """
         if not any(tok in str(m.get("content", "")) for m in messages for tok in self._special_texts):
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools))
         sentinels = [f"\x00{i}\x00" for i in range(len(messages))]
         rendered = self.apply_chat_template(
-            [{**m, "content": s} for m, s in zip(messages, sentinels)], add_generation_prompt=add_generation_prompt
+            [{**m, "content": s} for m, s in zip(messages, sentinels)], add_generation_prompt=add_generation_prompt,
+            tools=tools,
         )
         ids: list[int] = []
         for i, sentinel in enumerate(sentinels):
@@ -145,11 +148,14 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
         if self._template is None:
             raise TokenizerLoadError("this model has no chat template")
         return self._template.render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",

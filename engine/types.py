@@ -20,6 +20,29 @@ class FinishReason(enum.Enum):
     CONTENT_FILTER = "content_filter"  # set by the safety gate, never by a backend
 
 
+class StructuredKind(enum.Enum):
+    JSON_OBJECT = "json_object"  # any JSON object
+    JSON_SCHEMA = "json_schema"  # `spec` is a JSON schema (JSON text)
+    LARK = "lark"  # `spec` is a Lark grammar (llguidance's dialect: `%json {...}` embeds a schema)
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A grammar the completion must follow: decoding masks every token it does not allow."""
+
+    kind: StructuredKind
+    spec: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log-probability and its most likely alternatives (ids, best first)."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Validated sampling settings. `temperature == 0` means greedy."""
@@ -35,6 +58,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_tokens: int = 0
     ignore_eos: bool = False
+    structured: StructuredOutput | None = None  # None: free text
+    logprobs: int | None = None  # None: none; k: the chosen token's logprob and the top k (0-20)
 
     @property
     def is_greedy(self) -> bool:
@@ -91,6 +116,7 @@ class TokenEvent:
     num_completion_tokens: int
     finish_reason: FinishReason | None = None
     usage_source: UsageSource = UsageSource.ENGINE
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token in token_ids, when asked for
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,10 +15,18 @@ from typing import TYPE_CHECKING
 from engine.native.block_manager import BlockManager, cdiv
 from engine.native.scheduler import Scheduler, SchedulerConfig
 from engine.native.sequence import Sequence
-from engine.types import EngineStats, FinishReason, GenerationRequest, RequestRejected, check_fits_context
+from engine.types import (
+    EngineStats,
+    FinishReason,
+    GenerationRequest,
+    RequestRejected,
+    TokenLogprob,
+    check_fits_context,
+)
 from settings import EngineConfig
 
 if TYPE_CHECKING:
+    from engine.grammar import GrammarCompiler
     from engine.native.runner import ModelRunner
 
 
@@ -32,6 +40,7 @@ class RequestOutput:
     num_cached_tokens: int
     num_completion_tokens: int
     finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # for new_token_ids, when the request asked
 
 
 # On CPU a step's time grows with its tokens, so a step that decodes running streams takes
@@ -46,8 +55,16 @@ def _prefill_cap(config: EngineConfig, device_type: str) -> int | None:
 
 
 class LLMEngine:
-    def __init__(self, runner: ModelRunner, config: EngineConfig, *, eos_token_ids: tuple[int, ...]):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        config: EngineConfig,
+        *,
+        eos_token_ids: tuple[int, ...],
+        grammar: GrammarCompiler | None = None,
+    ):
         self.runner = runner
+        self.grammar = grammar  # None: structured outputs are refused
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len = runner.max_model_len
@@ -72,9 +89,13 @@ class LLMEngine:
     def from_model_dir(
         cls, model_dir: Path | str, config: EngineConfig, *, eos_token_ids: tuple[int, ...], max_model_len: int | None = None
     ) -> LLMEngine:
+        from engine.grammar import GrammarCompiler
         from engine.native.runner import ModelRunner  # torch is imported here, not at module import
 
-        return cls(ModelRunner(model_dir, config, max_model_len=max_model_len), config, eos_token_ids=eos_token_ids)
+        runner = ModelRunner(model_dir, config, max_model_len=max_model_len)
+        tokenizer_json = (Path(model_dir) / "tokenizer.json").read_text(encoding="utf-8")
+        grammar = GrammarCompiler(tokenizer_json, vocab_size=runner.args.vocab_size, eos_token_ids=eos_token_ids)
+        return cls(runner, config, eos_token_ids=eos_token_ids, grammar=grammar)
 
     def check_request(self, request: GenerationRequest) -> None:
         """Reject what could never run: too long for the context window or the whole KV pool."""
@@ -99,8 +120,20 @@ class LLMEngine:
         if self.config.prefix_cache_scope == "shared":  # one namespace for all tenants, by config
             request = replace(request, cache_salt=None)
         seq = Sequence(next(self._seq_ids), request, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
+        if request.sampling.structured is not None:
+            seq.grammar = self._matcher(request)
         self._seqs[request.request_id] = seq
         self.scheduler.add(seq)
+
+    def _matcher(self, request: GenerationRequest):
+        from engine.grammar import GrammarError
+
+        if self.grammar is None:
+            raise RequestRejected("this engine was built without a grammar compiler", param="response_format")
+        try:
+            return self.grammar.matcher(request.sampling.structured)
+        except GrammarError as exc:
+            raise RequestRejected(str(exc), param="response_format") from None
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Retire a request wherever it is and free its blocks; None if it is not here."""
@@ -152,6 +185,7 @@ class LLMEngine:
 
     @staticmethod
     def _output(seq: Sequence, new_token_ids: tuple[int, ...]) -> RequestOutput:
+        logprobs = tuple(seq.logprobs[-len(new_token_ids) :]) if new_token_ids and seq.logprobs else ()
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_token_ids,
@@ -159,4 +193,5 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens or 0,
             num_completion_tokens=seq.num_completion_tokens,
             finish_reason=seq.finish_reason,
+            logprobs=logprobs,
         )

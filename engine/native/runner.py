@@ -258,5 +258,8 @@ class ModelRunner:
                 continue  # mid-prompt chunk: no token yet
             rows.append(row)
             batch_indices.append(i)
-            sampling_rows.append(SamplingRow(seq.sampling, seq.token_ids, seq.num_prompt_tokens, seq.stop_token_ids))
+            sink = seq.logprobs if seq.sampling.logprobs is not None else None
+            sampling_rows.append(
+                SamplingRow(seq.sampling, seq.token_ids, seq.num_prompt_tokens, seq.stop_token_ids, seq.grammar, sink)
+            )
         return rows, batch_indices, sampling_rows

@@ -1,17 +1,24 @@
 """Turns one step's logits into next tokens, one row per sequence, honouring SamplingParams.
 
-Order: presence/frequency penalties, min_tokens (stop ids masked), then greedy argmax or
-temperature, top-k, top-p and a draw. A seeded request draws from a generator seeded by
-(seed, position), so its output does not depend on what else shares the batch or on preemption.
+Order: presence/frequency penalties, min_tokens (stop ids masked), the grammar's token mask
+(structured outputs), then greedy argmax or temperature, top-k, top-p and a draw. A seeded
+request draws from a generator seeded by (seed, position), so its output does not depend on
+what else shares the batch or on preemption. Logprobs, when asked for, are those of the
+distribution sampled from after temperature (and penalties and grammar mask), before top-k/top-p;
+greedy rows report the unscaled distribution.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.types import SamplingParams
+from engine.types import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarMatcher
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +29,8 @@ class SamplingRow:
     token_ids: list[int]  # the sequence's prompt and completion so far (shared, not copied)
     num_prompt_tokens: int
     stop_token_ids: frozenset[int]
+    grammar: GrammarMatcher | None = None  # structured output: only its allowed tokens may be drawn
+    logprobs_sink: list[TokenLogprob] | None = None  # the sequence's logprobs, appended to when asked
 
     @property
     def num_completion_tokens(self) -> int:
@@ -45,12 +54,19 @@ class Sampler:
         logits = logits.clone()
         _apply_penalties(logits, rows)
         _mask_stop_tokens_before_min(logits, rows)
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if constrained:
+            from engine.grammar import apply_bitmasks
+
+            apply_bitmasks(logits, constrained, [rows[i].grammar for i in constrained])
         greedy = _argmax(logits)
         sampled_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if sampled_rows:
             idx = torch.tensor(sampled_rows, device=logits.device)
             greedy[idx] = self._sample(logits.index_select(0, idx), [rows[i] for i in sampled_rows])
-        return greedy.tolist()
+        tokens = greedy.tolist()
+        _record_logprobs(logits, rows, tokens)
+        return tokens
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         temps = torch.tensor([r.params.temperature for r in rows], device=logits.device)
@@ -71,6 +87,24 @@ class Sampler:
 
 
 
+def _record_logprobs(logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int]) -> None:
+    """Append each asking row's chosen-token logprob and its top-k alternatives to its sink."""
+    asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None and r.logprobs_sink is not None]
+    if not asking:
+        return
+    idx = torch.tensor(asking, device=logits.device)
+    temps = torch.tensor([rows[i].params.temperature or 1.0 for i in asking], device=logits.device)
+    logp = torch.log_softmax(logits.index_select(0, idx) / temps[:, None], dim=-1)  # [num_asking, vocab]
+    k = max(rows[i].params.logprobs for i in asking)
+    top_values, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+    chosen = logp.gather(1, torch.tensor([[tokens[i]] for i in asking], device=logits.device))
+    chosen_l, top_v, top_i = chosen[:, 0].tolist(), top_values.tolist(), top_ids.tolist()
+    for j, i in enumerate(asking):
+        n = rows[i].params.logprobs
+        top = tuple(zip(top_i[j][:n], top_v[j][:n]))
+        rows[i].logprobs_sink.append(TokenLogprob(tokens[i], chosen_l[j], top))
+
+
 def _argmax(x: torch.Tensor) -> torch.Tensor:
     """Index of each row's first largest value, as argmax; torch's CPU max(dim) is 2-3x faster."""
     return x.max(dim=-1).indices
@@ -83,6 +117,8 @@ def _needs_processing(row: SamplingRow) -> bool:
         or p.presence_penalty != 0.0
         or p.frequency_penalty != 0.0
         or (p.min_tokens > row.num_completion_tokens and bool(row.stop_token_ids))
+        or row.grammar is not None
+        or p.logprobs is not None
     )
 
 

@@ -11,7 +11,12 @@ import enum
 import hashlib
 from array import array
 
-from engine.types import FinishReason, GenerationRequest, SamplingParams
+from typing import TYPE_CHECKING
+
+from engine.types import FinishReason, GenerationRequest, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -51,6 +56,8 @@ class Sequence:
         "finish_reason",
         "stop_token_ids",
         "max_num_tokens",
+        "grammar",
+        "logprobs",
     )
 
     def __init__(self, seq_id: int, request: GenerationRequest, *, eos_token_ids: tuple[int, ...], max_model_len: int):
@@ -71,6 +78,8 @@ class Sequence:
         eos = () if self.sampling.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(eos) | frozenset(self.sampling.stop_token_ids)
         self.max_num_tokens = min(max_model_len, self.num_prompt_tokens + self.sampling.max_tokens)
+        self.grammar: GrammarMatcher | None = None  # set by the engine for structured outputs
+        self.logprobs: list[TokenLogprob] = []  # one per completion token, filled by the sampler when asked
 
     def __repr__(self) -> str:
         return (
@@ -113,6 +122,8 @@ class Sequence:
     def append_token(self, token_id: int) -> FinishReason | None:
         """Add a sampled token; returns why the sequence is now finished, if it is."""
         self.token_ids.append(token_id)
+        if self.grammar is not None and (not self.grammar.accept(token_id) or self.grammar.is_finished):
+            return FinishReason.STOP  # the structured answer is complete (or its grammar is stuck)
         if token_id in self.stop_token_ids and self.num_completion_tokens >= self.sampling.min_tokens:
             return FinishReason.STOP
         if len(self.token_ids) >= self.max_num_tokens:

@@ -166,6 +166,13 @@ class TrtllmBackend:
                 param="messages",
                 code="context_length_exceeded",
             )
+        # Not mapped yet to TensorRT-LLM's guided decoding and logprobs: refuse rather than ignore.
+        if request.sampling.structured is not None:
+            raise RequestRejected("structured outputs and forced tool calls are not supported by the TensorRT-LLM "
+                                  "backend yet", param="response_format", code="unsupported_value")
+        if request.sampling.logprobs is not None:
+            raise RequestRejected("logprobs are not supported by the TensorRT-LLM backend yet", param="logprobs",
+                                  code="unsupported_value")
 
     def has_room(self) -> bool:
         return self.state is BackendState.READY and self._slots is not None and self._slots.has_free

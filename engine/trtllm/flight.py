@@ -13,7 +13,8 @@ from typing import Any
 
 import structlog
 
-from engine.trtllm.mapping import StopTextFilter, map_finish_reason
+from engine.detokenizer import StopStringFilter
+from engine.trtllm.mapping import map_finish_reason
 from engine.types import EngineError, FinishReason, GenerationRequest, TokenEvent
 
 log = structlog.get_logger(__name__)
@@ -35,7 +36,7 @@ class Flight:
         self.is_retired = False
         self._request_error = request_error
         self._on_progress = on_progress
-        self._stop = StopTextFilter(request.sampling.stop)
+        self._stop = StopStringFilter(request.sampling.stop)
         self._is_final_queued = False
         self._is_abort_requested = False
         self._pump: asyncio.Task | None = None

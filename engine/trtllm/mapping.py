@@ -1,9 +1,9 @@
 """Pure translations between our seam types and TensorRT-LLM's LLM API objects.
 
 Owns the LLM constructor arguments built from `TrtllmConfig`, one fresh TensorRT-LLM
-`SamplingParams` per request, the finish-reason table, iteration-stats parsing and the
-stop-string hold-back over cumulative text. It never imports `tensorrt_llm`: callers pass
-the classes in (see `TrtllmApi`), so every function here runs without the package.
+`SamplingParams` per request, the finish-reason table and iteration-stats parsing (stop strings
+go through the native backend's `StopStringFilter`, engine/detokenizer.py). It never imports
+`tensorrt_llm`: callers pass the classes in (see `TrtllmApi`), so everything here runs without it.
 """
 
 from __future__ import annotations
@@ -178,42 +178,3 @@ def parse_iteration_stats(raw: Any) -> IterationStats | None:
 
 def _int(value: Any) -> int:
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
-
-
-class StopTextFilter:
-    """Turns TensorRT-LLM's cumulative output text into safe deltas.
-
-    TensorRT-LLM matches stop strings on token ids, so a stream can show the first part of a
-    stop string before the rest arrives (then truncates `text` at the end), and it misses
-    stop strings that do not fall on token boundaries. We therefore hold back the last
-    `len(longest stop) - 1` characters and cut at the first stop string ourselves.
-    """
-
-    def __init__(self, stop: tuple[str, ...]):
-        self._stop = tuple(s for s in stop if s)
-        self._holdback_chars = max((len(s) for s in self._stop), default=1) - 1
-        self._num_emitted_chars = 0
-        self.stopped = False
-
-    @property
-    def num_emitted_chars(self) -> int:
-        return self._num_emitted_chars
-
-    def update(self, text: str, *, final: bool) -> str:
-        """The new safe text, given the whole output text so far."""
-        if self.stopped:
-            return ""
-        start = self._num_emitted_chars
-        search_from = max(0, start - self._holdback_chars)
-        hits = [i for i in (text.find(s, search_from) for s in self._stop) if i >= 0]
-        if hits:
-            end = min(hits)
-            self.stopped = True
-        elif final:
-            end = len(text)
-        else:
-            # A trailing U+FFFD is an incomplete UTF-8 sequence still being decoded.
-            end = len(text.rstrip("\ufffd")) - self._holdback_chars
-        end = max(start, min(end, len(text)))
-        self._num_emitted_chars = end
-        return text[start:end]

@@ -120,8 +120,11 @@ def test_continuous_usage_stats_needs_include_usage():
         ({"messages": MSG, "user": 1}, "user"),
         ({"messages": MSG, "conversation_id": 1}, "conversation_id"),
         ({"messages": MSG, "frobnicate": 1}, "frobnicate"),
-        ({"messages": MSG, "logprobs": True}, "logprobs"),
-        ({"messages": MSG, "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": MSG, "logprobs": "yes"}, "logprobs"),
+        ({"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": MSG, "tools": [{"type": "function"}]}, "tools[0]"),
+        ({"messages": MSG, "response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
     ],
 )
 def test_invalid_request_is_a_400_naming_the_field(body, param):

@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 from contract_harness import load_standin
+from engine.detokenizer import StopStringFilter
 from engine.trtllm.backend import TrtllmBackend, load_api
 from engine.trtllm.mapping import (
-    StopTextFilter,
     llm_kwargs,
     map_finish_reason,
     parse_iteration_stats,
@@ -78,7 +78,7 @@ def test_iteration_stats_derive_free_blocks_from_newer_alloc_total_blocks():
 
 
 def test_stop_filter_holds_back_a_possible_stop_prefix_then_releases_it():
-    stop = StopTextFilter(("END",))
+    stop = StopStringFilter(("END",))
     assert stop.update("Hello E", final=False) == "Hello"
     assert stop.update("Hello EN", final=False) == " "
     assert stop.update("Hello ENOUGH", final=False) == "ENOU"
@@ -87,7 +87,7 @@ def test_stop_filter_holds_back_a_possible_stop_prefix_then_releases_it():
 
 
 def test_stop_filter_cuts_at_a_stop_string_split_across_updates():
-    stop = StopTextFilter(("\n\n", "###"))
+    stop = StopStringFilter(("\n\n", "###"))
     sent = stop.update("one\n", final=False)
     sent += stop.update("one\n\ntwo", final=False)
     assert sent == "one" and stop.stopped
@@ -95,13 +95,13 @@ def test_stop_filter_cuts_at_a_stop_string_split_across_updates():
 
 
 def test_stop_filter_never_resends_when_the_final_text_is_shorter():
-    stop = StopTextFilter(())
+    stop = StopStringFilter(())
     assert stop.update("abcdef", final=False) == "abcdef"
     assert stop.update("abc", final=True) == ""
 
 
 def test_stop_filter_holds_an_incomplete_utf8_character():
-    stop = StopTextFilter(())
+    stop = StopStringFilter(())
     assert stop.update("caf\ufffd", final=False) == "caf"
     assert stop.update("café", final=False) == "é"
 

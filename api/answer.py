@@ -1,0 +1,88 @@
+"""One choice of a chat answer as the client sees it: content, logprobs and tool calls.
+
+Fed the filtered text deltas of one generation (with the logprobs of the tokens behind them),
+it produces OpenAI `delta` objects to stream and, at the end, the `message`, `logprobs` and
+`finish_reason` of a unary answer. Tool-call text is parsed here (api/toolparse.py), so the
+client gets `tool_calls`, never the raw markup. It never talks to the engine or the store.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from api.toolparse import Parsed, ToolCallParser
+from api.tools import ToolCall
+from engine.tokenizer import Tokenizer
+from engine.types import FinishReason, TokenLogprob
+
+
+class Answer:
+    def __init__(self, tokenizer: Tokenizer, parser: ToolCallParser | None, logprobs: int | None):
+        self._tokenizer = tokenizer
+        self._parser = parser
+        self._wants_logprobs = logprobs is not None
+        self.content_parts: list[str] = []
+        self.tool_calls: list[ToolCall] = []
+        self.logprobs: list[dict] = []
+        self._pending: list[TokenLogprob] = []  # logprobs of tokens whose text is still held back
+
+    def feed(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> list[dict[str, Any]]:
+        """Deltas (possibly none) for this piece of text; the first carries the pending logprobs."""
+        self._pending.extend(logprobs)
+        parsed = self._parser.feed(text) if self._parser is not None else Parsed(content=text)
+        return self._deltas(parsed)
+
+    def close(self) -> list[dict[str, Any]]:
+        """The deltas still held back at the end of the generation."""
+        parsed = self._parser.close() if self._parser is not None else Parsed()
+        deltas = self._deltas(parsed)
+        if not deltas and self._pending and self._wants_logprobs:
+            deltas = [{"delta": {"content": ""}, "logprobs": self._render()}]
+        return deltas
+
+    def _deltas(self, parsed: Parsed) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if parsed.content:
+            self.content_parts.append(parsed.content)
+            out.append({"delta": {"content": parsed.content}})
+        for call in parsed.calls:
+            index = len(self.tool_calls)
+            self.tool_calls.append(call)
+            out.append({"delta": {"tool_calls": [{"index": index, **call.as_dict()}]}})
+        if out and self._pending and self._wants_logprobs:
+            out[0]["logprobs"] = self._render()
+        return out
+
+    def _render(self) -> dict[str, Any]:
+        logprobs, self._pending = self._pending, []
+        entries = [self._entry(lp.token_id, lp.logprob, lp.top_logprobs) for lp in logprobs]
+        self.logprobs.extend(entries)
+        return {"content": entries, "refusal": None}
+
+    def _entry(self, token_id: int, logprob: float, top: tuple[tuple[int, float], ...]) -> dict[str, Any]:
+        text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return {
+            "token": text,
+            "logprob": max(logprob, -9999.0),  # OpenAI's floor; JSON has no -inf
+            "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [
+                {"token": t, "logprob": max(v, -9999.0), "bytes": list(t.encode("utf-8"))}
+                for t, v in ((self._tokenizer.decode([i], skip_special_tokens=False), v) for i, v in top)
+            ],
+        }
+
+    def message(self) -> dict[str, Any]:
+        content = "".join(self.content_parts)
+        msg: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        if self.tool_calls:
+            msg["content"] = content or None
+            msg["tool_calls"] = [c.as_dict() for c in self.tool_calls]
+        return msg
+
+    def logprobs_obj(self) -> dict[str, Any] | None:
+        return {"content": self.logprobs, "refusal": None} if self._wants_logprobs else None
+
+    def finish_reason(self, finish: FinishReason) -> str:
+        if self.tool_calls and finish is FinishReason.STOP:
+            return "tool_calls"
+        return finish.value

@@ -1,0 +1,214 @@
+"""Function tools: validate `tools`/`tool_choice`, build the grammar of a forced call, parse calls.
+
+Owns the three tool-call text formats models are trained on (Hermes/Qwen `<tool_call>` JSON,
+Llama 3 JSON, Mistral `[TOOL_CALLS]`), picked from the chat template or a per-model setting;
+the llguidance grammar that makes a `required` or named choice produce valid arguments; and
+the parser turning generated text into OpenAI `tool_calls`. Rendering prompts is turn.py's job.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from api.errors import bad_request
+from engine.grammar import GrammarError, grammar_text, schema_text
+from engine.types import StructuredKind, StructuredOutput
+
+MAX_TOOLS = 128
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class ToolFormat(enum.Enum):
+    HERMES = "hermes"  # <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Qwen, Hermes)
+    LLAMA3_JSON = "llama3_json"  # {"name": ..., "parameters": {...}} (Llama 3.1+)
+    MISTRAL = "mistral"  # [TOOL_CALLS][{"name": ..., "arguments": {...}}]
+
+
+class ChoiceMode(enum.Enum):
+    NONE = "none"
+    AUTO = "auto"
+    REQUIRED = "required"
+    NAMED = "named"
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    name: str
+    description: str | None
+    parameters: str  # JSON schema text (canonical)
+
+    def as_template_arg(self) -> dict:
+        """The shape transformers passes to chat templates as `tools=`."""
+        fn: dict[str, Any] = {"name": self.name, "parameters": json.loads(self.parameters)}
+        if self.description is not None:
+            fn["description"] = self.description
+        return {"type": "function", "function": fn}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    mode: ChoiceMode
+    name: str | None = None  # for NAMED
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def parse_tools(value: Any) -> tuple[Tool, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise bad_request("'tools' must be an array of function tools.", param="tools")
+    if len(value) > MAX_TOOLS:
+        raise bad_request(f"'tools' may hold at most {MAX_TOOLS} tools, got {len(value)}.", param="tools")
+    tools = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(value))
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise bad_request("Tool names in 'tools' must be unique.", param="tools")
+    return tools
+
+
+def _tool(value: Any, where: str) -> Tool:
+    if not isinstance(value, dict) or value.get("type") != "function" or not isinstance(value.get("function"), dict):
+        raise bad_request(f"'{where}' must be {{\"type\": \"function\", \"function\": {{...}}}}.", param=where)
+    fn = value["function"]
+    name = fn.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise bad_request(f"'{where}.function.name' must be 1-64 letters, digits, _ or -; got {name!r}.",
+                          param=f"{where}.function.name")
+    description = fn.get("description")
+    if description is not None and not isinstance(description, str):
+        raise bad_request(f"'{where}.function.description' must be a string.", param=f"{where}.function.description")
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(params, dict):
+        raise bad_request(f"'{where}.function.parameters' must be a JSON schema object.", param=f"{where}.function.parameters")
+    text = schema_text(params)
+    check_schema(text, f"{where}.function.parameters")
+    return Tool(name, description, text)
+
+
+def check_schema(text: str, param: str) -> None:
+    """400 naming the unsupported feature if the grammar library cannot compile the schema."""
+    try:
+        grammar_text(StructuredOutput(StructuredKind.JSON_SCHEMA, text))
+    except GrammarError as exc:
+        raise bad_request(f"'{param}': {exc}", param=param, code="unsupported_value") from None
+
+
+def parse_tool_choice(value: Any, tools: tuple[Tool, ...]) -> ToolChoice:
+    if value is None:
+        return ToolChoice(ChoiceMode.AUTO if tools else ChoiceMode.NONE)
+    if isinstance(value, str):
+        modes = {"none": ChoiceMode.NONE, "auto": ChoiceMode.AUTO, "required": ChoiceMode.REQUIRED}
+        if value not in modes:
+            raise bad_request(f"'tool_choice' must be none, auto, required or a named function; got {value!r}.",
+                              param="tool_choice")
+        mode = modes[value]
+        if mode is not ChoiceMode.NONE and not tools:
+            raise bad_request(f"'tool_choice' is {value!r} but no 'tools' were given.", param="tool_choice")
+        return ToolChoice(mode)
+    fn = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise bad_request("'tool_choice' must be {\"type\": \"function\", \"function\": {\"name\": ...}}.",
+                          param="tool_choice")
+    if name not in {t.name for t in tools}:
+        raise bad_request(f"'tool_choice' names function {name!r}, which is not in 'tools'.", param="tool_choice")
+    return ToolChoice(ChoiceMode.NAMED, name)
+
+
+def parse_message_tool_calls(value: Any, where: str) -> tuple[ToolCall, ...]:
+    """An assistant message's earlier `tool_calls`, as the client sends them back."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise bad_request(f"'{where}' must be an array.", param=where)
+    calls = []
+    for i, call in enumerate(value):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise bad_request(f"'{where}[{i}]' must have function.name and function.arguments (a string).",
+                              param=f"{where}[{i}]")
+        call_id = call.get("id") if isinstance(call.get("id"), str) else new_call_id()
+        calls.append(ToolCall(call_id, fn["name"], fn["arguments"]))
+    return tuple(calls)
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+# ---- formats ---------------------------------------------------------------------------
+
+
+def detect_format(chat_template: str | None, setting: str) -> ToolFormat:
+    """The per-model setting if given, else the format the chat template writes, else Hermes."""
+    if setting and setting != "auto":
+        return ToolFormat(setting)
+    template = chat_template or ""
+    if "[TOOL_CALLS]" in template:
+        return ToolFormat.MISTRAL
+    if "<tool_call>" in template:
+        return ToolFormat.HERMES
+    if "<|python_tag|>" in template or "ipython" in template:
+        return ToolFormat.LLAMA3_JSON
+    return ToolFormat.HERMES
+
+
+def template_takes_tools(chat_template: str | None) -> bool:
+    return bool(chat_template) and "tools" in chat_template
+
+
+def tools_system_prompt(tools: tuple[Tool, ...], fmt: ToolFormat) -> str:
+    """For templates that ignore `tools=`: describe them in a system message, in the model's format."""
+    specs = "\n".join(json.dumps(t.as_template_arg()["function"], ensure_ascii=False, separators=(",", ":")) for t in tools)
+    example = _call_text(fmt, "NAME", "ARGUMENTS")
+    return f"Functions you may call:\n{specs}\nTo call one, answer with:\n{example}"
+
+
+def _call_text(fmt: ToolFormat, name: str, arguments: str) -> str:
+    if fmt is ToolFormat.HERMES:
+        return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+    if fmt is ToolFormat.MISTRAL:
+        return f'[TOOL_CALLS][{{"name": "{name}", "arguments": {arguments}}}]'
+    return f'{{"name": "{name}", "parameters": {arguments}}}'
+
+
+def forced_call_grammar(tools: tuple[Tool, ...], choice: ToolChoice, fmt: ToolFormat, parallel: bool) -> StructuredOutput:
+    """The grammar of an answer that is only tool calls (of the named tool, or any tool)."""
+    chosen = [t for t in tools if choice.mode is not ChoiceMode.NAMED or t.name == choice.name]
+    args_key = "parameters" if fmt is ToolFormat.LLAMA3_JSON else "arguments"
+    variants = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.name}, args_key: json.loads(t.parameters)},
+            "required": ["name", args_key],
+            "additionalProperties": False,
+        }
+        for t in chosen
+    ]
+    call_schema = {"anyOf": variants, "x-guidance": {"whitespace_flexible": False}}
+    call = f"%json {json.dumps(call_schema)}"
+    many = parallel and choice.mode is not ChoiceMode.NAMED
+    if fmt is ToolFormat.HERMES:
+        start = 'start: call+' if many else 'start: call'
+        rules = f'call: "<tool_call>\\n" {call} "\\n</tool_call>"'
+    elif fmt is ToolFormat.MISTRAL:
+        start = 'start: "[TOOL_CALLS][" call ("," call)* "]"' if many else 'start: "[TOOL_CALLS][" call "]"'
+        rules = f"call: {call}"
+    else:
+        start = 'start: call (";" call)*' if many else "start: call"
+        rules = f"call: {call}"
+    return StructuredOutput(StructuredKind.LARK, f"{start}\n{rules}")

@@ -1,0 +1,120 @@
+"""Grammar-constrained decoding with llguidance: schema checks, per-request matchers, token masks.
+
+Owns the translation of a `StructuredOutput` into an llguidance grammar (checked once per spec,
+naming any unsupported schema feature), one compiled matcher per spec per tokenizer (cached;
+each request gets a copy), and the token bitmask that the sampler applies to a row's logits.
+It never samples and never touches a model; rows without a grammar never reach this code.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections import OrderedDict
+
+import llguidance
+import numpy as np
+import structlog
+import torch
+
+from engine.types import StructuredKind, StructuredOutput
+
+log = structlog.get_logger(__name__)
+
+# Compact JSON: a model under a grammar that allows free whitespace can pad forever.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+_MATCHER_CACHE_ENTRIES = 256
+
+
+class GrammarError(ValueError):
+    """The grammar or schema cannot be compiled; the message names the problem (a 400)."""
+
+
+@functools.lru_cache(maxsize=1024)
+def grammar_text(structured: StructuredOutput) -> str:
+    """The llguidance grammar for `structured`, validated; raises GrammarError naming the problem."""
+    if structured.kind is StructuredKind.LARK:
+        grammar = llguidance.LLMatcher.grammar_from_lark(structured.spec)
+    else:
+        schema = '{"type": "object"}' if structured.kind is StructuredKind.JSON_OBJECT else structured.spec
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        except ValueError as exc:
+            raise GrammarError(f"the schema is not a JSON object: {exc}") from None
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise GrammarError(_explain(messages[0] if messages else "invalid grammar"))
+    return grammar
+
+
+def _explain(message: str) -> str:
+    if message.startswith("Unimplemented keys"):
+        return f"the schema uses a feature this server does not support: {message}"
+    return f"the schema cannot be compiled: {message}"
+
+
+def schema_text(schema: dict) -> str:
+    """Canonical JSON text for a schema, so that equal schemas share one cache entry."""
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+
+
+class GrammarCompiler:
+    """Matchers for one tokenizer; compiled once per spec, copied per request."""
+
+    def __init__(self, tokenizer_json: str, *, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self.vocab_size = vocab_size
+        self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
+
+    def matcher(self, structured: StructuredOutput) -> GrammarMatcher:
+        """A fresh matcher at the start of the grammar; raises GrammarError if it cannot compile."""
+        proto = self._compiled.get(structured)
+        if proto is None:
+            proto = llguidance.LLMatcher(self._tokenizer, grammar_text(structured), log_level=0)
+            if proto.is_error():
+                raise GrammarError(_explain(proto.get_error()))
+            self._compiled[structured] = proto
+            if len(self._compiled) > _MATCHER_CACHE_ENTRIES:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(structured)
+        return GrammarMatcher(proto.deep_copy())
+
+
+class GrammarMatcher:
+    """One request's position in its grammar."""
+
+    __slots__ = ("_matcher",)
+
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self._matcher = matcher
+
+    def fill_bitmask(self, row: np.ndarray) -> None:
+        """Write the allowed next tokens into `row` (int32 words, bit i of word j: token 32j+i)."""
+        self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past a sampled token; False if the grammar did not allow it (then it is stuck)."""
+        if self._matcher.is_stopped():
+            return True  # the EOS after a complete answer
+        ok = self._matcher.consume_token(token_id)
+        if not ok:
+            log.warning("grammar_rejected_token", token_id=token_id, error=self._matcher.get_error())
+        return ok
+
+    @property
+    def is_finished(self) -> bool:
+        """The grammar is complete and allows nothing more (the sequence should stop)."""
+        return self._matcher.is_stopped()
+
+
+def apply_bitmasks(logits: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher]) -> None:
+    """Set to -inf every token the matchers disallow, in place; logits: [num_rows, vocab]."""
+    vocab = logits.shape[1]
+    words = np.full((len(rows), (vocab + 31) // 32), -1, dtype=np.int32)  # [num_constrained, vocab / 32]
+    for i, matcher in enumerate(matchers):
+        matcher.fill_bitmask(words[i])
+    allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
+    index = torch.tensor(rows, device=logits.device)
+    mask = torch.from_numpy(allowed).to(logits.device)
+    logits[index] = logits.index_select(0, index).masked_fill(~mask, float("-inf"))

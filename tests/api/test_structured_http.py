@@ -1,0 +1,145 @@
+"""Structured outputs, tools and logprobs through the official `openai` SDK, native engine.
+
+The model is tiny and random, so a valid JSON answer or valid tool arguments can only come from
+grammar-constrained decoding; the arguments are checked with `jsonschema`, streamed and not.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from api.app import init
+from settings import load_settings
+from tests.api.helpers import state_of
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture
+async def sdk(aiohttp_client, tmp_path, tiny_model_dir):
+    settings = load_settings(None, [
+        f'models.tiny.path="{tiny_model_dir}"',
+        'tiers.enterprise.models=["tiny"]',
+        f'store.path="{tmp_path / "chat.db"}"',
+        "safety.enabled=false",
+        "engine.kv_cache_bytes=4000000",
+        'engine.device="cpu"',
+    ])
+    client = await aiohttp_client(init(settings), server_kwargs={"handler_cancellation": True})
+    store = state_of(client).store
+    await store.create_org("acme", "enterprise")
+    _, key = await store.create_key("acme")
+    async with openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=key, max_retries=0) as sdk:
+        yield sdk
+
+
+async def test_json_schema_answers_validate_streamed_and_not(sdk):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    unary = await sdk.chat.completions.create(model="tiny", messages=ASK, response_format=fmt, max_tokens=120,
+                                              temperature=0)
+    jsonschema.validate(json.loads(unary.choices[0].message.content), PERSON)
+    assert unary.choices[0].finish_reason == "stop"
+    stream = await sdk.chat.completions.create(model="tiny", messages=ASK, response_format=fmt, max_tokens=120,
+                                               temperature=0.8, seed=5, stream=True)
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+async def test_a_named_tool_choice_gives_arguments_that_validate(sdk):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    out = await sdk.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                                            max_tokens=120, temperature=0)
+    (call,) = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert call.id.startswith("call_") and call.type == "function"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+async def test_a_required_tool_choice_streams_delta_tool_calls_that_validate(sdk):
+    stream = await sdk.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                               max_tokens=120, temperature=0.7, seed=1, stream=True,
+                                               parallel_tool_calls=False)
+    calls, finish = {}, None
+    async for chunk in stream:
+        for tc in chunk.choices[0].delta.tool_calls or []:
+            entry = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            entry["name"] += tc.function.name or ""
+            entry["arguments"] += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and [c["name"] for c in calls.values()] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
+
+
+async def test_a_tool_result_goes_back_through_the_template(sdk):
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    out = await sdk.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=5,
+                                            temperature=0)
+    assert out.usage.prompt_tokens > 30
+
+
+async def test_top_logprobs_give_alternatives_and_the_greedy_token_is_the_best(sdk):
+    out = await sdk.chat.completions.create(model="tiny", messages=ASK, max_tokens=6, temperature=0, logprobs=True,
+                                            top_logprobs=3)
+    entries = out.choices[0].logprobs.content
+    assert len(entries) == out.usage.completion_tokens
+    for e in entries:
+        assert len(e.top_logprobs) == 3
+        assert e.logprob == pytest.approx(max(t.logprob for t in e.top_logprobs))
+        assert e.top_logprobs[0].token == e.token and bytes(e.bytes).decode("utf-8", "replace") == e.token
+    stream = await sdk.chat.completions.create(model="tiny", messages=ASK, max_tokens=6, temperature=0,
+                                               logprobs=True, top_logprobs=3, stream=True)
+    streamed = [e async for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in entries]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": PERSON}}}, "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "if": {}}}}},
+     "response_format.json_schema.schema"),
+    ({"logprobs": "yes"}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"tools": {"type": "function"}}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"n": 0}, "n"),
+    ({"n": 1000}, "n"),
+])
+async def test_bad_values_of_new_parameters_are_400s_naming_them(sdk, body, param):
+    with pytest.raises(openai.BadRequestError) as exc:
+        await sdk.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, extra_body=body)
+    assert exc.value.status_code == 400 and exc.value.param == param, exc.value.message
