@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 from collections import OrderedDict
+from pathlib import Path
 
 import llguidance
 import numpy as np
@@ -61,16 +62,24 @@ def schema_text(schema: dict) -> str:
 class GrammarCompiler:
     """Matchers for one tokenizer; compiled once per spec, copied per request."""
 
-    def __init__(self, tokenizer_json: str, *, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    def __init__(self, tokenizer_file: Path, *, vocab_size: int, eos_token_ids: tuple[int, ...]):
         self.vocab_size = vocab_size
-        self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self._tokenizer_file = tokenizer_file
+        self._eos_token_ids = list(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use (~1 s for 150k tokens)
         self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            text = self._tokenizer_file.read_text(encoding="utf-8")
+            self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self._eos_token_ids)
+        return self._tokenizer
 
     def matcher(self, structured: StructuredOutput) -> GrammarMatcher:
         """A fresh matcher at the start of the grammar; raises GrammarError if it cannot compile."""
         proto = self._compiled.get(structured)
         if proto is None:
-            proto = llguidance.LLMatcher(self._tokenizer, grammar_text(structured), log_level=0)
+            proto = llguidance.LLMatcher(self._llg_tokenizer(), grammar_text(structured), log_level=0)
             if proto.is_error():
                 raise GrammarError(_explain(proto.get_error()))
             self._compiled[structured] = proto
