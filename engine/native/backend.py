@@ -80,7 +80,7 @@ class _Stream:
             out.num_cached_tokens,
             out.num_completion_tokens,
             reason,
-            out.logprobs,
+            logprobs=out.logprobs,
         )
         self.done = reason is not None
         return self.last
