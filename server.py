@@ -1,4 +1,5 @@
-"""Entry point: `python server.py` serves; `python server.py keys|orgs ...` manages access.
+"""Entry point: `python server.py` serves; `python server.py keys|orgs ...` manages access;
+`python server.py feedback export` writes what users said about answers as JSON lines.
 
 Parses the command line, loads `config.toml` (plus `--set` overrides and the `--host`,
 `--port`, `--db`, `--model` shortcuts), configures logging and runs the aiohttp app on
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"config error: {exc}\n")
         return 1
     configure_logging(settings.server.log_level, json_lines=settings.server.log_json)
-    if args.command in ("keys", "orgs"):
+    if args.command in ("keys", "orgs", "feedback"):
         from store.cli import run_cli
 
         return asyncio.run(run_cli(args, settings))

@@ -13,6 +13,7 @@ from pathlib import Path
 import orjson
 from aiohttp import web
 
+from api import feedback as feedback_api
 from api.chat import read_json
 from api.errors import ApiError, bad_request, not_found
 from api.state import PRINCIPAL, SETTINGS, STATE
@@ -128,10 +129,16 @@ async def list_conversations(request: web.Request) -> web.Response:
 
 async def get_conversation(request: web.Request) -> web.Response:
     cid = request.match_info["conversation_id"]
-    conv = await request.app[STATE].store.get_conversation(request[PRINCIPAL].org.id, cid)
+    store = request.app[STATE].store
+    conv = await store.get_conversation(request[PRINCIPAL].org.id, cid)
     if conv is None:
         raise _conversation_missing(cid)
-    return _json(_conversation_obj(conv, with_messages=True))
+    obj = _conversation_obj(conv, with_messages=True)
+    rated = await store.conversation_feedback(cid)
+    for message in obj["messages"]:
+        if message["id"] in rated:  # what the user said about this answer (api/feedback.py)
+            message["feedback"] = feedback_api.feedback_obj(rated[message["id"]])
+    return _json(obj)
 
 
 async def update_conversation(request: web.Request) -> web.Response:
@@ -223,6 +230,7 @@ def add_routes(app: web.Application, chat_handler) -> None:
     app.router.add_delete("/v1/conversations/{conversation_id}", delete_conversation)
     app.router.add_post("/v1/conversations/{conversation_id}/truncate", truncate_conversation)
     app.router.add_get("/v1/usage", usage)
+    feedback_api.add_routes(app)
     _add_static(app)
 
 

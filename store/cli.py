@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from settings import Settings
+from store.feedback import Feedback
 from store.money import format_usd
 from store.store import UNSET, Store
 from store.types import Conflict, NotFound, Org, StoreError
 
 
 def add_cli(subparsers: Any) -> None:
-    """Add the `keys` and `orgs` commands to the server's argparse subparsers."""
+    """Add the `keys`, `orgs` and `feedback` commands to the server's argparse subparsers."""
     keys = subparsers.add_parser("keys", help="create, list and revoke API keys")
     keys.set_defaults(store_cli="keys")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
@@ -41,6 +43,13 @@ def add_cli(subparsers: Any) -> None:
     org_create.add_argument("name")
     org_create.add_argument("--tier", required=True)
     org_create.add_argument("--budget", type=_budget, default=None, help="monthly budget in USD")
+    feedback = subparsers.add_parser("feedback", help="export what users said about answers")
+    feedback.set_defaults(store_cli="feedback")
+    feedback_sub = feedback.add_subparsers(dest="feedback_command", required=True)
+    export = _with_db(feedback_sub.add_parser(
+        "export", help="one JSON line per rated, regenerated or edited answer: prompt, answer, model, rating, edit"))
+    export.add_argument("--org", help="only this organisation's feedback")
+    export.add_argument("--out", type=Path, help="write to this file (default: standard output)")
     org_set = _with_db(orgs_sub.add_parser("set", help="change an organisation's tier, budget or limits"))
     org_set.add_argument("name")
     org_set.add_argument("--tier")
@@ -61,6 +70,8 @@ async def run_cli(args: argparse.Namespace, settings: Settings) -> int:
     try:
         if args.store_cli == "keys":
             return await _KEY_COMMANDS[args.keys_command](store, args, settings)
+        if args.store_cli == "feedback":
+            return await _feedback_export(store, args, settings)
         return await _ORG_COMMANDS[args.orgs_command](store, args, settings)
     except (NotFound, Conflict, ValueError) as exc:
         return _fail(str(exc))
@@ -128,6 +139,31 @@ async def _orgs_set(store: Store, args: argparse.Namespace, settings: Settings) 
     org = await store.update_org(args.name, tier=args.tier, budget_usd=args.budget, limits=limits)
     _out(f"{org.name}: tier {org.tier}, budget {_money(org.budget_usd)}, limits {org.limits or '-'}\n")
     return 0
+
+
+async def _feedback_export(store: Store, args: argparse.Namespace, settings: Settings) -> int:
+    org_id = None
+    if args.org is not None:
+        org = await store.get_org(args.org)
+        if org is None:
+            return _fail(f"organisation {args.org!r} does not exist")
+        org_id = org.id
+    lines = [_feedback_line(f) for f in await store.export_feedback(org_id)]
+    text = "".join(line + "\n" for line in lines)
+    if args.out is None:
+        sys.stdout.write(text)
+    else:
+        args.out.write_text(text, encoding="utf-8")
+        sys.stderr.write(f"wrote {len(lines)} feedback rows to {args.out}\n")
+    return 0
+
+
+def _feedback_line(f: Feedback) -> str:
+    row = {"prompt": f.prompt, "answer": f.answer, "model": f.model, "rating": f.rating, "comment": f.comment,
+           "edit": {"regenerated": f.regenerated, "edited_prompt": f.edited_prompt},
+           "conversation_id": f.conversation_id, "message_id": f.message_id,
+           "created_at": f.created_at, "updated_at": f.updated_at}
+    return json.dumps(row, ensure_ascii=False)
 
 
 _KEY_COMMANDS = {"create": _keys_create, "list": _keys_list, "revoke": _keys_revoke}

@@ -128,6 +128,8 @@ async def purge(conn: aiosqlite.Connection, retention_days_by_tier: dict[str, in
     placeholders = ", ".join("?" * len(tiers))
     other = f"tier NOT IN ({placeholders})" if tiers else "1"
     total += await _purge_where(conn, other, tiers, now - default_days * 86400.0)
+    if total:
+        await conn.execute("DELETE FROM feedback WHERE conversation_id NOT IN (SELECT id FROM conversations)")
     return total
 
 

@@ -20,7 +20,7 @@ import aiosqlite
 import structlog
 
 from settings import StoreConfig
-from store import conversations, files, keys, ledger, schema
+from store import conversations, feedback, files, keys, ledger, schema
 from store.types import (
     ApiKey,
     Conversation,
@@ -199,6 +199,25 @@ class Store:
             conversations.truncate, org_id=org_id, conversation_id=conversation_id, keep_messages=keep_messages
         )
         return await self._write(job)
+
+    async def set_feedback(
+        self, org_id: str, conversation_id: str, message_id: str, change: feedback.FeedbackChange
+    ) -> feedback.Feedback:
+        """Rate or comment an answer, or record that it was regenerated or its prompt edited;
+        NotFound when the conversation or answer does not exist for this organisation."""
+        job = functools.partial(
+            feedback.upsert, org_id=org_id, conversation_id=conversation_id, message_id=message_id, change=change
+        )
+        return await self._write(job)
+
+    async def conversation_feedback(self, conversation_id: str) -> dict[str, feedback.Feedback]:
+        """message id -> feedback, for one conversation (the caller checked its organisation)."""
+        async with self._reader() as conn:
+            return await feedback.for_conversation(conn, conversation_id)
+
+    async def export_feedback(self, org_id: str | None = None) -> list[feedback.Feedback]:
+        async with self._reader() as conn:
+            return [row async for row in feedback.iterate(conn, org_id)]
 
     async def purge_deleted(self, retention_days_by_tier: dict[str, int], now: float | None = None) -> int:
         now = time.time() if now is None else now
