@@ -89,6 +89,16 @@ class ChatPrompt:
 
 
 @dataclass(frozen=True, slots=True)
+class ImageInput:
+    """One image of a prompt: `length` placeholder tokens from `offset` take its embeddings."""
+
+    offset: int  # index in prompt_token_ids of its first image token
+    length: int  # number of image tokens (rows of its embeddings)
+    content_hash: str  # keys its tokens in the prefix cache: different images never share blocks
+    pixel_values: Any  # preprocessed for the model (numpy float32 [channels, height, width])
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """One request as a backend sees it: token ids, not text (plus the chat, for text backends)."""
 
@@ -99,6 +109,7 @@ class GenerationRequest:
     cache_salt: str | None = None  # prefix-cache namespace (per organisation); None: shared
     arrival_s: float = 0.0  # time.monotonic() when the request entered the server
     chat: ChatPrompt | None = None  # the same prompt as messages; token backends ignore it
+    images: tuple[ImageInput, ...] = ()  # vision models only, in prompt order
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,9 +69,13 @@ _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_
 
 
 def load_model_args(model_dir: Path) -> ModelArgs:
-    """Parse and check config.json, through transformers' config class for its family."""
+    """Parse and check config.json, through transformers' config class for its family.
+
+    A LLaVA checkpoint: its language model's part (engine/native/vision.py loads the rest)."""
     where = Path(model_dir) / "config.json"
     cfg = _read_json(where)
+    if cfg.get("model_type") == "llava" and isinstance(cfg.get("text_config"), dict):
+        cfg = cfg["text_config"]
     model_type = cfg.get("model_type")
     if model_type not in FAMILIES:
         hint = " (a multimodal checkpoint: its text model is not served on its own yet)" if "text_config" in cfg else ""
@@ -130,8 +134,9 @@ def _tensor_names(path: Path) -> list[str]:
 class _TensorReader:
     """Reads named tensors across shards, keeping each shard open once."""
 
-    def __init__(self, files: dict[str, Path], dtype: torch.dtype, device: torch.device):
+    def __init__(self, files: dict[str, Path], dtype: torch.dtype, device: torch.device, name_prefix: str = ""):
         self._files = files
+        self._prefix = name_prefix  # names are looked up without it and read with it
         self._open: dict[Path, Any] = {}
         self.dtype, self._device = dtype, device
 
@@ -149,7 +154,7 @@ class _TensorReader:
                 self._open[path] = safe_open(str(path), framework="pt", device="cpu")
             except Exception as exc:
                 raise ModelLoadError(f"{path}: cannot read safetensors: {exc}") from None
-        tensor = self._open[path].get_tensor(name)
+        tensor = self._open[path].get_tensor(self._prefix + name)
         if tuple(tensor.shape) != shape:
             raise ModelLoadError(f"{path}: {name} has shape {tuple(tensor.shape)}, config.json implies {shape}")
         return tensor.to(device=self._device, dtype=dtype or self.dtype)
@@ -214,9 +219,15 @@ class _LayerReader:
         )
 
 
-def load_model_weights(model_dir: Path, args: ModelArgs, dtype: torch.dtype, device: torch.device) -> ModelWeights:
+def load_model_weights(
+    model_dir: Path, args: ModelArgs, dtype: torch.dtype, device: torch.device, *, name_prefix: str = ""
+) -> ModelWeights:
+    """`name_prefix`: where the language model sits in a larger checkpoint (LLaVA: 'language_model.')."""
     model_dir = Path(model_dir)
-    reader = _TensorReader(_weight_files(model_dir), dtype, device)
+    files = _weight_files(model_dir)
+    if name_prefix:
+        files = {name.removeprefix(name_prefix): path for name, path in files.items() if name.startswith(name_prefix)}
+    reader = _TensorReader(files, dtype, device, name_prefix)
     layers = [_LayerReader(reader, args, i).layer() for i in range(args.num_layers)]
     h = args.hidden_size
     embed = reader.get("model.embed_tokens.weight", (args.vocab_size, h))

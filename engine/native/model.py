@@ -110,9 +110,12 @@ class Model:
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache), see attention.py
         meta: AttentionMetadata,
+        image_rows: tuple[torch.Tensor, torch.Tensor] | None = None,  # (rows, [len(rows), hidden]) to overwrite
     ) -> torch.Tensor:  # [num_tokens, hidden] residual stream before the final norm
         x = F.embedding(input_ids, self.weights.embed)
-        if self.args.embedding_multiplier != 1.0:
+        if image_rows is not None:  # image tokens: the vision tower's embeddings replace the lookup
+            x.index_copy_(0, image_rows[0], image_rows[1].to(x.dtype))
+        if self.args.embedding_multiplier != 1.0:  # after the images, as transformers scales inputs_embeds
             x = x * self._embed_scale
         if self.fused_cpu_ops:
             return self._forward_fused(x, positions, kv_caches, meta)

@@ -22,6 +22,7 @@ from engine.native.model import Model, pack_linear_layers
 from engine.native.sampler import Sampler, SamplingRow
 from engine.native.scheduler import ScheduledBatch
 from engine.native.sequence import Sequence
+from engine.native.vision import VisionTower, is_llava
 from engine.types import EngineError
 from settings import EngineConfig
 
@@ -86,7 +87,10 @@ class ModelRunner:
             config.native_kernels and self.device.type == "cpu" and self.dtype == torch.float32 and kernels.load()
         )
         self.packed_linear = self.use_kernel and kernels.packed_linear_available()
-        weights = load_model_weights(Path(model_dir), self.args, self.dtype, self.device)
+        # A LLaVA checkpoint: the language model under 'language_model.', plus the vision tower.
+        self.vision = VisionTower(Path(model_dir), self.dtype, self.device) if is_llava(Path(model_dir)) else None
+        prefix = "language_model." if self.vision is not None else ""
+        weights = load_model_weights(Path(model_dir), self.args, self.dtype, self.device, name_prefix=prefix)
         if self.packed_linear:
             weights = pack_linear_layers(weights)
         self.model = Model(self.args, weights, self.max_model_len, fused_cpu_ops=self.packed_linear)
@@ -136,7 +140,9 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Run one step; returns the sampled token per sequence (None: prefill not yet done)."""
         inputs = self.prepare(batch)
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        # Vision models: this step's image tokens take their images' embeddings (encoded now, batched).
+        image_rows = None if self.vision is None else self.vision.step_embeddings(batch.seqs, batch.num_scheduled_tokens)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, image_rows)
         sampled: list[int | None] = [None] * len(batch.seqs)
         if inputs.sampled_batch_indices:
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))

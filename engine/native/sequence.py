@@ -25,9 +25,14 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-def block_hash(parent_hash: bytes, token_ids: list[int] | tuple[int, ...]) -> bytes:
-    """Chained hash of one full block: its parent's hash and its own token ids."""
-    return hashlib.blake2b(parent_hash + array("q", token_ids).tobytes(), digest_size=16).digest()
+def block_hash(parent_hash: bytes, token_ids: list[int] | tuple[int, ...], extra: tuple = ()) -> bytes:
+    """Chained hash of one full block: its parent's hash, its own token ids, and the content
+    keys of any images whose tokens it holds (image tokens share one id, so the ids alone
+    would let two different pictures share blocks)."""
+    data = parent_hash + array("q", token_ids).tobytes()
+    if extra:
+        data += repr(extra).encode()
+    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 def root_hash(cache_salt: str | None) -> bytes:
@@ -58,6 +63,7 @@ class Sequence:
         "max_num_tokens",
         "grammar",
         "logprobs",
+        "images",
     )
 
     def __init__(self, seq_id: int, request: GenerationRequest, *, eos_token_ids: tuple[int, ...], max_model_len: int):
@@ -80,6 +86,7 @@ class Sequence:
         self.max_num_tokens = min(max_model_len, self.num_prompt_tokens + self.sampling.max_tokens)
         self.grammar: GrammarMatcher | None = None  # set by the engine for structured outputs
         self.logprobs: list[TokenLogprob] = []  # one per completion token, filled by the sampler when asked
+        self.images = request.images  # vision models: which prompt tokens take image embeddings
 
     def __repr__(self) -> str:
         return (
@@ -107,8 +114,18 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def block_token_ids(self, index: int, block_size: int) -> tuple[int, ...]:
-        return tuple(self.token_ids[index * block_size : (index + 1) * block_size])
+    def block_token_ids(self, index: int, block_size: int) -> tuple:
+        """The block's token ids, then the keys of the image content it holds (checked on a cache hit)."""
+        ids = tuple(self.token_ids[index * block_size : (index + 1) * block_size])
+        return ids + self._image_keys(index * block_size, (index + 1) * block_size) if self.images else ids
+
+    def _image_keys(self, start: int, end: int) -> tuple:
+        """(content hash, first image-token index in the block) for each image overlapping [start, end)."""
+        return tuple(
+            (img.content_hash, max(start, img.offset) - img.offset)
+            for img in self.images
+            if img.offset < end and img.offset + img.length > start
+        )
 
     def full_block_hashes(self, num_blocks: int, block_size: int) -> list[bytes]:
         """Hashes of the first `num_blocks` full blocks (token ids never change once written)."""
@@ -116,7 +133,9 @@ class Sequence:
         while len(hashes) < num_blocks:
             parent = hashes[-1] if hashes else self.root_hash
             i = len(hashes)
-            hashes.append(block_hash(parent, self.token_ids[i * block_size : (i + 1) * block_size]))
+            start, end = i * block_size, (i + 1) * block_size
+            extra = self._image_keys(start, end) if self.images else ()
+            hashes.append(block_hash(parent, self.token_ids[start:end], extra))
         return hashes[:num_blocks]
 
     def append_token(self, token_id: int) -> FinishReason | None:

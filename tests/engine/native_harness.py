@@ -29,7 +29,9 @@ def check_invariants(bm: BlockManager, live: Iterable[Sequence], retired: Iterab
         assert block.ref_count == owners[block.block_id], f"{block} has owners {owners[block.block_id]}"
     for h, block_id in bm.hash_to_block_id.items():
         block = bm.blocks[block_id]
-        assert block.hash == h and block.token_ids is not None and len(block.token_ids) == bm.block_size
+        assert block.hash == h and block.token_ids is not None
+        # A block's key is its token ids, then (content hash, offset) of any images it holds.
+        assert sum(isinstance(t, int) for t in block.token_ids) == bm.block_size
     for block in bm.blocks:
         if block.hash is not None:
             assert bm.hash_to_block_id.get(block.hash) == block.block_id, f"{block} hashed but not mapped"
