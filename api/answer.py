@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from api.reasoning import ReasoningSplitter
 from api.toolparse import Parsed, ToolCallParser
 from api.tools import ToolCall
 from engine.tokenizer import Tokenizer
@@ -17,9 +18,14 @@ from engine.types import FinishReason, TokenLogprob
 
 
 class Answer:
-    def __init__(self, tokenizer: Tokenizer, parser: ToolCallParser | None, logprobs: int | None):
+    def __init__(
+        self, tokenizer: Tokenizer, parser: ToolCallParser | None, logprobs: int | None,
+        reasoning: ReasoningSplitter | None = None,
+    ):
         self._tokenizer = tokenizer
         self._parser = parser
+        self._reasoning = reasoning  # a reasoning model: <think> text becomes reasoning_content
+        self.reasoning_parts: list[str] = []
         self._wants_logprobs = logprobs is not None
         self.content_parts: list[str] = []
         self.tool_calls: list[ToolCall] = []
@@ -29,19 +35,27 @@ class Answer:
     def feed(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> list[dict[str, Any]]:
         """Deltas (possibly none) for this piece of text; the first carries the pending logprobs."""
         self._pending.extend(logprobs)
+        thinking, text = self._reasoning.feed(text) if self._reasoning is not None else ("", text)
         parsed = self._parser.feed(text) if self._parser is not None else Parsed(content=text)
-        return self._deltas(parsed)
+        return self._deltas(parsed, thinking)
 
     def close(self) -> list[dict[str, Any]]:
         """The deltas still held back at the end of the generation."""
-        parsed = self._parser.close() if self._parser is not None else Parsed()
-        deltas = self._deltas(parsed)
+        thinking, text = self._reasoning.finish() if self._reasoning is not None else ("", "")
+        parsed = Parsed(content=text)
+        if self._parser is not None:
+            fed, closed = self._parser.feed(text), self._parser.close()
+            parsed = Parsed(content=fed.content + closed.content, calls=[*fed.calls, *closed.calls])
+        deltas = self._deltas(parsed, thinking)
         if not deltas and self._pending and self._wants_logprobs:
             deltas = [{"delta": {"content": ""}, "logprobs": self._render()}]
         return deltas
 
-    def _deltas(self, parsed: Parsed) -> list[dict[str, Any]]:
+    def _deltas(self, parsed: Parsed, thinking: str = "") -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
+        if thinking:
+            self.reasoning_parts.append(thinking)
+            out.append({"delta": {"reasoning_content": thinking}})
         if parsed.content:
             self.content_parts.append(parsed.content)
             out.append({"delta": {"content": parsed.content}})
@@ -74,6 +88,8 @@ class Answer:
     def message(self) -> dict[str, Any]:
         content = "".join(self.content_parts)
         msg: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        if self._reasoning is not None:  # vLLM's and llama.cpp's field for the thinking
+            msg["reasoning_content"] = "".join(self.reasoning_parts)
         if self.tool_calls:
             msg["content"] = content or None
             msg["tool_calls"] = [c.as_dict() for c in self.tool_calls]

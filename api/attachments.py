@@ -184,7 +184,8 @@ def _budget(inputs: TurnInputs) -> tuple[int, int]:
 
 def _num_prompt_tokens(inputs: TurnInputs, resolved: list[Resolved], texts: dict) -> int:
     fitted = _with_texts(inputs, resolved, texts)
-    return len(encode_chat(inputs.model, [*(inputs.history or ()), *fitted.chat.messages]))
+    context = [*(inputs.history or ()), *fitted.chat.messages]
+    return len(encode_chat(inputs.model, context, (), inputs.chat.chat_template_kwargs))
 
 
 def _room_for_documents(inputs: TurnInputs, resolved: list[Resolved], ids: dict) -> int:

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from api import attachments, protocol
 from api.answer import Answer
+from api.reasoning import ReasoningSplitter, answer_text
 from api.errors import ApiError, bad_request, from_gateway, overloaded
 from api.files import BLOBS
 from api.sse import ClientGone, SSEWriter
@@ -229,7 +230,8 @@ def make_answer(turn: Turn) -> Answer:
     if chat.tools and chat.tool_choice.mode is not ChoiceMode.NONE:
         fmt = detect_format(getattr(tokenizer, "chat_template", None), turn.model.config.tool_parser)
         parser = ToolCallParser(fmt, frozenset(t.name for t in chat.tools))
-    return Answer(tokenizer, parser, chat.logprobs)
+    reasoning = None if turn.reasoning_opened is None else ReasoningSplitter(in_thinking=turn.reasoning_opened)
+    return Answer(tokenizer, parser, chat.logprobs, reasoning)
 
 
 def _dumps(obj: object) -> str:
@@ -351,6 +353,8 @@ async def finish_turn(
     num_prompt = turn.num_prompt_tokens if prompt_billed else 0
     cached = turn.num_cached_tokens if prompt_billed else 0
     content = "".join(turn.text_parts)
+    if turn.reasoning_opened is not None:  # the conversation keeps the answer, not the thinking
+        content = answer_text(content, in_thinking=turn.reasoning_opened)
     record = RequestRecord(
         request_id=turn.request_id,
         org_id=turn.principal.org.id,

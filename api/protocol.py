@@ -38,7 +38,7 @@ _IGNORED_DEFAULTS: dict[str, tuple[Any, ...]] = {
 _KNOWN = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
     "stop", "presence_penalty", "frequency_penalty", "n", "stream", "stream_options", "user",
-    "top_k", "min_tokens", "ignore_eos", "conversation_id", "truncation",
+    "top_k", "min_tokens", "ignore_eos", "conversation_id", "truncation", "chat_template_kwargs",
     "logprobs", "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
 }
 
@@ -109,6 +109,7 @@ class ChatRequest:
     tools: tuple[tooling.Tool, ...] = ()
     tool_choice: tooling.ToolChoice = tooling.ToolChoice(tooling.ChoiceMode.NONE)
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. {"enable_thinking": false}
 
 
 def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int, max_n: int = 1) -> ChatRequest:
@@ -161,7 +162,25 @@ def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int, ma
         tools=tools,
         tool_choice=tool_choice,
         parallel_tool_calls=_opt_bool(raw, "parallel_tool_calls", True),
+        chat_template_kwargs=_chat_template_kwargs(raw.get("chat_template_kwargs")),
     )
+
+
+_TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def _chat_template_kwargs(value: Any) -> dict[str, Any] | None:
+    """vLLM's extension: variables for the chat template (the template itself decides what they do)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request(f"'chat_template_kwargs' must be an object, got {_kind(value)}.", param="chat_template_kwargs")
+    for key in value:
+        if key in _TEMPLATE_RESERVED:
+            raise bad_request(
+                f"'chat_template_kwargs' must not set '{key}' (the server sets it).", param=f"chat_template_kwargs.{key}"
+            )
+    return dict(value)
 
 
 def wire_options(chat: ChatRequest) -> dict[str, Any]:

@@ -11,9 +11,13 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
+
+import jinja2
 
 from api.errors import ApiError, bad_request, not_found
 from api.protocol import ChatMessage, ChatRequest, wire_options
+from api.reasoning import prompt_opens_thinking
 from api.tools import ChoiceMode, Tool, detect_format, forced_call_grammar, template_takes_tools, tools_system_prompt
 from engine.registry import ModelHandle
 from engine.types import ChatPrompt, GenerationRequest, RequestRejected, SamplingParams, UsageSource
@@ -46,6 +50,8 @@ class Turn:
     num_cached_tokens: int = 0
     num_completion_tokens: int = 0
     text_parts: list[str] = field(default_factory=list)
+    # None: the model does not reason in <think> tags; else whether the prompt opened <think>
+    reasoning_opened: bool | None = None
     recorded: bool = False  # set by the one finish path; a second call is a no-op
     reported_prompt_tokens: int | None = None  # a backend's own count (an upstream's usage), if it reported one
     usage_source: UsageSource = UsageSource.ENGINE
@@ -81,6 +87,7 @@ def trim_history(
     new: tuple[ChatMessage, ...],
     budget_tokens: int,
     tools: tuple[Tool, ...] = (),
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[int], list[ChatMessage], int]:
     """Drop the oldest non-system history turns until the prompt fits `budget_tokens`.
 
@@ -91,7 +98,7 @@ def trim_history(
     dropped = 0
     while True:
         context = build_context(kept, new)
-        ids = encode_chat(model, context, tools)
+        ids = encode_chat(model, context, tools, template_kwargs)
         droppable = [i for i, m in enumerate(kept) if m.role != "system"]
         if len(ids) <= budget_tokens or not droppable:
             return ids, context, dropped
@@ -102,21 +109,36 @@ def trim_history(
         dropped += span
 
 
-def encode_chat(model: ModelHandle, context: list[ChatMessage], tools: tuple[Tool, ...] = ()) -> list[int]:
+def encode_chat(
+    model: ModelHandle, context: list[ChatMessage], tools: tuple[Tool, ...] = (),
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
     """Render through the chat template; tools go in as `tools=` (or a system message, for a
-    template that ignores them)."""
+    template that ignores them); `template_kwargs` (a request's chat_template_kwargs) as template
+    variables: a template that fails on them is the client's error (400)."""
+    if not template_kwargs:
+        return _encode_chat(model, context, tools, {})
+    try:
+        return _encode_chat(model, context, tools, template_kwargs)
+    except (jinja2.TemplateError, TypeError, ValueError) as exc:
+        raise bad_request(
+            f"The chat template failed with these chat_template_kwargs: {exc}", param="chat_template_kwargs"
+        ) from None
+
+
+def _encode_chat(model: ModelHandle, context: list[ChatMessage], tools: tuple[Tool, ...], kwargs: dict) -> list[int]:
     messages = [m.as_template_dict() for m in context]
     if not tools:
-        return model.tokenizer.encode_chat(messages)
+        return model.tokenizer.encode_chat(messages, **kwargs)
     template = getattr(model.tokenizer, "chat_template", None)  # None: an upstream model's token counter
     if template is None or template_takes_tools(template):
-        return model.tokenizer.encode_chat(messages, tools=[t.as_template_arg() for t in tools])
+        return model.tokenizer.encode_chat(messages, tools=[t.as_template_arg() for t in tools], **kwargs)
     fmt = detect_format(template, model.config.tool_parser)
     prompt = {"role": "system", "content": tools_system_prompt(tools, fmt)}
     if messages and messages[0]["role"] == "system":
         prompt["content"] = messages[0]["content"] + "\n\n" + prompt["content"]
         messages = messages[1:]
-    return model.tokenizer.encode_chat([prompt, *messages])
+    return model.tokenizer.encode_chat([prompt, *messages], **kwargs)
 
 
 def prompt_tools(chat: ChatRequest) -> tuple[Tool, ...]:
@@ -195,10 +217,12 @@ def make_turn(inp: TurnInputs) -> Turn:
     dropped = 0
     if inp.history is not None:
         reserve = chat.max_tokens if chat.max_tokens is not None else min(tier.max_tokens, 64)
-        ids, context, dropped = trim_history(model, list(inp.history), chat.messages, limit - reserve, prompt_tools(chat))
+        ids, context, dropped = trim_history(
+            model, list(inp.history), chat.messages, limit - reserve, prompt_tools(chat), chat.chat_template_kwargs
+        )
     else:
         context = build_context([], chat.messages)
-        ids = encode_chat(model, context, prompt_tools(chat))
+        ids = encode_chat(model, context, prompt_tools(chat), chat.chat_template_kwargs)
     max_tokens = resolve_max_tokens(chat, tier, inp.tier_name, max(limit - len(ids), 0))
     check_fits(len(ids), max(max_tokens, 1), limit, model.name)
     now = time.monotonic()
@@ -229,7 +253,14 @@ def make_turn(inp: TurnInputs) -> Turn:
         created_at=time.time(),
         history_turns_dropped=dropped,
         new_messages=tuple((m.role, m.content) for m in chat.messages),
+        reasoning_opened=_reasoning_opened(model, ids),
     )
+
+
+def _reasoning_opened(model: ModelHandle, ids: list[int]) -> bool | None:
+    if not getattr(model.tokenizer, "thinks", False):
+        return None
+    return prompt_opens_thinking(model.tokenizer.decode(ids[-8:], skip_special_tokens=False))
 
 
 def conversation_not_found(conversation_id: str) -> ApiError:

@@ -108,21 +108,32 @@ class Tokenizer:
         eos_ids = _eos_ids(path, tokenizer, special["eos_token"])
         return cls(tokenizer, template, special, eos_ids)
 
+    @property
+    def thinks(self) -> bool:
+        """Whether the chat template knows <think>...</think> reasoning (Qwen3, R1 distills, ...)."""
+        return bool(self.chat_template) and "</think>" in self.chat_template
+
     def encode_chat(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+        **template_kwargs: Any,
     ) -> list[int]:
         """Render and tokenize a chat so that message text can never become control tokens.
+
+        `template_kwargs` are extra template variables (a request's chat_template_kwargs, such
+        as enable_thinking), as transformers' apply_chat_template passes them.
 
         Text such as "<|im_end|>" typed by a user is tokenized as plain text (the injection
         of transformers#29279). Chats without such text take the plain path, which is
         token-for-token what transformers produces.
         """
         if not any(tok in str(m.get("content", "")) for m in messages for tok in self._special_texts):
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools))
+            return self.encode(self.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
+            ))
         sentinels = [f"\x00{i}\x00" for i in range(len(messages))]
         rendered = self.apply_chat_template(
             [{**m, "content": s} for m, s in zip(messages, sentinels)], add_generation_prompt=add_generation_prompt,
-            tools=tools,
+            tools=tools, **template_kwargs,
         )
         ids: list[int] = []
         for i, sentinel in enumerate(sentinels):
@@ -149,11 +160,13 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+        **template_kwargs: Any,
     ) -> str:
         if self._template is None:
             raise TokenizerLoadError("this model has no chat template")
         return self._template.render(
+            **template_kwargs,
             messages=messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,

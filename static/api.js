@@ -139,10 +139,12 @@ async function* sseEvents(body) {
   }
 }
 
-function applyChunk(result, chunk, onDelta) {
+function applyChunk(result, chunk, onDelta, onReasoning) {
   if (chunk.model) result.model = chunk.model;
   if (chunk.usage) result.usage = chunk.usage;
   for (const choice of chunk.choices || []) {
+    const reasoning = choice.delta && choice.delta.reasoning_content;
+    if (reasoning && onReasoning) onReasoning(reasoning);
     const text = choice.delta && choice.delta.content;
     if (text) onDelta(text);
     if (choice.finish_reason) result.finishReason = choice.finish_reason;
@@ -150,10 +152,11 @@ function applyChunk(result, chunk, onDelta) {
 }
 
 // Streams one new user message into a stored conversation. Calls onDelta(text) per content
-// delta and onComment(text) per SSE comment (queue position, heartbeat). Resolves with
+// delta, onReasoning(text) per reasoning_content delta (a reasoning model's thinking) and
+// onComment(text) per SSE comment (queue position, heartbeat). Resolves with
 // {model, fallbackFrom, finishReason, usage}; rejects with an AbortError when `signal`
 // aborts (the server then aborts the generation) or an ApiFailure.
-export async function streamChat({ model, content, conversationId, signal, onDelta, onComment }) {
+export async function streamChat({ model, content, conversationId, signal, onDelta, onReasoning, onComment }) {
   const body = {
     messages: [{ role: "user", content }],
     stream: true,
@@ -174,7 +177,7 @@ export async function streamChat({ model, content, conversationId, signal, onDel
       } else {
         const chunk = JSON.parse(event.data);
         if (chunk.error) throw new ApiFailure({ ...streamError(chunk.error), isMidStream: true });
-        applyChunk(result, chunk, onDelta);
+        applyChunk(result, chunk, onDelta, onReasoning);
       }
     }
   } catch (error) {

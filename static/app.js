@@ -233,6 +233,11 @@ async function streamAnswer(conversationId, content, keep, controller) {
     const result = await streamChat({
       model: el.model.value || null, content, conversationId, signal: controller.signal, onComment,
       onDelta: (text) => { el.status.textContent = ""; answer.content += text; target.append(text); },
+      onReasoning: (text) => {
+        el.status.textContent = "Thinking\u2026";
+        answer.reasoning = (answer.reasoning || "") + text;
+        target.appendReasoning(text);
+      },
     });
     Object.assign(answer, { model: result.model, usage: result.usage, fallbackFrom: result.fallbackFrom,
                             finishReason: result.finishReason });

@@ -28,14 +28,10 @@ export function keepingBottom(change) {
   if (stick) scrollToBottom();
 }
 
-// Plain decimals, never an exponent: $0.000052 (two significant digits below a cent), $1.2500.
 export function formatCost(usd) {
   if (usd == null) return null;
   if (usd === 0) return "$0";
-  if (usd >= 0.01) return `$${usd.toFixed(4)}`;
-  const digits = Math.min(9, 1 - Math.floor(Math.log10(usd)));
-  const text = usd.toFixed(digits);
-  return Number(text) === 0 ? "<$0.000000001" : `$${text}`;
+  return usd < 0.01 ? `$${usd.toPrecision(2)}` : `$${usd.toFixed(4)}`;
 }
 
 export function formatInt(n) {
@@ -106,7 +102,9 @@ export function messageElement(msg, index, actions) {
   const body = document.createElement("div");
   body.className = "msg-body";
   fillBody(body, msg);
-  article.append(role, body);
+  article.append(role);
+  if (msg.role === "assistant" && msg.reasoning) article.append(reasoningElement(msg.reasoning, Boolean(msg.isStreaming)));
+  article.append(body);
   const note = noteText(msg);
   if (note) {
     const noteEl = document.createElement("p");
@@ -145,17 +143,43 @@ export function renderMessages(messages, actionsFor) {
   if (stick || messages.length === 0) scrollToBottom();
 }
 
-// The element of the answer being streamed: a text node that only ever grows.
+// A reasoning model's thinking, folded above its answer (open while it streams). Plain text.
+function reasoningElement(text, isOpen) {
+  const details = document.createElement("details");
+  details.className = "msg-reasoning";
+  details.open = isOpen;
+  const summary = document.createElement("summary");
+  summary.textContent = "Reasoning";
+  const pre = document.createElement("div");
+  pre.className = "msg-reasoning-text";
+  pre.textContent = text;
+  details.append(summary, pre);
+  return details;
+}
+
+// The element of the answer being streamed: text nodes that only ever grow.
 export function streamingTarget(index) {
-  const body = messagesEl.querySelector(`article[data-index="${index}"] .msg-body`);
+  const article = messagesEl.querySelector(`article[data-index="${index}"]`);
+  const body = article.querySelector(".msg-body");
   const text = document.createTextNode("");
   body.replaceChildren(text);
   body.classList.add("streaming");
+  let reasoning = null;
+  const grow = (node, delta) => {
+    const stick = isNearBottom();
+    node.appendData(delta);
+    if (stick) scrollToBottom();
+  };
   return {
-    append(delta) {
-      const stick = isNearBottom();
-      text.appendData(delta);
-      if (stick) scrollToBottom();
+    append(delta) { grow(text, delta); },
+    appendReasoning(delta) {
+      if (!reasoning) {
+        const details = reasoningElement("", true);
+        body.before(details);
+        reasoning = document.createTextNode("");
+        details.querySelector(".msg-reasoning-text").append(reasoning);
+      }
+      grow(reasoning, delta);
     },
   };
 }
