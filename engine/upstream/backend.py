@@ -27,6 +27,7 @@ from engine.types import (
     EngineUnavailable,
     FinishReason,
     GenerationRequest,
+    RequestRejected,
     TokenEvent,
     UsageSource,
     check_fits_context,
@@ -36,7 +37,17 @@ from engine.upstream.counting import Counter
 from engine.upstream.discovery import discover_max_model_len
 from engine.upstream.replicas import Replica, ReplicaPool, affinity_key
 from engine.upstream.stream import DONE, MalformedStream, sse_payloads
-from engine.upstream.wire import Chunk, ErrorKind, Usage, UpstreamError, classify_http_error, parse_chunk, request_body
+from engine.upstream.wire import (
+    Chunk,
+    ErrorKind,
+    UpstreamError,
+    Usage,
+    classify_http_error,
+    parse_chunk,
+    request_body,
+    tool_calls_text,
+    unsupported_reason,
+)
 from settings import ConfigError, ModelConfig, UpstreamConfig
 
 log = structlog.get_logger(__name__)
@@ -64,6 +75,7 @@ class _Progress:
     finish: FinishReason | None = None
     usage: Usage | None = None
     num_yielded: int = 0
+    tool_calls: dict[int, list[str]] = field(default_factory=dict)  # index -> [name, arguments so far]
 
 
 @dataclass(slots=True)
@@ -156,6 +168,9 @@ class UpstreamBackend:
     def check_request(self, request: GenerationRequest) -> None:
         if request.chat is None:
             raise EngineError("the openai backend needs the request's chat messages")
+        unsupported = unsupported_reason(request)
+        if unsupported is not None:
+            raise RequestRejected(unsupported[0], param=unsupported[1], code="unsupported_value")
         if self._max_model_len:
             check_fits_context(request, self._max_model_len)
 
@@ -284,13 +299,21 @@ class UpstreamBackend:
     def _apply(self, progress: _Progress, chunk: Chunk) -> TokenEvent | None:
         if chunk.usage is not None:
             progress.usage = chunk.usage
+        for call in chunk.tool_calls:
+            name_and_args = progress.tool_calls.setdefault(call.index, ["", ""])
+            name_and_args[0] += call.name
+            name_and_args[1] += call.arguments
+        text = chunk.text
         if chunk.finish_reason is not None:
             progress.finish = chunk.finish_reason
-        if not chunk.text:
+            if progress.tool_calls:  # complete now: relayed as the text our tool-call parser reads
+                text += tool_calls_text(progress.tool_calls)
+                progress.tool_calls = {}
+        if not text:
             return None
-        progress.text_parts.append(chunk.text)
+        progress.text_parts.append(text)
         progress.num_completion_tokens += 1
-        return TokenEvent(chunk.text, (), progress.num_prompt_tokens, 0, progress.num_completion_tokens)
+        return TokenEvent(text, (), progress.num_prompt_tokens, 0, progress.num_completion_tokens)
 
     def _final(self, progress: _Progress, finish: FinishReason) -> TokenEvent:
         """The last event, with the upstream's usage or our own count (and which it is)."""

@@ -36,12 +36,22 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A piece of one streamed tool call: the name comes once, the arguments in fragments."""
+
+    index: int
+    name: str = ""
+    arguments: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """One `data:` payload of an upstream stream."""
 
     text: str = ""
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    tool_calls: tuple[ToolCallDelta, ...] = ()
 
 
 class ErrorKind(enum.Enum):
@@ -93,21 +103,68 @@ def request_body(request: GenerationRequest, upstream_model: str) -> dict[str, A
     return body
 
 
+def unsupported_reason(request: GenerationRequest) -> tuple[str, str] | None:
+    """(message, param) when the request asks for what this backend cannot relay yet.
+
+    response_format, tools and tool_choice arrive in `chat.options` in wire form and are
+    answered upstream; the grammar the front built for them (`sampling.structured`) is not sent.
+    """
+    options = request.chat.options if request.chat is not None else {}
+    if options.get("logprobs") or getattr(request.sampling, "logprobs", None) is not None:
+        return "logprobs are not relayed from upstream servers yet.", "logprobs"
+    if int(options.get("n") or 1) > 1:
+        return "n > 1 is not relayed from upstream servers yet.", "n"
+    structured = getattr(request.sampling, "structured", None)
+    if structured is not None and "response_format" not in options and "tool_choice" not in options:
+        return "This kind of constrained output is not relayed to upstream servers.", "response_format"
+    return None
+
+
 def parse_chunk(payload: dict[str, Any]) -> Chunk | UpstreamError:
     """A decoded `data:` payload: text and finish of choice 0, usage, or an error event."""
     if "error" in payload or payload.get("object") == "error":
         return _error_from(500, payload, None)
-    text, finish = "", None
+    text, finish, calls = "", None, ()
     choices = payload.get("choices") or []
     for choice in choices:
         if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-            continue  # n > 1: only the first choice reaches the seam today
+            continue  # n > 1 is refused before it gets here
         delta = choice.get("delta") or {}
-        content = delta.get("content") if isinstance(delta, dict) else None
-        text = content if isinstance(content, str) else ""
+        if isinstance(delta, dict):
+            content = delta.get("content")
+            text = content if isinstance(content, str) else ""
+            calls = _tool_call_deltas(delta.get("tool_calls"))
         reason = choice.get("finish_reason")
         finish = _FINISH.get(reason, FinishReason.STOP) if reason else None
-    return Chunk(text, finish, parse_usage(payload.get("usage")))
+    return Chunk(text, finish, parse_usage(payload.get("usage")), calls)
+
+
+def _tool_call_deltas(raw: Any) -> tuple[ToolCallDelta, ...]:
+    if not isinstance(raw, list):
+        return ()
+    out = []
+    for i, item in enumerate(raw):
+        function = item.get("function") if isinstance(item, dict) else None
+        if not isinstance(function, dict):
+            continue
+        index = item.get("index", i)
+        out.append(ToolCallDelta(index if isinstance(index, int) else i, str(function.get("name") or ""),
+                                 str(function.get("arguments") or "")))
+    return tuple(out)
+
+
+def tool_calls_text(calls: dict[int, list[str]]) -> str:
+    """Streamed tool calls (index -> [name, arguments]) as Hermes/Qwen `<tool_call>` text: the
+    form the front door's tool-call parser reads for upstream models (api/toolparse.py), so the
+    client gets `tool_calls` exactly as from a model served here."""
+    parts = []
+    for _, (name, arguments) in sorted(calls.items()):
+        try:
+            args = orjson.loads(arguments or "{}")
+        except orjson.JSONDecodeError:
+            args = arguments  # passed on as the upstream wrote it
+        parts.append("<tool_call>\n" + orjson.dumps({"name": name, "arguments": args}).decode() + "\n</tool_call>")
+    return "\n".join(parts)
 
 
 def parse_usage(raw: Any) -> Usage | None:

@@ -64,6 +64,13 @@ class Script:
             await response.write(b"data: " + orjson.dumps(payload) + b"\n\n")
 
         await send({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        if self.mode == "tool_call":
+            for piece in ({"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": ""}},
+                          {"function": {"arguments": '{"city": '}}, {"function": {"arguments": '"Paris"}'}}):
+                await send({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, **piece}]}}]})
+            await send({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+            await response.write(b"data: [DONE]\n\n")
+            return
         for i in range(self.words):
             await asyncio.sleep(self.delay_s)
             await send({"choices": [{"index": 0, "delta": {"content": f"w{i} "}, "finish_reason": None}]})
@@ -249,3 +256,11 @@ async def test_abort_from_another_task_while_waiting_for_a_chunk_ends_the_stream
         async with asyncio.timeout(1.5):  # well before the first chunk (2 s)
             received = [event async for event in events]
     assert [e.finish_reason for e in received] == [FinishReason.ABORT]
+
+
+async def test_streamed_tool_calls_come_back_as_one_piece_of_tool_call_text(aiohttp_server):
+    script = Script("tool_call")
+    async with backend_for([await serve(aiohttp_server, script)]) as backend:
+        events = await collect(backend, request())
+    assert [e.text for e in events] == ['<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>', ""]
+    assert events[-1].finish_reason is FinishReason.STOP

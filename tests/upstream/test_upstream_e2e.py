@@ -250,6 +250,25 @@ def test_a_stored_conversation_keeps_its_replica_across_turns(cluster):
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
 
 
+def test_structured_output_and_a_forced_tool_call_are_answered_by_the_upstream(cluster):
+    front = cluster["front"]
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+              "additionalProperties": False}
+    status, _, body = post(front.base_url, greedy(QUESTION, max_tokens=60, response_format={
+        "type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}))
+    assert status == 200, body
+    assert set(json.loads(body["choices"][0]["message"]["content"])) == {"city"}  # a random model: only the grammar
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": schema}}
+    status, _, body = post(front.base_url, greedy(QUESTION, max_tokens=80, tools=[tool],
+                                                  tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    assert status == 200, body
+    call = body["choices"][0]["message"]["tool_calls"][0]
+    assert call["function"]["name"] == "get_weather" and set(json.loads(call["function"]["arguments"])) == {"city"}
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+    status, _, body = post(front.base_url, greedy(QUESTION, logprobs=True, top_logprobs=2))
+    assert status == 400 and body["error"]["param"] == "logprobs"
+
+
 def test_the_prompt_screen_runs_in_front_and_nothing_reaches_the_upstream(cluster):
     before = served_by(cluster, "tiny")
     status, _, body = post(cluster["front"].base_url,

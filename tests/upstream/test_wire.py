@@ -21,7 +21,7 @@ def test_the_body_always_streams_and_asks_for_usage_and_sends_only_what_was_aske
     }
 
 
-def test_extensions_and_pass_through_fields_are_sent_when_present():
+def test_extensions_and_pass_through_options_are_sent_when_present():
     sampling = SamplingParams(max_tokens=8, seed=7, stop=("\n\n",), top_k=20, min_tokens=2, ignore_eos=True,
                               presence_penalty=0.5)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
@@ -86,3 +86,36 @@ def test_the_tokenizer_counter_counts_with_the_models_own_tokenizer(tiny_model_d
     assert counter.encode_chat(messages) == tokenizer.encode_chat(messages)
     assert counter.count("A river is a large natural stream.") == len(tokenizer.encode("A river is a large natural stream."))
     assert len(counter.encode_chat(messages, tools=[{"type": "function"}])) > len(counter.encode_chat(messages))
+
+
+def test_what_cannot_be_relayed_yet_is_refused_naming_the_field():
+    from types import SimpleNamespace
+
+    from engine.upstream.wire import unsupported_reason
+
+    def req(options: dict) -> SimpleNamespace:
+        return SimpleNamespace(chat=ChatPrompt(({"role": "user", "content": "hi"},), options),
+                               sampling=SimpleNamespace(structured=None, logprobs=None))
+
+    assert unsupported_reason(req({"logprobs": True, "top_logprobs": 3}))[1] == "logprobs"
+    assert unsupported_reason(req({"n": 3}))[1] == "n"
+    grammar_only = SimpleNamespace(chat=ChatPrompt(()), sampling=SimpleNamespace(structured="grammar", logprobs=None))
+    assert unsupported_reason(grammar_only)[1] == "response_format"
+    forced = SimpleNamespace(chat=ChatPrompt((), {"tools": [], "tool_choice": "required"}),
+                             sampling=SimpleNamespace(structured="grammar", logprobs=None))
+    assert unsupported_reason(forced) is None  # the upstream forces the call itself
+    assert unsupported_reason(make_request(SamplingParams(max_tokens=4), response_format={"type": "json_object"})) is None
+
+
+def test_streamed_tool_calls_become_the_hermes_text_our_parser_reads():
+    from engine.upstream.wire import ToolCallDelta, tool_calls_text
+
+    first = parse_chunk({"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}}]}}]})
+    second = parse_chunk({"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "function": {"arguments": '{"city": "Par'}}]}}]})
+    assert first.tool_calls == (ToolCallDelta(0, "get_weather", ""),)
+    assert second.tool_calls == (ToolCallDelta(0, "", '{"city": "Par'),)
+    text = tool_calls_text({0: ["get_weather", '{"city": "Paris"}'], 1: ["f", "{}"]})
+    assert text == ('<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>\n'
+                    '<tool_call>\n{"name":"f","arguments":{}}\n</tool_call>')
