@@ -110,6 +110,8 @@ class ChatRequest:
     tool_choice: tooling.ToolChoice = tooling.ToolChoice(tooling.ChoiceMode.NONE)
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. {"enable_thinking": false}
+    # Sampling fields the client sent; the others may take the model's generation_config defaults.
+    sampling_fields_set: frozenset[str] = frozenset()
 
 
 def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int, max_n: int = 1) -> ChatRequest:
@@ -163,6 +165,7 @@ def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int, ma
         tool_choice=tool_choice,
         parallel_tool_calls=_opt_bool(raw, "parallel_tool_calls", True),
         chat_template_kwargs=_chat_template_kwargs(raw.get("chat_template_kwargs")),
+        sampling_fields_set=frozenset(k for k in ("temperature", "top_p", "top_k") if raw.get(k) is not None),
     )
 
 

@@ -176,6 +176,18 @@ def chat_prompt(chat: ChatRequest, context: list[ChatMessage]) -> ChatPrompt:
     return ChatPrompt(messages, wire_options(chat))
 
 
+def _sampling_defaults(chat: ChatRequest, model: ModelHandle | None) -> dict:
+    """temperature, top_p and top_k: as sent, else the model's generation_config.json, else OpenAI's."""
+    values = {"temperature": chat.temperature, "top_p": chat.top_p, "top_k": chat.top_k}
+    defaults = getattr(model.tokenizer, "generation_defaults", {}) if model is not None else {}
+    for key, value in defaults.items():
+        if key in values and key not in chat.sampling_fields_set:
+            values[key] = value
+    if values["top_k"] is not None and values["top_k"] <= 0:  # transformers' "no top-k"
+        values["top_k"] = None
+    return values
+
+
 def sampling_from(chat: ChatRequest, max_tokens: int, model: ModelHandle | None = None) -> SamplingParams:
     structured = chat.response_format
     if chat.tool_choice.mode in (ChoiceMode.REQUIRED, ChoiceMode.NAMED) and model is not None:
@@ -185,9 +197,7 @@ def sampling_from(chat: ChatRequest, max_tokens: int, model: ModelHandle | None 
         structured=structured,
         logprobs=chat.logprobs,
         max_tokens=max_tokens,
-        temperature=chat.temperature,
-        top_p=chat.top_p,
-        top_k=chat.top_k,
+        **_sampling_defaults(chat, model),
         seed=chat.seed,
         stop=chat.stop,
         presence_penalty=chat.presence_penalty,

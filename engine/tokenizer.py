@@ -3,7 +3,8 @@
 Owns `tokenizer.json` (via the `tokenizers` library), the chat template (rendered with
 jinja2 the way transformers' `apply_chat_template` renders it) and the EOS ids. It accepts
 both layouts users bring: the template inside `tokenizer_config.json` or in
-`chat_template.jinja`; EOS ids from `generation_config.json`, `config.json` or the tokenizer.
+`chat_template.jinja`; EOS ids from `generation_config.json`, `config.json` and the tokenizer;
+the default temperature / top_p / top_k from `generation_config.json`.
 """
 
 from __future__ import annotations
@@ -80,8 +81,10 @@ class Tokenizer:
         chat_template: str | None,
         special_tokens: dict[str, str | None],
         eos_token_ids: tuple[int, ...],
+        generation_defaults: dict[str, float | int] | None = None,
     ):
         self._tok = tokenizer
+        self.generation_defaults = generation_defaults or {}  # from generation_config.json
         self._template = _compile_template(chat_template) if chat_template else None
         self.chat_template = chat_template
         self.bos_token = special_tokens.get("bos_token")
@@ -106,7 +109,7 @@ class Tokenizer:
         template = _chat_template(path, tok_cfg)
         special = {k: _token_text(tok_cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
         eos_ids = _eos_ids(path, tokenizer, special["eos_token"])
-        return cls(tokenizer, template, special, eos_ids)
+        return cls(tokenizer, template, special, eos_ids, _generation_defaults(path))
 
     @property
     def thinks(self) -> bool:
@@ -191,13 +194,27 @@ def _chat_template(path: Path, tok_cfg: dict[str, Any]) -> str | None:
     return template
 
 
+# Sampling defaults a checkpoint's generation_config.json may set, applied (as vLLM does) to a
+# request that leaves them unset; name -> the type each must have.
+GENERATION_DEFAULT_KEYS = {"temperature": float, "top_p": float, "top_k": int}
+
+
+def _generation_defaults(path: Path) -> dict[str, float | int]:
+    cfg = _read_json(path / "generation_config.json") or {}
+    defaults: dict[str, float | int] = {}
+    for key, kind in GENERATION_DEFAULT_KEYS.items():
+        value = cfg.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            defaults[key] = kind(value)
+    return defaults
+
+
 def _eos_ids(path: Path, tokenizer: HFTokenizer, eos_token: str | None) -> tuple[int, ...]:
+    """Every EOS id the checkpoint names (Gemma 3 and Llama 3 list several), in one tuple."""
     ids: list[int] = []
     for name in ("generation_config.json", "config.json"):
-        cfg = _read_json(path / name)
-        if cfg is not None and "eos_token_id" in cfg:
-            ids = _as_id_list(cfg["eos_token_id"])
-            break
+        cfg = _read_json(path / name) or {}
+        ids += [i for i in _as_id_list(cfg.get("eos_token_id")) if i not in ids]
     if eos_token is not None:
         tid = tokenizer.token_to_id(eos_token)
         if tid is not None and tid not in ids:

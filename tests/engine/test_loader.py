@@ -138,3 +138,30 @@ def test_a_bias_the_engine_does_not_apply_is_refused(model_copy):
     save_file(tensors, model_copy / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.self_attn\.o_proj\.bias is not supported"):
         ModelRunner(model_copy, CONFIG)
+
+
+def test_auto_dtype_keeps_a_16_bit_checkpoint_on_cuda_and_upcasts_on_the_cpu():
+    from engine.native.runner import resolve_dtype
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_dtype("auto", cuda, torch.float16) == torch.float16
+    assert resolve_dtype("auto", cuda, torch.bfloat16) == torch.bfloat16
+    assert resolve_dtype("auto", cuda, torch.float32) == torch.bfloat16
+    assert resolve_dtype("auto", cpu, torch.bfloat16) == torch.float32
+    assert resolve_dtype("float16", cpu, torch.bfloat16) == torch.float16
+
+
+def test_a_family_the_engine_does_not_serve_is_refused_by_name(model_copy):
+    cfg = json.loads((model_copy / "config.json").read_text())
+    cfg["model_type"] = "deepseek_v3"
+    (model_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"model_type 'deepseek_v3' is not one of llama, mistral, qwen2, qwen3"):
+        ModelRunner(model_copy, CONFIG)
+
+
+def test_an_unsupported_activation_is_refused_by_name(model_copy):
+    cfg = json.loads((model_copy / "config.json").read_text())
+    cfg["hidden_act"] = "relu2"
+    (model_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="hidden_act 'relu2' is not supported"):
+        load_model_args(model_copy)

@@ -1,0 +1,50 @@
+"""A checkpoint's generation_config.json: its sampling defaults fill what a request leaves
+unset (as vLLM does), and every EOS id it lists stops generation."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+
+from api.protocol import parse_chat_request
+from api.turn import sampling_from
+from engine.tokenizer import Tokenizer
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture
+def model(tiny_model_dir, tmp_path):
+    target = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, target)
+    gen = json.loads((target / "generation_config.json").read_text())
+    gen.update(temperature=0.6, top_p=0.95, top_k=20, eos_token_id=[gen["eos_token_id"], 7, 9])
+    (target / "generation_config.json").write_text(json.dumps(gen))
+    return SimpleNamespace(tokenizer=Tokenizer.from_dir(target))
+
+
+def sampling(model, **body):
+    chat = parse_chat_request({"messages": MESSAGES, **body}, max_messages=10, max_prompt_chars=1000)
+    return sampling_from(chat, 16, model)
+
+
+def test_unset_sampling_fields_take_the_generation_config_defaults(model):
+    s = sampling(model)
+    assert (s.temperature, s.top_p, s.top_k) == (0.6, 0.95, 20)
+
+
+def test_fields_the_request_sets_win_over_the_defaults(model):
+    s = sampling(model, temperature=0.0, top_k=-1)
+    assert (s.temperature, s.top_p, s.top_k) == (0.0, 0.95, None)
+
+
+def test_every_eos_id_in_the_generation_config_is_kept(model):
+    assert {7, 9} <= set(model.tokenizer.eos_token_ids)
+
+
+def test_a_model_without_defaults_keeps_openais(tiny_model_dir):
+    s = sampling(SimpleNamespace(tokenizer=Tokenizer.from_dir(tiny_model_dir)))
+    assert (s.temperature, s.top_p, s.top_k) == (1.0, 1.0, None)
