@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 import orjson
 
+from api import image_turn
 from api.errors import ApiError, bad_request, not_found
 from api.parts import FilePart, ImagePart, Part, TextPart, parse_parts, to_json
 from api.protocol import ChatMessage
 from api.turn import Turn, TurnInputs, encode_chat, make_turn
+from engine.types import IMAGE_PLACEHOLDER
 from media import documents, images
 from settings import FilesConfig, ImagesConfig
 from store.blobs import Blobs, is_file_id
@@ -60,6 +62,7 @@ class Resolved:
     message: ChatMessage
     documents: dict[int, Document]
     images: list[images.DecodedImage]
+    with_images: bool = False  # a vision model: images keep their place (IMAGE_PLACEHOLDER)
 
 
 # -- resolving parts ---------------------------------------------------------------------
@@ -99,7 +102,7 @@ async def _image(ctx: AttachContext, part: ImagePart | StoredFile, where: str) -
         raise bad_request(f"{exc.message} ('{where}')", param=where, code=exc.code) from None
 
 
-async def resolve(ctx: AttachContext, message: ChatMessage) -> Resolved:
+async def resolve(ctx: AttachContext, message: ChatMessage, *, with_images: bool = False) -> Resolved:
     documents_by_index: dict[int, Document] = {}
     decoded: list[images.DecodedImage] = []
     for i, part in enumerate(message.parts):
@@ -111,10 +114,10 @@ async def resolve(ctx: AttachContext, message: ChatMessage) -> Resolved:
                 documents_by_index[i] = await _document(ctx, stored, part.where)
         elif isinstance(part, ImagePart):
             decoded.append(await _image(ctx, part, part.where))
-    return Resolved(message, documents_by_index, decoded)
+    return Resolved(message, documents_by_index, decoded, with_images)
 
 
-def render(resolved: Resolved, texts: dict[int, str] | None = None, *, with_images: bool = False) -> str:
+def render(resolved: Resolved, texts: dict[int, str] | None = None) -> str:
     """The message's text with each document's block in place (`texts` overrides a document's text)."""
     segments: list[str] = []
     after_text = False  # consecutive text parts join with nothing between them, as plain content does
@@ -132,8 +135,8 @@ def render(resolved: Resolved, texts: dict[int, str] | None = None, *, with_imag
             text = d.doc.text if texts is None or i not in texts else texts[i]
             name = d.stored.filename
             segments.append(f"{documents.header(name, d.stored.media_type, d.doc)}\n{text}\n{documents.footer(name)}")
-        elif not with_images:
-            segments.append("[image]")
+        else:
+            segments.append(IMAGE_PLACEHOLDER if resolved.with_images else "[image]")
     return "\n\n".join(s for s in segments if s)
 
 
@@ -234,14 +237,14 @@ def fit(inputs: TurnInputs, resolved: list[Resolved]) -> Prepared:
 
 
 # -- the entry point from the chat handler ------------------------------------------------
-def _check_images(inputs: TurnInputs, resolved: list[Resolved], cfg: ImagesConfig) -> None:
+def _check_images(inputs: TurnInputs, resolved: list[Resolved], cfg: ImagesConfig, prompter) -> None:
     num_images = sum(len(r.images) for r in resolved)
     if num_images == 0:
         return
     if num_images > cfg.max_images_per_request:
         raise bad_request(f"The request carries {num_images} images; the limit is {cfg.max_images_per_request}.",
                           param="messages", code="too_many_images")
-    if not getattr(inputs.model.backend, "supports_images", False):
+    if prompter is None:
         where = next(p.where for r in resolved for p in r.message.parts if isinstance(p, (ImagePart, FilePart)))
         raise bad_request(
             f"The model '{inputs.model.name}' does not accept images; send text or files, or use a vision model.",
@@ -251,13 +254,18 @@ def _check_images(inputs: TurnInputs, resolved: list[Resolved], cfg: ImagesConfi
 
 async def prepare_turn(ctx: AttachContext, inputs: TurnInputs) -> Prepared:
     """Resolve the new messages' attachments (and the history's), then tokenize and fit."""
-    new = [await resolve(ctx, m) for m in inputs.chat.messages]
-    _check_images(inputs, new, ctx.images)
-    history = None
+    prompter = image_turn.prompter_of(inputs.model)
+    new = [await resolve(ctx, m, with_images=prompter is not None) for m in inputs.chat.messages]
+    _check_images(inputs, new, ctx.images, prompter)
+    history, history_images = None, []
     if inputs.history is not None:
-        history = tuple([await _history_message(ctx, m) for m in inputs.history])
+        rendered = [await _history_message(ctx, m, prompter is not None) for m in inputs.history]
+        history = tuple(r.message for r in rendered)
+        history_images = [img for r in rendered for img in r.images]
     prepared = fit(dataclasses.replace(inputs, history=history), new)
     turn = prepared.turn
+    if prompter is not None:
+        await image_turn.place_images(turn, prompter, [*history_images, *(img for r in new for img in r.images)])
     turn.new_messages = tuple((m.role, m.content) for m in inputs.chat.messages)
     turn.new_message_parts = tuple(
         orjson.dumps(to_json(m.parts)).decode() if m.parts else None for m in inputs.chat.messages
@@ -265,20 +273,22 @@ async def prepare_turn(ctx: AttachContext, inputs: TurnInputs) -> Prepared:
     return prepared
 
 
-async def _history_message(ctx: AttachContext, message: ChatMessage) -> ChatMessage:
-    """A stored message with parts renders as it did on its own turn (a deleted file says so)."""
+async def _history_message(ctx: AttachContext, message: ChatMessage, with_images: bool) -> Resolved:
+    """A stored message with parts renders as it did on its own turn (so the prefix cache hits);
+    a deleted file says so; images stay images for a vision model (remote ones are not fetched again)."""
     if not message.parts:
-        return message
+        return Resolved(message, {}, [])
     kept = []
     for part in message.parts:
-        if isinstance(part, FilePart) and await ctx.store.get_file(ctx.org_id, part.file_id) is None:
-            kept.append(TextPart(f"\n[The file {part.file_id} is no longer available.]\n"))
-        elif isinstance(part, ImagePart):
+        file_id = part.file_id if isinstance(part, (FilePart, ImagePart)) else None
+        if file_id is not None and await ctx.store.get_file(ctx.org_id, file_id) is None:
+            kept.append(TextPart(f"\n[The file {file_id} is no longer available.]\n"))
+        elif isinstance(part, ImagePart) and (not with_images or not (part.file_id or part.url.startswith("data:"))):
             kept.append(TextPart("[image]"))
         else:
             kept.append(part)
-    resolved = await resolve(ctx, ChatMessage(message.role, message.content, tuple(kept)))
-    return ChatMessage(message.role, render(resolved))
+    resolved = await resolve(ctx, ChatMessage(message.role, message.content, tuple(kept)), with_images=with_images)
+    return Resolved(ChatMessage(message.role, render(resolved)), {}, resolved.images)
 
 
 def history_message(m: Message) -> ChatMessage:

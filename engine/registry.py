@@ -73,8 +73,13 @@ def build_model(name: str, config: ModelConfig, settings: Settings) -> ModelHand
     backend: Backend
     if config.backend == "native":
         from engine.native.backend import NativeBackend
+        from engine.native.vision import is_llava
 
         backend = NativeBackend(model_dir, settings.engine, tokenizer, max_model_len=max_len)
+        if is_llava(model_dir):  # a vision model: the API places images through its tokenizer
+            from engine.native.image_prompt import ImageTokenizer
+
+            tokenizer = ImageTokenizer.for_model(model_dir)
     elif config.backend == "trtllm":
         from engine.trtllm.backend import TrtllmBackend  # optional extra: import only when configured
 

@@ -88,6 +88,11 @@ class ChatPrompt:
     options: Mapping[str, Any] = field(default_factory=dict)
 
 
+# Marks an image's place in a message's text for a vision model's tokenizer (a private-use
+# character: never produced by decoding a model's own text here).
+IMAGE_PLACEHOLDER = "\ue000"
+
+
 @dataclass(frozen=True, slots=True)
 class ImageInput:
     """One image of a prompt: `length` placeholder tokens from `offset` take its embeddings."""

@@ -1,0 +1,85 @@
+"""Images in a vision model's prompt: where each image's tokens go and what the engine gets.
+
+`ImageTokenizer` is the model's tokenizer with one addition: a message whose text holds
+IMAGE_SENTINEL gets, at that place, the model's image token repeated once per embedding row
+(so context checks and billing count image tokens). User text is still tokenized literally,
+so typing "<image>" never makes an image slot. `ImagePrompter` preprocesses images and finds
+their token runs in the final prompt, giving the engine its `ImageInput`s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from engine.native.image_processor import ClipImageProcessor
+from engine.native.vision import load_vision_args
+from engine.tokenizer import Tokenizer
+from engine.types import IMAGE_PLACEHOLDER as IMAGE_SENTINEL
+from engine.types import ImageInput
+
+
+class ImageCountMismatch(ValueError):
+    """The prompt's image slots and the images sent differ in number."""
+
+
+@dataclass(frozen=True, slots=True)
+class ImagePrompter:
+    image_token_id: int
+    num_image_tokens: int
+    processor: ClipImageProcessor
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> ImagePrompter:
+        args = load_vision_args(model_dir)
+        return cls(args.image_token_id, args.num_image_tokens, ClipImageProcessor.from_dir(model_dir))
+
+    def preprocess(self, image: Image.Image) -> np.ndarray:
+        return self.processor(image)
+
+    def num_slots(self, prompt_token_ids: list[int] | tuple[int, ...]) -> int:
+        return sum(1 for t in prompt_token_ids if t == self.image_token_id) // self.num_image_tokens
+
+    def image_inputs(self, prompt_token_ids: list[int] | tuple[int, ...], images: list[tuple[str, np.ndarray]]) -> tuple:
+        """One ImageInput per run of image tokens, matched in order with (content hash, pixels)."""
+        n = self.num_image_tokens
+        offsets = [i for i, t in enumerate(prompt_token_ids) if t == self.image_token_id]
+        starts = offsets[::n]
+        if len(offsets) != n * len(images) or any(offsets[k * n + n - 1] - s != n - 1 for k, s in enumerate(starts)):
+            raise ImageCountMismatch(f"the prompt has {len(offsets) // max(n, 1)} image slots for {len(images)} images")
+        return tuple(ImageInput(s, n, h, pixels) for s, (h, pixels) in zip(starts, images, strict=True))
+
+
+class ImageTokenizer(Tokenizer):
+    """A vision model's tokenizer: IMAGE_SENTINEL in message text becomes the image's tokens."""
+
+    image_prompter: ImagePrompter
+
+    @classmethod
+    def for_model(cls, model_dir: Path) -> ImageTokenizer:
+        tokenizer = cls.from_dir(model_dir)
+        tokenizer.image_prompter = ImagePrompter.from_dir(model_dir)
+        return tokenizer
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
+        if not any(IMAGE_SENTINEL in str(m.get("content", "")) for m in messages):
+            return super().encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        sentinels = [f"\x00{i}\x00" for i in range(len(messages))]
+        rendered = self.apply_chat_template(
+            [{**m, "content": s} for m, s in zip(messages, sentinels)], add_generation_prompt=add_generation_prompt,
+            tools=tools,
+        )
+        slot = [self.image_prompter.image_token_id] * self.image_prompter.num_image_tokens
+        ids: list[int] = []
+        for i, sentinel in enumerate(sentinels):
+            head, _, rendered = rendered.partition(sentinel)
+            ids += self.encode(head)
+            for k, piece in enumerate(str(messages[i].get("content", "")).split(IMAGE_SENTINEL)):
+                ids += (slot if k else []) + self._encode_literal(piece)
+        return ids + self.encode(rendered)
