@@ -70,7 +70,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _admit_and_serve(request: web.Request, state: AppState, grant: Pass) -> web.StreamResponse:
     cfg = state.settings.server
     chat = protocol.parse_chat_request(
-        await read_json(request), max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars
+        await read_json(request), max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars, max_n=cfg.max_n
     )
     principal = request[PRINCIPAL]
     state.admission.route(grant, chat.model)  # a saturated queue refuses before any store read
@@ -136,26 +136,30 @@ async def _serve_stream(request: web.Request, state: AppState, turn: Turn, grant
         usage = _usage(state, turn) if turn.chat.continuous_usage else None
         return protocol.chunk_body(turn.completion_id, turn.model.name, created, delta, finish, turn.chat.include_usage, usage)
 
-    answer = make_answer(turn)
+    answers = [make_answer(turn) for _ in range(turn.chat.n)]
 
-    async def send(deltas: list[dict]) -> None:
+    async def send(index: int, deltas: list[dict]) -> None:
         for d in deltas:
             body = chunk(d["delta"])
-            body["choices"][0]["logprobs"] = d.get("logprobs")
+            body["choices"][0].update(index=index, logprobs=d.get("logprobs"))
             await writer.data(body)
 
-    async def emit(text: str, logprobs: tuple[TokenLogprob, ...]) -> None:
-        await send(answer.feed(text, logprobs))
+    def emitter(index: int) -> Callable[[str, tuple[TokenLogprob, ...]], Awaitable[None]]:
+        return lambda text, logprobs: send(index, answers[index].feed(text, logprobs))
 
-    finish: FinishReason | None = None
     try:
         await wait_admitted(state, grant, turn, stream.comment)
         writer = await stream.open()
-        await writer.data(chunk({"role": "assistant", "content": ""}))
-        finish = await _pump(state, turn, emit, writer.comment)
-        await send(answer.close())
-        await finish_turn(state, turn, _STATUS[finish], finish)
-        await writer.data(chunk({}, answer.finish_reason(finish)))
+        for i in range(turn.chat.n):
+            await send(i, [{"delta": {"role": "assistant", "content": ""}}])
+        finishes = await _pump_choices(state, turn, [emitter(i) for i in range(turn.chat.n)], writer.comment)
+        for i, answer in enumerate(answers):
+            await send(i, answer.close())
+        await finish_turn(state, turn, _STATUS[finishes[0]], finishes[0])
+        for i, (answer, finish) in enumerate(zip(answers, finishes)):
+            body = chunk({}, answer.finish_reason(finish))
+            body["choices"][0]["index"] = i
+            await writer.data(body)
         if turn.chat.include_usage:
             await writer.data(protocol.usage_chunk_body(turn.completion_id, turn.model.name, created, _usage(state, turn)))
         await writer.done()
@@ -197,15 +201,18 @@ def _engine_api_error(exc: Exception) -> ApiError:
 
 
 async def _serve_unary(state: AppState, turn: Turn, grant: Pass) -> web.Response:
-    answer = make_answer(turn)
+    answers = [make_answer(turn) for _ in range(turn.chat.n)]
 
-    async def emit(text: str, logprobs: tuple[TokenLogprob, ...]) -> None:
-        answer.feed(text, logprobs)
+    def emitter(index: int) -> Callable[[str, tuple[TokenLogprob, ...]], Awaitable[None]]:
+        async def emit(text: str, logprobs: tuple[TokenLogprob, ...]) -> None:
+            answers[index].feed(text, logprobs)
+        return emit
 
     try:
         await wait_admitted(state, grant, turn, None)
-        finish = await _pump(state, turn, emit, None)
-        answer.close()
+        finishes = await _pump_choices(state, turn, [emitter(i) for i in range(turn.chat.n)], None)
+        for answer in answers:
+            answer.close()
     except asyncio.CancelledError:  # client went away (handler cancellation) or shutdown
         await finish_turn(state, turn, RequestStatus.ABORTED, FinishReason.ABORT)
         raise
@@ -213,13 +220,15 @@ async def _serve_unary(state: AppState, turn: Turn, grant: Pass) -> web.Response
         await finish_turn(state, turn, RequestStatus.ERROR, None)
         log.error("request_failed", request_id=turn.request_id, error=str(exc))
         raise _engine_api_error(exc) from None
-    await finish_turn(state, turn, _STATUS[finish], finish)
+    await finish_turn(state, turn, _STATUS[finishes[0]], finishes[0])
     body = protocol.completion_body(
         turn.completion_id, turn.model.name, protocol.now_s(), "".join(turn.text_parts),
-        answer.finish_reason(finish), _usage(state, turn), _extra_fields(turn),
+        answers[0].finish_reason(finishes[0]), _usage(state, turn), _extra_fields(turn),
     )
-    body["choices"][0]["message"] = answer.message()
-    body["choices"][0]["logprobs"] = answer.logprobs_obj()
+    body["choices"] = [
+        {"index": i, "message": a.message(), "logprobs": a.logprobs_obj(), "finish_reason": a.finish_reason(f)}
+        for i, (a, f) in enumerate(zip(answers, finishes))
+    ]
     return web.json_response(body, headers=state.response_headers(turn), dumps=_dumps)
 
 
@@ -238,26 +247,49 @@ def _dumps(obj: object) -> str:
     return orjson.dumps(obj).decode()
 
 
+Emit = Callable[[str, tuple[TokenLogprob, ...]], Awaitable[None]]
+
+
+async def _pump_choices(
+    state: AppState, turn: Turn, emits: list[Emit], on_idle: Callable[[str], Awaitable[None]] | None
+) -> list[FinishReason]:
+    """Generate the n choices; each finish reason. Choices after the first start once the first
+    has its first token, so that they find the prompt's KV blocks in the prefix cache."""
+    turn.completion_tokens_by_choice = [0] * len(emits)
+    first = asyncio.ensure_future(_pump(state, turn, emits[0], on_idle))
+    tasks = [first]
+    try:
+        while len(emits) > 1 and turn.first_token_s is None and not first.done():
+            await asyncio.wait({first}, timeout=0.005)
+        tasks += [asyncio.ensure_future(_pump(state, turn, emit, None, i)) for i, emit in enumerate(emits) if i]
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()  # no-op once done; closing each generator aborts it in the engine
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def _pump(
     state: AppState,
     turn: Turn,
-    emit: Callable[[str, tuple[TokenLogprob, ...]], Awaitable[None]],
+    emit: Emit,
     on_idle: Callable[[str], Awaitable[None]] | None,
+    choice: int = 0,
 ) -> FinishReason:
-    """Run the generation, filtering output; returns the finish reason. Closing aborts."""
+    """Run one choice's generation, filtering output; returns the finish reason. Closing aborts."""
     out_filter = state.output_filter(turn)
-    events = state.generate(turn)
+    events = state.generate(turn, choice)
     finish = FinishReason.STOP
     try:
         while (event := await _next_event(events, turn, state, on_idle)) is not None:
-            _count(turn, event)
+            _count(turn, event, choice)
             text = event.text
             if out_filter is not None:
                 text, blocked = await out_filter.feed(text)
                 if blocked is not None and not blocked.allowed:
                     state.count_filtered(turn, blocked)
                     return FinishReason.CONTENT_FILTER
-            if text:
+            if text and choice == 0:
                 turn.text_parts.append(text)
             if text or event.logprobs:
                 await emit(text, event.logprobs)
@@ -269,7 +301,8 @@ async def _pump(
                 state.count_filtered(turn, blocked)
                 return FinishReason.CONTENT_FILTER
             if tail:
-                turn.text_parts.append(tail)
+                if choice == 0:
+                    turn.text_parts.append(tail)
                 await emit(tail, ())
         return finish
     finally:
@@ -296,12 +329,15 @@ async def _next_event(
             await asyncio.wait({task})
 
 
-def _count(turn: Turn, event: TokenEvent) -> None:
-    if event.usage_source is not UsageSource.ENGINE:  # counted by an upstream server, or recounted for it
+def _count(turn: Turn, event: TokenEvent, choice: int = 0) -> None:
+    """Cumulative counts; the prompt (and its cache hit) is counted once, by choice 0."""
+    if choice == 0 and event.usage_source is not UsageSource.ENGINE:  # counted upstream, or recounted for it
         turn.reported_prompt_tokens = event.num_prompt_tokens
         turn.usage_source = event.usage_source
-    turn.num_cached_tokens = event.num_cached_tokens
-    turn.num_completion_tokens = event.num_completion_tokens
+    if choice == 0:
+        turn.num_cached_tokens = event.num_cached_tokens
+    turn.completion_tokens_by_choice[choice] = event.num_completion_tokens
+    turn.num_completion_tokens = sum(turn.completion_tokens_by_choice)
     if turn.first_token_s is None and event.num_completion_tokens > 0:
         turn.first_token_s = time.monotonic()
 

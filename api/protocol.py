@@ -207,9 +207,7 @@ def wire_options(chat: ChatRequest) -> dict[str, Any]:
     if chat.logprobs is not None:
         out["logprobs"] = True
         out["top_logprobs"] = chat.logprobs
-    if chat.n > 1:
-        out["n"] = chat.n
-    return out
+    return out  # n > 1 is fanned out here (api/chat.py), one upstream request per choice
 
 
 def parse_response_format(value: Any, param: str = "response_format") -> StructuredOutput | None:

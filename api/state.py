@@ -106,8 +106,8 @@ class AppState:
         log.info("output_filtered", request_id=turn.request_id, layer=verdict.layer, category=verdict.category)
 
     # -- generation and billing ----------------------------------------------------------
-    def generate(self, turn: Turn) -> AsyncIterator[TokenEvent]:
-        return self.coalescer.generate(turn.model.backend, turn.gen)
+    def generate(self, turn: Turn, choice: int = 0) -> AsyncIterator[TokenEvent]:
+        return self.coalescer.generate(turn.model.backend, turn.gen_for(choice))
 
     async def record(self, turn: Turn, record: RequestRecord, finish: FinishReason | None) -> None:
         """Write the ledger row + messages (shielded from cancellation), then log and count."""

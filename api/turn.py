@@ -8,6 +8,7 @@ errors that name the numbers. Nothing is queued or generated here.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -49,7 +50,8 @@ class Turn:
     first_token_s: float | None = None
     num_cached_tokens: int = 0
     num_completion_tokens: int = 0
-    text_parts: list[str] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)  # choice 0's text (stored, safety-checked)
+    completion_tokens_by_choice: list[int] = field(default_factory=list)  # n > 1: each choice's count
     # None: the model does not reason in <think> tags; else whether the prompt opened <think>
     reasoning_opened: bool | None = None
     recorded: bool = False  # set by the one finish path; a second call is a no-op
@@ -64,7 +66,15 @@ class Turn:
 
     @property
     def est_tokens(self) -> int:
-        return self.num_prompt_tokens + self.gen.sampling.max_tokens
+        return self.num_prompt_tokens + self.chat.n * self.gen.sampling.max_tokens
+
+    def gen_for(self, choice: int) -> GenerationRequest:
+        """Choice `choice` of n: its own request id and seed (seed + choice), the same prompt."""
+        if choice == 0:
+            return self.gen
+        seed = self.gen.sampling.seed
+        sampling = dataclasses.replace(self.gen.sampling, seed=None if seed is None else (seed + choice) % 2**63)
+        return dataclasses.replace(self.gen, request_id=f"{self.gen.request_id}-{choice}", sampling=sampling)
 
     @property
     def completion_id(self) -> str:

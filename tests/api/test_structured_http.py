@@ -44,7 +44,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture
-async def sdk(aiohttp_client, tmp_path, tiny_model_dir):
+async def sdk_client(aiohttp_client, tmp_path, tiny_model_dir):
     settings = load_settings(None, [
         f'models.tiny.path="{tiny_model_dir}"',
         'tiers.enterprise.models=["tiny"]',
@@ -53,7 +53,12 @@ async def sdk(aiohttp_client, tmp_path, tiny_model_dir):
         "engine.kv_cache_bytes=4000000",
         'engine.device="cpu"',
     ])
-    client = await aiohttp_client(init(settings), server_kwargs={"handler_cancellation": True})
+    return await aiohttp_client(init(settings), server_kwargs={"handler_cancellation": True})
+
+
+@pytest.fixture
+async def sdk(sdk_client):
+    client = sdk_client
     store = state_of(client).store
     await store.create_org("acme", "enterprise")
     _, key = await store.create_key("acme")
@@ -143,3 +148,26 @@ async def test_bad_values_of_new_parameters_are_400s_naming_them(sdk, body, para
     with pytest.raises(openai.BadRequestError) as exc:
         await sdk.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, extra_body=body)
     assert exc.value.status_code == 400 and exc.value.param == param, exc.value.message
+
+
+async def test_n_choices_share_the_prompt_and_a_seed_repeats_them(sdk, sdk_client):
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Tell me about the river. " * 4}], max_tokens=8,
+              temperature=1.0, seed=11)
+    stats = state_of(sdk_client).models["tiny"].backend.stats
+    hits_before = stats().prefix_cache_hits
+    out = await sdk.chat.completions.create(n=3, **kw)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert out.usage.completion_tokens == sum(
+        len(c.logprobs.content) for c in (await sdk.chat.completions.create(n=3, logprobs=True, **kw)).choices)
+    one = await sdk.chat.completions.create(n=1, **kw)
+    assert out.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once
+    assert stats().prefix_cache_hits - hits_before >= 2 * 16  # choices 1 and 2 found the prompt's blocks
+    again = await sdk.chat.completions.create(n=3, **kw)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in out.choices]
+    assert len({c.message.content for c in out.choices}) > 1
+    stream = await sdk.chat.completions.create(n=3, stream=True, **kw)
+    texts = ["", "", ""]
+    async for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [c.message.content for c in out.choices]
