@@ -114,3 +114,13 @@ async def test_the_enterprise_burst_displaces_free_and_never_exceeds_capacity():
 
 async def test_the_prompt_estimate_from_bytes_is_at_least_one_token():
     assert estimate_tokens(0) == 1 and estimate_tokens(4000) == 1000
+
+
+async def test_the_gateway_knows_nothing_of_http():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "gateway"
+    offenders = [str(path.relative_to(root)) for path in root.rglob("*.py")
+                 if any(line.startswith(("from api", "import api", "from aiohttp", "import aiohttp"))
+                        for line in path.read_text(encoding="utf-8").splitlines())]
+    assert offenders == []
