@@ -207,6 +207,8 @@ def wire_options(chat: ChatRequest) -> dict[str, Any]:
     if chat.logprobs is not None:
         out["logprobs"] = True
         out["top_logprobs"] = chat.logprobs
+    if chat.chat_template_kwargs:  # vLLM and SGLang take it (e.g. enable_thinking)
+        out["chat_template_kwargs"] = chat.chat_template_kwargs
     return out  # n > 1 is fanned out here (api/chat.py), one upstream request per choice
 
 

@@ -76,6 +76,7 @@ class _Progress:
     usage: Usage | None = None
     num_yielded: int = 0
     tool_calls: dict[int, list[str]] = field(default_factory=dict)  # index -> [name, arguments so far]
+    is_reasoning: bool = False  # inside relayed reasoning (<think> sent, </think> not yet)
 
 
 @dataclass(slots=True)
@@ -83,6 +84,22 @@ class _Flight:
     replica: Replica
     response: aiohttp.ClientResponse | None = None
     is_aborted: bool = False
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def _reasoning_tags(progress: _Progress, chunk: Chunk) -> str:
+    """An upstream's separate reasoning, relayed as the <think> text our reasoning splitter reads
+    (api/reasoning.py), so the client gets `reasoning_content` as from a model served here."""
+    if chunk.reasoning:
+        opened = "" if progress.is_reasoning else THINK_OPEN
+        progress.is_reasoning = True
+        return opened + chunk.reasoning
+    if progress.is_reasoning and (chunk.text or chunk.tool_calls):
+        progress.is_reasoning = False
+        return THINK_CLOSE
+    return ""
 
 
 class UpstreamBackend:
@@ -303,9 +320,12 @@ class UpstreamBackend:
             name_and_args = progress.tool_calls.setdefault(call.index, ["", ""])
             name_and_args[0] += call.name
             name_and_args[1] += call.arguments
-        text = chunk.text
+        text = _reasoning_tags(progress, chunk) + chunk.text
         if chunk.finish_reason is not None:
             progress.finish = chunk.finish_reason
+            if progress.is_reasoning:
+                text += THINK_CLOSE
+                progress.is_reasoning = False
             if progress.tool_calls:  # complete now: relayed as the text our tool-call parser reads
                 text += tool_calls_text(progress.tool_calls)
                 progress.tool_calls = {}

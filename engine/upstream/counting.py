@@ -25,6 +25,7 @@ class EstimatingCounter:
 
     usage_source = UsageSource.ESTIMATE
     eos_token_ids: tuple[int, ...] = ()
+    thinks = True  # the upstream's reasoning comes back as <think> text: split it (api/reasoning.py)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
                     **options: Any) -> list[int]:
@@ -48,6 +49,7 @@ class TokenizerCounter:
     """The model's own tokenizer, loaded from a local folder: exact counts."""
 
     usage_source = UsageSource.TOKENIZER
+    thinks = True  # the upstream's reasoning comes back as <think> text: split it (api/reasoning.py)
 
     def __init__(self, tokenizer: Tokenizer):
         self._tokenizer = tokenizer

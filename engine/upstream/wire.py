@@ -52,6 +52,7 @@ class Chunk:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     tool_calls: tuple[ToolCallDelta, ...] = ()
+    reasoning: str = ""  # a reasoning parser's `reasoning_content` (vLLM, SGLang, llama.cpp)
 
 
 class ErrorKind(enum.Enum):
@@ -124,7 +125,7 @@ def parse_chunk(payload: dict[str, Any]) -> Chunk | UpstreamError:
     """A decoded `data:` payload: text and finish of choice 0, usage, or an error event."""
     if "error" in payload or payload.get("object") == "error":
         return _error_from(500, payload, None)
-    text, finish, calls = "", None, ()
+    text, finish, calls, reasoning = "", None, (), ""
     choices = payload.get("choices") or []
     for choice in choices:
         if not isinstance(choice, dict) or choice.get("index", 0) != 0:
@@ -134,9 +135,11 @@ def parse_chunk(payload: dict[str, Any]) -> Chunk | UpstreamError:
             content = delta.get("content")
             text = content if isinstance(content, str) else ""
             calls = _tool_call_deltas(delta.get("tool_calls"))
+            thought = delta.get("reasoning_content") or delta.get("reasoning")
+            reasoning = thought if isinstance(thought, str) else ""
         reason = choice.get("finish_reason")
         finish = _FINISH.get(reason, FinishReason.STOP) if reason else None
-    return Chunk(text, finish, parse_usage(payload.get("usage")), calls)
+    return Chunk(text, finish, parse_usage(payload.get("usage")), calls, reasoning)
 
 
 def _tool_call_deltas(raw: Any) -> tuple[ToolCallDelta, ...]:

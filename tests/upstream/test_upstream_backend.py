@@ -64,6 +64,9 @@ class Script:
             await response.write(b"data: " + orjson.dumps(payload) + b"\n\n")
 
         await send({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        if self.mode == "reasoning":
+            for delta in ({"reasoning_content": "Let me "}, {"reasoning_content": "think."}, {"content": "Hi!"}):
+                await send({"choices": [{"index": 0, "delta": delta}]})
         if self.mode == "tool_call":
             for piece in ({"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": ""}},
                           {"function": {"arguments": '{"city": '}}, {"function": {"arguments": '"Paris"}'}}):
@@ -264,3 +267,9 @@ async def test_streamed_tool_calls_come_back_as_one_piece_of_tool_call_text(aioh
         events = await collect(backend, request())
     assert [e.text for e in events] == ['<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>', ""]
     assert events[-1].finish_reason is FinishReason.STOP
+
+
+async def test_an_upstreams_reasoning_comes_back_as_think_text_for_our_splitter(aiohttp_server):
+    async with backend_for([await serve(aiohttp_server, Script("reasoning", words=1))]) as backend:
+        events = await collect(backend, request())
+    assert "".join(e.text for e in events) == "<think>Let me think.</think>Hi!w0 "

@@ -119,3 +119,12 @@ def test_streamed_tool_calls_become_the_hermes_text_our_parser_reads():
     text = tool_calls_text({0: ["get_weather", '{"city": "Paris"}'], 1: ["f", "{}"]})
     assert text == ('<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>\n'
                     '<tool_call>\n{"name":"f","arguments":{}}\n</tool_call>')
+
+
+def test_chat_template_kwargs_are_sent_upstream_in_wire_form():
+    from api.protocol import parse_chat_request, wire_options
+
+    chat = parse_chat_request({"messages": [{"role": "user", "content": "hi"}],
+                               "chat_template_kwargs": {"enable_thinking": False}},
+                              max_messages=10, max_prompt_chars=1000)
+    assert wire_options(chat)["chat_template_kwargs"] == {"enable_thinking": False}
