@@ -113,8 +113,6 @@ def unsupported_reason(request: GenerationRequest) -> tuple[str, str] | None:
     options = request.chat.options if request.chat is not None else {}
     if options.get("logprobs") or getattr(request.sampling, "logprobs", None) is not None:
         return "logprobs are not relayed from upstream servers yet.", "logprobs"
-    if int(options.get("n") or 1) > 1:
-        return "n > 1 is not relayed from upstream servers yet.", "n"
     structured = getattr(request.sampling, "structured", None)
     if structured is not None and "response_format" not in options and "tool_choice" not in options:
         return "This kind of constrained output is not relayed to upstream servers.", "response_format"
@@ -129,7 +127,7 @@ def parse_chunk(payload: dict[str, Any]) -> Chunk | UpstreamError:
     choices = payload.get("choices") or []
     for choice in choices:
         if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-            continue  # n > 1 is refused before it gets here
+            continue  # n > 1 is fanned out by the API: one upstream request per choice
         delta = choice.get("delta") or {}
         if isinstance(delta, dict):
             content = delta.get("content")

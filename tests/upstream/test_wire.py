@@ -98,7 +98,6 @@ def test_what_cannot_be_relayed_yet_is_refused_naming_the_field():
                                sampling=SimpleNamespace(structured=None, logprobs=None))
 
     assert unsupported_reason(req({"logprobs": True, "top_logprobs": 3}))[1] == "logprobs"
-    assert unsupported_reason(req({"n": 3}))[1] == "n"
     grammar_only = SimpleNamespace(chat=ChatPrompt(()), sampling=SimpleNamespace(structured="grammar", logprobs=None))
     assert unsupported_reason(grammar_only)[1] == "response_format"
     forced = SimpleNamespace(chat=ChatPrompt((), {"tools": [], "tool_choice": "required"}),
