@@ -109,13 +109,13 @@ class UiServer:
         self.proc.__exit__(None, None, None)
 
 
-def start_ui_server(tmp: Path, model_dir: Path, *, rpm: int = 600) -> UiServer:
+def start_ui_server(tmp: Path, model_dir: Path, *, rpm: int = 600, env: dict[str, str] | None = None) -> UiServer:
     config = tmp / "config.toml"
     config.write_text(CONFIG.format(static=ROOT / "static", model=model_dir, rpm=rpm))
     db_path = tmp / "chat.db"
     proc = ServerProcess(
         ["--config", str(config), "--db", str(db_path)],
-        env={"CHAT_ECHO_TOKEN_DELAY_S": TOKEN_DELAY_S},
+        env={"CHAT_ECHO_TOKEN_DELAY_S": TOKEN_DELAY_S, **(env or {})},
         log_path=tmp / "server.log",
     )
     proc.start()
