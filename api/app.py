@@ -16,7 +16,7 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from api import chat, files, resources
+from api import chat, files, resources, responses
 from api.errors import ApiError, from_gateway, internal_error, overloaded, unauthorized
 from api.state import PRINCIPAL, REQUEST_ID, SETTINGS, STATE, AppState
 from engine.registry import build_models
@@ -213,4 +213,5 @@ def init(settings: Settings) -> web.Application:
     app.on_shutdown.append(_on_shutdown)
     app.on_response_prepare.append(_stamp_headers)
     resources.add_routes(app, chat.chat_completions)
+    responses.add_routes(app)
     return app

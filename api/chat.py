@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import orjson
 import structlog
@@ -67,11 +69,27 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return await _admit_and_serve(request, state, grant)
 
 
+@dataclass(frozen=True, slots=True)
+class Outlet:
+    """How a turn's answer reaches the client when it is not a chat completion (the Responses API)."""
+
+    serve: Callable[[web.Request, AppState, Turn, Pass], Awaitable[web.StreamResponse]]
+    refuse: Callable[[web.Request, AppState, Turn, Any], Awaitable[web.StreamResponse]]
+
+
 async def _admit_and_serve(request: web.Request, state: AppState, grant: Pass) -> web.StreamResponse:
     cfg = state.settings.server
     chat = protocol.parse_chat_request(
         await read_json(request), max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars, max_n=cfg.max_n
     )
+    return await serve_turn(request, state, grant, chat, None)
+
+
+async def serve_turn(
+    request: web.Request, state: AppState, grant: Pass, chat: protocol.ChatRequest, outlet: Outlet | None
+) -> web.StreamResponse:
+    """The one path from a validated request to its answer, for chat completions and Responses:
+    route, budget, context, safety, admission, generation, billing."""
     principal = request[PRINCIPAL]
     state.admission.route(grant, chat.model)  # a saturated queue refuses before any store read
     if await state.over_budget(principal):
@@ -79,12 +97,14 @@ async def _admit_and_serve(request: web.Request, state: AppState, grant: Pass) -
     turn = await _prepare(state, principal, grant, chat, request.app[BLOBS])
     verdict = await state.screen_prompt(turn)
     if verdict is not None:
-        return await _refuse(request, state, turn, verdict)
+        return await (_refuse if outlet is None else outlet.refuse)(request, state, turn, verdict)
     if not state.store.is_writable:
         raise overloaded("The usage ledger cannot be written; try again later.", retry_after_s=30,
                          code="store_unavailable")
     state.admission.place(grant, turn.est_tokens)
     try:
+        if outlet is not None:
+            return await outlet.serve(request, state, turn, grant)
         if chat.stream:
             return await _serve_stream(request, state, turn, grant)
         return await _serve_unary(state, turn, grant)
@@ -152,7 +172,7 @@ async def _serve_stream(request: web.Request, state: AppState, turn: Turn, grant
         writer = await stream.open()
         for i in range(turn.chat.n):
             await send(i, [{"delta": {"role": "assistant", "content": ""}}])
-        finishes = await _pump_choices(state, turn, [emitter(i) for i in range(turn.chat.n)], writer.comment)
+        finishes = await pump_choices(state, turn, [emitter(i) for i in range(turn.chat.n)], writer.comment)
         for i, answer in enumerate(answers):
             await send(i, answer.close())
         await finish_turn(state, turn, _STATUS[finishes[0]], finishes[0])
@@ -210,7 +230,7 @@ async def _serve_unary(state: AppState, turn: Turn, grant: Pass) -> web.Response
 
     try:
         await wait_admitted(state, grant, turn, None)
-        finishes = await _pump_choices(state, turn, [emitter(i) for i in range(turn.chat.n)], None)
+        finishes = await pump_choices(state, turn, [emitter(i) for i in range(turn.chat.n)], None)
         for answer in answers:
             answer.close()
     except asyncio.CancelledError:  # client went away (handler cancellation) or shutdown
@@ -250,7 +270,7 @@ def _dumps(obj: object) -> str:
 Emit = Callable[[str, tuple[TokenLogprob, ...]], Awaitable[None]]
 
 
-async def _pump_choices(
+async def pump_choices(
     state: AppState, turn: Turn, emits: list[Emit], on_idle: Callable[[str], Awaitable[None]] | None
 ) -> list[FinishReason]:
     """Generate the n choices; each finish reason. Choices after the first start once the first

@@ -152,8 +152,25 @@ CREATE TABLE feedback (
 CREATE INDEX feedback_org_updated ON feedback(org_id, updated_at);
 """
 
+# Responses API (#17): a stored response is a turn of a conversation (the web UI lists it);
+# this row keeps the response object as returned and the input items it was asked with.
+_V5_RESPONSES = """
+CREATE TABLE responses (
+    id               TEXT PRIMARY KEY,
+    org_id           TEXT NOT NULL REFERENCES orgs(id),
+    conversation_id  TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    num_messages     INTEGER NOT NULL,   -- the conversation's messages once this response was written
+    body_json        TEXT NOT NULL,      -- the response object
+    input_items_json TEXT NOT NULL,      -- the input items, as listed by /input_items
+    created_at       REAL NOT NULL
+) STRICT;
+CREATE INDEX responses_conversation ON responses(conversation_id);
+"""
+
 # (version, script); version N leaves `PRAGMA user_version = N`.
-MIGRATIONS: tuple[tuple[int, str], ...] = ((1, _V1), (2, _V2_FILES), (3, _V3_USAGE_SOURCE), (4, _V4_FEEDBACK))
+MIGRATIONS: tuple[tuple[int, str], ...] = (
+    (1, _V1), (2, _V2_FILES), (3, _V3_USAGE_SOURCE), (4, _V4_FEEDBACK), (5, _V5_RESPONSES),
+)
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 

@@ -20,7 +20,7 @@ import aiosqlite
 import structlog
 
 from settings import StoreConfig
-from store import conversations, feedback, files, keys, ledger, schema
+from store import conversations, feedback, files, keys, ledger, responses, schema
 from store.types import (
     ApiKey,
     Conversation,
@@ -218,6 +218,16 @@ class Store:
     async def export_feedback(self, org_id: str | None = None) -> list[feedback.Feedback]:
         async with self._reader() as conn:
             return [row async for row in feedback.iterate(conn, org_id)]
+
+    async def insert_response(self, org_id: str, response: responses.StoredResponse) -> None:
+        await self._write(functools.partial(responses.insert, org_id=org_id, response=response))
+
+    async def get_response(self, org_id: str, response_id: str) -> responses.StoredResponse | None:
+        async with self._reader() as conn:
+            return await responses.get(conn, org_id, response_id)
+
+    async def delete_response(self, org_id: str, response_id: str) -> bool:
+        return await self._write(functools.partial(responses.delete, org_id=org_id, response_id=response_id))
 
     async def purge_deleted(self, retention_days_by_tier: dict[str, int], now: float | None = None) -> int:
         now = time.time() if now is None else now

@@ -1,0 +1,333 @@
+"""The Responses API: POST /v1/responses, GET/DELETE /v1/responses/{id}, GET .../input_items.
+
+A response is served by the chat completions' request path (`chat.serve_turn`: routing, budget,
+context, safety, admission, priority queue, generation, billing); only its rendering differs.
+With `store` (the default) it is a turn of a conversation in the caller's organisation (the web
+UI lists it, retention purges it) plus a row with the response object; `previous_response_id`
+continues that conversation, so the prompt's prefix is in the KV cache. Other orgs get 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import time
+from dataclasses import dataclass, replace
+
+import orjson
+from aiohttp import web
+
+from api import protocol
+from api.answer import Answer
+from api.chat import (
+    _STATUS,
+    Outlet,
+    _engine_api_error,
+    _stream_error,
+    finish_turn,
+    make_answer,
+    pump_choices,
+    read_json,
+    serve_turn,
+)
+from api.errors import ApiError, bad_request, from_gateway, not_found, overloaded
+from api.responses_wire import (
+    ResponsesRequest,
+    function_call_item,
+    message_item,
+    new_id,
+    output_items,
+    parse_responses_request,
+    response_object,
+    usage_object,
+)
+from api.sse import ClientGone, SSEWriter
+from api.state import PRINCIPAL, REQUEST_ID, STATE, AppState
+from api.tools import ToolCall
+from api.turn import Turn
+from api.waiting import LazyStream, wait_admitted
+from engine.types import EngineError, FinishReason, RequestRejected
+from gateway.admission import Pass
+from gateway.errors import Overloaded
+from store.conversations import title_from
+from store.responses import StoredResponse
+from store.types import RequestStatus
+
+_INCOMPLETE = {FinishReason.LENGTH: "max_output_tokens", FinishReason.CONTENT_FILTER: "content_filter"}
+
+
+@dataclass(slots=True)
+class _Context:
+    req: ResponsesRequest
+    response_id: str
+    created: int
+    message_id: str
+    stored: bool = False
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    if state.draining:
+        raise overloaded("The server is shutting down.", retry_after_s=5, code="server_shutting_down")
+    caller = state.caller(request[PRINCIPAL])
+    declared = request.content_length
+    num_bytes = len(await request.read()) if declared is None else min(declared, state.settings.server.max_body_bytes)
+    with state.admission.check(caller, request[REQUEST_ID], num_bytes) as grant:  # as chat completions
+        cfg = state.settings.server
+        req = parse_responses_request(
+            await read_json(request), max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars
+        )
+        org_id = request[PRINCIPAL].org.id
+        req, new_conversation = await _with_history(state, org_id, req)
+        ctx = _Context(req, new_id("resp"), protocol.now_s(), new_id("msg"))
+        outlet = Outlet(serve=functools.partial(_serve, ctx), refuse=functools.partial(_refuse, ctx))
+        try:
+            return await serve_turn(request, state, grant, req.chat, outlet)
+        finally:
+            if new_conversation is not None and not ctx.stored:  # refused before an answer: leave no trace
+                await asyncio.shield(state.store.delete_conversation(org_id, new_conversation))
+
+
+async def _with_history(state: AppState, org_id: str, req: ResponsesRequest) -> tuple[ResponsesRequest, str | None]:
+    """Attach the conversation to continue (or a new one, to store into); returns the id it created."""
+    conversation_id = None
+    if req.previous_response_id is not None:
+        prev = await state.store.get_response(org_id, req.previous_response_id)
+        conv = None if prev is None else await state.store.get_conversation(org_id, prev.conversation_id)
+        if prev is None or conv is None:
+            raise not_found(f"No response found with id '{req.previous_response_id}'.", param="previous_response_id")
+        if len(conv.messages) != prev.num_messages:
+            raise bad_request("previous_response_id must be the latest response of its conversation; branching "
+                              "from an earlier one is not supported.", param="previous_response_id")
+        conversation_id = conv.id
+        if not req.store:  # continue without storing: the history goes in as messages
+            history = tuple(protocol.ChatMessage(m.role, m.content) for m in conv.messages)
+            return replace(req, chat=replace(req.chat, messages=history + req.chat.messages)), None
+    if not req.store:
+        return req, None
+    created = None
+    if conversation_id is None:
+        first = next((m.content for m in req.chat.messages if m.role == "user"), "")
+        conversation_id = created = (await state.store.create_conversation(org_id, title=title_from(first))).id
+    return replace(req, chat=replace(req.chat, conversation_id=conversation_id)), created
+
+
+async def _serve(ctx: _Context, request: web.Request, state: AppState, turn: Turn, grant: Pass) -> web.StreamResponse:
+    if turn.chat.stream:
+        return await _serve_stream(ctx, request, state, turn, grant)
+    return await _serve_unary(ctx, state, turn, grant)
+
+
+async def _serve_unary(ctx: _Context, state: AppState, turn: Turn, grant: Pass) -> web.Response:
+    answer = make_answer(turn)
+
+    async def emit(text, logprobs) -> None:
+        answer.feed(text, logprobs)
+
+    try:
+        await wait_admitted(state, grant, turn, None)
+        (finish,) = await pump_choices(state, turn, [emit], None)
+        answer.close()
+    except asyncio.CancelledError:
+        await finish_turn(state, turn, RequestStatus.ABORTED, FinishReason.ABORT)
+        raise
+    except (EngineError, RequestRejected) as exc:
+        await finish_turn(state, turn, RequestStatus.ERROR, None)
+        raise _engine_api_error(exc) from None
+    await finish_turn(state, turn, _STATUS[finish], finish)
+    body = await _finished(ctx, state, turn, answer, finish)
+    return web.json_response(body, headers=state.response_headers(turn), dumps=_dumps)
+
+
+async def _finished(ctx: _Context, state: AppState, turn: Turn, answer: Answer, finish: FinishReason) -> dict:
+    """The final response object, stored (when asked) before the client sees it."""
+    reason = _INCOMPLETE.get(finish)
+    body = response_object(ctx.response_id, ctx.created, turn.model.name, ctx.req, {
+        "status": "incomplete" if reason else "completed",
+        "incomplete_details": {"reason": reason} if reason else None,
+        "output": output_items(answer, ctx.message_id),
+        "usage": usage_object(turn.num_prompt_tokens, turn.num_cached_tokens, turn.num_completion_tokens),
+    })
+    conversation_id = turn.chat.conversation_id
+    if ctx.req.store and conversation_id is not None:
+        org_id = turn.principal.org.id
+        conv = await state.store.get_conversation(org_id, conversation_id)
+        num_messages = len(conv.messages) if conv is not None else 0
+        items = [{"id": new_id("msg"), **item} for item in ctx.req.input_items]
+        await state.store.insert_response(org_id, StoredResponse(
+            ctx.response_id, conversation_id, num_messages, orjson.dumps(body).decode(), orjson.dumps(items).decode(),
+            time.time(),
+        ))
+        ctx.stored = True
+    return body
+
+
+class _EventStream:
+    """OpenAI's Responses stream events, numbered, for one message item and its function calls."""
+
+    def __init__(self, ctx: _Context, writer: SSEWriter):
+        self._ctx, self._writer = ctx, writer
+        self._seq = itertools.count()
+        self._num_items = 0
+        self._text_index: int | None = None  # output_index of the message item once opened
+        self._text = ""
+
+    async def event(self, kind: str, **fields) -> None:
+        await self._writer.data({"type": kind, "sequence_number": next(self._seq), **fields})
+
+    async def delta(self, d: dict) -> None:
+        delta = d["delta"]
+        if delta.get("content"):
+            await self._open_text()
+            self._text += delta["content"]
+            await self.event("response.output_text.delta", item_id=self._ctx.message_id, output_index=self._text_index,
+                             content_index=0, delta=delta["content"], logprobs=[])
+        for call in delta.get("tool_calls", []):
+            await self._call(call)
+
+    async def _open_text(self) -> None:
+        if self._text_index is not None:
+            return
+        self._text_index = self._next_index()
+        item = message_item(self._ctx.message_id, "", "in_progress")
+        await self.event("response.output_item.added", output_index=self._text_index, item=item)
+        await self.event("response.content_part.added", item_id=self._ctx.message_id, output_index=self._text_index,
+                         content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+
+    async def _call(self, raw: dict) -> None:
+        call = ToolCall(raw["id"], raw["function"]["name"], raw["function"]["arguments"])
+        index, item = self._next_index(), function_call_item(call, "in_progress")
+        await self.event("response.output_item.added", output_index=index, item=item)
+        await self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                         delta=call.arguments)
+        await self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                         arguments=call.arguments)
+        await self.event("response.output_item.done", output_index=index, item=function_call_item(call, "completed"))
+
+    async def close_text(self, has_calls: bool) -> None:
+        if self._text_index is None and has_calls:
+            return
+        await self._open_text()
+        mid, index = self._ctx.message_id, self._text_index
+        part = {"type": "output_text", "text": self._text, "annotations": []}
+        await self.event("response.output_text.done", item_id=mid, output_index=index, content_index=0,
+                         text=self._text, logprobs=[])
+        await self.event("response.content_part.done", item_id=mid, output_index=index, content_index=0, part=part)
+        await self.event("response.output_item.done", output_index=index, item=message_item(mid, self._text, "completed"))
+
+    def _next_index(self) -> int:
+        self._num_items += 1
+        return self._num_items - 1
+
+
+async def _serve_stream(
+    ctx: _Context, request: web.Request, state: AppState, turn: Turn, grant: Pass
+) -> web.StreamResponse:
+    stream = LazyStream(request, lambda: state.response_headers(turn))
+    answer = make_answer(turn)
+    events: _EventStream | None = None
+
+    async def emit(text, logprobs) -> None:
+        for d in answer.feed(text, logprobs):
+            await events.delta(d)
+
+    try:
+        await wait_admitted(state, grant, turn, stream.comment)
+        events = _EventStream(ctx, await stream.open())
+        started = response_object(ctx.response_id, ctx.created, turn.model.name, ctx.req, {})
+        await events.event("response.created", response=started)
+        await events.event("response.in_progress", response=started)
+        (finish,) = await pump_choices(state, turn, [emit], stream.comment)
+        for d in answer.close():
+            await events.delta(d)
+        await events.close_text(bool(answer.tool_calls))
+        await finish_turn(state, turn, _STATUS[finish], finish)
+        body = await _finished(ctx, state, turn, answer, finish)
+        kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
+        await events.event(kind, response=body)
+        await (await stream.open()).done()
+    except (ClientGone, asyncio.CancelledError):
+        await finish_turn(state, turn, RequestStatus.ABORTED, FinishReason.ABORT)
+        raise asyncio.CancelledError() from None
+    except Overloaded as exc:
+        if not stream.is_open:
+            raise
+        grant.close(refund=True)
+        await _stream_error(await stream.open(), from_gateway(exc), turn)
+    except (EngineError, RequestRejected, ApiError) as exc:
+        await finish_turn(state, turn, RequestStatus.ERROR, None)
+        await _stream_error(await stream.open(), exc, turn)
+    return (await stream.open())._response
+
+
+async def _refuse(ctx: _Context, request: web.Request, state: AppState, turn: Turn, verdict) -> web.StreamResponse:
+    """A prompt blocked before the engine: an incomplete response carrying the refusal text."""
+    refusal = state.safety.refusal_text(verdict)
+    if state.settings.safety.block_mode == "error":
+        await finish_turn(state, turn, RequestStatus.FILTERED, FinishReason.CONTENT_FILTER, prompt_billed=False,
+                          store_answer=False)
+        raise ApiError(400, "The prompt was blocked by the content policy.", "invalid_request_error",
+                       "content_policy_violation", "input")
+    turn.text_parts = [refusal]
+    await finish_turn(state, turn, RequestStatus.FILTERED, FinishReason.CONTENT_FILTER, prompt_billed=False)
+    answer = make_answer(turn)
+    answer.feed(refusal)
+    body = await _finished(ctx, state, replace_usage(turn), answer, FinishReason.CONTENT_FILTER)
+    if not turn.chat.stream:
+        return web.json_response(body, headers=state.response_headers(turn), dumps=_dumps)
+    writer = await LazyStream(request, lambda: state.response_headers(turn)).open()
+    events = _EventStream(ctx, writer)
+    await events.event("response.created", response={**body, "status": "in_progress", "output": [], "usage": None})
+    await events.event("response.incomplete", response=body)
+    await writer.done()
+    return writer._response
+
+
+def replace_usage(turn: Turn) -> Turn:
+    """A refused prompt is not billed: its response reports zero tokens."""
+    turn.reported_prompt_tokens, turn.num_cached_tokens, turn.num_completion_tokens = 0, 0, 0
+    return turn
+
+
+async def get_response(request: web.Request) -> web.Response:
+    stored = await _stored(request)
+    return web.json_response(text=stored.body_json)
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    state, response_id = request.app[STATE], request.match_info["response_id"]
+    if not await state.store.delete_response(request[PRINCIPAL].org.id, response_id):
+        raise _response_not_found(response_id)
+    return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+async def list_input_items(request: web.Request) -> web.Response:
+    items = orjson.loads((await _stored(request)).input_items_json)
+    return web.json_response({
+        "object": "list", "data": items, "has_more": False,
+        "first_id": items[0]["id"] if items else None, "last_id": items[-1]["id"] if items else None,
+    }, dumps=_dumps)
+
+
+async def _stored(request: web.Request) -> StoredResponse:
+    state, response_id = request.app[STATE], request.match_info["response_id"]
+    stored = await state.store.get_response(request[PRINCIPAL].org.id, response_id)
+    if stored is None:
+        raise _response_not_found(response_id)
+    return stored
+
+
+def _response_not_found(response_id: str) -> ApiError:
+    return not_found(f"No response found with id '{response_id}'.", param="response_id")
+
+
+def _dumps(obj: object) -> str:
+    return orjson.dumps(obj).decode()
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
+    app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)

@@ -1,0 +1,182 @@
+"""The Responses API's wire format: a POST body becomes a chat request; answers become responses.
+
+Owns validation of `POST /v1/responses` (each error names the Responses field: `input`,
+`max_output_tokens`, `text.format`, ...), its translation into the `ChatRequest` that the one
+request path serves, and the response object and stream events in OpenAI's shapes. It never
+generates, bills or stores anything.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, replace
+from typing import Any
+
+from api import protocol
+from api.answer import Answer
+from api.errors import bad_request
+from api.tools import ToolCall
+
+_KNOWN = {
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
+    "text", "stream", "store", "previous_response_id", "metadata", "parallel_tool_calls", "user", "seed",
+}
+_ROLES = ("user", "assistant", "system", "developer")
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsesRequest:
+    chat: protocol.ChatRequest  # what the request path serves (no conversation yet)
+    store: bool
+    previous_response_id: str | None
+    instructions: str | None
+    input_items: tuple[dict, ...]  # as /input_items lists them
+    echo: dict[str, Any]  # request fields the response object repeats
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+def parse_responses_request(raw: Any, *, max_messages: int, max_prompt_chars: int) -> ResponsesRequest:
+    if not isinstance(raw, dict):
+        raise bad_request("The request body must be a JSON object.", param=None)
+    for key in raw:
+        if key not in _KNOWN:
+            raise bad_request(f"Unrecognized request argument supplied: {key}", param=key, code="unknown_parameter")
+    items = _input_items(raw.get("input"))
+    instructions = raw.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise bad_request("'instructions' must be a string.", param="instructions")
+    store = raw.get("store", True)
+    if not isinstance(store, bool):
+        raise bad_request("'store' must be a boolean.", param="store")
+    previous = raw.get("previous_response_id")
+    if previous is not None and (not isinstance(previous, str) or not previous):
+        raise bad_request("'previous_response_id' must be a response id.", param="previous_response_id")
+    max_output = raw.get("max_output_tokens")
+    if max_output is not None and (isinstance(max_output, bool) or not isinstance(max_output, int) or max_output < 1):
+        raise bad_request(f"'max_output_tokens' must be a positive integer, got {max_output!r}.", param="max_output_tokens")
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) + [
+        {"role": i["role"], "content": i["content"]} for i in items
+    ]
+    chat_body = {
+        "messages": messages, "max_tokens": max_output, "stream": raw.get("stream"), "model": raw.get("model"),
+        "temperature": raw.get("temperature"), "top_p": raw.get("top_p"), "user": raw.get("user"),
+        "seed": raw.get("seed"), "parallel_tool_calls": raw.get("parallel_tool_calls"),
+        "tools": _chat_tools(raw.get("tools")), "tool_choice": _chat_tool_choice(raw.get("tool_choice")),
+    }
+    chat = protocol.parse_chat_request(
+        {k: v for k, v in chat_body.items() if v is not None}, max_messages=max_messages, max_prompt_chars=max_prompt_chars
+    )
+    chat = replace(chat, response_format=_text_format(raw.get("text")))
+    echo = {k: raw.get(k) for k in ("instructions", "max_output_tokens", "metadata", "tools", "tool_choice", "text")}
+    return ResponsesRequest(chat, store, previous, instructions, items, echo)
+
+
+def _input_items(value: Any) -> tuple[dict, ...]:
+    if isinstance(value, str):
+        return ({"type": "message", "role": "user", "content": value},)
+    if not isinstance(value, list) or not value:
+        raise bad_request("'input' must be a string or a non-empty array of message items.", param="input")
+    return tuple(_item(v, i) for i, v in enumerate(value))
+
+
+def _item(value: Any, index: int) -> dict:
+    where = f"input[{index}]"
+    if not isinstance(value, dict) or value.get("type", "message") != "message":
+        raise bad_request(f"'{where}' must be a message item {{\"role\", \"content\"}}.", param=where)
+    role = value.get("role")
+    if role not in _ROLES:
+        raise bad_request(f"'{where}.role' must be one of {', '.join(_ROLES)}; got {role!r}.", param=f"{where}.role")
+    content = value.get("content")
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
+                    or not isinstance(part.get("text"), str):
+                raise bad_request(f"'{where}.content[{j}]' must be an input_text part.", param=f"{where}.content[{j}]")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise bad_request(f"'{where}.content' must be a string or an array of input_text parts.",
+                          param=f"{where}.content")
+    return {"type": "message", "role": role, "content": content}
+
+
+def _chat_tools(value: Any) -> Any:
+    """Responses tools are flat ({"type": "function", "name", "parameters"}); chat nests them."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise bad_request("'tools' must be an array of function tools.", param="tools")
+    out = []
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+            raise bad_request(f"'tools[{i}]' must be {{\"type\": \"function\", \"name\": ..., \"parameters\": ...}}.",
+                              param=f"tools[{i}]")
+        fn = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _chat_tool_choice(value: Any) -> Any:
+    if isinstance(value, dict) and value.get("type") == "function" and "name" in value:
+        return {"type": "function", "function": {"name": value["name"]}}
+    return value
+
+
+def _text_format(value: Any):
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request("'text' must be an object {\"format\": {...}}.", param="text")
+    fmt = value.get("format")
+    return None if fmt is None else protocol.parse_response_format(fmt, param="text.format")
+
+
+# ---- rendering -------------------------------------------------------------------------
+
+
+def output_items(answer: Answer, message_id: str) -> list[dict]:
+    items: list[dict] = []
+    text = "".join(answer.content_parts)
+    if text or not answer.tool_calls:
+        items.append(message_item(message_id, text, "completed"))
+    items += [function_call_item(c, "completed") for c in answer.tool_calls]
+    return items
+
+
+def message_item(message_id: str, text: str, status: str) -> dict:
+    content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+    return {"type": "message", "id": message_id, "status": status, "role": "assistant", "content": content}
+
+
+def function_call_item(call: ToolCall, status: str) -> dict:
+    return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
+            "name": call.name, "arguments": call.arguments if status == "completed" else "", "status": status}
+
+
+def response_object(response_id: str, created: int, model: str, req: ResponsesRequest, state: dict) -> dict:
+    """`state`: status, output, usage, incomplete_details (absent while in progress)."""
+    chat = req.chat
+    return {
+        "id": response_id, "object": "response", "created_at": created, "model": model,
+        "status": state.get("status", "in_progress"), "error": None,
+        "incomplete_details": state.get("incomplete_details"),
+        "instructions": req.instructions, "max_output_tokens": req.echo["max_output_tokens"],
+        "output": state.get("output", []), "parallel_tool_calls": chat.parallel_tool_calls,
+        "previous_response_id": req.previous_response_id, "store": req.store,
+        "temperature": chat.temperature, "top_p": chat.top_p,
+        "tool_choice": req.echo["tool_choice"] or ("auto" if chat.tools else "none"),
+        "tools": req.echo["tools"] or [], "text": req.echo["text"] or {"format": {"type": "text"}},
+        "metadata": req.echo["metadata"] or {}, "usage": state.get("usage"),
+    }
+
+
+def usage_object(prompt: int, cached: int, completion: int) -> dict:
+    return {
+        "input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
