@@ -39,6 +39,7 @@ test-fast: $(VENV)/.installed-dev
 
 bench: $(VENV)/.installed-dev
 	$(PY) -m bench.bench_engine $(ARGS)
+	$(PY) -m bench.bench_families $(findstring --quick,$(ARGS))
 
 load: $(VENV)/.installed-dev
 	$(PY) -m bench.load $(ARGS)

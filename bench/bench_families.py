@@ -1,0 +1,148 @@
+"""Native-engine throughput per served family at the reference size (part of `make bench`).
+
+One random-weight checkpoint per family, each the shape of bench_engine.py's reference model
+(8 layers, hidden 512, 8 heads / 2 KV heads, vocab 8192) with the family's own features on,
+is run through the engine directly at concurrency 1 and 32. Each row names the path its
+layers took (one C call per decode step, fused C ops, or the general path with C matmuls),
+and its speed as a ratio to Llama measured in the same run, so a family that falls off the
+fast path is visible. Run: `python -m bench.bench_families [--quick]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.bench_engine import (  # noqa: E402
+    REFERENCE,
+    backend_generate,
+    build_reference_model,
+    in_own_thread,
+    machine_info,
+    make_requests,
+    measure_matmul_peak_gflops,
+    run_load,
+)
+from engine.native.backend import NativeBackend  # noqa: E402
+from engine.tokenizer import Tokenizer  # noqa: E402
+from settings import EngineConfig  # noqa: E402
+from testing.tiny_model import build_tiny_family  # noqa: E402
+
+_HEAD_DIM = REFERENCE["hidden_size"] // REFERENCE["num_attention_heads"]
+_SLIDING = ["sliding_attention"] * 5 + ["full_attention"]
+# What each family switches on, at the sizes its released checkpoints use where they apply.
+FAMILY_CONFIGS: dict[str, dict] = {
+    "llama": dict(model_type="llama"),
+    "qwen3": dict(model_type="qwen3", head_dim=_HEAD_DIM),
+    "gemma3": dict(
+        model_type="gemma3_text", head_dim=_HEAD_DIM, query_pre_attn_scalar=_HEAD_DIM, sliding_window=512,
+        layer_types=(_SLIDING * 2)[: REFERENCE["num_hidden_layers"]],
+    ),
+    "gemma2": dict(
+        model_type="gemma2", head_dim=_HEAD_DIM, query_pre_attn_scalar=_HEAD_DIM, sliding_window=512,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+    ),
+    "phi3": dict(model_type="phi3", partial_rotary_factor=0.75),
+    "smollm3": dict(model_type="smollm3"),
+    "mistral-sliding": dict(model_type="mistral", sliding_window=4096),
+    "granite": dict(
+        model_type="granite", embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22,
+        logits_scaling=8.0,
+    ),
+    "olmo2": dict(model_type="olmo2"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FamilyRow:
+    family: str
+    path: str  # decode_stack | fused_ops | general
+    concurrency: int
+    output_tokens_per_s: float
+    vs_llama: float  # this family's tokens/s over Llama's at the same concurrency, same run
+    itl_ms_p50: float
+
+
+def build_family(root: Path, family: str, reference_dir: Path) -> Path:
+    """The family's checkpoint at the reference size, with the reference model's tokenizer."""
+    path = root / family
+    if not (path / "model.safetensors").exists():
+        build_tiny_family(path, seed=0, initializer_range=0.02, **REFERENCE, **FAMILY_CONFIGS[family])
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(reference_dir / name, path / name)
+    return path
+
+
+async def bench_family(model_dir: Path, config: EngineConfig, loads: dict[int, tuple[int, int, int]]) -> tuple[str, dict]:
+    backend = NativeBackend(model_dir, config, Tokenizer.from_dir(model_dir))
+    await backend.start()
+    try:
+        generate = backend_generate(backend)
+        await run_load("warmup", generate, make_requests(4, 64, 8, seed=1, prefix="w"), 4)
+        results = {}
+        for concurrency, (num_requests, prompt_len, output_len) in loads.items():
+            requests = make_requests(num_requests, prompt_len, output_len, seed=concurrency, prefix=f"c{concurrency}-")
+            results[concurrency] = await run_load("engine", generate, requests, concurrency)
+        model = backend.engine.runner.model
+        path = "decode_stack" if model.uses_decode_stack else "fused_ops" if model.fused_cpu_ops else "general"
+        return path, results
+    finally:
+        await backend.shutdown()
+
+
+def _isa() -> str:
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    return "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "no AVX2"
+
+
+def rows_for(measured: dict[str, tuple[str, dict]]) -> list[FamilyRow]:
+    llama = measured["llama"][1]
+    return [
+        FamilyRow(family, path, c, round(r.output_tokens_per_s, 1),
+                  round(r.output_tokens_per_s / llama[c].output_tokens_per_s, 2), round(r.itl_ms_p50, 1))
+        for family, (path, results) in measured.items()
+        for c, r in results.items()
+    ]
+
+
+def main(argv: list[str] | None = None) -> list[FamilyRow]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer requests and tokens")
+    p.add_argument("--root", type=Path, default=ROOT / "build" / "bench-families")
+    p.add_argument("--reference-dir", type=Path, default=ROOT / "build" / "bench-model-v2")
+    p.add_argument("--families", default=",".join(FAMILY_CONFIGS))
+    p.add_argument("--json", type=Path, help="also write the rows as JSON to this file")
+    args = p.parse_args(argv)
+    output_len = 16 if args.quick else 64
+    loads = {1: (2 if args.quick else 4, 128, output_len), 32: (32, 128, output_len)}
+    reference_dir = in_own_thread(build_reference_model, args.reference_dir)
+    config = EngineConfig(device="cpu", kv_cache_bytes=1024 << 20, max_num_seqs=64)
+    families = ["llama", *[f for f in args.families.split(",") if f != "llama"]]
+    measured = {}
+    for family in families:
+        model_dir = in_own_thread(build_family, args.root, family, reference_dir)
+        measured[family] = asyncio.run(bench_family(model_dir, config, loads))
+    rows = rows_for(measured)
+    machine = machine_info(in_own_thread(measure_matmul_peak_gflops))
+    machine["isa"] = _isa()
+    print(f"\nNative engine per family, reference size, on {machine['cpu']} ({machine['isa']}, {machine['threads']} threads)")
+    print(f"{'family':<16} {'path':<13} {'conc':>4} {'tok/s':>8} {'vs llama':>8} {'ITL p50 ms':>10}")
+    for r in rows:
+        print(f"{r.family:<16} {r.path:<13} {r.concurrency:>4} {r.output_tokens_per_s:>8.1f} {r.vs_llama:>8.2f} {r.itl_ms_p50:>10.1f}")
+    line = json.dumps({"machine": machine, "families": [asdict(r) for r in rows]})
+    print(line)
+    if args.json:
+        args.json.write_text(line + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
