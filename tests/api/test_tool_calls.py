@@ -1,0 +1,78 @@
+"""Tool-call formats: the streaming parser on each format's text, split at every character, and
+the forced-call grammar of each format accepting what the parser reads back."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+from tokenizers import Tokenizer
+
+from api.toolparse import ToolCallParser
+from api.tools import ChoiceMode, ToolChoice, ToolFormat, detect_format, forced_call_grammar, parse_tools
+from engine.grammar import grammar_text
+
+TOOLS = parse_tools([
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time"}},
+])
+NAMES = frozenset(t.name for t in TOOLS)
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+TEXTS = {
+    ToolFormat.HERMES: f"Let me check.<tool_call>\n{CALL}\n</tool_call><tool_call>\n"
+                       '{"name": "get_time", "arguments": {}}\n</tool_call>',
+    ToolFormat.MISTRAL: f'Let me check.[TOOL_CALLS][{CALL}, {{"name": "get_time", "arguments": {{}}}}]',
+    ToolFormat.LLAMA3_JSON: '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}',
+}
+
+
+def run(fmt: ToolFormat, text: str, step: int):
+    parser = ToolCallParser(fmt, NAMES)
+    content, calls = "", []
+    for i in range(0, len(text), step):
+        out = parser.feed(text[i : i + step])
+        content, calls = content + out.content, calls + out.calls
+    out = parser.close()
+    return content + out.content, calls + out.calls
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_each_format_parses_two_calls_whatever_the_chunking(fmt, step):
+    content, calls = run(fmt, TEXTS[fmt], step)
+    assert [c.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].arguments) == {"city": "Paris"} and json.loads(calls[1].arguments) == {}
+    assert content == ("" if fmt is ToolFormat.LLAMA3_JSON else "Let me check.")
+    assert len({c.id for c in calls}) == 2
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_plain_text_and_broken_calls_stay_content(fmt):
+    assert run(fmt, "Paris is sunny <tool and {fine}.", 2) == ("Paris is sunny <tool and {fine}.", [])
+    broken = {ToolFormat.HERMES: "<tool_call>{not json}</tool_call>", ToolFormat.MISTRAL: "[TOOL_CALLS][{oops",
+              ToolFormat.LLAMA3_JSON: '{"name": "unknown_tool", "parameters": {}}'}[fmt]
+    assert run(fmt, broken, 4) == (broken, [])
+
+
+def test_the_format_is_read_from_the_template_unless_set():
+    assert detect_format("{{ '[TOOL_CALLS]' }}", "auto") is ToolFormat.MISTRAL
+    assert detect_format("<tool_call>{{ x }}</tool_call>", "auto") is ToolFormat.HERMES
+    assert detect_format("<|python_tag|>", "auto") is ToolFormat.LLAMA3_JSON
+    assert detect_format("plain", "auto") is ToolFormat.HERMES
+    assert detect_format("<tool_call>", "mistral") is ToolFormat.MISTRAL
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_the_forced_grammar_accepts_the_format_and_refuses_other_text(fmt, tiny_model_dir):
+    text = TEXTS[fmt].removeprefix("Let me check.")
+    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    llt = llguidance.LLTokenizer(tok.to_str())
+    grammar = grammar_text(forced_call_grammar(TOOLS, ToolChoice(ChoiceMode.REQUIRED), fmt, True))
+    compact = text.replace(": ", ":").replace(", ", ",").replace("; ", ";")  # the grammar writes compact JSON
+    matcher = llguidance.LLMatcher(llt, grammar, log_level=0)
+    assert matcher.consume_tokens(tok.encode(compact).ids) and not matcher.is_error(), matcher.get_error()
+    named = grammar_text(forced_call_grammar(TOOLS, ToolChoice(ChoiceMode.NAMED, "get_time"), fmt, True))
+    refused = llguidance.LLMatcher(llt, named, log_level=0)
+    assert not refused.consume_tokens(tok.encode(compact).ids)  # get_weather is not allowed there
