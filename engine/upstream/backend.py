@@ -333,7 +333,9 @@ class UpstreamBackend:
             return None
         progress.text_parts.append(text)
         progress.num_completion_tokens += 1
-        return TokenEvent(text, (), progress.num_prompt_tokens, 0, progress.num_completion_tokens)
+        # Counts so far are ours (one token per chunk): what a request cut short is billed on.
+        return TokenEvent(text, (), progress.num_prompt_tokens, 0, progress.num_completion_tokens,
+                          usage_source=UsageSource.ESTIMATE)
 
     def _final(self, progress: _Progress, finish: FinishReason) -> TokenEvent:
         """The last event, with the upstream's usage or our own count (and which it is)."""

@@ -201,18 +201,19 @@ def test_streaming_is_relayed_with_exact_text_and_usage(cluster):
     assert num_content_chunks > 1  # chunk by chunk, not one block at the end
 
 
+def ledger_row(cluster, request_id: str) -> tuple | None:
+    with sqlite3.connect(f"file:{cluster['db']}?mode=ro", uri=True) as conn:
+        return conn.execute("SELECT status, prompt_tokens, completion_tokens, usage_source FROM usage WHERE request_id = ?",
+                            (request_id,)).fetchone()
+
+
 def test_the_ledger_bills_the_upstreams_usage_and_says_so(cluster):
     status, headers, body = post(cluster["front"].base_url, greedy(QUESTION, model="tiny-est"))
     assert status == 200
     request_id = headers["X-Request-Id"]
-
-    def row():
-        with sqlite3.connect(f"file:{cluster['db']}?mode=ro", uri=True) as conn:
-            return conn.execute("SELECT prompt_tokens, completion_tokens, usage_source FROM usage WHERE request_id = ?",
-                                (request_id,)).fetchone()
-
-    wait_until(lambda: row() is not None, what="the ledger row")
-    assert row() == (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"], "upstream")
+    wait_until(lambda: ledger_row(cluster, request_id) is not None, what="the ledger row")
+    usage = body["usage"]
+    assert ledger_row(cluster, request_id) == ("finished", usage["prompt_tokens"], usage["completion_tokens"], "upstream")
 
 
 def test_a_conversations_next_turn_goes_to_the_same_replica_and_hits_its_cache(cluster):
@@ -307,6 +308,7 @@ def test_a_disconnect_at_the_front_aborts_the_upstream_request(cluster):
     body = {"model": "slow", "stream": True, "messages": [{"role": "user", "content": " ".join(["w"] * SLOW_WORDS)}]}
     conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
+    request_id = resp.getheader("X-Request-Id")
     while '"content":"w' not in (line := resp.readline().decode()) and '"content":" w' not in line:
         assert line, "the stream ended before its first token"
     conn.sock.close()  # the client goes away mid-answer
@@ -314,6 +316,9 @@ def test_a_disconnect_at_the_front_aborts_the_upstream_request(cluster):
     wait_until(lambda: upstream_aborts() == before + 1, what="the upstream to count an aborted request")
     wait_until(lambda: metric(front.base_url, "chat_upstream_requests_in_flight", model="slow") == 0,
                what="the front to release the upstream slot")
+    wait_until(lambda: ledger_row(cluster, request_id) is not None, what="the ledger row")
+    status, _, completion_tokens, usage_source = ledger_row(cluster, request_id)
+    assert status == "aborted" and 0 < completion_tokens < SLOW_WORDS and usage_source == "estimate"
 
 
 def test_killing_an_upstream_mid_stream_errors_that_stream_and_new_requests_go_to_the_other(cluster):
