@@ -101,7 +101,7 @@ async def serve_turn(
     if not state.store.is_writable:
         raise overloaded("The usage ledger cannot be written; try again later.", retry_after_s=30,
                          code="store_unavailable")
-    state.admission.place(grant, turn.est_tokens)
+    state.admission.place(grant, turn.est_tokens, num_seqs=turn.chat.n)
     try:
         if outlet is not None:
             return await outlet.serve(request, state, turn, grant)

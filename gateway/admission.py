@@ -132,8 +132,9 @@ class Admission:
             raise
         return grant.route
 
-    def place(self, grant: Pass, num_tokens: int) -> QueueTicket:
-        """Debit the real size (prompt + max_tokens), then reserve or queue on the routed model.
+    def place(self, grant: Pass, num_tokens: int, *, num_seqs: int = 1) -> QueueTicket:
+        """Debit the real size (prompt + max_tokens), then reserve or queue on the routed model;
+        `num_seqs` engine sequences (n choices) are reserved together.
 
         Raises RateLimited or Overloaded; a queued ticket may later fail with DISPLACED.
         """
@@ -141,7 +142,7 @@ class Admission:
         caller, model = grant.caller, grant.route.model
         offer = Offer(grant.request_id, caller.tier.priority, num_tokens, caller.key,
                       caller.tier.max_concurrent_streams if caller.waits_for_stream else 0,
-                      self.router.wait_limit_s(caller.tier_name, model))
+                      self.router.wait_limit_s(caller.tier_name, model), num_seqs)
         try:
             self.limiter.top_up(grant.reservation, num_tokens)
             grant.ticket = self.queues[model].enqueue(offer)

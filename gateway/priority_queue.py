@@ -19,6 +19,7 @@ class QueueEntry:
     num_tokens: int  # prompt + max_tokens, counted against max_waiting_tokens
     key: str = ""  # the caller (API key), for a per-key cap on running requests
     max_running_per_key: int = 0  # this entry waits while its key runs this many; 0: no cap
+    num_seqs: int = 1  # engine sequences it will run (n choices)
 
 
 class PriorityQueue:

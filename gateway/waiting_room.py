@@ -34,6 +34,7 @@ class Offer:
     key: str = ""
     max_running_per_key: int = 0  # wait (never refuse) while the key runs this many; 0: no cap
     wait_limit_s: float = math.inf  # refuse when the estimated wait is longer (load shedding)
+    num_seqs: int = 1  # engine sequences it runs at once (n choices): its share of the capacity
 
 
 class Outcome(enum.Enum):
@@ -59,7 +60,8 @@ class WaitingRoom:
         self.capacity = capacity
         self._clock = clock
         self._line = PriorityQueue(config.max_waiting_requests, config.max_waiting_tokens, config.aging_s)
-        self._reserved: dict[str, str] = {}  # request_id -> key
+        self._reserved: dict[str, tuple[str, int]] = {}  # request_id -> (key, num_seqs)
+        self._num_reserved_seqs = 0
         self._running_by_key: Counter[str] = Counter()
         self._interval_s: float | None = None  # moving average of seconds between admissions
         self._last_admit_s: float | None = None
@@ -81,7 +83,8 @@ class WaitingRoom:
 
     @property
     def num_reserved(self) -> int:
-        return len(self._reserved)
+        """Engine sequences reserved (a request with n choices holds n)."""
+        return self._num_reserved_seqs
 
     def is_waiting(self, request_id: str) -> bool:
         return request_id in self._line
@@ -131,7 +134,7 @@ class WaitingRoom:
         placement = self.assess(offer, engine_has_room=engine_has_room)
         now = self._clock()
         if placement.outcome is Outcome.ADMITTED:
-            self._reserve(offer.request_id, offer.key, now, is_sample=False)
+            self._reserve(offer.request_id, offer.key, offer.num_seqs, now, is_sample=False)
         elif placement.outcome is Outcome.REFUSED:
             self.num_refused += 1
         else:
@@ -139,7 +142,7 @@ class WaitingRoom:
                 self._line.remove(request_id)
                 self.num_displaced += 1
             self._line.push(QueueEntry(offer.request_id, offer.priority, now, offer.num_tokens, offer.key,
-                                       offer.max_running_per_key))
+                                       offer.max_running_per_key, offer.num_seqs))
             self._arrivals.setdefault(offer.priority, _DecayingRate()).add(now)
             if self._backlog_since_s is None:
                 self._backlog_since_s = now
@@ -150,10 +153,10 @@ class WaitingRoom:
         admitted: list[str] = []
         while engine_has_room and self._has_capacity():
             entry = self._line.first(self._is_eligible)
-            if entry is None:
-                break
+            if entry is None or not self._has_capacity(entry.num_seqs):
+                break  # the head waits for room for all its sequences: nobody passes it
             self._line.remove(entry.request_id)
-            self._reserve(entry.request_id, entry.key, self._clock(), is_sample=True)
+            self._reserve(entry.request_id, entry.key, entry.num_seqs, self._clock(), is_sample=True)
             admitted.append(entry.request_id)
         if not self._line:
             self._backlog_since_s = None
@@ -161,8 +164,10 @@ class WaitingRoom:
 
     def release(self, request_id: str) -> bool:
         """Free a reservation (the request finished) or a place in line (it left); once."""
-        key = self._reserved.pop(request_id, None)
-        if key is not None:
+        reserved = self._reserved.pop(request_id, None)
+        if reserved is not None:
+            key, num_seqs = reserved
+            self._num_reserved_seqs -= num_seqs
             self._running_by_key[key] -= 1
             if self._running_by_key[key] <= 0:
                 del self._running_by_key[key]
@@ -175,15 +180,18 @@ class WaitingRoom:
         return False
 
     # -- internals ---------------------------------------------------------------------
-    def _has_capacity(self) -> bool:
-        return self.capacity <= 0 or len(self._reserved) < self.capacity
+    def _has_capacity(self, num_seqs: int = 1) -> bool:
+        """Room for `num_seqs` more sequences; one wider than the whole engine goes in alone."""
+        if self.capacity <= 0 or not self._reserved:
+            return True
+        return self._num_reserved_seqs + num_seqs <= self.capacity
 
     def _is_eligible(self, entry: QueueEntry) -> bool:
         cap = entry.max_running_per_key
         return cap <= 0 or self._running_by_key[entry.key] < cap
 
     def _can_admit_now(self, engine_has_room: bool, offer: Offer | None) -> bool:
-        if not (engine_has_room and self._has_capacity()):
+        if not (engine_has_room and self._has_capacity(1 if offer is None else offer.num_seqs)):
             return False
         if offer is not None and offer.max_running_per_key > 0 \
                 and self._running_by_key[offer.key] >= offer.max_running_per_key:
@@ -211,14 +219,15 @@ class WaitingRoom:
     def _num_outranked(self, priority: int) -> int:
         return sum(1 for entry in self._line if entry.priority < priority)
 
-    def _reserve(self, request_id: str, key: str, now: float, *, is_sample: bool) -> None:
+    def _reserve(self, request_id: str, key: str, num_seqs: int, now: float, *, is_sample: bool) -> None:
         if is_sample:  # only waited-for admissions measure the service rate
             started_s = max(self._last_admit_s or -math.inf, self._backlog_since_s or -math.inf)
             interval_s = max(0.0, now - started_s)
             prev = self._interval_s
             self._interval_s = interval_s if prev is None else prev + _EWMA_WEIGHT * (interval_s - prev)
             self._last_admit_s = now
-        self._reserved[request_id] = key
+        self._reserved[request_id] = (key, num_seqs)
+        self._num_reserved_seqs += num_seqs
         self._running_by_key[key] += 1
         self.num_admitted += 1
 

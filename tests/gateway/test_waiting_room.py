@@ -227,3 +227,19 @@ def test_past_its_wait_limit_a_request_sheds_the_last_lower_tier_request_instead
     assert (shed.outcome, shed.reason, shed.num_outranked_waiting) == (Outcome.REFUSED, Reason.WAIT_TOO_LONG, 0)
     free = room.place(offer("f3", FREE, wait_limit_s=15.0))
     assert (free.outcome, free.reason) == (Outcome.REFUSED, Reason.WAIT_TOO_LONG)
+
+
+def test_n_choices_reserve_n_sequences_and_the_head_waits_for_all_of_them():
+    room = make_room(capacity=4, max_waiting_requests=8)
+    assert room.place(offer("n3", num_seqs=3)).outcome is Outcome.ADMITTED
+    assert room.place(offer("one")).outcome is Outcome.ADMITTED
+    assert room.num_reserved == 4
+    room.place(offer("n2", PLUS, num_seqs=2))
+    room.place(offer("later"))
+    room.release("one")
+    assert room.admit_ready() == []  # one sequence free: the head needs two, and nobody passes it
+    room.release("n3")
+    assert room.admit_ready() == ["n2", "later"] and room.num_reserved == 3
+    wide = make_room(capacity=2)
+    assert wide.place(offer("n5", num_seqs=5)).outcome is Outcome.ADMITTED  # alone, never stuck
+    assert wide.place(offer("next")).outcome is Outcome.QUEUED
