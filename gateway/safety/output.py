@@ -1,9 +1,12 @@
 """Incremental filtering of a streamed answer, with a hold-back window.
 
 Text is released only once the deny rules can no longer match over it (it lies more than
-`holdback_chars` behind the newest text, and no partial match starts earlier) and, when the
-classifier is on, once a classifier check has covered it. A blocked span is therefore never
-released; after a block the filter releases nothing more.
+`holdback_chars` behind the newest text, and no partial match starts earlier; with no output
+rules there is nothing to hold back for) and, when the classifier is on, once a classifier
+check has covered it. A blocked span is therefore never released; after a block the filter
+releases nothing more. Checks come early while the answer is short (at a word end once
+`min_check_chars` arrived, then each time the unchecked text is as long as the checked), so a
+short answer still appears progressively instead of in one piece at the end.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from gateway.safety.types import SafetyLayer, Verdict
 
 ClassifyText = Callable[[str], Awaitable[Verdict]]
 _SENTENCE_ENDS = frozenset(".!?\n")
+_WORD_ENDS = frozenset(" \t\n.,;:!?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +53,9 @@ class OutputFilter:
         self._checked = 0  # absolute offset: the classifier has passed everything before it
         self._blocked: Verdict | None = None
         self._finished = False
+        # The hold-back exists for the deny rules: with none for answers, text waits only for
+        # the classifier's check.
+        self._holdback_chars = 0 if rules.is_empty else policy.holdback_chars
 
     @property
     def num_held_chars(self) -> int:
@@ -67,7 +74,7 @@ class OutputFilter:
             if not verdict.allowed:
                 return "", self._block(verdict)
             self._checked = end
-        cutoff = end - self._policy.holdback_chars
+        cutoff = end - self._holdback_chars
         if scan.pending_start is not None:
             cutoff = min(cutoff, self._base + scan.pending_start)
         if self._classify is not None:
@@ -95,7 +102,13 @@ class OutputFilter:
         unchecked = end - self._checked
         if unchecked >= self._policy.check_every_chars:
             return True
-        return unchecked >= self._policy.min_check_chars and any(c in _SENTENCE_ENDS for c in new_text)
+        if unchecked < self._policy.min_check_chars:
+            return False
+        if any(c in _SENTENCE_ENDS for c in new_text):
+            return True
+        # Early in the answer, check at a word end whenever the unchecked text is as long as
+        # the checked: at about 40, 80, 160 characters, then every check_every_chars.
+        return unchecked >= self._checked and any(c in _WORD_ENDS for c in new_text)
 
     def _scan_from(self) -> int:
         # Matches that start up to `rescan_chars` before the release point are still found, so

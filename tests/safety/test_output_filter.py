@@ -137,3 +137,34 @@ async def test_classifier_checks_run_at_sentence_ends_not_every_token():
     released, verdict, _ = await run(make(classify=classify), list(BENIGN))
     assert verdict is None and released == BENIGN
     assert 1 < len(windows) < len(BENIGN) // POLICY.min_check_chars + 2
+
+
+async def test_a_short_one_sentence_answer_is_released_progressively():
+    """A 150-character answer with no sentence end until its last character comes out in
+    several pieces while it streams, not in one piece at finish (what the web UI showed)."""
+    answer = ("The noun water means a binary compound that occurs at room temperature as a clear "
+              "colorless odorless tasteless liquid and freezes into ice.")
+
+    async def allow(_window: str) -> Verdict:
+        return Verdict.allow()
+
+    served = OutputPolicy(holdback_chars=64, check_every_chars=160, min_check_chars=40, window_chars=400)  # the gate's
+    flt = OutputFilter(RuleSet({}, {}), served, classify=allow, on_done=lambda v: None)
+    pieces = []
+    for char in answer:
+        text, verdict = await flt.feed(char)
+        assert verdict is None
+        if text:
+            pieces.append(text)
+    tail, _ = await flt.finish()
+    assert "".join(pieces) + tail == answer
+    assert len(pieces) >= 3 and len("".join(pieces)) >= len(answer) // 2, pieces
+
+
+async def test_with_deny_rules_the_hold_back_still_applies_to_short_answers():
+    async def allow(_window: str) -> Verdict:
+        return Verdict.allow()
+
+    flt = OutputFilter(RULES, POLICY, classify=allow, on_done=lambda v: None)
+    released = "".join([(await flt.feed(c))[0] for c in BENIGN])
+    assert len(BENIGN) - len(released) >= POLICY.holdback_chars
