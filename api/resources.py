@@ -16,6 +16,7 @@ from aiohttp import web
 from api import feedback as feedback_api
 from api.chat import read_json
 from api.errors import ApiError, bad_request, not_found
+from api.model_info import model_extras
 from api.state import PRINCIPAL, SETTINGS, STATE
 from store import money
 from store.types import Conversation, Message, NotFound, StoreUnavailable
@@ -49,15 +50,19 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 # -- models ----------------------------------------------------------------------------
-def _model_obj(name: str) -> dict:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "selfhosted"}
+def _model_obj(name: str, state=None) -> dict:
+    obj = {"id": name, "object": "model", "created": 0, "owned_by": "selfhosted"}
+    handle = state.models.get(name) if state is not None else None
+    if handle is not None:  # extensions: context length, the card's description and examples
+        obj.update(model_extras(handle.config.path, handle.max_model_len))
+    return obj
 
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     tier_name, _ = state.tier_of(request[PRINCIPAL])
     names = state.admission.router.models_for_tier(tier_name)
-    return _json({"object": "list", "data": [_model_obj(n) for n in names]})
+    return _json({"object": "list", "data": [_model_obj(n, state) for n in names]})
 
 
 async def get_model(request: web.Request) -> web.Response:
@@ -66,7 +71,7 @@ async def get_model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
     if name not in state.admission.router.models_for_tier(tier_name):
         raise not_found(f"The model '{name}' does not exist or you do not have access to it.", code="model_not_found")
-    return _json(_model_obj(name))
+    return _json(_model_obj(name, state))
 
 
 # -- conversations -----------------------------------------------------------------------

@@ -106,6 +106,8 @@ export const api = {
   truncateConversation: (id, keepMessages) =>
     json(`${conv(id)}/truncate`, { method: "POST", body: { keep_messages: keepMessages } }),
   usage: () => json("/v1/usage?group_by=model"),
+  feedback: (id, messageId, body) =>
+    json(`${conv(id)}/messages/${encodeURIComponent(messageId)}/feedback`, { method: "POST", body }),
 };
 
 // One parsed SSE item: {comment} for ':' lines, {data} for a complete event.
@@ -154,7 +156,7 @@ function applyChunk(result, chunk, onDelta, onReasoning) {
 // Streams one new user message into a stored conversation. Calls onDelta(text) per content
 // delta, onReasoning(text) per reasoning_content delta (a reasoning model's thinking) and
 // onComment(text) per SSE comment (queue position, heartbeat). Resolves with
-// {model, fallbackFrom, finishReason, usage}; rejects with an AbortError when `signal`
+// {model, fallbackFrom, finishReason, usage, historyDropped}; rejects with an AbortError when `signal`
 // aborts (the server then aborts the generation) or an ApiFailure.
 export async function streamChat({ model, content, conversationId, signal, onDelta, onReasoning, onComment }) {
   const body = {
@@ -165,7 +167,8 @@ export async function streamChat({ model, content, conversationId, signal, onDel
   };
   if (model) body.model = model;
   const response = await send("/v1/chat/completions", { method: "POST", body, signal, accept: "text/event-stream" });
-  const result = { model: null, fallbackFrom: response.headers.get("x-fallback-from"), finishReason: null, usage: null };
+  const result = { model: null, fallbackFrom: response.headers.get("x-fallback-from"), finishReason: null, usage: null,
+                   historyDropped: Number(response.headers.get("x-history-turns-dropped") || 0) };
   let isDone = false;
   try {
     for await (const event of sseEvents(response.body)) {

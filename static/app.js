@@ -6,6 +6,7 @@ import { api, getKey, isAbort, streamChat } from "./api.js";
 import { describe, hideBanner, initKeyDialog, showBanner, showError } from "./notices.js";
 import { Sidebar, displayTitle } from "./sidebar.js";
 import { formatCost, plural, editInPlace, renderMessages, scrollToBottom, setBusy, streamingTarget } from "./view.js";
+import { paintWelcome } from "./welcome.js";
 
 const $ = (id) => document.getElementById(id);
 const el = {
@@ -29,9 +30,16 @@ function saveSetting(name, value) {
 
 const state = {
   conversationId: null,
-  messages: [],       // {role, content, model?, tokens?, usage?, fallbackFrom?, finishReason?, isStopped?, errorText?}
+  messages: [],       // {role, content, id?, model?, tokens?, usage?, fallbackFrom?, finishReason?, feedback?,
+                      //  historyDropped?, contextLength?, isStopped?, errorText?}
   controller: null,   // AbortController of the answer being streamed
+  models: new Map(),  // id -> /v1/models entry (max_model_len, description, example_prompts)
 };
+
+// A stored message (snake_case finish_reason) in the view's shape.
+function fromStored(message) {
+  return message.finish_reason ? { ...message, finishReason: message.finish_reason } : message;
+}
 
 const sidebar = new Sidebar({
   onOpen: (id) => { closeSidebar(); openConversation(id); },
@@ -44,12 +52,18 @@ const sidebar = new Sidebar({
 async function loadModels() {
   const { data } = await api.models();
   const saved = loadSetting(MODEL_STORAGE);
+  state.models = new Map(data.map((m) => [m.id, m]));
   el.model.replaceChildren(...data.map((m) => new Option(m.id, m.id)));
   if (data.some((m) => m.id === saved)) el.model.value = saved;
   el.model.disabled = data.length === 0;
+  showWelcome();
 }
 
-el.model.addEventListener("change", () => saveSetting(MODEL_STORAGE, el.model.value));
+function showWelcome() {
+  paintWelcome(state.models.get(el.model.value), (text) => send(text));
+}
+
+el.model.addEventListener("change", () => { saveSetting(MODEL_STORAGE, el.model.value); showWelcome(); });
 
 function usageLine(row) {
   const tokens = (row.prompt_tokens || 0) + (row.completion_tokens || 0);
@@ -91,7 +105,7 @@ async function openConversation(id) {
     const conversation = await api.getConversation(id);
     hideBanner();
     setConversation(conversation.id, displayTitle(conversation));
-    state.messages = conversation.messages;
+    state.messages = conversation.messages.map(fromStored);
     paint();
     scrollToBottom();
   } catch (error) {
@@ -113,7 +127,7 @@ async function syncFromServer(id, expectedCount) {
   if (id !== state.conversationId) return;
   state.messages = conversation.messages.map((stored, i) => {
     const local = state.messages[i];
-    return local && local.role === stored.role ? { ...local, ...stored } : stored;
+    return local && local.role === stored.role ? { ...local, ...fromStored(stored) } : fromStored(stored);
   });
   el.title.textContent = displayTitle(conversation);
   sidebar.upsert(conversation);
@@ -135,7 +149,27 @@ function actionsFor(index) {
   const actions = {};
   if (msg.role === "user") actions.onEdit = () => editMessage(index);
   if (isLast && (msg.role === "assistant" || msg.role === "user")) actions.onRegenerate = () => regenerate();
+  if (isLast && msg.role === "assistant" && msg.finishReason === "length") actions.onContinue = () => send("Continue");
+  if (msg.role === "assistant" && msg.id && state.conversationId) {
+    actions.feedback = {
+      conversationId: state.conversationId, message: msg,
+      onSaved: (feedback) => { msg.feedback = feedback; paint(); },
+      onError: (error) => showError(error, null),
+    };
+  }
   return actions;
+}
+
+// Records, before the turn is truncated, that the user asked for another answer or rewrote
+// the prompt of the answer at `index` (kept with the answer for evaluation: api/feedback.py).
+async function noteRedo(index, body) {
+  const answer = state.messages[index];
+  if (!answer || answer.role !== "assistant" || !answer.id || !state.conversationId) return;
+  try {
+    await api.feedback(state.conversationId, answer.id, body);
+  } catch {
+    // Feedback is best effort: the user's regenerate or edit goes ahead without it.
+  }
 }
 
 function paint() {
@@ -145,12 +179,15 @@ function paint() {
 async function editMessage(index) {
   const content = await editInPlace(index, state.messages[index].content);
   if (content == null) { paint(); return; }
+  await noteRedo(index + 1, { edited_prompt: content });
   await send(content, index);
 }
 
-function regenerate() {
+async function regenerate() {
   const lastUser = state.messages.map((m) => m.role).lastIndexOf("user");
-  if (lastUser >= 0) send(state.messages[lastUser].content, lastUser);
+  if (lastUser < 0) return;
+  await noteRedo(lastUser + 1, { regenerated: true });
+  send(state.messages[lastUser].content, lastUser);
 }
 
 function setStreaming(isStreaming) {
@@ -239,8 +276,10 @@ async function streamAnswer(conversationId, content, keep, controller) {
         target.appendReasoning(text);
       },
     });
+    const model = state.models.get(result.model);
     Object.assign(answer, { model: result.model, usage: result.usage, fallbackFrom: result.fallbackFrom,
-                            finishReason: result.finishReason });
+                            finishReason: result.finishReason, historyDropped: result.historyDropped,
+                            contextLength: model ? model.max_model_len : null });
   } catch (error) {
     if (isAbort(error)) {
       answer.isStopped = true;

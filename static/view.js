@@ -2,6 +2,7 @@
 // and the meta line (model, fallback, tokens, cost). Finished assistant text is rendered
 // through render.js; everything else goes in as textContent. Owns no server calls.
 
+import { feedbackControls } from "./feedback.js";
 import { copyButton, renderMarkdown } from "./render.js";
 
 const messagesEl = document.getElementById("messages");
@@ -9,7 +10,6 @@ const welcomeEl = document.getElementById("welcome");
 const NEAR_BOTTOM_PX = 80;
 
 const FINISH_NOTES = {
-  length: "Cut off at the token limit.",
   content_filter: "Stopped by the content filter.",
 };
 
@@ -60,10 +60,33 @@ export function metaText(msg) {
   return parts.join(" \u00b7 ");
 }
 
+// The answer hit the most tokens one answer may have: the request gave no max_tokens, so
+// the tier's default applied (the count is the answer's own length).
+function cutOffText(msg) {
+  const tokens = msg.tokens ?? (msg.usage ? msg.usage.completion_tokens : null);
+  const limit = tokens ? `the ${formatInt(tokens)}-token limit` : "the token limit";
+  return `Cut off at ${limit} for one answer (this tier's default max_tokens).`;
+}
+
 function noteText(msg) {
   if (msg.isStopped) return "Stopped.";
   if (msg.errorText) return msg.errorText;
+  if (msg.finishReason === "length") return cutOffText(msg);
   return FINISH_NOTES[msg.finishReason] || "";
+}
+
+// Said in the conversation when the oldest turns were left out to fit the context window.
+function droppedText(msg) {
+  const context = msg.contextLength ? `${formatInt(msg.contextLength)}-token ` : "";
+  return `Earlier messages no longer fit the model's ${context}context: this answer was written`
+    + ` without the first ${plural(msg.historyDropped, "message")} of the chat.`;
+}
+
+function noteElement(text, isWarning) {
+  const noteEl = document.createElement("p");
+  noteEl.className = `msg-note${isWarning ? " msg-note-warn" : ""}`;
+  noteEl.textContent = text;
+  return noteEl;
 }
 
 function actionButton(label, ariaLabel, onClick) {
@@ -91,7 +114,8 @@ function roleLabel(role) {
   return { user: "You", assistant: "Assistant", system: "System" }[role] || role;
 }
 
-// Builds one message; `actions` = {onEdit?, onRegenerate?} for the buttons it may show.
+// Builds one message; `actions` = {onEdit?, onRegenerate?, onContinue?, feedback?} for the
+// buttons it may show (feedback: the arguments of feedbackControls).
 export function messageElement(msg, index, actions) {
   const article = document.createElement("article");
   article.className = `msg msg-${msg.role}`;
@@ -103,15 +127,11 @@ export function messageElement(msg, index, actions) {
   body.className = "msg-body";
   fillBody(body, msg);
   article.append(role);
+  if (msg.historyDropped) article.append(noteElement(droppedText(msg), false));
   if (msg.role === "assistant" && msg.reasoning) article.append(reasoningElement(msg.reasoning, Boolean(msg.isStreaming)));
   article.append(body);
   const note = noteText(msg);
-  if (note) {
-    const noteEl = document.createElement("p");
-    noteEl.className = `msg-note${msg.errorText || msg.finishReason === "content_filter" ? " msg-note-warn" : ""}`;
-    noteEl.textContent = note;
-    article.append(noteEl);
-  }
+  if (note) article.append(noteElement(note, Boolean(msg.errorText) || msg.finishReason === "content_filter"));
   const footer = document.createElement("div");
   footer.className = "msg-foot";
   if (msg.role === "assistant" && !msg.isStreaming) {
@@ -124,10 +144,12 @@ export function messageElement(msg, index, actions) {
   buttons.className = "msg-actions";
   if (!msg.isStreaming && msg.content) buttons.append(copyButton(() => msg.content));
   if (actions.onEdit) buttons.append(actionButton("Edit", `Edit message ${index + 1}`, actions.onEdit));
+  if (actions.onContinue) buttons.append(actionButton("Continue", "Continue the answer", actions.onContinue));
   if (actions.onRegenerate) {
     const label = msg.role === "assistant" ? "Regenerate" : "Retry";
     buttons.append(actionButton(label, `${label} the answer`, actions.onRegenerate));
   }
+  if (actions.feedback) buttons.append(feedbackControls(actions.feedback));
   footer.append(buttons);
   article.append(footer);
   return article;
