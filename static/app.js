@@ -179,15 +179,13 @@ function paint() {
 async function editMessage(index) {
   const content = await editInPlace(index, state.messages[index].content);
   if (content == null) { paint(); return; }
-  await noteRedo(index + 1, { edited_prompt: content });
-  await send(content, index);
+  await send(content, index, { edited_prompt: content });
 }
 
-async function regenerate() {
+function regenerate() {
   const lastUser = state.messages.map((m) => m.role).lastIndexOf("user");
   if (lastUser < 0) return;
-  await noteRedo(lastUser + 1, { regenerated: true });
-  send(state.messages[lastUser].content, lastUser);
+  send(state.messages[lastUser].content, lastUser, { regenerated: true });
 }
 
 function setStreaming(isStreaming) {
@@ -211,7 +209,8 @@ function onComment(comment) {
 
 // Sends `content` as the next user message. `keepMessages` (regenerate, edit, retry) first
 // truncates the stored conversation to that many messages, so the server and view agree.
-async function send(content, keepMessages = null) {
+// `redo` (regenerate, edit): the feedback recorded on the answer being replaced, first.
+async function send(content, keepMessages = null, redo = null) {
   if (state.controller || !content.trim()) return;
   hideBanner();
   const keep = keepMessages ?? state.messages.length;
@@ -228,6 +227,7 @@ async function send(content, keepMessages = null) {
       sidebar.upsert(created);
       sidebar.setActive(created.id);
     } else if (keep < state.messages.length) {
+      if (redo) await noteRedo(keep + 1, redo);
       await api.truncateConversation(state.conversationId, keep);
     }
   } catch (error) {
