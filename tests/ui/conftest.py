@@ -17,7 +17,9 @@ def ui_server(tiny_model_dir, tmp_path_factory):
         server.stop()
 
 
-@pytest.fixture(scope="session")
+# Module scope, not session: Playwright's sync API keeps an event loop running in this thread
+# while it is open, and every asyncio test collected after tests/ui would then fail to start.
+@pytest.fixture(scope="module")
 def browser():
     if not CHROMIUM.exists():
         pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)")
