@@ -16,13 +16,13 @@ from types import TracebackType
 
 import structlog
 
+from engine.types import Backend
 from gateway.errors import GatewayError, Overloaded, Reason
 from gateway.metrics import Metrics
 from gateway.queue import ModelQueue, QueueTicket
 from gateway.ratelimit import RateLimiter, Reservation, StreamTicket
 from gateway.router import Route, TierRouter
 from gateway.waiting_room import Offer
-from engine.types import Backend
 from settings import Settings, TierConfig
 
 log = structlog.get_logger(__name__)
@@ -156,6 +156,7 @@ class Admission:
             self._metrics.count_rejection(grant.caller.tier_name, grant.route.model, Reason.DISPLACED.value, "load")
 
     def _count(self, caller: Caller, model: str, exc: GatewayError) -> None:
+        log.debug("admission_refused", tier=caller.tier_name, model=model, reason=exc.reason.value)
         if self._metrics is None:
             return
         kind = "load" if isinstance(exc, Overloaded) else "limit"

@@ -195,6 +195,130 @@ class RateLimiter:
             self.prune()
         return Reservation(key, tier_name, est_tokens, checks, limits)
 
+    def settle(self, refund: float) -> None:
+        """Give back `refund` units (negative: charge more, possibly below zero)."""
+        self._refill()
+        self._level = min(self.capacity, self._level + refund)
+
+    def resize(self, capacity: float, refill_per_s: float) -> None:
+        """New limits keep the amount already used, so a change never grants a fresh burst."""
+        self._refill()
+        used = self.capacity - self._level
+        self.capacity, self.refill_per_s = float(capacity), float(refill_per_s)
+        self._level = self.capacity - used
+
+    def _refill(self) -> None:
+        now = self._clock()
+        elapsed_s = now - self._updated_s
+        if elapsed_s > 0:
+            self._level = min(self.capacity, self._level + elapsed_s * self.refill_per_s)
+        self._updated_s = now
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-minute limits in force for one key; 0 means no limit on that dimension."""
+
+    requests_per_minute: int
+    tokens_per_minute: int
+    tier_requests_per_minute: int
+    tier_tokens_per_minute: int
+
+    @classmethod
+    def for_tier(cls, tier: TierConfig, overrides: Mapping[str, float] | None = None) -> Limits:
+        """The tier's limits with an organisation's overrides (other tier settings in the
+        overrides, such as max_tokens, are someone else's and are ignored here)."""
+        overrides = {k: v for k, v in (overrides or {}).items() if k in _OVERRIDABLE}
+        return cls(
+            requests_per_minute=int(overrides.get("requests_per_minute", tier.requests_per_minute)),
+            tokens_per_minute=int(overrides.get("tokens_per_minute", tier.tokens_per_minute)),
+            tier_requests_per_minute=tier.tier_requests_per_minute,
+            tier_tokens_per_minute=tier.tier_tokens_per_minute,
+        )
+
+
+# A bucket's identity: ("key", api_key, "requests") or ("tier", tier_name, "tokens").
+BucketId = tuple[str, str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class _Check:
+    reason: RateLimitReason
+    bucket_id: BucketId
+    capacity: int
+    need: int
+
+
+class Reservation:
+    """What one admitted request took from the buckets; settled or cancelled exactly once."""
+
+    __slots__ = ("key", "tier_name", "num_tokens_estimated", "_checks", "_limits", "is_settled")
+
+    def __init__(self, key: str, tier_name: str, num_tokens_estimated: int, checks: tuple[_Check, ...],
+                 limits: Limits):
+        self.key = key
+        self.tier_name = tier_name
+        self.num_tokens_estimated = num_tokens_estimated
+        self._checks = checks
+        self._limits = limits
+        self.is_settled = False
+
+
+class StreamTicket:
+    """One of a key's concurrent streams; `release()` (or leaving the `with`) frees it once."""
+
+    __slots__ = ("_limiter", "key", "is_released")
+
+    def __init__(self, limiter: RateLimiter, key: str):
+        self._limiter = limiter
+        self.key = key
+        self.is_released = False
+
+    def release(self) -> None:
+        if not self.is_released:
+            self.is_released = True
+            self._limiter._close_stream(self.key)
+
+    def __enter__(self) -> StreamTicket:
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.release()
+
+
+class RateLimiter:
+    """Request and token buckets per key and per tier, plus per-key stream counts.
+
+    Buckets are created on first use; full ones are dropped now and then, since a full
+    bucket is the same as a fresh one.
+    """
+
+    def __init__(self, clock: Clock = time.monotonic, prune_every: int = 1024):
+        self._clock = clock
+        self._buckets: dict[BucketId, TokenBucket] = {}
+        self._num_streams: dict[str, int] = {}
+        self._prune_every = prune_every
+        self._num_acquires = 0
+
+    def acquire(
+        self,
+        key: str,
+        tier_name: str,
+        tier: TierConfig,
+        est_tokens: int,
+        overrides: Mapping[str, float] | None = None,
+    ) -> Reservation:
+        """Debit one request and `est_tokens` from every bucket, or none and raise RateLimited."""
+        limits = Limits.for_tier(tier, overrides)
+        checks = _checks_for(key, tier_name, limits, est_tokens)
+        self._raise_if_limited(key, tier_name, limits, checks)
+        for check in checks:
+            self._bucket(check).take(check.need)
+        self._num_acquires += 1
+        if self._num_acquires % self._prune_every == 0:
+            self.prune()
+        return Reservation(key, tier_name, est_tokens, checks, limits)
+
     def check(
         self, key: str, tier_name: str, tier: TierConfig, overrides: Mapping[str, float] | None = None
     ) -> None:

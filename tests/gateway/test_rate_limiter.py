@@ -233,20 +233,6 @@ def test_token_bucket_alone_reports_retry_after_for_a_given_need():
     assert bucket.reset_s() == pytest.approx(4.0)
 
 
-def test_check_refuses_like_acquire_but_debits_nothing():
-    clock = FakeClock()
-    limiter = RateLimiter(clock)
-    for _ in range(3):
-        limiter.check("k1", "free", tier())
-    assert headers_of(limiter, "k1", "free", tier())["x-ratelimit-remaining-requests"] == "5"
-    for _ in range(5):
-        limiter.acquire("k1", "free", tier(), 10)
-    with pytest.raises(RateLimited) as info:
-        limiter.check("k1", "free", tier())
-    assert info.value.retry_after_s == pytest.approx(12.0)
-    limiter.check("k2", "free", tier())  # another key is unaffected
-
-
 def test_top_up_moves_the_debit_from_the_byte_estimate_to_the_real_size():
     limiter = RateLimiter(FakeClock())
     reservation = limiter.acquire("k1", "free", tier(), 100)  # estimated from the body's bytes
