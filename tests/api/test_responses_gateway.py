@@ -1,0 +1,31 @@
+"""The Responses API shares chat completions' path: the same ledger, buckets and safety gate."""
+
+from __future__ import annotations
+
+from tests.api.helpers import assert_error, state_of
+
+
+async def respond(client, body, headers=None):
+    return await client.post("/v1/responses", json={"model": "echo", **body}, headers=headers or {})
+
+
+async def test_a_response_is_billed_in_the_same_ledger_as_a_chat_completion(make_client):
+    client = await make_client()
+    resp = await respond(client, {"input": "hello there", "store": False})
+    assert resp.status == 200, await resp.text()
+    body = await resp.json()
+    assert body["object"] == "response" and body["output"][0]["content"][0]["text"] == "hello there"
+    rows = await state_of(client).store.usage_summary(state_of(client).local_principal.org.id,
+                                                      start=0, end=None, group_by="model")
+    (row,) = rows
+    assert row["num_requests"] == 1 and row["prompt_tokens"] == body["usage"]["input_tokens"]
+
+
+async def test_the_request_bucket_is_shared_with_chat_completions(make_client):
+    client = await make_client("tiers.enterprise.requests_per_minute=1")
+    await client.post("/v1/chat/completions", json={"model": "echo", "messages": [{"role": "user", "content": "hi"}]})
+    resp = await respond(client, {"input": "again"})
+    await assert_error(resp, 429)
+    assert int(resp.headers["Retry-After"]) >= 1
+    listed = await (await client.get("/v1/conversations")).json()
+    assert listed["data"] == []  # a refused response leaves no conversation behind
