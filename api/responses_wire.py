@@ -57,9 +57,7 @@ def parse_responses_request(raw: Any, *, max_messages: int, max_prompt_chars: in
     max_output = raw.get("max_output_tokens")
     if max_output is not None and (isinstance(max_output, bool) or not isinstance(max_output, int) or max_output < 1):
         raise bad_request(f"'max_output_tokens' must be a positive integer, got {max_output!r}.", param="max_output_tokens")
-    messages = ([{"role": "system", "content": instructions}] if instructions else []) + [
-        {"role": i["role"], "content": i["content"]} for i in items
-    ]
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) + [_chat_message(i) for i in items]
     chat_body = {
         "messages": messages, "max_tokens": max_output, "stream": raw.get("stream"), "model": raw.get("model"),
         "temperature": raw.get("temperature"), "top_p": raw.get("top_p"), "user": raw.get("user"),
@@ -82,10 +80,23 @@ def _input_items(value: Any) -> tuple[dict, ...]:
     return tuple(_item(v, i) for i, v in enumerate(value))
 
 
+def _chat_message(item: dict) -> dict:
+    if item["type"] == "function_call":
+        call = {"id": item["call_id"], "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]}}
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+    if item["type"] == "function_call_output":
+        return {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
+    return {"role": item["role"], "content": item["content"]}
+
+
 def _item(value: Any, index: int) -> dict:
     where = f"input[{index}]"
-    if not isinstance(value, dict) or value.get("type", "message") != "message":
-        raise bad_request(f"'{where}' must be a message item {{\"role\", \"content\"}}.", param=where)
+    kind = value.get("type", "message") if isinstance(value, dict) else None
+    if kind in ("function_call", "function_call_output"):
+        return _tool_item(value, kind, where)
+    if kind != "message":
+        raise bad_request(f"'{where}' must be a message, function_call or function_call_output item.", param=where)
     role = value.get("role")
     if role not in _ROLES:
         raise bad_request(f"'{where}.role' must be one of {', '.join(_ROLES)}; got {role!r}.", param=f"{where}.role")
@@ -102,6 +113,15 @@ def _item(value: Any, index: int) -> dict:
         raise bad_request(f"'{where}.content' must be a string or an array of input_text parts.",
                           param=f"{where}.content")
     return {"type": "message", "role": role, "content": content}
+
+
+def _tool_item(value: dict, kind: str, where: str) -> dict:
+    """A tool call the model made (sent back) or its result, for the next turn."""
+    fields = ("call_id", "name", "arguments") if kind == "function_call" else ("call_id", "output")
+    for name in fields:
+        if not isinstance(value.get(name), str):
+            raise bad_request(f"'{where}.{name}' must be a string.", param=f"{where}.{name}")
+    return {"type": kind, **{name: value[name] for name in fields}}
 
 
 def _chat_tools(value: Any) -> Any:

@@ -29,3 +29,19 @@ async def test_the_request_bucket_is_shared_with_chat_completions(make_client):
     assert int(resp.headers["Retry-After"]) >= 1
     listed = await (await client.get("/v1/conversations")).json()
     assert listed["data"] == []  # a refused response leaves no conversation behind
+
+
+async def test_function_call_items_and_their_outputs_go_back_through_the_template(make_client):
+    client = await make_client()
+    items = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ]
+    resp = await respond(client, {"input": items})
+    assert resp.status == 200, await resp.text()
+    body = await resp.json()
+    listed = await (await client.get(f"/v1/responses/{body['id']}/input_items")).json()
+    assert [i["type"] for i in listed["data"]] == ["message", "function_call", "function_call_output"]
+    bad = await respond(client, {"input": [{"type": "function_call_output", "call_id": "call_1"}]})
+    await assert_error(bad, 400, param="input[0].output")
