@@ -228,8 +228,10 @@ def _list_query(request: web.Request) -> FileQuery:
 async def list_files(request: web.Request) -> web.Response:
     found, has_more = await request.app[STATE].store.list_files(request[PRINCIPAL].org.id, _list_query(request))
     data = [file_obj(f) for f in found]
-    return web.json_response({"object": "list", "data": data, "has_more": has_more,
-                              "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
+    body = {"object": "list", "data": data, "has_more": has_more,
+            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
+    # The web UI refuses a too-large file before uploading it.
+    return web.json_response(body, headers={"X-Max-File-Bytes": str(request.app[SETTINGS].files.max_file_bytes)})
 
 
 async def get_file(request: web.Request) -> web.Response:

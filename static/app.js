@@ -3,6 +3,7 @@
 // stored conversation is the truth; after each answer the view is re-synced from it.
 
 import { api, getKey, isAbort, streamChat } from "./api.js";
+import { Attachments, textOf } from "./attachments.js";
 import { describe, hideBanner, initKeyDialog, showBanner, showError } from "./notices.js";
 import { Sidebar, displayTitle } from "./sidebar.js";
 import { formatCost, plural, editInPlace, renderMessages, scrollToBottom, setBusy, streamingTarget } from "./view.js";
@@ -15,6 +16,10 @@ const el = {
   newChat: $("new-chat"), sidebar: $("sidebar"), openSidebar: $("open-sidebar"),
   closeSidebar: $("close-sidebar"), backdrop: $("sidebar-backdrop"),
 };
+const attachments = new Attachments({
+  button: $("attach"), input: $("attach-input"), list: $("attachments"), dropZone: document.querySelector(".main"),
+  onChange: () => { el.send.disabled = attachments.isUploading; },
+});
 const MODEL_STORAGE = "chat.model";
 const SYNC_ATTEMPTS = 5;
 const SYNC_RETRY_MS = 300;
@@ -179,13 +184,19 @@ function paint() {
 async function editMessage(index) {
   const content = await editInPlace(index, state.messages[index].content);
   if (content == null) { paint(); return; }
-  await send(content, index, { edited_prompt: content });
+  await send(contentOf(state.messages[index], content), index, { edited_prompt: content });
+}
+
+// What a stored user message is sent again as: its parts when it had attachments.
+function contentOf(msg, text = msg.content) {
+  if (!msg.parts) return text;
+  return [...(text ? [{ type: "text", text }] : []), ...msg.parts.filter((p) => p.type !== "text")];
 }
 
 function regenerate() {
   const lastUser = state.messages.map((m) => m.role).lastIndexOf("user");
   if (lastUser < 0) return;
-  send(state.messages[lastUser].content, lastUser, { regenerated: true });
+  send(contentOf(state.messages[lastUser]), lastUser, { regenerated: true });
 }
 
 function setStreaming(isStreaming) {
@@ -211,7 +222,7 @@ function onComment(comment) {
 // truncates the stored conversation to that many messages, so the server and view agree.
 // `redo` (regenerate, edit): the feedback recorded on the answer being replaced, first.
 async function send(content, keepMessages = null, redo = null) {
-  if (state.controller || !content.trim()) return;
+  if (state.controller || (typeof content === "string" ? !content.trim() : !content.length)) return;
   hideBanner();
   const keep = keepMessages ?? state.messages.length;
   const controller = new AbortController();
@@ -222,7 +233,7 @@ async function send(content, keepMessages = null, redo = null) {
     if (isNew) {
       const created = await api.createConversation();
       // The server titles it from the first message once stored; show the same meanwhile.
-      created.title = created.title || provisionalTitle(content);
+      created.title = created.title || provisionalTitle(textOf(content));
       setConversation(created.id, displayTitle(created));
       sidebar.upsert(created);
       sidebar.setActive(created.id);
@@ -261,7 +272,8 @@ async function send(content, keepMessages = null, redo = null) {
 // storing anything (then the text goes back into the composer).
 async function streamAnswer(conversationId, content, keep, controller) {
   const answer = { role: "assistant", content: "", model: null, isStreaming: true };
-  state.messages = [...state.messages.slice(0, keep), { role: "user", content }, answer];
+  const sent = { role: "user", content: textOf(content), parts: Array.isArray(content) ? content : undefined };
+  state.messages = [...state.messages.slice(0, keep), sent, answer];
   paint();
   el.status.textContent = "Waiting for the model\u2026";
   const target = streamingTarget(keep + 1);
@@ -289,7 +301,7 @@ async function streamAnswer(conversationId, content, keep, controller) {
       answer.errorText = describe(error).replace("{s}", "a moment");
       outcome.isRefused = Boolean(error.status) && !error.isMidStream;
       outcome.expected = outcome.isRefused ? keep : 0;
-      if (outcome.isRefused && !el.input.value) el.input.value = content;
+      if (outcome.isRefused && !el.input.value) el.input.value = textOf(content);
     }
   } finally {
     answer.isStreaming = false;
@@ -328,11 +340,11 @@ function stop() {
 
 el.form.addEventListener("submit", (event) => {
   event.preventDefault();
-  const content = el.input.value;
-  if (!content.trim() || state.controller) return;
+  const text = el.input.value;
+  if ((!text.trim() && !attachments.hasReady) || state.controller || attachments.isUploading) return;
   el.input.value = "";
   autoGrow();
-  send(content);
+  send(attachments.take(text));
 });
 
 el.input.addEventListener("keydown", (event) => {
@@ -385,6 +397,7 @@ async function boot() {
   }
   await sidebar.refresh();
   refreshUsage();
+  attachments.loadLimits();
   // The hash only selects a stored conversation; nothing from the URL is ever sent.
   const id = window.location.hash.slice(1);
   if (/^[\w-]{1,100}$/.test(id)) await openConversation(id);

@@ -4,6 +4,7 @@
 
 import { feedbackControls } from "./feedback.js";
 import { copyButton, renderMarkdown } from "./render.js";
+import { attachmentsElement } from "./attachments.js";
 
 const messagesEl = document.getElementById("messages");
 const welcomeEl = document.getElementById("welcome");
@@ -130,6 +131,7 @@ export function messageElement(msg, index, actions) {
   if (msg.historyDropped) article.append(noteElement(droppedText(msg), false));
   if (msg.role === "assistant" && msg.reasoning) article.append(reasoningElement(msg.reasoning, Boolean(msg.isStreaming)));
   article.append(body);
+  if (msg.parts && msg.parts.some((p) => p.type !== "text")) article.append(attachmentsElement(msg.parts));
   const note = noteText(msg);
   if (note) article.append(noteElement(note, Boolean(msg.errorText) || msg.finishReason === "content_filter"));
   const footer = document.createElement("div");
