@@ -1,6 +1,6 @@
 # make run   - install into .venv and serve the bundled demo models on http://127.0.0.1:8000
 # make test  - install test dependencies and run the whole suite (slow end-to-end tests included)
-# Other targets: test-fast, bench, load, demo-model, train-safety, eval-safety, gpu-smoke, help.
+# Other targets: test-fast, bench, bench-peers, bench-deps, load, demo-model, train-safety, eval-safety, gpu-smoke, help.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 ARGS   ?=
 
-.PHONY: help run test test-fast bench load demo-model train-safety eval-safety gpu-smoke browser clean
+.PHONY: help run test test-fast bench bench-peers bench-deps load demo-model train-safety eval-safety gpu-smoke browser clean
 
 help:
 	@sed -n '1,3p' Makefile
@@ -40,6 +40,27 @@ test-fast: $(VENV)/.installed-dev
 bench: $(VENV)/.installed-dev
 	$(PY) -m bench.bench_engine $(ARGS)
 	$(PY) -m bench.bench_families $(findstring --quick,$(ARGS))
+	$(PY) -m bench.bench_peers
+
+# The engine against llama.cpp (from bench-deps, when built) and transformers at 30M and 390M.
+bench-peers: $(VENV)/.installed-dev
+	$(PY) -m bench.bench_peers $(ARGS)
+
+# Bench-only: the gguf package, and llama.cpp (llama-cpp-python from PyPI, compiled: 15-30 minutes
+# on 2 cores, at nice 19) twice: for this CPU, and for AVX2 + FMA only (the AVX2 peer on AVX-512
+# machines). Into build/llama-cpp/, not the venv, so both builds can be measured in one run.
+# Never part of make test.
+LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36 diskcache==5.6.3
+LLAMA_CPP_FLAGS_native := -DGGML_NATIVE=ON
+LLAMA_CPP_FLAGS_avx2 := -DGGML_NATIVE=OFF -DGGML_AVX512=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+bench-deps: $(VENV)/.installed-dev build/llama-cpp/native/.built build/llama-cpp/avx2/.built
+	$(PIP) install --quiet -r requirements-bench.txt
+
+build/llama-cpp/%/.built: | $(VENV)/.installed-dev
+	rm -rf $(@D) && mkdir -p $(@D)
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF $(LLAMA_CPP_FLAGS_$*)" CMAKE_BUILD_PARALLEL_LEVEL=2 nice -n 19 \
+	  $(PIP) install --quiet --no-cache-dir --no-deps --target $(@D) $(LLAMA_CPP_PYTHON)
+	touch $@
 
 load: $(VENV)/.installed-dev
 	$(PY) -m bench.load $(ARGS)

@@ -72,9 +72,21 @@ class EngineConfig:
     )
     native_kernels: bool = setting(
         True,
-        "On CPU with fp32: compile (once, with the system C compiler) and use the C kernels: paged"
-        " attention, plus, on AVX-512 CPUs, the linear layers from pre-packed weights and fused"
-        " RMSNorm/SiLU/RoPE (else pure PyTorch; same tokens, within fp32 rounding).",
+        "On CPU with fp32: compile (once, with the system C compiler) and use the C kernels built for"
+        " the CPU's widest instruction set, AVX-512 or AVX2+FMA (linear layers from pre-packed weights,"
+        " fused RMSNorm/SiLU/RoPE, paged attention); else, or false, pure PyTorch (same tokens, within"
+        " fp32 rounding).",
+    )
+    kernel_isa: str = setting(
+        "auto",
+        "Which C kernels: auto (the widest the CPU reports), avx512, avx2 (e.g. to test or measure the"
+        " AVX2 path on an AVX-512 CPU), or torch (PyTorch ops); one the CPU lacks is an error.",
+    )
+    quantization: str = setting(
+        "none",
+        "Weights of the linear layers: none (as loaded), or int8 (quantized once at load, a scale per"
+        " 32 weights like llama.cpp's Q8_0: a quarter of the fp32 bytes read per token; on paths without"
+        " int8 kernels the rounded weights are kept as floats).",
     )
 
 

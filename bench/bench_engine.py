@@ -442,6 +442,8 @@ def engine_config(args) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
         native_kernels=not args.no_kernel,
+        kernel_isa=args.kernel_isa,
+        quantization=args.quantization,
     )
 
 
@@ -494,6 +496,8 @@ async def bench_http(model_dir: Path, plan: Plan, args, peak_gflops: float) -> l
         "engine.max_num_batched_tokens": cfg.max_num_batched_tokens,
         "engine.max_prefill_tokens_while_decoding": cfg.max_prefill_tokens_while_decoding,
         "engine.native_kernels": str(cfg.native_kernels).lower(),
+        "engine.kernel_isa": cfg.kernel_isa,
+        "engine.quantization": cfg.quantization,
         "server.log_level": "warning",
         "tiers.enterprise.max_concurrent_streams": 1000,  # keyless loopback requests are enterprise
         "tiers.enterprise.requests_per_minute": 100_000,
@@ -614,7 +618,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--max-prefill-tokens-while-decoding", type=int, default=EngineConfig().max_prefill_tokens_while_decoding,
         help="engine.max_prefill_tokens_while_decoding (0: auto)",
     )
-    p.add_argument("--no-kernel", action="store_true", help="use the pure-PyTorch paged attention")
+    p.add_argument("--no-kernel", action="store_true", help="PyTorch ops only (engine.native_kernels = false)")
+    p.add_argument("--kernel-isa", default="auto", help="engine.kernel_isa: auto, avx512, avx2 or torch")
+    p.add_argument("--quantization", default="none", help="engine.quantization: none or int8")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     p.add_argument("--engine-only", action="store_true", help="skip the transformers baselines and the HTTP path")
     p.add_argument("--skip-generate-batch", action="store_true", help="skip transformers' generate_batch")
@@ -645,7 +651,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": machine,
         "plan": asdict(plan),
         "engine_config": {k: getattr(cfg, k) for k in (
-            "max_num_batched_tokens", "max_prefill_tokens_while_decoding", "max_num_seqs", "block_size", "native_kernels")},
+            "max_num_batched_tokens", "max_prefill_tokens_while_decoding", "max_num_seqs", "block_size", "native_kernels", "kernel_isa", "quantization")},
         "engine": [asdict(r) for r in engine],
         "http": [asdict(r) for r in http],
         "baselines": [asdict(r) for r in hf],

@@ -1,8 +1,8 @@
 """Attention over the paged KV cache for a flat batch of decode tokens and prefill chunks.
 
 Owns the cache layout, the per-step attention metadata and the two paths that read K/V
-through block tables: decode rows (one query per sequence) go to the compiled kernel when it
-is available, else to one padded gather + SDPA; prefill chunks gather their context and run
+through block tables: decode rows (one query per sequence) go to the compiled kernel when the
+runner put one in the metadata (CpuKernels.paged_decode_attention), else to one padded gather + SDPA; prefill chunks gather their context and run
 SDPA with a causal mask aligned to the chunk's position. Rows come decodes first, then chunks.
 
 Layout per layer: K blocks transposed, [num_blocks, num_kv_heads, head_dim, block_size], so the
@@ -11,12 +11,11 @@ kernel scores 16 tokens per vector op; V as [num_slots, num_kv_heads, head_dim] 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from engine.native import kernels
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +57,7 @@ class AttentionMetadata:
     prefills: tuple[PrefillChunk, ...]
     block_size: int
     decode_window_mask: torch.Tensor | None = None  # like decode_mask, for sliding layers
+    decode_kernel: Callable | None = None  # CpuKernels.paged_decode_attention (kernel path only)
 
 
 def allocate_kv_cache(
@@ -139,17 +139,11 @@ def _attend(q, keys, values, mask, spec: AttentionSpec) -> torch.Tensor:
 
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
     head_dim = q.shape[-1]
-    if meta.decode_context_lens is not None and spec.runs_in_kernel:
+    if meta.decode_kernel is not None and spec.runs_in_kernel:
         if spec.scale != head_dim**-0.5:  # the kernel scales by head_dim ** -0.5
             q = q * (spec.scale * head_dim**0.5)
-        return kernels.paged_decode_attention(
-            q,
-            k_cache,
-            v_cache,
-            meta.decode_block_tables,
-            meta.decode_context_lens,
-            meta.block_size,
-            meta.decode_max_context_len,
+        return meta.decode_kernel(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.decode_max_context_len
         )
     b, length = meta.decode_slots.shape
     # By slot, not by whole blocks: a row shorter than the longest must not read the unwritten

@@ -1,16 +1,17 @@
-"""The optional compiled CPU kernels (csrc/*.c): build, load, call.
+"""The compiled CPU kernels (csrc/*.c): which instruction set, build, load, call.
 
 - paged_attention.c: decode attention straight from the paged KV cache.
-- packed_linear.c: the linear layers, from weights packed once into column panels (AVX-512).
+- packed_linear.c: the linear layers, from weights packed once into column panels (fp32 or int8).
 - fused_ops.c: RMSNorm (with the residual add), SiLU * up, RoPE + the KV-cache write.
 - decode_step.c: all the layers of a decode-only step in one call, from the kernels above.
 
-Built once per machine with the system C compiler (no torch headers, about a second) into
-build/native/, keyed by a hash of the sources, flags and CPU, and called through ctypes (which
-releases the GIL). The library links the OpenMP runtime torch itself uses, so its parallel
-regions run on the same worker threads as torch's ops (a second runtime would add a second
-pool of spinning threads: see engine/torch_threads.py). Anything that goes wrong leaves the
-engine on its pure-PyTorch path.
+The same sources are built once per KernelMode (AVX-512 or AVX2 + FMA, each with its own -m
+flags, simd.h picks the vector width), so one machine can run, and CI can test, every path its
+CPU supports. `resolve_mode` is the one place that decides which a runner uses. Each library is
+built with the system C compiler (no torch headers, about a second) into build/native/, keyed by
+a hash of the sources and flags, and called through ctypes (which releases the GIL). It links
+the OpenMP runtime torch itself uses, so its parallel regions run on torch's worker threads (see
+engine/torch_threads.py).
 """
 
 from __future__ import annotations
@@ -22,42 +23,94 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from enum import Enum
+from functools import cache
 from pathlib import Path
 
 import structlog
 import torch
 
+from engine.native.cpu_ops import CpuKernels
 from engine.torch_threads import openmp_library_path
+from engine.types import EngineError
 
 log = structlog.get_logger(__name__)
 
+
+class KernelMode(Enum):
+    """Which code runs a CPU step: the C kernels built for one instruction set, or PyTorch ops."""
+
+    AVX512 = "avx512"
+    AVX2 = "avx2"
+    TORCH = "torch"
+
+
+# What each compiled mode needs from the CPU (/proc/cpuinfo flags) and tells the compiler.
+_REQUIRED_FLAGS = {
+    KernelMode.AVX512: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"}),
+    KernelMode.AVX2: frozenset({"avx2", "fma"}),
+}
+_ISA_FLAGS = {
+    KernelMode.AVX512: ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"),
+    KernelMode.AVX2: ("-mavx2", "-mfma"),
+}
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = tuple(_CSRC / name for name in ("paged_attention.c", "packed_linear.c", "fused_ops.c", "decode_step.c"))
-_HEADERS = (_CSRC / "kernels.h",)
+_HEADERS = (_CSRC / "kernels.h", _CSRC / "simd.h")
 _BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "native"
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
-_PANEL = 32  # output columns per packed panel (PANEL in packed_linear.c)
+# -Bsymbolic: calls between the kernels bind inside their own library, so two modes' libraries
+# (same symbol names) can be loaded side by side.
+_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {  # argument types of the C entry points (csrc/*.c); all return void
     "paged_decode_attention_f32": [_P] * 6 + [_I] * 7 + [_F],
-    "pack_linear_weight_f32": [_P] * 2 + [_I] * 2,
-    "packed_linear_f32": [_P] * 4 + [_I] * 3,
+    "packed_linear": [_P] * 5 + [_I] * 3,
     "rms_norm_f32": [_P] * 4 + [_I] * 2 + [_F],
     "silu_mul_f32": [_P] * 2 + [_I] * 2,
     "rope_and_cache_f32": [_P] * 7 + [_I] * 5,
     "decode_layers_f32": [_P] * 7 + [_I] * 3 + [_P] + [_I] * 7 + [_F] * 2 + [_P],
 }
-_lib: ctypes.CDLL | None = None
-_tried = False
 
 
-def _cpu_signature() -> str:
+def cpu_flags() -> frozenset[str]:
     try:
-        flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")]
-        return flags[0] if flags else platform.processor()
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
-        return platform.processor()
+        pass
+    return frozenset()
+
+
+def supported_modes() -> tuple[KernelMode, ...]:
+    """The compiled modes this CPU can run, fastest first (TORCH is always possible)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return ()
+    flags = cpu_flags()
+    return tuple(mode for mode, needed in _REQUIRED_FLAGS.items() if needed <= flags)
+
+
+def resolve_mode(*, enabled: bool, isa: str, device: torch.device, dtype: torch.dtype) -> KernelMode:
+    """The one decision: which kernels a runner uses, from the settings and what the CPU reports.
+
+    isa: "auto" (the fastest this CPU supports) or a KernelMode value to force a lower one
+    (tests, benchmarks); forcing one the CPU lacks is an error. A build failure (no compiler)
+    falls back to TORCH with a warning.
+    """
+    if isa != "auto" and isa not in {m.value for m in KernelMode}:
+        raise EngineError(f"engine.kernel_isa {isa!r} is not one of auto, {', '.join(m.value for m in KernelMode)}")
+    if not enabled or device.type != "cpu" or dtype != torch.float32 or isa == KernelMode.TORCH.value:
+        return KernelMode.TORCH
+    available = supported_modes()
+    if isa != "auto" and KernelMode(isa) not in available:
+        raise EngineError(f"engine.kernel_isa is {isa!r} but this CPU supports only {[m.value for m in available] or 'none'}")
+    for mode in [KernelMode(isa)] if isa != "auto" else available:
+        try:
+            load_kernels(mode)
+            return mode
+        except RuntimeError as exc:
+            log.warning("native_kernel_unavailable", mode=mode.value, reason=str(exc))
+    return KernelMode.TORCH
 
 
 def _link_openmp() -> list[str]:
@@ -68,200 +121,52 @@ def _link_openmp() -> list[str]:
     return [str(torch_openmp), f"-Wl,-rpath,{torch_openmp.parent}"]
 
 
-def library_path() -> Path:
-    digest = hashlib.sha256(" ".join([*_FLAGS, *_link_openmp(), _cpu_signature()]).encode())
+def library_path(mode: KernelMode) -> Path:
+    digest = hashlib.sha256(" ".join([*_FLAGS, *_ISA_FLAGS[mode], *_link_openmp()]).encode())
     for source in (*_SOURCES, *_HEADERS):
         digest.update(source.read_bytes())
-    return _BUILD_DIR / f"native-kernels-{platform.machine()}-{digest.hexdigest()[:16]}.so"
+    return _BUILD_DIR / f"native-kernels-{mode.value}-{digest.hexdigest()[:16]}.so"
 
 
-def build() -> Path:
-    """Compile the kernels if this machine has no up-to-date build; returns the library path."""
-    target = library_path()
+def build(mode: KernelMode) -> Path:
+    """Compile the kernels for one mode unless an up-to-date build exists; returns the library path."""
+    target = library_path(mode)
     if target.exists():
         return target
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) found")
     target.parent.mkdir(parents=True, exist_ok=True)
+    flags = [*_FLAGS, *_ISA_FLAGS[mode]]
     # Build in a scratch directory and rename: concurrent builders never see a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         objects = [str(Path(scratch) / f"{source.stem}.o") for source in _SOURCES]
         library = Path(scratch) / "kernels.so"
         try:
             for source, obj in zip(_SOURCES, objects, strict=True):
-                subprocess.run([compiler, *_FLAGS, "-c", "-o", obj, str(source)], check=True, capture_output=True)
-            link = [compiler, "-shared", "-o", str(library), *objects, *_link_openmp(), "-lm"]
+                subprocess.run([compiler, *flags, "-c", "-o", obj, str(source)], check=True, capture_output=True)
+            link = [compiler, "-shared", "-Wl,-Bsymbolic", "-o", str(library), *objects, *_link_openmp(), "-lm"]
             subprocess.run(link, check=True, capture_output=True)
-        except subprocess.CalledProcessError as exc:
-            raise RuntimeError(f"building the native kernels failed: {exc.stderr.decode(errors='replace')[-2000:]}") from None
+        except (OSError, subprocess.CalledProcessError) as exc:
+            detail = exc.stderr.decode(errors="replace")[-2000:] if isinstance(exc, subprocess.CalledProcessError) else exc
+            raise RuntimeError(f"building the {mode.value} kernels failed: {detail}") from None
         os.replace(library, target)
     return target
 
 
-def load() -> bool:
-    """Build (if needed) and load the kernels once; False if they are unavailable here."""
-    global _lib, _tried
-    if _tried:
-        return _lib is not None
-    _tried = True
+@cache
+def load_kernels(mode: KernelMode) -> CpuKernels:
+    """Build (if needed) and load one mode's library, once per process; RuntimeError if it cannot."""
+    if mode is KernelMode.TORCH:
+        raise ValueError("KernelMode.TORCH has no compiled kernels")
     try:
-        lib = ctypes.CDLL(str(build()))
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = None, argtypes
-        lib.packed_linear_available.restype, lib.packed_linear_available.argtypes = ctypes.c_int, []
-        _lib = lib
-        log.info("native_kernel_loaded", path=str(library_path()))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("native_kernel_unavailable", reason=str(exc))
-    return _lib is not None
+        lib = ctypes.CDLL(str(build(mode)))
+    except OSError as exc:
+        raise RuntimeError(f"loading the {mode.value} kernels failed: {exc}") from None
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = None, argtypes
+    lib.packed_linear_panel.restype, lib.packed_linear_panel.argtypes = ctypes.c_int64, []
+    log.info("native_kernel_loaded", mode=mode.value, path=str(library_path(mode)))
+    return CpuKernels(mode, lib)
 
-
-def paged_decode_attention(
-    q: torch.Tensor,  # [num_seqs, num_heads, head_dim] fp32
-    k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
-    context_lens: torch.Tensor,  # [num_seqs] int32
-    block_size: int,
-    max_context_len: int,
-) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    num_seqs, num_heads, head_dim = q.shape
-    _lib.paged_decode_attention_f32(
-        q.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        block_tables.data_ptr(),
-        context_lens.data_ptr(),
-        out.data_ptr(),
-        num_seqs,
-        num_heads,
-        k_cache.shape[1],
-        head_dim,
-        block_tables.shape[1],
-        block_size,
-        max_context_len,
-        head_dim**-0.5,
-    )
-    return out
-
-
-def packed_linear_available() -> bool:
-    """Whether the loaded kernels include the packed linear layers (AVX-512 CPUs)."""
-    return load() and bool(_lib.packed_linear_available())
-
-
-@dataclass(frozen=True, slots=True)
-class PackedLinear:
-    """A linear layer's weight [out_features, in_features], packed for packed_linear()."""
-
-    panels: torch.Tensor  # [ceil(out_features / 32), in_features, 32] fp32
-    out_features: int
-    in_features: int
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.out_features, self.in_features)
-
-
-def pack_linear(weight: torch.Tensor) -> PackedLinear:
-    """Pack an fp32 CPU weight [out_features, in_features] once, at load time."""
-    if not packed_linear_available():
-        raise RuntimeError("the packed linear kernel is not available on this machine")
-    weight = weight.detach().to(torch.float32).contiguous()
-    n, k = weight.shape
-    panels = torch.empty((-(-n // _PANEL), k, _PANEL), dtype=torch.float32)
-    _lib.pack_linear_weight_f32(weight.data_ptr(), panels.data_ptr(), n, k)
-    return PackedLinear(panels, n, k)
-
-
-def packed_linear(x: torch.Tensor, weight: PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, W, bias) for x [rows, in_features] fp32 on the CPU and W packed by pack_linear."""
-    x = x.contiguous()
-    rows, k = x.shape
-    if k != weight.in_features:
-        raise ValueError(f"input has {k} features, the layer takes {weight.in_features}")
-    out = torch.empty((rows, weight.out_features), dtype=torch.float32)
-    if rows:
-        bias_ptr = None if bias is None else bias.contiguous().data_ptr()
-        _lib.packed_linear_f32(x.data_ptr(), weight.panels.data_ptr(), bias_ptr, out.data_ptr(), rows, weight.out_features, k)
-    return out
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """F.rms_norm over the last dim of x [rows, dim]. With residual, x += residual first, in place."""
-    assert x.is_contiguous() and (residual is None or residual.is_contiguous())
-    out = torch.empty_like(x)
-    rows, dim = x.shape
-    res_ptr = None if residual is None else residual.data_ptr()
-    _lib.rms_norm_f32(x.data_ptr(), res_ptr, weight.data_ptr(), out.data_ptr(), rows, dim, eps)
-    return out
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [rows, 2 * dim] -> silu(gate) * up [rows, dim]."""
-    gate_up = gate_up.contiguous()
-    rows, width = gate_up.shape
-    out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
-    _lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
-    return out
-
-
-def rope_and_cache(
-    qkv: torch.Tensor,  # [tokens, (heads + 2 * kv_heads) * head_dim], rotated in place
-    positions: torch.Tensor,  # [tokens] int64
-    cos: torch.Tensor,  # [max_positions, head_dim]
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_blocks, kv_heads, head_dim, block_size]
-    v_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # [tokens] int64
-    num_heads: int,
-) -> None:
-    """RoPE on q and k in place, then the new k and v written into the paged cache."""
-    assert qkv.is_contiguous() and positions.dtype == slot_mapping.dtype == torch.int64
-    _, kv_heads, head_dim, block_size = k_cache.shape
-    _lib.rope_and_cache_f32(
-        qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        slot_mapping.data_ptr(), qkv.shape[0], num_heads, kv_heads, head_dim, block_size,
-    )
-
-
-class DecodeStack:
-    """Runs every layer of a decode-only step in one call (csrc/decode_step.c).
-
-    Holds the per-layer addresses of the packed weights and the KV cache, so it must live no
-    longer than the weights and the cache it was built from (the model keeps it beside them).
-    """
-
-    def __init__(self, layers, kv_caches, *, hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 intermediate: int, eps: float):
-        rows = []
-        for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
-            bias = layer.qkv_bias.data_ptr() if layer.qkv_bias is not None else 0
-            rows.append([
-                layer.input_norm.data_ptr(), layer.qkv.panels.data_ptr(), bias, layer.o_proj.panels.data_ptr(),
-                layer.post_norm.data_ptr(), layer.gate_up.panels.data_ptr(), layer.down.panels.data_ptr(),
-                k_cache.data_ptr(), v_cache.data_ptr(),
-            ])
-        self._keep = (layers, kv_caches)
-        self.kv_cache_ptr = kv_caches[0][0].data_ptr()
-        self._table = torch.tensor(rows, dtype=torch.int64)
-        self._dims = (len(rows), hidden, heads, kv_heads, head_dim, intermediate, kv_caches[0][0].shape[-1])
-        self._eps, self._scale = eps, head_dim**-0.5
-        self._scratch_per_token = 3 * hidden + (heads + 2 * kv_heads) * head_dim + 2 * heads * head_dim + 3 * intermediate
-
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int) -> torch.Tensor:
-        """x [tokens, hidden] (the embeddings) becomes the residual stream after the last layer, in place."""
-        assert x.is_contiguous() and block_tables.is_contiguous() and block_tables.dtype == context_lens.dtype == torch.int32
-        tokens = x.shape[0]
-        scratch = torch.empty(tokens * self._scratch_per_token, dtype=torch.float32)
-        _lib.decode_layers_f32(
-            x.data_ptr(), positions.data_ptr(), slots.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            block_tables.data_ptr(), context_lens.data_ptr(), block_tables.shape[1], max_context_len, tokens,
-            self._table.data_ptr(), *self._dims, self._eps, self._scale, scratch.data_ptr(),
-        )
-        return x

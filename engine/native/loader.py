@@ -29,7 +29,7 @@ class ModelLoadError(EngineError):
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
     """One decoder layer. The four matmul weights are plain tensors as loaded; on CPUs with the
-    compiled kernels the runner swaps them for kernels.PackedLinear (model.pack_linear_layers).
+    compiled kernels the runner swaps them for cpu_ops.PackedLinear (model.prepare_linear_layers).
     A norm the family does not have is None; Gemma's (1 + weight) is stored as that sum."""
 
     input_norm: torch.Tensor | None  # [hidden] before attention (None: OLMo 2)

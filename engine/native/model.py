@@ -17,38 +17,43 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from engine.native import kernels
 from engine.native.attention import AttentionMetadata, AttentionSpec, paged_attention, write_kv_cache
+from engine.native.cpu_ops import CpuKernels, DecodeStack, PackedLinear
 from engine.native.families import Activation, ModelArgs, QKNorm
-from engine.native.kernels import PackedLinear
 from engine.native.loader import ModelWeights
+from engine.native.quant import Quantization, fake_quantize
 
 log = structlog.get_logger(__name__)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(weight, PackedLinear):
-        return kernels.packed_linear(x, weight, bias)
+        return weight.kernels.packed_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def pack_linear_layers(weights: ModelWeights) -> ModelWeights:
-    """Every matmul weight packed for the compiled kernel; the originals are released.
+def prepare_linear_layers(weights: ModelWeights, cpu: CpuKernels | None, quantization: Quantization) -> ModelWeights:
+    """Every matmul weight packed for the compiled kernels (cpu given; the originals are released),
+    and quantized as asked. Without kernels, int8 weights are rounded and kept as floats, so every
+    path computes the same model.
 
     The embedding table stays as it is (a lookup, not a matmul); a tied lm_head gets its own
     packed copy of it.
     """
+    if cpu is None and quantization is Quantization.NONE:
+        return weights
+    if cpu is None:
+        prepare = fake_quantize
+    else:
+        def prepare(weight):
+            return cpu.pack_linear(weight, quantization)
     layers = tuple(
         dataclasses.replace(
-            layer,
-            qkv=kernels.pack_linear(layer.qkv),
-            o_proj=kernels.pack_linear(layer.o_proj),
-            gate_up=kernels.pack_linear(layer.gate_up),
-            down=kernels.pack_linear(layer.down),
+            layer, qkv=prepare(layer.qkv), o_proj=prepare(layer.o_proj), gate_up=prepare(layer.gate_up), down=prepare(layer.down)
         )
         for layer in weights.layers
     )
-    return dataclasses.replace(weights, layers=layers, lm_head=kernels.pack_linear(weights.lm_head))
+    return dataclasses.replace(weights, layers=layers, lm_head=prepare(weights.lm_head))
 
 
 def rope_inv_freq(args: ModelArgs, key: str, max_positions: int) -> tuple[torch.Tensor, float]:
@@ -78,18 +83,20 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 class Model:
-    """fused_cpu_ops: run the step's small operations as the compiled kernels (kernels.py) and the
-    matmuls from packed weights; needs fp32 on the CPU and weights from pack_linear_layers."""
+    """cpu: the compiled kernels of the runner's KernelMode (cpu_ops.py): the matmuls run from
+    packed weights and the step's small operations as compiled calls; needs fp32 on the CPU and
+    weights from prepare_linear_layers with the same kernels. None: PyTorch ops."""
 
-    def __init__(self, args: ModelArgs, weights: ModelWeights, max_positions: int, *, fused_cpu_ops: bool = False):
+    def __init__(self, args: ModelArgs, weights: ModelWeights, max_positions: int, *, cpu: CpuKernels | None = None):
         self.args = args
         self.weights = weights
-        self.packed = fused_cpu_ops
+        self.cpu = cpu
+        self.packed = cpu is not None
         # Llama-like layers run as one compiled call per operation; a decode-only step of a model
         # without q/k norms runs in one call (decode_step.c). Other families use the general path.
-        self.fused_cpu_ops = fused_cpu_ops and args.is_llama_like
+        self.fused_cpu_ops = self.packed and args.is_llama_like
         self.uses_decode_stack = self.fused_cpu_ops and args.family.qk_norm is QKNorm.NONE
-        self._stack: kernels.DecodeStack | None = None  # built on the first decode-only step
+        self._stack: DecodeStack | None = None  # built on the first decode-only step
         device, dtype = weights.embed.device, weights.embed.dtype
         self.rope_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for key, _ in args.rope_parameters:
@@ -131,7 +138,7 @@ class Model:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
         args = self.args
         if self.packed:
-            h = kernels.rms_norm(hidden.contiguous(), self.weights.norm, args.rms_norm_eps)
+            h = self.cpu.rms_norm(hidden.contiguous(), self.weights.norm, args.rms_norm_eps)
         else:
             h = _rms_norm(hidden, self.weights.norm, args.rms_norm_eps)
         logits = linear(h, self.weights.lm_head)
@@ -151,31 +158,31 @@ class Model:
             stack = self._decode_stack(kv_caches)
             return stack(x, positions, meta.slot_mapping, self.cos, self.sin, meta.decode_block_tables,
                          meta.decode_context_lens, meta.decode_max_context_len)
-        args, eps = self.args, self.args.rms_norm_eps
+        args, eps, cpu = self.args, self.args.rms_norm_eps, self.cpu
         num_tokens = x.shape[0]
         q_size, kv_size = self._split
         delta = None
         for layer, (k_cache, v_cache) in zip(self.weights.layers, kv_caches, strict=True):
-            h = kernels.rms_norm(x, layer.input_norm, eps, residual=delta)
+            h = cpu.rms_norm(x, layer.input_norm, eps, residual=delta)
             qkv = linear(h, layer.qkv, layer.qkv_bias)
             if layer.q_norm is not None:  # per head, before RoPE (Qwen3)
                 qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, args.head_dim)
                 qk[:, : args.num_heads] = _rms_norm(qk[:, : args.num_heads], layer.q_norm, eps)
                 qk[:, args.num_heads :] = _rms_norm(qk[:, args.num_heads :], layer.k_norm, eps)
-            kernels.rope_and_cache(qkv, positions, self.cos, self.sin, k_cache, v_cache, meta.slot_mapping, args.num_heads)
+            cpu.rope_and_cache(qkv, positions, self.cos, self.sin, k_cache, v_cache, meta.slot_mapping, args.num_heads)
             q = qkv[:, :q_size].view(num_tokens, args.num_heads, args.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(num_tokens, args.num_kv_heads, args.head_dim)
             v = qkv[:, q_size + kv_size :].view(num_tokens, args.num_kv_heads, args.head_dim)
             o = paged_attention(q, k, v, k_cache, v_cache, meta)
-            h = kernels.rms_norm(x, layer.post_norm, eps, residual=linear(o.reshape(num_tokens, q_size), layer.o_proj))
-            delta = linear(kernels.silu_mul(linear(h, layer.gate_up)), layer.down)
+            h = cpu.rms_norm(x, layer.post_norm, eps, residual=linear(o.reshape(num_tokens, q_size), layer.o_proj))
+            delta = linear(cpu.silu_mul(linear(h, layer.gate_up)), layer.down)
         return x.add_(delta) if delta is not None else x
 
-    def _decode_stack(self, kv_caches) -> kernels.DecodeStack:
+    def _decode_stack(self, kv_caches) -> DecodeStack:
         stack = self._stack
         if stack is None or stack.kv_cache_ptr != kv_caches[0][0].data_ptr():
             a = self.args
-            stack = self._stack = kernels.DecodeStack(
+            stack = self._stack = self.cpu.decode_stack(
                 self.weights.layers, kv_caches, hidden=a.hidden_size, heads=a.num_heads, kv_heads=a.num_kv_heads,
                 head_dim=a.head_dim, intermediate=a.intermediate_size, eps=a.rms_norm_eps,
             )

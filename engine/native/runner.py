@@ -15,10 +15,12 @@ import structlog
 import torch
 
 from engine.native import kernels
+from engine.native.kernels import KernelMode
 from engine.native.attention import AttentionMetadata, PrefillChunk, allocate_kv_cache
 from engine.native.families import ModelArgs
 from engine.native.loader import checkpoint_dtype, load_model_args, load_model_weights
-from engine.native.model import Model, pack_linear_layers
+from engine.native.model import Model, prepare_linear_layers
+from engine.native.quant import Quantization
 from engine.native.sampler import Sampler, SamplingRow
 from engine.native.scheduler import ScheduledBatch
 from engine.native.sequence import Sequence
@@ -62,6 +64,13 @@ def free_memory_bytes(device: torch.device) -> int:
     raise EngineError("cannot read MemAvailable from /proc/meminfo; set engine.kv_cache_bytes")
 
 
+def _quantization(name: str) -> Quantization:
+    try:
+        return Quantization(name)
+    except ValueError:
+        raise EngineError(f"engine.quantization {name!r} is not one of {', '.join(q.value for q in Quantization)}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class StepInputs:
     input_ids: torch.Tensor  # [num_tokens]
@@ -83,17 +92,18 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device, saved_dtype)
         self.max_model_len = max_model_len or self.args.max_position_embeddings
         self.block_size = config.block_size
-        self.use_kernel = (
-            config.native_kernels and self.device.type == "cpu" and self.dtype == torch.float32 and kernels.load()
+        self.kernel_mode = kernels.resolve_mode(
+            enabled=config.native_kernels, isa=config.kernel_isa, device=self.device, dtype=self.dtype
         )
-        self.packed_linear = self.use_kernel and kernels.packed_linear_available()
+        self.use_kernel = self.kernel_mode is not KernelMode.TORCH
+        self.cpu = kernels.load_kernels(self.kernel_mode) if self.use_kernel else None
+        self.quantization = _quantization(config.quantization)
         # A LLaVA checkpoint: the language model under 'language_model.', plus the vision tower.
         self.vision = VisionTower(Path(model_dir), self.dtype, self.device) if is_llava(Path(model_dir)) else None
         prefix = "language_model." if self.vision is not None else ""
         weights = load_model_weights(Path(model_dir), self.args, self.dtype, self.device, name_prefix=prefix)
-        if self.packed_linear:
-            weights = pack_linear_layers(weights)
-        self.model = Model(self.args, weights, self.max_model_len, fused_cpu_ops=self.packed_linear)
+        weights = prepare_linear_layers(weights, self.cpu, self.quantization)
+        self.model = Model(self.args, weights, self.max_model_len, cpu=self.cpu)
         # Sliding layers and soft-capped scores are attended on the gather path, also when the
         # decode kernel serves the other layers.
         self.sliding_window = self.args.sliding_window
@@ -114,8 +124,8 @@ class ModelRunner:
             num_kv_blocks=self.num_kv_blocks,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
-            paged_attention_kernel=self.use_kernel,
-            packed_linear_kernel=self.packed_linear,
+            kernel_mode=self.kernel_mode.value,
+            quantization=self.quantization.value,
             fused_layer_kernels=self.model.fused_cpu_ops,
             one_call_decode_step=self.model.uses_decode_stack,
         )
@@ -216,7 +226,10 @@ class ModelRunner:
             row[len(table) :] = table[0]  # padding points at written slots: finite, masked out
         meta["decode_max_context_len"] = max_len
         if self.use_kernel:
-            meta.update(decode_block_tables=torch.from_numpy(tables), decode_context_lens=torch.from_numpy(context_lens))
+            meta.update(
+                decode_block_tables=torch.from_numpy(tables), decode_context_lens=torch.from_numpy(context_lens),
+                decode_kernel=self.cpu.paged_decode_attention,
+            )
         else:
             meta["decode_block_tables"] = self._to_device(tables)
         if self.gather_decode:

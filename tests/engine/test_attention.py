@@ -6,13 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.native import kernels
-
-pytestmark = pytest.mark.skipif(not kernels.load(), reason="no C compiler: the engine uses its PyTorch path")
+from kernel_modes import COMPILED_MODES, cpu_kernels
 
 
+@pytest.mark.parametrize("mode", COMPILED_MODES)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(8, 2, 64, 16), (16, 2, 64, 16), (8, 2, 128, 32), (4, 4, 16, 16), (6, 1, 24, 8)])
-def test_paged_decode_kernel_matches_sdpa_through_block_tables(num_heads, num_kv_heads, head_dim, block_size):
+def test_paged_decode_kernel_matches_sdpa_through_block_tables(mode, num_heads, num_kv_heads, head_dim, block_size):
     torch.manual_seed(0)
     lens = torch.tensor([1, block_size - 1, block_size, block_size + 1, 5 * block_size + 3], dtype=torch.int32)
     max_blocks = -(-int(lens.max()) // block_size)
@@ -21,7 +20,7 @@ def test_paged_decode_kernel_matches_sdpa_through_block_tables(num_heads, num_kv
     v_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim)
     tables = torch.randperm(num_blocks)[: len(lens) * max_blocks].view(len(lens), max_blocks).to(torch.int32)
     q = torch.randn(len(lens), num_heads, head_dim)
-    out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, int(lens.max()))
+    out = cpu_kernels(mode).paged_decode_attention(q, k_cache, v_cache, tables, lens, int(lens.max()))
     for i, length in enumerate(lens.tolist()):
         blocks = tables[i].long()
         keys = k_cache[blocks].permute(1, 0, 3, 2).reshape(num_kv_heads, -1, head_dim)[:, :length]

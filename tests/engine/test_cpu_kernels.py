@@ -1,4 +1,5 @@
-"""The compiled CPU kernels for the linear layers and the fused small ops, against PyTorch."""
+"""The compiled CPU kernels for the linear layers and the fused small ops, against PyTorch, built
+for every instruction set this CPU has (AVX-512, AVX2)."""
 
 from __future__ import annotations
 
@@ -7,53 +8,83 @@ import torch
 import torch.nn.functional as F
 
 from engine.native import kernels
+from engine.native.kernels import KernelMode
+from engine.native.quant import GROUP_SIZE, Quantization, dequantize, quantize_int8
+from engine.types import EngineError
+from kernel_modes import COMPILED_MODES, cpu_kernels
 
-pytestmark = pytest.mark.skipif(
-    not kernels.packed_linear_available(), reason="no C compiler or no AVX-512: the engine uses its PyTorch ops"
-)
+
+@pytest.fixture(params=COMPILED_MODES)
+def cpu(request):
+    return cpu_kernels(request.param)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 11, 12, 13, 32, 77, 300])
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 11, 12, 13, 32, 77])
 @pytest.mark.parametrize("out_features,in_features", [(768, 512), (40, 24), (17, 3), (33, 130)])
-def test_packed_linear_matches_f_linear(rows, out_features, in_features):
-    # Output widths that are not whole panels (40, 17, 33) and row counts around the 12-row tile.
+def test_packed_linear_matches_f_linear(cpu, rows, out_features, in_features):
+    # Output widths that are not whole panels (40, 17, 33) and row counts around both tiles (6, 12 rows).
     torch.manual_seed(rows * 1000 + out_features)
     w = torch.randn(out_features, in_features)
     x = torch.randn(rows, in_features)
-    packed = kernels.pack_linear(w)
+    packed = cpu.pack_linear(w)
     assert packed.shape == (out_features, in_features)
-    torch.testing.assert_close(kernels.packed_linear(x, packed), F.linear(x, w), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cpu.packed_linear(x, packed), F.linear(x, w), atol=1e-4, rtol=1e-4)
 
 
-def test_packed_linear_with_bias_and_strided_input():
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+@pytest.mark.parametrize("out_features,in_features", [(96, 256), (40, 24), (33, 130)])
+def test_int8_packed_linear_computes_with_the_dequantized_weights(cpu, rows, out_features, in_features):
+    # in_features 24 and 130: a last group shorter than 32.
+    torch.manual_seed(rows + out_features)
+    w, b = torch.randn(out_features, in_features), torch.randn(out_features)
+    x = torch.randn(rows, in_features)
+    packed = cpu.pack_linear(w, Quantization.INT8)
+    assert packed.panels.dtype == torch.int8
+    if out_features % cpu.panel == 0 and in_features % GROUP_SIZE == 0:  # no padding: 1.125 bytes a weight
+        assert packed.nbytes == w.numel() * 9 // 8
+    expected = F.linear(x, dequantize(quantize_int8(w)), b)
+    torch.testing.assert_close(cpu.packed_linear(x, packed, b), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_int8_rounding_error_is_within_half_a_step_of_each_group():
+    torch.manual_seed(5)
+    w = torch.randn(64, 100) * torch.logspace(-3, 1, 100)  # groups of very different magnitudes
+    quantized = quantize_int8(w)
+    assert quantized.q.dtype == torch.int8 and quantized.scales.shape == (64, -(-100 // GROUP_SIZE))
+    step = quantized.scales.repeat_interleave(GROUP_SIZE, dim=1)[:, :100]
+    assert ((dequantize(quantized) - w).abs() <= step / 2 + 1e-7).all()
+    assert quantized.q.abs().max() == 127
+
+
+def test_packed_linear_with_bias_and_strided_input(cpu):
     torch.manual_seed(1)
     w, b = torch.randn(50, 64), torch.randn(50)
     x = torch.randn(64, 9).t()  # not contiguous: the kernel gets a contiguous copy
-    torch.testing.assert_close(kernels.packed_linear(x, kernels.pack_linear(w), b), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cpu.packed_linear(x, cpu.pack_linear(w), b), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
 
 
-def test_packed_linear_rejects_a_wrong_input_width():
-    packed = kernels.pack_linear(torch.randn(8, 16))
+def test_packed_linear_rejects_a_wrong_input_width(cpu):
+    packed = cpu.pack_linear(torch.randn(8, 16))
     with pytest.raises(ValueError, match="16"):
-        kernels.packed_linear(torch.randn(2, 15), packed)
+        cpu.packed_linear(torch.randn(2, 15), packed)
 
 
-def test_fused_rms_norm_adds_the_residual_in_place_then_normalises():
+def test_fused_rms_norm_adds_the_residual_in_place_then_normalises(cpu):
     torch.manual_seed(2)
     x, res, w = torch.randn(5, 96), torch.randn(5, 96), torch.randn(96)
     expected_x = x + res
-    out = kernels.rms_norm(x, w, 1e-5, residual=res)
+    out = cpu.rms_norm(x, w, 1e-5, residual=res)
     torch.testing.assert_close(x, expected_x)
     torch.testing.assert_close(out, F.rms_norm(expected_x, (96,), w, 1e-5), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), F.rms_norm(x, (96,), w, 1e-6), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cpu.rms_norm(x, w, 1e-6), F.rms_norm(x, (96,), w, 1e-6), atol=1e-5, rtol=1e-5)
 
 
-def test_fused_silu_mul():
+def test_fused_silu_mul(cpu):
     gate_up = torch.randn(7, 2 * 40) * 4
-    torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate_up[:, :40]) * gate_up[:, 40:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cpu.silu_mul(gate_up), F.silu(gate_up[:, :40]) * gate_up[:, 40:], atol=1e-5, rtol=1e-5)
 
 
-def test_rope_and_cache_matches_the_pytorch_path():
+def test_rope_and_cache_matches_the_pytorch_path(cpu):
     from engine.native.attention import AttentionMetadata, write_kv_cache
     from engine.native.model import _rotate
 
@@ -78,8 +109,23 @@ def test_rope_and_cache_matches_the_pytorch_path():
     )
     write_kv_cache(qk[:, heads:], qkv[:, q_size + kv_size :].reshape(tokens, kv_heads, head_dim), *caches[0], meta)
     fused = qkv.clone()
-    kernels.rope_and_cache(fused, positions, cos, sin, *caches[1], slots, heads)
+    cpu.rope_and_cache(fused, positions, cos, sin, *caches[1], slots, heads)
     torch.testing.assert_close(fused[:, : q_size + kv_size].view(tokens, -1, head_dim), qk, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fused[:, q_size + kv_size :], qkv[:, q_size + kv_size :])
     for ref, got in zip(caches[0], caches[1], strict=True):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_the_mode_is_resolved_from_the_settings_and_the_cpu():
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    best = kernels.supported_modes()[0] if kernels.supported_modes() else KernelMode.TORCH
+    assert kernels.resolve_mode(enabled=True, isa="auto", device=cpu, dtype=fp32) in (best, KernelMode.TORCH)
+    assert kernels.resolve_mode(enabled=False, isa="auto", device=cpu, dtype=fp32) is KernelMode.TORCH
+    assert kernels.resolve_mode(enabled=True, isa="auto", device=cpu, dtype=torch.bfloat16) is KernelMode.TORCH
+    assert kernels.resolve_mode(enabled=True, isa="torch", device=cpu, dtype=fp32) is KernelMode.TORCH
+    with pytest.raises(EngineError, match="kernel_isa 'sse9'"):
+        kernels.resolve_mode(enabled=True, isa="sse9", device=cpu, dtype=fp32)
+    for mode in (KernelMode.AVX512, KernelMode.AVX2):
+        if mode not in kernels.supported_modes():
+            with pytest.raises(EngineError, match="supports only"):
+                kernels.resolve_mode(enabled=True, isa=mode.value, device=cpu, dtype=fp32)

@@ -8,10 +8,11 @@ import zlib
 
 import pytest
 
-from engine.native import kernels
 from engine.native.engine import LLMEngine
+from engine.native.kernels import KernelMode
 from engine.native.loader import load_model_args
 from engine.types import FinishReason, GenerationRequest, SamplingParams
+from kernel_modes import ALL_MODES
 from native_harness import check_invariants
 from settings import EngineConfig
 
@@ -89,20 +90,20 @@ def mixed_workload(tiny_models, variant: str, vocab_size: int, seed: int = 0) ->
     return arrivals, expected
 
 
-@pytest.mark.parametrize("native_kernels", [True, False], ids=["c-kernel", "pytorch"])
+@pytest.mark.parametrize("mode", ALL_MODES)
 @pytest.mark.parametrize(
     "variant", ["tied-gqa-parameters", "untied-gqa-theta", "untied-mha-parameters", "tied-gqa-llama3-rope", "qwen2-qkv-bias"]
 )
-def test_mixed_workload_matches_transformers_greedy_token_for_token(tiny_models, variant, native_kernels):
+def test_mixed_workload_matches_transformers_greedy_token_for_token(tiny_models, variant, mode):
+    # Every kernel path this CPU can run (AVX-512, AVX2, PyTorch ops); the test id names it.
     model_dir = tiny_models.path(variant)
-    engine = engine_for(model_dir, num_blocks=24, native_kernels=native_kernels)
-    assert engine.runner.use_kernel == native_kernels
-    assert engine.runner.packed_linear == (native_kernels and kernels.packed_linear_available())
+    engine = engine_for(model_dir, num_blocks=24, kernel_isa=mode.value)
+    assert engine.runner.kernel_mode is mode
     arrivals, expected = mixed_workload(tiny_models, variant, load_model_args(model_dir).vocab_size)
     outputs = run_with_arrivals(engine, arrivals)
     assert outputs == expected
     # With the CPU kernels, the decode-only steps ran every layer in one C call (decode_step.c).
-    assert (engine.runner.model._stack is not None) == engine.runner.packed_linear
+    assert (engine.runner.model._stack is not None) == (mode is not KernelMode.TORCH)
     stats = engine.stats()
     assert stats.num_preemptions > 0, "the KV budget was meant to force preemption"
     assert stats.prefix_cache_hits > 0, "shared prefixes were meant to hit the cache"

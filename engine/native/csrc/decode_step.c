@@ -10,8 +10,9 @@
 #include "kernels.h"
 
 /* Per layer, the addresses of: input_norm, qkv (packed), qkv_bias (0: none), o_proj (packed),
- * post_norm, gate_up (packed), down (packed), k_cache, v_cache. */
-#define FIELDS 9
+ * post_norm, gate_up (packed), down (packed), k_cache, v_cache, then the int8 scales of qkv,
+ * o_proj, gate_up and down (0: that weight is fp32). */
+#define FIELDS 13
 
 /* x [tokens, hidden]: the residual stream, updated in place to the last layer's output.
  * scratch: at least tokens * (3 * hidden + (heads + 2 * kv_heads) * head_dim + 2 * heads * head_dim
@@ -32,19 +33,21 @@ void decode_layers_f32(float *x, const int64_t *positions, const int64_t *slots,
         const float *o_w = (const float *)w[3], *post_norm = (const float *)w[4];
         const float *gate_up_w = (const float *)w[5], *down_w = (const float *)w[6];
         float *k_cache = (float *)w[7], *v_cache = (float *)w[8];
+        const float *qkv_s = (const float *)w[9], *o_s = (const float *)w[10];
+        const float *gate_up_s = (const float *)w[11], *down_s = (const float *)w[12];
 
         rms_norm_f32(x, l ? delta : 0, input_norm, h, tokens, hidden, eps);
-        packed_linear_f32(h, qkv_w, qkv_b, qkv, tokens, qkv_width, hidden);
+        packed_linear(h, qkv_w, qkv_s, qkv_b, qkv, tokens, qkv_width, hidden);
         rope_and_cache_f32(qkv, positions, cos_table, sin_table, k_cache, v_cache, slots, tokens, heads, kv_heads,
                            head_dim, block_size);
         for (int64_t t = 0; t < tokens; t++) memcpy(q + t * q_width, qkv + t * qkv_width, sizeof(float) * q_width);
         paged_decode_attention_f32(q, k_cache, v_cache, block_tables, context_lens, attn, tokens, heads, kv_heads,
                                    head_dim, max_blocks, block_size, max_context_len, scale);
-        packed_linear_f32(attn, o_w, 0, attn_proj, tokens, hidden, q_width);
+        packed_linear(attn, o_w, o_s, 0, attn_proj, tokens, hidden, q_width);
         rms_norm_f32(x, attn_proj, post_norm, h, tokens, hidden, eps);
-        packed_linear_f32(h, gate_up_w, 0, gate_up, tokens, 2 * intermediate, hidden);
+        packed_linear(h, gate_up_w, gate_up_s, 0, gate_up, tokens, 2 * intermediate, hidden);
         silu_mul_f32(gate_up, act, tokens, intermediate);
-        packed_linear_f32(act, down_w, 0, delta, tokens, hidden, intermediate);
+        packed_linear(act, down_w, down_s, 0, delta, tokens, hidden, intermediate);
     }
     if (num_layers)
         for (int64_t i = 0; i < tokens * hidden; i++) x[i] += delta[i];

@@ -8,7 +8,9 @@ void paged_decode_attention_f32(const float *q, const float *k_cache, const floa
                                 const int32_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks, int64_t block_size,
                                 int64_t max_context_len, float scale);
-void packed_linear_f32(const float *x, const float *wp, const float *bias, float *out, int64_t m, int64_t n, int64_t k);
+int64_t packed_linear_panel(void);
+void packed_linear(const float *x, const void *wp, const float *scales, const float *bias, float *out, int64_t m,
+                   int64_t n, int64_t k);
 void rms_norm_f32(float *x, const float *residual, const float *weight, float *out, int64_t rows, int64_t dim,
                   float eps);
 void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t dim);

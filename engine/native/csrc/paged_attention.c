@@ -2,17 +2,23 @@
  *
  * One query token per sequence reads its whole context straight from the block pool through
  * its block table: no gather copy. Work is split over (sequence, KV head) with OpenMP; the
- * query heads of a GQA group share each K/V block while it is in L1. fp32 only. An AVX-512
- * path is used where the compiler targets it (block_size, head_dim multiples of 16); it keeps
- * four independent FMA chains in flight, since one chain is bound by FMA latency.
+ * query heads of a GQA group share each K/V block while it is in L1. fp32 only. A vector path
+ * (simd.h: AVX-512 or AVX2, whichever this build targets) is used where block_size and head_dim
+ * are multiples of the vector width; it keeps four independent FMA chains in flight, since one
+ * chain is bound by FMA latency.
  */
 #include <math.h>
 #include <stdint.h>
 
-#include "kernels.h"
 #include <stdlib.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
+
+#include "kernels.h"
+#include "simd.h"
+
+#if VL == 16
+#define HEADS_PER_PASS 4
+#else
+#define HEADS_PER_PASS 1
 #endif
 
 typedef struct {
@@ -45,7 +51,7 @@ static void prefetch_block(const float *k_cache, const float *v_cache, const int
 }
 
 /* scores[g * len + t] = scale * q_g . k_t for every token t of the context. K blocks are stored
- * transposed, [head][dim][token], so 16 tokens' scores come out of one vector FMA chain with no
+ * transposed, [head][dim][token], so VL tokens' scores come out of one vector FMA chain with no
  * horizontal reductions. */
 static void qk_scores(const float *qg, const float *k_cache, const float *v_cache, const int32_t *table, int64_t h,
                       int64_t len, const Dims *d, float *scores)
@@ -57,47 +63,43 @@ static void qk_scores(const float *qg, const float *k_cache, const float *v_cach
         const float *kt = k_cache + ((int64_t)table[t0 / bs] * d->num_kv_heads + h) * d->head_dim * bs;
         if (t0 / bs + PREFETCH_BLOCKS < num_blocks) prefetch_block(k_cache, v_cache, table, t0 / bs + PREFETCH_BLOCKS, h, d);
         int64_t g = 0;
-#if defined(__AVX512F__)
-        /* Four query heads at a time: each 16-token row of K feeds four FMA chains. */
-        for (; bs % 16 == 0 && g + 4 <= d->group; g += 4) {
+#if defined(HAS_SIMD)
+        /* Four query heads at a time: each VL-token row of K feeds four FMA chains. */
+        for (; bs % VL == 0 && g + 4 <= d->group; g += 4) {
             const float *q4 = qg + g * d->head_dim;
-            const __m512 scale = _mm512_set1_ps(d->scale);
-            for (int64_t j0 = 0; j0 < n; j0 += 16) {
-                __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps(),
-                       acc3 = _mm512_setzero_ps();
+            const vf scale = vset1(d->scale);
+            for (int64_t j0 = 0; j0 < n; j0 += VL) {
+                vf acc0 = vzero(), acc1 = vzero(), acc2 = vzero(), acc3 = vzero();
                 for (int64_t c = 0; c < d->head_dim; c++) {
-                    const __m512 kv = _mm512_loadu_ps(kt + c * bs + j0);
-                    acc0 = _mm512_fmadd_ps(_mm512_set1_ps(q4[c]), kv, acc0);
-                    acc1 = _mm512_fmadd_ps(_mm512_set1_ps(q4[d->head_dim + c]), kv, acc1);
-                    acc2 = _mm512_fmadd_ps(_mm512_set1_ps(q4[2 * d->head_dim + c]), kv, acc2);
-                    acc3 = _mm512_fmadd_ps(_mm512_set1_ps(q4[3 * d->head_dim + c]), kv, acc3);
+                    const vf kv = vload(kt + c * bs + j0);
+                    acc0 = vfma(vset1(q4[c]), kv, acc0);
+                    acc1 = vfma(vset1(q4[d->head_dim + c]), kv, acc1);
+                    acc2 = vfma(vset1(q4[2 * d->head_dim + c]), kv, acc2);
+                    acc3 = vfma(vset1(q4[3 * d->head_dim + c]), kv, acc3);
                 }
-                const int64_t m = n - j0 < 16 ? n - j0 : 16;
-                const __mmask16 mask = (__mmask16)((1u << m) - 1);
+                const vmask mask = vmask_first(n - j0);
                 float *out = scores + g * len + t0 + j0;
-                _mm512_mask_storeu_ps(out, mask, _mm512_mul_ps(acc0, scale));
-                _mm512_mask_storeu_ps(out + len, mask, _mm512_mul_ps(acc1, scale));
-                _mm512_mask_storeu_ps(out + 2 * len, mask, _mm512_mul_ps(acc2, scale));
-                _mm512_mask_storeu_ps(out + 3 * len, mask, _mm512_mul_ps(acc3, scale));
+                vstore_masked(out, mask, vmul(acc0, scale));
+                vstore_masked(out + len, mask, vmul(acc1, scale));
+                vstore_masked(out + 2 * len, mask, vmul(acc2, scale));
+                vstore_masked(out + 3 * len, mask, vmul(acc3, scale));
             }
         }
 #endif
         for (; g < d->group; g++) {
             const float *qp = qg + g * d->head_dim;
             float *out = scores + g * len + t0;
-#if defined(__AVX512F__)
-            if (bs % 16 == 0) {
-                const __m512 scale = _mm512_set1_ps(d->scale);
-                for (int64_t j0 = 0; j0 < n; j0 += 16) {
+#if defined(HAS_SIMD)
+            if (bs % VL == 0 && d->head_dim % 4 == 0) {
+                const vf scale = vset1(d->scale);
+                for (int64_t j0 = 0; j0 < n; j0 += VL) {
                     /* Four partial sums over the head dimension: independent FMA chains. */
-                    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+                    vf acc[4] = {vzero(), vzero(), vzero(), vzero()};
                     const float *kj = kt + j0;
                     for (int64_t c = 0; c < d->head_dim; c += 4)
-                        for (int u = 0; u < 4; u++)
-                            acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(qp[c + u]), _mm512_loadu_ps(kj + (c + u) * bs), acc[u]);
-                    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-                    const int64_t m = n - j0 < 16 ? n - j0 : 16;
-                    _mm512_mask_storeu_ps(out + j0, (__mmask16)((1u << m) - 1), _mm512_mul_ps(sum, scale));
+                        for (int u = 0; u < 4; u++) acc[u] = vfma(vset1(qp[c + u]), vload(kj + (c + u) * bs), acc[u]);
+                    const vf sum = vadd(vadd(acc[0], acc[1]), vadd(acc[2], acc[3]));
+                    vstore_masked(out + j0, vmask_first(n - j0), vmul(sum, scale));
                 }
                 continue;
             }
@@ -132,41 +134,38 @@ static void softmax_rows(float *scores, int64_t rows, int64_t len)
 static void weighted_values(const float *probs, const float *v_cache, const int32_t *table, int64_t h, int64_t len,
                             const Dims *d, float *og)
 {
-#if defined(__AVX512F__)
-    if (d->head_dim == 64 && d->group % 4 == 0) {
-        /* Four query heads x 64 dims = 16 accumulators in registers: each V row is read once
-         * per four heads instead of once per head and 16 dims. */
-        for (int64_t g0 = 0; g0 < d->group; g0 += 4) {
-            __m512 acc[4][4];
-            for (int g = 0; g < 4; g++)
-                for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
+#if defined(HAS_SIMD)
+    if (d->head_dim == 64 && d->group % HEADS_PER_PASS == 0) {
+        /* HEADS_PER_PASS query heads x 64 dims of accumulators in registers (16 of them with
+         * AVX-512, 8 with AVX2): each V row is read once per pass instead of once per head and VL dims. */
+        for (int64_t g0 = 0; g0 < d->group; g0 += HEADS_PER_PASS) {
+            vf acc[HEADS_PER_PASS][64 / VL];
+            for (int g = 0; g < HEADS_PER_PASS; g++)
+                for (int c = 0; c < 64 / VL; c++) acc[g][c] = vzero();
             for (int64_t t0 = 0; t0 < len; t0 += d->block_size) {
                 const int64_t n = len - t0 < d->block_size ? len - t0 : d->block_size;
                 const float *vb = v_cache + (int64_t)table[t0 / d->block_size] * d->block_size * d->row + h * 64;
                 for (int64_t j = 0; j < n; j++) {
                     const float *vr = vb + j * d->row;
-                    const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16), v2 = _mm512_loadu_ps(vr + 32),
-                                 v3 = _mm512_loadu_ps(vr + 48);
-                    for (int g = 0; g < 4; g++) {
-                        const __m512 pg = _mm512_set1_ps(probs[(g0 + g) * len + t0 + j]);
-                        acc[g][0] = _mm512_fmadd_ps(pg, v0, acc[g][0]);
-                        acc[g][1] = _mm512_fmadd_ps(pg, v1, acc[g][1]);
-                        acc[g][2] = _mm512_fmadd_ps(pg, v2, acc[g][2]);
-                        acc[g][3] = _mm512_fmadd_ps(pg, v3, acc[g][3]);
+                    vf v[64 / VL];
+                    for (int c = 0; c < 64 / VL; c++) v[c] = vload(vr + c * VL);
+                    for (int g = 0; g < HEADS_PER_PASS; g++) {
+                        const vf pg = vset1(probs[(g0 + g) * len + t0 + j]);
+                        for (int c = 0; c < 64 / VL; c++) acc[g][c] = vfma(pg, v[c], acc[g][c]);
                     }
                 }
             }
-            for (int g = 0; g < 4; g++)
-                for (int c = 0; c < 4; c++) _mm512_storeu_ps(og + (g0 + g) * 64 + c * 16, acc[g][c]);
+            for (int g = 0; g < HEADS_PER_PASS; g++)
+                for (int c = 0; c < 64 / VL; c++) vstore(og + (g0 + g) * 64 + c * VL, acc[g][c]);
         }
         return;
     }
-    if (d->head_dim % 16 == 0) {
+    if (d->head_dim % VL == 0) {
         for (int64_t g = 0; g < d->group; g++) {
             const float *pg = probs + g * len;
-            for (int64_t c = 0; c < d->head_dim; c += 16) {
+            for (int64_t c = 0; c < d->head_dim; c += VL) {
                 /* Four partial sums over tokens (t mod 4): independent FMA chains. */
-                __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+                vf acc[4] = {vzero(), vzero(), vzero(), vzero()};
                 for (int64_t t0 = 0; t0 < len; t0 += d->block_size) {
                     const int64_t n = len - t0 < d->block_size ? len - t0 : d->block_size;
                     const float *vb =
@@ -174,13 +173,10 @@ static void weighted_values(const float *probs, const float *v_cache, const int3
                     const float *pb = pg + t0;
                     int64_t j = 0;
                     for (; j + 4 <= n; j += 4)
-                        for (int u = 0; u < 4; u++)
-                            acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(pb[j + u]), _mm512_loadu_ps(vb + (j + u) * d->row), acc[u]);
-                    for (; j < n; j++)
-                        acc[0] = _mm512_fmadd_ps(_mm512_set1_ps(pb[j]), _mm512_loadu_ps(vb + j * d->row), acc[0]);
+                        for (int u = 0; u < 4; u++) acc[u] = vfma(vset1(pb[j + u]), vload(vb + (j + u) * d->row), acc[u]);
+                    for (; j < n; j++) acc[0] = vfma(vset1(pb[j]), vload(vb + j * d->row), acc[0]);
                 }
-                const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-                _mm512_storeu_ps(og + g * d->head_dim + c, sum);
+                vstore(og + g * d->head_dim + c, vadd(vadd(acc[0], acc[1]), vadd(acc[2], acc[3])));
             }
         }
         return;

@@ -1,0 +1,279 @@
+"""The engine against the peers a self-hoster would pick, at the sizes people run (`make
+bench-peers`, part of `make bench`; llama.cpp comes from `make bench-deps`).
+
+Models (random weights from seed 0, built by this script, fp32): the 30M reference of bench_engine
+and a 390M model of Qwen2.5-0.5B's shape with a 32k vocabulary. Paths, each decoding the same
+random prompts greedily, every figure in one run: the engine on each kernel path this CPU has
+(AVX-512, AVX2, PyTorch ops), fp32 and int8; transformers (static batch); llama.cpp f32 and Q8_0
+(the same weights as GGUF), built natively and, on AVX-512 machines, for AVX2 only. Also printed:
+decode at one stream as a share of the measured memory bandwidth, the linear layers of one step
+against torch's library kernels (bench/linear_bench.py), and int8 quality (bench/quant_quality.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.bench_engine import REFERENCE, machine_info  # noqa: E402
+from bench.llamacpp_peer import make_prompts  # noqa: E402
+from engine.native import kernels  # noqa: E402
+
+QWEN_390M = dict(
+    vocab_size=32000, hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+    intermediate_size=4864, tie_word_embeddings=True, max_position_embeddings=4096, rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+)
+MODELS = {"ref-30m": ("llama", REFERENCE), "qwen-390m": ("qwen2", QWEN_390M)}
+LLAMA_BUILDS = {"native": ROOT / "build" / "llama-cpp" / "native", "avx2": ROOT / "build" / "llama-cpp" / "avx2"}
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    model: str
+    streams: int
+    prompt_len: int
+    output_len: int
+
+
+WORKLOADS = (Workload("qwen-390m", 1, 128, 32), Workload("qwen-390m", 8, 128, 32), Workload("ref-30m", 32, 128, 64))
+
+
+@dataclass(frozen=True, slots=True)
+class PeerResult:
+    workload: str
+    path: str  # e.g. "ours avx512 int8", "llama.cpp native Q8_0"
+    tokens_per_s: float  # all output tokens / wall time, prefill included
+    decode_tokens_per_s: float  # once every stream has its first token
+    weight_bytes: int  # read per decode step
+
+
+def build_model(name: str) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    arch, shape = MODELS[name]
+    path = ROOT / "build" / "peer-models" / name
+    if (path / "model.safetensors").exists():
+        return path
+    torch.manual_seed(0)
+    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    model = model_cls(config_cls(**shape, eos_token_id=1, pad_token_id=0, bos_token_id=None))
+    if arch == "qwen2":  # transformers initialises the q/k/v biases to zero; give them values, as trained ones have
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.02)
+    model.to(torch.float32).save_pretrained(path)
+    return path
+
+
+def matmul_bytes(shape: dict, bytes_per_weight: float) -> int:
+    h, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    head_dim = h // shape["num_attention_heads"]
+    per_layer = h * head_dim * (2 * shape["num_attention_heads"] + 2 * shape["num_key_value_heads"]) + 3 * h * shape["intermediate_size"]
+    return int((layers * per_layer + shape["vocab_size"] * h) * bytes_per_weight)
+
+
+def run_ours(model_dir: Path, w: Workload, kernel_isa: str, quantization: str) -> tuple[float, float]:
+    from engine.native.engine import LLMEngine
+    from engine.types import GenerationRequest, SamplingParams
+    from settings import EngineConfig
+
+    config = EngineConfig(device="cpu", kv_cache_bytes=512 << 20, max_num_seqs=64, kernel_isa=kernel_isa, quantization=quantization)
+    engine = LLMEngine.from_model_dir(model_dir, config, eos_token_ids=())
+    prompts = make_prompts(w.streams, w.prompt_len, MODELS[w.model][1]["vocab_size"], seed=w.streams)
+    sampling = SamplingParams(max_tokens=w.output_len, temperature=0.0, ignore_eos=True)
+
+    def once(tag: str) -> tuple[float, float, float]:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(GenerationRequest(f"{tag}{i}", tuple(prompt), sampling))
+        started, first, counts = time.perf_counter(), None, {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
+            if first is None and len(counts) == len(prompts):
+                first = time.perf_counter()
+        return started, first, time.perf_counter()
+
+    once("warm")
+    started, first, end = once("run")
+    n = w.streams
+    return n * w.output_len / (end - started), n * (w.output_len - 1) / (end - first)
+
+
+@torch.inference_mode()
+def run_transformers(model_dir: Path, w: Workload) -> tuple[float, float]:
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor(make_prompts(w.streams, w.prompt_len, MODELS[w.model][1]["vocab_size"], seed=w.streams))
+
+    def generate(max_tokens: int) -> float:
+        config = copy.deepcopy(model.generation_config)
+        config.max_new_tokens, config.min_new_tokens, config.do_sample = max_tokens, max_tokens, False
+        config.eos_token_id, config.pad_token_id = 10**9, 0
+        start = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        return time.perf_counter() - start
+
+    generate(2)
+    prefill_s, total_s = generate(1), generate(w.output_len)
+    n = w.streams
+    return n * w.output_len / total_s, n * (w.output_len - 1) / (total_s - prefill_s)
+
+
+def run_llamacpp(build: str, gguf: Path, w: Workload) -> tuple[float, float, str]:
+    env = {**os.environ, "PYTHONPATH": f"{LLAMA_BUILDS[build]}:{ROOT}"}
+    cmd = [sys.executable, "-m", "bench.llamacpp_peer", "--gguf", str(gguf), "--streams", str(w.streams),
+           "--prompt-len", str(w.prompt_len), "--output-len", str(w.output_len),
+           "--vocab-size", str(MODELS[w.model][1]["vocab_size"]), "--seed", str(w.streams)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"llama.cpp ({build}) failed: {done.stderr[-1500:]}")
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    return record["tokens_per_s"], record["decode_tokens_per_s"], record["system_info"]
+
+
+def llama_builds() -> list[str]:
+    """The llama.cpp builds `make bench-deps` made (the AVX2 one only matters on AVX-512 CPUs)."""
+    return [b for b, path in LLAMA_BUILDS.items() if (path / "llama_cpp").is_dir()]
+
+
+def measure_copy_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes read + written per second by a large tensor copy (torch's threads), the memory's practical limit."""
+    src = torch.ones(num_bytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * num_bytes / best / 1e9
+
+
+def our_paths() -> list[tuple[str, str]]:
+    modes = [m.value for m in kernels.supported_modes()] + ["torch"]
+    return [(mode, q) for mode in modes for q in ("none", "int8") if not (mode == "torch" and q == "int8")]
+
+
+def bench_workload(w: Workload, model_dir: Path, ggufs: dict[str, Path], builds: list[str]) -> tuple[list[PeerResult], dict]:
+    shape = MODELS[w.model][1]
+    name = f"{w.model} x{w.streams}"
+    results, system_info = [], {}
+    for mode, quantization in our_paths():
+        tps, decode = run_ours(model_dir, w, mode, quantization)
+        per_weight = 1.125 if quantization == "int8" else 4.0
+        results.append(PeerResult(name, f"ours {mode} {'int8' if quantization == 'int8' else 'fp32'}", tps, decode, matmul_bytes(shape, per_weight)))
+    tps, decode = run_transformers(model_dir, w)
+    results.append(PeerResult(name, "transformers static batch", tps, decode, matmul_bytes(shape, 4.0)))
+    for build in builds:
+        for kind, gguf in ggufs.items():
+            tps, decode, info = run_llamacpp(build, gguf, w)
+            system_info[build] = info
+            per_weight = 34 / 32 if kind == "Q8_0" else 4.0
+            results.append(PeerResult(name, f"llama.cpp {build} {kind}", tps, decode, matmul_bytes(shape, per_weight)))
+    return results, system_info
+
+
+def print_table(results: list[PeerResult], bandwidth_gbs: float) -> None:
+    header = f"{'workload':16} {'path':28} {'out tok/s':>10} {'decode tok/s':>13} {'weights GB/s':>13} {'of copy bw':>10}"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        weights_gbs = r.weight_bytes * r.decode_tokens_per_s / 1e9 if r.workload.endswith("x1") else float("nan")
+        share = weights_gbs / bandwidth_gbs
+        print(f"{r.workload:16} {r.path:28} {r.tokens_per_s:>10.1f} {r.decode_tokens_per_s:>13.1f} {weights_gbs:>13.1f} {share:>10.0%}")
+
+
+def ratios(results: list[PeerResult]) -> dict[str, float]:
+    """ours / llama.cpp at the same ISA, for the targets of issue #22 (out tok/s)."""
+    by = {(r.workload, r.path): r.tokens_per_s for r in results}
+    out = {}
+    for workload in sorted({r.workload for r in results}):
+        for ours, peer in (("ours avx512 fp32", "llama.cpp native f32"), ("ours avx512 int8", "llama.cpp native Q8_0"),
+                           ("ours avx2 fp32", "llama.cpp avx2 f32"), ("ours avx2 int8", "llama.cpp avx2 Q8_0"),
+                           ("ours avx512 fp32", "transformers static batch"), ("ours avx2 fp32", "transformers static batch")):
+            if (workload, ours) in by and (workload, peer) in by:
+                out[f"{workload}: {ours} / {peer}"] = by[(workload, ours)] / by[(workload, peer)]
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", default=",".join(f"{w.model}x{w.streams}" for w in WORKLOADS))
+    p.add_argument("--skip-linear", action="store_true", help="skip the linear layers against torch's kernels")
+    p.add_argument("--skip-quality", action="store_true", help="skip the int8 quality measurement")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    wanted = set(args.workloads.split(","))
+    machine = {**machine_info(float("nan")), "isa_modes": [m.value for m in kernels.supported_modes()]}
+    bandwidth = measure_copy_bandwidth_gbs()
+    builds = llama_builds()
+    if not builds:
+        print("llama.cpp is not built: run `make bench-deps` (about 15-30 minutes) to compare with it")
+    results, system_info = [], {}
+    for w in WORKLOADS:
+        if f"{w.model}x{w.streams}" not in wanted:
+            continue
+        model_dir = build_model(w.model)
+        ggufs = {}
+        if builds:
+            from bench.gguf_export import quantize_q8_0, write_f32_gguf
+
+            f32 = write_f32_gguf(model_dir, model_dir / "model-f32.gguf")
+            ggufs = {"f32": f32, "Q8_0": _in_llama_process(quantize_q8_0, f32, model_dir / "model-q8_0.gguf")}
+        rows, info = bench_workload(w, model_dir, ggufs, builds)
+        results += rows
+        system_info.update(info)
+    print(f"machine: {machine['cpu']} | {machine['threads']} threads | kernel ISAs {machine['isa_modes']} | "
+          f"copy bandwidth {bandwidth:.1f} GB/s (read + write)")
+    for build, info in system_info.items():
+        print(f"llama.cpp {build}: {info.strip()}")
+    print_table(results, bandwidth)
+    summary = ratios(results)
+    for name, value in summary.items():
+        print(f"  {name}: {value:.2f}x")
+    record = {"machine": machine, "copy_bandwidth_gbs": bandwidth, "llama_cpp": system_info,
+              "results": [asdict(r) for r in results], "ratios": summary}
+    if not args.skip_linear:
+        from bench.linear_bench import main as linear_main
+
+        record["linear"] = linear_main(QWEN_390M)
+    if not args.skip_quality:
+        from bench.quant_quality import measure
+
+        quality = measure()
+        print(f"int8 quality on {quality.model}: held-out perplexity {quality.perplexity_fp32:.3f} fp32 vs "
+              f"{quality.perplexity_int8:.3f} int8; greedy agreement with fp32 {quality.greedy_agreement:.1%} "
+              f"({quality.num_prompts} prompts x {quality.tokens_per_prompt} tokens)")
+        record["int8_quality"] = asdict(quality)
+    line = json.dumps(record, default=float)
+    print(line)
+    if args.json:
+        args.json.write_text(line + "\n")
+    return record
+
+
+def _in_llama_process(fn, *args):
+    """llama.cpp's quantizer, from the native build, in a child process (this one stays llama.cpp-free)."""
+    code = f"import sys; from bench.gguf_export import {fn.__name__} as f; f(*map(__import__('pathlib').Path, sys.argv[1:]))"
+    env = {**os.environ, "PYTHONPATH": f"{LLAMA_BUILDS[llama_builds()[0]]}:{ROOT}"}
+    subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env, cwd=ROOT, check=True)
+    return args[-1]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""The Python side of one loaded kernel library (kernels.load_kernels): pack weights, call kernels.
+
+A CpuKernels object belongs to one KernelMode; the runner holds it and hands it to the model,
+so nothing here is module state. Every call takes contiguous fp32 CPU tensors (the runner only
+builds a CpuKernels for fp32 on the CPU).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.native.quant import Quantization, quantize_int8
+
+if TYPE_CHECKING:
+    from engine.native.kernels import KernelMode
+
+
+@dataclass(frozen=True, slots=True)
+class PackedLinear:
+    """A linear layer's weight [out_features, in_features], packed for CpuKernels.packed_linear.
+    The layout depends on the instruction set, so it keeps the kernels that packed it."""
+
+    panels: torch.Tensor  # [ceil(out_features / panel), in_features, panel] fp32 or int8
+    scales: torch.Tensor | None  # int8: [ceil(out_features / panel), ceil(in_features / 32), panel] fp32
+    out_features: int
+    in_features: int
+    kernels: CpuKernels
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.nbytes + (0 if self.scales is None else self.scales.nbytes)
+
+
+def _to_panels(matrix: torch.Tensor, panel: int) -> torch.Tensor:
+    """[rows, cols] -> [ceil(rows / panel), cols, panel], zero-padded past the last row."""
+    rows, cols = matrix.shape
+    num_panels = -(-rows // panel)
+    padded = torch.zeros((num_panels * panel, cols), dtype=matrix.dtype)
+    padded[:rows] = matrix
+    return padded.view(num_panels, panel, cols).transpose(1, 2).contiguous()
+
+
+class CpuKernels:
+    def __init__(self, mode: KernelMode, lib: ctypes.CDLL):
+        self.mode = mode
+        self._lib = lib
+        self.panel = int(lib.packed_linear_panel())  # output columns per packed panel
+
+    def pack_linear(self, weight: torch.Tensor, quantization: Quantization = Quantization.NONE) -> PackedLinear:
+        """Pack an fp32 CPU weight [out_features, in_features] once, at load time (int8: quantized too)."""
+        weight = weight.detach().to(torch.float32)
+        n, k = weight.shape
+        if quantization is Quantization.INT8:
+            quantized = quantize_int8(weight)
+            return PackedLinear(_to_panels(quantized.q, self.panel), _to_panels(quantized.scales, self.panel), n, k, self)
+        return PackedLinear(_to_panels(weight, self.panel), None, n, k, self)
+
+    def packed_linear(self, x: torch.Tensor, weight: PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear(x, W, bias) for x [rows, in_features] and W packed by pack_linear."""
+        x = x.contiguous()
+        rows, k = x.shape
+        if k != weight.in_features:
+            raise ValueError(f"input has {k} features, the layer takes {weight.in_features}")
+        if weight.kernels is not self:
+            raise ValueError(f"the weight was packed for {weight.kernels.mode.value}, not {self.mode.value}")
+        out = torch.empty((rows, weight.out_features), dtype=torch.float32)
+        if rows:
+            scales = None if weight.scales is None else weight.scales.data_ptr()
+            bias_ptr = None if bias is None else bias.contiguous().data_ptr()
+            self._lib.packed_linear(
+                x.data_ptr(), weight.panels.data_ptr(), scales, bias_ptr, out.data_ptr(), rows, weight.out_features, k
+            )
+        return out
+
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,  # [num_seqs, num_heads, head_dim] fp32
+        k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, head_dim, block_size]
+        v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+        block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+        context_lens: torch.Tensor,  # [num_seqs] int32
+        max_context_len: int,
+    ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        num_seqs, num_heads, head_dim = q.shape
+        self._lib.paged_decode_attention_f32(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
+            out.data_ptr(), num_seqs, num_heads, k_cache.shape[1], head_dim, block_tables.shape[1], k_cache.shape[3],
+            max_context_len, head_dim**-0.5,
+        )
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """F.rms_norm over the last dim of x [rows, dim]. With residual, x += residual first, in place."""
+        assert x.is_contiguous() and (residual is None or residual.is_contiguous())
+        out = torch.empty_like(x)
+        rows, dim = x.shape
+        res_ptr = None if residual is None else residual.data_ptr()
+        self._lib.rms_norm_f32(x.data_ptr(), res_ptr, weight.data_ptr(), out.data_ptr(), rows, dim, eps)
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [rows, 2 * dim] -> silu(gate) * up [rows, dim]."""
+        gate_up = gate_up.contiguous()
+        rows, width = gate_up.shape
+        out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+        self._lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+        return out
+
+    def rope_and_cache(
+        self,
+        qkv: torch.Tensor,  # [tokens, (heads + 2 * kv_heads) * head_dim], rotated in place
+        positions: torch.Tensor,  # [tokens] int64
+        cos: torch.Tensor,  # [max_positions, head_dim]
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, kv_heads, head_dim, block_size]
+        v_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [tokens] int64
+        num_heads: int,
+    ) -> None:
+        """RoPE on q and k in place, then the new k and v written into the paged cache."""
+        assert qkv.is_contiguous() and positions.dtype == slot_mapping.dtype == torch.int64
+        _, kv_heads, head_dim, block_size = k_cache.shape
+        self._lib.rope_and_cache_f32(
+            qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            slot_mapping.data_ptr(), qkv.shape[0], num_heads, kv_heads, head_dim, block_size,
+        )
+
+    def decode_stack(self, layers, kv_caches, **dims) -> DecodeStack:
+        return DecodeStack(self._lib, layers, kv_caches, **dims)
+
+
+def _scales_ptr(weight: PackedLinear) -> int:
+    return 0 if weight.scales is None else weight.scales.data_ptr()
+
+
+class DecodeStack:
+    """Runs every layer of a decode-only step in one call (csrc/decode_step.c).
+
+    Holds the per-layer addresses of the packed weights and the KV cache, so it must live no
+    longer than the weights and the cache it was built from (the model keeps it beside them).
+    """
+
+    def __init__(self, lib, layers, kv_caches, *, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 intermediate: int, eps: float):
+        rows = []
+        for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+            bias = layer.qkv_bias.data_ptr() if layer.qkv_bias is not None else 0
+            linears = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+            rows.append([
+                layer.input_norm.data_ptr(), layer.qkv.panels.data_ptr(), bias, layer.o_proj.panels.data_ptr(),
+                layer.post_norm.data_ptr(), layer.gate_up.panels.data_ptr(), layer.down.panels.data_ptr(),
+                k_cache.data_ptr(), v_cache.data_ptr(), *(_scales_ptr(w) for w in linears),
+            ])
+        self._lib = lib
+        self._keep = (layers, kv_caches)
+        self.kv_cache_ptr = kv_caches[0][0].data_ptr()
+        self._table = torch.tensor(rows, dtype=torch.int64)
+        self._dims = (len(rows), hidden, heads, kv_heads, head_dim, intermediate, kv_caches[0][0].shape[-1])
+        self._eps, self._scale = eps, head_dim**-0.5
+        self._scratch_per_token = 3 * hidden + (heads + 2 * kv_heads) * head_dim + 2 * heads * head_dim + 3 * intermediate
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int) -> torch.Tensor:
+        """x [tokens, hidden] (the embeddings) becomes the residual stream after the last layer, in place."""
+        assert x.is_contiguous() and block_tables.is_contiguous() and block_tables.dtype == context_lens.dtype == torch.int32
+        tokens = x.shape[0]
+        scratch = torch.empty(tokens * self._scratch_per_token, dtype=torch.float32)
+        self._lib.decode_layers_f32(
+            x.data_ptr(), positions.data_ptr(), slots.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            block_tables.data_ptr(), context_lens.data_ptr(), block_tables.shape[1], max_context_len, tokens,
+            self._table.data_ptr(), *self._dims, self._eps, self._scale, scratch.data_ptr(),
+        )
+        return x

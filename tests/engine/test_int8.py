@@ -1,0 +1,53 @@
+"""int8 weights (engine.quantization = "int8"): the engine computes the rounded model exactly
+(greedy output equal to transformers running the same rounded weights, on every kernel path this
+CPU can run), and the rounding costs little against fp32 on the bundled demo model."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from bench.quant_quality import measure, rounded_like_int8
+from engine.native.kernels import KernelMode
+from engine.native.loader import load_model_args
+from engine.native.quant import Quantization
+from engine.types import GenerationRequest, SamplingParams
+from kernel_modes import ALL_MODES
+from test_greedy_equality import engine_for, run_with_arrivals
+
+
+def transformers_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    config = copy.deepcopy(model.generation_config)
+    config.max_new_tokens, config.do_sample, config.pad_token_id, config.eos_token_id = max_tokens, False, 0, 10**9
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             generation_config=config)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize("variant", ["tied-gqa-parameters", "qwen2-qkv-bias"])
+def test_int8_engine_matches_transformers_on_the_rounded_weights_token_for_token(tiny_models, variant, mode):
+    model_dir = tiny_models.path(variant)
+    reference = rounded_like_int8(tiny_models.reference(variant))
+    engine = engine_for(model_dir, num_blocks=48, kernel_isa=mode.value, quantization="int8")
+    assert engine.runner.kernel_mode is mode and engine.runner.quantization is Quantization.INT8
+    if mode is not KernelMode.TORCH:
+        assert engine.runner.model.weights.layers[0].qkv.panels.dtype == torch.int8
+    rng = random.Random(7)
+    vocab_size = load_model_args(model_dir).vocab_size
+    prompts = [[rng.randrange(3, vocab_size) for _ in range(n)] for n in (1, 9, 40, 70)]
+    sampling = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    arrivals = [(i, GenerationRequest(f"r{i}", tuple(p), sampling)) for i, p in enumerate(prompts)]
+    expected = {f"r{i}": transformers_greedy(reference, p, 16) for i, p in enumerate(prompts)}
+    assert run_with_arrivals(engine, arrivals) == expected
+
+
+def test_int8_costs_little_quality_on_the_demo_model():
+    # Loose bounds: measured 2026-11-23 (bench/RESULTS.md), perplexity within 1% and most greedy tokens equal.
+    quality = measure(limit=8, max_tokens=24)
+    assert quality.perplexity_int8 < 1.05 * quality.perplexity_fp32, quality
+    assert quality.greedy_agreement >= 0.5, quality
