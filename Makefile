@@ -46,20 +46,38 @@ bench: $(VENV)/.installed-dev
 bench-peers: $(VENV)/.installed-dev
 	$(PY) -m bench.bench_peers $(ARGS)
 
-# Bench-only: the gguf package, and llama.cpp (llama-cpp-python from PyPI, compiled: 15-30 minutes
-# on 2 cores, at nice 19) twice: for this CPU, and for AVX2 + FMA only (the AVX2 peer on AVX-512
-# machines). Into build/llama-cpp/, not the venv, so both builds can be measured in one run.
+# Bench-only: the gguf package, and llama.cpp from llama-cpp-python's PyPI source package, built
+# twice: for this CPU, and for AVX2 + FMA only (the AVX2 peer on AVX-512 machines). Only the
+# library the Python bindings load is compiled (about 5-10 minutes each on 2 cores, at nice 19),
+# into build/llama-cpp/<build>/ rather than the venv, so both builds can be measured in one run.
 # Never part of make test.
-LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36 diskcache==5.6.3
+LLAMA_CPP_VERSION := 0.3.36
+LLAMA_CPP_SRC := build/llama-cpp/llama_cpp_python-$(LLAMA_CPP_VERSION)
 LLAMA_CPP_FLAGS_native := -DGGML_NATIVE=ON
 LLAMA_CPP_FLAGS_avx2 := -DGGML_NATIVE=OFF -DGGML_AVX512=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+LLAMA_CPP_ONLY_LIB := -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+  -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_CURL=OFF
 bench-deps: $(VENV)/.installed-dev build/llama-cpp/native/.built build/llama-cpp/avx2/.built
 	$(PIP) install --quiet -r requirements-bench.txt
 
-build/llama-cpp/%/.built: | $(VENV)/.installed-dev
-	rm -rf $(@D) && mkdir -p $(@D)
-	CMAKE_ARGS="-DLLAVA_BUILD=OFF $(LLAMA_CPP_FLAGS_$*)" CMAKE_BUILD_PARALLEL_LEVEL=2 nice -n 19 \
-	  $(PIP) install --quiet --no-cache-dir --no-deps --target $(@D) $(LLAMA_CPP_PYTHON)
+$(LLAMA_CPP_SRC)/.unpacked: | $(VENV)/.installed-dev
+	@command -v cmake >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq cmake >/dev/null; \
+	  else sudo apt-get update -qq && sudo apt-get install -y -qq cmake >/dev/null; fi; }
+	mkdir -p build/llama-cpp
+	$(PIP) download --quiet --no-deps --no-binary :all: -d build/llama-cpp llama-cpp-python==$(LLAMA_CPP_VERSION)
+	tar -xzf build/llama-cpp/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C build/llama-cpp
+	touch $@
+
+build/llama-cpp/%/.built: $(LLAMA_CPP_SRC)/.unpacked
+	rm -rf $(@D) build/llama-cpp/cmake-$*
+	cmake -S $(LLAMA_CPP_SRC)/vendor/llama.cpp -B build/llama-cpp/cmake-$* -DCMAKE_BUILD_TYPE=Release \
+	  -DBUILD_SHARED_LIBS=ON -DCMAKE_BUILD_RPATH='$$ORIGIN' $(LLAMA_CPP_FLAGS_$*) $(LLAMA_CPP_ONLY_LIB) >/dev/null
+	nice -n 19 cmake --build build/llama-cpp/cmake-$* --target llama -j 2
+	mkdir -p $(@D)/llama_cpp/lib
+	cp -r $(LLAMA_CPP_SRC)/llama_cpp/. $(@D)/llama_cpp/
+	cp -a build/llama-cpp/cmake-$*/bin/*.so* $(@D)/llama_cpp/lib/
+	$(PIP) install --quiet --no-deps --target $(@D) diskcache==5.6.3
 	touch $@
 
 load: $(VENV)/.installed-dev
