@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import orjson
 from aiohttp import web
 
-from api import protocol
+from api import attachments, protocol
 from api.answer import Answer
 from api.chat import (
     _STATUS,
@@ -102,7 +102,7 @@ async def _with_history(state: AppState, org_id: str, req: ResponsesRequest) -> 
                               "from an earlier one is not supported.", param="previous_response_id")
         conversation_id = conv.id
         if not req.store:  # continue without storing: the history goes in as messages
-            history = tuple(protocol.ChatMessage(m.role, m.content) for m in conv.messages)
+            history = tuple(attachments.history_message(m) for m in conv.messages)
             return replace(req, chat=replace(req.chat, messages=history + req.chat.messages)), None
     if not req.store:
         return req, None

@@ -87,7 +87,36 @@ def _chat_message(item: dict) -> dict:
         return {"role": "assistant", "content": None, "tool_calls": [call]}
     if item["type"] == "function_call_output":
         return {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
-    return {"role": item["role"], "content": item["content"]}
+    return {"role": item["role"], "content": _chat_content(item["content"])}
+
+
+def _chat_content(content: str | list) -> str | list:
+    """Responses content parts in chat completions' shapes (files and images: api/parts.py)."""
+    if isinstance(content, str):
+        return content
+    out = []
+    for part in content:
+        if part["type"] == "input_file":
+            out.append({"type": "file", "file": {k: v for k, v in part.items() if k != "type"}})
+        elif part["type"] == "input_image":
+            ref = {"file_id": part["file_id"]} if part.get("file_id") else {"url": part.get("image_url")}
+            out.append({"type": "image_url", "image_url": {**ref, "detail": part.get("detail", "auto")}})
+        else:
+            out.append({"type": "text", "text": part["text"]})
+    return out
+
+
+def _content_parts(content: list, where: str) -> str | list:
+    """input_text parts join into one string; with input_file/input_image parts the list is kept."""
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        is_text = kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str)
+        if not is_text and kind not in ("input_file", "input_image"):
+            raise bad_request(f"'{where}.content[{j}]' must be an input_text, input_file or input_image part.",
+                              param=f"{where}.content[{j}]")
+    if all(p["type"] in ("input_text", "output_text", "text") for p in content):
+        return "".join(p["text"] for p in content)
+    return list(content)
 
 
 def _item(value: Any, index: int) -> dict:
@@ -102,14 +131,8 @@ def _item(value: Any, index: int) -> dict:
         raise bad_request(f"'{where}.role' must be one of {', '.join(_ROLES)}; got {role!r}.", param=f"{where}.role")
     content = value.get("content")
     if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
-                    or not isinstance(part.get("text"), str):
-                raise bad_request(f"'{where}.content[{j}]' must be an input_text part.", param=f"{where}.content[{j}]")
-            texts.append(part["text"])
-        content = "".join(texts)
-    if not isinstance(content, str):
+        content = _content_parts(content, where)
+    if not isinstance(content, (str, list)):
         raise bad_request(f"'{where}.content' must be a string or an array of input_text parts.",
                           param=f"{where}.content")
     return {"type": "message", "role": role, "content": content}

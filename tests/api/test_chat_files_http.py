@@ -112,3 +112,20 @@ async def test_conversation_keeps_attachments_and_renders_them_again_next_turn(m
     third = await chat(client, [{"role": "user", "content": "Still there?"}], conversation_id=conv["id"])
     assert third.status == 200  # a deleted file leaves a note in the history, not an error
     assert state_of(client).store is not None
+
+
+async def test_responses_api_takes_input_file_and_input_image_parts(make_client):
+    client = await make_client()
+    file_id = (await (await upload(client, b"Pack an umbrella.", filename="tip.txt")).json())["id"]
+    content = [{"type": "input_text", "text": "Read: "}, {"type": "input_file", "file_id": file_id}]
+    resp = await client.post("/v1/responses", json={"model": "echo", "input": [{"role": "user", "content": content}],
+                                                    "max_output_tokens": 64})
+    assert resp.status == 200, await resp.text()
+    text = (await resp.json())["output"][0]["content"][0]["text"]
+    assert text.startswith("Read: \n\n--- File: tip.txt (text/plain) ---\nPack an umbrella.")
+    image = [{"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]
+    bad = await client.post("/v1/responses", json={"model": "echo", "input": [{"role": "user", "content": image}]})
+    await assert_error(bad, 400, code="invalid_image")
+    odd = [{"type": "input_audio", "data": "x"}]
+    await assert_error(await client.post("/v1/responses", json={"model": "echo", "input": [
+        {"role": "user", "content": odd}]}), 400, param="input[0].content[0]")
