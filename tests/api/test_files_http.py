@@ -4,6 +4,7 @@ isolation between organisations, retention and deletion."""
 from __future__ import annotations
 
 import aiohttp
+import pytest
 
 from api.files import BLOBS, purge_once
 from tests.api.helpers import assert_error, state_of
@@ -160,3 +161,24 @@ async def test_magic_bytes_decide_the_media_type(make_client):
     obj = await (await upload(client, png, filename="pic.txt", content_type="text/plain")).json()
     resp = await client.get(f"/v1/files/{obj['id']}/content")
     assert resp.headers["Content-Type"] == "image/png"
+
+
+async def test_the_official_openai_sdk_uploads_lists_reads_and_deletes(make_client, tmp_path):
+    import openai
+
+    client = await make_client()
+    sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="local", max_retries=0)
+    path = tmp_path / "report.txt"
+    path.write_bytes(b"Sales grew.")
+    with path.open("rb") as fh:
+        created = await sdk.files.create(file=fh, purpose="user_data")
+    assert created.filename == "report.txt" and created.bytes == 11 and created.purpose == "user_data"
+    assert [f.id async for f in sdk.files.list()] == [created.id]
+    assert (await sdk.files.retrieve(created.id)).id == created.id
+    assert (await sdk.files.content(created.id)).content == b"Sales grew."
+    answer = await sdk.chat.completions.create(model="echo", messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Read this."}, {"type": "file", "file": {"file_id": created.id}}]}])
+    assert "Sales grew." in answer.choices[0].message.content
+    assert (await sdk.files.delete(created.id)).deleted is True
+    with pytest.raises(openai.NotFoundError):
+        await sdk.files.retrieve(created.id)
