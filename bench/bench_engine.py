@@ -29,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `python bench/bench_engine.py` as well as `python -m bench.bench_engine`
 
+from bench.bench_structured import print_structured, structured_overhead  # noqa: E402
 from engine.native.backend import NativeBackend  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 from engine.types import GenerationRequest, SamplingParams  # noqa: E402
@@ -431,7 +432,7 @@ class Plan:
 
 FULL = Plan(64, 128, 128, (1, 8, 32, 64), 6, 64, 8, 2048, 1024)
 QUICK = Plan(16, 128, 32, (1, 8, 16), 2, 16, 4, 1024, 1024)
-SECTIONS = ("engine", "http", "transformers", "chunked", "prefix")
+SECTIONS = ("engine", "http", "transformers", "chunked", "prefix", "structured")
 
 
 def engine_config(args) -> EngineConfig:
@@ -474,6 +475,9 @@ async def bench_engine(model_dir: Path, plan: Plan, args, peak_gflops: float, se
             out["chunked_prefill"] = await chunked_prefill_itl(backend, num_streams=16, long_prompt_len=plan.long_prompt_len)
         if "prefix" in sections:
             out["prefix_cache"] = await prefix_cache_ttft(backend, system_len=plan.system_prompt_len, repeats=3)
+        if "structured" in sections:  # bench/bench_structured.py
+            prompt = load_requests(tokenizer, plan, 1)[0].prompt_token_ids
+            out["structured"] = await structured_overhead(backend, prompt)
         return out
     finally:
         await backend.shutdown()
@@ -646,6 +650,8 @@ def main(argv: list[str] | None = None) -> dict:
     summary = checks(engine, http, hf, itl, prefix)
     machine = machine_info(peak)
     print_report(engine + http + hf, itl, prefix, summary, machine)
+    if direct.get("structured") is not None:
+        print_structured(direct["structured"])
     cfg = engine_config(args)
     record = {
         "machine": machine,
@@ -657,6 +663,7 @@ def main(argv: list[str] | None = None) -> dict:
         "baselines": [asdict(r) for r in hf],
         "chunked_prefill": itl,
         "prefix_cache": prefix,
+        "structured": direct.get("structured"),
         "summary": summary,
     }
     line = json.dumps(record, default=float)

@@ -123,7 +123,7 @@ def apply_bitmasks(logits: torch.Tensor, rows: list[int], matchers: list[Grammar
     words = np.full((len(rows), (vocab + 31) // 32), -1, dtype=np.int32)  # [num_constrained, vocab / 32]
     for i, matcher in enumerate(matchers):
         matcher.fill_bitmask(words[i])
-    allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
-    index = torch.tensor(rows, device=logits.device)
-    mask = torch.from_numpy(allowed).to(logits.device)
-    logits[index] = logits.index_select(0, index).masked_fill(~mask, float("-inf"))
+    disallowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab] == 0
+    mask = torch.from_numpy(disallowed).to(logits.device)
+    for i, row in enumerate(rows):  # in-place on row views (a tensor-indexed assignment is ~1000x slower on CPU)
+        logits[row].masked_fill_(mask[i], float("-inf"))
