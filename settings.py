@@ -163,6 +163,9 @@ class FilesConfig:
         20_971_520, "Largest upload; refused with 413 as soon as the stream passes it (never buffered whole)."
     )
     max_pdf_pages: int = setting(300, "Most pages read from a PDF when it is turned into text.")
+    max_document_chars: int = setting(
+        400_000, "Most characters of a document's text that enter a prompt (bounds tokenizing on every turn)."
+    )
 
 
 @dataclass(frozen=True, slots=True)

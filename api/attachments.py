@@ -75,10 +75,10 @@ async def _owned(ctx: AttachContext, file_id: str, where: str) -> StoredFile:
 
 async def _document(ctx: AttachContext, stored: StoredFile, where: str) -> Document:
     try:
+        limits = documents.ExtractLimits(ctx.files.max_pdf_pages, ctx.files.max_document_chars)
         doc = await asyncio.to_thread(
-            documents.cached_extract, ctx.blobs.path(stored.id), ctx.blobs.text_path(stored.id),
-            stored.media_type, ctx.files.max_pdf_pages,
-        )  # fmt: skip
+            documents.cached_extract, ctx.blobs.path(stored.id), ctx.blobs.text_path(stored.id), stored.media_type, limits
+        )
     except documents.UnreadableDocument as exc:
         raise bad_request(f"The file {stored.filename} ({stored.id}) cannot be read: {exc}.", param=where,
                           code="unreadable_file") from None

@@ -30,6 +30,13 @@ class DocumentText:
     text: str
     num_pages: int | None  # PDFs only
     num_pages_read: int | None  # fewer than num_pages when the page limit cut it
+    num_chars: int | None = None  # the whole text's length when max_document_chars cut it, else None
+
+
+@dataclass(frozen=True, slots=True)
+class ExtractLimits:
+    max_pdf_pages: int
+    max_chars: int
 
 
 def is_text_type(media_type: str) -> bool:
@@ -69,29 +76,34 @@ def _pdf_text(path: Path, max_pages: int) -> DocumentText:
     return DocumentText(text, num_pages, len(pages))
 
 
-def cached_extract(path: Path, cache_path: Path, media_type: str, max_pdf_pages: int) -> DocumentText:
-    """`extract`, remembered in `cache_path` (blocking: call it in a thread)."""
+def cached_extract(path: Path, cache_path: Path, media_type: str, limits: ExtractLimits) -> DocumentText:
+    """`extract` cut to `limits.max_chars`, remembered in `cache_path` (blocking: call it in a thread)."""
     try:
         cached = json.loads(cache_path.read_text(encoding="utf-8"))
-        return DocumentText(cached["text"], cached["num_pages"], cached["num_pages_read"])
+        if cached["limits"] == [limits.max_pdf_pages, limits.max_chars]:
+            return DocumentText(cached["text"], cached["num_pages"], cached["num_pages_read"], cached["num_chars"])
     except (FileNotFoundError, ValueError, KeyError):
         pass
-    doc = extract(path, media_type, max_pdf_pages)
+    doc = extract(path, media_type, limits.max_pdf_pages)
+    if len(doc.text) > limits.max_chars:
+        doc = DocumentText(doc.text[: limits.max_chars], doc.num_pages, doc.num_pages_read, len(doc.text))
     temp = cache_path.with_suffix(".tmp")
-    temp.write_text(json.dumps({"text": doc.text, "num_pages": doc.num_pages, "num_pages_read": doc.num_pages_read}),
-                    encoding="utf-8")
+    temp.write_text(json.dumps({
+        "text": doc.text, "num_pages": doc.num_pages, "num_pages_read": doc.num_pages_read,
+        "num_chars": doc.num_chars, "limits": [limits.max_pdf_pages, limits.max_chars],
+    }), encoding="utf-8")  # fmt: skip
     os.replace(temp, cache_path)
     return doc
 
 
 def header(filename: str, media_type: str, doc: DocumentText) -> str:
     """The line that introduces a document in the prompt."""
-    if doc.num_pages is None:
-        return f"--- File: {filename} ({media_type}) ---"
-    pages = f"{doc.num_pages} pages"
-    if doc.num_pages_read is not None and doc.num_pages_read < doc.num_pages:
-        pages += f", the first {doc.num_pages_read} read"
-    return f"--- File: {filename} (PDF, {pages}) ---"
+    notes = [media_type] if doc.num_pages is None else ["PDF", f"{doc.num_pages} pages"]
+    if doc.num_pages_read is not None and doc.num_pages is not None and doc.num_pages_read < doc.num_pages:
+        notes.append(f"the first {doc.num_pages_read} read")
+    if doc.num_chars is not None:
+        notes.append(f"the first {len(doc.text)} of {doc.num_chars} characters")
+    return f"--- File: {filename} ({', '.join(notes)}) ---"
 
 
 def footer(filename: str) -> str:

@@ -129,3 +129,12 @@ async def test_responses_api_takes_input_file_and_input_image_parts(make_client)
     odd = [{"type": "input_audio", "data": "x"}]
     await assert_error(await client.post("/v1/responses", json={"model": "echo", "input": [
         {"role": "user", "content": odd}]}), 400, param="input[0].content[0]")
+
+
+async def test_a_document_is_cut_at_max_document_chars_and_the_header_says_so(make_client):
+    client = await make_client("files.max_document_chars=20", "tiers.enterprise.max_tokens=300",
+                               "tiers.enterprise.max_context_tokens=1000")
+    file_id = (await (await upload(client, b"0123456789" * 10, filename="digits.txt")).json())["id"]
+    body = await (await chat(client, file_message(file_id), max_tokens=300)).json()
+    answer = body["choices"][0]["message"]["content"]
+    assert "--- File: digits.txt (text/plain, the first 20 of 100 characters) ---\n01234567890123456789\n---" in answer
