@@ -27,6 +27,7 @@ class CoalesceKey:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams  # with seed cleared: greedy output does not depend on it
     cache_salt: str | None
+    image_hashes: tuple[str, ...] = ()  # a vision prompt: same token ids, different pictures, different answers
 
 
 class _Flight:
@@ -144,4 +145,5 @@ class Coalescer:
 
 def _key(backend: Backend, request: GenerationRequest) -> CoalesceKey:
     sampling = dataclasses.replace(request.sampling, seed=None)
-    return CoalesceKey(id(backend), request.prompt_token_ids, sampling, request.cache_salt)
+    images = tuple(img.content_hash for img in request.images)
+    return CoalesceKey(id(backend), request.prompt_token_ids, sampling, request.cache_salt, images)

@@ -157,3 +157,18 @@ async def test_leaving_a_sampled_request_early_aborts_it():
         backend.release(1)
         assert (await events.__anext__()).text == "x"
     assert backend.aborted == ["r1"]
+
+
+async def test_same_tokens_with_different_images_are_not_coalesced():
+    from engine.types import ImageInput
+
+    backend = ScriptedBackend(("x",), is_gated=True)
+    coalescer = Coalescer()
+    first = GenerationRequest("r1", (1, 2, 3), GREEDY, cache_salt="org-1", images=(ImageInput(1, 2, "red", None),))
+    second = GenerationRequest("r2", (1, 2, 3), GREEDY, cache_salt="org-1", images=(ImageInput(1, 2, "blue", None),))
+    again = GenerationRequest("r3", (1, 2, 3), GREEDY, cache_salt="org-1", images=(ImageInput(1, 2, "red", None),))
+    tasks = [asyncio.create_task(collect(coalescer, backend, r)) for r in (first, second, again)]
+    await settle()
+    backend.release(3)
+    await asyncio.gather(*tasks)
+    assert [r.request_id for r in backend.requests] == ["r1", "r2"]  # the same picture joined r1
