@@ -61,11 +61,14 @@ def apply_cli(settings, args: argparse.Namespace):
 
 def serve(settings) -> None:
     """Check the model folders, bind the port, then serve; the ready block is printed once
-    everything has started. Raises ConfigError or PortInUse before anything is opened."""
+    everything has started. Raises ConfigError or PortInUse before anything is opened, and
+    DatabaseInUse when another server holds the database."""
     import uvloop
     from aiohttp import web
 
-    from api.app import init, is_loopback, keyless_allowed
+    from api.app import init
+    from api.runner import run
+    from api.security import is_loopback, keyless_allowed
     from api.startup import bind_listening_socket, check_model_folders, ready_text
 
     check_model_folders(settings)
@@ -83,15 +86,7 @@ def serve(settings) -> None:
         sys.stdout.flush()
 
     app.on_startup.append(say_ready)
-    web.run_app(
-        app,
-        sock=sock,
-        shutdown_timeout=settings.server.shutdown_grace_s,
-        handler_cancellation=True,
-        access_log=None,
-        print=lambda *_: None,
-        loop=uvloop.new_event_loop(),
-    )
+    uvloop.run(run(app, settings, sock))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,12 +106,17 @@ def main(argv: list[str] | None = None) -> int:
         from store.cli import run_cli
 
         return asyncio.run(run_cli(args, settings))
+    from store.lock import DatabaseInUse
+
     try:
         serve(settings)
     except ConfigError as exc:
         sys.stderr.write(f"config error: {exc}\n")
         return 1
     except PortInUse as exc:
+        sys.stderr.write(f"cannot start: {exc}\n")
+        return 1
+    except DatabaseInUse as exc:
         sys.stderr.write(f"cannot start: {exc}\n")
         return 1
     return 0

@@ -41,7 +41,22 @@ class ServerConfig:
     )
     local_tier: str = setting("enterprise", "Tier of keyless requests when bound to loopback.")
     require_keys: bool = setting(False, "Require an API key on every /v1 request, even on loopback.")
-    cors_origins: list[str] = setting([], "Origins allowed by CORS; empty: same-origin only.")
+    cors_origins: list[str] = setting(
+        [], "Origins (besides the page's own) whose browser pages may make state-changing calls; empty: same-origin only."
+    )
+    allowed_hosts: list[str] = setting(
+        [], "Host header names accepted besides the bound address and localhost; \"*\": any (never keyless)."
+    )
+    trusted_proxies: list[str] = setting(
+        [], "Addresses of reverse proxies in front of this server; when set, keys are required (keyless start refused)."
+    )
+    metrics_token: str = setting("", "Bearer token that may read /metrics (besides any API key) when not loopback-only.")
+    header_timeout_s: float = setting(10.0, "A request's headers must arrive within this (408 and close otherwise).")
+    body_timeout_s: float = setting(30.0, "A request's body must arrive within this after its headers (408 otherwise).")
+    max_connections: int = setting(1024, "Open connections in total (lowered to fit the open-files limit).")
+    max_connections_per_client: int = setting(256, "Open connections from one client address.")
+    fd_reserve: int = setting(64, "File descriptors kept free of connections (database, models, health checks).")
+    backlog: int = setting(1024, "Pending connections the kernel queues before the server accepts them.")
     log_level: str = setting("info", "debug, info, warning or error.")
     log_json: bool = setting(False, "Log JSON lines instead of human-readable console lines.")
     static_dir: str = setting("static", "Folder of the web chat UI, served at /.")

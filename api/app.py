@@ -2,13 +2,13 @@
 
 `init(settings)` returns a `web.Application`; long-lived parts (store, models, queues,
 router, safety gate) start in `cleanup_ctx` and stop in reverse order. The middlewares
-here are the only places that stamp request ids, authenticate and render errors.
+here (and the access middleware of `api/security.py`) are the only places that stamp
+request ids, check Host/Origin, authenticate and render errors.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,39 +17,27 @@ import structlog
 from aiohttp import web
 
 from api import chat, files, resources, responses
-from api.errors import ApiError, from_gateway, internal_error, overloaded, unauthorized
-from api.state import PRINCIPAL, REQUEST_ID, SETTINGS, STATE, AppState
+from api.connections import CLOSE_AFTER, make_body_deadline_middleware
+from api.errors import ApiError, from_gateway, internal_error, overloaded
+from api.inflight import INFLIGHT, InFlight
+from api.security import check_startup, keyless_allowed, make_access_middleware
+from api.state import REQUEST_ID, SETTINGS, STATE, AppState
 from engine.registry import build_models
 from engine.upstream.metrics import register_upstream_metrics
 from gateway.admission import build_admission
 from gateway.errors import GatewayError
 from gateway.metrics import Metrics
 from settings import Settings
+from store.lock import ServerLock
 from store.store import Store
 from store.types import StoreUnavailable
 
 log = structlog.get_logger(__name__)
 
-PUBLIC_PATHS = ("/health", "/ready", "/metrics")
 CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'self'"
 )
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def keyless_allowed(settings: Settings) -> bool:
-    if settings.server.require_keys:
-        return False
-    return is_loopback(settings.server.host) or settings.server.allow_public_without_keys
 
 
 @web.middleware
@@ -66,6 +54,9 @@ async def _stamp_headers(request: web.Request, response: web.StreamResponse) -> 
     """Runs just before any response's headers go out, streams included."""
     if REQUEST_ID in request:
         response.headers["X-Request-Id"] = request[REQUEST_ID]
+    if request.get(CLOSE_AFTER):  # a stalled or malformed body: answer, then drop the connection
+        response.force_close()
+        response.headers["Connection"] = "close"  # the hook runs after aiohttp chose the header
     response.headers.setdefault("X-Content-Type-Options", "nosniff")
     if not request.path.startswith("/v1/"):
         response.headers.setdefault("Content-Security-Policy", CSP)
@@ -109,38 +100,19 @@ def error_response(request: web.Request, error: ApiError) -> web.Response:
     return web.json_response(error.body(), status=error.status, headers=headers)
 
 
-@web.middleware
-async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
-    if not request.path.startswith("/v1/"):
-        return await handler(request)
-    state = request.app[STATE]
-    header = request.headers.get("Authorization", "")
-    if header:
-        scheme, _, secret = header.partition(" ")
-        if scheme.lower() != "bearer" or not secret.strip():
-            raise unauthorized("Malformed Authorization header; expected 'Bearer <API key>'.")
-        principal = await state.store.authenticate(secret.strip())
-        if principal is None and state.local_principal is not None:
-            # Keyless (loopback) mode: clients that must send some key (the openai SDK) are
-            # served as the local organisation; a real key still selects its own org.
-            principal = state.local_principal
-        if principal is None:
-            raise unauthorized("Incorrect API key provided. Create one with: python server.py keys create --org NAME --tier free")
-    elif state.local_principal is not None:
-        principal = state.local_principal
-    else:
-        raise unauthorized("You didn't provide an API key. Send 'Authorization: Bearer <API key>'.")
-    request[PRINCIPAL] = principal
-    return await handler(request)
-
-
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     """Start store, models, queues and the safety gate; stop them in reverse order."""
     settings = app[SETTINGS]
     # Models first: a config error there (a missing folder) must not leave the store's
     # writer thread running, which kept the process alive after "config error".
     models = build_models(settings)
-    store = await Store.open(Path(settings.store.path), settings.store)
+    lock = ServerLock(Path(settings.store.path))
+    lock.acquire()  # one server per database: a second one stops here with a clear message
+    try:
+        store = await Store.open(Path(settings.store.path), settings.store)
+    except BaseException:
+        lock.release()
+        raise
     started = []
     purge_task = None
     try:
@@ -168,6 +140,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         for handle in reversed(started):
             await handle.backend.shutdown()
         await store.close()
+        lock.release()
 
 
 async def _make_state(settings: Settings, store: Store, models) -> AppState:
@@ -203,11 +176,14 @@ async def _on_shutdown(app: web.Application) -> None:
 
 
 def init(settings: Settings) -> web.Application:
+    check_startup(settings)
     app = web.Application(
         client_max_size=settings.server.max_body_bytes,
-        middlewares=[request_id_middleware, error_middleware, auth_middleware],
+        middlewares=[request_id_middleware, error_middleware, make_access_middleware(settings),
+                     make_body_deadline_middleware(settings.server)],
     )
     app[SETTINGS] = settings
+    app[INFLIGHT] = InFlight()
     app.cleanup_ctx.append(_lifecycle)
     files.setup(app)  # after _lifecycle: its context needs the store
     app.on_shutdown.append(_on_shutdown)

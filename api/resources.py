@@ -7,6 +7,7 @@ and the app state: parse query/body, call one store method, render one JSON shap
 from __future__ import annotations
 
 import calendar
+import math
 import time
 from pathlib import Path
 
@@ -181,9 +182,12 @@ def _time_param(request: web.Request, name: str) -> float | None:
     if text is None or text == "":
         return None
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        raise bad_request(f"'{name}' must be a unix timestamp in seconds, got {text!r}.", param=name) from None
+        value = math.nan
+    if not math.isfinite(value):  # nan, inf and 1e400 (which float() turns into inf)
+        raise bad_request(f"'{name}' must be a unix timestamp in seconds, got {text!r}.", param=name)
+    return value
 
 
 def month_start(now: float | None = None) -> float:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
 from engine.tokenizer import Tokenizer
-from testing.server_proc import ServerProcess
+from testing.server_proc import ROOT, ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +29,14 @@ def server(tiny_model_dir, tmp_path_factory):
         log_path=tmp / "server.log",
     )
     with proc:
+        proc.api_key = create_key(tmp / "chat.db")  # the SDK always sends a key, so it must be real
         yield proc
+
+
+def create_key(db) -> str:
+    out = subprocess.run([sys.executable, "server.py", "keys", "create", "--org", "e2e", "--tier", "enterprise",
+                          "--db", str(db)], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True).stdout
+    return next(line for line in out.splitlines() if line.startswith("sk-"))
 
 
 def hf_greedy(model_dir, messages, max_new_tokens: int) -> tuple[str, int]:
@@ -50,7 +58,7 @@ def hf_greedy(model_dir, messages, max_new_tokens: int) -> tuple[str, int]:
 def client_for(server):
     from openai import OpenAI
 
-    return OpenAI(base_url=server.base_url + "/v1", api_key="local", max_retries=0, timeout=60)
+    return OpenAI(base_url=server.base_url + "/v1", api_key=server.api_key, max_retries=0, timeout=60)
 
 
 def test_openai_sdk_non_streaming_greedy_equals_transformers(server, tiny_model_dir):
@@ -130,3 +138,43 @@ def test_sigterm_lets_a_running_stream_finish_then_exits(tiny_model_dir, tmp_pat
     assert code == 0
     assert result["text"].rstrip().endswith("data: [DONE]")
     assert result["text"].count('"content":"w') + result["text"].count('"content":" w') == 60
+
+
+def test_sigterm_cuts_a_stream_longer_than_the_grace_with_an_error_event_and_bills_it(tiny_model_dir, tmp_path):
+    import sqlite3
+    import urllib.request
+
+    from tests.e2e.test_durability import write_config
+
+    grace_s = 2.0
+    db = tmp_path / "chat.db"
+    proc = ServerProcess(["--config", write_config(tmp_path, tiny_model_dir), "--db", str(db),
+                          "--set", f"server.shutdown_grace_s={grace_s}"],
+                         env={"CHAT_ECHO_TOKEN_DELAY_S": "0.05"}, log_path=tmp_path / "server.log").start()
+    result: dict = {}
+
+    def run_stream():  # 200 tokens at 50 ms: 10 s, far longer than the grace
+        body = {"model": "echo", "stream": True, "messages": [{"role": "user", "content": " ".join(["w"] * 200)}]}
+        req = urllib.request.Request(proc.base_url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            result["request_id"] = resp.headers["X-Request-Id"]
+            result["text"] = resp.read().decode()
+
+    thread = threading.Thread(target=run_stream)
+    thread.start()
+    time.sleep(1.0)
+    signalled = time.monotonic()
+    code = proc.terminate(timeout_s=30)
+    exited_after_s = time.monotonic() - signalled
+    thread.join(30)
+    assert code == 0
+    assert exited_after_s < grace_s + 5.0, exited_after_s  # not twice the grace, as aiohttp's run_app took
+    frames = [f for f in result["text"].split("\n\n") if f]
+    assert json.loads(frames[-1].removeprefix("data: "))["error"]["code"] == "server_shutting_down"
+    assert "data: [DONE]" not in frames
+    num_streamed = result["text"].count('"content":"w') + result["text"].count('"content":" w')
+    with sqlite3.connect(db) as con:
+        rows = con.execute("SELECT status, completion_tokens FROM usage WHERE request_id = ?",
+                           (result["request_id"],)).fetchall()
+    assert rows and rows[0][0] == "aborted" and rows[0][1] >= num_streamed > 0  # billed for what was generated

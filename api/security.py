@@ -1,0 +1,171 @@
+"""Who may call the server: the Host and Origin checks, API keys, keyless loopback mode, /metrics.
+
+The middleware here runs before any handler reads a body. A presented key must be valid in
+every mode; the keyless `local` organisation is served only to a loopback peer that named an
+allowed Host (DNS rebinding gets 403 before it reaches the API). It must not render errors
+itself: it raises `ApiError`, which the error middleware renders.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from api.errors import ApiError, unauthorized
+from api.state import PRINCIPAL, SETTINGS, STATE
+from settings import ConfigError, Settings
+
+# Paths a load balancer probes with whatever Host it likes; they disclose nothing.
+HOST_EXEMPT_PATHS = ("/health", "/ready")
+SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def keyless_allowed(settings: Settings) -> bool:
+    """Whether the server may serve requests without a key at all (loopback peers only)."""
+    server = settings.server
+    if server.require_keys:
+        return False
+    return is_loopback(server.host) or server.allow_public_without_keys
+
+
+def is_loopback_only(settings: Settings) -> bool:
+    """Bound to loopback with no proxy in front: only this machine's users reach the port."""
+    return is_loopback(settings.server.host) and not settings.server.trusted_proxies
+
+
+def check_startup(settings: Settings) -> None:
+    """Refuse configurations that would open a door without saying so."""
+    if settings.server.trusted_proxies and keyless_allowed(settings):
+        raise ConfigError(
+            "server.trusted_proxies is set, so every client arrives from the proxy's address and would be "
+            "served without a key: set server.require_keys = true (and create keys with: python server.py "
+            "keys create --org NAME --tier free)"
+        )
+
+
+def host_name(header: str) -> str:
+    """The host part of a Host (or Origin netloc) value, lower-cased, without port or brackets."""
+    header = header.strip().lower()
+    if header.startswith("["):  # [::1]:8000
+        return header[1 : header.find("]")] if "]" in header else header
+    if header.count(":") == 1:
+        return header.split(":", 1)[0]
+    return header
+
+
+@dataclass(frozen=True, slots=True)
+class HostPolicy:
+    names: frozenset[str]  # Host names that may reach the API (and the keyless mode)
+    any_host: bool  # allowed_hosts contains "*": any Host, but never keyless
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> HostPolicy:
+        server = settings.server
+        names = {*LOCAL_NAMES, server.host.lower(), *(h.lower() for h in server.allowed_hosts if h != "*")}
+        return cls(frozenset(names), "*" in server.allowed_hosts)
+
+    def is_named(self, host: str, sockname: str | None) -> bool:
+        """The Host names this server: a configured name, or the address the connection came in on."""
+        return host in self.names or (sockname is not None and host == sockname.lower())
+
+    def allows(self, host: str, sockname: str | None) -> bool:
+        return self.any_host or self.is_named(host, sockname)
+
+
+def _sockname(request: web.Request) -> str | None:
+    info = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    return str(info[0]) if info else None
+
+
+def _check_host(request: web.Request, policy: HostPolicy) -> None:
+    host = host_name(request.headers.get("Host", ""))
+    if request.path in HOST_EXEMPT_PATHS or policy.allows(host, _sockname(request)):
+        return
+    raise ApiError(
+        403, f"Host {host!r} is not served here; add it to server.allowed_hosts if it names this server.",
+        "permission_error", "host_not_allowed",
+    )
+
+
+def _check_origin(request: web.Request, settings: Settings) -> None:
+    """A browser's state-changing call must come from our own page (or a configured origin)."""
+    origin = request.headers.get("Origin")
+    if origin is None or request.method in SAFE_METHODS:
+        return
+    if origin in settings.server.cors_origins:
+        return
+    parts = urlsplit(origin)
+    if origin != "null" and parts.netloc and parts.netloc.lower() == request.headers.get("Host", "").lower():
+        return
+    raise ApiError(403, f"Cross-origin request from {origin!r} refused; see server.cors_origins.",
+                   "permission_error", "origin_not_allowed")
+
+
+async def _key_principal(request: web.Request):
+    """The principal of the presented key; None when no key was sent. Invalid keys raise 401."""
+    header = request.headers.get("Authorization", "")
+    if not header:
+        return None
+    scheme, _, secret = header.partition(" ")
+    if scheme.lower() != "bearer" or not secret.strip():
+        raise unauthorized("Malformed Authorization header; expected 'Bearer <API key>'.")
+    principal = await request.app[STATE].store.authenticate(secret.strip())
+    if principal is None:
+        raise unauthorized("Incorrect API key provided (unknown or revoked). "
+                           "Create one with: python server.py keys create --org NAME --tier free")
+    return principal
+
+
+def _is_keyless_peer(request: web.Request, policy: HostPolicy) -> bool:
+    settings = request.app[SETTINGS]
+    if request.app[STATE].local_principal is None:
+        return False
+    peer_ok = is_loopback(request.remote or "") or settings.server.allow_public_without_keys
+    return peer_ok and policy.is_named(host_name(request.headers.get("Host", "")), _sockname(request))
+
+
+async def _check_metrics_access(request: web.Request) -> None:
+    settings = request.app[SETTINGS]
+    if is_loopback_only(settings):
+        return
+    token = settings.server.metrics_token
+    header = request.headers.get("Authorization", "")
+    if token and hmac.compare_digest(header.encode(), f"Bearer {token}".encode()):
+        return
+    if await _key_principal(request) is None:
+        raise unauthorized("/metrics needs an API key or server.metrics_token when the server is not loopback-only.")
+
+
+def make_access_middleware(settings: Settings):
+    policy = HostPolicy.from_settings(settings)
+
+    @web.middleware
+    async def access_middleware(request: web.Request, handler) -> web.StreamResponse:
+        _check_host(request, policy)
+        _check_origin(request, settings)
+        if request.path == "/metrics":
+            await _check_metrics_access(request)
+        elif request.path.startswith("/v1/"):
+            principal = await _key_principal(request)
+            if principal is None and _is_keyless_peer(request, policy):
+                principal = request.app[STATE].local_principal
+            if principal is None:
+                raise unauthorized("You didn't provide an API key. Send 'Authorization: Bearer <API key>'.")
+            request[PRINCIPAL] = principal
+        return await handler(request)
+
+    return access_middleware
