@@ -24,6 +24,7 @@ from api.answer import Answer
 from api.reasoning import ReasoningSplitter, answer_text
 from api.errors import ApiError, bad_request, from_gateway, overloaded
 from api.files import BLOBS
+from api.inflight import INFLIGHT
 from api.sse import ClientGone, SSEWriter
 from api.state import PRINCIPAL, REQUEST_ID, STATE, AppState
 from api.toolparse import ToolCallParser
@@ -33,7 +34,7 @@ from api.waiting import LazyStream, wait_admitted
 from engine.types import EngineError, EngineUnavailable, FinishReason, RequestRejected, TokenEvent, TokenLogprob, UsageSource
 from gateway.admission import Pass
 from gateway.errors import Overloaded
-from store.types import RequestRecord, RequestStatus
+from store.types import RequestRecord, RequestStatus, StoreUnavailable
 
 log = structlog.get_logger(__name__)
 
@@ -103,11 +104,12 @@ async def serve_turn(
                          code="store_unavailable")
     state.admission.place(grant, turn.est_tokens, num_seqs=turn.chat.n)
     try:
-        if outlet is not None:
-            return await outlet.serve(request, state, turn, grant)
-        if chat.stream:
-            return await _serve_stream(request, state, turn, grant)
-        return await _serve_unary(state, turn, grant)
+        with request.app[INFLIGHT].track():  # shutdown waits for it, then cuts it cleanly
+            if outlet is not None:
+                return await outlet.serve(request, state, turn, grant)
+            if chat.stream:
+                return await _serve_stream(request, state, turn, grant)
+            return await _serve_unary(request, state, turn, grant)
     finally:  # the buckets settle on what the engine really processed
         grant.num_tokens_used = turn.num_prompt_tokens + turn.num_completion_tokens if grant.is_admitted else 0
 
@@ -175,7 +177,7 @@ async def _serve_stream(request: web.Request, state: AppState, turn: Turn, grant
         finishes = await pump_choices(state, turn, [emitter(i) for i in range(turn.chat.n)], writer.comment)
         for i, answer in enumerate(answers):
             await send(i, answer.close())
-        await finish_turn(state, turn, _STATUS[finishes[0]], finishes[0])
+        await finish_turn(state, turn, _STATUS[finishes[0]], finishes[0])  # durable before the client sees the end
         for i, (answer, finish) in enumerate(zip(answers, finishes)):
             body = chunk({}, answer.finish_reason(finish))
             body["choices"][0]["index"] = i
@@ -183,27 +185,38 @@ async def _serve_stream(request: web.Request, state: AppState, turn: Turn, grant
         if turn.chat.include_usage:
             await writer.data(protocol.usage_chunk_body(turn.completion_id, turn.model.name, created, _usage(state, turn)))
         await writer.done()
+    except StoreUnavailable:  # the answer could not be stored: no finish_reason, no [DONE]
+        await _stream_error(await stream.open(), store_unavailable(), turn, is_done=False)
     except (ClientGone, asyncio.CancelledError):
-        await finish_turn(state, turn, RequestStatus.ABORTED, FinishReason.ABORT)
-        raise asyncio.CancelledError() from None
+        is_cut = request.app[INFLIGHT].was_cut()
+        await _finish_quietly(state, turn, RequestStatus.ABORTED, FinishReason.ABORT)
+        if not is_cut:
+            raise asyncio.CancelledError() from None
+        if not stream.is_open:
+            raise shutting_down() from None  # still queued: a plain 503
+        await _stream_error(await stream.open(), shutting_down(), turn, is_done=False)
     except Overloaded as exc:  # displaced from the queue by a higher tier
         if not stream.is_open:
             raise  # nothing sent yet: a plain 503 with Retry-After
         grant.close(refund=True)
         await _stream_error(await stream.open(), from_gateway(exc), turn)
     except (EngineError, RequestRejected, ApiError) as exc:
-        await finish_turn(state, turn, RequestStatus.ERROR, None)
+        await _finish_quietly(state, turn, RequestStatus.ERROR, None)
         await _stream_error(await stream.open(), exc, turn)
     return (await stream.open())._response
 
 
-async def _stream_error(writer: SSEWriter, exc: Exception, turn: Turn) -> None:
-    """After headers are sent an error is one `data:` frame with the error object, then the end."""
+async def _stream_error(writer: SSEWriter, exc: Exception, turn: Turn, *, is_done: bool = True) -> None:
+    """After headers are sent an error is one `data:` frame with the error object, then the end.
+
+    `[DONE]` follows only errors of the request itself; an answer cut by the server (store
+    unavailable, shutdown) ends without it, so no client mistakes it for a stored answer.
+    """
     error = _engine_api_error(exc)
-    log.error("stream_failed", request_id=turn.request_id, error=str(exc))
+    log.error("stream_failed", request_id=turn.request_id, code=error.code, error=str(exc))
     try:
         await writer.data(error.body())
-        await writer.done()
+        await (writer.done() if is_done else writer.end())
     except ClientGone:
         pass
 
@@ -220,7 +233,26 @@ def _engine_api_error(exc: Exception) -> ApiError:
     return ApiError(500, "The model failed while generating.", "server_error", "engine_error")
 
 
-async def _serve_unary(state: AppState, turn: Turn, grant: Pass) -> web.Response:
+def store_unavailable() -> ApiError:
+    return overloaded("The answer could not be stored (the database cannot be written); it was not saved "
+                      "or acknowledged. Try again later.", retry_after_s=30, code="store_unavailable")
+
+
+def shutting_down() -> ApiError:
+    return overloaded("The server is shutting down; the answer was cut here (the tokens generated are billed).",
+                      retry_after_s=5, code="server_shutting_down")
+
+
+async def _finish_quietly(state: AppState, turn: Turn, status: RequestStatus, finish: FinishReason | None) -> None:
+    """The finish path of an answer that already failed: bill only work done (nothing if it never left the
+    queue); a store error is logged by the store, not raised."""
+    try:
+        await finish_turn(state, turn, status, finish, prompt_billed=turn.admitted_s is not None)
+    except StoreUnavailable:
+        pass
+
+
+async def _serve_unary(request: web.Request, state: AppState, turn: Turn, grant: Pass) -> web.Response:
     answers = [make_answer(turn) for _ in range(turn.chat.n)]
 
     def emitter(index: int) -> Callable[[str, tuple[TokenLogprob, ...]], Awaitable[None]]:
@@ -234,13 +266,16 @@ async def _serve_unary(state: AppState, turn: Turn, grant: Pass) -> web.Response
         for answer in answers:
             answer.close()
     except asyncio.CancelledError:  # client went away (handler cancellation) or shutdown
-        await finish_turn(state, turn, RequestStatus.ABORTED, FinishReason.ABORT)
+        is_cut = request.app[INFLIGHT].was_cut()
+        await _finish_quietly(state, turn, RequestStatus.ABORTED, FinishReason.ABORT)
+        if is_cut:
+            raise shutting_down() from None
         raise
     except (EngineError, RequestRejected) as exc:
-        await finish_turn(state, turn, RequestStatus.ERROR, None)
+        await _finish_quietly(state, turn, RequestStatus.ERROR, None)
         log.error("request_failed", request_id=turn.request_id, error=str(exc))
         raise _engine_api_error(exc) from None
-    await finish_turn(state, turn, _STATUS[finishes[0]], finishes[0])
+    await finish_turn(state, turn, _STATUS[finishes[0]], finishes[0])  # StoreUnavailable: 503, nothing acknowledged
     body = protocol.completion_body(
         turn.completion_id, turn.model.name, protocol.now_s(), "".join(turn.text_parts),
         answers[0].finish_reason(finishes[0]), _usage(state, turn), _extra_fields(turn),

@@ -46,6 +46,13 @@ class SSEWriter:
         except (ConnectionError, RuntimeError):
             pass
 
+    async def end(self) -> None:
+        """End the stream without `[DONE]` (the answer is incomplete or was not stored)."""
+        try:
+            await self._response.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass
+
     async def _write(self, frame: bytes) -> None:
         try:
             await self._response.write(frame)

@@ -110,11 +110,16 @@ class AppState:
         return self.coalescer.generate(turn.model.backend, turn.gen_for(choice))
 
     async def record(self, turn: Turn, record: RequestRecord, finish: FinishReason | None) -> None:
-        """Write the ledger row + messages (shielded from cancellation), then log and count."""
+        """Write the ledger row + messages (shielded from cancellation), then log and count.
+
+        Raises StoreUnavailable when the write failed: the caller must not acknowledge the answer.
+        """
+        failure: StoreUnavailable | None = None
         try:
             await asyncio.shield(self.store.record_request(record))
         except StoreUnavailable as exc:
             log.error("ledger_write_failed", request_id=record.request_id, error=str(exc))
+            failure = exc
         self.metrics.observe_request(turn, record, finish)
         log.info(
             "request_finished",
@@ -130,6 +135,8 @@ class AppState:
             finish_reason=None if finish is None else finish.value,
             status=record.status.value,
         )
+        if failure is not None:
+            raise failure
 
 
 STATE = web.AppKey("state", AppState)

@@ -10,6 +10,7 @@ import argparse
 import datetime as dt
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ def add_cli(subparsers: Any) -> None:
     create.add_argument("--tier", help="tier of a new organisation (must match an existing one)")
     create.add_argument("--budget", type=_budget, default=UNSET, help="monthly budget in USD, or 'none'")
     create.add_argument("--name", help="a label for the key")
+    create.add_argument("--expires-in-days", type=float, help="the key stops working after this many days")
     listing = _with_db(keys_sub.add_parser("list", help="list keys (prefix and last 4 only)"))
     listing.add_argument("--org", help="only this organisation's keys")
     revoke = _with_db(keys_sub.add_parser("revoke", help="revoke a key by its prefix"))
@@ -93,7 +95,8 @@ async def _keys_create(store: Store, args: argparse.Namespace, settings: Setting
     elif (args.tier is not None and args.tier != org.tier) or (args.budget not in (UNSET, org.budget_usd)):
         return _fail(f"organisation {org.name!r} exists with tier {org.tier}, budget {_money(org.budget_usd)};"
                      " change it with `orgs set`")  # fmt: skip
-    key, secret = await store.create_key(org.name, name=args.name)
+    expires_at = None if args.expires_in_days is None else time.time() + args.expires_in_days * 86400.0
+    key, secret = await store.create_key(org.name, name=args.name, expires_at=expires_at)
     _out(f"created key {key.display} ({key.id}) for {org.name}\n")
     _out("secret (shown once, store it now):\n")
     _out(f"{secret}\n")
@@ -104,6 +107,8 @@ async def _keys_list(store: Store, args: argparse.Namespace, settings: Settings)
     org_names = {o.id: o.name for o in await store.list_orgs()}
     for key in await store.list_keys(args.org):
         state = f"revoked {_time(key.revoked_at)}" if key.is_revoked else "active"
+        if not key.is_revoked and key.expires_at is not None:
+            state = f"{'expired' if key.is_expired(time.time()) else 'expires'} {_time(key.expires_at)}"
         _out(f"{key.prefix:<12} ...{key.last4}  {org_names.get(key.org_id, key.org_id):<20} {state:<28}"
              f" created {_time(key.created_at)}  last used {_time(key.last_used_at)}  {key.name or ''}\n")  # fmt: skip
     return 0

@@ -24,7 +24,7 @@ PREFIX_CHARS = 11  # "sk-" plus 8 random characters (48 bits): unique in practic
 MAX_SECRET_CHARS = 256  # longer strings are not ours; refuse before hashing them
 
 _ORG_COLUMNS = "o.id, o.name, o.tier, o.budget_usd, o.limits_json, o.created_at"
-_KEY_COLUMNS = "k.id, k.org_id, k.prefix, k.last4, k.name, k.created_at, k.last_used_at, k.revoked_at"
+_KEY_COLUMNS = "k.id, k.org_id, k.prefix, k.last4, k.name, k.created_at, k.last_used_at, k.revoked_at, k.expires_at"
 
 
 def new_secret() -> str:
@@ -41,7 +41,7 @@ def org_from_row(row: sqlite3.Row | tuple, offset: int = 0) -> Org:
 
 
 def key_from_row(row: sqlite3.Row | tuple) -> ApiKey:
-    return ApiKey(*tuple(row)[:8])
+    return ApiKey(*tuple(row)[:9])
 
 
 # --- reads ------------------------------------------------------------------------------
@@ -72,23 +72,25 @@ async def list_keys(conn: aiosqlite.Connection, org_name: str | None) -> list[Ap
 
 
 async def find_principal(conn: aiosqlite.Connection, secret: str) -> Principal | None:
-    """The live key matching `secret`, with its organisation; None for unknown or revoked."""
+    """The live key matching `secret`, with its organisation; None for unknown, revoked or expired."""
     if not secret.startswith(SECRET_PREFIX) or len(secret) > MAX_SECRET_CHARS:
         return None
     presented = hash_secret(secret)
     rows = await conn.execute_fetchall(
-        f"SELECT k.key_hash, k.id, k.revoked_at, {_ORG_COLUMNS}"
+        f"SELECT k.key_hash, k.id, k.revoked_at, k.expires_at, {_ORG_COLUMNS}"
         " FROM api_keys k JOIN orgs o ON o.id = k.org_id WHERE k.key_hash = ?",
         (presented,),
     )
     if not rows:
         return None
-    stored, key_id, revoked_at = tuple(rows[0])[:3]
+    stored, key_id, revoked_at, expires_at = tuple(rows[0])[:4]
     # The index lookup already matched; comparing again in constant time keeps the check that
     # decides access free of early exits, whatever the lookup does.
     if not hmac.compare_digest(stored.encode(), presented.encode()) or revoked_at is not None:
         return None
-    return Principal(key_id, org_from_row(rows[0], offset=3))
+    if expires_at is not None and expires_at <= time.time():
+        return None
+    return Principal(key_id, org_from_row(rows[0], offset=4))
 
 
 # --- writes (inside the writer's transaction) -------------------------------------------
@@ -130,20 +132,23 @@ async def ensure_org(conn: aiosqlite.Connection, name: str, tier: str) -> Org:
     return org
 
 
-async def insert_key(conn: aiosqlite.Connection, org_name: str, name: str | None) -> tuple[ApiKey, str]:
+async def insert_key(
+    conn: aiosqlite.Connection, org_name: str, name: str | None, expires_at: float | None = None
+) -> tuple[ApiKey, str]:
     org = await get_org(conn, org_name)
     if org is None:
         raise NotFound(f"no organisation named {org_name!r}")
     for _ in range(5):  # a prefix collision (48 bits) is all but impossible; retry if it happens
         secret = new_secret()
         key = ApiKey(
-            f"key_{secrets.token_hex(8)}", org.id, secret[:PREFIX_CHARS], secret[-4:], name, time.time(), None, None
+            f"key_{secrets.token_hex(8)}", org.id, secret[:PREFIX_CHARS], secret[-4:], name, time.time(), None, None,
+            expires_at,
         )
         try:
             await conn.execute(
-                "INSERT INTO api_keys (id, org_id, key_hash, prefix, last4, name, created_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (key.id, key.org_id, hash_secret(secret), key.prefix, key.last4, name, key.created_at),
+                "INSERT INTO api_keys (id, org_id, key_hash, prefix, last4, name, created_at, expires_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (key.id, key.org_id, hash_secret(secret), key.prefix, key.last4, name, key.created_at, expires_at),
             )
         except sqlite3.IntegrityError:
             continue

@@ -167,9 +167,14 @@ CREATE TABLE responses (
 CREATE INDEX responses_conversation ON responses(conversation_id);
 """
 
+# API keys that stop working at a set time (`keys create --expires-in-days N`).
+_V6_KEY_EXPIRY = """
+ALTER TABLE api_keys ADD COLUMN expires_at REAL;  -- NULL: never expires
+"""
+
 # (version, script); version N leaves `PRAGMA user_version = N`.
 MIGRATIONS: tuple[tuple[int, str], ...] = (
-    (1, _V1), (2, _V2_FILES), (3, _V3_USAGE_SOURCE), (4, _V4_FEEDBACK), (5, _V5_RESPONSES),
+    (1, _V1), (2, _V2_FILES), (3, _V3_USAGE_SOURCE), (4, _V4_FEEDBACK), (5, _V5_RESPONSES), (6, _V6_KEY_EXPIRY),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

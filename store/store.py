@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import sqlite3
 import time
@@ -45,6 +46,7 @@ class _Unset:
 
 
 UNSET: Any = _Unset()  # "leave as is", where None is a meaningful value
+PROBE_BYTES = 64 * 1024  # what a write probe commits: an answer and its messages, roughly
 
 
 class Store:
@@ -147,9 +149,12 @@ class Store:
             return org
         return await self._write(functools.partial(keys.ensure_org, name=name, tier=tier))
 
-    async def create_key(self, org_name: str, *, name: str | None = None) -> tuple[ApiKey, str]:
-        """A new key and its secret; the secret is returned here once and never stored."""
-        return await self._write(functools.partial(keys.insert_key, org_name=org_name, name=name))
+    async def create_key(
+        self, org_name: str, *, name: str | None = None, expires_at: float | None = None
+    ) -> tuple[ApiKey, str]:
+        """A new key and its secret (valid until `expires_at`, unix s, if given); the secret is returned once."""
+        job = functools.partial(keys.insert_key, org_name=org_name, name=name, expires_at=expires_at)
+        return await self._write(job)
 
     async def list_keys(self, org_name: str | None = None) -> list[ApiKey]:
         async with self._reader() as conn:
@@ -317,9 +322,15 @@ class Store:
         return "\n".join(str(r[0]) for r in rows)
 
     async def probe_writable(self) -> bool:
-        """Try a tiny write; updates and returns `is_writable`."""
+        """Write (and commit) PROBE_BYTES, then shrink it again; updates and returns `is_writable`.
+
+        A tiny in-place update can succeed on a full disk while the next ledger row fails, so
+        the probe makes the file (or its WAL) grow the way an answer with its messages does.
+        The freed pages stay in the file for the next real write.
+        """
         with contextlib.suppress(StoreUnavailable):
-            await self._write(_write_probe)
+            await self._write(functools.partial(_write_probe, num_bytes=PROBE_BYTES))
+            await self._write(functools.partial(_write_probe, num_bytes=0))
         return self.is_writable
 
     # --- internals -----------------------------------------------------------------------
@@ -369,11 +380,12 @@ class Store:
         self._read_conns.clear()
 
 
-async def _write_probe(conn: aiosqlite.Connection) -> None:
+async def _write_probe(conn: aiosqlite.Connection, num_bytes: int) -> None:
+    value = f"{time.time()} " + "x" * num_bytes
     await conn.execute(
         "INSERT INTO meta (key, value) VALUES ('write_probe', ?)"
         " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-        (str(time.time()),),
+        (value,),
     )
 
 
@@ -386,7 +398,7 @@ async def _apply_max_bytes(conn: aiosqlite.Connection, max_db_bytes: int) -> Non
 def _with_last_used(key: ApiKey, pending_s: float | None) -> ApiKey:
     if pending_s is None or (key.last_used_at is not None and key.last_used_at >= pending_s):
         return key
-    return ApiKey(key.id, key.org_id, key.prefix, key.last4, key.name, key.created_at, pending_s, key.revoked_at)
+    return dataclasses.replace(key, last_used_at=pending_s)
 
 
 def _log_sqlite_version() -> None:

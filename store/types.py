@@ -58,10 +58,14 @@ class ApiKey:
     created_at: float
     last_used_at: float | None
     revoked_at: float | None
+    expires_at: float | None = None  # None: never expires
 
     @property
     def is_revoked(self) -> bool:
         return self.revoked_at is not None
+
+    def is_expired(self, now: float) -> bool:
+        return self.expires_at is not None and self.expires_at <= now
 
     @property
     def display(self) -> str:

@@ -26,11 +26,13 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], *, env: dict[str, str] | None = None, log_path: Path | None = None):
+    def __init__(self, args: list[str], *, env: dict[str, str] | None = None, log_path: Path | None = None,
+                 preexec_fn=None):
         self.port = free_port()
         self.args = args
         self.env = {**os.environ, **(env or {})}
         self.log_path = log_path
+        self.preexec_fn = preexec_fn  # e.g. lower the child's open-files limit
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -40,7 +42,7 @@ class ServerProcess:
     def start(self, timeout_s: float = 120.0) -> "ServerProcess":
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         cmd = [sys.executable, str(ROOT / "server.py"), "--host", "127.0.0.1", "--port", str(self.port), *self.args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=log)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=log, preexec_fn=self.preexec_fn)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

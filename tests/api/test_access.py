@@ -3,6 +3,8 @@ DNS rebinding and cross-site writes, keyless mode only for loopback + an allowed
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from api.app import init
@@ -17,14 +19,15 @@ async def chat(client, headers=None):
 
 
 @pytest.mark.parametrize("extra", [(), ("server.require_keys=true",)])
-async def test_a_presented_unknown_or_revoked_key_is_401_on_loopback_in_every_mode(make_client, extra):
+async def test_a_presented_unknown_revoked_or_expired_key_is_401_on_loopback_in_every_mode(make_client, extra):
     client = await make_client(*extra)
     store = state_of(client).store
     await store.create_org("acme", "enterprise")
     key, secret = await store.create_key("acme")
     assert (await chat(client, {"Authorization": f"Bearer {secret}"})).status == 200
     assert await store.revoke_key(key.prefix)
-    for bad in (secret, "sk-made-up-" + "x" * 30, "anything", "local"):
+    _key, expired = await store.create_key("acme", expires_at=time.time() - 1)
+    for bad in (secret, expired, "sk-made-up-" + "x" * 30, "anything", "local"):
         await assert_error(await chat(client, {"Authorization": f"Bearer {bad}"}), 401, code="invalid_api_key")
     await assert_error(await client.get("/v1/models", headers={"Authorization": f"Bearer {secret}"}),
                        401, code="invalid_api_key")

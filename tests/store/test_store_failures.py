@@ -115,3 +115,19 @@ async def test_a_read_only_file_opens_for_reading_and_reports_unwritable(db_path
             await store.record_request(make_record(org.id))
     finally:
         await store.close()
+
+
+async def test_the_write_probe_fails_while_an_answer_sized_write_would_fail(db_path: Path, make_record) -> None:
+    """/ready reads is_writable: a tiny in-place update succeeding must not turn it green."""
+    store = await Store.open(db_path, StoreConfig(max_db_bytes=512 * 1024))
+    try:
+        org = await store.create_org("acme", "plus")
+        conv = await store.create_conversation(org.id)
+        with pytest.raises(StoreUnavailable):
+            for _ in range(200):
+                await store.record_request(make_record(org.id, conversation_id=conv.id, assistant_content="x" * 8000))
+        assert not store.is_writable
+        assert await store.probe_writable() is False
+        assert not store.is_writable
+    finally:
+        await store.close()

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import hashlib
 import sqlite3
+import time
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,24 @@ async def test_authenticate_finds_the_org_and_a_revoked_key_fails(store: Store) 
     assert await store.authenticate(secret) is None
     assert await store.revoke_key(key.prefix) is False  # already revoked
     assert (await store.list_keys())[0].revoked_at is not None
+
+
+async def test_an_expired_key_fails_and_the_cli_sets_and_lists_expiry(
+    store: Store, db_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    await store.create_org("acme", "plus")
+    _key, lasting = await store.create_key("acme", expires_at=time.time() + 3600)
+    _key, expired = await store.create_key("acme", expires_at=time.time() - 1)
+    assert await store.authenticate(lasting) is not None
+    assert await store.authenticate(expired) is None
+    settings = Settings(tiers={"plus": TierConfig()})
+    args = _cli("keys", "create", "--org", "acme", "--expires-in-days", "0.5", "--db", str(db_path))
+    assert await run_cli(args, settings) == 0
+    secret = capsys.readouterr().out.strip().splitlines()[-1]
+    assert await store.authenticate(secret) is not None
+    assert await run_cli(_cli("keys", "list", "--db", str(db_path)), settings) == 0
+    listing = capsys.readouterr().out
+    assert "expired" in listing and listing.count("expires ") == 2
 
 
 async def test_unknown_altered_or_oversized_secrets_are_rejected(store: Store) -> None:

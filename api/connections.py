@@ -1,0 +1,255 @@
+"""Connections: header and body deadlines, total and per-address caps, malformed HTTP in our envelope.
+
+aiohttp has no deadline for a request's headers or body and no connection cap, so a few hundred
+slow clients can hold every slot. `GuardedHandler` (aiohttp's protocol, one per connection)
+closes a connection whose headers do not arrive in time and renders parser errors as OpenAI
+errors; `ConnectionGuard` admits connections under the caps, evicting the oldest idle one first;
+`body_deadline_middleware` reads every body under its deadline before a handler sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import time
+from dataclasses import dataclass
+
+import orjson
+import structlog
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
+
+from api.errors import ApiError
+from settings import ServerConfig
+
+log = structlog.get_logger(__name__)
+
+CLOSE_AFTER = web.RequestKey("close_after", bool)  # answer, then close the connection
+LOG_EVERY_S = 5.0  # a biting cap is logged at most this often (with the count in between)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    max_connections: int  # after the fd reserve
+    max_per_client: int
+    header_timeout_s: float
+
+    @classmethod
+    def from_config(cls, cfg: ServerConfig) -> ConnectionLimits:
+        """Raise the open-files limit to its hard maximum and keep `fd_reserve` descriptors spare."""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard != resource.RLIM_INFINITY and soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        num_open = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
+        fd_room = max(1, soft - num_open - cfg.fd_reserve)
+        limits = cls(min(cfg.max_connections, fd_room), cfg.max_connections_per_client, cfg.header_timeout_s)
+        if fd_room < cfg.max_connections:
+            log.warning("connection_cap_lowered_by_fd_limit", max_connections=limits.max_connections,
+                        configured=cfg.max_connections, open_files_limit=soft, fd_reserve=cfg.fd_reserve)
+        return limits
+
+
+def _raw_error(status: int, reason: str, error: ApiError) -> bytes:
+    """A whole HTTP/1.1 error response for a connection we will not hand to aiohttp."""
+    body = orjson.dumps(error.body())
+    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+    return head.encode() + body
+
+
+class ConnectionGuard:
+    """Counts connections in total and per peer address; admits, evicts or refuses, and says so."""
+
+    def __init__(self, limits: ConnectionLimits) -> None:
+        self.limits = limits
+        self._all: dict[GuardedHandler, str] = {}  # insertion order: oldest first
+        self._by_peer: dict[str, dict[GuardedHandler, None]] = {}
+        self._last_log_s: dict[str, float] = {}
+        self._num_unlogged: dict[str, int] = {}
+
+    @property
+    def num_connections(self) -> int:
+        return len(self._all)
+
+    def admit(self, handler: GuardedHandler, peer: str) -> bool:
+        peers = self._by_peer.setdefault(peer, {})
+        if len(self._all) >= self.limits.max_connections and not self._evict("total", list(self._all), peer):
+            return False
+        if len(peers) >= self.limits.max_per_client and not self._evict("per_client", list(peers), peer):
+            return False
+        self._all[handler] = peer
+        peers[handler] = None
+        return True
+
+    def release(self, handler: GuardedHandler) -> None:
+        peer = self._all.pop(handler, None)
+        if peer is None:
+            return
+        peers = self._by_peer.get(peer, {})
+        peers.pop(handler, None)
+        if not peers:
+            self._by_peer.pop(peer, None)
+
+    def _evict(self, cap: str, candidates: list[GuardedHandler], peer: str) -> bool:
+        """Close the oldest connection that is idle or still sending its request; False if none."""
+        victim = next((h for h in candidates if h.is_evictable), None)
+        if victim is None:
+            self.note(cap, peer, action="refused")
+            return False
+        self.note(cap, peer, action="closed_oldest_idle")
+        self.release(victim)
+        victim.force_close()
+        return True
+
+    def note(self, what: str, peer: str, *, action: str) -> None:
+        """Log a cap or deadline that bit: the first time, then at most every LOG_EVERY_S seconds."""
+        now = time.monotonic()
+        if now - self._last_log_s.get(what, -LOG_EVERY_S) < LOG_EVERY_S:
+            self._num_unlogged[what] = self._num_unlogged.get(what, 0) + 1
+            return
+        self._last_log_s[what] = now
+        log.warning("connection_limit", limit=what, action=action, peer=peer, num_connections=len(self._all),
+                    max_connections=self.limits.max_connections, max_per_client=self.limits.max_per_client,
+                    num_since_last_log=self._num_unlogged.pop(what, 0))
+
+
+class GuardedHandler(RequestHandler):
+    """aiohttp's per-connection protocol with admission, a header deadline and envelope errors."""
+
+    def __init__(self, manager, *, guard: ConnectionGuard, **kwargs) -> None:
+        super().__init__(manager, **kwargs)
+        self._guard = guard
+        self._peer = "?"
+        self._is_admitted = False
+        self._header_timer: asyncio.TimerHandle | None = None
+        self.is_reading_body = False
+
+    @property
+    def is_evictable(self) -> bool:
+        """Idle between requests, still sending headers, or stuck sending its body."""
+        return self.is_reading_body or (not self._request_in_progress and not self._messages)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        peername = transport.get_extra_info("peername")
+        self._peer = str(peername[0]) if peername else "?"
+        if not self._guard.admit(self, self._peer):
+            error = ApiError(503, "Too many connections; try again shortly.", "server_error", "too_many_connections")
+            transport.write(_raw_error(503, "Service Unavailable", error))  # type: ignore[attr-defined]
+            transport.close()
+            return
+        self._is_admitted = True
+        super().connection_made(transport)
+        self._start_header_timer()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self._is_admitted:
+            return
+        self._cancel_header_timer()
+        self._guard.release(self)
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._header_timer is None and not self._request_in_progress and not self._messages:
+            self._start_header_timer()  # the first bytes of a (next) request
+        super().data_received(data)
+        if self._messages:  # a whole request head arrived
+            self._cancel_header_timer()
+
+    def _start_header_timer(self) -> None:
+        self._cancel_header_timer()
+        self._header_timer = self._loop.call_later(self._guard.limits.header_timeout_s, self._on_header_timeout)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _on_header_timeout(self) -> None:
+        self._header_timer = None
+        if self._request_in_progress or self._messages or self.transport is None:
+            return
+        self._guard.note("header_timeout", self._peer, action="closed")
+        error = ApiError(408, f"The request headers did not arrive within {self._guard.limits.header_timeout_s:g} s.",
+                         "invalid_request_error", "request_timeout")
+        self.transport.write(_raw_error(408, "Request Timeout", error))
+        self.force_close()
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """Malformed HTTP (aiohttp's parser) and unexpected failures, in OpenAI's envelope."""
+        if status >= 500:
+            log.error("http_error", peer=self._peer, status=status, error=repr(exc))
+            error = ApiError(status, "The server had an error while processing your request.", "server_error",
+                             "internal_error")
+        else:
+            text = (message or (exc.message if isinstance(exc, HttpProcessingError) else str(exc)) or "Bad request")
+            log.warning("malformed_http", peer=self._peer, status=status, error=text[:200])
+            error = ApiError(status, f"Malformed HTTP request: {text[:200]}", "invalid_request_error", "malformed_http")
+        response = web.json_response(error.body(), status=status)
+        response.force_close()
+        return response
+
+
+def make_protocol_factory(server: web.Server, guard: ConnectionGuard, **kwargs):
+    """What `loop.create_server` calls per connection: aiohttp's handler, guarded."""
+    handler_kwargs = {**server._kwargs, **kwargs}  # the runner's settings (access log, debug, limits)
+
+    def factory() -> GuardedHandler:
+        return GuardedHandler(server, loop=asyncio.get_running_loop(), guard=guard, **handler_kwargs)
+
+    return factory
+
+
+def make_body_deadline_middleware(cfg: ServerConfig):
+    """Read a body whole, under `body_timeout_s`, after auth and before any handler."""
+
+    @web.middleware
+    async def body_deadline_middleware(request: web.Request, handler) -> web.StreamResponse:
+        if request.can_read_body and request.content_type.startswith("multipart/"):
+            return await _streamed_upload(request, handler)  # the Files API streams it to disk
+        if request.can_read_body:
+            if request.content_length is not None and request.content_length > cfg.max_body_bytes:
+                request[CLOSE_AFTER] = True
+                raise ApiError(413, f"The request body is too large ({request.content_length} bytes declared; "
+                               f"the limit is {cfg.max_body_bytes}).", "invalid_request_error", "request_too_large")
+            await _read_body(request, cfg.body_timeout_s)
+        return await handler(request)
+
+    return body_deadline_middleware
+
+
+async def _streamed_upload(request: web.Request, handler) -> web.StreamResponse:
+    """An upload is read by its handler, with its own size limits; under a connection cap it may be closed."""
+    protocol = request.protocol
+    if isinstance(protocol, GuardedHandler):
+        protocol.is_reading_body = True
+    try:
+        return await handler(request)
+    finally:
+        if isinstance(protocol, GuardedHandler):
+            protocol.is_reading_body = False
+
+
+async def _read_body(request: web.Request, timeout_s: float) -> None:
+    protocol = request.protocol
+    if isinstance(protocol, GuardedHandler):
+        protocol.is_reading_body = True
+    try:
+        async with asyncio.timeout(timeout_s):
+            await request.read()  # cached on the request: handlers read it again for free
+    except TimeoutError:
+        request[CLOSE_AFTER] = True
+        log.warning("body_timeout", peer=request.remote, timeout_s=timeout_s)
+        raise ApiError(408, f"The request body did not arrive within {timeout_s:g} s.", "invalid_request_error",
+                       "request_timeout") from None
+    except HttpProcessingError as exc:  # bad chunking, bad length
+        request[CLOSE_AFTER] = True
+        log.warning("malformed_http", peer=request.remote, error=exc.message[:200])
+        raise ApiError(400, f"Malformed request body: {exc.message[:200]}", "invalid_request_error",
+                       "malformed_http") from None
+    finally:
+        if isinstance(protocol, GuardedHandler):
+            protocol.is_reading_body = False

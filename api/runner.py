@@ -1,0 +1,78 @@
+"""Serving the app on a socket: guarded connections, signals, and a shutdown bounded by the grace.
+
+`run(app, settings)` starts the app (store, models, queues), listens with the connection guard
+of `api/connections.py`, and on SIGINT/SIGTERM: stops accepting, lets running answers finish
+for `shutdown_grace_s`, cuts the rest with a `server_shutting_down` error event, then stops
+the app. The process is gone within the grace plus a few seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+
+import structlog
+from aiohttp import web
+
+from api.connections import ConnectionGuard, ConnectionLimits, make_protocol_factory
+from api.inflight import INFLIGHT
+from api.state import STATE
+from settings import Settings
+
+log = structlog.get_logger(__name__)
+
+CUT_WAIT_S = 3.0  # after the grace: how long cut answers get to send their error event and bill
+HANDLER_WAIT_S = 1.0  # then: how long aiohttp waits for any other handler before cancelling it
+KEEPALIVE_S = 75.0  # idle keep-alive connections close after this (aiohttp's default)
+LINGER_S = 1.0  # after an error answer, how long a body that will not be read is drained
+
+
+async def run(app: web.Application, settings: Settings, sock: socket.socket | None = None) -> None:
+    """Serve until SIGINT/SIGTERM; `sock`: a listening socket bound already (else host and port)."""
+    cfg = settings.server
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=HANDLER_WAIT_S,
+                           keepalive_timeout=KEEPALIVE_S, lingering_time=LINGER_S)
+    await runner.setup()  # starts the app: store, models, queues (cleanup_ctx)
+    try:
+        guard = ConnectionGuard(ConnectionLimits.from_config(cfg))
+        loop = asyncio.get_running_loop()
+        factory = make_protocol_factory(runner.server, guard)
+        if sock is not None:
+            listener = await loop.create_server(factory, sock=sock, backlog=cfg.backlog)
+        else:
+            listener = await loop.create_server(factory, cfg.host, cfg.port, reuse_address=True, backlog=cfg.backlog)
+        log.info("listening", host=cfg.host, port=cfg.port, max_connections=guard.limits.max_connections,
+                 max_connections_per_client=guard.limits.max_per_client)
+        received = await _wait_for_signal(loop)
+        log.info("shutting_down", signal=received, grace_s=cfg.shutdown_grace_s)
+        listener.close()
+        await _drain(app, runner, cfg.shutdown_grace_s)
+    finally:
+        await runner.cleanup()  # app shutdown and cleanup: queues, backends, store
+    log.info("stopped")
+
+
+async def _wait_for_signal(loop: asyncio.AbstractEventLoop) -> str:
+    received: asyncio.Future[str] = loop.create_future()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda s=sig: received.done() or received.set_result(s.name))
+    try:
+        return await received
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def _drain(app: web.Application, runner: web.AppRunner, grace_s: float) -> None:
+    """New chats get 503 and /ready turns false; running ones get the grace, then are cut."""
+    if STATE in app:
+        app[STATE].draining = True
+    if runner.server is not None:
+        runner.server.pre_shutdown()  # idle keep-alive connections close now, busy ones after their answer
+    inflight = app[INFLIGHT]
+    if await inflight.wait_empty(grace_s):
+        return
+    num_cut = inflight.cut_all()
+    log.warning("shutdown_grace_over", num_cut=num_cut, grace_s=grace_s)
+    await inflight.wait_empty(CUT_WAIT_S)
