@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -123,4 +124,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    # Everything is closed by now (store, lock, backends): skip the interpreter's teardown, which
+    # spends seconds garbage-collecting torch's modules, so SIGTERM exits within the grace.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
