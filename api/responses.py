@@ -24,14 +24,18 @@ from api.chat import (
     _STATUS,
     Outlet,
     _engine_api_error,
+    _finish_quietly,
     _stream_error,
     finish_turn,
     make_answer,
     pump_choices,
     read_json,
     serve_turn,
+    shutting_down,
+    store_unavailable,
 )
 from api.errors import ApiError, bad_request, from_gateway, not_found, overloaded
+from api.inflight import INFLIGHT
 from api.responses_wire import (
     ResponsesRequest,
     function_call_item,
@@ -52,7 +56,7 @@ from gateway.admission import Pass
 from gateway.errors import Overloaded
 from store.conversations import title_from
 from store.responses import StoredResponse
-from store.types import RequestStatus
+from store.types import RequestStatus, StoreUnavailable
 
 _INCOMPLETE = {FinishReason.LENGTH: "max_output_tokens", FinishReason.CONTENT_FILTER: "content_filter"}
 
@@ -116,10 +120,10 @@ async def _with_history(state: AppState, org_id: str, req: ResponsesRequest) -> 
 async def _serve(ctx: _Context, request: web.Request, state: AppState, turn: Turn, grant: Pass) -> web.StreamResponse:
     if turn.chat.stream:
         return await _serve_stream(ctx, request, state, turn, grant)
-    return await _serve_unary(ctx, state, turn, grant)
+    return await _serve_unary(ctx, request, state, turn, grant)
 
 
-async def _serve_unary(ctx: _Context, state: AppState, turn: Turn, grant: Pass) -> web.Response:
+async def _serve_unary(ctx: _Context, request: web.Request, state: AppState, turn: Turn, grant: Pass) -> web.Response:
     answer = make_answer(turn)
 
     async def emit(text, logprobs) -> None:
@@ -130,12 +134,15 @@ async def _serve_unary(ctx: _Context, state: AppState, turn: Turn, grant: Pass) 
         (finish,) = await pump_choices(state, turn, [emit], None)
         answer.close()
     except asyncio.CancelledError:
-        await finish_turn(state, turn, RequestStatus.ABORTED, FinishReason.ABORT)
+        is_cut = request.app[INFLIGHT].was_cut()
+        await _finish_quietly(state, turn, RequestStatus.ABORTED, FinishReason.ABORT)
+        if is_cut:
+            raise shutting_down() from None
         raise
     except (EngineError, RequestRejected) as exc:
-        await finish_turn(state, turn, RequestStatus.ERROR, None)
+        await _finish_quietly(state, turn, RequestStatus.ERROR, None)
         raise _engine_api_error(exc) from None
-    await finish_turn(state, turn, _STATUS[finish], finish)
+    await finish_turn(state, turn, _STATUS[finish], finish)  # StoreUnavailable: 503, nothing acknowledged
     body = await _finished(ctx, state, turn, answer, finish)
     return web.json_response(body, headers=state.response_headers(turn), dumps=_dumps)
 
@@ -247,16 +254,23 @@ async def _serve_stream(
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
         await events.event(kind, response=body)
         await (await stream.open()).done()
+    except StoreUnavailable:  # not stored: no response.completed, no [DONE]
+        await _stream_error(await stream.open(), store_unavailable(), turn, is_done=False)
     except (ClientGone, asyncio.CancelledError):
-        await finish_turn(state, turn, RequestStatus.ABORTED, FinishReason.ABORT)
-        raise asyncio.CancelledError() from None
+        is_cut = request.app[INFLIGHT].was_cut()
+        await _finish_quietly(state, turn, RequestStatus.ABORTED, FinishReason.ABORT)
+        if not is_cut:
+            raise asyncio.CancelledError() from None
+        if not stream.is_open:
+            raise shutting_down() from None
+        await _stream_error(await stream.open(), shutting_down(), turn, is_done=False)
     except Overloaded as exc:
         if not stream.is_open:
             raise
         grant.close(refund=True)
         await _stream_error(await stream.open(), from_gateway(exc), turn)
     except (EngineError, RequestRejected, ApiError) as exc:
-        await finish_turn(state, turn, RequestStatus.ERROR, None)
+        await _finish_quietly(state, turn, RequestStatus.ERROR, None)
         await _stream_error(await stream.open(), exc, turn)
     return (await stream.open())._response
 
