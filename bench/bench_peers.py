@@ -214,6 +214,7 @@ def ratios(results: list[PeerResult]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", default=",".join(f"{w.model}x{w.streams}" for w in WORKLOADS))
+    p.add_argument("--quick", action="store_true", help="16-token prompts and 4 output tokens: checks the script runs")
     p.add_argument("--skip-linear", action="store_true", help="skip the linear layers against torch's kernels")
     p.add_argument("--skip-quality", action="store_true", help="skip the int8 quality measurement")
     p.add_argument("--json", type=Path)
@@ -228,6 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
     for w in WORKLOADS:
         if f"{w.model}x{w.streams}" not in wanted:
             continue
+        if args.quick:
+            w = Workload(w.model, w.streams, 16, 4)
         model_dir = build_model(w.model)
         ggufs = {}
         if builds:
