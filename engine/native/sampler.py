@@ -63,7 +63,8 @@ class Sampler:
         sampled_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if sampled_rows:
             idx = torch.tensor(sampled_rows, device=logits.device)
-            greedy[idx] = self._sample(logits.index_select(0, idx), [rows[i] for i in sampled_rows])
+            # index_copy_, not greedy[idx] = ...: a tensor-indexed assignment runs a slow path on CPU
+            greedy.index_copy_(0, idx, self._sample(logits.index_select(0, idx), [rows[i] for i in sampled_rows]))
         tokens = greedy.tolist()
         _record_logprobs(logits, rows, tokens)
         return tokens
