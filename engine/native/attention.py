@@ -41,6 +41,7 @@ class PrefillChunk:
     context_slots: torch.Tensor | None  # [context_len] int64
     mask: torch.Tensor | None  # [q_len, context_len] bool, None: plain causal (no cached context)
     window_mask: torch.Tensor | None = None  # [q_len, context_len] bool for sliding layers (None: no such layer)
+    gather_keys_by_slot: bool = False  # some context blocks were released: read keys slot by slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +162,10 @@ def _prefill(q, k, v, k_cache, v_cache, chunk: PrefillChunk, spec: AttentionSpec
     if chunk.context_blocks is None:
         keys = k[chunk.start : chunk.end].transpose(0, 1)
         values = v[chunk.start : chunk.end].transpose(0, 1)
+    elif chunk.gather_keys_by_slot:  # [context_len, kv_heads, head_dim] -> [kv_heads, context_len, head_dim]
+        slots, block_size = chunk.context_slots, k_cache.shape[-1]
+        keys = k_cache[slots // block_size, :, :, slots % block_size].transpose(0, 1)
+        values = v_cache.index_select(0, slots).transpose(0, 1)
     else:
         keys = _gather_keys(k_cache, chunk.context_blocks, chunk.context_len)
         values = v_cache.index_select(0, chunk.context_slots).transpose(0, 1)

@@ -3,6 +3,8 @@
 Torch-free; it hands out block ids and never touches KV tensors. A full, computed block is
 registered under a chained hash of (parent hash, token ids) salted per tenant; a freed block
 keeps its hash, so the free list doubles as the cache and the oldest-freed block is evicted first.
+For a model whose every layer attends to a sliding window, a sequence gives back the blocks
+that fell out of the window of every query it will still run, so its KV stays window-sized.
 """
 
 from __future__ import annotations
@@ -29,9 +31,12 @@ def cdiv(a: int, b: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
+    def __init__(
+        self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True, sliding_window: int | None = None
+    ):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window  # every layer's window (None: some layer sees everything)
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Front is evicted first: never-cached blocks go to the front, cached ones to the back.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -99,16 +104,31 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; it keeps no blocks and no computed tokens."""
         # Last blocks first, so a prompt's head outlives its tail in the LRU order.
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
-                if block.hash is None:
-                    self.free_block_ids.move_to_end(block_id, last=False)
+        for block_id in reversed(seq.block_table[seq.num_released_blocks :]):
+            self._release(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
+        seq.num_released_blocks = 0
+
+    def release_outside_window(self, seq: Sequence) -> None:
+        """Give back the blocks before the window of the next query (position num_computed_tokens);
+        later queries' windows start later still. Call after cache_full_blocks."""
+        if self.sliding_window is None:
+            return
+        first_needed = seq.num_computed_tokens - self.sliding_window + 1  # earliest key still attended to
+        num_outside = max(first_needed, 0) // self.block_size
+        for block_id in seq.block_table[seq.num_released_blocks : num_outside]:
+            self._release(block_id)
+        seq.num_released_blocks = max(seq.num_released_blocks, num_outside)
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_block_ids[block_id] = None
+            if block.hash is None:
+                self.free_block_ids.move_to_end(block_id, last=False)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the sequence's newly full, computed blocks in the prefix cache."""

@@ -69,7 +69,8 @@ class LLMEngine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len = runner.max_model_len
         self.block_manager = BlockManager(
-            runner.num_kv_blocks, runner.block_size, enable_prefix_caching=config.enable_prefix_caching
+            runner.num_kv_blocks, runner.block_size, enable_prefix_caching=config.enable_prefix_caching,
+            sliding_window=runner.kv_window,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(

@@ -221,7 +221,7 @@ class ModelRunner:
         max_blocks = -(-max_len // bs)
         tables = np.empty((len(seqs), max_blocks), dtype=np.int32)
         for row, seq in zip(tables, seqs):
-            table = seq.block_table[:max_blocks]
+            table = _live_table(seq)[:max_blocks]
             row[: len(table)] = table
             row[len(table) :] = table[0]  # padding points at written slots: finite, masked out
         meta["decode_max_context_len"] = max_len
@@ -235,6 +235,9 @@ class ModelRunner:
         if self.gather_decode:
             slot_grid = (tables[:, :, None] * bs + np.arange(bs, dtype=np.int32)).reshape(len(seqs), -1)[:, :max_len]
             index = np.arange(max_len)[None, :]
+            # Released positions (outside every window, masked) read the first live slot: written, finite.
+            first_live = np.asarray([seq.num_released_blocks * bs for seq in seqs])[:, None]
+            slot_grid = np.where(index < first_live, tables[:, :1] * bs, slot_grid)
             valid = index < context_lens[:, None]
             meta["decode_slots"] = self._to_device(np.where(valid, slot_grid, slot_grid[:, :1]).astype(np.int64))
             meta["decode_mask"] = self._to_device(valid[:, None, None, :])
@@ -246,9 +249,11 @@ class ModelRunner:
     def _prefill_chunk(self, seq: Sequence, num_tokens: int, row_start: int) -> tuple[PrefillChunk, np.ndarray, np.ndarray]:
         bs = self.block_size
         start = seq.num_computed_tokens
-        table = np.asarray(seq.block_table, dtype=np.int64)
+        table = np.asarray(_live_table(seq), dtype=np.int64)
         context = np.arange(start + num_tokens, dtype=np.int64)
         context_slots = table[context // bs] * bs + context % bs
+        released = seq.num_released_blocks * bs  # positions before it: outside every window, masked
+        context_slots[:released] = table[seq.num_released_blocks] * bs
         chunk_positions = context[start:]
         end = row_start + num_tokens
         window_mask = None
@@ -263,9 +268,15 @@ class ModelRunner:
             blocks = table[: -(-len(context) // bs)]
             chunk = PrefillChunk(
                 row_start, end, len(context), self._to_device(blocks), self._to_device(context_slots),
-                self._to_device(mask), window_mask,
+                self._to_device(mask), window_mask, gather_keys_by_slot=released > 0,
             )
         return chunk, context_slots[start:], chunk_positions
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window of a model whose every layer slides: its sequences keep only that much KV."""
+        windows = {layer.sliding_window for layer in self.args.layers}
+        return windows.pop() if len(windows) == 1 else None
 
     def _sampling_rows(self, batch, decodes, chunks, prefills) -> tuple[list[int], list[int], list[SamplingRow]]:
         rows, batch_indices, sampling_rows = [], [], []
@@ -282,3 +293,11 @@ class ModelRunner:
                 SamplingRow(seq.sampling, seq.token_ids, seq.num_prompt_tokens, seq.stop_token_ids, seq.grammar, sink)
             )
         return rows, batch_indices, sampling_rows
+
+
+def _live_table(seq: Sequence) -> list[int]:
+    """The block table with released entries (stale ids) pointing at the first block still held."""
+    released = seq.num_released_blocks
+    if not released:
+        return seq.block_table
+    return [seq.block_table[released]] * released + seq.block_table[released:]

@@ -96,6 +96,7 @@ class Scheduler:
         for seq, num_tokens, token_id in zip(batch.seqs, batch.num_scheduled_tokens, sampled_token_ids, strict=True):
             seq.num_computed_tokens += num_tokens
             self.block_manager.cache_full_blocks(seq)
+            self.block_manager.release_outside_window(seq)
             if token_id is None:  # a prefill chunk that did not reach the end of the prompt
                 continue
             reason = seq.append_token(token_id)

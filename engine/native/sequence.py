@@ -55,6 +55,7 @@ class Sequence:
         "num_cached_tokens",
         "num_hashed_blocks",
         "block_table",
+        "num_released_blocks",
         "block_hashes",
         "root_hash",
         "status",
@@ -77,6 +78,9 @@ class Sequence:
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
         self.num_hashed_blocks = 0  # leading blocks of block_table registered in the cache
         self.block_table: list[int] = []
+        # Sliding-window models: leading entries of block_table released once every future
+        # query's window starts past them; they are stale ids, no longer this sequence's.
+        self.num_released_blocks = 0
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks, computed lazily
         self.root_hash = root_hash(request.cache_salt)
         self.status = SequenceStatus.WAITING

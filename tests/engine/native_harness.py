@@ -18,7 +18,8 @@ from engine.types import GenerationRequest, SamplingParams
 def check_invariants(bm: BlockManager, live: Iterable[Sequence], retired: Iterable[Sequence] = ()) -> None:
     """free + used = total; ref counts match owners and are >= 0; hash entries match tokens."""
     live = list(live)
-    owners = Counter(block_id for seq in live for block_id in seq.block_table)
+    # Released entries (sliding windows) are stale ids the sequence no longer owns.
+    owners = Counter(block_id for seq in live for block_id in seq.block_table[seq.num_released_blocks :])
     free_ids = set(bm.free_block_ids)
     assert len(free_ids) == len(bm.free_block_ids), "a block is twice in the free list"
     used_ids = {b.block_id for b in bm.blocks if b.ref_count > 0}
@@ -43,6 +44,8 @@ def check_invariants(bm: BlockManager, live: Iterable[Sequence], retired: Iterab
             assert not seq.block_table and seq.num_computed_tokens == 0
         hashes = seq.full_block_hashes(seq.num_computed_tokens // bm.block_size, bm.block_size)
         for i, block_id in enumerate(seq.block_table):
+            if i < seq.num_released_blocks:
+                continue
             block = bm.blocks[block_id]
             if block.ref_count > 1:
                 assert block.hash is not None, f"shared block {block} is not a cached full block"

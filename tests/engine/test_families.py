@@ -15,6 +15,7 @@ import pytest
 from conftest import FAMILY_VARIANTS
 from engine.native.loader import load_model_args
 from engine.types import GenerationRequest, SamplingParams
+from native_harness import check_invariants
 from test_greedy_equality import engine_for, run_with_arrivals
 
 
@@ -54,7 +55,10 @@ def test_family_matches_transformers_greedy_token_for_token(tiny_models, variant
     # longrope: transformers switches to the long factors once a sequence passes the original
     # context; the engine (serving 512 tokens) always uses them, so every prompt starts past it.
     long_context = args.rope_type == "longrope"
-    engine = engine_for(model_dir, num_blocks=16 if long_context else 10, native_kernels=native_kernels)
+    # Every layer sliding: sequences give back blocks outside the window, so a smaller pool preempts.
+    all_sliding = all(layer.sliding_window for layer in args.layers)
+    num_blocks = 6 if all_sliding else 16 if long_context else 10
+    engine = engine_for(model_dir, num_blocks=num_blocks, native_kernels=native_kernels)
     assert engine.runner.use_kernel == native_kernels
     arrivals, expected = family_workload(tiny_models, variant, args.vocab_size, 66 if long_context else 0)
     assert run_with_arrivals(engine, arrivals) == expected
@@ -76,3 +80,25 @@ def test_family_configs_switch_on_their_features(tiny_models):
     assert args["granite"].residual_multiplier == 0.6 and args["granite"].logits_divisor == 2.5
     assert args["llama-yarn"].rope_type == "yarn" and args["llama-dynamic"].rope_type == "dynamic"
     assert args["qwen3"].is_llama_like and not args["gemma2"].is_llama_like
+
+
+@pytest.mark.parametrize("native_kernels", [True, False], ids=["c-kernel", "pytorch"])
+def test_an_all_sliding_model_keeps_only_its_window_of_kv_per_sequence(tiny_models, native_kernels):
+    variant = "mistral-sliding"  # window 24, block size 16
+    model_dir = tiny_models.path(variant)
+    engine = engine_for(model_dir, num_blocks=24, native_kernels=native_kernels)
+    prompt = list(range(3, 163))  # 160 tokens: prefilled in 32-token chunks
+    expected = tiny_models.greedy(variant, prompt, 48, None)
+    sampling = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    engine.add_request(GenerationRequest("long", tuple(prompt), sampling))
+    tokens, peak_blocks = [], 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+        for seq in engine.scheduler.running:
+            peak_blocks = max(peak_blocks, len(seq.block_table) - seq.num_released_blocks)
+        check_invariants(engine.block_manager, engine.scheduler.running)
+    assert tokens == expected
+    # The window (24) plus a 32-token chunk spans at most 5 blocks of 16; the whole 208 tokens, 13.
+    assert peak_blocks <= 5
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
