@@ -182,3 +182,27 @@ async def test_the_official_openai_sdk_uploads_lists_reads_and_deletes(make_clie
     assert (await sdk.files.delete(created.id)).deleted is True
     with pytest.raises(openai.NotFoundError):
         await sdk.files.retrieve(created.id)
+
+
+async def test_a_large_upload_streams_to_disk_without_being_held_in_memory(make_client):
+    import tracemalloc
+
+    client = await make_client("files.max_file_bytes=67108864")
+    chunk = b"z" * 1_048_576
+
+    async def body():
+        for _ in range(24):
+            yield chunk
+
+    data = aiohttp.FormData()
+    data.add_field("purpose", "user_data")
+    data.add_field("file", body(), filename="big.bin", content_type="application/octet-stream")
+    tracemalloc.start()
+    try:
+        resp = await client.post("/v1/files", data=data)
+        _, peak_bytes = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert resp.status == 200, await resp.text()
+    assert (await resp.json())["bytes"] == 24 * 1_048_576
+    assert peak_bytes < 8 * 1_048_576, f"peak {peak_bytes} bytes for a 24 MiB upload"
