@@ -167,7 +167,8 @@ async def test_the_official_openai_sdk_uploads_lists_reads_and_deletes(make_clie
     import openai
 
     client = await make_client()
-    sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="local", max_retries=0)
+    key = (await other_org_headers(client))["Authorization"].removeprefix("Bearer ")
+    sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=key, max_retries=0)
     path = tmp_path / "report.txt"
     path.write_bytes(b"Sales grew.")
     with path.open("rb") as fh:
