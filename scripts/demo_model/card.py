@@ -27,6 +27,9 @@ from scripts.demo_model.tokenizer import encode_conversation  # noqa: E402
 from scripts.demo_model.train import SPECS  # noqa: E402
 from testing.server_proc import ServerProcess  # noqa: E402
 
+# The web UI's empty chat shows these (the card's "Try:" line): prompts both models answer
+# well at temperature 0 (see the samples below).
+EXAMPLE_PROMPTS = ("Hello!", "Who are you?", "What is the capital of France?")
 SAMPLE_PROMPTS = (
     "Hello!", "Who are you?", "What does happy mean?", "What does {heldout} mean?",
     "Define {heldout2}.", "Use garden in a sentence.", "What is another word for big?",
@@ -226,6 +229,8 @@ def render_card(
         "canned small talk. Everything else it says is made up: its definitions of words it did "
         "not see (and of many it did) are often wrong, and it has no knowledge of the world, no "
         "arithmetic and no real memory of earlier turns.",
+        "",
+        "Try: " + ", ".join(f'"{prompt}"' for prompt in EXAMPLE_PROMPTS),
         "",
         *_architecture_section(report, summary["spec"]),
         *_evaluation_section(all_reports, heldout_sizes),

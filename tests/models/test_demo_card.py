@@ -80,3 +80,19 @@ def test_server_samples_greedy_replies_equal_transformers(tmp_path, loaded_model
     history = [*hello, {"role": "assistant", "content": first_reply.text},
                {"role": "user", "content": second}]
     assert second_reply.text == sample_reply(model, tokenizer, history)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_committed_cards_give_the_web_ui_a_description_and_three_example_prompts(name):
+    from api.model_info import card_summary
+
+    summary = card_summary(str(MODELS_DIR / name))
+    assert summary.description and len(summary.example_prompts) == 3
+    samples = (MODELS_DIR / name / "README.md").read_text(encoding="utf-8").split("### Single questions")[1]
+    assert all(f"> **user:** {prompt}" in samples for prompt in summary.example_prompts)  # answers shown
+
+
+def test_rendered_card_has_the_try_line():
+    report = _fake_report()
+    text = render_card(report, [report], SUMMARY, (100, 10))
+    assert 'Try: "Hello!", "Who are you?", "What is the capital of France?"' in text.split("## Architecture")[0]
