@@ -1,6 +1,7 @@
 """End to end: two real instances of this server on a tiny model as upstreams, and a third in
-front of them with `backend = "openai"`. One set of processes serves the whole module; the
-test that kills and restarts an upstream runs last.
+front of them with `backend = "openai"`. The upstreams require an API key, as they would on
+other machines; the front door has it from its environment (`api_key_env`). One set of
+processes serves the whole module; the test that kills and restarts an upstream runs last.
 """
 
 from __future__ import annotations
@@ -8,21 +9,26 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import shutil
 import sqlite3
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
-from testing.server_proc import ServerProcess
+from testing.server_proc import ROOT, ServerProcess
 
 pytestmark = pytest.mark.slow
 
 UPSTREAM_NAME = "tiny-llama"
 QUESTION = [{"role": "user", "content": "What does the word river mean?"}]
 SLOW_WORDS = 150  # the echo model at 20 ms a token: a stream of ~3 s
+KEY_ENV = "UPSTREAM_TEST_KEY"
 
 
 def upstream_config(tmp_path, model_dir) -> str:
@@ -69,16 +75,19 @@ breaker_open_s = 0.5
 backend = "openai"
 urls = {urls_toml}
 upstream_model = "{UPSTREAM_NAME}"
+api_key_env = "{KEY_ENV}"
 tokenizer = "{model_dir}"
 max_in_flight = 8
 [models.tiny-est]
 backend = "openai"
 urls = {urls_toml}
 upstream_model = "{UPSTREAM_NAME}"
+api_key_env = "{KEY_ENV}"
 [models.slow]
 backend = "openai"
 urls = {urls_toml}
 upstream_model = "echo"
+api_key_env = "{KEY_ENV}"
 tokenizer = "{model_dir}"
 [models.dead]
 backend = "openai"
@@ -102,26 +111,37 @@ tokens_per_minute = 100000000
 def cluster(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("upstream")
     env = {"CHAT_ECHO_TOKEN_DELAY_S": "0.02"}
-    ups = [ServerProcess(["--config", upstream_config(tmp, tiny_model_dir), "--db", str(tmp / f"up{i}.db")],
+    config = upstream_config(tmp, tiny_model_dir)
+    key = create_key(config, tmp / "up0.db")
+    shutil.copy(tmp / "up0.db", tmp / "up1.db")  # one key for both replicas (docs/scale-out.md)
+    ups = [ServerProcess(["--config", config, "--db", str(tmp / f"up{i}.db"), "--set", "server.require_keys=true"],
                          env=env, log_path=tmp / f"up{i}.log") for i in range(2)]
     dead_port = ServerProcess([]).port  # a free port nobody listens on
     urls = [u.base_url + "/v1" for u in ups]
     front = ServerProcess(["--config", front_config(tmp, tiny_model_dir, urls, dead_port), "--db", str(tmp / "front.db")],
-                          log_path=tmp / "front.log")
+                          env={KEY_ENV: key}, log_path=tmp / "front.log")
     try:
         with ThreadPoolExecutor(len(ups)) as pool:  # the upstreams start side by side
             list(pool.map(ServerProcess.start, ups))
         front.start()
-        yield {"ups": ups, "front": front, "db": tmp / "front.db", "tmp": tmp}
+        yield {"ups": ups, "front": front, "db": tmp / "front.db", "tmp": tmp, "key": key}
     finally:
         for proc in (front, *ups):
             proc.kill()
 
 
+def create_key(config: str, db: Path) -> str:
+    out = subprocess.run([sys.executable, str(ROOT / "server.py"), "--config", config, "--db", str(db), "keys", "create",
+                          "--org", "front-door", "--tier", "enterprise"], capture_output=True, text=True, check=True,
+                         cwd=ROOT, timeout=120).stdout
+    return next(line for line in out.splitlines() if line.startswith("sk-"))
+
+
 # -- helpers ------------------------------------------------------------------------------
-def post(base_url: str, body: dict, timeout_s: float = 60) -> tuple[int, dict, dict]:
+def post(base_url: str, body: dict, timeout_s: float = 60, key: str | None = None) -> tuple[int, dict, dict]:
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
     req = urllib.request.Request(base_url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **auth})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return resp.status, dict(resp.headers), json.loads(resp.read())
@@ -129,10 +149,11 @@ def post(base_url: str, body: dict, timeout_s: float = 60) -> tuple[int, dict, d
         return exc.code, dict(exc.headers), json.loads(exc.read())
 
 
-def stream(base_url: str, body: dict) -> list[dict | str]:
+def stream(base_url: str, body: dict, key: str | None = None) -> list[dict | str]:
     """Every `data:` payload of a stream, decoded; '[DONE]' as a string."""
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
     req = urllib.request.Request(base_url + "/v1/chat/completions", data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **auth})
     with urllib.request.urlopen(req, timeout=60) as resp:
         text = resp.read().decode()
     frames = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
@@ -175,7 +196,8 @@ def greedy(messages, max_tokens=24, model="tiny", **extra) -> dict:
 # -- tests --------------------------------------------------------------------------------
 def test_greedy_answer_through_the_front_equals_the_upstreams_own(cluster):
     front, up = cluster["front"], cluster["ups"][0]
-    status, _, own = post(up.base_url, greedy(QUESTION, model=UPSTREAM_NAME))
+    assert post(up.base_url, greedy(QUESTION, model=UPSTREAM_NAME))[0] == 401  # the upstreams require keys
+    status, _, own = post(up.base_url, greedy(QUESTION, model=UPSTREAM_NAME), key=cluster["key"])
     assert status == 200
     for model in ("tiny", "tiny-est"):
         status, headers, relayed = post(front.base_url, greedy(QUESTION, model=model))
@@ -190,7 +212,7 @@ def test_greedy_answer_through_the_front_equals_the_upstreams_own(cluster):
 def test_streaming_is_relayed_with_exact_text_and_usage(cluster):
     front, up = cluster["front"], cluster["ups"][1]
     body = greedy(QUESTION, max_tokens=40, stream_options={"include_usage": True})
-    own = stream(up.base_url, {**body, "model": UPSTREAM_NAME})
+    own = stream(up.base_url, {**body, "model": UPSTREAM_NAME}, key=cluster["key"])
     relayed = stream(front.base_url, body)
     assert relayed[-1] == "[DONE]"
     assert stream_text(relayed) == stream_text(own) != ""
