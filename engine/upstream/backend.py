@@ -300,10 +300,10 @@ class UpstreamBackend:
             if isinstance(chunk, UpstreamError):
                 self._record_failure(replica, FailureKind.SERVER_ERROR, chunk.message)
                 raise _AttemptFailed(f"{replica.label}: error event: {chunk.message}", FailureKind.SERVER_ERROR, chunk)
-            if chunk.text and not progress.num_yielded:
-                replica.observe_ttft(time.monotonic() - started_s)
             event = self._apply(progress, chunk)
             if event is not None:
+                if not progress.num_yielded:  # the first text, reasoning or tool call
+                    replica.observe_ttft(time.monotonic() - started_s)
                 progress.num_yielded += 1
                 yield event
         if progress.finish is None:
