@@ -221,6 +221,7 @@ def test_streaming_is_relayed_with_exact_text_and_usage(cluster):
     assert relayed[-2]["usage"]["prompt_tokens"] == own[-2]["usage"]["prompt_tokens"]
     num_content_chunks = sum(1 for f in relayed if isinstance(f, dict) and f["choices"] and f["choices"][0]["delta"].get("content"))
     assert num_content_chunks > 1  # chunk by chunk, not one block at the end
+    assert metric(front.base_url, "chat_upstream_time_to_first_token_seconds_count", model="tiny") >= 1
 
 
 def ledger_row(cluster, request_id: str) -> tuple | None:
