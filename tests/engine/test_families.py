@@ -12,7 +12,7 @@ import zlib
 
 import pytest
 
-from conftest import FAMILY_VARIANTS
+from family_variants import FAMILY_VARIANTS
 from engine.native.loader import load_model_args
 from engine.types import GenerationRequest, SamplingParams
 from native_harness import check_invariants

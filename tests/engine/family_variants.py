@@ -1,0 +1,45 @@
+"""One tiny checkpoint per served family for the engine tests (a module of its own, so test
+files import it by a name no other test folder's conftest shadows)."""
+
+from __future__ import annotations
+
+SLIDING = ["sliding_attention", "full_attention", "sliding_attention"]
+# One checkpoint per served family (transformers' own config class), small enough to test in
+# seconds, with every feature the family adds switched on at a size that changes the output.
+FAMILY_VARIANTS = {
+    "qwen3": dict(model_type="qwen3", head_dim=32, seed=10),
+    "gemma3": dict(
+        model_type="gemma3_text", head_dim=16, num_hidden_layers=3, layer_types=SLIDING, sliding_window=24,
+        query_pre_attn_scalar=20, final_logit_softcapping=5.0, seed=11,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+        },
+    ),
+    "gemma2": dict(
+        model_type="gemma2", head_dim=16, num_hidden_layers=3, layer_types=SLIDING, sliding_window=24,
+        query_pre_attn_scalar=20, attn_logit_softcapping=3.0, final_logit_softcapping=5.0, seed=12,
+    ),
+    "phi3": dict(model_type="phi3", partial_rotary_factor=0.5, sliding_window=40, seed=13),
+    "phi3-longrope": dict(
+        model_type="phi3", seed=14, original_max_position_embeddings=64,
+        rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + i / 10 for i in range(6)], "long_factor": [2.0 + i for i in range(6)],
+        },
+    ),
+    "smollm3": dict(model_type="smollm3", num_hidden_layers=3, no_rope_layer_interval=2, seed=15),
+    "mistral-sliding": dict(model_type="mistral", sliding_window=24, head_dim=16, seed=16),
+    "granite": dict(
+        model_type="granite", embedding_multiplier=4.0, attention_multiplier=0.3, residual_multiplier=0.6,
+        logits_scaling=2.5, seed=17,
+    ),
+    "olmo2": dict(model_type="olmo2", seed=18),
+    "llama-yarn": dict(
+        model_type="llama", seed=19,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128},
+    ),
+    "llama-dynamic": dict(
+        model_type="llama", seed=20, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    ),
+}
