@@ -489,9 +489,5 @@ def usage_chunk_body(completion_id: str, model: str, created: int, usage: dict) 
     }
 
 
-def error_event(error: ApiError) -> dict:
-    return error.body()
-
-
 def now_s() -> int:
     return int(time.time())

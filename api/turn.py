@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,10 +78,6 @@ class Turn:
     @property
     def completion_id(self) -> str:
         return "chatcmpl-" + self.request_id.removeprefix("req_")
-
-
-def new_request_id() -> str:
-    return "req_" + uuid.uuid4().hex
 
 
 def build_context(

@@ -67,29 +67,14 @@ class Metrics:
                                    "queue place (it had aged past the refused request's tier).", tm, registry=r)
         self._fallbacks = Counter("chat_fallbacks", "Requests served by another model than asked.",
                                   ("tier", "from_model", "to_model"), registry=r)
-        self._safety = Counter("chat_safety_decisions", "Safety gate decisions.",
-                               ("layer", "category", "tier", "action"), registry=r)
         self._sources: dict[str, _Sources] = {}
         self.registry.register(_SourceCollector(self._sources))
-
-    def observe_queue_time(self, tier: str, model: str, seconds: float) -> None:
-        self._queue.labels(tier, model).observe(seconds)
-
-    def observe_ttft(self, tier: str, model: str, seconds: float) -> None:
-        self._ttft.labels(tier, model).observe(seconds)
-
-    def observe_itl(self, tier: str, model: str, seconds: float) -> None:
-        self._itl.labels(tier, model).observe(seconds)
-
-    def observe_e2e(self, tier: str, model: str, seconds: float) -> None:
-        self._e2e.labels(tier, model).observe(seconds)
 
     def observe_request(self, turn: object, record: RequestRecord, finish: FinishReason | None) -> None:
         """Everything about one finished, aborted or failed request, read from its ledger record.
 
         `turn` is accepted for the caller's convenience; the record carries every number.
-        The inter-token latency observed here is the request's mean (vLLM's TPOT); call
-        `observe_itl` per token instead for the full distribution.
+        The inter-token latency observed here is the request's mean (vLLM's TPOT).
         """
         tier, model = record.tier, record.model
         for histogram, value_ms in ((self._queue, record.queue_ms), (self._ttft, record.ttft_ms),
@@ -121,9 +106,6 @@ class Metrics:
 
     def count_fallback(self, tier: str, from_model: str, to_model: str) -> None:
         self._fallbacks.labels(tier, from_model, to_model).inc()
-
-    def count_safety(self, layer: str, category: str, tier: str, action: str) -> None:
-        self._safety.labels(layer, category, tier, action).inc()
 
     def set_stats_source(
         self, model: str, stats: Callable[[], EngineStats], queue: WaitingQueue | None = None
