@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from tests.api.helpers import assert_error, sse_events, state_of
 
 USER = [{"role": "user", "content": "Hello there."}]
@@ -13,6 +15,25 @@ LONG = [{"role": "user", "content": " ".join(["word"] * 40)}]
 
 async def chat(client, body, headers=None):
     return await client.post("/v1/chat/completions", json=body, headers=headers or {})
+
+
+async def metric(client, name: str, **labels: str) -> float:
+    """The value of one /metrics sample (0 when it is absent)."""
+    text = await (await client.get("/metrics")).text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+async def until_metric(client, name: str, at_least: float, **labels: str) -> None:
+    """Wait (up to 10 s) until a gauge reaches a value: a condition, not a fixed sleep."""
+    for _ in range(1000):
+        if await metric(client, name, **labels) >= at_least:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{name}{labels} never reached {at_least}")
 
 
 async def test_rate_limit_gives_429_with_retry_after_and_ratelimit_headers(make_client):
@@ -55,9 +76,9 @@ async def test_full_queue_is_503_with_retry_after_and_waiters_see_their_position
     client = await make_client("queue.max_waiting_requests=1", 'tiers.enterprise.models=["echo"]',
                                "tiers.enterprise.wait_target_s=1000")
     running = asyncio.create_task(chat(client, {"model": "echo", "stream": True, "messages": LONG}))
-    await asyncio.sleep(0.3)
+    await until_metric(client, "chat_requests_running", 1, model="echo")
     waiting = asyncio.create_task(chat(client, {"model": "echo", "stream": True, "messages": USER}))
-    await asyncio.sleep(0.3)
+    await until_metric(client, "chat_requests_waiting", 1, model="echo")
     refused = await chat(client, {"model": "echo", "stream": True, "messages": USER})
     await assert_error(refused, 503)  # the router sees the full queue first
     assert int(refused.headers["Retry-After"]) >= 1
@@ -72,9 +93,9 @@ async def test_a_saturated_model_falls_back_to_the_next_one_and_says_so(make_cli
     monkeypatch.setenv("CHAT_ECHO_MAX_RUNNING", "1")
     client = await make_client("tiers.enterprise.wait_target_s=0.001")
     running = asyncio.create_task(chat(client, {"model": "echo", "stream": True, "messages": LONG}))
-    await asyncio.sleep(0.2)
+    await until_metric(client, "chat_requests_running", 1, model="echo")
     waiting = asyncio.create_task(chat(client, {"model": "echo", "stream": True, "messages": USER}))
-    await asyncio.sleep(0.2)  # a backlog that has not moved for 0.2 s: well past the wait target
+    await until_metric(client, "chat_requests_waiting", 1, model="echo")  # a backlog: past the 1 ms target
     resp = await chat(client, {"model": "echo", "messages": USER})
     assert resp.status == 200
     assert (await resp.json())["model"] == "echo2" and resp.headers["x-fallback-from"] == "echo"
@@ -92,7 +113,7 @@ async def test_concurrent_streams_per_key_are_limited(make_client, monkeypatch):
     _key, secret = await state_of(client).store.create_key("acme")
     headers = {"Authorization": f"Bearer {secret}"}
     running = asyncio.create_task(chat(client, {"model": "echo", "stream": True, "messages": LONG}, headers))
-    await asyncio.sleep(0.3)
+    await until_metric(client, "chat_requests_running", 1, model="echo")
     await assert_error(await chat(client, {"model": "echo", "messages": USER}, headers), 429,
                        code="rate_limit_exceeded")
     await (await running).read()
@@ -101,8 +122,8 @@ async def test_concurrent_streams_per_key_are_limited(make_client, monkeypatch):
 
 async def test_metrics_expose_requests_tokens_and_rejections(make_client):
     client = await make_client("tiers.enterprise.requests_per_minute=1")
-    await chat(client, {"model": "echo", "messages": USER})
-    await chat(client, {"model": "echo", "messages": USER})
-    text = await (await client.get("/metrics")).text()
-    assert "429" in text or "rate" in text
-    assert 'model="echo"' in text
+    assert (await chat(client, {"model": "echo", "messages": USER})).status == 200
+    await assert_error(await chat(client, {"model": "echo", "messages": USER}), 429, code="rate_limit_exceeded")
+    # refused before routing (the cheap check), so the model label is "-"
+    assert await metric(client, "chat_rejections_total", reason="key_requests", kind="limit") == 1
+    assert await metric(client, "chat_requests_finished_total", model="echo", finish_reason="stop") == 1
