@@ -52,7 +52,8 @@ class ServerConfig:
     )
     metrics_token: str = setting("", "Bearer token that may read /metrics (besides any API key) when not loopback-only.")
     header_timeout_s: float = setting(10.0, "A request's headers must arrive within this (408 and close otherwise).")
-    body_timeout_s: float = setting(30.0, "A request's body must arrive within this after its headers (408 otherwise).")
+    body_timeout_s: float = setting(30.0, "A request's body must arrive within this after its headers, and a file "
+                                   "upload may not pause longer than this (408 otherwise).")
     max_connections: int = setting(1024, "Open connections in total (lowered to fit the open-files limit).")
     max_connections_per_client: int = setting(256, "Open connections from one client address.")
     fd_reserve: int = setting(64, "File descriptors kept free of connections (database, models, health checks).")

@@ -222,7 +222,8 @@ def make_body_deadline_middleware(cfg: ServerConfig):
 
 
 async def _streamed_upload(request: web.Request, handler) -> web.StreamResponse:
-    """An upload is read by its handler, with its own size limits; under a connection cap it may be closed."""
+    """An upload is read by its handler, with its own size limits and idle deadline (api/files.py);
+    under a connection cap it may be closed."""
     protocol = request.protocol
     if isinstance(protocol, GuardedHandler):
         protocol.is_reading_body = True

@@ -20,6 +20,7 @@ from urllib.parse import quote
 import structlog
 from aiohttp import BodyPartReader, web
 
+from api.connections import CLOSE_AFTER
 from api.errors import ApiError, bad_request, not_found
 from api.state import PRINCIPAL, SETTINGS, STATE
 from settings import Settings
@@ -91,6 +92,7 @@ class UploadLimits:
     quota: FileQuota
     max_file_bytes: int  # the server's limit for one upload
     room_bytes: int  # what the organisation's storage quota has left
+    idle_s: float  # server.body_timeout_s: an upload that sends nothing for this long ends with 408
 
     @property
     def max_bytes(self) -> int:
@@ -116,13 +118,13 @@ async def _upload_limits(request: web.Request) -> UploadLimits:
     declared = request.content_length
     if declared is not None and declared > max_bytes + _MULTIPART_OVERHEAD_BYTES:
         raise _too_large(max_bytes)  # refused before a byte of the body is read
-    return UploadLimits(quota, max_bytes, quota.max_bytes - num_bytes)
+    return UploadLimits(quota, max_bytes, quota.max_bytes - num_bytes, settings.server.body_timeout_s)
 
 
 async def _stream_part(part: BodyPartReader, upload: Upload, limits: UploadLimits) -> bytes:
     """Copy the part to disk chunk by chunk; returns its first bytes (for sniffing)."""
     head = b""
-    while chunk := await part.read_chunk(CHUNK_BYTES):
+    while chunk := await _arrives(part.read_chunk(CHUNK_BYTES), limits.idle_s):
         if upload.num_bytes + len(chunk) > limits.max_bytes:
             raise limits.refusal()  # the rest of the body is never read
         if len(head) < 16:
@@ -131,9 +133,15 @@ async def _stream_part(part: BodyPartReader, upload: Upload, limits: UploadLimit
     return head
 
 
-async def _read_small_field(part: BodyPartReader, name: str, max_bytes: int = 256) -> str:
+async def _arrives(read, idle_s: float):
+    """One read of an upload, which must bring bytes within `idle_s` (else TimeoutError)."""
+    async with asyncio.timeout(idle_s):
+        return await read
+
+
+async def _read_small_field(part: BodyPartReader, name: str, idle_s: float, max_bytes: int = 256) -> str:
     data = b""
-    while chunk := await part.read_chunk(max_bytes):
+    while chunk := await _arrives(part.read_chunk(max_bytes), idle_s):
         data += chunk
         if len(data) > max_bytes:
             raise bad_request(f"'{name}' is longer than {max_bytes} bytes.", param=name)
@@ -147,7 +155,13 @@ async def create_file(request: web.Request) -> web.Response:
     limits = await _upload_limits(request)
     upload = request.app[BLOBS].start_upload()
     try:
-        purpose, filename, media_type = await _read_form(request, upload, limits)
+        try:
+            purpose, filename, media_type = await _read_form(request, upload, limits)
+        except TimeoutError:  # a stalled upload: the body deadline, as for every other body
+            request[CLOSE_AFTER] = True
+            log.warning("body_timeout", peer=request.remote, timeout_s=limits.idle_s, upload=True)
+            raise ApiError(408, f"The upload sent nothing for {limits.idle_s:g} s.", "invalid_request_error",
+                           "request_timeout") from None
         stored = await _commit(request, upload, limits.quota, (purpose, filename, media_type))
     except BaseException:
         upload.discard()  # no-op after a commit that moved the file into place
@@ -159,11 +173,11 @@ async def create_file(request: web.Request) -> web.Response:
 async def _read_form(request: web.Request, upload: Upload, limits: UploadLimits) -> tuple[str, str, str]:
     purpose = filename = media_type = None
     reader = await request.multipart()
-    while (part := await reader.next()) is not None:
+    while (part := await _arrives(reader.next(), limits.idle_s)) is not None:
         if not isinstance(part, BodyPartReader):
             raise bad_request("Nested multipart bodies are not supported.", param="file")
         if part.name == "purpose":
-            purpose = await _read_small_field(part, "purpose")
+            purpose = await _read_small_field(part, "purpose", limits.idle_s)
         elif part.name == "file" and filename is None:
             filename = clean_filename(part.filename)
             head = await _stream_part(part, upload, limits)

@@ -96,6 +96,13 @@ def test_slow_headers_and_bodies_hit_their_deadlines_and_the_caps_keep_new_clien
         stalled.sendall(post + b"Content-Length: 1000\r\n\r\n" + b"{" * 10)
         status, error = error_of(read_all(stalled))
         assert (status, error["code"]) == (408, "request_timeout")
+        upload = connect(server.port)  # a file upload that stops sending: the same deadline, between reads
+        upload.sendall(b"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n"
+                       b"Content-Type: multipart/form-data; boundary=XX\r\n\r\n--XX\r\n"
+                       b'Content-Disposition: form-data; name="file"; filename="a.txt"\r\n\r\nhello')
+        status, error = error_of(read_all(upload))
+        assert (status, error["code"]) == (408, "request_timeout")
+        upload.close()
         status, error = error_of(read_all(slow[-1]))  # the header deadline answers and closes
         assert (status, error["code"]) == (408, "request_timeout")
         for sock in slow:
