@@ -252,17 +252,21 @@ async def _finish_quietly(state: AppState, turn: Turn, status: RequestStatus, fi
         pass
 
 
-async def _serve_unary(request: web.Request, state: AppState, turn: Turn, grant: Pass) -> web.Response:
-    answers = [make_answer(turn) for _ in range(turn.chat.n)]
+async def generate_unary(
+    request: web.Request, state: AppState, turn: Turn, grant: Pass, answers: list[Answer]
+) -> list[FinishReason]:
+    """A non-streaming turn run to its end, one `Answer` per choice, the durable write done before it
+    returns (StoreUnavailable: 503, nothing acknowledged). Chat completions and Responses both call it,
+    so a disconnect, a shutdown and an engine error each have one finish path."""
 
-    def emitter(index: int) -> Callable[[str, tuple[TokenLogprob, ...]], Awaitable[None]]:
+    def emitter(index: int) -> Emit:
         async def emit(text: str, logprobs: tuple[TokenLogprob, ...]) -> None:
             answers[index].feed(text, logprobs)
         return emit
 
     try:
         await wait_admitted(state, grant, turn, None)
-        finishes = await pump_choices(state, turn, [emitter(i) for i in range(turn.chat.n)], None)
+        finishes = await pump_choices(state, turn, [emitter(i) for i in range(len(answers))], None)
         for answer in answers:
             answer.close()
     except asyncio.CancelledError:  # client went away (handler cancellation) or shutdown
@@ -275,7 +279,13 @@ async def _serve_unary(request: web.Request, state: AppState, turn: Turn, grant:
         await _finish_quietly(state, turn, RequestStatus.ERROR, None)
         log.error("request_failed", request_id=turn.request_id, error=str(exc))
         raise _engine_api_error(exc) from None
-    await finish_turn(state, turn, _STATUS[finishes[0]], finishes[0])  # StoreUnavailable: 503, nothing acknowledged
+    await finish_turn(state, turn, _STATUS[finishes[0]], finishes[0])
+    return finishes
+
+
+async def _serve_unary(request: web.Request, state: AppState, turn: Turn, grant: Pass) -> web.Response:
+    answers = [make_answer(turn) for _ in range(turn.chat.n)]
+    finishes = await generate_unary(request, state, turn, grant, answers)
     body = protocol.completion_body(
         turn.completion_id, turn.model.name, protocol.now_s(), "".join(turn.text_parts),
         answers[0].finish_reason(finishes[0]), _usage(state, turn), _extra_fields(turn),

@@ -23,10 +23,10 @@ from api.answer import Answer
 from api.chat import (
     _STATUS,
     Outlet,
-    _engine_api_error,
     _finish_quietly,
     _stream_error,
     finish_turn,
+    generate_unary,
     make_answer,
     pump_choices,
     read_json,
@@ -125,24 +125,7 @@ async def _serve(ctx: _Context, request: web.Request, state: AppState, turn: Tur
 
 async def _serve_unary(ctx: _Context, request: web.Request, state: AppState, turn: Turn, grant: Pass) -> web.Response:
     answer = make_answer(turn)
-
-    async def emit(text, logprobs) -> None:
-        answer.feed(text, logprobs)
-
-    try:
-        await wait_admitted(state, grant, turn, None)
-        (finish,) = await pump_choices(state, turn, [emit], None)
-        answer.close()
-    except asyncio.CancelledError:
-        is_cut = request.app[INFLIGHT].was_cut()
-        await _finish_quietly(state, turn, RequestStatus.ABORTED, FinishReason.ABORT)
-        if is_cut:
-            raise shutting_down() from None
-        raise
-    except (EngineError, RequestRejected) as exc:
-        await _finish_quietly(state, turn, RequestStatus.ERROR, None)
-        raise _engine_api_error(exc) from None
-    await finish_turn(state, turn, _STATUS[finish], finish)  # StoreUnavailable: 503, nothing acknowledged
+    (finish,) = await generate_unary(request, state, turn, grant, [answer])
     body = await _finished(ctx, state, turn, answer, finish)
     return web.json_response(body, headers=state.response_headers(turn), dumps=_dumps)
 
