@@ -159,6 +159,7 @@ async def _serve_stream(request: web.Request, state: AppState, turn: Turn, grant
         return protocol.chunk_body(turn.completion_id, turn.model.name, created, delta, finish, turn.chat.include_usage, usage)
 
     answers = [make_answer(turn) for _ in range(turn.chat.n)]
+    writer: SSEWriter | None = None  # opened once admitted
 
     async def send(index: int, deltas: list[dict]) -> None:
         for d in deltas:
@@ -169,7 +170,8 @@ async def _serve_stream(request: web.Request, state: AppState, turn: Turn, grant
     def emitter(index: int) -> Callable[[str, tuple[TokenLogprob, ...]], Awaitable[None]]:
         return lambda text, logprobs: send(index, answers[index].feed(text, logprobs))
 
-    try:
+    async def run() -> None:
+        nonlocal writer
         await wait_admitted(state, grant, turn, stream.comment)
         writer = await stream.open()
         for i in range(turn.chat.n):
@@ -185,6 +187,18 @@ async def _serve_stream(request: web.Request, state: AppState, turn: Turn, grant
         if turn.chat.include_usage:
             await writer.data(protocol.usage_chunk_body(turn.completion_id, turn.model.name, created, _usage(state, turn)))
         await writer.done()
+
+    return await stream_turn(request, state, turn, grant, stream, run)
+
+
+async def stream_turn(
+    request: web.Request, state: AppState, turn: Turn, grant: Pass, stream: LazyStream,
+    run: Callable[[], Awaitable[None]],
+) -> web.StreamResponse:
+    """Run one streamed answer (`run`: admission, generation, the durable write, the last frames)
+    under the failure ladder chat completions and Responses share: each failure has one finish path."""
+    try:
+        await run()
     except StoreUnavailable:  # the answer could not be stored: no finish_reason, no [DONE]
         await _stream_error(await stream.open(), store_unavailable(), turn, is_done=False)
     except (ClientGone, asyncio.CancelledError):

@@ -23,19 +23,15 @@ from api.answer import Answer
 from api.chat import (
     _STATUS,
     Outlet,
-    _finish_quietly,
-    _stream_error,
     finish_turn,
     generate_unary,
     make_answer,
     pump_choices,
     read_json,
     serve_turn,
-    shutting_down,
-    store_unavailable,
+    stream_turn,
 )
-from api.errors import ApiError, bad_request, from_gateway, not_found, overloaded
-from api.inflight import INFLIGHT
+from api.errors import ApiError, bad_request, not_found, overloaded
 from api.responses_wire import (
     ResponsesRequest,
     function_call_item,
@@ -46,17 +42,16 @@ from api.responses_wire import (
     response_object,
     usage_object,
 )
-from api.sse import ClientGone, SSEWriter
+from api.sse import SSEWriter
 from api.state import PRINCIPAL, REQUEST_ID, STATE, AppState
 from api.tools import ToolCall
 from api.turn import Turn
 from api.waiting import LazyStream, wait_admitted
-from engine.types import EngineError, FinishReason, RequestRejected
+from engine.types import FinishReason
 from gateway.admission import Pass
-from gateway.errors import Overloaded
 from store.conversations import title_from
 from store.responses import StoredResponse
-from store.types import RequestStatus, StoreUnavailable
+from store.types import RequestStatus
 
 _INCOMPLETE = {FinishReason.LENGTH: "max_output_tokens", FinishReason.CONTENT_FILTER: "content_filter"}
 
@@ -222,7 +217,8 @@ async def _serve_stream(
         for d in answer.feed(text, logprobs):
             await events.delta(d)
 
-    try:
+    async def run() -> None:
+        nonlocal events
         await wait_admitted(state, grant, turn, stream.comment)
         events = _EventStream(ctx, await stream.open())
         started = response_object(ctx.response_id, ctx.created, turn.model.name, ctx.req, {})
@@ -237,25 +233,8 @@ async def _serve_stream(
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
         await events.event(kind, response=body)
         await (await stream.open()).done()
-    except StoreUnavailable:  # not stored: no response.completed, no [DONE]
-        await _stream_error(await stream.open(), store_unavailable(), turn, is_done=False)
-    except (ClientGone, asyncio.CancelledError):
-        is_cut = request.app[INFLIGHT].was_cut()
-        await _finish_quietly(state, turn, RequestStatus.ABORTED, FinishReason.ABORT)
-        if not is_cut:
-            raise asyncio.CancelledError() from None
-        if not stream.is_open:
-            raise shutting_down() from None
-        await _stream_error(await stream.open(), shutting_down(), turn, is_done=False)
-    except Overloaded as exc:
-        if not stream.is_open:
-            raise
-        grant.close(refund=True)
-        await _stream_error(await stream.open(), from_gateway(exc), turn)
-    except (EngineError, RequestRejected, ApiError) as exc:
-        await _finish_quietly(state, turn, RequestStatus.ERROR, None)
-        await _stream_error(await stream.open(), exc, turn)
-    return (await stream.open())._response
+
+    return await stream_turn(request, state, turn, grant, stream, run)
 
 
 async def _refuse(ctx: _Context, request: web.Request, state: AppState, turn: Turn, verdict) -> web.StreamResponse:
