@@ -231,8 +231,6 @@ class SafetyConfig:
     holdback_chars: int = setting(64, "Streamed text held back so a blocked span is never sent.")
     output_classifier: bool = setting(True, "Also run the classifier on streamed answers (text waits for its check).")
     output_check_chars: int = setting(160, "The answer classifier runs at least every this many new characters.")
-    guard_model: str = setting("", "Model asked to classify conversations; empty: off.")
-    guard_timeout_s: float = setting(10.0, "Guard answer deadline; a late or malformed answer blocks (fail closed).")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """The safety gate: screens a conversation before the engine and hands out output filters.
 
-Layers run cheapest first: rules, then the classifier (one worker thread call for both),
-then the optional guard model. Every decision is counted and logged without any text.
+Layers run cheapest first: rules, then the classifier (one worker thread call for both).
+Every decision is counted and logged without any text.
 The gate never sees the engine; the server decides what a block means for the request.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,7 +19,6 @@ import prometheus_client
 import structlog
 
 from gateway.safety.classifier import SafetyClassifier, SafetyHead
-from gateway.safety.guard import GuardModel
 from gateway.safety.output import OutputFilter, OutputPolicy
 from gateway.safety.rules import ALL_CATEGORIES, RuleSet
 from gateway.safety.types import SafetyLayer, Stage, Verdict
@@ -82,29 +81,22 @@ class SafetyGate:
         config: SafetyConfig,
         *,
         registry: prometheus_client.CollectorRegistry | None = None,
-        guard: Callable[[list[dict]], Awaitable[str]] | None = None,
         classifier: SafetyClassifier | None = None,
     ):
-        """`guard`: how to ask the guard model (required when config.guard_model is set).
-        `classifier`: an already loaded one to share (tests, several gates); else start() loads it."""
+        """`classifier`: an already loaded one to share (tests, several gates); else start() loads it."""
         self.config = config
         allow = {**config.allow_categories, ALL_CATEGORIES: list(config.allow)}
         self._prompt_rules = RuleSet.merged(config.deny, allow, builtin=config.builtin_rules)
         # The built-in patterns are phrased as requests; answers get the operator's rules only.
         self._output_rules = RuleSet.merged(config.deny, allow, builtin=False)
         self._classifier = classifier if config.classifier else None
-        self._guard: GuardModel | None = None
-        if config.guard_model:
-            if guard is None:
-                raise ConfigError("safety.guard_model is set but the server supplied no way to call it")
-            self._guard = GuardModel(guard, timeout_s=config.guard_timeout_s)
         registry = registry if registry is not None else prometheus_client.CollectorRegistry()
         self._decisions = prometheus_client.Counter(
             "chat_safety_gate_decisions", "Safety gate decisions (prompt screening and output filtering).",
             ("stage", "layer", "category", "tier", "action"), registry=registry,
         )
         self._screen_seconds = prometheus_client.Histogram(
-            "chat_safety_prompt_screen_seconds", "Time to screen a prompt (rules, classifier, guard).",
+            "chat_safety_prompt_screen_seconds", "Time to screen a prompt (rules and classifier).",
             buckets=_LATENCY_BUCKETS_S, registry=registry,
         )
 
@@ -123,8 +115,6 @@ class SafetyGate:
         verdict = Verdict.allow()
         if turns:
             verdict = await _off_loop(self._screen_sync, turns)
-            if verdict.allowed and self._guard is not None:
-                verdict = await self._guard.classify(turns[-self.config.context_turns :])
         self._screen_seconds.observe(time.perf_counter() - started_s)
         self._record(Stage.PROMPT, verdict, tier)
         return verdict

@@ -19,7 +19,6 @@ class SafetyLayer(str, enum.Enum):
 
     RULES = "rules"
     CLASSIFIER = "classifier"
-    GUARD = "guard"
 
 
 class Stage(str, enum.Enum):
@@ -30,7 +29,7 @@ class Stage(str, enum.Enum):
 @dataclass(frozen=True, slots=True)
 class Verdict:
     """The gate's decision. When blocked, `layer` and `category` say why; `score` is the
-    classifier's probability for that category (None for rules, and for the guard)."""
+    classifier's probability for that category (None for rules)."""
 
     allowed: bool
     layer: SafetyLayer | None = None
