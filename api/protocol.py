@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from api import tools as tooling
-from api.errors import ApiError, bad_request
+from api.errors import bad_request
 from api.parts import Part, has_attachments, parse_parts, parse_truncation, text_of
 from engine.types import StructuredKind, StructuredOutput
 

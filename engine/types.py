@@ -148,7 +148,6 @@ class EngineStats:
     num_preemptions: int = 0
     num_prompt_tokens_processed: int = 0  # prefill tokens actually computed
     num_generation_tokens: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
 
     @property
     def kv_usage(self) -> float:

@@ -66,10 +66,6 @@ class Coalescer:
     def num_in_flight(self) -> int:
         return len(self._flights)
 
-    def would_join(self, backend: Backend, request: GenerationRequest) -> bool:
-        """True if `generate` would join a running generation (no new engine capacity used)."""
-        return request.sampling.is_greedy and _key(backend, request) in self._flights
-
     async def generate(self, backend: Backend, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """`backend.generate(request)`, shared with identical greedy requests in flight.
 

@@ -18,7 +18,7 @@ from settings import Settings
 from store.feedback import Feedback
 from store.money import format_usd
 from store.store import UNSET, Store
-from store.types import Conflict, NotFound, Org, StoreError
+from store.types import Conflict, NotFound, StoreError
 
 
 def add_cli(subparsers: Any) -> None:

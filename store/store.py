@@ -27,7 +27,6 @@ from store.types import (
     Conversation,
     FileQuery,
     FileQuota,
-    NotFound,
     Org,
     Principal,
     RequestRecord,

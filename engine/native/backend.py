@@ -12,7 +12,6 @@ import asyncio
 import math
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -273,7 +272,6 @@ class NativeBackend:
         engine = self._engine
         items, stop = self._drain_inbox(engine)
         if not stop and engine.has_unfinished_requests():
-            started = time.perf_counter()
             try:
                 items += engine.step()
                 self._failures = 0
@@ -282,9 +280,7 @@ class NativeBackend:
                 log.exception("engine_step_failed", consecutive_failures=self._failures)
                 items += self._fail_all(engine, exc)
                 self._dead = self._failures >= _MAX_CONSECUTIVE_STEP_FAILURES
-            self._stats = replace(engine.stats(), extra={"step_ms": (time.perf_counter() - started) * 1e3})
-        else:
-            self._stats = engine.stats()
+        self._stats = engine.stats()
         if items and not self._publish(items):
             return "done"
         if stop or self._dead:

@@ -264,10 +264,6 @@ class TrtllmBackend:
         num_in_flight = len(self._in_flight)
         # Our in-flight count is exact; TensorRT-LLM's queue length is one iteration old.
         num_waiting = min(it.num_queued, num_in_flight) if it else 0
-        extra: dict[str, float] = {"max_in_flight": float(self.max_in_flight)}
-        if it is not None:
-            extra.update(iter_latency_ms=it.iter_latency_ms, num_paused=float(it.num_paused),
-                         gpu_mem_usage_bytes=it.gpu_mem_usage_bytes)
         return EngineStats(
             num_running=num_in_flight - num_waiting,
             num_waiting=num_waiting,
@@ -277,7 +273,6 @@ class TrtllmBackend:
             prefix_cache_hits=self._num_cached_tokens,
             num_prompt_tokens_processed=self._num_prompt_tokens - self._num_cached_tokens,
             num_generation_tokens=self._num_generation_tokens,
-            extra=extra,
         )
 
     def _ensure_stats_task(self) -> None:

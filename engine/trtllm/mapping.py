@@ -140,13 +140,9 @@ def map_finish_reason(reason: str | None) -> FinishReason | None:
 class IterationStats:
     """The parts of one `get_stats_async` entry the server reports."""
 
-    num_active: int
     num_queued: int
-    num_paused: int
     num_kv_blocks_total: int
     num_kv_blocks_free: int
-    iter_latency_ms: float
-    gpu_mem_usage_bytes: float
 
 
 def parse_iteration_stats(raw: Any) -> IterationStats | None:
@@ -159,20 +155,15 @@ def parse_iteration_stats(raw: Any) -> IterationStats | None:
     if not isinstance(raw, dict):
         return None
     kv = raw.get("kvCacheStats") or {}
-    batching = raw.get("inflightBatchingStats") or {}
     total = _int(kv.get("maxNumBlocks"))
     if "freeNumBlocks" in kv:
         free = _int(kv.get("freeNumBlocks"))
     else:  # newer versions name the used count allocTotalBlocks
         free = total - _int(kv.get("usedNumBlocks", kv.get("allocTotalBlocks")))
     return IterationStats(
-        num_active=_int(raw.get("numActiveRequests")),
         num_queued=_int(raw.get("numQueuedRequests")),
-        num_paused=_int(batching.get("numPausedRequests")),
         num_kv_blocks_total=total,
         num_kv_blocks_free=max(0, min(free, total)),
-        iter_latency_ms=float(raw.get("iterLatencyMS") or 0.0),
-        gpu_mem_usage_bytes=float(raw.get("gpuMemUsage") or 0.0),
     )
 
 

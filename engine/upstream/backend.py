@@ -421,8 +421,4 @@ class UpstreamBackend:
             prefix_cache_hits=self._num_cached_tokens,
             num_prompt_tokens_processed=self._num_prompt_tokens - self._num_cached_tokens,
             num_generation_tokens=self._num_generation_tokens,
-            extra={
-                "max_in_flight": float(self.pool.max_in_flight * len(replicas)),
-                "replicas_available": float(sum(r.breaker.state is not BreakerState.OPEN for r in replicas)),
-            },
         )

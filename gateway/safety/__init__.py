@@ -3,10 +3,6 @@ prompts before the engine and to answers while they stream. See gate.py for the 
 """
 
 from gateway.safety.gate import SafetyGate, load_classifier, user_turns
-from gateway.safety.output import OutputFilter
-from gateway.safety.types import CATEGORIES, SafetyLayer, Stage, Verdict
+from gateway.safety.types import SafetyLayer, Verdict
 
-__all__ = [
-    "CATEGORIES", "OutputFilter", "SafetyGate", "SafetyLayer", "Stage", "Verdict",
-    "load_classifier", "user_turns",
-]
+__all__ = ["SafetyGate", "SafetyLayer", "Verdict", "load_classifier", "user_turns"]

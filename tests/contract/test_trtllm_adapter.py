@@ -174,7 +174,7 @@ async def test_stats_come_from_the_iteration_stats_drain(start_trtllm):
     await collect(backend, make_request(ids(backend), max_tokens=5))
     assert await eventually(lambda: backend.stats().num_kv_blocks_total == 4096)
     stats = backend.stats()
-    assert "iter_latency_ms" in stats.extra and stats.num_kv_blocks_free <= 4096
+    assert stats.num_kv_blocks_free <= 4096
     assert stats.num_generation_tokens == 5
 
 

@@ -11,7 +11,8 @@ import pytest
 import pytest_asyncio
 
 from settings import StoreConfig
-from store import RequestRecord, RequestStatus, Store
+from store.store import Store
+from store.types import RequestRecord, RequestStatus
 
 _request_ids = itertools.count()
 

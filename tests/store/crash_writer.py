@@ -13,7 +13,8 @@ from pathlib import Path
 import structlog
 
 from settings import StoreConfig
-from store import RequestRecord, RequestStatus, Store
+from store.store import Store
+from store.types import RequestRecord, RequestStatus
 
 NUM_STREAMS = 8
 

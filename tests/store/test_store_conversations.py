@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from store import NotFound, Store
+from store.store import Store
+from store.types import NotFound
 
 pytestmark = pytest.mark.asyncio
 

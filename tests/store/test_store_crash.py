@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from settings import StoreConfig
-from store import Store
+from store.store import Store
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 

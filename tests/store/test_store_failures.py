@@ -11,7 +11,8 @@ import pytest
 import structlog
 
 from settings import StoreConfig
-from store import Store, StoreUnavailable
+from store.store import Store
+from store.types import StoreUnavailable
 
 pytestmark = pytest.mark.asyncio
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from settings import Settings, StoreConfig, TierConfig
-from store import UNSET, Conflict, NotFound, Store
+from store.store import UNSET, Store
+from store.types import Conflict, NotFound
 from store.cli import add_cli, run_cli
 
 pytestmark = pytest.mark.asyncio

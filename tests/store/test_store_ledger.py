@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from store import RequestStatus, Store
+from store.store import Store
+from store.types import RequestStatus
 
 pytestmark = pytest.mark.asyncio
 

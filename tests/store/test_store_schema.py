@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from settings import StoreConfig
-from store import Store, StoreError
+from store.store import Store
+from store.types import StoreError
 from store.schema import SCHEMA_VERSION, sqlite_version_is_safe
 
 def _schema(path: Path) -> list[tuple]:
