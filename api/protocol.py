@@ -40,6 +40,7 @@ _KNOWN = {
     "stop", "presence_penalty", "frequency_penalty", "n", "stream", "stream_options", "user",
     "top_k", "min_tokens", "ignore_eos", "conversation_id", "truncation", "chat_template_kwargs",
     "logprobs", "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
+    "repetition_penalty",
 }
 
 
@@ -110,6 +111,7 @@ class ChatRequest:
     tool_choice: tooling.ToolChoice = tooling.ToolChoice(tooling.ChoiceMode.NONE)
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. {"enable_thinking": false}
+    repetition_penalty: float = 1.0  # vLLM's extension (transformers' semantics); 1: off
     # Sampling fields the client sent; the others may take the model's generation_config defaults.
     sampling_fields_set: frozenset[str] = frozenset()
 
@@ -165,9 +167,13 @@ def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int, ma
         tool_choice=tool_choice,
         parallel_tool_calls=_opt_bool(raw, "parallel_tool_calls", True),
         chat_template_kwargs=_chat_template_kwargs(raw.get("chat_template_kwargs")),
-        sampling_fields_set=frozenset(k for k in ("temperature", "top_p", "top_k") if raw.get(k) is not None),
+        repetition_penalty=_repetition_penalty(raw),
+        sampling_fields_set=frozenset(k for k in _DEFAULTABLE_SAMPLING_FIELDS if raw.get(k) is not None),
     )
 
+
+# Fields a checkpoint's generation_config.json may default when the request leaves them unset.
+_DEFAULTABLE_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")
 
 _TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
 
@@ -370,6 +376,13 @@ def _opt_float(raw: dict[str, Any], key: str, default: float, lo: float, hi: flo
     if not lo <= value <= hi:
         raise bad_request(f"'{key}' must be between {lo:g} and {hi:g}, got {value:g}.", param=key)
     return float(value)
+
+
+def _repetition_penalty(raw: dict[str, Any]) -> float:
+    value = _opt_float(raw, "repetition_penalty", 1.0, -math.inf, math.inf)
+    if value <= 0.0:
+        raise bad_request(f"'repetition_penalty' must be greater than 0, got {value:g}.", param="repetition_penalty")
+    return value
 
 
 def _top_p(raw: dict[str, Any]) -> float:

@@ -182,8 +182,12 @@ def chat_prompt(chat: ChatRequest, context: list[ChatMessage]) -> ChatPrompt:
 
 
 def _sampling_defaults(chat: ChatRequest, model: ModelHandle | None) -> dict:
-    """temperature, top_p and top_k: as sent, else the model's generation_config.json, else OpenAI's."""
-    values = {"temperature": chat.temperature, "top_p": chat.top_p, "top_k": chat.top_k}
+    """temperature, top_p, top_k and repetition_penalty: as sent, else the model's
+    generation_config.json, else OpenAI's (repetition_penalty: 1, off)."""
+    values = {
+        "temperature": chat.temperature, "top_p": chat.top_p, "top_k": chat.top_k,
+        "repetition_penalty": chat.repetition_penalty,
+    }
     defaults = getattr(model.tokenizer, "generation_defaults", {}) if model is not None else {}
     for key, value in defaults.items():
         if key in values and key not in chat.sampling_fields_set:

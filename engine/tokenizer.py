@@ -4,7 +4,7 @@ Owns `tokenizer.json` (via the `tokenizers` library), the chat template (rendere
 jinja2 the way transformers' `apply_chat_template` renders it) and the EOS ids. It accepts
 both layouts users bring: the template inside `tokenizer_config.json` or in
 `chat_template.jinja`; EOS ids from `generation_config.json`, `config.json` and the tokenizer;
-the default temperature / top_p / top_k from `generation_config.json`.
+the default temperature / top_p / top_k / repetition_penalty from `generation_config.json`.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def _chat_template(path: Path, tok_cfg: dict[str, Any]) -> str | None:
 
 # Sampling defaults a checkpoint's generation_config.json may set, applied (as vLLM does) to a
 # request that leaves them unset; name -> the type each must have.
-GENERATION_DEFAULT_KEYS = {"temperature": float, "top_p": float, "top_k": int}
+GENERATION_DEFAULT_KEYS = {"temperature": float, "top_p": float, "top_k": int, "repetition_penalty": float}
 
 
 def _generation_defaults(path: Path) -> dict[str, float | int]:
@@ -205,6 +205,8 @@ def _generation_defaults(path: Path) -> dict[str, float | int]:
     for key, kind in GENERATION_DEFAULT_KEYS.items():
         value = cfg.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if key == "repetition_penalty" and not value > 0:
+                continue  # transformers refuses such a config too; serve without it
             defaults[key] = kind(value)
     return defaults
 

@@ -56,6 +56,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS ids
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # transformers' and vLLM's: logits of tokens already in the prompt or output are divided by
+    # it when positive, multiplied when negative (> 1 discourages repeats; 1 is off).
+    repetition_penalty: float = 1.0
     min_tokens: int = 0
     ignore_eos: bool = False
     structured: StructuredOutput | None = None  # None: free text

@@ -21,7 +21,7 @@ from engine.native.families import ModelArgs
 from engine.native.loader import checkpoint_dtype, load_model_args, load_model_weights
 from engine.native.model import Model, prepare_linear_layers
 from engine.native.quant import Quantization
-from engine.native.sampler import Sampler, SamplingRow
+from engine.native.sampler import Sampler, SamplingRow, SeenTokens
 from engine.native.scheduler import ScheduledBatch
 from engine.native.sequence import Sequence
 from engine.native.vision import VisionTower, is_llava
@@ -289,9 +289,11 @@ class ModelRunner:
             rows.append(row)
             batch_indices.append(i)
             sink = seq.logprobs if seq.sampling.logprobs is not None else None
-            sampling_rows.append(
-                SamplingRow(seq.sampling, seq.token_ids, seq.num_prompt_tokens, seq.stop_token_ids, seq.grammar, sink)
-            )
+            if seq.sampling.repetition_penalty != 1.0 and seq.seen_tokens is None:
+                seq.seen_tokens = SeenTokens(self.args.vocab_size, self.device)
+            sampling_rows.append(SamplingRow(
+                seq.sampling, seq.token_ids, seq.num_prompt_tokens, seq.stop_token_ids, seq.grammar, sink, seq.seen_tokens
+            ))
         return rows, batch_indices, sampling_rows
 
 

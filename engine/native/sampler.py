@@ -1,6 +1,6 @@
 """Turns one step's logits into next tokens, one row per sequence, honouring SamplingParams.
 
-Order: presence/frequency penalties, min_tokens (stop ids masked), the grammar's token mask
+Order: repetition penalty, presence/frequency penalties, min_tokens (stop ids masked), the grammar's token mask
 (structured outputs), then greedy argmax or temperature, top-k, top-p and a draw. A seeded
 request draws from a generator seeded by (seed, position), so its output does not depend on
 what else shares the batch or on preemption. Logprobs, when asked for, are those of the
@@ -31,10 +31,30 @@ class SamplingRow:
     stop_token_ids: frozenset[int]
     grammar: GrammarMatcher | None = None  # structured output: only its allowed tokens may be drawn
     logprobs_sink: list[TokenLogprob] | None = None  # the sequence's logprobs, appended to when asked
+    seen: SeenTokens | None = None  # which ids token_ids holds; needed when repetition_penalty != 1
 
     @property
     def num_completion_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+
+class SeenTokens:
+    """The set of token ids in one sequence (prompt and output) as a [vocab] bool mask, brought
+    up to date with the tokens appended since the last step (token ids never change once there).
+    Lives on the sequence, so it goes with it and survives preemption."""
+
+    __slots__ = ("mask", "num_tokens")
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.num_tokens = 0
+
+    def update(self, token_ids: list[int]) -> torch.Tensor:
+        if self.num_tokens < len(token_ids):
+            new = torch.tensor(token_ids[self.num_tokens :], dtype=torch.long)
+            self.mask[new[new < self.mask.shape[0]].to(self.mask.device)] = True
+            self.num_tokens = len(token_ids)
+        return self.mask
 
 
 class Sampler:
@@ -52,6 +72,7 @@ class Sampler:
         if not any(_needs_processing(r) for r in rows):
             return _argmax(logits).tolist()
         logits = logits.clone()
+        _apply_repetition_penalty(logits, rows)
         _apply_penalties(logits, rows)
         _mask_stop_tokens_before_min(logits, rows)
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
@@ -115,12 +136,29 @@ def _needs_processing(row: SamplingRow) -> bool:
     p = row.params
     return (
         not p.is_greedy
+        or p.repetition_penalty != 1.0
         or p.presence_penalty != 0.0
         or p.frequency_penalty != 0.0
         or (p.min_tokens > row.num_completion_tokens and bool(row.stop_token_ids))
         or row.grammar is not None
         or p.logprobs is not None
     )
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """transformers' semantics, batched: a seen token's logit is divided by the row's penalty
+    when positive and multiplied by it when negative."""
+    penalized = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if not penalized:
+        return
+    idx = torch.tensor(penalized, device=logits.device)
+    vocab, device = logits.shape[1], logits.device
+    # [num_penalized, vocab]; a row built without its sequence's record gets a one-off one
+    seen = torch.stack([(rows[i].seen or SeenTokens(vocab, device)).update(rows[i].token_ids) for i in penalized])
+    penalty = torch.tensor([rows[i].params.repetition_penalty for i in penalized], device=logits.device)[:, None]
+    sub = logits.index_select(0, idx)
+    penalized_logits = torch.where(sub < 0, sub * penalty, sub / penalty)
+    logits.index_copy_(0, idx, torch.where(seen, penalized_logits, sub))
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -65,6 +65,7 @@ class Sequence:
         "grammar",
         "logprobs",
         "images",
+        "seen_tokens",
     )
 
     def __init__(self, seq_id: int, request: GenerationRequest, *, eos_token_ids: tuple[int, ...], max_model_len: int):
@@ -91,6 +92,7 @@ class Sequence:
         self.grammar: GrammarMatcher | None = None  # set by the engine for structured outputs
         self.logprobs: list[TokenLogprob] = []  # one per completion token, filled by the sampler when asked
         self.images = request.images  # vision models: which prompt tokens take image embeddings
+        self.seen_tokens = None  # the sampler's SeenTokens (repetition penalty), made by the runner
 
     def __repr__(self) -> str:
         return (

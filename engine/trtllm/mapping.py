@@ -126,6 +126,8 @@ def sampling_kwargs(sampling: SamplingParams, eos_token_ids: tuple[int, ...]) ->
         kwargs["presence_penalty"] = sampling.presence_penalty
     if sampling.frequency_penalty:
         kwargs["frequency_penalty"] = sampling.frequency_penalty
+    if sampling.repetition_penalty != 1.0:
+        kwargs["repetition_penalty"] = sampling.repetition_penalty
     if sampling.min_tokens:
         kwargs["min_tokens"] = sampling.min_tokens
     return kwargs

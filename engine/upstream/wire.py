@@ -95,6 +95,7 @@ def request_body(request: GenerationRequest, upstream_model: str) -> dict[str, A
         "stop": list(s.stop) or None,
         "presence_penalty": s.presence_penalty or None,
         "frequency_penalty": s.frequency_penalty or None,
+        "repetition_penalty": s.repetition_penalty if s.repetition_penalty != 1.0 else None,
         "top_k": s.top_k,
         "min_tokens": s.min_tokens or None,
         "ignore_eos": s.ignore_eos or None,

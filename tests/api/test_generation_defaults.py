@@ -21,7 +21,7 @@ def model(tiny_model_dir, tmp_path):
     target = tmp_path / "model"
     shutil.copytree(tiny_model_dir, target)
     gen = json.loads((target / "generation_config.json").read_text())
-    gen.update(temperature=0.6, top_p=0.95, top_k=20, eos_token_id=[gen["eos_token_id"], 7, 9])
+    gen.update(temperature=0.6, top_p=0.95, top_k=20, repetition_penalty=1.1, eos_token_id=[gen["eos_token_id"], 7, 9])
     (target / "generation_config.json").write_text(json.dumps(gen))
     return SimpleNamespace(tokenizer=Tokenizer.from_dir(target))
 
@@ -33,12 +33,12 @@ def sampling(model, **body):
 
 def test_unset_sampling_fields_take_the_generation_config_defaults(model):
     s = sampling(model)
-    assert (s.temperature, s.top_p, s.top_k) == (0.6, 0.95, 20)
+    assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty) == (0.6, 0.95, 20, 1.1)
 
 
 def test_fields_the_request_sets_win_over_the_defaults(model):
-    s = sampling(model, temperature=0.0, top_k=-1)
-    assert (s.temperature, s.top_p, s.top_k) == (0.0, 0.95, None)
+    s = sampling(model, temperature=0.0, top_k=-1, repetition_penalty=1.0)
+    assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty) == (0.0, 0.95, None, 1.0)
 
 
 def test_every_eos_id_in_the_generation_config_is_kept(model):
@@ -47,4 +47,4 @@ def test_every_eos_id_in_the_generation_config_is_kept(model):
 
 def test_a_model_without_defaults_keeps_openais(tiny_model_dir):
     s = sampling(SimpleNamespace(tokenizer=Tokenizer.from_dir(tiny_model_dir)))
-    assert (s.temperature, s.top_p, s.top_k) == (1.0, 1.0, None)
+    assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty) == (1.0, 1.0, None, 1.0)

@@ -29,11 +29,11 @@ def test_greedy_maps_to_top_k_one_without_temperature_or_top_p():
 def test_sampling_fields_are_passed_through_explicitly():
     sampling = SamplingParams(
         max_tokens=9, temperature=0.7, top_p=0.9, top_k=40, seed=3, stop=("END",), presence_penalty=0.5,
-        frequency_penalty=-0.5, min_tokens=2,
+        frequency_penalty=-0.5, min_tokens=2, repetition_penalty=1.1,
     )
     kwargs = sampling_kwargs(sampling, eos_token_ids=())
     expected = {"max_tokens": 9, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 3, "stop": ["END"],
-                "presence_penalty": 0.5, "frequency_penalty": -0.5, "min_tokens": 2, "n": 1, "ignore_eos": False}
+                "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1, "min_tokens": 2, "n": 1, "ignore_eos": False}
     assert {k: kwargs[k] for k in expected} == expected
 
 

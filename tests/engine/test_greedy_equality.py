@@ -125,3 +125,32 @@ def test_prefix_caching_off_gives_the_same_tokens_without_hits(tiny_models):
     arrivals, expected = mixed_workload(tiny_models, variant, load_model_args(model_dir).vocab_size)
     assert run_with_arrivals(engine, arrivals) == expected
     assert engine.stats().prefix_cache_hits == 0
+
+
+def test_repetition_penalty_matches_transformers_generate_per_request(tiny_models):
+    """Three requests in one batch, each with its own penalty (one off), prompts past a chunk."""
+    import copy
+
+    import torch
+
+    variant = "untied-gqa-theta"
+    model_dir = tiny_models.path(variant)
+    vocab_size = load_model_args(model_dir).vocab_size
+    rng = random.Random(7)
+    reference = tiny_models.reference(variant)
+    arrivals, expected, prompts = [], {}, {}
+    for i, penalty in enumerate((1.3, 1.0, 0.7)):
+        prompt = [rng.randrange(3, vocab_size) for _ in range(40 + 7 * i)]
+        config = copy.deepcopy(reference.generation_config)
+        config.max_new_tokens, config.do_sample, config.pad_token_id, config.eos_token_id = 24, False, 0, 10**9
+        config.repetition_penalty = penalty
+        with torch.inference_mode():
+            out = reference.generate(
+                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), generation_config=config
+            )
+        expected[f"r{i}"], prompts[f"r{i}"] = out[0, len(prompt) :].tolist(), prompt
+        sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=penalty)
+        arrivals.append((0, GenerationRequest(f"r{i}", tuple(prompt), sampling)))
+    assert run_with_arrivals(engine_for(model_dir, num_blocks=24), arrivals) == expected
+    for request_id in ("r0", "r2"):  # the penalties changed the output (else this proves nothing)
+        assert expected[request_id] != tiny_models.greedy(variant, prompts[request_id], 24, None)

@@ -107,3 +107,35 @@ def test_min_tokens_suppresses_stop_tokens_until_reached():
 def test_logits_past_the_vocabulary_are_never_chosen():
     logits = torch.cat([torch.zeros(1, VOCAB), torch.full((1, 6), 100.0)], dim=1)  # padded lm_head
     assert Sampler(VOCAB, seed=0)(logits, [row(temperature=0.0)]) == [0]
+
+
+def test_repetition_penalty_matches_transformers_per_row_in_one_batch():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    torch.manual_seed(3)
+    logits = torch.randn(3, VOCAB) * 4  # both signs, so division and multiplication both show
+    rows = []
+    for completion, penalty in (([4, 4, 7], 1.7), ([8], 1.0), ([0, 5], 0.6)):
+        r = row(completion, temperature=0.0, repetition_penalty=penalty, logprobs=VOCAB)
+        rows.append(SamplingRow(r.params, r.token_ids, r.num_prompt_tokens, r.stop_token_ids, logprobs_sink=[]))
+    Sampler(VOCAB, seed=0)(logits, rows)
+    for r, line in zip(rows, logits):
+        processor = RepetitionPenaltyLogitsProcessor(r.params.repetition_penalty)
+        reference = torch.log_softmax(processor(torch.tensor([r.token_ids]), line[None].clone())[0], dim=-1)
+        ours = dict(r.logprobs_sink[0].top_logprobs)  # the whole distribution sampled from
+        assert torch.allclose(torch.tensor([ours[t] for t in range(VOCAB)]), reference, atol=1e-5)
+    # The prompt's tokens count too, as in transformers: a prompt token barely on top loses.
+    line = torch.zeros(1, VOCAB)
+    line[0, 1], line[0, 6] = 1.0, 0.9
+    assert Sampler(VOCAB)(line, [row(temperature=0.0, repetition_penalty=1.2)]) == [6]
+
+
+def test_seen_tokens_follow_a_growing_sequence_step_by_step():
+    from engine.native.sampler import SeenTokens
+
+    seen = SeenTokens(VOCAB, torch.device("cpu"))
+    tokens = [1, 2]
+    assert seen.update(tokens).nonzero().flatten().tolist() == [1, 2]
+    tokens += [6, 2, 99]  # an id past the vocabulary (padding heads) is ignored, not an error
+    assert seen.update(tokens).nonzero().flatten().tolist() == [1, 2, 6]
+    assert seen.num_tokens == 5

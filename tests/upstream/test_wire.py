@@ -23,11 +23,12 @@ def test_the_body_always_streams_and_asks_for_usage_and_sends_only_what_was_aske
 
 def test_extensions_and_pass_through_options_are_sent_when_present():
     sampling = SamplingParams(max_tokens=8, seed=7, stop=("\n\n",), top_k=20, min_tokens=2, ignore_eos=True,
-                              presence_penalty=0.5)
+                              presence_penalty=0.5, repetition_penalty=1.2)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     body = request_body(make_request(sampling, tools=tools, response_format={"type": "json_object"}, n=2), "m")
     assert body["seed"] == 7 and body["stop"] == ["\n\n"] and body["top_k"] == 20
     assert body["min_tokens"] == 2 and body["ignore_eos"] is True and body["presence_penalty"] == 0.5
+    assert body["repetition_penalty"] == 1.2
     assert body["tools"] == tools and body["response_format"] == {"type": "json_object"} and body["n"] == 2
     assert "frequency_penalty" not in body
 
