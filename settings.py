@@ -20,7 +20,7 @@ class ConfigError(Exception):
     """A configuration problem, reported at startup with the offending key."""
 
 
-def setting(default: Any, help: str) -> Any:  # noqa: A002 - 'help' reads best here
+def setting(default: Any, help: str) -> Any:
     """A config field with its default and its one line of documentation."""
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help})

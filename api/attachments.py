@@ -194,7 +194,7 @@ def _num_prompt_tokens(inputs: TurnInputs, resolved: list[Resolved], texts: dict
 def _room_for_documents(inputs: TurnInputs, resolved: list[Resolved], ids: dict) -> int:
     """Tokens left for document text once everything else (headers included) is counted."""
     limit, reserve = _budget(inputs)
-    return limit - reserve - _num_prompt_tokens(inputs, resolved, {key: "" for key in ids})
+    return limit - reserve - _num_prompt_tokens(inputs, resolved, dict.fromkeys(ids, ""))
 
 
 def _cut(inputs: TurnInputs, resolved: list[Resolved], ids: dict, room: int) -> tuple[dict, list[TruncatedFile]]:

@@ -21,17 +21,25 @@ from aiohttp import web
 
 from api import attachments, protocol
 from api.answer import Answer
-from api.reasoning import ReasoningSplitter, answer_text
 from api.errors import ApiError, bad_request, from_gateway, overloaded
 from api.files import BLOBS
 from api.inflight import INFLIGHT
+from api.reasoning import ReasoningSplitter, answer_text
 from api.sse import ClientGone, SSEWriter
 from api.state import PRINCIPAL, REQUEST_ID, STATE, AppState
 from api.toolparse import ToolCallParser
 from api.tools import ChoiceMode, detect_format
 from api.turn import Turn, TurnInputs, conversation_not_found
 from api.waiting import LazyStream, wait_admitted
-from engine.types import EngineError, EngineUnavailable, FinishReason, RequestRejected, TokenEvent, TokenLogprob, UsageSource
+from engine.types import (
+    EngineError,
+    EngineUnavailable,
+    FinishReason,
+    RequestRejected,
+    TokenEvent,
+    TokenLogprob,
+    UsageSource,
+)
 from gateway.admission import Pass
 from gateway.errors import Overloaded
 from store.types import RequestRecord, RequestStatus, StoreUnavailable

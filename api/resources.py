@@ -243,4 +243,4 @@ def add_routes(app: web.Application, chat_handler) -> None:
     _add_static(app)
 
 
-__all__ = ["add_routes", "StoreUnavailable"]
+__all__ = ["StoreUnavailable", "add_routes"]

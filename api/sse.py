@@ -27,7 +27,7 @@ class SSEWriter:
         self._response = response
 
     @classmethod
-    async def open(cls, request: web.Request, headers: dict[str, str]) -> "SSEWriter":
+    async def open(cls, request: web.Request, headers: dict[str, str]) -> SSEWriter:
         response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
         await response.prepare(request)
         return cls(response)

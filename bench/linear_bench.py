@@ -78,7 +78,7 @@ def main(shape: dict) -> dict:
         inputs = [torch.randn(rows, k) for _, k in shapes]
         for name, run in _library_paths(weights, rows).items():
             try:
-                results.setdefault(name, {})[rows] = _time_ms(lambda run=run: run(inputs))
+                results.setdefault(name, {})[rows] = _time_ms(lambda run=run, inputs=inputs: run(inputs))
             except RuntimeError as exc:
                 print(f"  {name} at {rows} rows failed: {exc}")
     for mode in kernels.supported_modes():
@@ -88,7 +88,8 @@ def main(shape: dict) -> dict:
             label = f"ours {mode.value} {'int8' if quantization is Quantization.INT8 else 'fp32'}"
             for rows in ROW_COUNTS:
                 inputs = [torch.randn(rows, k) for _, k in shapes]
-                results.setdefault(label, {})[rows] = _time_ms(lambda: [cpu.packed_linear(x, p) for x, p in zip(inputs, packed)])
+                step = [(x, p) for x, p in zip(inputs, packed, strict=True)]
+                results.setdefault(label, {})[rows] = _time_ms(lambda cpu=cpu, step=step: [cpu.packed_linear(x, p) for x, p in step])
             del packed
     print(f"one step's {len(shapes)} matmuls ({sum(n * k for n, k in shapes) / 1e6:.0f}M weights), ms per step (best of 5):")
     print(f"  {'path':26}" + "".join(f"{f'{r} rows':>10}" for r in ROW_COUNTS))

@@ -207,7 +207,7 @@ async def open_loop(session: aiohttp.ClientSession, plan: Plan, rate: float, arg
     """Poisson arrivals at `rate` until duration or count runs out; then drain, then cut."""
     rng = random.Random(args.seed)
     tiers, weights = list(plan.mix), list(plan.mix.values())
-    next_key = {tier: 0 for tier in tiers}
+    next_key = dict.fromkeys(tiers, 0)
     tasks: dict[asyncio.Task[Result], str] = {}  # task -> tier
     start = time.perf_counter()
     at_s = 0.0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import sys
@@ -62,7 +63,7 @@ async def one_stream(session: aiohttp.ClientSession, url: str, max_tokens: int,
         async for line in resp.content:
             if line.startswith(b"data: {") and b'"content":"' in line and b'"content":""' not in line:
                 times.append(time.perf_counter())
-    itls = [b - a for a, b in zip(times, times[1:])]
+    itls = [b - a for a, b in itertools.pairwise(times)]
     return times[0] - start, itls, len(times), times[-1] - start
 
 

@@ -96,7 +96,7 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_dir(cls, path: Path | str) -> "Tokenizer":
+    def from_dir(cls, path: Path | str) -> Tokenizer:
         path = Path(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.exists():

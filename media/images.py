@@ -83,18 +83,17 @@ async def fetch_remote(url: str, cfg: ImagesConfig) -> bytes:
     check_remote_url(url, cfg)
     timeout = aiohttp.ClientTimeout(total=cfg.remote_timeout_s)
     try:
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            async with session.get(url, allow_redirects=False) as resp:
-                if resp.status != 200:
-                    raise ImageRejected(f"Fetching the image gave HTTP {resp.status}.", "image_fetch_failed")
-                if (resp.content_length or 0) > cfg.max_image_bytes:
-                    raise _too_large(resp.content_length, cfg)
-                data = bytearray()
-                async for chunk in resp.content.iter_chunked(65_536):
-                    data += chunk
-                    if len(data) > cfg.max_image_bytes:
-                        raise _too_large(len(data), cfg)
-                return bytes(data)
+        async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url, allow_redirects=False) as resp:
+            if resp.status != 200:
+                raise ImageRejected(f"Fetching the image gave HTTP {resp.status}.", "image_fetch_failed")
+            if (resp.content_length or 0) > cfg.max_image_bytes:
+                raise _too_large(resp.content_length, cfg)
+            data = bytearray()
+            async for chunk in resp.content.iter_chunked(65_536):
+                data += chunk
+                if len(data) > cfg.max_image_bytes:
+                    raise _too_large(len(data), cfg)
+            return bytes(data)
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise ImageRejected(f"Fetching the image failed: {type(exc).__name__}.", "image_fetch_failed") from None
 

@@ -73,7 +73,7 @@ def main() -> None:
     for name in MODELS:
         rows += [record(text, f"demo_sampled_{name}") for text in sampled_replies(ROOT / "models" / name, asked, args.per_model)]
     OUT.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    print(f"wrote {len(rows)} answers to {OUT.relative_to(ROOT)}")  # noqa: T201 - a CLI's one line of output
+    print(f"wrote {len(rows)} answers to {OUT.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

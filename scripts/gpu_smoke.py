@@ -163,7 +163,7 @@ async def stream_chat(session: aiohttp.ClientSession, base: str, body: dict, *, 
                 if stop_after_chunks and num_chunks >= stop_after_chunks:
                     resp.close()  # the disconnect the server must turn into abort()
                     return StreamResult(True, ttft_ms, _ms(started), num_chunks, "client_abort")
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         return StreamResult(False, ttft_ms, _ms(started), 0, None, f"{type(exc).__name__}: {exc}")
     num_tokens = (usage or {}).get("completion_tokens", 0)
     return StreamResult(finish is not None, ttft_ms, _ms(started), num_tokens, finish)
@@ -175,7 +175,7 @@ def _ms(started: float) -> float:
 
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else float("nan")
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
 
 
 def report(name: str, results: list[StreamResult], wall_s: float) -> bool:

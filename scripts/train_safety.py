@@ -29,7 +29,12 @@ import torch
 from gateway.safety.classifier import HEAD_FORMAT
 from gateway.safety.dataset import CLASSES, DATA_DIR, Example, Record, load_split, training_examples
 from gateway.safety.embedder import (
-    ADAPTABLE, attention_mask, bert_layer, default_model_dir, embed_tokens, load_bert,
+    ADAPTABLE,
+    attention_mask,
+    bert_layer,
+    default_model_dir,
+    embed_tokens,
+    load_bert,
 )
 from gateway.safety.rules import RuleSet
 

@@ -212,7 +212,7 @@ def _money(usd: float | None) -> str:
 
 
 def _time(t: float | None) -> str:
-    return "never" if t is None else dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return "never" if t is None else dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def _out(text: str) -> None:

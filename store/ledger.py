@@ -23,7 +23,7 @@ _GROUP_COLUMNS = {
 
 
 def month_of(t: float) -> str:
-    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m")
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m")
 
 
 async def record(conn: aiosqlite.Connection, rec: RequestRecord) -> bool:

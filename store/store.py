@@ -30,9 +30,9 @@ from store.types import (
     Org,
     Principal,
     RequestRecord,
+    StoredFile,
     StoreError,
     StoreUnavailable,
-    StoredFile,
 )
 from store.writer import Writer, is_storage_error
 

@@ -39,10 +39,11 @@ class ServerProcess:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 120.0) -> "ServerProcess":
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+    def start(self, timeout_s: float = 120.0) -> ServerProcess:
         cmd = [sys.executable, str(ROOT / "server.py"), "--host", "127.0.0.1", "--port", str(self.port), *self.args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=log, preexec_fn=self.preexec_fn)
+        # The child inherits the log file; the parent's copy is closed at once.
+        with open(self.log_path or os.devnull, "ab") as log:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=log, preexec_fn=self.preexec_fn)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -71,7 +72,7 @@ class ServerProcess:
             self.proc.kill()
             self.proc.wait(10)
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:

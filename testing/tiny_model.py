@@ -161,7 +161,7 @@ def build_tiny_family(path: Path | str, model_type: str, *, seed: int = 0, token
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() == 1:  # norm weights and biases
                 param.add_(torch.randn_like(param) * 0.1)
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)

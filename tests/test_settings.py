@@ -64,7 +64,7 @@ def test_invalid_toml_and_missing_file_are_config_errors(tmp_path):
         load_settings(write(tmp_path, "[server\n"))
     with pytest.raises(ConfigError, match="not found"):
         load_settings(tmp_path / "absent.toml")
-    with pytest.raises(ConfigError, match="section.key=value"):
+    with pytest.raises(ConfigError, match=r"section\.key=value"):
         load_settings(None, ["novalue"])
 
 

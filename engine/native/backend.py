@@ -15,6 +15,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import ClassVar
 
 import structlog
 
@@ -328,7 +329,7 @@ class _StepThread:
     turn, and sleeps when none has work. It exits when its last engine leaves, so that its
     OpenMP pool goes with it."""
 
-    _registry: dict[str, _StepThread] = {}
+    _registry: ClassVar[dict[str, _StepThread]] = {}
     _registry_lock = threading.Lock()
 
     def __init__(self, key: str):

@@ -118,7 +118,7 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
     single = model_dir / "model.safetensors"
     if not single.is_file():
         raise ModelLoadError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
-    return {name: single for name in _tensor_names(single)}
+    return dict.fromkeys(_tensor_names(single), single)
 
 
 def _tensor_names(path: Path) -> list[str]:

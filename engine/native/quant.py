@@ -42,7 +42,7 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
 
 def dequantize(weight: Int8Weight) -> torch.Tensor:
     """The fp32 weight [out_features, in_features] that the int8 kernels compute with."""
-    n, k = weight.q.shape
+    k = weight.q.shape[1]
     scales = weight.scales.repeat_interleave(GROUP_SIZE, dim=1)[:, :k]
     return weight.q.to(torch.float32) * scales
 

@@ -15,9 +15,9 @@ import structlog
 import torch
 
 from engine.native import kernels
-from engine.native.kernels import KernelMode
 from engine.native.attention import AttentionMetadata, PrefillChunk, allocate_kv_cache
 from engine.native.families import ModelArgs
+from engine.native.kernels import KernelMode
 from engine.native.loader import checkpoint_dtype, load_model_args, load_model_weights
 from engine.native.model import Model, prepare_linear_layers
 from engine.native.quant import Quantization

@@ -71,10 +71,10 @@ class Scheduler:
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
         for seq in decodes:
-            if seq.status is SequenceStatus.RUNNING and self._budget_left(scheduled) > 0:
-                if self._make_room(seq, 1, scheduled):
-                    self.block_manager.allocate(seq, 1)
-                    scheduled[seq] = 1
+            is_running = seq.status is SequenceStatus.RUNNING and self._budget_left(scheduled) > 0
+            if is_running and self._make_room(seq, 1, scheduled):
+                self.block_manager.allocate(seq, 1)
+                scheduled[seq] = 1
         prefill_budget = self._prefill_budget(scheduled)
         for seq in prefills:
             budget = min(self._budget_left(scheduled), prefill_budget)

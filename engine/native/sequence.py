@@ -10,7 +10,6 @@ from __future__ import annotations
 import enum
 import hashlib
 from array import array
-
 from typing import TYPE_CHECKING
 
 from engine.types import FinishReason, GenerationRequest, SamplingParams, TokenLogprob

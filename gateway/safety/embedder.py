@@ -11,8 +11,8 @@ import json
 import math
 import os
 import threading
-from dataclasses import dataclass
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np

@@ -14,14 +14,14 @@ CATEGORIES: tuple[str, ...] = ("weapons", "self_harm", "malware", "sexual_minors
 BENIGN = "benign"
 
 
-class SafetyLayer(str, enum.Enum):
+class SafetyLayer(enum.StrEnum):
     """Which layer decided. A str Enum, so `verdict.layer == "rules"` reads naturally."""
 
     RULES = "rules"
     CLASSIFIER = "classifier"
 
 
-class Stage(str, enum.Enum):
+class Stage(enum.StrEnum):
     PROMPT = "prompt"  # screening a conversation before the engine
     OUTPUT = "output"  # filtering a streamed answer
 

@@ -21,7 +21,12 @@ from tokenizers import Tokenizer
 
 from scripts.demo_model import card, dataset, sources, train
 from scripts.demo_model.tokenizer import (
-    IM_END, PAD, conversation_texts, encode_conversation, save_tokenizer_files, train_tokenizer,
+    IM_END,
+    PAD,
+    conversation_texts,
+    encode_conversation,
+    save_tokenizer_files,
+    train_tokenizer,
 )
 
 log = structlog.get_logger(__name__)

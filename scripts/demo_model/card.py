@@ -18,14 +18,14 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # headless: write PNG files, never open a window
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from scripts.demo_model import licences, sources  # noqa: E402
-from scripts.demo_model.dataset import Conversation, read_jsonl  # noqa: E402
-from scripts.demo_model.evaluate import heldout_loss, load_for_eval, perplexity  # noqa: E402
-from scripts.demo_model.tokenizer import encode_conversation  # noqa: E402
-from scripts.demo_model.train import SPECS  # noqa: E402
-from testing.server_proc import ServerProcess  # noqa: E402
+from scripts.demo_model import licences, sources
+from scripts.demo_model.dataset import Conversation, read_jsonl
+from scripts.demo_model.evaluate import heldout_loss, load_for_eval, perplexity
+from scripts.demo_model.tokenizer import encode_conversation
+from scripts.demo_model.train import SPECS
+from testing.server_proc import ServerProcess
 
 # The web UI's empty chat shows these (the card's "Try:" line): prompts both models answer
 # well at temperature 0 (see the samples below).

@@ -5,9 +5,9 @@ cached per file, another organisation's file is a 404, conversations keep their 
 from __future__ import annotations
 
 from api.files import BLOBS
+from testing.pdf import make_pdf
 from tests.api.helpers import assert_error, state_of
 from tests.api.test_files_http import other_org_headers, upload
-from testing.pdf import make_pdf
 
 
 def file_message(file_id: str, text: str = "Summarize this:") -> list[dict]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from api.model_info import card_summary
 
+
 def test_card_summary_reads_the_bold_first_paragraph_and_the_try_line(tmp_path):
     (tmp_path / "README.md").write_text(
         '# demo\n\n**Knows 400 common words (97.5% right).**\n\nTry: "What does water mean?", "Hi"\n\nMore text.\n'

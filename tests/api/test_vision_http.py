@@ -9,9 +9,9 @@ import pytest
 from api.app import init
 from engine.types import IMAGE_PLACEHOLDER
 from settings import load_settings
+from testing.tiny_llava import build_tiny_llava
 from tests.api.helpers import state_of
 from tests.api.test_images_http import data_url, png_bytes
-from testing.tiny_llava import build_tiny_llava
 
 NUM_IMAGE_TOKENS = 16
 

@@ -199,7 +199,7 @@ async def test_generate_before_start_is_an_engine_error(tiny_model_dir):
 async def test_start_without_tensorrt_llm_installed_is_a_config_error(tiny_model_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt_llm", None)  # as if not installed, even where it is
     backend = TrtllmBackend(tiny_model_dir, TrtllmConfig(), Tokenizer.from_dir(tiny_model_dir), max_model_len=512)
-    with pytest.raises(ConfigError, match="docs/trtllm.md"):
+    with pytest.raises(ConfigError, match=r"docs/trtllm\.md"):
         await backend.start()
 
 

@@ -55,7 +55,7 @@ async def one_stream(client: aiohttp.ClientSession, base_url: str, conv_id: str,
                     completion_id = json.loads(line[6:])["id"]
                 if line == "data: [DONE]":
                     return completion_id
-    except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError, ConnectionError):
         return None
     return None
 
@@ -83,21 +83,21 @@ def test_kill_9_mid_stream_loses_nothing_acknowledged_and_bills_nothing_twice(ti
     for i in range(ROUNDS):
         server = ServerProcess(args, env=env, log_path=tmp_path / f"server{i}.log").start()
 
-        async def scenario():
-            completed, tasks, client = await run_round(server.base_url)
-            server.kill()  # SIGKILL while the long streams are still running
+        async def scenario(proc: ServerProcess) -> list[tuple[str, str]]:
+            completed, tasks, client = await run_round(proc.base_url)
+            proc.kill()  # SIGKILL while the long streams are still running
             await asyncio.gather(*tasks, return_exceptions=True)
             await client.close()
             return completed
 
-        completed = asyncio.run(scenario())
+        completed = asyncio.run(scenario(server))
         assert completed, "some short streams completed before the kill"
         all_completed.extend(completed)
 
         con = sqlite3.connect(db)
         try:
             assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-            for completion_id, conv_id in all_completed:
+            for completion_id, _conv_id in all_completed:
                 request_id = "req_" + completion_id.removeprefix("chatcmpl-")
                 rows = con.execute("SELECT status FROM usage WHERE request_id = ?", (request_id,)).fetchall()
                 assert rows == [("finished",)], (request_id, rows)

@@ -100,7 +100,9 @@ def test_openai_sdk_sees_api_errors_as_exceptions(server, tiny_model_dir):
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 def test_curl_streams_sse_lines_ending_with_done(server, tiny_model_dir):
-    body = '{"model": "%s", "stream": true, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}' % tiny_model_dir.name
+    body = json.dumps(
+        {"model": tiny_model_dir.name, "stream": True, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    )
     out = subprocess.run(
         ["curl", "-sN", server.base_url + "/v1/chat/completions", "-H", "Content-Type: application/json", "-d", body],
         capture_output=True, text=True, timeout=60, check=True,

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from engine.native.backend import NativeBackend
+from engine.native.loader import ModelLoadError
 from engine.tokenizer import Tokenizer
 from engine.types import FinishReason, GenerationRequest, RequestRejected, SamplingParams
 from settings import EngineConfig
@@ -191,7 +192,7 @@ async def test_a_model_that_fails_to_load_fails_start_and_leaves_no_thread(tmp_p
         (broken / name).write_bytes((model_dir / name).read_bytes())
     (broken / "model.safetensors").write_bytes(b"not safetensors")
     backend = NativeBackend(broken, EngineConfig(device="cpu", kv_cache_bytes=24 * 8192), Tokenizer.from_dir(model_dir))
-    with pytest.raises(Exception):
+    with pytest.raises(ModelLoadError, match="cannot read safetensors"):
         await backend.start()
     assert backend._stepper is None and backend.engine is None and not backend.has_room()
     await backend.shutdown()  # still safe

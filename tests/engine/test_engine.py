@@ -47,7 +47,7 @@ def test_a_request_that_could_never_fit_the_cache_is_rejected_naming_the_numbers
 
 def test_a_request_past_the_context_window_is_rejected(tiny_models):
     engine = make_engine(tiny_models, num_blocks=64)
-    with pytest.raises(RequestRejected, match="context window is 512 tokens.*needs 530") as exc:
+    with pytest.raises(RequestRejected, match=r"context window is 512 tokens.*needs 530") as exc:
         engine.check_request(req("long", [5] * 500, max_tokens=30))
     assert exc.value.code == "context_length_exceeded"
     with pytest.raises(RequestRejected, match="empty"):

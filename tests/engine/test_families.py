@@ -12,9 +12,9 @@ import zlib
 
 import pytest
 
-from family_variants import FAMILY_VARIANTS
 from engine.native.loader import load_model_args
 from engine.types import GenerationRequest, SamplingParams
+from family_variants import FAMILY_VARIANTS
 from native_harness import check_invariants
 from test_greedy_equality import engine_for, run_with_arrivals
 

@@ -101,7 +101,7 @@ def test_unsupported_rope_type_is_refused(model_copy):
 
 def test_missing_weights_are_named(model_copy):
     (model_copy / "model.safetensors").unlink()
-    with pytest.raises(ModelLoadError, match="no model.safetensors or model.safetensors.index.json"):
+    with pytest.raises(ModelLoadError, match=r"no model\.safetensors or model\.safetensors\.index\.json"):
         ModelRunner(model_copy, CONFIG)
 
 

@@ -81,9 +81,8 @@ async def test_a_refusal_inside_the_pass_refunds_the_request_too():
     admission, _ = make_admission(capacity=1, max_waiting_requests=1)
     admit(admission, caller("enterprise", "e1"), "run")
     admit(admission, caller("enterprise", "e2"), "wait")
-    with pytest.raises(Overloaded):
-        with admission.check(caller("free", "f1"), "late", 40) as grant:
-            admission.route(grant, None)  # the router sees a queue full of a higher tier
+    with pytest.raises(Overloaded), admission.check(caller("free", "f1"), "late", 40) as grant:
+        admission.route(grant, None)  # the router sees a queue full of a higher tier
     views = {v.unit: v for v in admission.limiter.buckets("f1", "free", TIERS["free"])}
     assert views["requests"].remaining == pytest.approx(2)
 

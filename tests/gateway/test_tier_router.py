@@ -178,9 +178,9 @@ async def test_a_model_without_a_queue_is_skipped():
 
 
 def test_a_tier_naming_an_undeclared_model_is_a_config_error():
-    with pytest.raises(ConfigError, match="tiers.free.models"):
+    with pytest.raises(ConfigError, match=r"tiers\.free\.models"):
         TierRouter(MODELS, {"free": TierConfig(models=["nope"])}, {})
-    with pytest.raises(ConfigError, match="models.a.fallback"):
+    with pytest.raises(ConfigError, match=r"models\.a\.fallback"):
         TierRouter({"a": ModelConfig(fallback="zz")}, {}, {})
 
 

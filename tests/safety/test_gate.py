@@ -85,7 +85,7 @@ def test_refusal_text_is_per_category_with_a_default():
 
 async def test_missing_classifier_file_is_a_config_error_at_start():
     gate = SafetyGate(SafetyConfig(classifier_path="safety/does-not-exist.npz"))
-    with pytest.raises(ConfigError, match="safety.classifier_path"):
+    with pytest.raises(ConfigError, match=r"safety\.classifier_path"):
         await gate.start()
 
 

@@ -62,7 +62,7 @@ async def test_blocked_span_is_never_released_whatever_the_chunking(parts):
 @pytest.mark.parametrize("parts", chunkings(BENIGN), ids=lambda p: f"{len(p)}-chunks")
 async def test_benign_text_comes_out_whole_and_in_order(parts):
     done = []
-    released, verdict, held = await run(make(done=done), parts)
+    released, verdict, _held = await run(make(done=done), parts)
     assert verdict is None and released == BENIGN
     assert done == [Verdict.allow()]  # one decision per stream
 

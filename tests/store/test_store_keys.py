@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from settings import Settings, StoreConfig, TierConfig
+from store.cli import add_cli, run_cli
 from store.store import UNSET, Store
 from store.types import Conflict, NotFound
-from store.cli import add_cli, run_cli
 
 pytestmark = pytest.mark.asyncio
 

@@ -91,7 +91,7 @@ async def test_usage_summary_groups_by_model_day_and_key(store: Store, make_reco
     org = await store.create_org("acme", "plus")
     other = await store.create_org("other", "plus")
     key, _ = await store.create_key("acme")
-    day1 = dt.datetime(2026, 3, 1, 12, tzinfo=dt.timezone.utc).timestamp()
+    day1 = dt.datetime(2026, 3, 1, 12, tzinfo=dt.UTC).timestamp()
     day2 = day1 + 86400
     for org_id, model, created_at, prompt_tokens, cost_usd, key_id in [
         (org.id, "a", day1, 10, 1.0, None),
@@ -122,8 +122,8 @@ async def test_usage_summary_groups_by_model_day_and_key(store: Store, make_reco
 
 async def test_month_spend_counts_only_the_calendar_month_of_now(store: Store, make_record) -> None:
     org = await store.create_org("acme", "plus")
-    feb = dt.datetime(2026, 2, 28, 23, 59, tzinfo=dt.timezone.utc).timestamp()
-    mar = dt.datetime(2026, 3, 1, 0, 1, tzinfo=dt.timezone.utc).timestamp()
+    feb = dt.datetime(2026, 2, 28, 23, 59, tzinfo=dt.UTC).timestamp()
+    mar = dt.datetime(2026, 3, 1, 0, 1, tzinfo=dt.UTC).timestamp()
     await store.record_request(make_record(org.id, created_at=feb, cost_usd=1.5))
     await store.record_request(make_record(org.id, created_at=mar, cost_usd=0.25))
     await store.record_request(make_record(org.id, created_at=mar + 60, cost_usd=0.25))

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from settings import StoreConfig
+from store.schema import SCHEMA_VERSION, sqlite_version_is_safe
 from store.store import Store
 from store.types import StoreError
-from store.schema import SCHEMA_VERSION, sqlite_version_is_safe
+
 
 def _schema(path: Path) -> list[tuple]:
     with sqlite3.connect(path) as conn:

@@ -53,12 +53,12 @@ def test_eos_ids_come_from_generation_config(tiny_model_dir):
 
 
 def test_missing_or_broken_tokenizer_is_a_clear_error(tmp_path, tiny_model_dir):
-    with pytest.raises(TokenizerLoadError, match="tokenizer.json"):
+    with pytest.raises(TokenizerLoadError, match=r"tokenizer\.json"):
         Tokenizer.from_dir(tmp_path)
     d = tmp_path / "m"
     shutil.copytree(tiny_model_dir, d)
     (d / "tokenizer_config.json").write_text("{not json")
-    with pytest.raises(TokenizerLoadError, match="tokenizer_config.json"):
+    with pytest.raises(TokenizerLoadError, match=r"tokenizer_config\.json"):
         Tokenizer.from_dir(d)
 
 

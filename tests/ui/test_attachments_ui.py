@@ -12,7 +12,11 @@ from PIL import Image
 from testing.server_proc import ROOT, ServerProcess
 from testing.tiny_llava import build_tiny_llava
 from tests.ui.helpers import (
-    conversation_id, open_page, type_and_send, wait_for_answer_done, wait_until,
+    conversation_id,
+    open_page,
+    type_and_send,
+    wait_for_answer_done,
+    wait_until,
 )
 
 pytestmark = pytest.mark.slow

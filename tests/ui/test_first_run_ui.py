@@ -14,6 +14,7 @@ from playwright.sync_api import expect
 
 from engine.tokenizer import Tokenizer
 from settings import SafetyConfig
+from testing.server_proc import ROOT, ServerProcess
 from tests.ui.helpers import (
     conversation_id,
     last_answer,
@@ -22,7 +23,6 @@ from tests.ui.helpers import (
     wait_for_answer_done,
     wait_until,
 )
-from testing.server_proc import ROOT, ServerProcess
 
 pytestmark = pytest.mark.slow
 

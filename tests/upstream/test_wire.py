@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.types import ChatPrompt, FinishReason, GenerationRequest, RequestRejected, SamplingParams, UsageSource
 from engine.tokenizer import Tokenizer
+from engine.types import ChatPrompt, FinishReason, GenerationRequest, RequestRejected, SamplingParams, UsageSource
 from engine.upstream.counting import EstimatingCounter, TokenizerCounter
 from engine.upstream.wire import Chunk, ErrorKind, UpstreamError, classify_http_error, parse_chunk, request_body
 

@@ -39,6 +39,11 @@ class SchedulerConfig:
 
 
 __all__ = [
-    "LLM", "RequestOutput", "SamplingParams", "KvCacheConfig", "SchedulerConfig",
-    "CapacitySchedulerPolicy", "RequestError",
+    "LLM",
+    "CapacitySchedulerPolicy",
+    "KvCacheConfig",
+    "RequestError",
+    "RequestOutput",
+    "SamplingParams",
+    "SchedulerConfig",
 ]
