@@ -87,5 +87,3 @@ async def test_missing_classifier_file_is_a_config_error_at_start():
     gate = SafetyGate(SafetyConfig(classifier_path="safety/does-not-exist.npz"))
     with pytest.raises(ConfigError, match=r"safety\.classifier_path"):
         await gate.start()
-
-
