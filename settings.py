@@ -368,6 +368,11 @@ class TrtllmConfig:
         0, "Requests handed to TensorRT-LLM at once (our priority queue holds the rest); 0: max_batch_size."
     )
     stats_interval_s: float = setting(1.0, "How often executor stats are read for /metrics.")
+    guided_decoding_backend: str = setting(
+        "llguidance",
+        "Grammar library TensorRT-LLM decodes response_format and forced tool calls with: \"llguidance\" (the native "
+        "engine's; all of them), \"xgrammar\" (no forced tool calls) or \"none\" (such requests get a 400).",
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,8 @@
 
 For a GPU host with TensorRT-LLM installed (see docs/trtllm.md). Writes a throwaway config,
 starts the server, waits for /ready, then runs one streaming request, a burst of concurrent
-streams and a client abort, and prints TTFT and throughput. Exit code 0 only if all passed.
+streams, a client abort, and (not with echo) a JSON-schema answer, a forced tool call and
+top_logprobs, and prints TTFT and throughput. Exit code 0 only if all passed.
 `--backend echo` (or native) dry-runs the script itself on a machine without a GPU.
 """
 
@@ -209,7 +210,54 @@ async def run_checks(args: argparse.Namespace, base: str, proc: subprocess.Popen
                                        for b in bodies))
         passed &= report(f"burst of {args.concurrency}", list(burst), time.monotonic() - started)
         passed &= await check_abort(session, base, args)
+        if args.backend != "echo":  # the echo backend decodes under no grammar
+            passed &= await check_structured(session, base, args)
         return passed
+
+
+# A schema whose every answer is short: an unconstrained model would not produce it by chance.
+SMOKE_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["small", "large"]}},
+                "required": ["ok", "size"], "additionalProperties": False}
+SMOKE_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"], "additionalProperties": False}}}
+
+
+async def check_structured(session: aiohttp.ClientSession, base: str, args: argparse.Namespace) -> bool:
+    """response_format json_schema with top_logprobs, then a forced tool call; both must validate."""
+    body = {**_unary(chat_body(QUESTIONS[3], 64)), "logprobs": True, "top_logprobs": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "smoke", "schema": SMOKE_SCHEMA}}}
+    answer = await _post(session, base, body, args.request_timeout_s)
+    choice = (answer.get("choices") or [{}])[0]
+    try:
+        content = json.loads(choice["message"]["content"])
+        schema_ok = set(content) == {"ok", "size"} and isinstance(content["ok"], bool) and content["size"] in (
+            "small", "large")
+    except (KeyError, TypeError, ValueError):
+        schema_ok = False
+    entries = (choice.get("logprobs") or {}).get("content") or []
+    logprobs_ok = bool(entries) and all(len(e.get("top_logprobs", [])) == 2 for e in entries)
+    print(f"json_schema: valid={schema_ok}; top_logprobs=2 on {len(entries)} tokens ok={logprobs_ok}"
+          + ("" if schema_ok and logprobs_ok else f" ({json.dumps(answer)[:300]})"))
+    body = {**_unary(chat_body(QUESTIONS[3], 64)), "tools": [SMOKE_TOOL],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    answer = await _post(session, base, body, args.request_timeout_s)
+    calls = ((answer.get("choices") or [{}])[0].get("message") or {}).get("tool_calls") or []
+    try:
+        tool_ok = len(calls) == 1 and json.loads(calls[0]["function"]["arguments"]).get("unit") in ("c", "f")
+    except (KeyError, TypeError, ValueError):
+        tool_ok = False
+    print(f"forced tool call: valid={tool_ok}" + ("" if tool_ok else f" ({json.dumps(answer)[:300]})"))
+    return schema_ok and logprobs_ok and tool_ok
+
+
+def _unary(body: dict) -> dict:
+    return {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
+
+
+async def _post(session: aiohttp.ClientSession, base: str, body: dict, timeout_s: float) -> dict:
+    async with session.post(f"{base}/v1/chat/completions", json=body,
+                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        return await resp.json()
 
 
 async def check_abort(session: aiohttp.ClientSession, base: str, args: argparse.Namespace) -> bool:

@@ -21,14 +21,17 @@ import structlog
 from engine.tokenizer import Tokenizer
 from engine.trtllm.flight import Flight
 from engine.trtllm.mapping import (
+    GUIDED_DECODING_BACKENDS,
     SCHEDULER_POLICIES,
     IterationStats,
     TrtllmApi,
     accepts,
+    guided_decoding_kwargs,
     llm_kwargs,
     parse_iteration_stats,
     sampling_kwargs,
     supported_kwargs,
+    unsupported_reason,
 )
 from engine.trtllm.slots import SlotPool
 from engine.types import (
@@ -37,6 +40,7 @@ from engine.types import (
     FinishReason,
     GenerationRequest,
     RequestRejected,
+    StructuredKind,
     TokenEvent,
     check_fits_context,
 )
@@ -70,6 +74,7 @@ def load_api() -> TrtllmApi:
         CapacitySchedulerPolicy=llmapi.CapacitySchedulerPolicy,
         RequestError=llmapi.RequestError,
         version=str(getattr(trt, "__version__", "unknown")),
+        GuidedDecodingParams=getattr(llmapi, "GuidedDecodingParams", None),
     )
 
 
@@ -80,6 +85,10 @@ class TrtllmBackend:
         if config.scheduler_policy not in SCHEDULER_POLICIES:
             expected = ", ".join(SCHEDULER_POLICIES)
             raise ConfigError(f"trtllm.scheduler_policy: expected one of {expected}, got {config.scheduler_policy!r}")
+        if config.guided_decoding_backend not in GUIDED_DECODING_BACKENDS:
+            expected = ", ".join(GUIDED_DECODING_BACKENDS)
+            raise ConfigError(f"trtllm.guided_decoding_backend: expected one of {expected}, "
+                              f"got {config.guided_decoding_backend!r}")
         limits = [n for n in (max_model_len, config.max_seq_len) if n]
         if not limits:
             raise ConfigError("trtllm: the model's context length is unknown; set trtllm.max_seq_len or max_model_len")
@@ -93,6 +102,8 @@ class TrtllmBackend:
         self._api: TrtllmApi | None = None
         self._llm: Any = None
         self._supports_cache_salt = False
+        self._guided_backend = config.guided_decoding_backend  # "none" once start() finds no support
+        self._supports_logprobs = True  # until start() finds SamplingParams without `logprobs`
         self._slots: SlotPool | None = None
         self._in_flight: dict[str, Flight] = {}
         self._stats_task: asyncio.Task | None = None
@@ -128,6 +139,9 @@ class TrtllmBackend:
             self.state = BackendState.FAILED
             raise EngineError(f"TensorRT-LLM could not load {self._model_dir}: {exc}") from exc
         self._supports_cache_salt = accepts(self._llm.generate_async, "cache_salt")
+        if self._api.GuidedDecodingParams is None or not accepts(self._api.SamplingParams, "guided_decoding"):
+            self._guided_backend = "none"
+        self._supports_logprobs = accepts(self._api.SamplingParams, "logprobs")
         self._slots = SlotPool(self.max_in_flight)
         self.state = BackendState.READY
         log.info("trtllm_ready", max_in_flight=self.max_in_flight, cache_salt=self._supports_cache_salt)
@@ -166,13 +180,14 @@ class TrtllmBackend:
                 param="messages",
                 code="context_length_exceeded",
             )
-        # Not mapped yet to TensorRT-LLM's guided decoding and logprobs: refuse rather than ignore.
-        if request.sampling.structured is not None:
-            raise RequestRejected("structured outputs and forced tool calls are not supported by the TensorRT-LLM "
-                                  "backend yet", param="response_format", code="unsupported_value")
-        if request.sampling.logprobs is not None:
-            raise RequestRejected("logprobs are not supported by the TensorRT-LLM backend yet", param="logprobs",
-                                  code="unsupported_value")
+        structured = request.sampling.structured
+        reason = unsupported_reason(structured, self._guided_backend) if structured is not None else None
+        if reason is not None:  # refuse rather than ignore: an unconstrained answer would not parse
+            param = "tool_choice" if structured.kind is StructuredKind.LARK else "response_format"
+            raise RequestRejected(reason, param=param, code="unsupported_value")
+        if request.sampling.logprobs is not None and not self._supports_logprobs:
+            raise RequestRejected(f"this TensorRT-LLM version ({self._api.version if self._api else '?'}) returns no "
+                                  "logprobs", param="logprobs", code="unsupported_value")
 
     def has_room(self) -> bool:
         return self.state is BackendState.READY and self._slots is not None and self._slots.has_free
@@ -221,6 +236,12 @@ class TrtllmBackend:
             raise EngineError(f"request id {request.request_id!r} is already running")
         assert self._api is not None
         fields = sampling_kwargs(request.sampling, self._tokenizer.eos_token_ids)
+        if request.sampling.structured is not None:
+            try:  # check_request has refused what the backend cannot take; this is the backstop
+                guide = guided_decoding_kwargs(request.sampling.structured, self._guided_backend)
+            except ValueError as exc:
+                raise RequestRejected(str(exc), param="response_format", code="unsupported_value") from None
+            fields["guided_decoding"] = self._api.GuidedDecodingParams(**guide)
         params = self._api.SamplingParams(**supported_kwargs(self._api.SamplingParams, fields))
         kwargs: dict[str, Any] = {"streaming": True}
         if request.cache_salt is not None and self._supports_cache_salt:

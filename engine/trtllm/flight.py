@@ -14,8 +14,14 @@ from typing import Any
 import structlog
 
 from engine.detokenizer import StopStringFilter
-from engine.trtllm.mapping import map_finish_reason
-from engine.types import EngineError, FinishReason, GenerationRequest, TokenEvent
+from engine.trtllm.mapping import map_finish_reason, token_logprobs
+from engine.types import (
+    EngineError,
+    FinishReason,
+    GenerationRequest,
+    TokenEvent,
+    TokenLogprob,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -45,9 +51,10 @@ class Flight:
     def start(self) -> None:
         self._pump = asyncio.get_running_loop().create_task(self._run(), name=f"trtllm-{self.request.request_id}")
 
-    def event(self, text: str, token_ids: tuple[int, ...], reason: FinishReason | None = None) -> TokenEvent:
+    def event(self, text: str, token_ids: tuple[int, ...], reason: FinishReason | None = None,
+              logprobs: tuple[TokenLogprob, ...] = ()) -> TokenEvent:
         return TokenEvent(text, token_ids, len(self.request.prompt_token_ids), self.num_cached_tokens,
-                          self.num_completion_tokens, reason)
+                          self.num_completion_tokens, reason, logprobs=logprobs)
 
     # -- aborting -------------------------------------------------------------------------
     def request_abort(self) -> None:
@@ -109,6 +116,7 @@ class Flight:
         handle = self.handle
         output = handle.outputs[0]
         new_ids = tuple(output.token_ids_diff)
+        logprobs = self._logprobs(output, new_ids)
         self.num_completion_tokens += len(new_ids)
         self._on_progress(len(new_ids), self._update_cached(getattr(handle, "cached_tokens", None)))
         finished = bool(handle.finished)
@@ -118,15 +126,28 @@ class Flight:
         if self._stop.stopped:
             if not finished:
                 self.request_abort()  # a stop string that did not fall on token boundaries
-            return self.event(text, new_ids, FinishReason.STOP)
+            return self.event(text, new_ids, FinishReason.STOP, logprobs)
         if finished:
             reason = map_finish_reason(output.finish_reason)
             if reason is None:
                 raise EngineError(f"TensorRT-LLM finished with an unknown reason {output.finish_reason!r}")
-            return self.event(text, new_ids, reason)
+            return self.event(text, new_ids, reason, logprobs)
         if not text and not new_ids:
             return None
-        return self.event(text, new_ids)
+        return self.event(text, new_ids, logprobs=logprobs)
+
+    def _logprobs(self, output: Any, new_ids: tuple[int, ...]) -> tuple[TokenLogprob, ...]:
+        """The logprobs of `new_ids`, read by position from the cumulative `output.logprobs`
+        (not `logprobs_diff`: a final response may cut a stop word from `token_ids` only)."""
+        num_top = self.request.sampling.logprobs
+        if num_top is None or not new_ids:
+            return ()
+        start = self.num_completion_tokens
+        entries = list(getattr(output, "logprobs", None) or ())[start:start + len(new_ids)]
+        if len(entries) < len(new_ids):
+            log.warning("trtllm_logprobs_missing", request_id=self.request.request_id, num_tokens=len(new_ids),
+                        num_logprobs=len(entries))
+        return token_logprobs(new_ids, entries, num_top)
 
     def _update_cached(self, cached: Any) -> int:
         """Fold RequestOutput.cached_tokens (1.1+) into our count; return the increase."""

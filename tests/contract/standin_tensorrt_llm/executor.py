@@ -17,6 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+@dataclass(slots=True)
+class Logprob:
+    """As tensorrt_llm.executor.result.Logprob (1.x)."""
+
+    logprob: float
+    rank: int | None = None
+
+
 @dataclass
 class Response:
     new_token_ids: list[int]
@@ -25,6 +33,7 @@ class Response:
     error: str | None = None
     cached_tokens: int = 0
     stop_word_len: int = 0  # tokens of the matched stop word, cut from the output at the end
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # one per new token, when asked
 
 
 @dataclass
@@ -55,13 +64,16 @@ class Job:
     stop_words: list[list[int]]
     generated: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)
+    pending_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    guide: Any = None  # a guided.Guide when the request has guided_decoding
     cached_tokens: int = 0
     rng: random.Random | None = None
 
 
 class Executor:
-    def __init__(self, args: Any, ordinary_ids: list[int], controls: Controls):
+    def __init__(self, args: Any, ordinary_ids: list[int], controls: Controls, guides: Any = None):
         self.args = args
+        self._guides = guides  # a guided.GuideFactory with guided_decoding_backend="llguidance"
         self.controls = controls
         self._ordinary_ids = ordinary_ids
         kv = args.kv_cache_config
@@ -147,6 +159,14 @@ class Executor:
             message, self.controls.fail_next = self.controls.fail_next, None
             job.deliver(Response([], is_final=True, error=message))
             return
+        if job.params.guided_decoding is not None:
+            try:  # as TensorRT-LLM: a guide that does not compile fails the request
+                if self._guides is None:
+                    raise ValueError("guided decoding needs LLM(guided_decoding_backend=...)")
+                job.guide = self._guides.create(job.params.guided_decoding)
+            except ValueError as exc:
+                job.deliver(Response([], is_final=True, error=str(exc)))
+                return
         hashes = self._block_hashes(job)
         if self._enable_block_reuse:
             num_hit = next((i for i, h in enumerate(hashes) if h not in self._cached_block_hashes), len(hashes))
@@ -166,15 +186,26 @@ class Executor:
         token = self._next_token(job)
         job.generated.append(token)
         job.pending.append(token)
+        if job.params.logprobs:
+            job.pending_logprobs.append(self._toy_logprobs(token, job.params.logprobs))
         reason, stop_len = self._finish_reason(job, token)
         if reason is None:
             if job.streaming:
-                job.deliver(Response(job.pending, cached_tokens=job.cached_tokens))
-                job.pending = []
+                job.deliver(Response(job.pending, cached_tokens=job.cached_tokens, logprobs=job.pending_logprobs))
+                job.pending, job.pending_logprobs = [], []
             return
         if reason == "stop" and stop_len == 0:  # the end token itself is not output
             job.pending.pop()
-        self._finish(job, Response(job.pending, True, reason, cached_tokens=job.cached_tokens, stop_word_len=stop_len))
+            job.pending_logprobs = job.pending_logprobs[:len(job.pending)]
+        self._finish(job, Response(job.pending, True, reason, cached_tokens=job.cached_tokens, stop_word_len=stop_len,
+                                   logprobs=job.pending_logprobs))
+
+    def _toy_logprobs(self, token: int, k: int) -> dict[int, Logprob]:
+        """The PyTorch backend's shape: {token_id: Logprob} of the top k, the chosen one first."""
+        others = [i for i in self._ordinary_ids if i != token][:k - 1]
+        entry = {token: Logprob(-0.25, 1)}
+        entry.update({t: Logprob(-1.0 - r, r + 2) for r, t in enumerate(others)})
+        return entry
 
     def _finish_reason(self, job: Job, token: int) -> tuple[str | None, int]:
         params = job.params
@@ -205,7 +236,14 @@ class Executor:
             if job.rng is None:
                 job.rng = random.Random(job.params.seed)
             h = job.rng.randrange(1 << 30)
-        return self._ordinary_ids[h % len(self._ordinary_ids)]
+        if job.guide is None:
+            return self._ordinary_ids[h % len(self._ordinary_ids)]
+        if job.guide.is_stopped:  # the grammar is complete: only the end token is left
+            return job.params.end_id
+        allowed = job.guide.allowed()
+        token = allowed[h % len(allowed)]
+        job.guide.accept(token)
+        return token
 
     def _stats_json(self, latency_ms: float) -> str:
         size = self._tokens_per_block

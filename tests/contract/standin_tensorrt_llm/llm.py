@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 
 from .errors import RequestError
 from .executor import Controls, Executor, Job, Response
+from .guided import GuideFactory
 from .sampling_params import SamplingParams
 
 _LLM_DEFAULTS: dict[str, Any] = {
@@ -41,8 +42,10 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list = field(default_factory=list)  # one {token_id: Logprob} per token, when asked
     _last_text_len: int = 0
     _last_token_ids_len: int = 0
+    _last_logprobs_len: int = 0
 
     @property
     def length(self) -> int:
@@ -55,6 +58,10 @@ class CompletionOutput:
     @property
     def token_ids_diff(self) -> list[int]:
         return self.token_ids[self._last_token_ids_len:]
+
+    @property
+    def logprobs_diff(self) -> list:
+        return self.logprobs[self._last_logprobs_len:]
 
 
 class RequestOutput:
@@ -119,6 +126,8 @@ class RequestOutput:
         out = self.outputs[0]
         out._last_token_ids_len = len(out.token_ids)
         out.token_ids.extend(response.new_token_ids)
+        out._last_logprobs_len = len(out.logprobs)
+        out.logprobs.extend(response.logprobs)
         self.cached_tokens = response.cached_tokens
         self._done = response.is_final
         if self._done:
@@ -167,7 +176,11 @@ class LLM:
         self.is_shut_down = False
         self._next_id = 0
         self._stats: IterationResult | None = None
-        self._executor = Executor(self.args, ordinary, self.standin)
+        guides = None
+        if self.args.guided_decoding_backend == "llguidance":
+            tokenizer_json = (model_dir / "tokenizer.json").read_text(encoding="utf-8")
+            guides = GuideFactory(tokenizer_json, self.tokenizer.get_vocab_size(), self.eos_token_id)
+        self._executor = Executor(self.args, ordinary, self.standin, guides)
 
     def generate_async(self, inputs: Any, sampling_params: SamplingParams | None = None, lora_request: Any = None,
                        prompt_adapter_request: Any = None, streaming: bool = False,

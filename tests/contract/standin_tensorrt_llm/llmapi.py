@@ -8,7 +8,7 @@ from typing import Any
 
 from .errors import RequestError
 from .llm import LLM, RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import GuidedDecodingParams, SamplingParams
 
 
 class CapacitySchedulerPolicy(enum.Enum):
@@ -41,6 +41,7 @@ class SchedulerConfig:
 __all__ = [
     "LLM",
     "CapacitySchedulerPolicy",
+    "GuidedDecodingParams",
     "KvCacheConfig",
     "RequestError",
     "RequestOutput",

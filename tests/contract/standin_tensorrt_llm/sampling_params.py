@@ -1,9 +1,25 @@
-"""STAND-IN for `tensorrt_llm.SamplingParams` (tests only): the documented 1.x fields."""
+"""STAND-IN for `tensorrt_llm.SamplingParams` and `GuidedDecodingParams` (tests only): the documented 1.x fields."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
+
+
+@dataclass(slots=True, kw_only=True)
+class GuidedDecodingParams:
+    """As tensorrt_llm/sampling_params.py (1.x): only one guide may be set."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | None = None
+
+    def _validate(self) -> None:
+        num_guides = sum(bool(getattr(self, f.name)) for f in fields(self))
+        if num_guides > 1:
+            raise ValueError(f"Only one guide can be used for a request, but got {num_guides}.")
 
 
 @dataclass
@@ -45,6 +61,9 @@ class SamplingParams:
             raise ValueError("n > 1 under greedy decoding needs TLLM_ALLOW_N_GREEDY_DECODING=1")
         if self.top_p is not None and not 0.0 <= self.top_p <= 1.0:
             raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+        if self.guided_decoding is not None:
+            self.guided_decoding._validate()
+        self.logprobs = self.logprobs and int(self.logprobs)  # as 1.x: 0 means none
 
     @property
     def greedy(self) -> bool:
