@@ -219,7 +219,8 @@ async def run_checks(args: argparse.Namespace, base: str, proc: subprocess.Popen
 SMOKE_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["small", "large"]}},
                 "required": ["ok", "size"], "additionalProperties": False}
 SMOKE_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"], "additionalProperties": False}}}
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+    "additionalProperties": False}}}
 
 
 async def check_structured(session: aiohttp.ClientSession, base: str, args: argparse.Namespace) -> bool:

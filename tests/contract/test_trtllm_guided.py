@@ -14,6 +14,8 @@ from types import SimpleNamespace
 
 import jsonschema
 import pytest
+
+from api.tools import ChoiceMode, Tool, ToolChoice, ToolFormat, forced_call_grammar
 from contract_harness import (
     PROMPT_TEXT,
     check_stream_shape,
@@ -21,8 +23,6 @@ from contract_harness import (
     joined_text,
     make_request,
 )
-
-from api.tools import ChoiceMode, Tool, ToolChoice, ToolFormat, forced_call_grammar
 from engine.tokenizer import Tokenizer
 from engine.trtllm.backend import TrtllmBackend
 from engine.trtllm.mapping import (

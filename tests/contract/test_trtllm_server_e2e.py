@@ -37,5 +37,6 @@ def test_gpu_smoke_script_passes_against_the_server_on_the_stand_in(tiny_model_d
     assert result.returncode == 0, result.stdout + result.stderr
     assert "burst of 6: 6/6 ok" in result.stdout
     assert "engine idle after the abort" in result.stdout
-    assert "json_schema: valid=True; top_logprobs=2" in result.stdout and "forced tool call: valid=True" in result.stdout
+    assert "json_schema: valid=True; top_logprobs=2" in result.stdout
+    assert "forced tool call: valid=True" in result.stdout
     assert "GPU SMOKE: PASS" in result.stdout
