@@ -5,6 +5,7 @@ through block tables: decode rows (one query per sequence) go to the compiled ke
 runner put one in the metadata (CpuKernels.paged_decode_attention), else to one padded gather + SDPA; prefill chunks gather their context and run
 SDPA with a causal mask aligned to the chunk's position. Rows come decodes first, then chunks.
 
+Each KV group (block_manager.py) has its own pool; all pools share one buffer.
 Layout per layer: K blocks transposed, [num_blocks, num_kv_heads, head_dim, block_size], so the
 kernel scores 16 tokens per vector op; V as [num_slots, num_kv_heads, head_dim] rows.
 """
@@ -59,22 +60,35 @@ class AttentionMetadata:
     block_size: int
     decode_window_mask: torch.Tensor | None = None  # like decode_mask, for sliding layers
     decode_kernel: Callable | None = None  # CpuKernels.paged_decode_attention (kernel path only)
+    # A model mixing sliding and global layers: the sliding layers' KV group (its own blocks,
+    # slots and masks); this object's fields are then the global layers'.
+    window_group: AttentionMetadata | None = None
+
+    def for_layer(self, spec: AttentionSpec) -> AttentionMetadata:
+        return self.window_group if spec.sliding_window is not None and self.window_group is not None else self
 
 
 def allocate_kv_cache(
-    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device
+    layer_groups: tuple[int, ...], group_num_blocks: tuple[int, ...], block_size: int, num_kv_heads: int, head_dim: int,
+    dtype, device,
 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """One pool for all layers, and each layer's (k_cache, v_cache) views into it."""
+    """One buffer holding every KV group's pool (group g: group_num_blocks[g] blocks of each of
+    its layers; layer_groups[i] is layer i's group), and each layer's (k_cache, v_cache) views."""
+    block_numel = block_size * num_kv_heads * head_dim
+    num_layers = [layer_groups.count(g) for g in range(len(group_num_blocks))]
+    sizes = [n * 2 * blocks * block_numel for n, blocks in zip(num_layers, group_num_blocks)]
     # Never read before written (context lengths bound every read), so no zero-fill.
-    pool = torch.empty((num_layers, 2, num_blocks, block_size * num_kv_heads * head_dim), dtype=dtype, device=device)
-    views = [
-        (
-            pool[i, 0].view(num_blocks, num_kv_heads, head_dim, block_size),
-            pool[i, 1].view(num_blocks * block_size, num_kv_heads, head_dim),
-        )
-        for i in range(num_layers)
-    ]
-    return pool, views
+    buffer = torch.empty(sum(sizes), dtype=dtype, device=device)
+    pools = [part.view(n, 2, blocks, block_numel) for part, n, blocks in zip(buffer.split(sizes), num_layers, group_num_blocks)]
+    views, next_index = [], [0] * len(pools)
+    for g in layer_groups:
+        layer, num_blocks = pools[g][next_index[g]], group_num_blocks[g]
+        next_index[g] += 1
+        views.append((
+            layer[0].view(num_blocks, num_kv_heads, head_dim, block_size),
+            layer[1].view(num_blocks * block_size, num_kv_heads, head_dim),
+        ))
+    return buffer, views
 
 
 def write_kv_cache(

@@ -3,8 +3,10 @@
 Torch-free; it hands out block ids and never touches KV tensors. A full, computed block is
 registered under a chained hash of (parent hash, token ids) salted per tenant; a freed block
 keeps its hash, so the free list doubles as the cache and the oldest-freed block is evicted first.
-For a model whose every layer attends to a sliding window, a sequence gives back the blocks
-that fell out of the window of every query it will still run, so its KV stays window-sized.
+A manager serves one KV group (sequence.BlockTable): every layer, or in a model that mixes
+sliding and global layers, one kind of them (hybrid_blocks.py pairs two). In a sliding group a
+sequence gives back the blocks that fell out of the window of every query it will still run,
+so its KV there stays window-sized.
 """
 
 from __future__ import annotations
@@ -32,11 +34,18 @@ def cdiv(a: int, b: int) -> int:
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True, sliding_window: int | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
+        group: int = 0,
     ):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.sliding_window = sliding_window  # every layer's window (None: some layer sees everything)
+        self.sliding_window = sliding_window  # the window of every layer of the group (None: global layers)
+        self.group = group  # which of a sequence's block_tables this manager fills
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Front is evicted first: never-cached blocks go to the front, cached ones to the back.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -63,64 +72,89 @@ class BlockManager:
         At least one token is always left to compute (its logits give the next token), so a
         cached block is never written to.
         """
-        if not self.enable_prefix_caching or seq.block_table:
+        if not self.enable_prefix_caching or seq.block_tables[self.group].block_ids:
             return []
         bs = self.block_size
         hit_ids: list[int] = []
         for i, h in enumerate(seq.full_block_hashes((seq.num_tokens - 1) // bs, bs)):
-            block_id = self.hash_to_block_id.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != seq.block_token_ids(i, bs):
+            block_id = self._cached(seq, i, h)
+            if block_id is None:
                 break
             hit_ids.append(block_id)
         return hit_ids
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix_block_ids: SequenceOf[int] = ()) -> bool:
+    def find_cached_window(self, seq: Sequence, num_blocks: int) -> list[int | None] | None:
+        """For a sliding group: the cached blocks a query right after the first `num_blocks`
+        blocks attends to (None for the leading ones outside its window), or None if one of
+        those is not cached."""
+        bs = self.block_size
+        first_needed = max(num_blocks * bs - self.sliding_window + 1, 0) // bs
+        hashes = seq.full_block_hashes(num_blocks, bs)
+        window_ids = [self._cached(seq, i, hashes[i]) for i in range(first_needed, num_blocks)]
+        if None in window_ids:
+            return None
+        return [None] * first_needed + window_ids
+
+    def _cached(self, seq: Sequence, index: int, block_hash: bytes) -> int | None:
+        block_id = self.hash_to_block_id.get(block_hash)
+        if block_id is None or self.blocks[block_id].token_ids != seq.block_token_ids(index, self.block_size):
+            return None
+        return block_id
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix_block_ids: SequenceOf[int | None] = ()) -> bool:
         """Would `num_new_tokens` more tokens fit (after taking `prefix_block_ids`, if any)?"""
         if prefix_block_ids:
             num_needed = cdiv(len(prefix_block_ids) * self.block_size + num_new_tokens, self.block_size)
             num_needed -= len(prefix_block_ids)
-            num_reused_free = sum(1 for b in prefix_block_ids if self.blocks[b].ref_count == 0)
+            num_reused_free = sum(1 for b in prefix_block_ids if b is not None and self.blocks[b].ref_count == 0)
             return num_needed <= self.num_free_blocks - num_reused_free
-        num_needed = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table)
+        table = seq.block_tables[self.group]
+        num_needed = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(table.block_ids)
         return num_needed <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, prefix_block_ids: SequenceOf[int] = ()) -> None:
-        """Grow the block table to hold `num_new_tokens` more tokens; call can_allocate first."""
-        if not seq.block_table and self.enable_prefix_caching:
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix_block_ids: SequenceOf[int | None] = ()) -> None:
+        """Grow the block table to hold `num_new_tokens` more tokens; call can_allocate first.
+
+        Leading None entries of a prefix (a sliding group's blocks outside the window) start
+        out released."""
+        table = seq.block_tables[self.group]
+        if not table.block_ids and self.enable_prefix_caching:
             self.num_queried_tokens += seq.num_tokens
             self.num_hit_tokens += len(prefix_block_ids) * self.block_size
         if prefix_block_ids:
-            for block_id in prefix_block_ids:
+            live = [block_id for block_id in prefix_block_ids if block_id is not None]
+            for block_id in live:
                 self._take(block_id)
-            seq.block_table = list(prefix_block_ids)
-            seq.num_computed_tokens = seq.num_hashed_blocks = len(prefix_block_ids)
-            seq.num_computed_tokens *= self.block_size
-        num_needed = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table)
+            table.num_released = len(prefix_block_ids) - len(live)
+            table.block_ids = [live[0]] * table.num_released + live  # released entries: stale, never read
+            table.num_hashed = len(prefix_block_ids)
+            seq.num_computed_tokens = len(prefix_block_ids) * self.block_size
+        num_needed = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(table.block_ids)
         if num_needed > self.num_free_blocks:
             raise RuntimeError(f"allocate without room: need {num_needed}, free {self.num_free_blocks}")
         for _ in range(num_needed):
-            seq.block_table.append(self._pop_free())
+            table.block_ids.append(self._pop_free())
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; it keeps no blocks and no computed tokens."""
+        table = seq.block_tables[self.group]
         # Last blocks first, so a prompt's head outlives its tail in the LRU order.
-        for block_id in reversed(seq.block_table[seq.num_released_blocks :]):
+        for block_id in reversed(table.block_ids[table.num_released :]):
             self._release(block_id)
-        seq.block_table = []
+        table.clear()
         seq.num_computed_tokens = 0
-        seq.num_hashed_blocks = 0
-        seq.num_released_blocks = 0
 
     def release_outside_window(self, seq: Sequence) -> None:
         """Give back the blocks before the window of the next query (position num_computed_tokens);
         later queries' windows start later still. Call after cache_full_blocks."""
         if self.sliding_window is None:
             return
+        table = seq.block_tables[self.group]
         first_needed = seq.num_computed_tokens - self.sliding_window + 1  # earliest key still attended to
         num_outside = max(first_needed, 0) // self.block_size
-        for block_id in seq.block_table[seq.num_released_blocks : num_outside]:
+        for block_id in table.block_ids[table.num_released : num_outside]:
             self._release(block_id)
-        seq.num_released_blocks = max(seq.num_released_blocks, num_outside)
+        table.num_released = max(table.num_released, num_outside)
 
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -134,19 +168,20 @@ class BlockManager:
         """Register the sequence's newly full, computed blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
+        table = seq.block_tables[self.group]
         num_full = seq.num_computed_tokens // self.block_size
-        if num_full <= seq.num_hashed_blocks:
+        if num_full <= table.num_hashed:
             return
         hashes = seq.full_block_hashes(num_full, self.block_size)
-        for i in range(seq.num_hashed_blocks, num_full):
+        for i in range(table.num_hashed, num_full):
             # Same content computed twice concurrently: keep the first, leave this one unhashed.
             if hashes[i] in self.hash_to_block_id:
                 continue
-            block = self.blocks[seq.block_table[i]]
+            block = self.blocks[table.block_ids[i]]
             block.hash = hashes[i]
             block.token_ids = seq.block_token_ids(i, self.block_size)
             self.hash_to_block_id[block.hash] = block.block_id
-        seq.num_hashed_blocks = num_full
+        table.num_hashed = num_full
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

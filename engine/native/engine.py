@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.native.block_manager import BlockManager, cdiv
+from engine.native.hybrid_blocks import HybridBlockManager
 from engine.native.scheduler import Scheduler, SchedulerConfig
 from engine.native.sequence import Sequence
 from engine.types import (
@@ -54,6 +55,15 @@ def _prefill_cap(config: EngineConfig, device_type: str) -> int | None:
     return _CPU_PREFILL_TOKENS_WHILE_DECODING if device_type == "cpu" else None
 
 
+def _block_manager(runner: ModelRunner, enable_prefix_caching: bool) -> BlockManager | HybridBlockManager:
+    """One manager per KV group of the runner's pools; two are paired (hybrid_blocks.py)."""
+    groups = [
+        BlockManager(num_blocks, runner.block_size, enable_prefix_caching=enable_prefix_caching, sliding_window=window, group=g)
+        for g, (num_blocks, window) in enumerate(zip(runner.group_num_blocks, runner.group_windows))
+    ]
+    return groups[0] if len(groups) == 1 else HybridBlockManager(*groups)
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -68,10 +78,7 @@ class LLMEngine:
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len = runner.max_model_len
-        self.block_manager = BlockManager(
-            runner.num_kv_blocks, runner.block_size, enable_prefix_caching=config.enable_prefix_caching,
-            sliding_window=runner.kv_window,
-        )
+        self.block_manager = _block_manager(runner, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs,
@@ -107,7 +114,7 @@ class LLMEngine:
         total = num_prompt + request.sampling.max_tokens
         # The last sampled token's K/V is never computed, so a sequence holds at most total - 1.
         num_blocks = cdiv(total - 1, self.block_manager.block_size)
-        if num_blocks > self.block_manager.num_blocks:
+        if num_blocks > self.block_manager.num_blocks or not self._fits_window_group(total - 1):
             capacity = self.block_manager.num_blocks * self.block_manager.block_size
             raise RequestRejected(
                 f"the request needs {total} tokens of KV cache ({num_prompt} prompt + "
@@ -115,6 +122,15 @@ class LLMEngine:
                 param="max_tokens",
                 code="kv_cache_too_small",
             )
+
+    def _fits_window_group(self, num_tokens: int) -> bool:
+        """A hybrid model's sliding group holds at once at most the window and one step's tokens."""
+        window = getattr(self.block_manager, "window", None)
+        if window is None:
+            return True
+        bs = window.block_size
+        peak = min(cdiv(num_tokens, bs), cdiv(window.sliding_window - 1 + self.config.max_num_batched_tokens, bs) + 1)
+        return peak <= window.num_blocks
 
     def add_request(self, request: GenerationRequest) -> None:
         self.check_request(request)

@@ -195,8 +195,10 @@ class Model:
         q, k, v = self._qkv(layer, h)
         if rope is not None:
             q, k = _rotate(q, *rope), _rotate(k, *rope)
+        spec = self.attention_specs[i]
+        meta = meta.for_layer(spec)  # a hybrid model's sliding layers: their own KV group
         write_kv_cache(k, v, *kv_cache, meta)
-        o = paged_attention(q, k, v, *kv_cache, meta, self.attention_specs[i])  # [num_tokens, heads, head_dim]
+        o = paged_attention(q, k, v, *kv_cache, meta, spec)  # [num_tokens, heads, head_dim]
         o = linear(o.reshape(num_tokens, -1), layer.o_proj)
         if layer.attn_out_norm is not None:
             o = _rms_norm(o, layer.attn_out_norm, eps)

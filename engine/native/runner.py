@@ -1,8 +1,8 @@
-"""The only code that touches tensors: loads the model, owns the KV pool, runs steps, samples.
+"""Loads the model, owns the KV pools (one per KV group), runs steps, samples.
 
-Turns a ScheduledBatch into flat model inputs (decode rows first, then prefill chunks) and
-attention metadata, runs one forward pass, computes logits only for rows that produce a token,
-and samples. Per-step Python work is proportional to sequences, not tokens, wherever it can be.
+A step: batch_inputs.py turns the ScheduledBatch into flat model inputs and attention metadata,
+one forward pass runs, logits are computed only for rows that produce a token, and sampled.
+Per-step Python work is proportional to sequences, not tokens, wherever it can be.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import structlog
 import torch
 
 from engine.native import kernels
-from engine.native.attention import AttentionMetadata, PrefillChunk, allocate_kv_cache
+from engine.native.attention import AttentionMetadata, allocate_kv_cache
+from engine.native.batch_inputs import BatchInputBuilder, BatchInputs, KVLayout
 from engine.native.families import ModelArgs
 from engine.native.kernels import KernelMode
 from engine.native.loader import checkpoint_dtype, load_model_args, load_model_weights
@@ -23,7 +24,6 @@ from engine.native.model import Model, prepare_linear_layers
 from engine.native.quant import Quantization
 from engine.native.sampler import Sampler, SamplingRow, SeenTokens
 from engine.native.scheduler import ScheduledBatch
-from engine.native.sequence import Sequence
 from engine.native.vision import VisionTower, is_llava
 from engine.types import EngineError
 from settings import EngineConfig
@@ -104,16 +104,24 @@ class ModelRunner:
         weights = load_model_weights(Path(model_dir), self.args, self.dtype, self.device, name_prefix=prefix)
         weights = prepare_linear_layers(weights, self.cpu, self.quantization)
         self.model = Model(self.args, weights, self.max_model_len, cpu=self.cpu)
-        # Sliding layers and soft-capped scores are attended on the gather path, also when the
-        # decode kernel serves the other layers.
         self.sliding_window = self.args.sliding_window
-        self.gather_decode = not self.use_kernel or self.sliding_window is not None or self.args.attn_logit_softcap is not None
-        self.num_kv_blocks = self._num_kv_blocks()
+        # KV groups (block_manager.py): one for every layer, or, when sliding layers mix with
+        # global ones, group 0 for the global layers and group 1 (window-sized) for the sliding.
+        windows = {layer.sliding_window for layer in self.args.layers}
+        self.is_hybrid = len(windows) == 2
+        self.layer_groups = tuple(int(self.is_hybrid and w is not None) for w in (l.sliding_window for l in self.args.layers))
+        self.group_windows = (None, self.sliding_window) if self.is_hybrid else (self.sliding_window,)
+        self.group_num_blocks = self._num_kv_blocks()
+        self.num_kv_blocks = self.group_num_blocks[0]
         a = self.args
         self.kv_pool, self.kv_caches = allocate_kv_cache(
-            a.num_layers, self.num_kv_blocks, self.block_size, a.num_kv_heads, a.head_dim, self.dtype, self.device
+            self.layer_groups, self.group_num_blocks, self.block_size, a.num_kv_heads, a.head_dim, self.dtype, self.device
         )
         self.sampler = Sampler(a.vocab_size)
+        self.batch_inputs = BatchInputBuilder(KVLayout(
+            self.block_size, self.group_windows, self.device,
+            self.cpu.paged_decode_attention if self.use_kernel else None, self.args.attn_logit_softcap is not None,
+        ))
         log.info(
             "model_loaded",
             model_dir=str(model_dir),
@@ -122,6 +130,7 @@ class ModelRunner:
             dtype=str(self.dtype).removeprefix("torch."),
             checkpoint_dtype=str(saved_dtype).removeprefix("torch.") if saved_dtype else "unknown",
             num_kv_blocks=self.num_kv_blocks,
+            num_sliding_kv_blocks=self.group_num_blocks[1] if self.is_hybrid else None,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             kernel_mode=self.kernel_mode.value,
@@ -132,19 +141,36 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        a = self.args
-        return a.num_layers * 2 * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        """One block of every layer (in a hybrid model, of group 0's and group 1's layers together)."""
+        return self.args.num_layers * self._layer_block_bytes
 
-    def _num_kv_blocks(self) -> int:
+    @property
+    def _layer_block_bytes(self) -> int:
+        a = self.args
+        return 2 * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+
+    def _num_kv_blocks(self) -> tuple[int, ...]:
+        """Blocks per KV group. A hybrid model's sliding group gets what its running sequences'
+        windows can use (twice, the rest as prefix cache), at most as many blocks as a single
+        pool would have; the global group the rest of the budget."""
         budget = self.config.kv_cache_bytes
         if budget <= 0:
             budget = int(free_memory_bytes(self.device) * self.config.kv_cache_memory_fraction)
         # More than every slot's longest sequence twice over (the rest as prefix cache) is waste.
         blocks_per_seq = -(-self.max_model_len // self.block_size)
-        num_blocks = min(budget // self.kv_bytes_per_block, 2 * self.config.max_num_seqs * blocks_per_seq)
-        if num_blocks < 1:
+        cap = 2 * self.config.max_num_seqs * blocks_per_seq
+        uniform = budget // self.kv_bytes_per_block
+        if uniform < 1:
             raise EngineError(f"KV cache budget of {budget} bytes holds no block of {self.kv_bytes_per_block} bytes")
-        return int(num_blocks)
+        if not self.is_hybrid:
+            return (int(min(uniform, cap)),)
+        num_window_layers = sum(self.layer_groups)
+        window_blocks_per_seq = -(-(self.sliding_window - 1) // self.block_size) + 2
+        window_need = self.config.max_num_seqs * window_blocks_per_seq + -(-self.config.max_num_batched_tokens // self.block_size)
+        num_window = min(uniform, 2 * window_need, cap)
+        left = budget - num_window * num_window_layers * self._layer_block_bytes
+        num_full = min(left // ((self.args.num_layers - num_window_layers) * self._layer_block_bytes), cap)
+        return (int(num_full), int(num_window))
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
@@ -162,126 +188,21 @@ class ModelRunner:
         return sampled
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        bs = self.block_size
-        decodes = [i for i, n in enumerate(batch.num_scheduled_tokens) if n == 1]
-        prefills = [i for i, n in enumerate(batch.num_scheduled_tokens) if n > 1]
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for i in decodes:
-            seq = batch.seqs[i]
-            p = seq.num_computed_tokens
-            input_ids.append(seq.token_ids[p])
-            positions.append(p)
-            slots.append(seq.block_table[p // bs] * bs + p % bs)
-        decode_meta = self._decode_metadata([batch.seqs[i] for i in decodes], positions)
-        slot_arrays = [np.asarray(slots, dtype=np.int64)]
-        position_arrays = [np.asarray(positions, dtype=np.int64)]
-        chunks = []
-        for i in prefills:
-            seq, n = batch.seqs[i], batch.num_scheduled_tokens[i]
-            chunk, chunk_slots, chunk_positions = self._prefill_chunk(seq, n, len(input_ids))
-            input_ids.extend(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n])
-            chunks.append(chunk)
-            slot_arrays.append(chunk_slots)
-            position_arrays.append(chunk_positions)
-        slot_mapping = np.concatenate(slot_arrays)
-        meta = AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping),
-            slot_blocks=self._to_device(slot_mapping // bs),
-            slot_offsets=self._to_device(slot_mapping % bs),
-            num_decode_tokens=len(decodes),
-            prefills=tuple(chunks),
-            block_size=bs,
-            **decode_meta,
-        )
-        rows, batch_indices, sampling_rows = self._sampling_rows(batch, decodes, chunks, prefills)
+        inputs = self.batch_inputs.build(batch)
+        rows, batch_indices, sampling_rows = self._sampling_rows(batch, inputs)
         return StepInputs(
-            input_ids=self._to_device(np.asarray(input_ids, dtype=np.int64)),
-            positions=self._to_device(np.concatenate(position_arrays)),
-            meta=meta,
-            logit_rows=self._to_device(np.asarray(rows, dtype=np.int64)),
+            input_ids=inputs.input_ids,
+            positions=inputs.positions,
+            meta=inputs.meta,
+            logit_rows=torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self.device, non_blocking=True),
             sampled_batch_indices=tuple(batch_indices),
             sampling_rows=sampling_rows,
         )
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
-
-    def _decode_metadata(self, seqs: list[Sequence], positions: list[int]) -> dict:
-        meta = dict(
-            decode_block_tables=None, decode_context_lens=None, decode_max_context_len=0, decode_slots=None,
-            decode_mask=None, decode_window_mask=None,
-        )
-        if not seqs:
-            return meta
-        bs = self.block_size
-        context_lens = np.asarray(positions, dtype=np.int32) + 1
-        max_len = int(context_lens.max())
-        max_blocks = -(-max_len // bs)
-        tables = np.empty((len(seqs), max_blocks), dtype=np.int32)
-        for row, seq in zip(tables, seqs):
-            table = _live_table(seq)[:max_blocks]
-            row[: len(table)] = table
-            row[len(table) :] = table[0]  # padding points at written slots: finite, masked out
-        meta["decode_max_context_len"] = max_len
-        if self.use_kernel:
-            meta.update(
-                decode_block_tables=torch.from_numpy(tables), decode_context_lens=torch.from_numpy(context_lens),
-                decode_kernel=self.cpu.paged_decode_attention,
-            )
-        else:
-            meta["decode_block_tables"] = self._to_device(tables)
-        if self.gather_decode:
-            slot_grid = (tables[:, :, None] * bs + np.arange(bs, dtype=np.int32)).reshape(len(seqs), -1)[:, :max_len]
-            index = np.arange(max_len)[None, :]
-            # Released positions (outside every window, masked) read the first live slot: written, finite.
-            first_live = np.asarray([seq.num_released_blocks * bs for seq in seqs])[:, None]
-            slot_grid = np.where(index < first_live, tables[:, :1] * bs, slot_grid)
-            valid = index < context_lens[:, None]
-            meta["decode_slots"] = self._to_device(np.where(valid, slot_grid, slot_grid[:, :1]).astype(np.int64))
-            meta["decode_mask"] = self._to_device(valid[:, None, None, :])
-            if self.sliding_window is not None:  # positions p - window + 1 .. p
-                in_window = valid & (index > context_lens[:, None] - 1 - self.sliding_window)
-                meta["decode_window_mask"] = self._to_device(in_window[:, None, None, :])
-        return meta
-
-    def _prefill_chunk(self, seq: Sequence, num_tokens: int, row_start: int) -> tuple[PrefillChunk, np.ndarray, np.ndarray]:
-        bs = self.block_size
-        start = seq.num_computed_tokens
-        table = np.asarray(_live_table(seq), dtype=np.int64)
-        context = np.arange(start + num_tokens, dtype=np.int64)
-        context_slots = table[context // bs] * bs + context % bs
-        released = seq.num_released_blocks * bs  # positions before it: outside every window, masked
-        context_slots[:released] = table[seq.num_released_blocks] * bs
-        chunk_positions = context[start:]
-        end = row_start + num_tokens
-        window_mask = None
-        if self.sliding_window is not None:  # [q_len, context_len]: causal, within the window
-            keys = context[start:] if start == 0 else context
-            causal = keys[None, :] <= chunk_positions[:, None]
-            window_mask = self._to_device(causal & (keys[None, :] > chunk_positions[:, None] - self.sliding_window))
-        if start == 0:  # no cached context: attend within the chunk, plain causal
-            chunk = PrefillChunk(row_start, end, len(context), None, None, None, window_mask)
-        else:
-            mask = context[None, :] <= chunk_positions[:, None]  # [q_len, context_len], bottom-right causal
-            blocks = table[: -(-len(context) // bs)]
-            chunk = PrefillChunk(
-                row_start, end, len(context), self._to_device(blocks), self._to_device(context_slots),
-                self._to_device(mask), window_mask, gather_keys_by_slot=released > 0,
-            )
-        return chunk, context_slots[start:], chunk_positions
-
-    @property
-    def kv_window(self) -> int | None:
-        """The window of a model whose every layer slides: its sequences keep only that much KV."""
-        windows = {layer.sliding_window for layer in self.args.layers}
-        return windows.pop() if len(windows) == 1 else None
-
-    def _sampling_rows(self, batch, decodes, chunks, prefills) -> tuple[list[int], list[int], list[SamplingRow]]:
+    def _sampling_rows(self, batch: ScheduledBatch, inputs: BatchInputs) -> tuple[list[int], list[int], list[SamplingRow]]:
         rows, batch_indices, sampling_rows = [], [], []
-        candidates = [(i, row) for row, i in enumerate(decodes)]
-        candidates += [(i, chunk.end - 1) for i, chunk in zip(prefills, chunks)]
+        candidates = [(i, row) for row, i in enumerate(inputs.decodes)]
+        candidates += [(i, end - 1) for i, end in zip(inputs.prefills, inputs.chunk_ends)]
         for i, row in candidates:
             seq = batch.seqs[i]
             if seq.num_computed_tokens + batch.num_scheduled_tokens[i] < seq.num_tokens:
@@ -296,10 +217,3 @@ class ModelRunner:
             ))
         return rows, batch_indices, sampling_rows
 
-
-def _live_table(seq: Sequence) -> list[int]:
-    """The block table with released entries (stale ids) pointing at the first block still held."""
-    released = seq.num_released_blocks
-    if not released:
-        return seq.block_table
-    return [seq.block_table[released]] * released + seq.block_table[released:]

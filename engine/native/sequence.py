@@ -40,6 +40,30 @@ def root_hash(cache_salt: str | None) -> bytes:
     return hashlib.blake2b(b"salt:" + salt, digest_size=16).digest()
 
 
+class BlockTable:
+    """A sequence's blocks in one KV group (block_manager.py): all layers, or in a model that mixes
+    sliding and global layers, the global layers (group 0) or the sliding ones (group 1)."""
+
+    __slots__ = ("block_ids", "num_hashed", "num_released")
+
+    def __init__(self) -> None:
+        self.block_ids: list[int] = []
+        self.num_hashed = 0  # leading blocks registered in the prefix cache
+        # Sliding groups: leading entries released once every future query's window starts
+        # past them; they are stale ids, no longer this sequence's.
+        self.num_released = 0
+
+    def clear(self) -> None:
+        self.block_ids = []
+        self.num_hashed = self.num_released = 0
+
+    def live_block_ids(self) -> list[int]:
+        """The ids with released entries pointing at the first block still held (written, finite)."""
+        if not self.num_released:
+            return self.block_ids
+        return [self.block_ids[self.num_released]] * self.num_released + self.block_ids[self.num_released :]
+
+
 class Sequence:
     """A request being generated. `seq_id` grows with arrival: larger means newer."""
 
@@ -52,9 +76,7 @@ class Sequence:
         "num_prompt_tokens",
         "num_computed_tokens",
         "num_cached_tokens",
-        "num_hashed_blocks",
-        "block_table",
-        "num_released_blocks",
+        "block_tables",
         "block_hashes",
         "root_hash",
         "status",
@@ -76,11 +98,7 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V are in this sequence's blocks
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
-        self.num_hashed_blocks = 0  # leading blocks of block_table registered in the cache
-        self.block_table: list[int] = []
-        # Sliding-window models: leading entries of block_table released once every future
-        # query's window starts past them; they are stale ids, no longer this sequence's.
-        self.num_released_blocks = 0
+        self.block_tables = (BlockTable(), BlockTable())  # per KV group; group 1 only for mixed models
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks, computed lazily
         self.root_hash = root_hash(request.cache_salt)
         self.status = SequenceStatus.WAITING
@@ -98,6 +116,15 @@ class Sequence:
             f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, blocks={self.block_table})"
         )
+
+    @property
+    def block_table(self) -> list[int]:
+        """Group 0's block ids (every layer's, unless the model mixes sliding and global layers)."""
+        return self.block_tables[0].block_ids
+
+    @property
+    def num_released_blocks(self) -> int:
+        return self.block_tables[0].num_released
 
     @property
     def num_tokens(self) -> int:

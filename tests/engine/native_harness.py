@@ -15,11 +15,18 @@ from engine.native.sequence import Sequence, SequenceStatus
 from engine.types import GenerationRequest, SamplingParams
 
 
-def check_invariants(bm: BlockManager, live: Iterable[Sequence], retired: Iterable[Sequence] = ()) -> None:
-    """free + used = total; ref counts match owners and are >= 0; hash entries match tokens."""
-    live = list(live)
+def check_invariants(bm, live: Iterable[Sequence], retired: Iterable[Sequence] = ()) -> None:
+    """Per KV group: free + used = total; ref counts match owners and are >= 0; hash entries
+    match tokens. `bm` is a BlockManager or a HybridBlockManager (both its groups are checked)."""
+    live, retired = list(live), list(retired)
+    for group in getattr(bm, "groups", (bm,)):
+        _check_group(group, live, retired)
+
+
+def _check_group(bm: BlockManager, live: list[Sequence], retired: list[Sequence]) -> None:
+    g = bm.group
     # Released entries (sliding windows) are stale ids the sequence no longer owns.
-    owners = Counter(block_id for seq in live for block_id in seq.block_table[seq.num_released_blocks :])
+    owners = Counter(b for seq in live for b in seq.block_tables[g].block_ids[seq.block_tables[g].num_released :])
     free_ids = set(bm.free_block_ids)
     assert len(free_ids) == len(bm.free_block_ids), "a block is twice in the free list"
     used_ids = {b.block_id for b in bm.blocks if b.ref_count > 0}
@@ -37,23 +44,27 @@ def check_invariants(bm: BlockManager, live: Iterable[Sequence], retired: Iterab
         if block.hash is not None:
             assert bm.hash_to_block_id.get(block.hash) == block.block_id, f"{block} hashed but not mapped"
     for seq in live:
+        table = seq.block_tables[g]
         assert seq.status is not SequenceStatus.FINISHED
         assert seq.num_computed_tokens <= seq.num_tokens
-        assert len(seq.block_table) >= cdiv(seq.num_computed_tokens, bm.block_size)
+        assert len(table.block_ids) >= cdiv(seq.num_computed_tokens, bm.block_size)
         if seq.status is SequenceStatus.WAITING:
-            assert not seq.block_table and seq.num_computed_tokens == 0
+            assert not table.block_ids and seq.num_computed_tokens == 0
+        if bm.sliding_window is not None:  # nothing the next query's window reaches was released
+            first_needed = max(seq.num_computed_tokens - bm.sliding_window + 1, 0)
+            assert table.num_released <= first_needed // bm.block_size, f"{seq} released a block it needs"
         hashes = seq.full_block_hashes(seq.num_computed_tokens // bm.block_size, bm.block_size)
-        for i, block_id in enumerate(seq.block_table):
-            if i < seq.num_released_blocks:
+        for i, block_id in enumerate(table.block_ids):
+            if i < table.num_released:
                 continue
             block = bm.blocks[block_id]
             if block.ref_count > 1:
                 assert block.hash is not None, f"shared block {block} is not a cached full block"
             if block.hash is not None:
-                assert block.hash == hashes[i], f"{seq} block {i} hash mismatch"
+                assert block.hash == hashes[i], f"{seq} group {g} block {i} hash mismatch"
                 assert block.token_ids == seq.block_token_ids(i, bm.block_size), f"{seq} block {i} tokens"
     for seq in retired:
-        assert seq.status is SequenceStatus.FINISHED and not seq.block_table, f"{seq} still owns blocks"
+        assert seq.status is SequenceStatus.FINISHED and not seq.block_tables[g].block_ids, f"{seq} still owns blocks"
 
 
 def fake_next_token(seq: Sequence) -> int:

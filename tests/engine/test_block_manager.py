@@ -129,3 +129,59 @@ def test_duplicate_content_computed_concurrently_keeps_one_cache_entry():
     bm.free(a)
     bm.free(b)
     check_invariants(bm, [])
+
+
+def hybrid(num_blocks: int, window: int, num_window_blocks: int | None = None):
+    from engine.native.hybrid_blocks import HybridBlockManager
+
+    return HybridBlockManager(
+        BlockManager(num_blocks, BS), BlockManager(num_window_blocks or num_blocks, BS, sliding_window=window, group=1)
+    )
+
+
+def test_a_hybrid_prefix_hit_takes_global_blocks_and_only_the_last_window_of_sliding_ones():
+    bm = hybrid(16, window=6)
+    a = new_seq(0, list(range(1, 22)))  # 5 full blocks + 1 token
+    prefill(bm, a)
+    bm.release_outside_window(a)  # the next query (position 21) sees 16..21: blocks 0-3 go back
+    assert a.block_tables[1].num_released == 4 and bm.window.num_used_blocks == 2
+    b = new_seq(1, list(range(1, 21)) + [99])
+    prefix = bm.find_cached_prefix(b)
+    # 5 blocks hit: global 0-4; the first query after them (position 20) sees 15..20: blocks 3-4.
+    assert [f for f, _ in prefix] == a.block_table[:5]
+    assert [w for _, w in prefix] == [None, None, None] + a.block_tables[1].block_ids[3:5]
+    prefill(bm, b)
+    assert b.block_tables[1].num_released == 3 and b.num_computed_tokens == 21
+    check_invariants(bm, [a, b])
+
+
+def test_a_hybrid_hit_shrinks_to_where_the_sliding_window_is_still_cached():
+    bm = hybrid(16, window=6, num_window_blocks=6)
+    a = new_seq(0, list(range(1, 22)))
+    prefill(bm, a)
+    bm.release_outside_window(a)
+    bm.free(a)
+    filler = new_seq(1, list(range(100, 111)))  # 3 window blocks: evicts a's unhashed tail, then blocks 0 and 1
+    prefill(bm, filler)
+    b = new_seq(2, list(range(1, 21)) + [99])
+    # Window blocks 0 and 1 are gone: hits of 1-2 blocks need block 0 or 1, hits of 3-5 blocks
+    # need blocks 1-4 or 2-4 or 3-4 of the sliding group; the longest possible is 5.
+    assert len(bm.find_cached_prefix(b)) == 5
+    filler2 = new_seq(3, list(range(200, 207)))  # 2 more: evicts window blocks 2 and 3
+    prefill(bm, filler2)
+    assert bm.find_cached_prefix(b) == []  # every length needs an evicted sliding block
+    check_invariants(bm, [filler, filler2])
+
+
+def test_hybrid_scheduling_with_preemption_keeps_both_groups_consistent():
+    from engine.native.scheduler import Scheduler, SchedulerConfig
+    from native_harness import SchedulerDriver
+
+    bm = hybrid(14, window=5, num_window_blocks=8)
+    driver = SchedulerDriver(Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8), bm))
+    system = list(range(1, 14))
+    for i in range(5):
+        driver.add(make_request(f"r{i}", system + [50 + i] * (3 + i), max_tokens=12))
+    driver.run()
+    assert driver.scheduler.num_preemptions > 0 and bm.num_hit_tokens > 0
+    assert bm.full.num_free_blocks == 14 and bm.window.num_free_blocks == 8

@@ -102,3 +102,45 @@ def test_an_all_sliding_model_keeps_only_its_window_of_kv_per_sequence(tiny_mode
     # The window (24) plus a 32-token chunk spans at most 5 blocks of 16; the whole 208 tokens, 13.
     assert peak_blocks <= 5
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("variant", ["gemma3", "gemma2"])
+def test_a_mixed_model_keeps_only_the_window_on_its_sliding_layers(tiny_models, variant):
+    """Sliding layers interleaved with global ones: the sliding group's blocks per sequence stay
+    window-sized while the global group's grow; greedy output still equals transformers' with
+    preemption forced and a prefix hit past the window."""
+    model_dir = tiny_models.path(variant)  # window 24, block size 16
+    engine = engine_for(model_dir, num_blocks=16, max_num_seqs=2)
+    bm = engine.block_manager
+    assert (bm.full.num_blocks, bm.window.num_blocks) == (16, 16)
+    vocab_size = load_model_args(model_dir).vocab_size
+    rng = random.Random(5)
+    shared = [rng.randrange(3, vocab_size) for _ in range(100)]
+    prompts = [shared + [rng.randrange(3, vocab_size) for _ in range(60)] for _ in range(2)]
+    prompts.append([rng.randrange(3, vocab_size) for _ in range(150)])
+    arrivals, expected = [], {}
+    for i, (step, prompt) in enumerate(zip((0, 3, 1), prompts)):  # 208 tokens each: 13 of 16 blocks
+        expected[f"r{i}"] = tiny_models.greedy(variant, prompt, 48, None)
+        sampling = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+        arrivals.append((step, GenerationRequest(f"r{i}", tuple(prompt), sampling)))
+    outputs = {f"r{i}": [] for i in range(3)}
+    peak = {0: 0, 1: 0}
+    step = 0
+    while arrivals or engine.has_unfinished_requests():
+        while arrivals and arrivals[0][0] <= step:
+            engine.add_request(arrivals.pop(0)[1])
+        arrivals.sort(key=lambda a: a[0])
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+        for seq in engine.scheduler.running:
+            for g, table in enumerate(seq.block_tables):
+                peak[g] = max(peak[g], len(table.block_ids) - table.num_released)
+        check_invariants(bm, engine.scheduler.running + engine.scheduler.waiting)
+        step += 1
+    assert outputs == expected
+    # The window (24) plus a 32-token chunk spans at most 5 blocks of 16; the whole 207 tokens, 13.
+    assert peak[1] <= 5 and peak[0] == 13
+    stats = engine.stats()
+    assert stats.num_preemptions > 0, "the KV budget was meant to force preemption"
+    assert stats.prefix_cache_hits > 0, "the shared 100 tokens were meant to hit the cache"
+    assert bm.full.num_free_blocks == 16 and bm.window.num_free_blocks == 16
