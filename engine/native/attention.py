@@ -79,7 +79,8 @@ def allocate_kv_cache(
     sizes = [n * 2 * blocks * block_numel for n, blocks in zip(num_layers, group_num_blocks)]
     # Never read before written (context lengths bound every read), so no zero-fill.
     buffer = torch.empty(sum(sizes), dtype=dtype, device=device)
-    pools = [part.view(n, 2, blocks, block_numel) for part, n, blocks in zip(buffer.split(sizes), num_layers, group_num_blocks)]
+    parts = zip(buffer.split(sizes), num_layers, group_num_blocks, strict=True)
+    pools = [part.view(n, 2, blocks, block_numel) for part, n, blocks in parts]
     views, next_index = [], [0] * len(pools)
     for g in layer_groups:
         layer, num_blocks = pools[g][next_index[g]], group_num_blocks[g]

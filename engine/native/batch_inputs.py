@@ -73,7 +73,9 @@ class BatchInputBuilder:
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.layout.device, non_blocking=True)
 
-    def _group_metadata(self, group: int, decode_seqs: list[Sequence], positions: list[int], chunks) -> AttentionMetadata:
+    def _group_metadata(
+        self, group: int, decode_seqs: list[Sequence], positions: list[int], chunks: list[tuple[Sequence, int, int]]
+    ) -> AttentionMetadata:
         bs = self.layout.block_size
         slots = [seq.block_tables[group].block_ids[p // bs] * bs + p % bs for seq, p in zip(decode_seqs, positions)]
         slot_arrays = [np.asarray(slots, dtype=np.int64)]
@@ -133,7 +135,9 @@ class BatchInputBuilder:
                 meta["decode_window_mask"] = self._to_device(in_window[:, None, None, :])
         return meta
 
-    def _prefill_chunk(self, group: int, seq: Sequence, num_tokens: int, row_start: int) -> tuple[PrefillChunk, np.ndarray]:
+    def _prefill_chunk(
+        self, group: int, seq: Sequence, num_tokens: int, row_start: int
+    ) -> tuple[PrefillChunk, np.ndarray]:
         bs, window = self.layout.block_size, self.layout.group_windows[group]
         start = seq.num_computed_tokens
         block_table = seq.block_tables[group]

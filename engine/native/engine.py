@@ -58,7 +58,9 @@ def _prefill_cap(config: EngineConfig, device_type: str) -> int | None:
 def _block_manager(runner: ModelRunner, enable_prefix_caching: bool) -> BlockManager | HybridBlockManager:
     """One manager per KV group of the runner's pools; two are paired (hybrid_blocks.py)."""
     groups = [
-        BlockManager(num_blocks, runner.block_size, enable_prefix_caching=enable_prefix_caching, sliding_window=window, group=g)
+        BlockManager(
+            num_blocks, runner.block_size, enable_prefix_caching=enable_prefix_caching, sliding_window=window, group=g
+        )
         for g, (num_blocks, window) in enumerate(zip(runner.group_num_blocks, runner.group_windows))
     ]
     return groups[0] if len(groups) == 1 else HybridBlockManager(*groups)

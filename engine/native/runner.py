@@ -109,7 +109,7 @@ class ModelRunner:
         # global ones, group 0 for the global layers and group 1 (window-sized) for the sliding.
         windows = {layer.sliding_window for layer in self.args.layers}
         self.is_hybrid = len(windows) == 2
-        self.layer_groups = tuple(int(self.is_hybrid and w is not None) for w in (l.sliding_window for l in self.args.layers))
+        self.layer_groups = tuple(int(self.is_hybrid and layer.sliding_window is not None) for layer in self.args.layers)
         self.group_windows = (None, self.sliding_window) if self.is_hybrid else (self.sliding_window,)
         self.group_num_blocks = self._num_kv_blocks()
         self.num_kv_blocks = self.group_num_blocks[0]

@@ -145,9 +145,8 @@ def test_repetition_penalty_matches_transformers_generate_per_request(tiny_model
         config.max_new_tokens, config.do_sample, config.pad_token_id, config.eos_token_id = 24, False, 0, 10**9
         config.repetition_penalty = penalty
         with torch.inference_mode():
-            out = reference.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), generation_config=config
-            )
+            mask = torch.ones(1, len(prompt), dtype=torch.long)
+            out = reference.generate(torch.tensor([prompt]), attention_mask=mask, generation_config=config)
         expected[f"r{i}"], prompts[f"r{i}"] = out[0, len(prompt) :].tolist(), prompt
         sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=penalty)
         arrivals.append((0, GenerationRequest(f"r{i}", tuple(prompt), sampling)))
