@@ -116,6 +116,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     started = []
     purge_task = None
     try:
+        num_orphaned = await store.fail_unfinished_responses(responses.RESTART_ERROR)
+        if num_orphaned:  # one server per database: nothing else can be running them
+            log.warning("background_responses_failed_at_start", num_responses=num_orphaned)
         for handle in models.values():
             await handle.backend.start()
             started.append(handle)

@@ -5,17 +5,21 @@ context, safety, admission, priority queue, generation, billing); only its rende
 With `store` (the default) it is a turn of a conversation in the caller's organisation (the web
 UI lists it, retention purges it) plus a row with the response object; `previous_response_id`
 continues that conversation, so the prompt's prefix is in the KV cache. Other orgs get 404.
+`background: true` answers `queued` at once and serves the same path in a task that owns the
+admission grant (released there, once); the stored row follows it to completed, failed or cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import time
 from dataclasses import dataclass, replace
 
 import orjson
+import structlog
 from aiohttp import web
 
 from api import attachments, protocol
@@ -23,6 +27,7 @@ from api.answer import Answer
 from api.chat import (
     _STATUS,
     Outlet,
+    _finish_quietly,
     finish_turn,
     generate_unary,
     make_answer,
@@ -31,7 +36,8 @@ from api.chat import (
     serve_turn,
     stream_turn,
 )
-from api.errors import ApiError, bad_request, not_found, overloaded
+from api.errors import ApiError, bad_request, from_gateway, not_found, overloaded
+from api.inflight import INFLIGHT
 from api.responses_wire import (
     ResponsesRequest,
     function_call_item,
@@ -49,10 +55,17 @@ from api.turn import Turn
 from api.waiting import LazyStream, wait_admitted
 from engine.types import FinishReason
 from gateway.admission import Pass
+from gateway.errors import GatewayError
 from store.conversations import title_from
-from store.responses import StoredResponse
-from store.types import RequestStatus
+from store.responses import UNFINISHED, StoredResponse
+from store.types import RequestStatus, StoreUnavailable
 
+log = structlog.get_logger(__name__)
+# The background responses running in this process, by (org id, response id): for cancel.
+BACKGROUND = web.AppKey("background_responses", dict)
+# A background response's final state after a restart, a crash or a failure before its answer.
+RESTART_ERROR = {"code": "server_error", "message": "The server restarted before this background response finished."}
+STOPPED_ERROR = {"code": "server_error", "message": "The server stopped before this background response finished."}
 _INCOMPLETE = {FinishReason.LENGTH: "max_output_tokens", FinishReason.CONTENT_FILTER: "content_filter"}
 
 
@@ -72,7 +85,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     caller = state.caller(request[PRINCIPAL])
     declared = request.content_length
     num_bytes = len(await request.read()) if declared is None else min(declared, state.settings.server.max_body_bytes)
-    with state.admission.check(caller, request[REQUEST_ID], num_bytes) as grant:  # as chat completions
+    with contextlib.ExitStack() as owned:
+        grant = owned.enter_context(state.admission.check(caller, request[REQUEST_ID], num_bytes))  # as chat
         cfg = state.settings.server
         req = parse_responses_request(
             await read_json(request), max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars
@@ -80,6 +94,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         org_id = request[PRINCIPAL].org.id
         req, new_conversation = await _with_history(state, org_id, req)
         ctx = _Context(req, new_id("resp"), protocol.now_s(), new_id("msg"))
+        if req.background:  # the grant goes to the task that serves it
+            return await _start_background(request, state, grant, ctx, (owned.pop_all(), new_conversation))
         outlet = Outlet(serve=functools.partial(_serve, ctx), refuse=functools.partial(_refuse, ctx))
         try:
             return await serve_turn(request, state, grant, req.chat, outlet)
@@ -96,6 +112,9 @@ async def _with_history(state: AppState, org_id: str, req: ResponsesRequest) -> 
         conv = None if prev is None else await state.store.get_conversation(org_id, prev.conversation_id)
         if prev is None or conv is None:
             raise not_found(f"No response found with id '{req.previous_response_id}'.", param="previous_response_id")
+        if prev.status in UNFINISHED:
+            raise bad_request("previous_response_id names a background response that has not finished yet.",
+                              param="previous_response_id")
         if len(conv.messages) != prev.num_messages:
             raise bad_request("previous_response_id must be the latest response of its conversation; branching "
                               "from an earlier one is not supported.", param="previous_response_id")
@@ -139,13 +158,22 @@ async def _finished(ctx: _Context, state: AppState, turn: Turn, answer: Answer, 
         org_id = turn.principal.org.id
         conv = await state.store.get_conversation(org_id, conversation_id)
         num_messages = len(conv.messages) if conv is not None else 0
-        items = [{"id": new_id("msg"), **item} for item in ctx.req.input_items]
-        await state.store.insert_response(org_id, StoredResponse(
-            ctx.response_id, conversation_id, num_messages, orjson.dumps(body).decode(), orjson.dumps(items).decode(),
-            time.time(),
-        ))
-        ctx.stored = True
+        if ctx.stored:  # a background response: its row exists since it was queued
+            await state.store.update_response(org_id, ctx.response_id, status=body["status"], body_json=_dumps(body),
+                                              num_messages=num_messages)
+        else:
+            await _insert(ctx, state, turn, body, num_messages)
     return body
+
+
+async def _insert(ctx: _Context, state: AppState, turn: Turn, body: dict, num_messages: int) -> None:
+    items = [{"id": new_id("msg"), **item} for item in ctx.req.input_items]
+    assert turn.chat.conversation_id is not None
+    await state.store.insert_response(turn.principal.org.id, StoredResponse(
+        ctx.response_id, turn.chat.conversation_id, num_messages, _dumps(body), _dumps(items), time.time(),
+        body["status"],
+    ))
+    ctx.stored = True
 
 
 class _EventStream:
@@ -266,6 +294,129 @@ def replace_usage(turn: Turn) -> Turn:
     return turn
 
 
+# ---- background: true -----------------------------------------------------------------------
+
+
+async def _start_background(
+    request: web.Request, state: AppState, grant: Pass, ctx: _Context, owned: tuple[contextlib.ExitStack, str | None]
+) -> web.Response:
+    """Serve the turn in a task that owns the grant; answer `queued` as soon as the turn is in the
+    queue (its row stored first), or with the error that refused it before (a 4xx, as in the foreground)."""
+    accepted: asyncio.Future[tuple[dict, dict]] = asyncio.get_running_loop().create_future()
+    outlet = Outlet(serve=functools.partial(_serve_background, ctx, accepted),
+                    refuse=functools.partial(_refuse_background, ctx, accepted))
+    task = asyncio.create_task(_run_background(request, state, grant, ctx, outlet, owned),
+                               name=f"background-{ctx.response_id}")
+    running, key = request.app[BACKGROUND], (request[PRINCIPAL].org.id, ctx.response_id)
+    running[key] = task
+    task.add_done_callback(functools.partial(_forget, running, key, accepted))
+    await asyncio.wait((accepted, task), return_when=asyncio.FIRST_COMPLETED)  # the client may leave: it runs on
+    if not accepted.done():
+        task.result()  # the refusal (ApiError, GatewayError) becomes this request's answer
+        raise ApiError(500, "The background response ended before it was queued.", "server_error")
+    body, headers = accepted.result()
+    return web.json_response(body, headers=headers, dumps=_dumps)
+
+
+async def _run_background(request: web.Request, state: AppState, grant: Pass, ctx: _Context, outlet: Outlet,
+                          owned: tuple[contextlib.ExitStack, str | None]) -> None:
+    stack, new_conversation = owned
+    with stack:  # the admission grant: its one release, whatever happens below
+        try:
+            await serve_turn(request, state, grant, ctx.req.chat, outlet)
+        finally:
+            if new_conversation is not None and not ctx.stored:  # refused before it was queued
+                await asyncio.shield(state.store.delete_conversation(request[PRINCIPAL].org.id, new_conversation))
+
+
+def _forget(running: dict, key: tuple[str, str], accepted: asyncio.Future, task: asyncio.Task) -> None:
+    running.pop(key, None)
+    if not task.cancelled() and task.exception() is not None and accepted.done():
+        log.error("background_response_failed", response_id=key[1], error=repr(task.exception()))
+
+
+async def _serve_background(ctx: _Context, accepted: asyncio.Future, request: web.Request, state: AppState,
+                            turn: Turn, grant: Pass) -> web.Response:
+    """Runs inside the in-flight set (shutdown waits for it, then cuts it): queued -> in_progress -> final."""
+    queued = response_object(ctx.response_id, ctx.created, turn.model.name, ctx.req, {"status": "queued"})
+    conv = await state.store.get_conversation(turn.principal.org.id, turn.chat.conversation_id)
+    await _insert(ctx, state, turn, queued, len(conv.messages) if conv is not None else 0)
+    accepted.set_result((queued, state.response_headers(turn)))
+    answer = make_answer(turn)
+    try:
+        await wait_admitted(state, grant, turn, None)
+        await _set_state(ctx, state, turn, {"status": "in_progress"})
+        (finish,) = await generate_unary(request, state, turn, grant, [answer])
+        if finish is FinishReason.ABORT:  # the engine stopped it (shutdown): not an answer
+            await _fail(ctx, state, turn, STOPPED_ERROR)
+        else:
+            await _finished(ctx, state, turn, answer, finish)
+    except asyncio.CancelledError:
+        if request.app[INFLIGHT].was_cut() or state.draining:  # shutdown cut it (or stopped it, below)
+            asyncio.current_task().uncancel()
+            await _fail(ctx, state, turn, STOPPED_ERROR)
+        else:  # POST /v1/responses/{id}/cancel (or its DELETE)
+            asyncio.current_task().uncancel()
+            await _finish_quietly(state, turn, RequestStatus.ABORTED, FinishReason.ABORT)
+            await _set_state(ctx, state, turn, {"status": "cancelled", "usage": _usage(turn)})
+    except (ApiError, GatewayError) as exc:  # engine failure, shutdown, displaced from the queue
+        error = exc if isinstance(exc, ApiError) else from_gateway(exc)
+        await _fail(ctx, state, turn, {"code": error.code or "server_error", "message": error.message})
+    except StoreUnavailable:  # the store logged it; the row is marked failed at the next start
+        log.error("background_response_unsaved", response_id=ctx.response_id)
+    except Exception as exc:  # a bug: the client polling must still see an end
+        log.exception("background_response_error", response_id=ctx.response_id)
+        await _fail(ctx, state, turn, {"code": "server_error", "message": f"{type(exc).__name__}"})
+    return web.Response(status=204)
+
+
+async def _refuse_background(ctx: _Context, accepted: asyncio.Future, request: web.Request, state: AppState,
+                             turn: Turn, verdict) -> web.Response:
+    """A prompt the safety gate blocks: stored as the foreground stores it, then answered (not queued)."""
+    response = await _refuse(ctx, request, state, turn, verdict)  # block_mode "error": a 400, nothing stored
+    accepted.set_result((orjson.loads(response.body), state.response_headers(turn)))
+    return response
+
+
+async def _fail(ctx: _Context, state: AppState, turn: Turn, error: dict) -> None:
+    await _finish_quietly(state, turn, RequestStatus.ERROR, None)
+    await _set_state(ctx, state, turn, {"status": "failed", "error": error, "usage": _usage(turn)})
+
+
+async def _set_state(ctx: _Context, state: AppState, turn: Turn, fields: dict) -> None:
+    """Update the stored row of a running background response (no-op once it is final or deleted)."""
+    body = {**response_object(ctx.response_id, ctx.created, turn.model.name, ctx.req, fields), **fields}
+    try:
+        await asyncio.shield(state.store.update_response(turn.principal.org.id, ctx.response_id,
+                                                         status=body["status"], body_json=_dumps(body)))
+    except StoreUnavailable:  # the store says so in its log; a restart marks it failed
+        log.error("background_response_unsaved", response_id=ctx.response_id, status=body["status"])
+
+
+def _usage(turn: Turn) -> dict:
+    return usage_object(turn.num_prompt_tokens, turn.num_cached_tokens, turn.num_completion_tokens)
+
+
+async def cancel_response(request: web.Request) -> web.Response:
+    """Cancel a background response; one that already finished is returned as it is."""
+    stored = await _stored(request)
+    if not orjson.loads(stored.body_json).get("background"):
+        raise bad_request("Only a response created with background=true can be cancelled.", param="response_id")
+    if await _stop_background(request, stored.id):
+        stored = await _stored(request)
+    return web.json_response(text=stored.body_json)
+
+
+async def _stop_background(request: web.Request, response_id: str) -> bool:
+    """Cancel this org's running background response and wait for its final row; False if none ran."""
+    task = request.app[BACKGROUND].get((request[PRINCIPAL].org.id, response_id))
+    if task is None or task.done():
+        return False
+    task.cancel()
+    await asyncio.wait({task}, timeout=30.0)
+    return True
+
+
 async def get_response(request: web.Request) -> web.Response:
     stored = await _stored(request)
     return web.json_response(text=stored.body_json)
@@ -273,6 +424,7 @@ async def get_response(request: web.Request) -> web.Response:
 
 async def delete_response(request: web.Request) -> web.Response:
     state, response_id = request.app[STATE], request.match_info["response_id"]
+    await _stop_background(request, response_id)  # a deleted response is not served on
     if not await state.store.delete_response(request[PRINCIPAL].org.id, response_id):
         raise _response_not_found(response_id)
     return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
@@ -302,8 +454,21 @@ def _dumps(obj: object) -> str:
     return orjson.dumps(obj).decode()
 
 
+async def _stop_all_background(app: web.Application) -> None:
+    """At shutdown, after the in-flight drain: stop what is left, so each row says `failed`
+    while the store is still open (a crash leaves that to the next start)."""
+    tasks = [t for t in app[BACKGROUND].values() if not t.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=10.0)
+
+
 def add_routes(app: web.Application) -> None:
+    app[BACKGROUND] = {}
+    app.on_shutdown.append(_stop_all_background)  # after app.py's, which sets `draining`
     app.router.add_post("/v1/responses", create_response)
+    app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     app.router.add_get("/v1/responses/{response_id}", get_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
     app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)

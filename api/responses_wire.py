@@ -20,6 +20,7 @@ from api.tools import ToolCall
 _KNOWN = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
     "text", "stream", "store", "previous_response_id", "metadata", "parallel_tool_calls", "user", "seed",
+    "background",
 }
 _ROLES = ("user", "assistant", "system", "developer")
 
@@ -32,6 +33,7 @@ class ResponsesRequest:
     instructions: str | None
     input_items: tuple[dict, ...]  # as /input_items lists them
     echo: dict[str, Any]  # request fields the response object repeats
+    background: bool = False  # answer at once (queued); the result is stored when done
 
 
 def new_id(prefix: str) -> str:
@@ -51,6 +53,7 @@ def parse_responses_request(raw: Any, *, max_messages: int, max_prompt_chars: in
     store = raw.get("store", True)
     if not isinstance(store, bool):
         raise bad_request("'store' must be a boolean.", param="store")
+    background = _background(raw, store)
     previous = raw.get("previous_response_id")
     if previous is not None and (not isinstance(previous, str) or not previous):
         raise bad_request("'previous_response_id' must be a response id.", param="previous_response_id")
@@ -69,7 +72,19 @@ def parse_responses_request(raw: Any, *, max_messages: int, max_prompt_chars: in
     )
     chat = replace(chat, response_format=_text_format(raw.get("text")))
     echo = {k: raw.get(k) for k in ("instructions", "max_output_tokens", "metadata", "tools", "tool_choice", "text")}
-    return ResponsesRequest(chat, store, previous, instructions, items, echo)
+    return ResponsesRequest(chat, store, previous, instructions, items, echo, background)
+
+
+def _background(raw: dict, store: bool) -> bool:
+    background = raw.get("background", False)
+    if not isinstance(background, bool):
+        raise bad_request("'background' must be a boolean.", param="background")
+    if background and not store:  # as OpenAI: the result is only reachable through the store
+        raise bad_request("'background' requires 'store' to be true.", param="background")
+    if background and raw.get("stream"):
+        raise bad_request("'background' with 'stream' is not supported here; poll GET /v1/responses/{id}.",
+                          param="stream", code="unsupported_value")
+    return background
 
 
 def _input_items(value: Any) -> tuple[dict, ...]:
@@ -209,7 +224,7 @@ def response_object(response_id: str, created: int, model: str, req: ResponsesRe
         "incomplete_details": state.get("incomplete_details"),
         "instructions": req.instructions, "max_output_tokens": req.echo["max_output_tokens"],
         "output": state.get("output", []), "parallel_tool_calls": chat.parallel_tool_calls,
-        "previous_response_id": req.previous_response_id, "store": req.store,
+        "previous_response_id": req.previous_response_id, "store": req.store, "background": req.background,
         "temperature": chat.temperature, "top_p": chat.top_p,
         "tool_choice": req.echo["tool_choice"] or ("auto" if chat.tools else "none"),
         "tools": req.echo["tools"] or [], "text": req.echo["text"] or {"format": {"type": "text"}},

@@ -172,9 +172,17 @@ _V6_KEY_EXPIRY = """
 ALTER TABLE api_keys ADD COLUMN expires_at REAL;  -- NULL: never expires
 """
 
+# Background responses (#17): their status lives in the row too, so that a restart can find the
+# ones a previous process left queued or in progress (and mark them failed) without a scan.
+_V7_RESPONSE_STATUS = """
+ALTER TABLE responses ADD COLUMN status TEXT NOT NULL DEFAULT 'completed';
+CREATE INDEX responses_unfinished ON responses(status) WHERE status IN ('queued', 'in_progress');
+"""
+
 # (version, script); version N leaves `PRAGMA user_version = N`.
 MIGRATIONS: tuple[tuple[int, str], ...] = (
     (1, _V1), (2, _V2_FILES), (3, _V3_USAGE_SOURCE), (4, _V4_FEEDBACK), (5, _V5_RESPONSES), (6, _V6_KEY_EXPIRY),
+    (7, _V7_RESPONSE_STATUS),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

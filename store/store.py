@@ -226,6 +226,15 @@ class Store:
     async def insert_response(self, org_id: str, response: responses.StoredResponse) -> None:
         await self._write(functools.partial(responses.insert, org_id=org_id, response=response))
 
+    async def update_response(self, org_id: str, response_id: str, *, status: str, body_json: str,
+                              num_messages: int | None = None) -> bool:
+        return await self._write(functools.partial(
+            responses.update, org_id=org_id, response_id=response_id, status=status, body_json=body_json,
+            num_messages=num_messages))
+
+    async def fail_unfinished_responses(self, error: dict) -> int:
+        return await self._write(functools.partial(responses.fail_unfinished, error=error))
+
     async def get_response(self, org_id: str, response_id: str) -> responses.StoredResponse | None:
         async with self._reader() as conn:
             return await responses.get(conn, org_id, response_id)

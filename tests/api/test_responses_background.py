@@ -1,0 +1,161 @@
+"""Background Responses (`background: true`) through the official `openai` SDK, on the echo backend.
+
+Shows: the POST answers `queued` at once and `retrieve` polls it to the stored result, billed once in
+the same ledger as a foreground response; the work goes on after the client has gone; `cancel` stops
+it (the engine request is aborted, the stream slot freed, the ledger row says aborted); a restart
+marks what a previous process left unfinished `failed`; bad combinations are 400s naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import openai
+import pytest
+
+from store.responses import StoredResponse
+from tests.api.helpers import state_of
+
+TEXT = "the river runs down to the sea and the sea is wide"
+
+
+async def sdk_for(client, org: str = "acme", tier: str = "enterprise") -> openai.AsyncOpenAI:
+    store = state_of(client).store
+    if await store.get_org(org) is None:
+        await store.create_org(org, tier)
+    _, secret = await store.create_key(org)
+    return openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=secret, max_retries=0)
+
+
+def slow_echo(client, delay_s: float) -> object:
+    backend = state_of(client).models["echo"].backend
+    backend.token_delay_s = delay_s
+    return backend
+
+
+async def poll(sdk: openai.AsyncOpenAI, response_id: str, until: tuple[str, ...], timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = await sdk.responses.retrieve(response_id)
+        if response.status in until or time.monotonic() > deadline:
+            return response
+        await asyncio.sleep(0.02)
+
+
+async def test_background_answers_queued_at_once_and_retrieve_polls_to_the_result_billed_once(make_client):
+    client = await make_client()
+    slow_echo(client, 0.02)
+    sdk = await sdk_for(client)
+    created = await sdk.responses.create(model="echo", input=TEXT, background=True)
+    assert created.status in ("queued", "in_progress") and created.background is True and created.output == []
+    done = await poll(sdk, created.id, ("completed", "failed", "cancelled"))
+    assert done.status == "completed" and done.output_text == TEXT and done.background is True
+    org = (await state_of(client).store.get_org("acme")).id
+    (row,) = await state_of(client).store.usage_summary(org, start=0, end=None, group_by="model")
+    assert row["num_requests"] == 1 and row["completion_tokens"] == done.usage.output_tokens > 0
+    follow = await sdk.responses.create(model="echo", input="and then?", previous_response_id=done.id)
+    assert follow.usage.input_tokens > done.usage.input_tokens  # the background turn is in the conversation
+
+
+async def test_the_work_goes_on_after_the_client_that_asked_has_gone(make_client):
+    client = await make_client()
+    slow_echo(client, 0.02)
+    first = await sdk_for(client)
+    created = await first.responses.create(model="echo", input=TEXT, background=True)
+    await first.close()  # its connections are gone; the response is not tied to them
+    later = await sdk_for(client)
+    done = await poll(later, created.id, ("completed", "failed", "cancelled"))
+    assert done.status == "completed" and done.output_text == TEXT
+
+
+async def test_cancel_aborts_the_engine_request_frees_the_stream_slot_and_bills_what_ran(make_client):
+    client = await make_client("tiers.enterprise.max_concurrent_streams=1")
+    backend = slow_echo(client, 0.2)
+    sdk = await sdk_for(client)
+    created = await sdk.responses.create(model="echo", input=TEXT, background=True)
+    running = await poll(sdk, created.id, ("in_progress",))
+    assert running.status == "in_progress"
+    with pytest.raises(openai.RateLimitError):  # it holds the tier's one stream while it runs
+        await sdk.responses.create(model="echo", input="hi", store=False)
+    cancelled = await sdk.responses.cancel(created.id)
+    assert cancelled.status == "cancelled"
+    assert (await sdk.responses.retrieve(created.id)).status == "cancelled"
+    assert backend.aborted_request_ids  # the engine stopped generating
+    after = await sdk.responses.create(model="echo", input="hi", store=False)  # the slot is free again
+    assert after.status == "completed"
+    again = await sdk.responses.cancel(created.id)  # cancelling a finished one changes nothing
+    assert again.status == "cancelled"
+    org = (await state_of(client).store.get_org("acme")).id
+    rows = await state_of(client).store.usage_summary(org, start=0, end=None, group_by="model")
+    assert sum(r["num_requests"] for r in rows) == 2  # the cancelled one is in the ledger once
+
+
+async def test_only_background_responses_can_be_cancelled(make_client):
+    client = await make_client()
+    sdk = await sdk_for(client)
+    done = await sdk.responses.create(model="echo", input="hello")
+    with pytest.raises(openai.BadRequestError) as refused:
+        await sdk.responses.cancel(done.id)
+    assert refused.value.body["param"] == "response_id"
+    with pytest.raises(openai.NotFoundError):
+        await sdk.responses.cancel("resp_nope")
+
+
+async def test_a_refusal_before_the_queue_is_the_posts_own_4xx_and_leaves_nothing(make_client):
+    client = await make_client()
+    sdk = await sdk_for(client)
+    with pytest.raises(openai.BadRequestError) as refused:  # the prompt does not fit the context
+        await sdk.responses.create(model="echo", input="word " * 2000, background=True)
+    assert refused.value.status_code == 400
+    listed = await (await client.get("/v1/conversations", headers={"Authorization": f"Bearer {sdk.api_key}"})).json()
+    assert listed["data"] == []
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"background": "yes"}, "background"),
+    ({"background": True, "store": False}, "background"),
+    ({"background": True, "stream": True}, "stream"),
+])
+async def test_bad_background_combinations_are_400s_naming_the_field(make_client, body, param):
+    client = await make_client()
+    resp = await client.post("/v1/responses", json={"model": "echo", "input": "x", **body})
+    assert resp.status == 400
+    assert (await resp.json())["error"]["param"] == param
+
+
+async def test_a_restart_marks_background_responses_left_unfinished_failed(make_client, tmp_path):
+    client = await make_client()
+    sdk = await sdk_for(client)
+    done = await sdk.responses.create(model="echo", input="hello", background=True)
+    done = await poll(sdk, done.id, ("completed",))
+    org = (await state_of(client).store.get_org("acme")).id
+    body = done.model_dump_json().replace('"completed"', '"in_progress"', 1)
+    stored = await state_of(client).store.get_response(org, done.id)
+    # What a process killed mid-answer leaves behind: a second row still in progress.
+    await state_of(client).store.insert_response(org, StoredResponse(
+        "resp_orphan", stored.conversation_id, stored.num_messages, body.replace(done.id, "resp_orphan"),
+        "[]", time.time(), "in_progress"))
+    await client.server.close()
+    await client.close()
+
+    client = await make_client(f'store.path="{tmp_path / "chat.db"}"')  # the same database, a new process
+    sdk = await sdk_for(client)
+    orphan = await sdk.responses.retrieve("resp_orphan")
+    assert orphan.status == "failed" and orphan.error.code == "server_error"
+    assert (await sdk.responses.retrieve(done.id)).status == "completed"  # finished ones are untouched
+
+
+async def test_a_shutdown_mid_answer_never_leaves_it_in_progress(make_client, tmp_path):
+    client = await make_client()
+    slow_echo(client, 0.2)
+    sdk = await sdk_for(client)
+    created = await sdk.responses.create(model="echo", input=TEXT, background=True)
+    await poll(sdk, created.id, ("in_progress",))
+    await client.server.close()
+    await client.close()
+
+    client = await make_client(f'store.path="{tmp_path / "chat.db"}"')
+    sdk = await sdk_for(client)
+    after = await sdk.responses.retrieve(created.id)
+    assert after.status == "failed" and after.error is not None
