@@ -238,6 +238,12 @@ class StoreConfig:
     last_used_flush_s: float = setting(
         30.0, "How often API keys' last_used_at is written (coalesced, not one write per request)."
     )
+    key_cache_s: float = setting(
+        5.0,
+        "How long an API key's lookup is trusted in memory (re-read in the background every key_cache_s/2, so "
+        "requests read no SQL): a key revoked or an organisation changed by another process (`server.py keys "
+        "revoke`) is refused within this; through this server, at once. 0: read the database on every request.",
+    )
     max_db_bytes: int = setting(
         0, "Largest database file; writes beyond it fail with 503 (visible in /ready). 0: no limit."
     )

@@ -8,7 +8,6 @@ its SHA-256, a display prefix and the last four characters.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import secrets
 import sqlite3
 import time
@@ -17,9 +16,11 @@ from typing import Any
 import aiosqlite
 import orjson
 
+from store.keycache import LiveKey
 from store.types import ApiKey, Conflict, NotFound, Org, Principal
 
 SECRET_PREFIX = "sk-"
+MAX_LOOKUP_HASHES = 500  # per query: SQLite's host-parameter limit is 999 on older builds
 PREFIX_CHARS = 11  # "sk-" plus 8 random characters (48 bits): unique in practice, checked anyway
 MAX_SECRET_CHARS = 256  # longer strings are not ours; refuse before hashing them
 
@@ -33,6 +34,11 @@ def new_secret() -> str:
 
 def hash_secret(secret: str) -> str:
     return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+def is_well_formed(secret: str) -> bool:
+    """Could be one of ours; anything else is refused without hashing or a lookup."""
+    return secret.startswith(SECRET_PREFIX) and len(secret) <= MAX_SECRET_CHARS
 
 
 def org_from_row(row: sqlite3.Row | tuple, offset: int = 0) -> Org:
@@ -71,26 +77,20 @@ async def list_keys(conn: aiosqlite.Connection, org_name: str | None) -> list[Ap
     return [key_from_row(r) for r in rows]
 
 
-async def find_principal(conn: aiosqlite.Connection, secret: str) -> Principal | None:
-    """The live key matching `secret`, with its organisation; None for unknown, revoked or expired."""
-    if not secret.startswith(SECRET_PREFIX) or len(secret) > MAX_SECRET_CHARS:
-        return None
-    presented = hash_secret(secret)
-    rows = await conn.execute_fetchall(
-        f"SELECT k.key_hash, k.id, k.revoked_at, k.expires_at, {_ORG_COLUMNS}"
-        " FROM api_keys k JOIN orgs o ON o.id = k.org_id WHERE k.key_hash = ?",
-        (presented,),
-    )
-    if not rows:
-        return None
-    stored, key_id, revoked_at, expires_at = tuple(rows[0])[:4]
-    # The index lookup already matched; comparing again in constant time keeps the check that
-    # decides access free of early exits, whatever the lookup does.
-    if not hmac.compare_digest(stored.encode(), presented.encode()) or revoked_at is not None:
-        return None
-    if expires_at is not None and expires_at <= time.time():
-        return None
-    return Principal(key_id, org_from_row(rows[0], offset=4))
+async def find_live_keys(conn: aiosqlite.Connection, key_hashes: list[str]) -> dict[str, LiveKey]:
+    """hash -> LiveKey for each hash of a key that is not revoked (expiry is the caller's check)."""
+    found: dict[str, LiveKey] = {}
+    for start in range(0, len(key_hashes), MAX_LOOKUP_HASHES):
+        batch = key_hashes[start : start + MAX_LOOKUP_HASHES]
+        rows = await conn.execute_fetchall(
+            f"SELECT k.key_hash, k.id, k.expires_at, {_ORG_COLUMNS} FROM api_keys k JOIN orgs o ON o.id = k.org_id"
+            f" WHERE k.revoked_at IS NULL AND k.key_hash IN ({', '.join('?' * len(batch))})",
+            batch,
+        )
+        for row in rows:
+            key_hash, key_id, expires_at = tuple(row)[:3]
+            found[key_hash] = LiveKey(Principal(key_id, org_from_row(row, offset=3)), expires_at)
+    return found
 
 
 # --- writes (inside the writer's transaction) -------------------------------------------

@@ -1,8 +1,9 @@
 """`Store`: the one object that owns the database, and the only door to it.
 
 Reads run on a small pool of read-only connections; every write is a job for the single
-`Writer`. Keys' `last_used_at` is coalesced in memory and flushed periodically, so
-authenticating a request is a read, not a write.
+`Writer`. Authenticating a request reads no SQL while its key is in the `KeyCache` (re-read
+in the background every `key_cache_s / 2`, cleared by key and organisation writes made here),
+and keys' `last_used_at` is coalesced in memory and flushed periodically: never a write.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import structlog
 
 from settings import StoreConfig
 from store import conversations, feedback, files, keys, ledger, responses, schema
+from store.keycache import MISS, KeyCache, LiveKey
 from store.types import (
     ApiKey,
     Conversation,
@@ -57,7 +59,9 @@ class Store:
         self._readers: asyncio.Queue[aiosqlite.Connection] = asyncio.Queue()
         self._read_conns: list[aiosqlite.Connection] = []
         self._last_used: dict[str, float] = {}  # key_id -> unix s, not yet written
+        self._keys = KeyCache(config.key_cache_s)
         self._maintenance: asyncio.Task | None = None
+        self._key_refresh: asyncio.Task | None = None
         self._is_closed = False
 
     @classmethod
@@ -86,6 +90,8 @@ class Store:
         store._writer.start()
         await store.probe_writable()  # so that /ready is right before the first real write
         store._maintenance = asyncio.create_task(store._maintain(), name="store-maintenance")
+        if store._keys.is_enabled:
+            store._key_refresh = asyncio.create_task(store._refresh_keys(), name="store-key-refresh")
         log.info(
             "store opened", path=str(path), synchronous=config.synchronous.upper(), schema=schema.SCHEMA_VERSION,
             is_writable=store.is_writable,
@@ -97,11 +103,12 @@ class Store:
         if self._is_closed:
             return
         self._is_closed = True
-        if self._maintenance is not None:
-            self._maintenance.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._maintenance
-            self._maintenance = None
+        for task in (self._maintenance, self._key_refresh):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._maintenance = self._key_refresh = None
         with contextlib.suppress(StoreError):
             await self._flush_last_used()
         await self._writer.close()
@@ -139,14 +146,20 @@ class Store:
             changes["budget_usd"] = budget_usd
         if limits is not UNSET:
             changes["limits"] = dict(limits or {})
-        return await self._write(functools.partial(keys.update_org, name=name, changes=changes))
+        try:
+            return await self._write(functools.partial(keys.update_org, name=name, changes=changes))
+        finally:  # its keys' cached principals carry the old tier and limits
+            self._keys.invalidate()
 
     async def ensure_org(self, name: str, tier: str) -> Org:
         """The organisation `name`, created if missing; its tier is set to `tier`."""
         org = await self.get_org(name)
         if org is not None and org.tier == tier:
             return org
-        return await self._write(functools.partial(keys.ensure_org, name=name, tier=tier))
+        try:
+            return await self._write(functools.partial(keys.ensure_org, name=name, tier=tier))
+        finally:
+            self._keys.invalidate()
 
     async def create_key(
         self, org_name: str, *, name: str | None = None, expires_at: float | None = None
@@ -162,11 +175,23 @@ class Store:
         return [_with_last_used(k, pending.get(k.id)) for k in found]
 
     async def revoke_key(self, prefix: str) -> bool:
-        return await self._write(functools.partial(keys.revoke_key, prefix=prefix, now=time.time()))
+        """Revoke; refused from the next request on (this process) or within key_cache_s (others)."""
+        try:
+            return await self._write(functools.partial(keys.revoke_key, prefix=prefix, now=time.time()))
+        finally:  # after the commit: a lookup that read before it is not stored (KeyCache.generation)
+            self._keys.invalidate()
 
     async def authenticate(self, secret: str) -> Principal | None:
-        async with self._reader() as conn:
-            principal = await keys.find_principal(conn, secret)
+        """The live key's principal; None for unknown, revoked or expired (expiry checked every time).
+
+        Answered from the key cache when it can, so a flood of requests reads no SQL.
+        """
+        if not keys.is_well_formed(secret):
+            return None
+        key_hash = keys.hash_secret(secret)
+        principal = self._keys.get(key_hash)
+        if principal is MISS:
+            principal = await self._look_up_key(key_hash)
         if principal is not None and principal.key_id is not None:
             self._last_used[principal.key_id] = time.time()
         return principal
@@ -359,6 +384,32 @@ class Store:
             raise
         finally:
             self._readers.put_nowait(conn)
+
+    async def _look_up_key(self, key_hash: str) -> Principal | None:
+        generation, checked_s = self._keys.generation, self._keys.now()
+        async with self._reader() as conn:
+            live: LiveKey | None = (await keys.find_live_keys(conn, [key_hash])).get(key_hash)
+        self._keys.put(key_hash, live, generation, checked_s=checked_s)
+        return None if live is None else live.principal_at(time.time())
+
+    async def _refresh_keys(self) -> None:
+        """Re-read the cached keys in use every key_cache_s / 2, so that a key revoked (or an
+        organisation changed) by another process (`server.py keys revoke`) is seen within
+        key_cache_s while requests read no SQL. A failed re-read lets the entries age out."""
+        while True:
+            await asyncio.sleep(self._keys.max_age_s / 2)
+            hashes = self._keys.in_use()
+            if not hashes:
+                continue
+            generation, checked_s = self._keys.generation, self._keys.now()
+            try:
+                async with self._reader() as conn:
+                    found = await keys.find_live_keys(conn, hashes)
+            except (StoreError, sqlite3.Error) as exc:
+                log.warning("key_refresh_failed", error=str(exc))
+                continue
+            for key_hash in hashes:
+                self._keys.put(key_hash, found.get(key_hash), generation, checked_s=checked_s, is_refresh=True)
 
     async def _flush_last_used(self) -> None:
         if not self._last_used:

@@ -178,3 +178,55 @@ async def test_cli_creates_lists_and_revokes_keys(db_path: Path, capsys: pytest.
         assert org is not None and org.budget_usd is None and org.limits == {"max_tokens": 64}
     finally:
         await store.close()
+
+
+async def test_a_cached_key_revoked_or_its_org_changed_through_this_store_is_seen_at_once(
+    db_path: Path,
+) -> None:
+    store = await Store.open(db_path, StoreConfig(key_cache_s=3600.0))
+    try:
+        await store.create_org("acme", "plus")
+        key, secret = await store.create_key("acme")
+        assert (await store.authenticate(secret)).org.tier == "plus"  # now cached
+        await store.update_org("acme", tier="free")
+        assert (await store.authenticate(secret)).org.tier == "free"
+        assert await store.revoke_key(key.prefix)
+        assert await store.authenticate(secret) is None
+    finally:
+        await store.close()
+
+
+async def test_a_cached_key_that_expires_is_refused_without_a_lookup(db_path: Path) -> None:
+    store = await Store.open(db_path, StoreConfig(key_cache_s=3600.0))
+    try:
+        await store.create_org("acme", "plus")
+        _key, secret = await store.create_key("acme", expires_at=time.time() + 0.3)
+        assert await store.authenticate(secret) is not None
+        await asyncio.sleep(0.35)
+        assert await store.authenticate(secret) is None
+    finally:
+        await store.close()
+
+
+async def test_a_key_revoked_by_another_process_is_refused_within_key_cache_s(db_path: Path) -> None:
+    """Another process (the `keys revoke` CLI) writes the file; this store sees it by re-reading
+    the cached keys in the background, not on the request path."""
+    cached = await Store.open(db_path, StoreConfig(key_cache_s=3600.0))
+    fresh = await Store.open(db_path, StoreConfig(key_cache_s=0.2))
+    try:
+        await cached.create_org("acme", "plus")
+        key, secret = await cached.create_key("acme")
+        assert await cached.authenticate(secret) is not None
+        assert await fresh.authenticate(secret) is not None
+        with sqlite3.connect(db_path) as conn:
+            conn.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ?", (time.time(), key.id))
+        assert await cached.authenticate(secret) is not None  # answered from memory: no SQL read
+        for _ in range(100):
+            if await fresh.authenticate(secret) is None:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            pytest.fail("the revocation was never seen")
+    finally:
+        await fresh.close()
+        await cached.close()
