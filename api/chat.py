@@ -21,12 +21,13 @@ from aiohttp import web
 
 from api import attachments, protocol
 from api.answer import Answer
+from api.connections import read_body, reads_body_itself
 from api.errors import ApiError, bad_request, from_gateway, overloaded
 from api.files import BLOBS
 from api.inflight import INFLIGHT
 from api.reasoning import ReasoningSplitter, answer_text
 from api.sse import ClientGone, SSEWriter
-from api.state import PRINCIPAL, REQUEST_ID, STATE, AppState
+from api.state import PRINCIPAL, REQUEST_ID, SETTINGS, STATE, AppState
 from api.toolparse import ToolCallParser
 from api.tools import ChoiceMode, detect_format
 from api.turn import Turn, TurnInputs, conversation_not_found
@@ -60,21 +61,26 @@ _STORED_EMPTY = (RequestStatus.FINISHED, RequestStatus.FILTERED)  # an empty ans
 async def read_json(request: web.Request) -> object:
     if request.content_type not in ("application/json", ""):
         raise bad_request(f"Content-Type must be application/json, got {request.content_type}.", code="invalid_content_type")
-    body = await request.read()  # aiohttp enforces client_max_size (413) here
+    # Under the body deadline; aiohttp enforces client_max_size (413). Read once, then cached.
+    body = await read_body(request, request.app[SETTINGS].server.body_timeout_s)
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
 
 
+@reads_body_itself
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     if state.draining:
         raise overloaded("The server is shutting down.", retry_after_s=5, code="server_shutting_down")
     caller = state.caller(request[PRINCIPAL])
-    declared = request.content_length  # a body larger than max_body_bytes is a 413 later anyway
-    num_bytes = len(await request.read()) if declared is None else min(declared, state.settings.server.max_body_bytes)
-    with state.admission.check(caller, request[REQUEST_ID], num_bytes) as grant:  # cheap refusals first
+    cfg = state.settings.server
+    num_bytes = request.content_length  # above max_body_bytes it was a 413 already
+    if num_bytes is None:  # chunked: no size before reading it
+        num_bytes = len(await read_body(request, cfg.body_timeout_s))
+    # The cheap refusals (buckets, stream cap, load) come before the body is read or parsed.
+    with state.admission.check(caller, request[REQUEST_ID], num_bytes) as grant:
         return await _admit_and_serve(request, state, grant)
 
 

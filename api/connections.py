@@ -4,7 +4,9 @@ aiohttp has no deadline for a request's headers or body and no connection cap, s
 slow clients can hold every slot. `GuardedHandler` (aiohttp's protocol, one per connection)
 closes a connection whose headers do not arrive in time and renders parser errors as OpenAI
 errors; `ConnectionGuard` admits connections under the caps, evicting the oldest idle one first;
-`body_deadline_middleware` reads every body under its deadline before a handler sees it.
+`body_deadline_middleware` reads every body under its deadline before a handler sees it, but for
+handlers marked `reads_body_itself` (chat completions), which refuse cheaply first and then read
+it with `read_body` under the same deadline.
 """
 
 from __future__ import annotations
@@ -203,8 +205,15 @@ def make_protocol_factory(server: web.Server, guard: ConnectionGuard, **kwargs):
     return factory
 
 
+def reads_body_itself(handler):
+    """Mark a handler that may answer before reading its body (a load or rate refusal) and
+    reads it with `read_body`; the middleware then leaves the body to it."""
+    handler.reads_body_itself = True
+    return handler
+
+
 def make_body_deadline_middleware(cfg: ServerConfig):
-    """Read a body whole, under `body_timeout_s`, after auth and before any handler."""
+    """Read a body whole, under `body_timeout_s`, after auth and before any handler (413 first)."""
 
     @web.middleware
     async def body_deadline_middleware(request: web.Request, handler) -> web.StreamResponse:
@@ -215,7 +224,8 @@ def make_body_deadline_middleware(cfg: ServerConfig):
                 request[CLOSE_AFTER] = True
                 raise ApiError(413, f"The request body is too large ({request.content_length} bytes declared; "
                                f"the limit is {cfg.max_body_bytes}).", "invalid_request_error", "request_too_large")
-            await _read_body(request, cfg.body_timeout_s)
+            if not getattr(request.match_info.handler, "reads_body_itself", False):
+                await read_body(request, cfg.body_timeout_s)
         return await handler(request)
 
     return body_deadline_middleware
@@ -234,13 +244,14 @@ async def _streamed_upload(request: web.Request, handler) -> web.StreamResponse:
             protocol.is_reading_body = False
 
 
-async def _read_body(request: web.Request, timeout_s: float) -> None:
+async def read_body(request: web.Request, timeout_s: float) -> bytes:
+    """The whole body, read under `timeout_s` (408 and close past it); cached on the request."""
     protocol = request.protocol
     if isinstance(protocol, GuardedHandler):
         protocol.is_reading_body = True
     try:
         async with asyncio.timeout(timeout_s):
-            await request.read()  # cached on the request: handlers read it again for free
+            return await request.read()  # cached on the request: handlers read it again for free
     except TimeoutError:
         request[CLOSE_AFTER] = True
         log.warning("body_timeout", peer=request.remote, timeout_s=timeout_s)

@@ -11,7 +11,14 @@ from dataclasses import dataclass
 
 import structlog
 
-from gateway.errors import NotEnabled, NotFound, OverQuota, Reason
+from gateway.errors import (
+    GatewayError,
+    NotEnabled,
+    NotFound,
+    Overloaded,
+    OverQuota,
+    Reason,
+)
 from gateway.queue import ModelQueue, refusal
 from gateway.waiting_room import Offer, Outcome
 from settings import ConfigError, ModelConfig, TierConfig
@@ -73,18 +80,42 @@ class TierRouter:
             candidates = [tier.models[-1]]  # the tier's cheapest model
         else:
             candidates = self._candidates(tier, asked)
+        return self._chosen(tier_name, asked, self._first_taker(tier_name, tier, candidates, num_tokens), over_budget)
+
+    def precheck(self, tier_name: str) -> None:
+        """Raises Overloaded when no model the tier may ask for would take a request now, so
+        that a flood is refused before its body is read; `route` then decides for the model asked.
+
+        Any other refusal (tier not enabled, no model loaded) is left to `route`, which reports it
+        with the model asked.
+        """
+        tier = self._tiers.get(tier_name)
+        first: Overloaded | None = None
+        for asked in tier.models if tier is not None else ():
+            try:
+                self._first_taker(tier_name, tier, self._candidates(tier, asked), 0)
+                return
+            except Overloaded as exc:
+                first = first or exc
+            except GatewayError:
+                return
+        if first is not None:
+            raise first
+
+    def _first_taker(self, tier_name: str, tier: TierConfig, candidates: list[str], num_tokens: int) -> str:
+        """The first candidate whose queue takes the request; else the soonest refusal."""
         placements = {}
         for model in candidates:
             offer = Offer("", tier.priority, num_tokens, wait_limit_s=self._target_s(tier_name, tier, model))
             placements[model] = self._queues[model].assess(offer)
             if placements[model].outcome is not Outcome.REFUSED:
-                return self._chosen(tier_name, asked, model, over_budget)
+                return model
         if self._is_top(tier):
             for model in candidates:
                 offer = Offer("", tier.priority, num_tokens, wait_limit_s=self._max_wait_s(model))
                 placements[model] = self._queues[model].assess(offer)  # the refusal to report
                 if placements[model].outcome is not Outcome.REFUSED:
-                    return self._chosen(tier_name, asked, model, over_budget)
+                    return model
         if not placements:
             raise NotEnabled(Reason.TIER_NOT_ENABLED, f"No model of the tier {tier_name!r} is loaded.")
         soonest = min(placements.values(), key=lambda p: p.retry_after_s)

@@ -71,7 +71,7 @@ class KeyCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key_hash: str) -> Principal | None | _Miss:
+    def get(self, key_hash: str) -> Principal | _Miss | None:
         """The principal, None for a key known not to be live (or expired now), or MISS."""
         entry = self._entries.get(key_hash)
         if entry is None or self._clock() - entry.checked_s > self.max_age_s:

@@ -36,6 +36,28 @@ async def test_a_caller_over_its_rate_limit_is_refused_before_its_body_is_parsed
     await assert_error(resp, 429, code="rate_limit_exceeded")  # not 400: nothing was parsed
 
 
+async def test_under_overload_a_refusal_comes_before_the_body_is_parsed(make_client, monkeypatch):
+    monkeypatch.setenv("CHAT_ECHO_TOKEN_DELAY_S", "0.03")
+    monkeypatch.setenv("CHAT_ECHO_MAX_RUNNING", "1")
+    client = await make_client("queue.max_waiting_requests=1", 'tiers.free.models=["echo"]',
+                               'tiers.enterprise.models=["echo"]', "server.heartbeat_s=5")
+    free = await key_for(client, "free")
+    enterprise = await key_for(client, "enterprise")
+    held = [asyncio.create_task(chat(client, {"stream": True, "messages": LONG}, enterprise)) for _ in range(2)]
+    queue = state_of(client).admission.queues["echo"]
+    for _ in range(200):  # one running, one waiting: the queue is full of a higher tier
+        if queue.num_reserved == 1 and queue.num_waiting == 1:
+            break
+        await asyncio.sleep(0.01)
+    resp = await client.post("/v1/chat/completions", data=b"{not json",
+                             headers={**free, "Content-Type": "application/json"})
+    await assert_error(resp, 503, code="queue_full")  # not 400: the body was never read
+    assert int(resp.headers["Retry-After"]) >= 1
+    for task in held:
+        events, _ = await sse_events(await task)
+        assert events[-1] == "[DONE]"
+
+
 async def test_a_keyless_local_burst_over_the_stream_cap_waits_instead_of_429(make_client, monkeypatch):
     monkeypatch.setenv("CHAT_ECHO_TOKEN_DELAY_S", "0.02")
     client = await make_client("tiers.enterprise.max_concurrent_streams=1")

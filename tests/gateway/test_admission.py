@@ -87,6 +87,18 @@ async def test_a_refusal_inside_the_pass_refunds_the_request_too():
     assert views["requests"].remaining == pytest.approx(2)
 
 
+async def test_the_cheap_check_refuses_load_before_routing_and_keeps_nothing():
+    admission, _ = make_admission(capacity=1, max_waiting_requests=1)
+    admit(admission, caller("enterprise", "e1"), "run")
+    admit(admission, caller("enterprise", "e2"), "wait")
+    with pytest.raises(Overloaded) as info:
+        admission.check(caller("free", "f1"), "late", 40)  # no body read, no route, no place
+    assert info.value.reason is Reason.QUEUE_FULL
+    views = {v.unit: v for v in admission.limiter.buckets("f1", "free", TIERS["free"])}
+    assert views["requests"].remaining == pytest.approx(2)
+    assert admission.limiter.num_streams("f1") == 0
+
+
 async def test_a_lower_tier_is_shed_past_its_wait_target_and_the_top_tier_is_queued():
     admission, clock = make_admission(capacity=1, max_waiting_requests=8)
     admit(admission, caller("enterprise", "e0"), "run")

@@ -191,3 +191,16 @@ async def test_retry_after_stays_finite_when_every_wait_estimate_is_unbounded():
         fx.router.route("free", None)
     assert info.value.retry_after_s == 60.0
     await fx.stop()
+
+
+async def test_precheck_refuses_only_when_no_model_the_tier_may_ask_for_takes_a_request():
+    fx = Fixture()
+    fx.saturate("flagship", num_waiting=3, stalled_s=4.0)  # plus would wait about 16 s > 10 s
+    fx.router.precheck("plus")  # mini still takes plus requests, whatever the body asks for
+    fx.saturate("mini", num_waiting=3, stalled_s=20.0)
+    with pytest.raises(Overloaded) as info:
+        fx.router.precheck("plus")
+    assert info.value.reason is Reason.WAIT_TOO_LONG
+    fx.router.precheck("enterprise")  # the top tier still has a place
+    fx.router.precheck("nobody")  # not a load refusal: route reports it with the model asked
+    await fx.stop()
