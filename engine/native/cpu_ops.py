@@ -160,6 +160,7 @@ class DecodeStack:
                 layer.input_norm.data_ptr(), layer.qkv.panels.data_ptr(), bias, layer.o_proj.panels.data_ptr(),
                 layer.post_norm.data_ptr(), layer.gate_up.panels.data_ptr(), layer.down.panels.data_ptr(),
                 k_cache.data_ptr(), v_cache.data_ptr(), *(_scales_ptr(w) for w in linears),
+                *(0 if norm is None else norm.data_ptr() for norm in (layer.q_norm, layer.k_norm)),
             ])
         self._lib = lib
         self._keep = (layers, kv_caches)

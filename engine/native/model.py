@@ -92,10 +92,10 @@ class Model:
         self.weights = weights
         self.cpu = cpu
         self.packed = cpu is not None
-        # Llama-like layers run as one compiled call per operation; a decode-only step of a model
-        # without q/k norms runs in one call (decode_step.c). Other families use the general path.
+        # Llama-like layers (per-head q/k norms included) run as one compiled call per operation,
+        # and a decode-only step in one call (decode_step.c). Other families use the general path.
         self.fused_cpu_ops = self.packed and args.is_llama_like
-        self.uses_decode_stack = self.fused_cpu_ops and args.family.qk_norm is QKNorm.NONE
+        self.uses_decode_stack = self.fused_cpu_ops
         self._stack: DecodeStack | None = None  # built on the first decode-only step
         device, dtype = weights.embed.device, weights.embed.dtype
         self.rope_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -62,6 +62,11 @@ def test_family_matches_transformers_greedy_token_for_token(tiny_models, variant
     assert engine.runner.use_kernel == native_kernels
     arrivals, expected = family_workload(tiny_models, variant, args.vocab_size, 66 if long_context else 0)
     assert run_with_arrivals(engine, arrivals) == expected
+    # Which path ran: with the C kernels, Llama-like families (Qwen3's per-head q/k norms
+    # included) ran their decode-only steps as one C call (decode_step.c); the others did not.
+    one_call = native_kernels and args.is_llama_like
+    assert engine.runner.model.uses_decode_stack == one_call
+    assert (engine.runner.model._stack is not None) == one_call
     stats = engine.stats()
     assert stats.num_preemptions > 0, "the KV budget was meant to force preemption"
     assert stats.prefix_cache_hits > 0, "shared prefixes were meant to hit the cache"

@@ -11,8 +11,9 @@
 
 /* Per layer, the addresses of: input_norm, qkv (packed), qkv_bias (0: none), o_proj (packed),
  * post_norm, gate_up (packed), down (packed), k_cache, v_cache, then the int8 scales of qkv,
- * o_proj, gate_up and down (0: that weight is fp32). */
-#define FIELDS 13
+ * o_proj, gate_up and down (0: that weight is fp32), then q_norm and k_norm (per-head RMSNorm
+ * weights applied before RoPE, as Qwen3 does; 0: none). */
+#define FIELDS 15
 
 /* x [tokens, hidden]: the residual stream, updated in place to the last layer's output.
  * scratch: at least tokens * (3 * hidden + (heads + 2 * kv_heads) * head_dim + 2 * heads * head_dim
@@ -35,9 +36,16 @@ void decode_layers_f32(float *x, const int64_t *positions, const int64_t *slots,
         float *k_cache = (float *)w[7], *v_cache = (float *)w[8];
         const float *qkv_s = (const float *)w[9], *o_s = (const float *)w[10];
         const float *gate_up_s = (const float *)w[11], *down_s = (const float *)w[12];
+        const float *q_norm = (const float *)w[13], *k_norm = (const float *)w[14];
 
         rms_norm_f32(x, l ? delta : 0, input_norm, h, tokens, hidden, eps);
         packed_linear(h, qkv_w, qkv_s, qkv_b, qkv, tokens, qkv_width, hidden);
+        if (q_norm)  /* each head's q and k normalised in place: rows of head_dim */
+            for (int64_t t = 0; t < tokens; t++) {
+                float *row = qkv + t * qkv_width;
+                rms_norm_f32(row, 0, q_norm, row, heads, head_dim, eps);
+                rms_norm_f32(row + q_width, 0, k_norm, row + q_width, kv_heads, head_dim, eps);
+            }
         rope_and_cache_f32(qkv, positions, cos_table, sin_table, k_cache, v_cache, slots, tokens, heads, kv_heads,
                            head_dim, block_size);
         for (int64_t t = 0; t < tokens; t++) memcpy(q + t * q_width, qkv + t * qkv_width, sizeof(float) * q_width);
