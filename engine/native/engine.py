@@ -116,7 +116,7 @@ class LLMEngine:
         total = num_prompt + request.sampling.max_tokens
         # The last sampled token's K/V is never computed, so a sequence holds at most total - 1.
         num_blocks = cdiv(total - 1, self.block_manager.block_size)
-        if num_blocks > self.block_manager.num_blocks or not self._fits_window_group(total - 1):
+        if num_blocks > self.block_manager.num_blocks:
             capacity = self.block_manager.num_blocks * self.block_manager.block_size
             raise RequestRejected(
                 f"the request needs {total} tokens of KV cache ({num_prompt} prompt + "
@@ -124,15 +124,6 @@ class LLMEngine:
                 param="max_tokens",
                 code="kv_cache_too_small",
             )
-
-    def _fits_window_group(self, num_tokens: int) -> bool:
-        """A hybrid model's sliding group holds at once at most the window and one step's tokens."""
-        window = getattr(self.block_manager, "window", None)
-        if window is None:
-            return True
-        bs = window.block_size
-        peak = min(cdiv(num_tokens, bs), cdiv(window.sliding_window - 1 + self.config.max_num_batched_tokens, bs) + 1)
-        return peak <= window.num_blocks
 
     def add_request(self, request: GenerationRequest) -> None:
         self.check_request(request)

@@ -152,7 +152,8 @@ class ModelRunner:
     def _num_kv_blocks(self) -> tuple[int, ...]:
         """Blocks per KV group. A hybrid model's sliding group gets what its running sequences'
         windows can use (twice, the rest as prefix cache), at most as many blocks as a single
-        pool would have; the global group the rest of the budget."""
+        pool would have; the global group the rest of the budget. Either way a sequence the
+        global group can hold fits the sliding one: that is as large, or holds every window."""
         budget = self.config.kv_cache_bytes
         if budget <= 0:
             budget = int(free_memory_bytes(self.device) * self.config.kv_cache_memory_fraction)

@@ -149,3 +149,20 @@ def test_a_mixed_model_keeps_only_the_window_on_its_sliding_layers(tiny_models, 
     assert stats.num_preemptions > 0, "the KV budget was meant to force preemption"
     assert stats.prefix_cache_hits > 0, "the shared 100 tokens were meant to hit the cache"
     assert bm.full.num_free_blocks == 16 and bm.window.num_free_blocks == 16
+
+
+def test_a_mixed_models_sliding_pool_is_window_sized_and_the_global_pool_gets_the_rest(tiny_models):
+    from engine.native.engine import LLMEngine
+    from settings import EngineConfig
+
+    model_dir = tiny_models.path("gemma3")  # layers: sliding, global, sliding; window 24
+    args = load_model_args(model_dir)
+    layer_block_bytes = 2 * 16 * args.num_kv_heads * args.head_dim * 4
+    config = EngineConfig(device="cpu", block_size=16, kv_cache_bytes=100 * 3 * layer_block_bytes,
+                          max_num_seqs=2, max_num_batched_tokens=32)
+    engine = LLMEngine.from_model_dir(model_dir, config, eos_token_ids=(2,), max_model_len=4096)
+    # Per running sequence its window (2 blocks) and the block being written and one more, plus
+    # one step's 32 tokens: 2 * 4 + 2 = 10 blocks, twice over for the prefix cache.
+    assert engine.runner.group_num_blocks == (300 - 2 * 20, 20)
+    assert (engine.block_manager.full.num_blocks, engine.block_manager.window.num_blocks) == (260, 20)
+    assert engine.runner.kv_pool.numel() * 4 == 100 * 3 * layer_block_bytes  # the budget, all of it
