@@ -85,6 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--retry-s", type=float, default=0.25, help="priority: a refused client asks again after this")
     p.add_argument("--patience-s", type=float, default=10.0, help="priority: a client gives up after this")
     p.add_argument("--shares", default="0.2,0.3,0.5", help="priority: enterprise,plus,free shares of arrivals")
+    p.add_argument("--clients", type=int, default=0,
+                   help="priority: this many steady clients (a third per tier, a key each) instead of arrivals")
     p.add_argument("--write-results", action="store_true", help="priority: write the table into bench/RESULTS.md")
     args = p.parse_args(argv)
     args.shares = tuple(float(x) for x in args.shares.split(","))
@@ -366,11 +368,7 @@ def run_priority(args: argparse.Namespace) -> int:
     capacity = run.num_clients.pop("_capacity")
     rows = priority.summarize(run)
     checks = priority.targets(rows, run)
-    header = (f"{time.strftime('%Y-%m-%d')}, {priority.cpu_name()}, CPU fp32, one torch thread. Capacity "
-              f"{capacity:.2f} req/s (closed loop of 6); {args.overload:g}x that in client arrivals for "
-              f"{args.duration_s:g} s, shares enterprise/plus/free {'/'.join(f'{x:g}' for x in args.shares)}; "
-              f"a refused client retries after {args.retry_s:g} s for up to {args.patience_s:g} s; max_tokens "
-              f"{args.max_tokens}. Server: `{' '.join(priority.SERVER_SETTINGS)}`.")
+    header = _priority_header(args, capacity)
     text = priority.markdown(rows, checks, header)
     print(text)
     for row in rows:
@@ -378,6 +376,21 @@ def run_priority(args: argparse.Namespace) -> int:
     if args.write_results:
         priority.write_results(text)
     return 0 if all(ok for *_, ok in checks) else 1
+
+
+def _priority_header(args: argparse.Namespace, capacity: float) -> str:
+    from bench import priority
+
+    if args.clients:
+        load = (f"{args.clients} streaming clients for {args.duration_s:g} s, {args.clients // 3} per tier, each on "
+                f"its own key, asking again at once after an answer and {args.retry_s:g} s after a refusal")
+    else:
+        load = (f"{args.overload:g}x that in client arrivals for {args.duration_s:g} s, shares enterprise/plus/free "
+                f"{'/'.join(f'{x:g}' for x in args.shares)}; a refused client retries after {args.retry_s:g} s for "
+                f"up to {args.patience_s:g} s")
+    return (f"{time.strftime('%Y-%m-%d')}, {priority.cpu_name()}, CPU fp32, one torch thread. Capacity "
+            f"{capacity:.2f} req/s (closed loop of 6); {load}; max_tokens {args.max_tokens}. "
+            f"Server: `{' '.join(priority.SERVER_SETTINGS)}`.")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """The priority scenario of `make load`: one model at three times its capacity, three tiers.
 
 One model with `engine.max_num_seqs=2` and a queue of 4, per-key limits raised so the queue
-decides. Arrivals (Poisson, 3x the capacity a closed loop measured first) are clients of
-one tier, each on its own key; a refused client retries `--retry-s` later until served or
-out of patience. A sampler reads /metrics meanwhile. Prints, and with `--write-results`
-writes to bench/RESULTS.md, per tier: requests, served, refused, TTFT and refusal latency,
-and checks the targets of issue #15.
+decides. Two shapes of load: arrivals (Poisson, 3x the capacity a closed loop measured
+first) of clients of one tier, each on its own key, a refused one retrying `--retry-s` later
+until served or out of patience; or, with `--clients N` (issue #15's retry storm), N clients
+split evenly over the tiers, each on its own key, that ask again as soon as an answer ends
+and `--retry-s` after a refusal, for `--duration-s`. A sampler reads /metrics meanwhile.
+Prints, and with `--write-results` writes to bench/RESULTS.md, per tier: requests, served,
+refused, TTFT and refusal latency, and checks the targets of issue #15.
 """
 
 from __future__ import annotations
@@ -68,6 +70,22 @@ async def client(session: aiohttp.ClientSession, plan: Plan, tier: str, key: str
         await asyncio.sleep(args.retry_s)
 
 
+async def steady_client(session: aiohttp.ClientSession, plan: Plan, tier: str, key: str, rng: random.Random,
+                        args: argparse.Namespace, run: Run, deadline: float) -> None:
+    """One user who keeps asking until `deadline`: at once after an answer, retry_s after a refusal."""
+    run.num_clients[tier] = run.num_clients.get(tier, 0) + 1
+    is_served = False
+    while time.perf_counter() < deadline:
+        result = await one_request(session, plan, tier, key, prompt(rng, plan.prompt_words))
+        run.results.append(result)
+        if result.outcome == "completed":
+            is_served = True
+        else:
+            await asyncio.sleep(args.retry_s)
+    if is_served:
+        run.num_clients_served[tier] = run.num_clients_served.get(tier, 0) + 1
+
+
 async def sample_metrics(session: aiohttp.ClientSession, url: str, run: Run, stop: asyncio.Event) -> None:
     while not stop.is_set():
         try:
@@ -85,32 +103,48 @@ async def sample_metrics(session: aiohttp.ClientSession, url: str, run: Run, sto
 
 
 async def drive(args: argparse.Namespace, url: str, db: Path) -> Run:
-    keys = {tier: [create_key(args, db, f"prio-{tier}-{i}", tier) for i in range(args.keys_per_tier)]
-            for tier in TIERS}
+    per_tier = args.clients // len(TIERS) if args.clients else args.keys_per_tier  # storm: a key per client
+    keys = {tier: [create_key(args, db, f"prio-{tier}-{i}", tier) for i in range(per_tier)] for tier in TIERS}
     keys["calibrate"] = [create_key(args, db, "prio-calibrate", "enterprise")]
     plan = Plan(url, {}, keys, args.max_tokens, args.prompt_words, args.timeout_s)
-    mix = {"enterprise": args.shares[0], "plus": args.shares[1], "free": args.shares[2]}
     run = Run()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         capacity = await calibrate(session, plan, args.calibrate_s, 6)
-        rate = args.overload * capacity
-        print(f"capacity {capacity:.2f} req/s; arrivals {rate:.2f} clients/s", flush=True)
+        print(f"capacity {capacity:.2f} req/s", flush=True)
         await asyncio.sleep(3.0)
         stop = asyncio.Event()
         sampler = asyncio.create_task(sample_metrics(session, url, run, stop))
         rng = random.Random(args.seed)
-        tasks, next_key, start, at_s = [], dict.fromkeys(TIERS, 0), time.perf_counter(), 0.0
-        while (at_s := at_s + rng.expovariate(rate)) < args.duration_s:
-            await asyncio.sleep(max(0.0, start + at_s - time.perf_counter()))
-            tier = rng.choices(list(mix), list(mix.values()))[0]
-            key = keys[tier][next_key[tier] % len(keys[tier])]
-            next_key[tier] += 1
-            tasks.append(asyncio.create_task(client(session, plan, tier, key, random.Random(rng.random()), args, run)))
-        await asyncio.gather(*tasks)
+        if args.clients:
+            await _storm(session, plan, keys, rng, args, run)
+        else:
+            await _arrivals(session, plan, keys, rng, args, run, args.overload * capacity)
         stop.set()
         await sampler
     run.num_clients["_capacity"] = capacity  # type: ignore[assignment]
     return run
+
+
+async def _arrivals(session: aiohttp.ClientSession, plan: Plan, keys: dict[str, list[str]], rng: random.Random,
+                    args: argparse.Namespace, run: Run, rate: float) -> None:
+    """Poisson arrivals of clients at `rate` per second for duration_s, each of one tier."""
+    mix = {"enterprise": args.shares[0], "plus": args.shares[1], "free": args.shares[2]}
+    tasks, next_key, start, at_s = [], dict.fromkeys(TIERS, 0), time.perf_counter(), 0.0
+    while (at_s := at_s + rng.expovariate(rate)) < args.duration_s:
+        await asyncio.sleep(max(0.0, start + at_s - time.perf_counter()))
+        tier = rng.choices(list(mix), list(mix.values()))[0]
+        key = keys[tier][next_key[tier] % len(keys[tier])]
+        next_key[tier] += 1
+        tasks.append(asyncio.create_task(client(session, plan, tier, key, random.Random(rng.random()), args, run)))
+    await asyncio.gather(*tasks)
+
+
+async def _storm(session: aiohttp.ClientSession, plan: Plan, keys: dict[str, list[str]], rng: random.Random,
+                 args: argparse.Namespace, run: Run) -> None:
+    """`--clients` steady clients, a third per tier, each on its own key, for duration_s."""
+    deadline = time.perf_counter() + args.duration_s
+    await asyncio.gather(*(steady_client(session, plan, tier, key, random.Random(rng.random()), args, run, deadline)
+                           for tier in TIERS for key in keys[tier]))
 
 
 def summarize(run: Run) -> list[dict]:
@@ -129,7 +163,8 @@ def summarize(run: Run) -> list[dict]:
             "served_share": round(len(served) / len(mine), 3) if mine else 0.0,
             "ttft_p50_ms": _ms(percentile([r.ttft_s for r in served if r.ttft_s is not None], 0.5)),
             "ttft_p99_ms": _ms(percentile([r.ttft_s for r in served if r.ttft_s is not None], 0.99)),
-            "refusal_p50_ms": _ms(percentile(quick, 0.5)), "refusal_p99_ms": _ms(percentile(quick, 0.99)),
+            "refusal_p50_ms": _ms(percentile(quick, 0.5)), "refusal_p95_ms": _ms(percentile(quick, 0.95)),
+            "refusal_p99_ms": _ms(percentile(quick, 0.99)),
             "refused_over_lower_tier": int(run.over_lower.get(tier, 0)),
             "refusal_codes": _count_codes(refused),
         })
@@ -156,7 +191,7 @@ def targets(rows: list[dict], run: Run) -> list[tuple[str, str, bool]]:
 
 
 COLUMNS = ["tier", "clients", "clients_served", "requests", "served", "refused", "displaced", "served_share",
-           "ttft_p50_ms", "ttft_p99_ms", "refusal_p50_ms", "refusal_p99_ms"]
+           "ttft_p50_ms", "ttft_p99_ms", "refusal_p50_ms", "refusal_p95_ms", "refusal_p99_ms"]
 
 
 def markdown(rows: list[dict], checks: list[tuple[str, str, bool]], header: str) -> str:
