@@ -153,7 +153,10 @@ def summarize(run: Run) -> list[dict]:
         mine = [r for r in run.results if r.tier == tier]
         served = [r for r in mine if r.outcome == "completed"]
         refused = [r for r in mine if is_refusal(r)]
-        quick = [r.latency_s for r in refused if r.status in (429, 503) and r.latency_s is not None]
+        # Refusal latency is the cost of saying no at arrival: a displaced request waited in
+        # the queue first (its 503 comes when a higher tier takes its place), so it is not in it.
+        quick = [r.latency_s for r in refused
+                 if r.status in (429, 503) and r.code != "queue_displaced" and r.latency_s is not None]
         rows.append({
             "tier": tier, "clients": run.num_clients.get(tier, 0),
             "clients_served": run.num_clients_served.get(tier, 0), "requests": len(mine),

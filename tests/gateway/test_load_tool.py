@@ -48,10 +48,12 @@ def test_the_priority_scenario_counts_displacements_as_refusals_and_checks_its_t
         Result("plus", "rejected", 503, latency_s=0.02),
         Result("free", "completed", 200, ttft_s=1.0), Result("free", "error", 200, code="queue_displaced"),
         Result("free", "rejected", 429, latency_s=0.03), Result("free", "rejected", 503, latency_s=0.03),
+        Result("free", "rejected", 503, code="queue_displaced", latency_s=0.9),  # waited, then lost its place
     ], samples=[Sample(2, 0, 2), Sample(1, 1, 2)])
     assert is_refusal(run.results[6])
     rows = summarize(run)
-    assert [(r["served"], r["refused"], r["displaced"]) for r in rows] == [(1, 1, 0), (1, 2, 0), (1, 3, 1)]
+    assert [(r["served"], r["refused"], r["displaced"]) for r in rows] == [(1, 1, 0), (1, 2, 0), (1, 4, 2)]
+    assert rows[2]["refusal_p99_ms"] == 30.0  # the displaced request's wait is not a refusal's latency
     checks = {name: ok for name, _, ok in targets(rows, run)}
     assert checks["served share enterprise > plus > free"] and checks["free still served"]
     assert checks["never more in the engine than its capacity (2)"] and checks["refusals p99 < 50 ms"]
