@@ -14,7 +14,7 @@ from api.reasoning import ReasoningSplitter
 from api.toolparse import Parsed, ToolCallParser
 from api.tools import ToolCall
 from engine.tokenizer import Tokenizer
-from engine.types import FinishReason, TokenLogprob
+from engine.types import FinishReason, TokenLogprob, TokenText
 
 
 class Answer:
@@ -69,20 +69,26 @@ class Answer:
 
     def _render(self) -> dict[str, Any]:
         logprobs, self._pending = self._pending, []
-        entries = [self._entry(lp.token_id, lp.logprob, lp.top_logprobs) for lp in logprobs]
+        entries = [self._entry(lp) for lp in logprobs]
         self.logprobs.extend(entries)
         return {"content": entries, "refusal": None}
 
-    def _entry(self, token_id: int, logprob: float, top: tuple[tuple[int, float], ...]) -> dict[str, Any]:
-        text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+    def _entry(self, lp: TokenLogprob) -> dict[str, Any]:
+        return {
+            **self._named(lp.token_id if lp.text is None else lp.text, lp.logprob),
+            "top_logprobs": [self._named(token, value) for token, value in lp.top_logprobs],
+        }
+
+    def _named(self, token: int | TokenText, logprob: float) -> dict[str, Any]:
+        """OpenAI's `token`, `logprob`, `bytes` for a token id (decoded here) or a text token (as sent)."""
+        if isinstance(token, TokenText):
+            text, utf8 = token.text, token.utf8
+        else:
+            text, utf8 = self._tokenizer.decode([token], skip_special_tokens=False), None
         return {
             "token": text,
             "logprob": max(logprob, -9999.0),  # OpenAI's floor; JSON has no -inf
-            "bytes": list(text.encode("utf-8")),
-            "top_logprobs": [
-                {"token": t, "logprob": max(v, -9999.0), "bytes": list(t.encode("utf-8"))}
-                for t, v in ((self._tokenizer.decode([i], skip_special_tokens=False), v) for i, v in top)
-            ],
+            "bytes": list(text.encode("utf-8") if utf8 is None else utf8),
         }
 
     def message(self) -> dict[str, Any]:

@@ -40,10 +40,12 @@ from api.errors import ApiError, bad_request, from_gateway, not_found, overloade
 from api.inflight import INFLIGHT
 from api.responses_wire import (
     ResponsesRequest,
+    event_logprobs,
     function_call_item,
     message_item,
     new_id,
     output_items,
+    output_text_part,
     parse_responses_request,
     response_object,
     usage_object,
@@ -185,19 +187,28 @@ class _EventStream:
         self._num_items = 0
         self._text_index: int | None = None  # output_index of the message item once opened
         self._text = ""
+        self._logprobs: list[dict] = []  # of the text sent so far (when `include` asked for them)
+        self._pending: list[dict] = []  # logprobs that came with no text (held for the next text delta)
 
     async def event(self, kind: str, **fields) -> None:
         await self._writer.data({"type": kind, "sequence_number": next(self._seq), **fields})
 
     async def delta(self, d: dict) -> None:
         delta = d["delta"]
+        if d.get("logprobs"):
+            self._pending += d["logprobs"]["content"]
         if delta.get("content"):
-            await self._open_text()
-            self._text += delta["content"]
-            await self.event("response.output_text.delta", item_id=self._ctx.message_id, output_index=self._text_index,
-                             content_index=0, delta=delta["content"], logprobs=[])
+            await self._text_delta(delta["content"])
         for call in delta.get("tool_calls", []):
             await self._call(call)
+
+    async def _text_delta(self, text: str) -> None:
+        await self._open_text()
+        self._text += text
+        entries, self._pending = self._pending, []
+        self._logprobs += entries
+        await self.event("response.output_text.delta", item_id=self._ctx.message_id, output_index=self._text_index,
+                         content_index=0, delta=text, logprobs=event_logprobs(entries))
 
     async def _open_text(self) -> None:
         if self._text_index is not None:
@@ -206,7 +217,7 @@ class _EventStream:
         item = message_item(self._ctx.message_id, "", "in_progress")
         await self.event("response.output_item.added", output_index=self._text_index, item=item)
         await self.event("response.content_part.added", item_id=self._ctx.message_id, output_index=self._text_index,
-                         content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                         content_index=0, part=output_text_part(""))
 
     async def _call(self, raw: dict) -> None:
         call = ToolCall(raw["id"], raw["function"]["name"], raw["function"]["arguments"])
@@ -222,12 +233,15 @@ class _EventStream:
         if self._text_index is None and has_calls:
             return
         await self._open_text()
+        if self._pending:  # logprobs of tokens whose text never came (held back, or none)
+            await self._text_delta("")
         mid, index = self._ctx.message_id, self._text_index
-        part = {"type": "output_text", "text": self._text, "annotations": []}
+        part = output_text_part(self._text, self._logprobs)
         await self.event("response.output_text.done", item_id=mid, output_index=index, content_index=0,
-                         text=self._text, logprobs=[])
+                         text=self._text, logprobs=event_logprobs(self._logprobs))
         await self.event("response.content_part.done", item_id=mid, output_index=index, content_index=0, part=part)
-        await self.event("response.output_item.done", output_index=index, item=message_item(mid, self._text, "completed"))
+        await self.event("response.output_item.done", output_index=index,
+                         item=message_item(mid, self._text, "completed", self._logprobs))
 
     def _next_index(self) -> int:
         self._num_items += 1

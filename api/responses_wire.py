@@ -21,7 +21,10 @@ _KNOWN = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
     "text", "stream", "store", "previous_response_id", "metadata", "parallel_tool_calls", "user", "seed",
     "background",
+    "include", "top_logprobs",
 }
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
+_INCLUDABLE = (INCLUDE_LOGPROBS,)  # what `include` may ask for here; anything else is a 400 naming it
 _ROLES = ("user", "assistant", "system", "developer")
 
 
@@ -66,12 +69,14 @@ def parse_responses_request(raw: Any, *, max_messages: int, max_prompt_chars: in
         "temperature": raw.get("temperature"), "top_p": raw.get("top_p"), "user": raw.get("user"),
         "seed": raw.get("seed"), "parallel_tool_calls": raw.get("parallel_tool_calls"),
         "tools": _chat_tools(raw.get("tools")), "tool_choice": _chat_tool_choice(raw.get("tool_choice")),
+        **_logprobs(raw),
     }
     chat = protocol.parse_chat_request(
         {k: v for k, v in chat_body.items() if v is not None}, max_messages=max_messages, max_prompt_chars=max_prompt_chars
     )
     chat = replace(chat, response_format=_text_format(raw.get("text")))
-    echo = {k: raw.get(k) for k in ("instructions", "max_output_tokens", "metadata", "tools", "tool_choice", "text")}
+    echo = {k: raw.get(k) for k in ("instructions", "max_output_tokens", "metadata", "tools", "tool_choice", "text",
+                                    "top_logprobs")}
     return ResponsesRequest(chat, store, previous, instructions, items, echo, background)
 
 
@@ -85,6 +90,28 @@ def _background(raw: dict, store: bool) -> bool:
         raise bad_request("'background' with 'stream' is not supported here; poll GET /v1/responses/{id}.",
                           param="stream", code="unsupported_value")
     return background
+
+
+def _logprobs(raw: dict) -> dict:
+    """`include: ["message.output_text.logprobs"]` and `top_logprobs` as chat completions' fields."""
+    include = raw.get("include")
+    if include is None:
+        include = []
+    if not isinstance(include, list) or not all(isinstance(v, str) for v in include):
+        raise bad_request("'include' must be an array of strings.", param="include")
+    for value in include:
+        if value not in _INCLUDABLE:
+            raise bad_request(f"'include' value {value!r} is not supported here; supported: {', '.join(_INCLUDABLE)}.",
+                              param="include", code="unsupported_value")
+    top = raw.get("top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= protocol.MAX_TOP_LOGPROBS):
+        raise bad_request(f"'top_logprobs' must be an integer between 0 and {protocol.MAX_TOP_LOGPROBS}, got {top!r}.",
+                          param="top_logprobs")
+    if INCLUDE_LOGPROBS not in include:
+        if top:
+            raise bad_request(f"'top_logprobs' needs 'include' to contain {INCLUDE_LOGPROBS!r}.", param="top_logprobs")
+        return {}
+    return {"logprobs": True, "top_logprobs": top or 0}
 
 
 def _input_items(value: Any) -> tuple[dict, ...]:
@@ -200,14 +227,26 @@ def output_items(answer: Answer, message_id: str) -> list[dict]:
     items: list[dict] = []
     text = "".join(answer.content_parts)
     if text or not answer.tool_calls:
-        items.append(message_item(message_id, text, "completed"))
+        items.append(message_item(message_id, text, "completed", answer.logprobs))
     items += [function_call_item(c, "completed") for c in answer.tool_calls]
     return items
 
 
-def message_item(message_id: str, text: str, status: str) -> dict:
-    content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+def message_item(message_id: str, text: str, status: str, logprobs: list[dict] | None = None) -> dict:
+    """`logprobs`: the text's tokens in chat completions' shape (`include` asked for them), else none."""
+    content = [output_text_part(text, logprobs)] if status == "completed" else []
     return {"type": "message", "id": message_id, "status": status, "role": "assistant", "content": content}
+
+
+def output_text_part(text: str, logprobs: list[dict] | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def event_logprobs(entries: list[dict]) -> list[dict]:
+    """Logprobs as stream events carry them: token and logprob, alternatives likewise (no bytes)."""
+    return [{"token": e["token"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]}
+            for e in entries]
 
 
 def function_call_item(call: ToolCall, status: str) -> dict:
@@ -225,7 +264,7 @@ def response_object(response_id: str, created: int, model: str, req: ResponsesRe
         "instructions": req.instructions, "max_output_tokens": req.echo["max_output_tokens"],
         "output": state.get("output", []), "parallel_tool_calls": chat.parallel_tool_calls,
         "previous_response_id": req.previous_response_id, "store": req.store, "background": req.background,
-        "temperature": chat.temperature, "top_p": chat.top_p,
+        "temperature": chat.temperature, "top_p": chat.top_p, "top_logprobs": req.echo["top_logprobs"],
         "tool_choice": req.echo["tool_choice"] or ("auto" if chat.tools else "none"),
         "tools": req.echo["tools"] or [], "text": req.echo["text"] or {"format": {"type": "text"}},
         "metadata": req.echo["metadata"] or {}, "usage": state.get("usage"),

@@ -35,12 +35,25 @@ class StructuredOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """One generated token's log-probability and its most likely alternatives (ids, best first)."""
+class TokenText:
+    """A token named by its text, as an upstream server sends it (it has no ids to give)."""
 
-    token_id: int
+    text: str
+    utf8: tuple[int, ...] | None = None  # its bytes when the text alone cannot say (part of a character)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log-probability and its most likely alternatives (best first).
+
+    A token is an id (the native engine: the API decodes it with the model's tokenizer) or a
+    TokenText (an upstream server's text tokens); `token_id` is None exactly when `text` is set.
+    """
+
+    token_id: int | None
     logprob: float
-    top_logprobs: tuple[tuple[int, float], ...] = ()
+    top_logprobs: tuple[tuple[int | TokenText, float], ...] = ()
+    text: TokenText | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +148,7 @@ class TokenEvent:
     num_completion_tokens: int
     finish_reason: FinishReason | None = None
     usage_source: UsageSource = UsageSource.ENGINE
-    logprobs: tuple[TokenLogprob, ...] = ()  # one per token in token_ids, when asked for
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per generated token (of token_ids, where ids exist), when asked
 
 
 @dataclass(frozen=True, slots=True)

@@ -329,13 +329,13 @@ class UpstreamBackend:
             if progress.tool_calls:  # complete now: relayed as the text our tool-call parser reads
                 text += tool_calls_text(progress.tool_calls)
                 progress.tool_calls = {}
-        if not text:
+        if not text and not chunk.logprobs:
             return None
         progress.text_parts.append(text)
-        progress.num_completion_tokens += 1
-        # Counts so far are ours (one token per chunk): what a request cut short is billed on.
+        progress.num_completion_tokens += len(chunk.logprobs) or 1
+        # Counts so far are ours (one token per chunk, or per logprob): what a request cut short is billed on.
         return TokenEvent(text, (), progress.num_prompt_tokens, 0, progress.num_completion_tokens,
-                          usage_source=UsageSource.ESTIMATE)
+                          usage_source=UsageSource.ESTIMATE, logprobs=chunk.logprobs)
 
     def _final(self, progress: _Progress, finish: FinishReason) -> TokenEvent:
         """The last event, with the upstream's usage or our own count (and which it is)."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from engine.types import FinishReason, GenerationRequest, RequestRejected
+from engine.types import FinishReason, GenerationRequest, RequestRejected, TokenLogprob, TokenText
 
 # Upstream finish reasons we relay; tool calls end a turn like a stop (tool-call deltas are
 # relayed once the seam carries them).
@@ -53,6 +53,7 @@ class Chunk:
     usage: Usage | None = None
     tool_calls: tuple[ToolCallDelta, ...] = ()
     reasoning: str = ""  # a reasoning parser's `reasoning_content` (vLLM, SGLang, llama.cpp)
+    logprobs: tuple[TokenLogprob, ...] = ()  # choice 0's `logprobs.content`, text tokens as sent
 
 
 class ErrorKind(enum.Enum):
@@ -100,6 +101,8 @@ def request_body(request: GenerationRequest, upstream_model: str) -> dict[str, A
         "min_tokens": s.min_tokens or None,
         "ignore_eos": s.ignore_eos or None,
         "stop_token_ids": list(s.stop_token_ids) or None,
+        "logprobs": True if s.logprobs is not None else None,
+        "top_logprobs": s.logprobs,
     }
     body.update({k: v for k, v in optional.items() if v is not None})
     return body
@@ -108,12 +111,10 @@ def request_body(request: GenerationRequest, upstream_model: str) -> dict[str, A
 def unsupported_reason(request: GenerationRequest) -> tuple[str, str] | None:
     """(message, param) when the request asks for what this backend cannot relay yet.
 
-    response_format, tools and tool_choice arrive in `chat.options` in wire form and are
-    answered upstream; the grammar the front built for them (`sampling.structured`) is not sent.
+    response_format, tools, tool_choice and logprobs arrive in `chat.options` in wire form and
+    are answered upstream; the grammar the front built for them (`sampling.structured`) is not sent.
     """
     options = request.chat.options if request.chat is not None else {}
-    if options.get("logprobs") or getattr(request.sampling, "logprobs", None) is not None:
-        return "logprobs are not relayed from upstream servers yet.", "logprobs"
     structured = getattr(request.sampling, "structured", None)
     if structured is not None and "response_format" not in options and "tool_choice" not in options:
         return "This kind of constrained output is not relayed to upstream servers.", "response_format"
@@ -121,10 +122,10 @@ def unsupported_reason(request: GenerationRequest) -> tuple[str, str] | None:
 
 
 def parse_chunk(payload: dict[str, Any]) -> Chunk | UpstreamError:
-    """A decoded `data:` payload: text and finish of choice 0, usage, or an error event."""
+    """A decoded `data:` payload: text, logprobs and finish of choice 0, usage, or an error event."""
     if "error" in payload or payload.get("object") == "error":
         return _error_from(500, payload, None)
-    text, finish, calls, reasoning = "", None, (), ""
+    text, finish, calls, reasoning, logprobs = "", None, (), "", ()
     choices = payload.get("choices") or []
     for choice in choices:
         if not isinstance(choice, dict) or choice.get("index", 0) != 0:
@@ -136,9 +137,37 @@ def parse_chunk(payload: dict[str, Any]) -> Chunk | UpstreamError:
             calls = _tool_call_deltas(delta.get("tool_calls"))
             thought = delta.get("reasoning_content") or delta.get("reasoning")
             reasoning = thought if isinstance(thought, str) else ""
+        logprobs = parse_logprobs(choice.get("logprobs"))
         reason = choice.get("finish_reason")
         finish = _FINISH.get(reason, FinishReason.STOP) if reason else None
-    return Chunk(text, finish, parse_usage(payload.get("usage")), calls, reasoning)
+    return Chunk(text, finish, parse_usage(payload.get("usage")), calls, reasoning, logprobs)
+
+
+def parse_logprobs(raw: Any) -> tuple[TokenLogprob, ...]:
+    """A choice's `{"content": [{token, logprob, bytes, top_logprobs}, ...]}`; malformed entries are skipped."""
+    content = raw.get("content") if isinstance(raw, dict) else None
+    if not isinstance(content, list):
+        return ()
+    out = []
+    for entry in content:
+        chosen = _text_token(entry)
+        if chosen is None:
+            continue
+        top = entry.get("top_logprobs")
+        alternatives = (_text_token(t) for t in (top if isinstance(top, list) else ()))
+        out.append(TokenLogprob(None, chosen[1], tuple(a for a in alternatives if a is not None), chosen[0]))
+    return tuple(out)
+
+
+def _text_token(entry: Any) -> tuple[TokenText, float] | None:
+    if not isinstance(entry, dict) or not isinstance(entry.get("token"), str):
+        return None
+    logprob = entry.get("logprob")
+    if isinstance(logprob, bool) or not isinstance(logprob, (int, float)):
+        return None
+    utf8 = entry.get("bytes")
+    is_bytes = isinstance(utf8, list) and all(isinstance(b, int) and 0 <= b < 256 for b in utf8)
+    return TokenText(entry["token"], tuple(utf8) if is_bytes else None), float(logprob)
 
 
 def _tool_call_deltas(raw: Any) -> tuple[ToolCallDelta, ...]:

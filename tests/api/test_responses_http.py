@@ -23,6 +23,7 @@ SCHEMA = {
     "required": ["city", "sunny"],
     "additionalProperties": False,
 }
+LOGPROBS = "message.output_text.logprobs"
 LONG = "You are a helpful assistant who answers about rivers and the sea. " * 3
 
 
@@ -135,9 +136,56 @@ async def test_a_forced_function_call_is_a_function_call_item(make_sdk):
     ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
     ({"input": "x", "temperature": 9}, "temperature"),
     ({"input": "x", "reasoning_depth": 1}, "reasoning_depth"),
+    ({"input": "x", "include": "message.output_text.logprobs"}, "include"),
+    ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
+    ({"input": "x", "include": [LOGPROBS], "top_logprobs": 21}, "top_logprobs"),
+    ({"input": "x", "include": [LOGPROBS], "top_logprobs": -1}, "top_logprobs"),
+    ({"input": "x", "top_logprobs": 2}, "top_logprobs"),
 ])
 async def test_bad_values_are_4xx_naming_the_parameter(make_sdk, body, param):
     _, sdk = await make_sdk()
     with pytest.raises(openai.APIStatusError) as exc:
         await sdk["acme"].responses.create(model="tiny", extra_body=body)
     assert exc.value.status_code in (400, 404) and exc.value.body["param"] == param, exc.value.body
+
+
+async def test_included_logprobs_are_on_the_output_text_and_its_stream_deltas(make_sdk):
+    _, sdk = await make_sdk()
+    ask = dict(model="tiny", input="Tell me about the sea.", max_output_tokens=6, temperature=0, store=False)
+    chat = await sdk["acme"].chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": ask["input"]}], max_tokens=6, temperature=0,
+        logprobs=True, top_logprobs=3)
+    out = await sdk["acme"].responses.create(**ask, include=[LOGPROBS], top_logprobs=3)
+    part = out.output[0].content[0]
+    assert part.text == chat.choices[0].message.content and out.top_logprobs == 3
+    assert_same_logprobs(part.logprobs, chat.choices[0].logprobs.content)
+    for e in part.logprobs:  # greedy: the chosen token is the most likely of its three alternatives
+        assert len(e.top_logprobs) == 3 and e.logprob == pytest.approx(max(t.logprob for t in e.top_logprobs))
+    stream = await sdk["acme"].responses.create(**ask, include=[LOGPROBS], top_logprobs=3, stream=True)
+    events = [e async for e in stream]
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [e.token for e in part.logprobs]
+    assert [lp.logprob for lp in streamed] == pytest.approx([e.logprob for e in part.logprobs], abs=1e-4)
+    assert [len(lp.top_logprobs) for lp in streamed] == [3] * len(part.logprobs)
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [lp.token for lp in done.logprobs] == [e.token for e in part.logprobs]
+    assert_same_logprobs(events[-1].response.output[0].content[0].logprobs, part.logprobs)
+    plain = await sdk["acme"].responses.create(**ask)
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == part.text
+
+
+def assert_same_logprobs(got, expected) -> None:
+    """Same tokens, bytes and alternatives; logprobs up to float noise (a prefix-cache hit computes
+    the prompt in other chunks)."""
+    assert [(e.token, e.bytes) for e in got] == [(e.token, e.bytes) for e in expected] and expected
+    for g, e in zip(got, expected):
+        assert g.logprob == pytest.approx(e.logprob, abs=1e-4)
+        assert [t.token for t in g.top_logprobs] == [t.token for t in e.top_logprobs]
+
+
+async def test_an_include_value_not_served_here_is_a_400_naming_it(make_sdk):
+    _, sdk = await make_sdk()
+    with pytest.raises(openai.BadRequestError) as exc:
+        await sdk["acme"].responses.create(model="tiny", input="x", stream=True,
+                                           include=[LOGPROBS, "file_search_call.results"])
+    assert exc.value.param == "include" and "'file_search_call.results'" in exc.value.message

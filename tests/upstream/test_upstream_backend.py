@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import replace
 
 import orjson
 import pytest
@@ -18,6 +19,7 @@ from engine.types import (
     GenerationRequest,
     RequestRejected,
     SamplingParams,
+    TokenText,
     UsageSource,
 )
 from engine.upstream.backend import UpstreamBackend
@@ -76,7 +78,13 @@ class Script:
             return
         for i in range(self.words):
             await asyncio.sleep(self.delay_s)
-            await send({"choices": [{"index": 0, "delta": {"content": f"w{i} "}, "finish_reason": None}]})
+            choice = {"index": 0, "delta": {"content": f"w{i} "}, "finish_reason": None}
+            if self.mode == "logprobs":  # two tokens a chunk, each with one alternative
+                choice["logprobs"] = {"content": [
+                    {"token": t, "logprob": -0.5, "bytes": list(t.encode()), "top_logprobs": [
+                        {"token": t, "logprob": -0.5, "bytes": list(t.encode())}, {"token": "x", "logprob": -2.0}]}
+                    for t in (f"w{i}", " ")]}
+            await send({"choices": [choice]})
             if self.mode == "die_after_first" and i == 0:
                 await send({"error": {"message": "worker crashed"}})
                 return
@@ -128,6 +136,19 @@ async def test_a_stream_is_relayed_chunk_by_chunk_and_billed_with_the_upstreams_
     assert (last.num_prompt_tokens, last.num_cached_tokens, last.num_completion_tokens) == (11, 4, 3)
     assert script.bodies[0]["stream_options"] == {"include_usage": True}
     assert script.headers[0]["x-request-id"] == "req_1" and "authorization" not in script.headers[0]
+
+
+async def test_logprobs_are_asked_for_and_relayed_as_text_tokens_with_their_chunk(aiohttp_server):
+    script = Script("logprobs", words=2, usage=False)
+    req = replace(request(), sampling=SamplingParams(max_tokens=16, temperature=0.0, logprobs=1))
+    async with backend_for([await serve(aiohttp_server, script)]) as backend:
+        events = await collect(backend, req)
+    assert script.bodies[0]["logprobs"] is True and script.bodies[0]["top_logprobs"] == 1
+    assert [[lp.text.text for lp in e.logprobs] for e in events] == [["w0", " "], ["w1", " "], []]
+    first = events[0].logprobs[0]
+    assert first.token_id is None and first.logprob == -0.5 and first.text.utf8 == tuple(b"w0")
+    assert first.top_logprobs == ((TokenText("w0", tuple(b"w0")), -0.5), (TokenText("x", None), -2.0))
+    assert events[1].num_completion_tokens == 4  # counted by logprob entries until the upstream reports usage
 
 
 async def test_without_reported_usage_the_completion_is_estimated_and_says_so(aiohttp_server):

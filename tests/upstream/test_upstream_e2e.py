@@ -19,6 +19,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import openai
 import pytest
 
 from testing.server_proc import ROOT, ServerProcess
@@ -118,13 +119,15 @@ def cluster(tiny_model_dir, tmp_path_factory):
                          env=env, log_path=tmp / f"up{i}.log") for i in range(2)]
     dead_port = ServerProcess([]).port  # a free port nobody listens on
     urls = [u.base_url + "/v1" for u in ups]
-    front = ServerProcess(["--config", front_config(tmp, tiny_model_dir, urls, dead_port), "--db", str(tmp / "front.db")],
+    front_toml = front_config(tmp, tiny_model_dir, urls, dead_port)
+    front_key = create_key(front_toml, tmp / "front.db")  # the openai SDK always sends a key
+    front = ServerProcess(["--config", front_toml, "--db", str(tmp / "front.db")],
                           env={KEY_ENV: key}, log_path=tmp / "front.log")
     try:
         with ThreadPoolExecutor(len(ups)) as pool:  # the upstreams start side by side
             list(pool.map(ServerProcess.start, ups))
         front.start()
-        yield {"ups": ups, "front": front, "db": tmp / "front.db", "tmp": tmp, "key": key}
+        yield {"ups": ups, "front": front, "db": tmp / "front.db", "tmp": tmp, "key": key, "front_key": front_key}
     finally:
         for proc in (front, *ups):
             proc.kill()
@@ -289,8 +292,52 @@ def test_structured_output_and_a_forced_tool_call_are_answered_by_the_upstream(c
     call = body["choices"][0]["message"]["tool_calls"][0]
     assert call["function"]["name"] == "get_weather" and set(json.loads(call["function"]["arguments"])) == {"city"}
     assert body["choices"][0]["finish_reason"] == "tool_calls"
-    status, _, body = post(front.base_url, greedy(QUESTION, logprobs=True, top_logprobs=2))
-    assert status == 400 and body["error"]["param"] == "logprobs"
+
+
+def sdk(cluster):
+    return openai.OpenAI(base_url=cluster["front"].base_url + "/v1", api_key=cluster["front_key"], max_retries=0,
+                         timeout=60)
+
+
+def assert_same_logprobs(relayed: list[dict], own: list[dict]) -> None:
+    """Same tokens, bytes and alternatives; logprobs equal up to float noise (a prefix-cache hit
+    upstream computes the prompt in other chunks)."""
+    assert [e["token"] for e in relayed] == [e["token"] for e in own] and own
+    for r, o in zip(relayed, own):
+        assert r["bytes"] == o["bytes"] and r["logprob"] == pytest.approx(o["logprob"], abs=1e-3)
+        assert [t["token"] for t in r["top_logprobs"]] == [t["token"] for t in o["top_logprobs"]]
+        assert [t["logprob"] for t in r["top_logprobs"]] == pytest.approx([t["logprob"] for t in o["top_logprobs"]],
+                                                                           abs=1e-3)
+
+
+def test_logprobs_are_the_upstreams_own_relayed_through_the_sdk_streamed_and_not(cluster):
+    ask = greedy(QUESTION, max_tokens=12, logprobs=True, top_logprobs=3)
+    status, _, own = post(cluster["ups"][0].base_url, {**ask, "model": UPSTREAM_NAME}, key=cluster["key"])
+    assert status == 200, own
+    own_entries = own["choices"][0]["logprobs"]["content"]
+    assert len(own_entries) == own["usage"]["completion_tokens"] and len(own_entries[0]["top_logprobs"]) == 3
+    unary = sdk(cluster).chat.completions.create(**ask)
+    assert unary.choices[0].message.content == own["choices"][0]["message"]["content"]
+    assert_same_logprobs([e.model_dump() for e in unary.choices[0].logprobs.content], own_entries)
+    chunks = list(sdk(cluster).chat.completions.create(**ask, stream=True))
+    streamed = [e.model_dump() for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert_same_logprobs(streamed, own_entries)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == unary.choices[0].message.content
+
+
+def test_responses_logprobs_are_relayed_from_the_upstream_through_the_sdk(cluster):
+    status, _, own = post(cluster["ups"][1].base_url, greedy(QUESTION, max_tokens=8, model=UPSTREAM_NAME, logprobs=True,
+                                                             top_logprobs=2), key=cluster["key"])
+    assert status == 200, own
+    ask = dict(model="tiny", input=QUESTION[0]["content"], max_output_tokens=8, temperature=0, store=False,
+               include=["message.output_text.logprobs"], top_logprobs=2)
+    out = sdk(cluster).responses.create(**ask)
+    part = out.output[-1].content[0]
+    assert part.text == own["choices"][0]["message"]["content"]
+    assert_same_logprobs([e.model_dump() for e in part.logprobs], own["choices"][0]["logprobs"]["content"])
+    events = list(sdk(cluster).responses.create(**ask, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert [lp.token for e in deltas for lp in e.logprobs] == [lp.token for lp in part.logprobs]
 
 
 def test_the_responses_api_at_the_front_is_served_by_the_upstream(cluster):

@@ -89,7 +89,7 @@ def test_the_tokenizer_counter_counts_with_the_models_own_tokenizer(tiny_model_d
     assert len(counter.encode_chat(messages, tools=[{"type": "function"}])) > len(counter.encode_chat(messages))
 
 
-def test_what_cannot_be_relayed_yet_is_refused_naming_the_field():
+def test_what_cannot_be_relayed_is_refused_naming_the_field():
     from types import SimpleNamespace
 
     from engine.upstream.wire import unsupported_reason
@@ -98,7 +98,7 @@ def test_what_cannot_be_relayed_yet_is_refused_naming_the_field():
         return SimpleNamespace(chat=ChatPrompt(({"role": "user", "content": "hi"},), options),
                                sampling=SimpleNamespace(structured=None, logprobs=None))
 
-    assert unsupported_reason(req({"logprobs": True, "top_logprobs": 3}))[1] == "logprobs"
+    assert unsupported_reason(req({"logprobs": True, "top_logprobs": 3})) is None  # relayed (test_logprobs_*)
     grammar_only = SimpleNamespace(chat=ChatPrompt(()), sampling=SimpleNamespace(structured="grammar", logprobs=None))
     assert unsupported_reason(grammar_only)[1] == "response_format"
     forced = SimpleNamespace(chat=ChatPrompt((), {"tools": [], "tool_choice": "required"}),
@@ -128,3 +128,22 @@ def test_chat_template_kwargs_are_sent_upstream_in_wire_form():
                                "chat_template_kwargs": {"enable_thinking": False}},
                               max_messages=10, max_prompt_chars=1000)
     assert wire_options(chat)["chat_template_kwargs"] == {"enable_thinking": False}
+
+
+def test_logprobs_are_asked_for_and_the_upstreams_text_tokens_are_read_with_their_bytes():
+    from engine.types import TokenLogprob, TokenText
+
+    body = request_body(make_request(SamplingParams(max_tokens=4, logprobs=2)), "m")
+    assert body["logprobs"] is True and body["top_logprobs"] == 2
+    assert "logprobs" not in request_body(make_request(SamplingParams(max_tokens=4)), "m")
+    chunk = parse_chunk({"choices": [{"index": 0, "delta": {"content": " riv"}, "logprobs": {"content": [
+        {"token": " riv", "logprob": -0.25, "bytes": [32, 114, 105, 118],
+         "top_logprobs": [{"token": " riv", "logprob": -0.25, "bytes": [32, 114, 105, 118]},
+                          {"token": "\\xe2", "logprob": -3.0, "bytes": [226]}, {"token": "bad"}]},
+        {"token": "no logprob"},
+    ]}}]})
+    assert chunk.text == " riv"
+    assert chunk.logprobs == (TokenLogprob(None, -0.25, (
+        (TokenText(" riv", (32, 114, 105, 118)), -0.25), (TokenText("\\xe2", (226,)), -3.0)),
+        TokenText(" riv", (32, 114, 105, 118))),)
+    assert parse_chunk({"choices": [{"index": 0, "delta": {"content": "x"}, "logprobs": None}]}).logprobs == ()
