@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.types import RequestRejected
 from tests.api.helpers import assert_error, state_of
 
 
@@ -45,3 +46,22 @@ async def test_function_call_items_and_their_outputs_go_back_through_the_templat
     assert [i["type"] for i in listed["data"]] == ["message", "function_call", "function_call_output"]
     bad = await respond(client, {"input": [{"type": "function_call_output", "call_id": "call_1"}]})
     await assert_error(bad, 400, param="input[0].output")
+
+
+async def test_logprobs_a_backend_cannot_give_are_a_400_before_any_stream_opens(make_client):
+    client = await make_client()
+    backend = state_of(client).models["echo"].backend
+
+    def check_request(request):  # as the TensorRT-LLM adapter refuses them: never silently dropped
+        if request.sampling.logprobs is not None:
+            raise RequestRejected("logprobs are not supported by this backend", param="logprobs",
+                                  code="unsupported_value")
+
+    backend.check_request = check_request
+    resp = await respond(client, {"input": "hi", "stream": True, "include": ["message.output_text.logprobs"],
+                                  "top_logprobs": 2})
+    await assert_error(resp, 400, code="unsupported_value", param="logprobs")
+    resp = await client.post("/v1/chat/completions", json={"model": "echo", "stream": True, "logprobs": True,
+                                                           "messages": [{"role": "user", "content": "hi"}]})
+    await assert_error(resp, 400, code="unsupported_value", param="logprobs")
+    assert (await respond(client, {"input": "hi", "stream": True, "store": False})).status == 200
