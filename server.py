@@ -60,7 +60,7 @@ def apply_cli(settings, args: argparse.Namespace):
     return dataclasses.replace(settings, server=server, store=store, models=models, tiers=tiers)
 
 
-def serve(settings) -> None:
+def serve(settings, backend_factory=None) -> None:
     """Check the model folders, bind the port, then serve; the ready block is printed once
     everything has started. Raises ConfigError or PortInUse before anything is opened, and
     DatabaseInUse when another server holds the database."""
@@ -80,7 +80,7 @@ def serve(settings) -> None:
         structlog.get_logger("server").warning(
             "serving_without_keys_on_public_interface", host=settings.server.host
         )
-    app = init(settings)
+    app = init(settings, backend_factory=backend_factory)
 
     async def say_ready(_app: web.Application) -> None:  # runs after the app's own startup
         sys.stdout.write(ready_text(settings, is_keyless=keyless_allowed(settings)))
@@ -90,8 +90,9 @@ def serve(settings) -> None:
     uvloop.run(run(app, settings, sock))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """0 after a clean shutdown; 1 when the server cannot start (the message says why)."""
+def main(argv: list[str] | None = None, *, backend_factory=None) -> int:
+    """0 after a clean shutdown; 1 when the server cannot start (the message says why).
+    `backend_factory`: testing/fake_server.py serves the native models with a stand-in."""
     from api.logs import configure_logging
     from api.startup import PortInUse
     from settings import ConfigError, load_settings
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from store.lock import DatabaseInUse
 
     try:
-        serve(settings)
+        serve(settings, backend_factory)
     except ConfigError as exc:
         sys.stderr.write(f"config error: {exc}\n")
         return 1

@@ -151,8 +151,8 @@ class ModelConfig:
     path: str = setting("", 'Local model folder in Hugging Face layout (backend = "openai": none needed).')
     backend: str = setting(
         "native",
-        "native (the PyTorch engine), trtllm (NVIDIA GPU hosts, docs/trtllm.md), openai (other OpenAI-compatible "
-        "servers, docs/scale-out.md), or echo (tests).",
+        "native (the PyTorch engine), trtllm (NVIDIA GPU hosts, docs/trtllm.md), or openai (other OpenAI-compatible "
+        "servers, docs/scale-out.md).",
     )
     max_model_len: int = setting(
         0, "Context window in tokens; 0: from the model's config.json (openai: from the upstream's /models, else none)."

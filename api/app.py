@@ -1,14 +1,17 @@
-"""The aiohttp application factory: middlewares, the route table and the start/stop order.
+"""The aiohttp application factory: middlewares, the start/stop order, and the routes.
 
 `init(settings)` returns a `web.Application`; long-lived parts (store, models, queues,
-router, safety gate) start in `cleanup_ctx` and stop in reverse order. The middlewares
-here (and the access middleware of `api/security.py`) are the only places that stamp
-request ids, check Host/Origin, authenticate and render errors.
+router, safety gate) start in `cleanup_ctx` and stop in reverse order. Routes come from
+`api/resources.py` (with chat completions), `api/files.py` and `api/responses.py`. The
+middlewares here (and the access middleware of `api/security.py`) are the only places that
+stamp request ids, check Host/Origin and authenticate; errors are rendered as described in
+`api/errors.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,7 +25,7 @@ from api.errors import ApiError, from_gateway, internal_error, overloaded
 from api.inflight import INFLIGHT, InFlight
 from api.security import check_startup, keyless_allowed, make_access_middleware
 from api.state import REQUEST_ID, SETTINGS, STATE, AppState
-from engine.registry import build_models
+from engine.registry import BackendFactory, build_models
 from engine.upstream.metrics import register_upstream_metrics
 from gateway.admission import build_admission
 from gateway.errors import GatewayError
@@ -100,12 +103,12 @@ def error_response(request: web.Request, error: ApiError) -> web.Response:
     return web.json_response(error.body(), status=error.status, headers=headers)
 
 
-async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+async def _lifecycle(app: web.Application, backend_factory: BackendFactory | None) -> AsyncIterator[None]:
     """Start store, models, queues and the safety gate; stop them in reverse order."""
     settings = app[SETTINGS]
     # Models first: a config error there (a missing folder) must not leave the store's
     # writer thread running, which kept the process alive after "config error".
-    models = build_models(settings)
+    models = build_models(settings, backend_factory)
     lock = ServerLock(Path(settings.store.path))
     lock.acquire()  # one server per database: a second one stops here with a clear message
     try:
@@ -178,7 +181,8 @@ async def _on_shutdown(app: web.Application) -> None:
         app[STATE].draining = True
 
 
-def init(settings: Settings) -> web.Application:
+def init(settings: Settings, *, backend_factory: BackendFactory | None = None) -> web.Application:
+    """The app. `backend_factory`: tests serve the native models with a stand-in through it."""
     check_startup(settings)
     app = web.Application(
         client_max_size=settings.server.max_body_bytes,
@@ -187,7 +191,7 @@ def init(settings: Settings) -> web.Application:
     )
     app[SETTINGS] = settings
     app[INFLIGHT] = InFlight()
-    app.cleanup_ctx.append(_lifecycle)
+    app.cleanup_ctx.append(functools.partial(_lifecycle, backend_factory=backend_factory))
     files.setup(app)  # after _lifecycle: its context needs the store
     app.on_shutdown.append(_on_shutdown)
     app.on_response_prepare.append(_stamp_headers)

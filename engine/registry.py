@@ -1,12 +1,14 @@
 """Builds the configured models: one backend and one tokenizer per model name.
 
 Owns the choice of backend class from `ModelConfig.backend` and imports optional backends
-(TensorRT-LLM) only when configured. It does not route, queue or validate requests.
+(TensorRT-LLM) only when configured. It does not route, queue or validate requests. Tests pass a
+`BackendFactory` to serve the native models with a stand-in (testing/fake_backend.py).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,8 +20,12 @@ from settings import ConfigError, ModelConfig, Settings
 
 log = structlog.get_logger(__name__)
 
-BACKENDS = ("native", "trtllm", "openai", "echo")
+BACKENDS = ("native", "trtllm", "openai")
 TOOL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")  # api/tools.py ToolFormat
+
+# (name, tokenizer, max_model_len or None) -> a stand-in for a model configured with backend =
+# "native", or None to build the native engine for it.
+BackendFactory = Callable[[str, Tokenizer, int | None], Backend | None]
 
 
 @dataclass(slots=True)
@@ -47,7 +53,9 @@ def _config_max_len(model_dir: Path, configured: int) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def build_model(name: str, config: ModelConfig, settings: Settings) -> ModelHandle:
+def build_model(
+    name: str, config: ModelConfig, settings: Settings, backend_factory: BackendFactory | None = None
+) -> ModelHandle:
     """Construct (not start) the backend for one model; raises ConfigError on bad setup."""
     if config.backend not in BACKENDS:
         raise ConfigError(f"models.{name}.backend: expected one of {', '.join(BACKENDS)}, got {config.backend!r}")
@@ -70,8 +78,11 @@ def build_model(name: str, config: ModelConfig, settings: Settings) -> ModelHand
     if tokenizer.chat_template is None:
         raise ConfigError(f"models.{name}: {model_dir} has no chat template (tokenizer_config.json or chat_template.jinja)")
     max_len = _config_max_len(model_dir, config.max_model_len)
+    stand_in = backend_factory(name, tokenizer, max_len) if backend_factory and config.backend == "native" else None
     backend: Backend
-    if config.backend == "native":
+    if stand_in is not None:
+        backend = stand_in
+    elif config.backend == "native":
         from engine.native.backend import NativeBackend
         from engine.native.vision import is_llava
 
@@ -80,18 +91,14 @@ def build_model(name: str, config: ModelConfig, settings: Settings) -> ModelHand
             from engine.native.image_prompt import ImageTokenizer
 
             tokenizer = ImageTokenizer.for_model(model_dir)
-    elif config.backend == "trtllm":
+    else:
         from engine.trtllm.backend import TrtllmBackend  # optional extra: import only when configured
 
         backend = TrtllmBackend(model_dir, settings.trtllm, tokenizer, max_model_len=max_len)
-    else:
-        from engine.echo import EchoBackend
-
-        backend = EchoBackend(tokenizer, max_model_len=max_len or 4096)
     return ModelHandle(name, config, backend, tokenizer)
 
 
-def build_models(settings: Settings) -> dict[str, ModelHandle]:
+def build_models(settings: Settings, backend_factory: BackendFactory | None = None) -> dict[str, ModelHandle]:
     if not settings.models:
         raise ConfigError("no models configured: add a [models.<name>] section or pass --model DIR")
-    return {name: build_model(name, cfg, settings) for name, cfg in settings.models.items()}
+    return {name: build_model(name, cfg, settings, backend_factory) for name, cfg in settings.models.items()}

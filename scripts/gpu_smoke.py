@@ -4,7 +4,8 @@ For a GPU host with TensorRT-LLM installed (see docs/trtllm.md). Writes a throwa
 starts the server, waits for /ready, then runs one streaming request, a burst of concurrent
 streams, a client abort, and (not with echo) a JSON-schema answer, a forced tool call and
 top_logprobs, and prints TTFT and throughput. Exit code 0 only if all passed.
-`--backend echo` (or native) dry-runs the script itself on a machine without a GPU.
+`--backend echo` (the tests' fake backend, which echoes the prompt; or native) dry-runs the script
+itself on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ max_batch_size = {args.max_batch_size}
 
 [models.{MODEL_NAME}]
 path = {json.dumps(str(args.model_dir.resolve()))}
-backend = "{args.backend}"
+backend = "{"native" if args.backend == "echo" else args.backend}"
 
 [tiers.enterprise]
 priority = 2
@@ -97,8 +98,9 @@ models = ["{MODEL_NAME}"]
     return path
 
 
-def start_server(config: Path, overrides: list[str], log_file: Path) -> subprocess.Popen:
-    cmd = [sys.executable, str(REPO_ROOT / "server.py"), "--config", str(config)]
+def start_server(config: Path, overrides: list[str], log_file: Path, *, fake: bool) -> subprocess.Popen:
+    entry = ["-m", "testing.fake_server"] if fake else [str(REPO_ROOT / "server.py")]
+    cmd = [sys.executable, *entry, "--config", str(config)]
     for item in overrides:
         cmd += ["--set", item]
     log = log_file.open("wb")
@@ -300,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu-smoke-") as tmp:
         workdir = Path(tmp)
         log_file = workdir / "server.log"
-        proc = start_server(write_config(args, workdir), args.overrides, log_file)
+        proc = start_server(write_config(args, workdir), args.overrides, log_file, fake=args.backend == "echo")
         try:
             passed = asyncio.run(run_checks(args, f"http://127.0.0.1:{args.port}", proc))
         except (RuntimeError, aiohttp.ClientError) as exc:

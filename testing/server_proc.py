@@ -1,7 +1,8 @@
 """Run `server.py` as a real subprocess on a free loopback port, for end-to-end tests.
 
 Starts the process, waits for /ready, exposes its base URL, and stops it (SIGTERM, then
-SIGKILL after a timeout). Only ever binds 127.0.0.1.
+SIGKILL after a timeout). Only ever binds 127.0.0.1. With `fake`, the process is
+testing/fake_server.py: its native models are served by the echoing fake backend.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from testing.fake_backend import FakeBehaviour
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,10 +31,11 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], *, env: dict[str, str] | None = None, log_path: Path | None = None,
-                 preexec_fn=None):
+    def __init__(self, args: list[str], *, fake: FakeBehaviour | None = None, env: dict[str, str] | None = None,
+                 log_path: Path | None = None, preexec_fn=None):
         self.port = free_port()
         self.args = args
+        self.fake = fake  # serve the native models with the fake backend (`--fake NAME` in args: only those)
         self.env = {**os.environ, **(env or {})}
         self.log_path = log_path
         self.preexec_fn = preexec_fn  # e.g. lower the child's open-files limit
@@ -40,7 +46,11 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 120.0) -> ServerProcess:
-        cmd = [sys.executable, str(ROOT / "server.py"), "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        cmd = [sys.executable, str(ROOT / "server.py")]
+        if self.fake is not None:
+            cmd = [sys.executable, "-m", "testing.fake_server", "--token-delay-s", str(self.fake.token_delay_s),
+                   "--max-num-running", str(self.fake.max_num_running)]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), *self.args]
         # The child inherits the log file; the parent's copy is closed at once.
         with open(self.log_path or os.devnull, "ab") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=log, preexec_fn=self.preexec_fn)

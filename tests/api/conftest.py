@@ -1,4 +1,4 @@
-"""In-process HTTP fixtures: the real app (store, gateway, router) over the echo backend."""
+"""In-process HTTP fixtures: the real app (store, gateway, router) over the fake backend (echoes)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from api.app import init
+from testing.fake_backend import FakeBehaviour, fake_backends
 from tests.api.helpers import echo_settings
 
 
@@ -14,13 +15,13 @@ from tests.api.helpers import echo_settings
 def make_client(aiohttp_client, tmp_path, tiny_model_dir) -> Callable:
     num_made = 0
 
-    async def make(*extra: str):
+    async def make(*extra: str, behaviour: FakeBehaviour = FakeBehaviour()):
         # One server per database (store/lock.py): a second client in a test gets its own file.
         nonlocal num_made
         num_made += 1
         if num_made > 1 and not any(item.startswith("store.path=") for item in extra):
             extra = (*extra, f'store.path="{tmp_path / f"chat-{num_made}.db"}"')
-        app = init(echo_settings(tmp_path, tiny_model_dir, extra))
+        app = init(echo_settings(tmp_path, tiny_model_dir, extra), backend_factory=fake_backends(behaviour))
         return await aiohttp_client(app, server_kwargs={"handler_cancellation": True})
 
     return make

@@ -1,4 +1,4 @@
-"""Helpers for in-process HTTP tests: settings over the echo backend, SSE parsing, error checks."""
+"""Helpers for in-process HTTP tests: settings for two echoing fake models, SSE parsing, error checks."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ from settings import Settings, load_settings
 def echo_settings(tmp_path, model_dir, extra: tuple[str, ...] = ()) -> Settings:
     base = [
         f'models.echo.path="{model_dir}"',
-        'models.echo.backend="echo"',
         f'models.echo2.path="{model_dir}"',
-        'models.echo2.backend="echo"',
         "models.echo.price_input_per_mtok=1.0",
         "models.echo.price_output_per_mtok=2.0",
         'tiers.free.models=["echo2"]',

@@ -9,11 +9,13 @@ from pathlib import Path
 
 from api.app import init
 from settings import load_settings
+from testing.fake_backend import FakeBehaviour
 from tests.api.helpers import assert_error, sse_events, state_of
 
 ROOT = Path(__file__).resolve().parents[2]
 USER = [{"role": "user", "content": "Hello there."}]
 LONG = [{"role": "user", "content": " ".join(["word"] * 40)}]
+ONE_SLOW_SLOT = FakeBehaviour(token_delay_s=0.03, max_num_running=1)  # one stream at a time, ~30 ms a token
 
 
 async def chat(client, body, headers=None):
@@ -36,11 +38,10 @@ async def test_a_caller_over_its_rate_limit_is_refused_before_its_body_is_parsed
     await assert_error(resp, 429, code="rate_limit_exceeded")  # not 400: nothing was parsed
 
 
-async def test_under_overload_a_refusal_comes_before_the_body_is_parsed(make_client, monkeypatch):
-    monkeypatch.setenv("CHAT_ECHO_TOKEN_DELAY_S", "0.03")
-    monkeypatch.setenv("CHAT_ECHO_MAX_RUNNING", "1")
+async def test_under_overload_a_refusal_comes_before_the_body_is_parsed(make_client):
     client = await make_client("queue.max_waiting_requests=1", 'tiers.free.models=["echo"]',
-                               'tiers.enterprise.models=["echo"]', "server.heartbeat_s=5")
+                               'tiers.enterprise.models=["echo"]', "server.heartbeat_s=5",
+                               behaviour=ONE_SLOW_SLOT)
     free = await key_for(client, "free")
     enterprise = await key_for(client, "enterprise")
     held = [asyncio.create_task(chat(client, {"stream": True, "messages": LONG}, enterprise)) for _ in range(2)]
@@ -58,17 +59,15 @@ async def test_under_overload_a_refusal_comes_before_the_body_is_parsed(make_cli
         assert events[-1] == "[DONE]"
 
 
-async def test_a_keyless_local_burst_over_the_stream_cap_waits_instead_of_429(make_client, monkeypatch):
-    monkeypatch.setenv("CHAT_ECHO_TOKEN_DELAY_S", "0.02")
-    client = await make_client("tiers.enterprise.max_concurrent_streams=1")
+async def test_a_keyless_local_burst_over_the_stream_cap_waits_instead_of_429(make_client):
+    client = await make_client("tiers.enterprise.max_concurrent_streams=1", behaviour=FakeBehaviour(token_delay_s=0.02))
     responses = await asyncio.gather(*(chat(client, {"model": "echo", "messages": USER}) for _ in range(4)))
     assert [r.status for r in responses] == [200] * 4
     assert state_of(client).admission.queues["echo"].num_reserved == 0
 
 
-async def test_a_keyed_caller_over_its_stream_cap_still_gets_429(make_client, monkeypatch):
-    monkeypatch.setenv("CHAT_ECHO_TOKEN_DELAY_S", "0.03")
-    client = await make_client("tiers.enterprise.max_concurrent_streams=1")
+async def test_a_keyed_caller_over_its_stream_cap_still_gets_429(make_client):
+    client = await make_client("tiers.enterprise.max_concurrent_streams=1", behaviour=FakeBehaviour(token_delay_s=0.03))
     headers = await key_for(client, "enterprise")
     running = asyncio.create_task(chat(client, {"model": "echo", "stream": True, "messages": LONG}, headers))
     await asyncio.sleep(0.3)
@@ -77,11 +76,10 @@ async def test_a_keyed_caller_over_its_stream_cap_still_gets_429(make_client, mo
     await (await running).read()
 
 
-async def test_a_higher_tier_displaces_a_waiting_lower_one_which_gets_503_with_retry_after(make_client, monkeypatch):
-    monkeypatch.setenv("CHAT_ECHO_TOKEN_DELAY_S", "0.03")
-    monkeypatch.setenv("CHAT_ECHO_MAX_RUNNING", "1")
+async def test_a_higher_tier_displaces_a_waiting_lower_one_which_gets_503_with_retry_after(make_client):
     client = await make_client("queue.max_waiting_requests=1", 'tiers.free.models=["echo"]',
-                               'tiers.enterprise.models=["echo"]', "server.heartbeat_s=5")
+                               'tiers.enterprise.models=["echo"]', "server.heartbeat_s=5",
+                               behaviour=ONE_SLOW_SLOT)
     free = await key_for(client, "free")
     enterprise = await key_for(client, "enterprise")
     running = asyncio.create_task(chat(client, {"stream": True, "messages": LONG}, enterprise))
@@ -97,10 +95,8 @@ async def test_a_higher_tier_displaces_a_waiting_lower_one_which_gets_503_with_r
         assert events[-1] == "[DONE]"
 
 
-async def test_waiting_streams_see_their_position_and_estimated_wait(make_client, monkeypatch):
-    monkeypatch.setenv("CHAT_ECHO_TOKEN_DELAY_S", "0.03")
-    monkeypatch.setenv("CHAT_ECHO_MAX_RUNNING", "1")
-    client = await make_client('tiers.enterprise.models=["echo"]')
+async def test_waiting_streams_see_their_position_and_estimated_wait(make_client):
+    client = await make_client('tiers.enterprise.models=["echo"]', behaviour=ONE_SLOW_SLOT)
     running = asyncio.create_task(chat(client, {"stream": True, "messages": LONG}))
     await asyncio.sleep(0.2)
     _, comments = await sse_events(await chat(client, {"stream": True, "messages": USER}))

@@ -6,16 +6,17 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 
+from testing.fake_backend import FakeBehaviour
 from tests.api.helpers import state_of
 
 LONG = [{"role": "user", "content": " ".join(["word"] * 60)}]
 USER = [{"role": "user", "content": "Hello there, friend."}]
+ONE_SLOW_SLOT = FakeBehaviour(token_delay_s=0.03, max_num_running=1)  # one stream at a time, ~30 ms a token
 
 
-async def test_a_request_abandoned_in_the_queue_is_recorded_aborted_with_zero_tokens(make_client, monkeypatch, tmp_path):
-    monkeypatch.setenv("CHAT_ECHO_TOKEN_DELAY_S", "0.03")
-    monkeypatch.setenv("CHAT_ECHO_MAX_RUNNING", "1")
-    client = await make_client('tiers.enterprise.models=["echo"]', "tiers.enterprise.wait_target_s=1000")
+async def test_a_request_abandoned_in_the_queue_is_recorded_aborted_with_zero_tokens(make_client, tmp_path):
+    client = await make_client('tiers.enterprise.models=["echo"]', "tiers.enterprise.wait_target_s=1000",
+                               behaviour=ONE_SLOW_SLOT)
     body = {"model": "echo", "stream": True}
     running = await client.post("/v1/chat/completions", json={**body, "messages": LONG})
     await running.content.readline()  # the first one holds the only slot

@@ -7,10 +7,12 @@ import asyncio
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from testing.fake_backend import FakeBehaviour
 from tests.api.helpers import assert_error, sse_events, state_of
 
 USER = [{"role": "user", "content": "Hello there."}]
 LONG = [{"role": "user", "content": " ".join(["word"] * 40)}]
+ONE_SLOW_SLOT = FakeBehaviour(token_delay_s=0.03, max_num_running=1)  # one stream at a time, ~30 ms a token
 
 
 async def chat(client, body, headers=None):
@@ -70,11 +72,9 @@ async def test_over_budget_with_budget_fallback_is_served_by_the_cheaper_model_v
     assert (await resp.json())["model"] == "echo2" and resp.headers["x-fallback-from"] == "echo"
 
 
-async def test_full_queue_is_503_with_retry_after_and_waiters_see_their_position(make_client, monkeypatch):
-    monkeypatch.setenv("CHAT_ECHO_TOKEN_DELAY_S", "0.03")
-    monkeypatch.setenv("CHAT_ECHO_MAX_RUNNING", "1")
+async def test_full_queue_is_503_with_retry_after_and_waiters_see_their_position(make_client):
     client = await make_client("queue.max_waiting_requests=1", 'tiers.enterprise.models=["echo"]',
-                               "tiers.enterprise.wait_target_s=1000")
+                               "tiers.enterprise.wait_target_s=1000", behaviour=ONE_SLOW_SLOT)
     running = asyncio.create_task(chat(client, {"model": "echo", "stream": True, "messages": LONG}))
     await until_metric(client, "chat_requests_running", 1, model="echo")
     waiting = asyncio.create_task(chat(client, {"model": "echo", "stream": True, "messages": USER}))
@@ -88,10 +88,8 @@ async def test_full_queue_is_503_with_retry_after_and_waiters_see_their_position
     assert events[-1] == "[DONE]"
 
 
-async def test_a_saturated_model_falls_back_to_the_next_one_and_says_so(make_client, monkeypatch):
-    monkeypatch.setenv("CHAT_ECHO_TOKEN_DELAY_S", "0.03")
-    monkeypatch.setenv("CHAT_ECHO_MAX_RUNNING", "1")
-    client = await make_client("tiers.enterprise.wait_target_s=0.001")
+async def test_a_saturated_model_falls_back_to_the_next_one_and_says_so(make_client):
+    client = await make_client("tiers.enterprise.wait_target_s=0.001", behaviour=ONE_SLOW_SLOT)
     running = asyncio.create_task(chat(client, {"model": "echo", "stream": True, "messages": LONG}))
     await until_metric(client, "chat_requests_running", 1, model="echo")
     waiting = asyncio.create_task(chat(client, {"model": "echo", "stream": True, "messages": USER}))
@@ -105,10 +103,9 @@ async def test_a_saturated_model_falls_back_to_the_next_one_and_says_so(make_cli
     assert (await unsaturated.json())["model"] == "echo" and "x-fallback-from" not in unsaturated.headers
 
 
-async def test_concurrent_streams_per_key_are_limited(make_client, monkeypatch):
+async def test_concurrent_streams_per_key_are_limited(make_client):
     # With an API key: keyless local use waits for a stream instead (test_admission_http.py).
-    monkeypatch.setenv("CHAT_ECHO_TOKEN_DELAY_S", "0.03")
-    client = await make_client("tiers.enterprise.max_concurrent_streams=1")
+    client = await make_client("tiers.enterprise.max_concurrent_streams=1", behaviour=FakeBehaviour(token_delay_s=0.03))
     await state_of(client).store.create_org("acme", "enterprise")
     _key, secret = await state_of(client).store.create_key("acme")
     headers = {"Authorization": f"Bearer {secret}"}

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from testing.fake_backend import FakeBehaviour
 from tests.api.helpers import assert_error, sse_events, state_of
 
 USER = [{"role": "user", "content": "Hello there, friend."}]
@@ -86,9 +87,8 @@ async def test_max_tokens_cuts_the_answer_with_finish_reason_length(make_client)
     assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 2
 
 
-async def test_heartbeat_comments_arrive_while_waiting_for_the_first_token(make_client, monkeypatch):
-    monkeypatch.setenv("CHAT_ECHO_TOKEN_DELAY_S", "0.3")
-    client = await make_client()
+async def test_heartbeat_comments_arrive_while_waiting_for_the_first_token(make_client):
+    client = await make_client(behaviour=FakeBehaviour(token_delay_s=0.3))
     resp = await chat(client, {"model": "echo", "stream": True, "messages": [{"role": "user", "content": "x"}]})
     _, comments = await sse_events(resp)
     assert "processing" in comments
@@ -142,9 +142,8 @@ async def test_a_completed_request_is_billed_exactly_once_with_its_cost(make_cli
     assert rows["echo"]["cost_usd"] == pytest.approx(expected)
 
 
-async def test_client_disconnect_mid_stream_aborts_and_bills_generated_tokens(make_client, monkeypatch):
-    monkeypatch.setenv("CHAT_ECHO_TOKEN_DELAY_S", "0.05")
-    client = await make_client()
+async def test_client_disconnect_mid_stream_aborts_and_bills_generated_tokens(make_client):
+    client = await make_client(behaviour=FakeBehaviour(token_delay_s=0.05))
     long_text = " ".join(["word"] * 60)
     resp = await chat(client, {"model": "echo", "stream": True, "messages": [{"role": "user", "content": long_text}]})
     for _ in range(200):  # read until tokens are flowing
@@ -159,7 +158,7 @@ async def test_client_disconnect_mid_stream_aborts_and_bills_generated_tokens(ma
         if rows:
             break
         await asyncio.sleep(0.05)
-    assert len(backend.aborted_request_ids) == 1
+    assert len(backend.aborted) == 1
     assert backend.stats().num_running == 0
     row = rows["echo"]
     assert row["num_requests"] == 1 and 0 < row["completion_tokens"] < 60

@@ -10,6 +10,7 @@ import pytest
 
 from api.app import init
 from testing.tiny_model import CHAT_TEMPLATE
+from testing.fake_backend import fake_backends
 from tests.api.helpers import assert_error, echo_settings, sse_events
 
 THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
@@ -33,7 +34,7 @@ def thinking_model_dir(tiny_model_dir, tmp_path):
 
 @pytest.fixture
 async def client(aiohttp_client, tmp_path, thinking_model_dir):
-    return await aiohttp_client(init(echo_settings(tmp_path, thinking_model_dir)))
+    return await aiohttp_client(init(echo_settings(tmp_path, thinking_model_dir), backend_factory=fake_backends()))
 
 
 async def chat(client, **body):

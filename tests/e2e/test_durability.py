@@ -14,6 +14,7 @@ import urllib.request
 import aiohttp
 import pytest
 
+from testing.fake_backend import FakeBehaviour
 from testing.server_proc import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -31,7 +32,6 @@ local_tier = "enterprise"
 enabled = false
 [models.echo]
 path = "{model_dir}"
-backend = "echo"
 [tiers.enterprise]
 models = ["echo"]
 max_tokens = 256
@@ -78,10 +78,10 @@ def test_kill_9_mid_stream_loses_nothing_acknowledged_and_bills_nothing_twice(ti
     config = write_config(tmp_path, tiny_model_dir)
     db = tmp_path / "chat.db"
     args = ["--config", config, "--db", str(db)]
-    env = {"CHAT_ECHO_TOKEN_DELAY_S": "0.02"}
+    fake = FakeBehaviour(token_delay_s=0.02)
     all_completed: list[tuple[str, str]] = []
     for i in range(ROUNDS):
-        server = ServerProcess(args, env=env, log_path=tmp_path / f"server{i}.log").start()
+        server = ServerProcess(args, fake=fake, log_path=tmp_path / f"server{i}.log").start()
 
         async def scenario(proc: ServerProcess) -> list[tuple[str, str]]:
             completed, tasks, client = await run_round(proc.base_url)
@@ -108,7 +108,7 @@ def test_kill_9_mid_stream_loses_nothing_acknowledged_and_bills_nothing_twice(ti
         finally:
             con.close()
 
-    with ServerProcess(args, env=env, log_path=tmp_path / "final.log") as server:  # serves again
+    with ServerProcess(args, fake=fake, log_path=tmp_path / "final.log") as server:  # serves again
         body = json.dumps({"model": "echo", "messages": [{"role": "user", "content": "still here"}]}).encode()
         req = urllib.request.Request(server.base_url + "/v1/chat/completions", data=body,
                                      headers={"Content-Type": "application/json"})

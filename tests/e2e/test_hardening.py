@@ -14,6 +14,7 @@ import urllib.request
 
 import pytest
 
+from testing.fake_backend import FakeBehaviour
 from testing.server_proc import ROOT, ServerProcess
 from tests.e2e.test_durability import write_config
 
@@ -21,11 +22,11 @@ pytestmark = pytest.mark.slow
 
 
 def server_for(tmp_path, tiny_model_dir, *settings: str, **kwargs) -> ServerProcess:
-    """A server over the echo backend; `with` starts it and stops it."""
+    """A server over the fake backend; `with` starts it and stops it."""
     args = ["--config", write_config(tmp_path, tiny_model_dir), "--db", str(tmp_path / "chat.db")]
     for item in settings:
         args += ["--set", item]
-    return ServerProcess(args, log_path=tmp_path / "server.log", **kwargs)
+    return ServerProcess(args, fake=FakeBehaviour(), log_path=tmp_path / "server.log", **kwargs)
 
 
 def connect(port: int) -> socket.socket:

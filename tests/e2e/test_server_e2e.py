@@ -13,6 +13,7 @@ import time
 import pytest
 
 from engine.tokenizer import Tokenizer
+from testing.fake_backend import FakeBehaviour
 from testing.server_proc import ROOT, ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -118,11 +119,11 @@ def test_sigterm_lets_a_running_stream_finish_then_exits(tiny_model_dir, tmp_pat
 
     from tests.e2e.test_durability import write_config
 
-    # The echo backend at 50 ms a token makes a stream last about 3 s: long enough to
+    # The fake backend at 50 ms a token makes a stream last about 3 s: long enough to
     # still be running when SIGTERM arrives, well inside the 20 s grace period.
     proc = ServerProcess(["--config", write_config(tmp_path, tiny_model_dir), "--db", str(tmp_path / "chat.db"),
                           "--set", "server.shutdown_grace_s=20"],
-                         env={"CHAT_ECHO_TOKEN_DELAY_S": "0.05"}, log_path=tmp_path / "server.log").start()
+                         fake=FakeBehaviour(token_delay_s=0.05), log_path=tmp_path / "server.log").start()
     result: dict = {}
 
     def run_stream():
@@ -152,7 +153,7 @@ def test_sigterm_cuts_a_stream_longer_than_the_grace_with_an_error_event_and_bil
     db = tmp_path / "chat.db"
     proc = ServerProcess(["--config", write_config(tmp_path, tiny_model_dir), "--db", str(db),
                           "--set", f"server.shutdown_grace_s={grace_s}"],
-                         env={"CHAT_ECHO_TOKEN_DELAY_S": "0.05"}, log_path=tmp_path / "server.log").start()
+                         fake=FakeBehaviour(token_delay_s=0.05), log_path=tmp_path / "server.log").start()
     result: dict = {}
 
     def run_stream():  # 200 tokens at 50 ms: 10 s, far longer than the grace

@@ -63,7 +63,7 @@ def test_config_paths_resolve_against_the_config_file_and_ready_block_names_url_
     port = free_port()
     (conf / "config.toml").write_text(
         f'[server]\nport = {port}\n[store]\npath = "data/chat.db"\n[safety]\nenabled = false\n'
-        '[models.tiny]\npath = "models/tiny"\nbackend = "echo"\n'
+        '[models.tiny]\npath = "models/tiny"\n'
         '[tiers.free]\nmodels = ["tiny"]\n[tiers.enterprise]\nmodels = ["tiny"]\n'
     )
     elsewhere = tmp_path / "elsewhere"

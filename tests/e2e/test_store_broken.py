@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from testing.fake_backend import FakeBehaviour
 from testing.server_proc import ServerProcess
 from tests.e2e.test_durability import write_config
 
@@ -104,7 +105,7 @@ def tmpfs(tmp_path):
 def serve(tiny_model_dir, tmp_path: Path, db: Path) -> ServerProcess:
     return ServerProcess(["--config", write_config(tmp_path, tiny_model_dir), "--db", str(db),
                           "--set", "store.last_used_flush_s=0.2", "--set", "server.shutdown_grace_s=2"],
-                         env={"CHAT_ECHO_TOKEN_DELAY_S": "0.05"}, log_path=tmp_path / "server.log")
+                         fake=FakeBehaviour(token_delay_s=0.05), log_path=tmp_path / "server.log")
 
 
 def test_a_full_filesystem_under_running_answers_loses_nothing_acknowledged(tiny_model_dir, tmp_path, tmpfs):

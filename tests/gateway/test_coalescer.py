@@ -9,9 +9,10 @@ import pytest
 
 from engine.types import EngineError, FinishReason, GenerationRequest, SamplingParams
 from gateway.coalesce import Coalescer
-from tests.gateway.fakes import ScriptedBackend
+from testing.fake_backend import FakeBackend, FakeBehaviour
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0)
+GATED = FakeBehaviour(is_gated=True)  # every event waits for backend.release()
 
 
 def request(request_id: str, prompt=(1, 2, 3), sampling=GREEDY, cache_salt="org-1") -> GenerationRequest:
@@ -28,7 +29,7 @@ async def settle() -> None:
 
 
 async def test_identical_greedy_requests_share_one_generation_and_each_gets_every_event():
-    backend = ScriptedBackend(("x", "y", "z"), is_gated=True)
+    backend = FakeBackend(words=("x", "y", "z"), behaviour=GATED)
     coalescer = Coalescer()
     waiters = [asyncio.create_task(collect(coalescer, backend, request(f"r{i}"))) for i in range(3)]
     await settle()
@@ -43,7 +44,7 @@ async def test_identical_greedy_requests_share_one_generation_and_each_gets_ever
 
 
 async def test_a_late_joiner_replays_the_events_it_missed():
-    backend = ScriptedBackend(("x", "y", "z"), is_gated=True)
+    backend = FakeBackend(words=("x", "y", "z"), behaviour=GATED)
     coalescer = Coalescer()
     first = asyncio.create_task(collect(coalescer, backend, request("r1")))
     await settle()
@@ -58,7 +59,7 @@ async def test_a_late_joiner_replays_the_events_it_missed():
 
 
 async def test_a_waiter_that_leaves_does_not_abort_the_others():
-    backend = ScriptedBackend(("x", "y", "z"), is_gated=True)
+    backend = FakeBackend(words=("x", "y", "z"), behaviour=GATED)
     coalescer = Coalescer()
     leaver = coalescer.generate(backend, request("r1"))
     stayer = asyncio.create_task(collect(coalescer, backend, request("r2")))
@@ -71,7 +72,7 @@ async def test_a_waiter_that_leaves_does_not_abort_the_others():
 
 
 async def test_the_generation_is_aborted_when_the_last_waiter_leaves():
-    backend = ScriptedBackend(("x", "y", "z"), is_gated=True)
+    backend = FakeBackend(words=("x", "y", "z"), behaviour=GATED)
     coalescer = Coalescer()
     tasks = [asyncio.create_task(collect(coalescer, backend, request(f"r{i}"))) for i in range(2)]
     await settle()
@@ -92,7 +93,7 @@ async def test_the_generation_is_aborted_when_the_last_waiter_leaves():
 
 
 async def test_sampled_requests_are_never_coalesced():
-    backend = ScriptedBackend(("x",))
+    backend = FakeBackend(words=("x",))
     coalescer = Coalescer()
     sampled = SamplingParams(max_tokens=1, temperature=0.7, seed=1)
     await asyncio.gather(*(collect(coalescer, backend, request(f"r{i}", sampling=sampled)) for i in range(3)))
@@ -109,7 +110,7 @@ async def test_sampled_requests_are_never_coalesced():
     ],
 )
 async def test_requests_differing_in_prompt_salt_or_params_get_their_own_generation(other):
-    backend = ScriptedBackend(("x", "y", "z"), is_gated=True)
+    backend = FakeBackend(words=("x", "y", "z"), behaviour=GATED)
     coalescer = Coalescer()
     tasks = [asyncio.create_task(collect(coalescer, backend, r)) for r in (request("a"), other)]
     await settle()
@@ -119,7 +120,7 @@ async def test_requests_differing_in_prompt_salt_or_params_get_their_own_generat
 
 
 async def test_a_different_seed_still_coalesces_for_greedy_requests():
-    backend = ScriptedBackend(("x",), is_gated=True)
+    backend = FakeBackend(words=("x",), behaviour=GATED)
     coalescer = Coalescer()
     seeded = SamplingParams(max_tokens=3, temperature=0.0, seed=7)
     tasks = [asyncio.create_task(collect(coalescer, backend, r)) for r in (request("a"), request("b", sampling=seeded))]
@@ -130,7 +131,7 @@ async def test_a_different_seed_still_coalesces_for_greedy_requests():
 
 
 async def test_an_engine_error_reaches_every_waiter():
-    backend = ScriptedBackend(("x", "y", "z"), fail_after=1)
+    backend = FakeBackend(words=("x", "y", "z"), behaviour=FakeBehaviour(fail_after=1))
     coalescer = Coalescer()
     results = await asyncio.gather(
         *(collect(coalescer, backend, request(f"r{i}")) for i in range(2)), return_exceptions=True
@@ -140,7 +141,7 @@ async def test_an_engine_error_reaches_every_waiter():
 
 
 async def test_a_finished_generation_is_not_joined():
-    backend = ScriptedBackend(("x",))
+    backend = FakeBackend(words=("x",))
     coalescer = Coalescer()
     await collect(coalescer, backend, request("r1"))
     await collect(coalescer, backend, request("r2"))
@@ -148,7 +149,7 @@ async def test_a_finished_generation_is_not_joined():
 
 
 async def test_leaving_a_sampled_request_early_aborts_it():
-    backend = ScriptedBackend(("x", "y", "z"), is_gated=True)
+    backend = FakeBackend(words=("x", "y", "z"), behaviour=GATED)
     coalescer = Coalescer()
     sampled = SamplingParams(max_tokens=3, temperature=1.0)
     async with contextlib.aclosing(coalescer.generate(backend, request("r1", sampling=sampled))) as events:
@@ -160,7 +161,7 @@ async def test_leaving_a_sampled_request_early_aborts_it():
 async def test_same_tokens_with_different_images_are_not_coalesced():
     from engine.types import ImageInput
 
-    backend = ScriptedBackend(("x",), is_gated=True)
+    backend = FakeBackend(words=("x",), behaviour=GATED)
     coalescer = Coalescer()
     first = GenerationRequest("r1", (1, 2, 3), GREEDY, cache_salt="org-1", images=(ImageInput(1, 2, "red", None),))
     second = GenerationRequest("r2", (1, 2, 3), GREEDY, cache_salt="org-1", images=(ImageInput(1, 2, "blue", None),))

@@ -9,6 +9,7 @@ from gateway.queue import ModelQueue
 from gateway.router import Route, TierRouter
 from gateway.waiting_room import Offer
 from settings import ConfigError, ModelConfig, QueueConfig, TierConfig
+from testing.fake_backend import FakeBackend
 from tests.gateway.fakes import FakeClock
 
 MODELS = {
@@ -23,18 +24,10 @@ TIERS = {
 }
 
 
-class Backend:
-    def __init__(self) -> None:
-        self.room = True
-
-    def has_room(self) -> bool:
-        return self.room
-
-
 class Fixture:
     def __init__(self, **queue_config) -> None:
         self.clock = FakeClock()
-        self.backends = {name: Backend() for name in MODELS}
+        self.backends = {name: FakeBackend(words=()) for name in MODELS}
         config = QueueConfig(**{"max_waiting_requests": 100, "max_wait_s": 120.0, **queue_config})
         self.queues = {name: ModelQueue(name, config, b.has_room, self.clock) for name, b in self.backends.items()}
         self.router = TierRouter(MODELS, TIERS, self.queues)

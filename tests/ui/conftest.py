@@ -1,4 +1,4 @@
-"""Browser fixtures: one server per session (echo backend, tiny tokenizer, safety off) and
+"""Browser fixtures: one server per session (fake backend, tiny tokenizer, safety off) and
 Debian's Chromium driven by Playwright; skipped where Chromium or Playwright is missing."""
 
 from __future__ import annotations

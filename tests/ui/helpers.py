@@ -1,8 +1,8 @@
-"""Helpers for the browser tests: the real server on an echo-backend config, a Playwright
-page that records dialogs, console errors and every request, and small UI actions.
+"""Helpers for the browser tests: the real server over the fake backend, a Playwright page
+that records dialogs, console errors and every request, and small UI actions.
 
-The echo backend repeats the last user message, so a test chooses the model's answer
-(hostile Markdown included) by what it types. Screenshots go to artifacts/ui/.
+The fake backend (testing/fake_backend.py) repeats the last user message, so a test chooses
+the model's answer (hostile Markdown included) by what it types. Screenshots go to artifacts/ui/.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from testing.fake_backend import FakeBehaviour
 from testing.server_proc import ROOT, ServerProcess
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -25,7 +26,7 @@ CHROMIUM_ARGS = [
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
 ARTIFACTS = ROOT / "artifacts" / "ui"
-TOKEN_DELAY_S = "0.05"  # slow enough to watch the answer grow and to stop it midway
+TOKEN_DELAY_S = 0.05  # slow enough to watch the answer grow and to stop it midway
 PHONE = {"width": 390, "height": 844}
 DESKTOP = {"width": 1280, "height": 820}
 
@@ -39,7 +40,6 @@ enabled = false
 
 [models.echo-large]
 path = "{model}"
-backend = "echo"
 max_model_len = 16384
 price_input_per_mtok = 0.50
 price_cached_input_per_mtok = 0.05
@@ -48,7 +48,6 @@ fallback = "echo-small"
 
 [models.echo-small]
 path = "{model}"
-backend = "echo"
 max_model_len = 16384
 price_input_per_mtok = 0.10
 price_cached_input_per_mtok = 0.01
@@ -109,13 +108,13 @@ class UiServer:
         self.proc.__exit__(None, None, None)
 
 
-def start_ui_server(tmp: Path, model_dir: Path, *, rpm: int = 600, env: dict[str, str] | None = None) -> UiServer:
+def start_ui_server(tmp: Path, model_dir: Path, *, rpm: int = 600, max_num_running: int = 0) -> UiServer:
     config = tmp / "config.toml"
     config.write_text(CONFIG.format(static=ROOT / "static", model=model_dir, rpm=rpm))
     db_path = tmp / "chat.db"
     proc = ServerProcess(
         ["--config", str(config), "--db", str(db_path)],
-        env={"CHAT_ECHO_TOKEN_DELAY_S": TOKEN_DELAY_S, **(env or {})},
+        fake=FakeBehaviour(token_delay_s=TOKEN_DELAY_S, max_num_running=max_num_running),
         log_path=tmp / "server.log",
     )
     proc.start()
@@ -124,7 +123,7 @@ def start_ui_server(tmp: Path, model_dir: Path, *, rpm: int = 600, env: dict[str
 
 def restart_ui_server(server: UiServer) -> UiServer:
     """Starts the server again on the same port, config and database (after a kill)."""
-    proc = ServerProcess(server.proc.args, env={"CHAT_ECHO_TOKEN_DELAY_S": "0"}, log_path=server.proc.log_path)
+    proc = ServerProcess(server.proc.args, fake=FakeBehaviour(), log_path=server.proc.log_path)
     proc.port = server.proc.port
     proc.start()
     return UiServer(proc, server.config_path, server.db_path)

@@ -240,7 +240,7 @@ def test_rate_limited_send_shows_the_wait_and_gives_the_text_back(browser, tiny_
 
 
 def test_a_queued_message_shows_its_place_and_estimated_wait(browser, tiny_model_dir, tmp_path):
-    server = start_ui_server(tmp_path, tiny_model_dir, env={"CHAT_ECHO_MAX_RUNNING": "1"})
+    server = start_ui_server(tmp_path, tiny_model_dir, max_num_running=1)
     body = json.dumps({"model": "echo-large", "max_tokens": 100,
                        "messages": [{"role": "user", "content": " ".join(["busy"] * 100)}]}).encode()
     request = urllib.request.Request(server.base_url + "/v1/chat/completions", data=body,

@@ -14,6 +14,7 @@ from playwright.sync_api import expect
 
 from engine.tokenizer import Tokenizer
 from settings import SafetyConfig
+from testing.fake_backend import FakeBehaviour
 from testing.server_proc import ROOT, ServerProcess
 from tests.ui.helpers import (
     conversation_id,
@@ -47,7 +48,6 @@ classifier = false
 
 [models.echo-card]
 path = "{model}"
-backend = "echo"
 max_model_len = {context}
 
 [tiers.enterprise]
@@ -65,7 +65,8 @@ def card_server(tiny_model_dir, tmp_path_factory):
     (model / "README.md").write_text(CARD)
     config = tmp / "config.toml"
     config.write_text(CONFIG.format(static=ROOT / "static", model=model, context=CONTEXT_TOKENS, max_tokens=MAX_TOKENS))
-    proc = ServerProcess(["--config", str(config), "--db", str(tmp / "chat.db")], log_path=tmp / "server.log")
+    proc = ServerProcess(["--config", str(config), "--db", str(tmp / "chat.db")], fake=FakeBehaviour(),
+                         log_path=tmp / "server.log")
     with proc:
         yield proc, tmp / "chat.db"
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from testing.fake_backend import FakeBehaviour
 from testing.server_proc import ROOT, ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -46,7 +47,6 @@ path = "{model_dir}"
 backend = "native"
 [models.echo]
 path = "{model_dir}"
-backend = "echo"
 [tiers.enterprise]
 models = ["{UPSTREAM_NAME}", "echo"]
 max_tokens = 400
@@ -111,12 +111,12 @@ tokens_per_minute = 100000000
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("upstream")
-    env = {"CHAT_ECHO_TOKEN_DELAY_S": "0.02"}
+    fake = FakeBehaviour(token_delay_s=0.02)  # only the model "echo" (--fake echo)
     config = upstream_config(tmp, tiny_model_dir)
     key = create_key(config, tmp / "up0.db")
     shutil.copy(tmp / "up0.db", tmp / "up1.db")  # one key for both replicas (docs/scale-out.md)
-    ups = [ServerProcess(["--config", config, "--db", str(tmp / f"up{i}.db"), "--set", "server.require_keys=true"],
-                         env=env, log_path=tmp / f"up{i}.log") for i in range(2)]
+    ups = [ServerProcess(["--config", config, "--db", str(tmp / f"up{i}.db"), "--set", "server.require_keys=true",
+                          "--fake", "echo"], fake=fake, log_path=tmp / f"up{i}.log") for i in range(2)]
     dead_port = ServerProcess([]).port  # a free port nobody listens on
     urls = [u.base_url + "/v1" for u in ups]
     front_toml = front_config(tmp, tiny_model_dir, urls, dead_port)
@@ -434,7 +434,7 @@ def test_killing_an_upstream_mid_stream_errors_that_stream_and_new_requests_go_t
         assert status == 200, answer
     assert metric(front.base_url, "chat_upstream_requests_total", model="tiny", replica=survivor) >= before + 3
 
-    restarted = ServerProcess(ups[victim].args, env={"CHAT_ECHO_TOKEN_DELAY_S": "0.02"},
+    restarted = ServerProcess(ups[victim].args, fake=FakeBehaviour(token_delay_s=0.02),
                               log_path=cluster["tmp"] / "restarted.log")
     restarted.port = port
     ups[victim] = restarted.start()
