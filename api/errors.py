@@ -2,7 +2,10 @@
 
 `api` raises `ApiError` (or a helper below); the gateway raises its own plain types
 (`gateway.errors`), which `from_gateway` maps to status, envelope and headers through the
-one table `GATEWAY_ERRORS`. The error middleware renders both. Nothing else writes error bodies.
+one table `GATEWAY_ERRORS`. Every error body is `ApiError.body()`: the error middleware
+(`api/app.py`) sends it as JSON, a stream that has already opened sends it as one SSE `data:`
+frame (`api/chat.py`), and the connection guard writes it raw on a connection aiohttp never
+read a request from (`api/connections.py`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""The route table and the small resource handlers: models, conversations, usage, health.
+"""The small resource handlers (models, conversations, usage, health, the web UI) and their routes.
 
-Chat completions live in `api/chat.py`; everything here is a thin shell over the store
-and the app state: parse query/body, call one store method, render one JSON shape.
+`add_routes` registers them, chat completions (`api/chat.py`) and feedback; files and Responses
+register theirs in `api/files.py` and `api/responses.py`. Everything here is a thin shell over
+the store and the app state: parse query/body, call one store method, render one JSON shape.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from api.errors import ApiError, bad_request, not_found
 from api.model_info import model_extras
 from api.state import PRINCIPAL, SETTINGS, STATE
 from store import money
-from store.types import Conversation, Message, NotFound, StoreUnavailable
+from store.types import Conversation, Message, NotFound
 
 _MAX_TITLE_CHARS = 200
 
@@ -241,6 +242,3 @@ def add_routes(app: web.Application, chat_handler) -> None:
     app.router.add_get("/v1/usage", usage)
     feedback_api.add_routes(app)
     _add_static(app)
-
-
-__all__ = ["StoreUnavailable", "add_routes"]

@@ -1,9 +1,9 @@
 """Turns a validated chat request into a ready-to-queue `Turn`: model, context, token ids.
 
-Owns steps 2-3 of the request path: route to a model for the caller's tier, build the
-context (stored conversation history + new messages, trimming the oldest turns only for
-conversations), render the chat template, tokenize, and check the context window with
-errors that name the numbers. Nothing is queued or generated here.
+Owns step 5 of the request path (docs/architecture.md): for the model the router chose,
+build the context (stored conversation history + new messages, trimming the oldest turns
+only for conversations), render the chat template, tokenize, and check the context window
+with errors that name the numbers. Nothing is routed, queued or generated here.
 """
 
 from __future__ import annotations
