@@ -285,7 +285,7 @@ async def purge_once(store, blobs: Blobs, now: float | None = None) -> int:
         blobs.remove(file_id)
     blobs.sweep_orphans(await store.file_ids())
     if expired:
-        log.info("expired files purged", num_files=len(expired))
+        log.info("expired_files_purged", num_files=len(expired))
     return len(expired)
 
 
@@ -299,7 +299,7 @@ async def _files_ctx(app: web.Application) -> AsyncIterator[None]:
             try:
                 await purge_once(store, blobs)
             except (StoreError, OSError) as exc:
-                log.warning("file purge failed", error=str(exc))
+                log.warning("file_purge_failed", error=str(exc))
             await asyncio.sleep(settings.store.purge_interval_s)
 
     task = asyncio.create_task(loop(), name="files-purge")

@@ -96,5 +96,5 @@ class Blobs:
                 entry.unlink(missing_ok=True)
                 removed += 1
         if removed:
-            log.info("orphan files removed", num_files=removed)
+            log.info("orphan_files_removed", num_files=removed)
         return removed

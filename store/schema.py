@@ -233,7 +233,7 @@ async def migrate(conn: aiosqlite.Connection) -> int:
             if conn.in_transaction:
                 await conn.execute("ROLLBACK")
             raise
-        log.info("store migrated", schema_version=version)
+        log.info("store_migrated", schema_version=version)
         current = version
     return current
 

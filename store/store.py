@@ -272,7 +272,7 @@ class Store:
         job = functools.partial(conversations.purge, retention_days_by_tier=dict(retention_days_by_tier), now=now)
         count = await self._write(job)
         if count:
-            log.info("purged deleted conversations", num_conversations=count)
+            log.info("conversations_purged", num_conversations=count)
         return count
 
     async def run_purge_loop(self, retention_days_by_tier: dict[str, int]) -> None:
@@ -281,7 +281,7 @@ class Store:
             try:
                 await self.purge_deleted(retention_days_by_tier)
             except StoreError as exc:
-                log.warning("purge failed", error=str(exc))
+                log.warning("conversation_purge_failed", error=str(exc))
             await asyncio.sleep(self.config.purge_interval_s)
 
     # --- uploaded files (metadata; the bytes are store.blobs') ---------------------------

@@ -96,7 +96,7 @@ class Writer:
                 try:
                     await self._run_batch(batch)
                 except Exception as exc:  # a bug here must not kill the only writer
-                    log.exception("store writer batch failed")
+                    log.exception("store_writer_batch_failed")
                     _fail_all(batch, lambda exc=exc: exc)
             if is_last:
                 return
@@ -155,18 +155,18 @@ class Writer:
         try:
             await self._conn.execute("ROLLBACK")
         except sqlite3.Error as exc:
-            log.error("store rollback failed", error=str(exc))
+            log.error("store_rollback_failed", error=str(exc))
 
     def _set_writable(self, is_writable: bool, cause: BaseException | None) -> None:
         if is_writable == self.is_writable:
             if cause is not None:
-                log.error("store write failed", error=str(cause))
+                log.error("store_write_failed", error=str(cause))
             return
         self.is_writable = is_writable
         if is_writable:
-            log.warning("store is writable again")
+            log.warning("store_writable_again")
         else:
-            log.error("store cannot be written", error=str(cause))
+            log.error("store_not_writable", error=str(cause))
 
 
 def _unavailable(cause: BaseException | None) -> StoreUnavailable:
