@@ -127,7 +127,8 @@ def section_lines(name: str, cls: type) -> list[str]:
 def named_lines(name: str, cls: type, examples: dict[str, dict[str, Any]]) -> list[str]:
     """The keys of a [name.<name>] section as comments with their defaults, then the examples."""
     rule = f"# ---- {name.capitalize()} "
-    lines = [rule.ljust(WIDTH - 28, "-"), *_doc_lines(cls), f"# Keys of a [{name}.<name>] section, with their defaults:"]
+    keys = f"# Keys of a [{name}.<name>] section, with their defaults:"
+    lines = [rule.ljust(WIDTH - 28, "-"), *_doc_lines(cls), keys]
     for f in dataclasses.fields(cls):
         lines += setting_lines(f.name, _default(f), f.metadata["help"], prefix="#   ")
     order = [f.name for f in dataclasses.fields(cls)]

@@ -53,7 +53,8 @@ class ServerProcess:
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), *self.args]
         # The child inherits the log file; the parent's copy is closed at once.
         with open(self.log_path or os.devnull, "ab") as log:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=log, preexec_fn=self.preexec_fn)
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=log,
+                                         preexec_fn=self.preexec_fn)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -15,13 +15,14 @@ from tests.api.helpers import echo_settings
 def make_client(aiohttp_client, tmp_path, tiny_model_dir) -> Callable:
     num_made = 0
 
-    async def make(*extra: str, behaviour: FakeBehaviour = FakeBehaviour()):
+    async def make(*extra: str, behaviour: FakeBehaviour | None = None):
         # One server per database (store/lock.py): a second client in a test gets its own file.
         nonlocal num_made
         num_made += 1
         if num_made > 1 and not any(item.startswith("store.path=") for item in extra):
             extra = (*extra, f'store.path="{tmp_path / f"chat-{num_made}.db"}"')
-        app = init(echo_settings(tmp_path, tiny_model_dir, extra), backend_factory=fake_backends(behaviour))
+        factory = fake_backends(behaviour or FakeBehaviour())
+        app = init(echo_settings(tmp_path, tiny_model_dir, extra), backend_factory=factory)
         return await aiohttp_client(app, server_kwargs={"handler_cancellation": True})
 
     return make

@@ -9,8 +9,8 @@ import shutil
 import pytest
 
 from api.app import init
-from testing.tiny_model import CHAT_TEMPLATE
 from testing.fake_backend import fake_backends
+from testing.tiny_model import CHAT_TEMPLATE
 from tests.api.helpers import assert_error, echo_settings, sse_events
 
 THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
