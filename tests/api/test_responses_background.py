@@ -1,4 +1,4 @@
-"""Background Responses (`background: true`) through the official `openai` SDK, on the echo backend.
+"""Background Responses (`background: true`) through the official `openai` SDK, on the fake backend.
 
 Shows: the POST answers `queued` at once and `retrieve` polls it to the stored result, billed once in
 the same ledger as a foreground response; the work goes on after the client has gone; `cancel` stops
@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from store.responses import StoredResponse
+from testing.fake_backend import FakeBehaviour
 from tests.api.helpers import state_of
 
 TEXT = "the river runs down to the sea and the sea is wide"
@@ -28,12 +29,6 @@ async def sdk_for(client, org: str = "acme", tier: str = "enterprise") -> openai
     return openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=secret, max_retries=0)
 
 
-def slow_echo(client, delay_s: float) -> object:
-    backend = state_of(client).models["echo"].backend
-    backend.token_delay_s = delay_s
-    return backend
-
-
 async def poll(sdk: openai.AsyncOpenAI, response_id: str, until: tuple[str, ...], timeout_s: float = 20.0):
     deadline = time.monotonic() + timeout_s
     while True:
@@ -44,8 +39,7 @@ async def poll(sdk: openai.AsyncOpenAI, response_id: str, until: tuple[str, ...]
 
 
 async def test_background_answers_queued_at_once_and_retrieve_polls_to_the_result_billed_once(make_client):
-    client = await make_client()
-    slow_echo(client, 0.02)
+    client = await make_client(behaviour=FakeBehaviour(token_delay_s=0.02))
     sdk = await sdk_for(client)
     created = await sdk.responses.create(model="echo", input=TEXT, background=True)
     assert created.status in ("queued", "in_progress") and created.background is True and created.output == []
@@ -59,8 +53,7 @@ async def test_background_answers_queued_at_once_and_retrieve_polls_to_the_resul
 
 
 async def test_the_work_goes_on_after_the_client_that_asked_has_gone(make_client):
-    client = await make_client()
-    slow_echo(client, 0.02)
+    client = await make_client(behaviour=FakeBehaviour(token_delay_s=0.02))
     first = await sdk_for(client)
     created = await first.responses.create(model="echo", input=TEXT, background=True)
     await first.close()  # its connections are gone; the response is not tied to them
@@ -70,8 +63,8 @@ async def test_the_work_goes_on_after_the_client_that_asked_has_gone(make_client
 
 
 async def test_cancel_aborts_the_engine_request_frees_the_stream_slot_and_bills_what_ran(make_client):
-    client = await make_client("tiers.enterprise.max_concurrent_streams=1")
-    backend = slow_echo(client, 0.2)
+    client = await make_client("tiers.enterprise.max_concurrent_streams=1", behaviour=FakeBehaviour(token_delay_s=0.2))
+    backend = state_of(client).models["echo"].backend
     sdk = await sdk_for(client)
     created = await sdk.responses.create(model="echo", input=TEXT, background=True)
     running = await poll(sdk, created.id, ("in_progress",))
@@ -81,7 +74,7 @@ async def test_cancel_aborts_the_engine_request_frees_the_stream_slot_and_bills_
     cancelled = await sdk.responses.cancel(created.id)
     assert cancelled.status == "cancelled"
     assert (await sdk.responses.retrieve(created.id)).status == "cancelled"
-    assert backend.aborted_request_ids  # the engine stopped generating
+    assert backend.aborted  # the engine stopped generating
     after = await sdk.responses.create(model="echo", input="hi", store=False)  # the slot is free again
     assert after.status == "completed"
     again = await sdk.responses.cancel(created.id)  # cancelling a finished one changes nothing
@@ -147,8 +140,7 @@ async def test_a_restart_marks_background_responses_left_unfinished_failed(make_
 
 
 async def test_a_shutdown_mid_answer_never_leaves_it_in_progress(make_client, tmp_path):
-    client = await make_client()
-    slow_echo(client, 0.2)
+    client = await make_client(behaviour=FakeBehaviour(token_delay_s=0.2))
     sdk = await sdk_for(client)
     created = await sdk.responses.create(model="echo", input=TEXT, background=True)
     await poll(sdk, created.id, ("in_progress",))
