@@ -75,7 +75,7 @@ class Answer:
 
     def _entry(self, lp: TokenLogprob) -> dict[str, Any]:
         return {
-            **self._named(lp.token_id if lp.text is None else lp.text, lp.logprob),
+            **self._named(lp.token, lp.logprob),
             "top_logprobs": [self._named(token, value) for token, value in lp.top_logprobs],
         }
 

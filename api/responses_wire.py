@@ -104,7 +104,8 @@ def _logprobs(raw: dict) -> dict:
             raise bad_request(f"'include' value {value!r} is not supported here; supported: {', '.join(_INCLUDABLE)}.",
                               param="include", code="unsupported_value")
     top = raw.get("top_logprobs")
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= protocol.MAX_TOP_LOGPROBS):
+    is_int = isinstance(top, int) and not isinstance(top, bool)
+    if top is not None and (not is_int or not 0 <= top <= protocol.MAX_TOP_LOGPROBS):
         raise bad_request(f"'top_logprobs' must be an integer between 0 and {protocol.MAX_TOP_LOGPROBS}, got {top!r}.",
                           param="top_logprobs")
     if INCLUDE_LOGPROBS not in include:

@@ -55,6 +55,15 @@ class TokenLogprob:
     top_logprobs: tuple[tuple[int | TokenText, float], ...] = ()
     text: TokenText | None = None
 
+    @property
+    def token(self) -> int | TokenText:
+        """The chosen token as the API names it: its text when the backend gave one, else its id."""
+        if self.text is not None:
+            return self.text
+        if self.token_id is None:
+            raise ValueError("a TokenLogprob names its token by id or by text")
+        return self.token_id
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:

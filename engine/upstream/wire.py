@@ -125,7 +125,9 @@ def parse_chunk(payload: dict[str, Any]) -> Chunk | UpstreamError:
     """A decoded `data:` payload: text, logprobs and finish of choice 0, usage, or an error event."""
     if "error" in payload or payload.get("object") == "error":
         return _error_from(500, payload, None)
-    text, finish, calls, reasoning, logprobs = "", None, (), "", ()
+    text, finish, reasoning = "", None, ""
+    calls: tuple[ToolCallDelta, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
     choices = payload.get("choices") or []
     for choice in choices:
         if not isinstance(choice, dict) or choice.get("index", 0) != 0:
@@ -165,9 +167,9 @@ def _text_token(entry: Any) -> tuple[TokenText, float] | None:
     logprob = entry.get("logprob")
     if isinstance(logprob, bool) or not isinstance(logprob, (int, float)):
         return None
-    utf8 = entry.get("bytes")
-    is_bytes = isinstance(utf8, list) and all(isinstance(b, int) and 0 <= b < 256 for b in utf8)
-    return TokenText(entry["token"], tuple(utf8) if is_bytes else None), float(logprob)
+    raw = entry.get("bytes")
+    utf8 = tuple(raw) if isinstance(raw, list) and all(isinstance(b, int) and 0 <= b < 256 for b in raw) else None
+    return TokenText(entry["token"], utf8), float(logprob)
 
 
 def _tool_call_deltas(raw: Any) -> tuple[ToolCallDelta, ...]:

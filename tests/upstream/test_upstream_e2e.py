@@ -320,7 +320,8 @@ def test_logprobs_are_the_upstreams_own_relayed_through_the_sdk_streamed_and_not
     assert unary.choices[0].message.content == own["choices"][0]["message"]["content"]
     assert_same_logprobs([e.model_dump() for e in unary.choices[0].logprobs.content], own_entries)
     chunks = list(sdk(cluster).chat.completions.create(**ask, stream=True))
-    streamed = [e.model_dump() for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    streamed = [e.model_dump() for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
     assert_same_logprobs(streamed, own_entries)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == unary.choices[0].message.content
 
