@@ -120,18 +120,19 @@ class CpuKernels:
         self,
         qkv: torch.Tensor,  # [tokens, (heads + 2 * kv_heads) * head_dim], rotated in place
         positions: torch.Tensor,  # [tokens] int64
-        cos: torch.Tensor,  # [max_positions, head_dim]
-        sin: torch.Tensor,
+        cos: torch.Tensor | None,  # [max_positions, head_dim]; None: a layer without RoPE
+        sin: torch.Tensor | None,
         k_cache: torch.Tensor,  # [num_blocks, kv_heads, head_dim, block_size]
         v_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # [tokens] int64
         num_heads: int,
     ) -> None:
-        """RoPE on q and k in place, then the new k and v written into the paged cache."""
+        """RoPE on q and k in place (cos given), then the new k and v written into the paged cache."""
         assert qkv.is_contiguous() and positions.dtype == slot_mapping.dtype == torch.int64
         _, kv_heads, head_dim, block_size = k_cache.shape
+        cos_ptr, sin_ptr = (None, None) if cos is None else (cos.data_ptr(), sin.data_ptr())
         self._lib.rope_and_cache_f32(
-            qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            qkv.data_ptr(), positions.data_ptr(), cos_ptr, sin_ptr, k_cache.data_ptr(), v_cache.data_ptr(),
             slot_mapping.data_ptr(), qkv.shape[0], num_heads, kv_heads, head_dim, block_size,
         )
 
@@ -151,9 +152,9 @@ class DecodeStack:
     """
 
     def __init__(self, lib, layers, kv_caches, *, hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 intermediate: int, eps: float):
+                 intermediate: int, eps: float, uses_rope: tuple[bool, ...]):
         rows = []
-        for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+        for layer, (k_cache, v_cache), rope in zip(layers, kv_caches, uses_rope, strict=True):
             bias = layer.qkv_bias.data_ptr() if layer.qkv_bias is not None else 0
             linears = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
             rows.append([
@@ -161,6 +162,7 @@ class DecodeStack:
                 layer.post_norm.data_ptr(), layer.gate_up.panels.data_ptr(), layer.down.panels.data_ptr(),
                 k_cache.data_ptr(), v_cache.data_ptr(), *(_scales_ptr(w) for w in linears),
                 *(0 if norm is None else norm.data_ptr() for norm in (layer.q_norm, layer.k_norm)),
+                int(rope),
             ])
         self._lib = lib
         self._keep = (layers, kv_caches)

@@ -114,15 +114,15 @@ class ModelArgs:
 
     @property
     def is_llama_like(self) -> bool:
-        """Runs through the fused CPU layer path: Llama's layer plus, at most, per-head q/k norms."""
+        """Runs through the fused CPU layer path: Llama's layer plus, at most, per-head q/k norms
+        and layers without RoPE (SmolLM3)."""
         f = self.family
-        ropes = {layer.rope for layer in self.layers}
+        ropes = {layer.rope for layer in self.layers} - {None}
         return (
             f.norms is Norms.PRE
             and f.qk_norm in (QKNorm.NONE, QKNorm.PER_HEAD)
             and self.activation is Activation.SILU
             and len(ropes) == 1
-            and None not in ropes
             and self.rotary_dim(next(iter(ropes))) == self.head_dim
             and self.sliding_window is None
             and self.attn_logit_softcap is None

@@ -162,14 +162,16 @@ class Model:
         num_tokens = x.shape[0]
         q_size, kv_size = self._split
         delta = None
-        for layer, (k_cache, v_cache) in zip(self.weights.layers, kv_caches, strict=True):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.weights.layers, kv_caches, strict=True)):
             h = cpu.rms_norm(x, layer.input_norm, eps, residual=delta)
             qkv = linear(h, layer.qkv, layer.qkv_bias)
             if layer.q_norm is not None:  # per head, before RoPE (Qwen3)
                 qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, args.head_dim)
                 qk[:, : args.num_heads] = _rms_norm(qk[:, : args.num_heads], layer.q_norm, eps)
                 qk[:, args.num_heads :] = _rms_norm(qk[:, args.num_heads :], layer.k_norm, eps)
-            cpu.rope_and_cache(qkv, positions, self.cos, self.sin, k_cache, v_cache, meta.slot_mapping, args.num_heads)
+            # SmolLM3: some layers without RoPE
+            cos, sin = (self.cos, self.sin) if args.layers[i].rope is not None else (None, None)
+            cpu.rope_and_cache(qkv, positions, cos, sin, k_cache, v_cache, meta.slot_mapping, args.num_heads)
             q = qkv[:, :q_size].view(num_tokens, args.num_heads, args.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(num_tokens, args.num_kv_heads, args.head_dim)
             v = qkv[:, q_size + kv_size :].view(num_tokens, args.num_kv_heads, args.head_dim)
@@ -185,6 +187,7 @@ class Model:
             stack = self._stack = self.cpu.decode_stack(
                 self.weights.layers, kv_caches, hidden=a.hidden_size, heads=a.num_heads, kv_heads=a.num_kv_heads,
                 head_dim=a.head_dim, intermediate=a.intermediate_size, eps=a.rms_norm_eps,
+                uses_rope=tuple(layer.rope is not None for layer in a.layers),
             )
         return stack
 

@@ -12,8 +12,9 @@
 /* Per layer, the addresses of: input_norm, qkv (packed), qkv_bias (0: none), o_proj (packed),
  * post_norm, gate_up (packed), down (packed), k_cache, v_cache, then the int8 scales of qkv,
  * o_proj, gate_up and down (0: that weight is fp32), then q_norm and k_norm (per-head RMSNorm
- * weights applied before RoPE, as Qwen3 does; 0: none). */
-#define FIELDS 15
+ * weights applied before RoPE, as Qwen3 does; 0: none), then whether the layer uses RoPE
+ * (SmolLM3 leaves it out of some layers). */
+#define FIELDS 16
 
 /* x [tokens, hidden]: the residual stream, updated in place to the last layer's output.
  * scratch: at least tokens * (3 * hidden + (heads + 2 * kv_heads) * head_dim + 2 * heads * head_dim
@@ -46,8 +47,8 @@ void decode_layers_f32(float *x, const int64_t *positions, const int64_t *slots,
                 rms_norm_f32(row, 0, q_norm, row, heads, head_dim, eps);
                 rms_norm_f32(row + q_width, 0, k_norm, row + q_width, kv_heads, head_dim, eps);
             }
-        rope_and_cache_f32(qkv, positions, cos_table, sin_table, k_cache, v_cache, slots, tokens, heads, kv_heads,
-                           head_dim, block_size);
+        rope_and_cache_f32(qkv, positions, w[15] ? cos_table : 0, sin_table, k_cache, v_cache, slots, tokens, heads,
+                           kv_heads, head_dim, block_size);
         for (int64_t t = 0; t < tokens; t++) memcpy(q + t * q_width, qkv + t * qkv_width, sizeof(float) * q_width);
         paged_decode_attention_f32(q, k_cache, v_cache, block_tables, context_lens, attn, tokens, heads, kv_heads,
                                    head_dim, max_blocks, block_size, max_context_len, scale);

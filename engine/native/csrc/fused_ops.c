@@ -51,7 +51,8 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t dim)
 }
 
 /* qkv [tokens, (heads + 2 * kv_heads) * head_dim]: rotate the q and k heads in place (rotate-half
- * RoPE, cos/sin tables [max_positions, head_dim] with both halves filled), then copy each token's
+ * RoPE, cos/sin tables [max_positions, head_dim] with both halves filled; cos_table 0: a layer
+ * without RoPE, nothing rotated), then copy each token's
  * k and v into the paged cache at its slot: k_cache [blocks, kv_heads, head_dim, block_size]
  * (transposed), v_cache [slots, kv_heads, head_dim]. */
 void rope_and_cache_f32(float *qkv, const int64_t *positions, const float *cos_table, const float *sin_table,
@@ -65,7 +66,7 @@ void rope_and_cache_f32(float *qkv, const int64_t *positions, const float *cos_t
     for (int64_t t = 0; t < tokens; t++) {
         float *row = qkv + t * width;
         const float *c = cos_table + positions[t] * head_dim, *s = sin_table + positions[t] * head_dim;
-        for (int64_t h = 0; h < heads + kv_heads; h++) {
+        for (int64_t h = 0; cos_table && h < heads + kv_heads; h++) {
             float *x = row + h * head_dim;
 #pragma omp simd
             for (int64_t i = 0; i < half; i++) {
