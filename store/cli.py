@@ -189,7 +189,7 @@ def _budget(text: str) -> float | None:
     return value
 
 
-def _merge_limits(limits: dict, items: list[str]) -> dict:
+def _merge_limits(limits: dict[str, Any], items: list[str]) -> dict[str, Any]:
     merged = dict(limits)
     for item in items:
         key, sep, text = item.partition("=")

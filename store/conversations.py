@@ -7,11 +7,14 @@ tail is ever removed (regenerate / edit-and-resend), so `seq` stays contiguous.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
+from typing import Any
 
 import aiosqlite
 
+from store.rows import fetch_all
 from store.types import Conversation, Message, NotFound
 
 MAX_TITLE_CHARS = 80
@@ -36,7 +39,7 @@ def new_message_id() -> str:
 async def get(
     conn: aiosqlite.Connection, org_id: str, conversation_id: str, with_messages: bool
 ) -> Conversation | None:
-    rows = await conn.execute_fetchall(
+    rows = await fetch_all(conn,
         f"SELECT {_CONV_COLUMNS} FROM conversations WHERE {_LIVE}", (org_id, conversation_id)
     )
     if not rows:
@@ -44,12 +47,12 @@ async def get(
     conv = Conversation(*tuple(rows[0]))
     if not with_messages:
         return conv
-    msg_rows = await conn.execute_fetchall(
+    msg_rows = await fetch_all(conn,
         "SELECT id, role, content, created_at, tokens, model, parts_json, finish_reason FROM messages"
         " WHERE conversation_id = ? ORDER BY seq",
         (conversation_id,),
     )
-    return Conversation(*tuple(rows[0]), messages=tuple(Message(*tuple(r)) for r in msg_rows))
+    return dataclasses.replace(conv, messages=tuple(Message(*tuple(r)) for r in msg_rows))
 
 
 async def list_page(
@@ -58,7 +61,7 @@ async def list_page(
     """Newest first by (updated_at, id); `after` is the last id of the previous page."""
     where, params = "org_id = ? AND deleted_at IS NULL", [org_id]
     if after is not None:
-        cursor_rows = await conn.execute_fetchall(
+        cursor_rows = await fetch_all(conn,
             "SELECT updated_at FROM conversations WHERE org_id = ? AND id = ?", (org_id, after)
         )
         if not cursor_rows:
@@ -66,7 +69,7 @@ async def list_page(
         updated_at = cursor_rows[0][0]
         where += " AND (updated_at < ? OR (updated_at = ? AND id < ?))"
         params += [updated_at, updated_at, after]
-    rows = await conn.execute_fetchall(
+    rows = await fetch_all(conn,
         f"SELECT {_CONV_COLUMNS} FROM conversations WHERE {where}"
         " ORDER BY updated_at DESC, id DESC LIMIT ?",
         (*params, limit + 1),
@@ -133,7 +136,7 @@ async def purge(conn: aiosqlite.Connection, retention_days_by_tier: dict[str, in
     return total
 
 
-async def _purge_where(conn: aiosqlite.Connection, org_filter: str, params: tuple, cutoff: float) -> int:
+async def _purge_where(conn: aiosqlite.Connection, org_filter: str, params: tuple[Any, ...], cutoff: float) -> int:
     cursor = await conn.execute(
         "DELETE FROM conversations WHERE deleted_at IS NOT NULL AND deleted_at < ?"
         f" AND org_id IN (SELECT id FROM orgs WHERE {org_filter})",
@@ -146,13 +149,13 @@ async def append_turn(
     conn: aiosqlite.Connection, org_id: str, conversation_id: str, messages: list[Message], request_id: str
 ) -> bool:
     """Append messages (oldest first) and bump updated_at; title from the first user message."""
-    rows = await conn.execute_fetchall(
+    rows = await fetch_all(conn,
         f"SELECT title, updated_at FROM conversations WHERE {_LIVE}", (org_id, conversation_id)
     )
     if not rows:
         return False
     title, updated_at = tuple(rows[0])
-    seq_rows = await conn.execute_fetchall(
+    seq_rows = await fetch_all(conn,
         "SELECT coalesce(max(seq) + 1, 0) FROM messages WHERE conversation_id = ?", (conversation_id,)
     )
     first_seq = seq_rows[0][0]

@@ -6,12 +6,14 @@ do, and can be exported as evaluation or fine-tuning data. Purged with its conve
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import aiosqlite
 
+from store.rows import fetch_all
 from store.types import NotFound
 
 
@@ -46,7 +48,7 @@ _COLUMNS = ("message_id, conversation_id, model, prompt, answer, rating, comment
             " created_at, updated_at")
 
 
-def _row(row) -> Feedback:
+def _row(row: sqlite3.Row) -> Feedback:
     values = list(row)
     values[7] = bool(values[7])
     return Feedback(*values)
@@ -63,7 +65,7 @@ async def upsert(
         " ON CONFLICT (message_id) DO NOTHING",
         (org_id, message_id, conversation_id, model, prompt, answer, now, now),
     )
-    sets, params = ["updated_at = ?"], [now]
+    sets, params = ["updated_at = ?"], list[object]([now])
     for column, value, clear in (("rating", change.rating, change.clear_rating),
                                  ("comment", change.comment, change.clear_comment),
                                  ("edited_prompt", change.edited_prompt, False)):
@@ -73,7 +75,7 @@ async def upsert(
     if change.regenerated:
         sets.append("regenerated = 1")
     await conn.execute(f"UPDATE feedback SET {', '.join(sets)} WHERE message_id = ?", (*params, message_id))
-    rows = await conn.execute_fetchall(f"SELECT {_COLUMNS} FROM feedback WHERE message_id = ?", (message_id,))
+    rows = await fetch_all(conn, f"SELECT {_COLUMNS} FROM feedback WHERE message_id = ?", (message_id,))
     return _row(rows[0])
 
 
@@ -81,7 +83,7 @@ async def _rated_turn(
     conn: aiosqlite.Connection, org_id: str, conversation_id: str, message_id: str
 ) -> tuple[str, str, str | None]:
     """(the user message before it, the answer, its model); NotFound names what is missing."""
-    rows = await conn.execute_fetchall(
+    rows = await fetch_all(conn,
         "SELECT m.seq, m.role, m.content, m.model FROM messages m JOIN conversations c ON c.id = m.conversation_id"
         " WHERE m.id = ? AND c.id = ? AND c.org_id = ? AND c.deleted_at IS NULL",
         (message_id, conversation_id, org_id),
@@ -91,7 +93,7 @@ async def _rated_turn(
     seq, role, answer, model = tuple(rows[0])
     if role != "assistant":
         raise NotFound(f"message {message_id!r} is not an answer (role {role!r}); only answers take feedback")
-    prompt_rows = await conn.execute_fetchall(
+    prompt_rows = await fetch_all(conn,
         "SELECT content FROM messages WHERE conversation_id = ? AND seq < ? AND role = 'user'"
         " ORDER BY seq DESC LIMIT 1",
         (conversation_id, seq),
@@ -100,7 +102,7 @@ async def _rated_turn(
 
 
 async def for_conversation(conn: aiosqlite.Connection, conversation_id: str) -> dict[str, Feedback]:
-    rows = await conn.execute_fetchall(
+    rows = await fetch_all(conn,
         f"SELECT {_COLUMNS} FROM feedback WHERE conversation_id = ?", (conversation_id,)
     )
     return {row[0]: _row(row) for row in rows}

@@ -7,21 +7,24 @@ file, or one past its retention, is simply not found. The bytes on disk belong t
 
 from __future__ import annotations
 
+import sqlite3
+
 import aiosqlite
 
+from store.rows import fetch_all
 from store.types import FileQuery, FileQuota, QuotaExceeded, StoredFile
 
 _COLUMNS = "id, org_id, filename, purpose, bytes, sha256, media_type, created_at, expires_at"
 _LIVE = "org_id = ? AND (expires_at IS NULL OR expires_at > ?)"
 
 
-def _row(row) -> StoredFile:
+def _row(row: sqlite3.Row) -> StoredFile:
     return StoredFile(*tuple(row))
 
 
 async def usage(conn: aiosqlite.Connection, org_id: str, now: float) -> tuple[int, int]:
     """(number of files, total bytes) the organisation keeps now."""
-    rows = await conn.execute_fetchall(
+    rows = await fetch_all(conn,
         f"SELECT count(*), coalesce(sum(bytes), 0) FROM files WHERE {_LIVE}", (org_id, now)
     )
     return int(rows[0][0]), int(rows[0][1])
@@ -45,7 +48,7 @@ async def insert(conn: aiosqlite.Connection, f: StoredFile, quota: FileQuota) ->
 
 
 async def get(conn: aiosqlite.Connection, org_id: str, file_id: str, now: float) -> StoredFile | None:
-    rows = await conn.execute_fetchall(f"SELECT {_COLUMNS} FROM files WHERE {_LIVE} AND id = ?", (org_id, now, file_id))
+    rows = await fetch_all(conn, f"SELECT {_COLUMNS} FROM files WHERE {_LIVE} AND id = ?", (org_id, now, file_id))
     return _row(rows[0]) if rows else None
 
 
@@ -64,7 +67,7 @@ async def list_page(
             return [], False
         where += f" AND (created_at {op} ? OR (created_at = ? AND id {op} ?))"
         params += [cursor_file.created_at, cursor_file.created_at, cursor_file.id]
-    rows = await conn.execute_fetchall(
+    rows = await fetch_all(conn,
         f"SELECT {_COLUMNS} FROM files WHERE {where} ORDER BY created_at {order}, id {order} LIMIT ?",
         (*params, query.limit + 1),
     )
@@ -78,7 +81,7 @@ async def delete(conn: aiosqlite.Connection, org_id: str, file_id: str) -> bool:
 
 async def purge_expired(conn: aiosqlite.Connection, now: float) -> list[str]:
     """Delete rows past their expiry; returns their ids so that the caller removes the bytes."""
-    rows = await conn.execute_fetchall(
+    rows = await fetch_all(conn,
         "DELETE FROM files WHERE expires_at IS NOT NULL AND expires_at <= ? RETURNING id", (now,)
     )
     return [r[0] for r in rows]
@@ -86,5 +89,5 @@ async def purge_expired(conn: aiosqlite.Connection, now: float) -> list[str]:
 
 async def live_ids(conn: aiosqlite.Connection) -> set[str]:
     """Every file id with a row (orphan sweeps compare the folder with this)."""
-    return {r[0] for r in await conn.execute_fetchall("SELECT id FROM files")}
+    return {r[0] for r in await fetch_all(conn, "SELECT id FROM files")}
 

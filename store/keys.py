@@ -17,6 +17,7 @@ import aiosqlite
 import orjson
 
 from store.keycache import LiveKey
+from store.rows import fetch_all
 from store.types import ApiKey, Conflict, NotFound, Org, Principal
 
 SECRET_PREFIX = "sk-"
@@ -41,12 +42,12 @@ def is_well_formed(secret: str) -> bool:
     return secret.startswith(SECRET_PREFIX) and len(secret) <= MAX_SECRET_CHARS
 
 
-def org_from_row(row: sqlite3.Row | tuple, offset: int = 0) -> Org:
+def org_from_row(row: sqlite3.Row | tuple[Any, ...], offset: int = 0) -> Org:
     id_, name, tier, budget, limits_json, created_at = tuple(row)[offset : offset + 6]
     return Org(id_, name, tier, budget, orjson.loads(limits_json), created_at)
 
 
-def key_from_row(row: sqlite3.Row | tuple) -> ApiKey:
+def key_from_row(row: sqlite3.Row | tuple[Any, ...]) -> ApiKey:
     return ApiKey(*tuple(row)[:9])
 
 
@@ -54,22 +55,22 @@ def key_from_row(row: sqlite3.Row | tuple) -> ApiKey:
 
 
 async def get_org(conn: aiosqlite.Connection, name: str) -> Org | None:
-    rows = await conn.execute_fetchall(f"SELECT {_ORG_COLUMNS} FROM orgs o WHERE o.name = ?", (name,))
+    rows = await fetch_all(conn, f"SELECT {_ORG_COLUMNS} FROM orgs o WHERE o.name = ?", (name,))
     return org_from_row(rows[0]) if rows else None
 
 
 async def list_orgs(conn: aiosqlite.Connection) -> list[Org]:
-    rows = await conn.execute_fetchall(f"SELECT {_ORG_COLUMNS} FROM orgs o ORDER BY o.name")
+    rows = await fetch_all(conn, f"SELECT {_ORG_COLUMNS} FROM orgs o ORDER BY o.name")
     return [org_from_row(r) for r in rows]
 
 
 async def list_keys(conn: aiosqlite.Connection, org_name: str | None) -> list[ApiKey]:
     if org_name is None:
-        rows = await conn.execute_fetchall(f"SELECT {_KEY_COLUMNS} FROM api_keys k ORDER BY k.created_at")
+        rows = await fetch_all(conn, f"SELECT {_KEY_COLUMNS} FROM api_keys k ORDER BY k.created_at")
         return [key_from_row(r) for r in rows]
     if await get_org(conn, org_name) is None:
         raise NotFound(f"no organisation named {org_name!r}")
-    rows = await conn.execute_fetchall(
+    rows = await fetch_all(conn,
         f"SELECT {_KEY_COLUMNS} FROM api_keys k JOIN orgs o ON o.id = k.org_id"
         " WHERE o.name = ? ORDER BY k.created_at",
         (org_name,),
@@ -82,7 +83,7 @@ async def find_live_keys(conn: aiosqlite.Connection, key_hashes: list[str]) -> d
     found: dict[str, LiveKey] = {}
     for start in range(0, len(key_hashes), MAX_LOOKUP_HASHES):
         batch = key_hashes[start : start + MAX_LOOKUP_HASHES]
-        rows = await conn.execute_fetchall(
+        rows = await fetch_all(conn,
             f"SELECT k.key_hash, k.id, k.expires_at, {_ORG_COLUMNS} FROM api_keys k JOIN orgs o ON o.id = k.org_id"
             f" WHERE k.revoked_at IS NULL AND k.key_hash IN ({', '.join('?' * len(batch))})",
             batch,

@@ -7,10 +7,12 @@ turn, and `request_id` is the primary key, so a request can be billed at most on
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 import aiosqlite
 
 from store import conversations
+from store.rows import fetch_all
 from store.types import Message, RequestRecord
 
 GROUP_BY = ("model", "day", "key")
@@ -73,7 +75,7 @@ def _turn(rec: RequestRecord) -> list[Message]:
 
 
 async def month_spend_usd(conn: aiosqlite.Connection, org_id: str, now: float) -> float:
-    rows = await conn.execute_fetchall(
+    rows = await fetch_all(conn,
         "SELECT cost_usd FROM org_month_spend WHERE org_id = ? AND month = ?", (org_id, month_of(now))
     )
     return round(float(rows[0][0]), 9) if rows else 0.0  # float additions drift below a nano-dollar
@@ -81,12 +83,12 @@ async def month_spend_usd(conn: aiosqlite.Connection, org_id: str, now: float) -
 
 async def summary(
     conn: aiosqlite.Connection, org_id: str, start: float | None, end: float | None, group_by: str
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """Token totals and cost per group, for `start <= created_at < end` (either bound optional)."""
     if group_by not in _GROUP_COLUMNS:
         raise ValueError(f"group_by must be one of {GROUP_BY}, got {group_by!r}")
     expr, name = _GROUP_COLUMNS[group_by]
-    where, params = "u.org_id = ?", [org_id]
+    where, params = "u.org_id = ?", list[object]([org_id])
     if start is not None:
         where += " AND u.created_at >= ?"
         params.append(start)
@@ -94,7 +96,7 @@ async def summary(
         where += " AND u.created_at < ?"
         params.append(end)
     key_prefix = ", max(k.prefix) AS key_prefix" if group_by == "key" else ""
-    rows = await conn.execute_fetchall(
+    rows = await fetch_all(conn,
         f"SELECT {expr} AS {name}{key_prefix}, count(*) AS num_requests,"
         " sum(u.prompt_tokens) AS prompt_tokens, sum(u.cached_tokens) AS cached_tokens,"
         " sum(u.completion_tokens) AS completion_tokens, round(sum(u.cost_usd), 9) AS cost_usd"

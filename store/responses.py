@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import aiosqlite
 
+from store.rows import fetch_all
+
 
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
@@ -66,7 +68,7 @@ async def fail_unfinished(conn: aiosqlite.Connection, error: dict) -> int:
 
 
 async def get(conn: aiosqlite.Connection, org_id: str, response_id: str) -> StoredResponse | None:
-    rows = await conn.execute_fetchall(f"SELECT {_COLUMNS} {_LIVE}", (org_id, response_id))
+    rows = await fetch_all(conn, f"SELECT {_COLUMNS} {_LIVE}", (org_id, response_id))
     return StoredResponse(*tuple(rows[0])) if rows else None
 
 

@@ -11,6 +11,7 @@ import sqlite3
 import aiosqlite
 import structlog
 
+from store.rows import fetch_all
 from store.types import StoreError
 
 log = structlog.get_logger(__name__)
@@ -221,7 +222,8 @@ async def prepare(conn: aiosqlite.Connection, synchronous: str) -> None:
 
 async def migrate(conn: aiosqlite.Connection) -> int:
     """Apply every migration newer than the file's user_version; returns the new version."""
-    current = int(await _scalar(conn, "PRAGMA user_version"))
+    user_version = await _scalar(conn, "PRAGMA user_version")
+    current = user_version if isinstance(user_version, int) else 0
     if current > SCHEMA_VERSION:
         raise StoreError(f"the database is at schema {current}, newer than this server's {SCHEMA_VERSION}")
     for version, script in MIGRATIONS:
@@ -239,5 +241,5 @@ async def migrate(conn: aiosqlite.Connection) -> int:
 
 
 async def _scalar(conn: aiosqlite.Connection, sql: str) -> object:
-    rows = await conn.execute_fetchall(sql)
+    rows = await fetch_all(conn, sql)
     return rows[0][0] if rows else None

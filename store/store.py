@@ -24,6 +24,7 @@ import structlog
 from settings import StoreConfig
 from store import conversations, feedback, files, keys, ledger, responses, schema
 from store.keycache import MISS, KeyCache, LiveKey
+from store.rows import fetch_all
 from store.types import (
     ApiKey,
     Conversation,
@@ -36,7 +37,7 @@ from store.types import (
     StoreError,
     StoreUnavailable,
 )
-from store.writer import Writer, is_storage_error
+from store.writer import Job, T, Writer, is_storage_error
 
 log = structlog.get_logger(__name__)
 
@@ -122,7 +123,7 @@ class Store:
     # --- organisations and keys ----------------------------------------------------------
 
     async def create_org(
-        self, name: str, tier: str, *, budget_usd: float | None = None, limits: dict | None = None
+        self, name: str, tier: str, *, budget_usd: float | None = None, limits: dict[str, Any] | None = None
     ) -> Org:
         job = functools.partial(keys.insert_org, name=name, tier=tier, budget_usd=budget_usd, limits=limits or {})
         return await self._write(job)
@@ -341,7 +342,7 @@ class Store:
 
     async def usage_summary(
         self, org_id: str, *, start: float | None = None, end: float | None = None, group_by: str = "model"
-    ) -> list[dict]:
+    ) -> list[dict[str, Any]]:
         """Rows of {<group>, num_requests, prompt_tokens, cached_tokens, completion_tokens, cost_usd}."""
         async with self._reader() as conn:
             return await ledger.summary(conn, org_id, start, end, group_by)
@@ -351,7 +352,7 @@ class Store:
     async def integrity_check(self) -> str:
         """`PRAGMA integrity_check`: 'ok', or SQLite's list of problems."""
         async with self._reader() as conn:
-            rows = await conn.execute_fetchall("PRAGMA integrity_check")
+            rows = await fetch_all(conn, "PRAGMA integrity_check")
         return "\n".join(str(r[0]) for r in rows)
 
     async def probe_writable(self) -> bool:
@@ -368,7 +369,7 @@ class Store:
 
     # --- internals -----------------------------------------------------------------------
 
-    async def _write(self, job: Any) -> Any:
+    async def _write(self, job: Job[T]) -> T:
         return await self._writer.run(job)
 
     @contextlib.asynccontextmanager
@@ -450,7 +451,7 @@ async def _write_probe(conn: aiosqlite.Connection, num_bytes: int) -> None:
 
 async def _apply_max_bytes(conn: aiosqlite.Connection, max_db_bytes: int) -> None:
     if max_db_bytes > 0:
-        rows = await conn.execute_fetchall("PRAGMA page_size")
+        rows = await fetch_all(conn, "PRAGMA page_size")
         await conn.execute_fetchall(f"PRAGMA max_page_count = {max(1, max_db_bytes // int(rows[0][0]))}")
 
 

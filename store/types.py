@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class StoreError(Exception):
@@ -42,7 +43,7 @@ class Org:
     name: str
     tier: str
     budget_usd: float | None  # per calendar month (UTC); None: no budget
-    limits: dict = field(default_factory=dict)  # per-org overrides of tier limits, by setting name
+    limits: dict[str, Any] = field(default_factory=dict)  # per-org overrides of tier limits, by setting name
     created_at: float = 0.0
 
 

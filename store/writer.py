@@ -47,8 +47,8 @@ def is_storage_error(exc: BaseException) -> bool:
 
 @dataclass(slots=True)
 class _Pending:
-    job: Job
-    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    job: Job[Any]
+    future: asyncio.Future[Any] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 class _BatchAborted(Exception):
@@ -61,7 +61,7 @@ class Writer:
     def __init__(self, conn: aiosqlite.Connection) -> None:
         self._conn = conn
         self._queue: asyncio.Queue[_Pending | None] = asyncio.Queue()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._is_closing = False
         self.is_writable = True  # outcome of the most recent transaction
 
@@ -78,7 +78,8 @@ class Writer:
             raise StoreUnavailable("the store is closed")
         pending = _Pending(job)
         self._queue.put_nowait(pending)
-        return await pending.future
+        result: T = await pending.future
+        return result
 
     async def close(self) -> None:
         """Stop taking jobs, finish every job already queued, then stop the task."""
@@ -97,7 +98,7 @@ class Writer:
                     await self._run_batch(batch)
                 except Exception as exc:  # a bug here must not kill the only writer
                     log.exception("store_writer_batch_failed")
-                    _fail_all(batch, lambda exc=exc: exc)
+                    _fail_all(batch, functools.partial(_as_is, exc))
             if is_last:
                 return
 
@@ -135,7 +136,7 @@ class Writer:
             else:
                 pending.future.set_exception(value)
 
-    async def _run_job(self, job: Job) -> tuple[bool, Any]:
+    async def _run_job(self, job: Job[Any]) -> tuple[bool, Any]:
         await self._conn.execute("SAVEPOINT job")
         try:
             value = await job(self._conn)
@@ -173,6 +174,10 @@ def _unavailable(cause: BaseException | None) -> StoreUnavailable:
     err = StoreUnavailable(f"the database cannot be written: {cause}")
     err.__cause__ = cause
     return err
+
+
+def _as_is(exc: BaseException) -> BaseException:
+    return exc
 
 
 def _fail_all(batch: list[_Pending], make_error: Callable[[], BaseException]) -> None:
