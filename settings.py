@@ -505,7 +505,7 @@ def _build(cls: type, raw: Any, where: str) -> Any:
                 raise ConfigError(f"{key}: expected a table of named sections")
             item_cls = _NAMED_SECTIONS[name]
             kwargs[name] = {k: _build(item_cls, v, _join(key, k)) for k, v in value.items()}
-        elif dataclasses.is_dataclass(hint):
+        elif isinstance(hint, type) and dataclasses.is_dataclass(hint):
             kwargs[name] = _build(hint, value, key)
         else:
             kwargs[name] = _coerce(hint, value, key)
@@ -549,12 +549,13 @@ def settings_help() -> list[tuple[str, Any, str]]:
     def walk(cls: type, prefix: str) -> None:
         for f in dataclasses.fields(cls):
             hint = typing.get_type_hints(cls)[f.name]
-            if dataclasses.is_dataclass(hint):
+            if isinstance(hint, type) and dataclasses.is_dataclass(hint):
                 walk(hint, _join(prefix, f.name))
             elif prefix == "" and f.name in _NAMED_SECTIONS:
                 walk(_NAMED_SECTIONS[f.name], f"{f.name}.<name>")
             else:
-                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                factory = f.default_factory  # MISSING (not callable) unless the field has one
+                default = factory() if callable(factory) else f.default
                 rows.append((_join(prefix, f.name), default, f.metadata.get("help", "")))
 
     walk(Settings, "")

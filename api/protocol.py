@@ -25,7 +25,7 @@ MAX_STOP_CHARS = 256
 MAX_TOP_LOGPROBS = 20
 
 # Fields we accept but ignore when they carry their default (harmless for a text chat).
-_IGNORED_DEFAULTS: dict[str, tuple[Any, ...]] = {
+_IGNORED_DEFAULTS: dict[str, tuple[Any, ...] | None] = {
     "logit_bias": (None, {}),
     "store": (None, False),
     "metadata": None,  # any value

@@ -8,7 +8,7 @@ principal into the plain values the gateway takes (`caller`) and renders its ans
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import structlog
@@ -106,7 +106,7 @@ class AppState:
         log.info("output_filtered", request_id=turn.request_id, layer=verdict.layer, category=verdict.category)
 
     # -- generation and billing ----------------------------------------------------------
-    def generate(self, turn: Turn, choice: int = 0) -> AsyncIterator[TokenEvent]:
+    def generate(self, turn: Turn, choice: int = 0) -> AsyncGenerator[TokenEvent, None]:
         return self.coalescer.generate(turn.model.backend, turn.gen_for(choice))
 
     async def record(self, turn: Turn, record: RequestRecord, finish: FinishReason | None) -> None:

@@ -168,7 +168,7 @@ def detect_format(chat_template: str | None, setting: str) -> ToolFormat:
 
 
 def template_takes_tools(chat_template: str | None) -> bool:
-    return bool(chat_template) and "tools" in chat_template
+    return chat_template is not None and "tools" in chat_template
 
 
 def tools_system_prompt(tools: tuple[Tool, ...], fmt: ToolFormat) -> str:

@@ -12,6 +12,7 @@ import functools
 import json
 from collections import OrderedDict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import llguidance
 import numpy as np
@@ -20,10 +21,13 @@ import torch
 
 from engine.types import StructuredKind, StructuredOutput
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 log = structlog.get_logger(__name__)
 
 # Compact JSON: a model under a grammar that allows free whitespace can pad forever.
-_JSON_OPTIONS = {"whitespace_flexible": False}
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 _MATCHER_CACHE_ENTRIES = 256
 
 

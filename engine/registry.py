@@ -11,12 +11,16 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
 from engine.tokenizer import Tokenizer, TokenizerLoadError
 from engine.types import Backend
 from settings import ConfigError, ModelConfig, Settings
+
+if TYPE_CHECKING:
+    from engine.upstream.counting import Counter
 
 log = structlog.get_logger(__name__)
 
@@ -33,7 +37,7 @@ class ModelHandle:
     name: str
     config: ModelConfig
     backend: Backend
-    tokenizer: Tokenizer  # backend "openai": the counter of engine/upstream/counting.py
+    tokenizer: Tokenizer | Counter  # backend "openai": the counter of engine/upstream/counting.py
 
     @property
     def max_model_len(self) -> int:
@@ -66,8 +70,8 @@ def build_model(
     if config.backend == "openai":
         from engine.upstream.build import build_upstream_model
 
-        backend, counter = build_upstream_model(name, config, settings.upstream)
-        return ModelHandle(name, config, backend, counter)
+        upstream, counter = build_upstream_model(name, config, settings.upstream)
+        return ModelHandle(name, config, upstream, counter)
     model_dir = Path(config.path)
     if not model_dir.is_dir():
         raise ConfigError(f"models.{name}.path: model folder not found: {model_dir}")

@@ -10,9 +10,10 @@ the default temperature / top_p / top_k / repetition_penalty from `generation_co
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -96,7 +97,7 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_dir(cls, path: Path | str) -> Tokenizer:
+    def from_dir(cls, path: Path | str) -> Self:
         path = Path(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.exists():
@@ -114,7 +115,7 @@ class Tokenizer:
     @property
     def thinks(self) -> bool:
         """Whether the chat template knows <think>...</think> reasoning (Qwen3, R1 distills, ...)."""
-        return bool(self.chat_template) and "</think>" in self.chat_template
+        return self.chat_template is not None and "</think>" in self.chat_template
 
     def encode_chat(
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, tools: list[dict] | None = None,
@@ -156,7 +157,7 @@ class Tokenizer:
         # Rendered chat text already holds its special tokens: add none.
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, token_ids: list[int] | tuple[int, ...], *, skip_special_tokens: bool = True) -> str:
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:

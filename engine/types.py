@@ -8,7 +8,7 @@ must not add their own fields to these types.
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -259,7 +259,7 @@ class Backend(Protocol):
         """True when a new request would start promptly (the queue in front admits by this)."""
         ...
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         """Stream events for one request; the last one carries finish_reason.
 
         Closing the iterator early (aclose, or cancellation of the consumer) aborts the

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import structlog
@@ -66,7 +66,7 @@ class Coalescer:
     def num_in_flight(self) -> int:
         return len(self._flights)
 
-    async def generate(self, backend: Backend, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, backend: Backend, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         """`backend.generate(request)`, shared with identical greedy requests in flight.
 
         Close it with `aclose()` (or `contextlib.aclosing`) when leaving early; never call

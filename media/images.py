@@ -86,7 +86,7 @@ async def fetch_remote(url: str, cfg: ImagesConfig) -> bytes:
         async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url, allow_redirects=False) as resp:
             if resp.status != 200:
                 raise ImageRejected(f"Fetching the image gave HTTP {resp.status}.", "image_fetch_failed")
-            if (resp.content_length or 0) > cfg.max_image_bytes:
+            if resp.content_length is not None and resp.content_length > cfg.max_image_bytes:
                 raise _too_large(resp.content_length, cfg)
             data = bytearray()
             async for chunk in resp.content.iter_chunked(65_536):

@@ -161,6 +161,7 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, spec: AttentionSpec) -
         return meta.decode_kernel(
             q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.decode_max_context_len
         )
+    assert meta.decode_slots is not None  # built whenever the kernel does not run this step
     b, length = meta.decode_slots.shape
     # By slot, not by whole blocks: a row shorter than the longest must not read the unwritten
     # tail of its last block (whatever the memory held, NaN included: masking does not undo a

@@ -12,7 +12,7 @@ import asyncio
 import math
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar
@@ -189,7 +189,7 @@ class NativeBackend:
             and stats.num_kv_blocks_free >= blocks_needed
         )
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         if self._engine is None or self._stopping or self._dead:
             raise EngineError("the native engine is not running")
         self._engine.check_request(request)

@@ -25,7 +25,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: bytes | None = None  # set once the block is full, computed and registered
-    token_ids: tuple[int, ...] | None = None  # its tokens, re-checked on every cache hit
+    token_ids: tuple[object, ...] | None = None  # its tokens (and image keys), re-checked on every cache hit
 
 
 def cdiv(a: int, b: int) -> int:

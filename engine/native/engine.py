@@ -21,13 +21,14 @@ from engine.types import (
     FinishReason,
     GenerationRequest,
     RequestRejected,
+    StructuredOutput,
     TokenLogprob,
     check_fits_context,
 )
 from settings import EngineConfig
 
 if TYPE_CHECKING:
-    from engine.grammar import GrammarCompiler
+    from engine.grammar import GrammarCompiler, GrammarMatcher
     from engine.native.runner import ModelRunner
 
 
@@ -133,17 +134,17 @@ class LLMEngine:
             request = replace(request, cache_salt=None)
         seq = Sequence(next(self._seq_ids), request, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
         if request.sampling.structured is not None:
-            seq.grammar = self._matcher(request)
+            seq.grammar = self._matcher(request.sampling.structured)
         self._seqs[request.request_id] = seq
         self.scheduler.add(seq)
 
-    def _matcher(self, request: GenerationRequest):
+    def _matcher(self, structured: StructuredOutput) -> GrammarMatcher:
         from engine.grammar import GrammarError
 
         if self.grammar is None:
             raise RequestRejected("this engine was built without a grammar compiler", param="response_format")
         try:
-            return self.grammar.matcher(request.sampling.structured)
+            return self.grammar.matcher(structured)
         except GrammarError as exc:
             raise RequestRejected(str(exc), param="response_format") from None
 

@@ -118,12 +118,13 @@ class ModelArgs:
         and layers without RoPE (SmolLM3)."""
         f = self.family
         ropes = {layer.rope for layer in self.layers} - {None}
+        (rope,) = ropes if len(ropes) == 1 else (None,)
         return (
             f.norms is Norms.PRE
             and f.qk_norm in (QKNorm.NONE, QKNorm.PER_HEAD)
             and self.activation is Activation.SILU
-            and len(ropes) == 1
-            and self.rotary_dim(next(iter(ropes))) == self.head_dim
+            and rope is not None
+            and self.rotary_dim(rope) == self.head_dim
             and self.sliding_window is None
             and self.attn_logit_softcap is None
             and self.attention_scale == self.head_dim**-0.5

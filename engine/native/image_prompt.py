@@ -66,14 +66,17 @@ class ImageTokenizer(Tokenizer):
         return tokenizer
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+        **template_kwargs: Any,
     ) -> list[int]:
         if not any(IMAGE_SENTINEL in str(m.get("content", "")) for m in messages):
-            return super().encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+            return super().encode_chat(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
+            )
         sentinels = [f"\x00{i}\x00" for i in range(len(messages))]
         rendered = self.apply_chat_template(
             [{**m, "content": s} for m, s in zip(messages, sentinels)], add_generation_prompt=add_generation_prompt,
-            tools=tools,
+            tools=tools, **template_kwargs,
         )
         slot = [self.image_prompter.image_token_id] * self.image_prompter.num_image_tokens
         ids: list[int] = []

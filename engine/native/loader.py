@@ -100,6 +100,8 @@ def checkpoint_dtype(model_dir: Path) -> torch.dtype | None:
     """The dtype config.json says the weights were saved in (None if it does not say)."""
     cfg = _read_json(Path(model_dir) / "config.json")
     name = cfg.get("dtype") or cfg.get("torch_dtype")
+    if not isinstance(name, str):
+        return None
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name)
 
 

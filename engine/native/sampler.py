@@ -75,11 +75,11 @@ class Sampler:
         _apply_repetition_penalty(logits, rows)
         _apply_penalties(logits, rows)
         _mask_stop_tokens_before_min(logits, rows)
-        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        constrained = [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None]
         if constrained:
             from engine.grammar import apply_bitmasks
 
-            apply_bitmasks(logits, constrained, [rows[i].grammar for i in constrained])
+            apply_bitmasks(logits, [i for i, _ in constrained], [g for _, g in constrained])
         greedy = _argmax(logits)
         sampled_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if sampled_rows:
@@ -111,20 +111,23 @@ class Sampler:
 
 def _record_logprobs(logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int]) -> None:
     """Append each asking row's chosen-token logprob and its top-k alternatives to its sink."""
-    asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None and r.logprobs_sink is not None]
+    asking = [
+        (i, r.params.logprobs, r.logprobs_sink)
+        for i, r in enumerate(rows)
+        if r.params.logprobs is not None and r.logprobs_sink is not None
+    ]
     if not asking:
         return
-    idx = torch.tensor(asking, device=logits.device)
-    temps = torch.tensor([rows[i].params.temperature or 1.0 for i in asking], device=logits.device)
+    idx = torch.tensor([i for i, _, _ in asking], device=logits.device)
+    temps = torch.tensor([rows[i].params.temperature or 1.0 for i, _, _ in asking], device=logits.device)
     logp = torch.log_softmax(logits.index_select(0, idx) / temps[:, None], dim=-1)  # [num_asking, vocab]
-    k = max(rows[i].params.logprobs for i in asking)
+    k = max(n for _, n, _ in asking)
     top_values, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
-    chosen = logp.gather(1, torch.tensor([[tokens[i]] for i in asking], device=logits.device))
+    chosen = logp.gather(1, torch.tensor([[tokens[i]] for i, _, _ in asking], device=logits.device))
     chosen_l, top_v, top_i = chosen[:, 0].tolist(), top_values.tolist(), top_ids.tolist()
-    for j, i in enumerate(asking):
-        n = rows[i].params.logprobs
+    for j, (i, n, sink) in enumerate(asking):
         top = tuple(zip(top_i[j][:n], top_v[j][:n]))
-        rows[i].logprobs_sink.append(TokenLogprob(tokens[i], chosen_l[j], top))
+        sink.append(TokenLogprob(tokens[i], chosen_l[j], top))
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-def block_hash(parent_hash: bytes, token_ids: list[int] | tuple[int, ...], extra: tuple = ()) -> bytes:
+def block_hash(parent_hash: bytes, token_ids: list[int] | tuple[int, ...], extra: tuple[object, ...] = ()) -> bytes:
     """Chained hash of one full block: its parent's hash, its own token ids, and the content
     keys of any images whose tokens it holds (image tokens share one id, so the ids alone
     would let two different pictures share blocks)."""
@@ -146,12 +146,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def block_token_ids(self, index: int, block_size: int) -> tuple:
+    def block_token_ids(self, index: int, block_size: int) -> tuple[object, ...]:
         """The block's token ids, then the keys of the image content it holds (checked on a cache hit)."""
         ids = tuple(self.token_ids[index * block_size : (index + 1) * block_size])
         return ids + self._image_keys(index * block_size, (index + 1) * block_size) if self.images else ids
 
-    def _image_keys(self, start: int, end: int) -> tuple:
+    def _image_keys(self, start: int, end: int) -> tuple[tuple[str, int], ...]:
         """(content hash, first image-token index in the block) for each image overlapping [start, end)."""
         return tuple(
             (img.content_hash, max(start, img.offset) - img.offset)

@@ -149,11 +149,11 @@ class VisionTower:
         a = self.args
         n, t, h = x.shape
         hd = h // a.num_heads
-        y = F.layer_norm(x, (h,), *layer["norm1"], a.layer_norm_eps)
+        y = F.layer_norm(x, (h,), layer["norm1"][0], layer["norm1"][1], a.layer_norm_eps)
         q, k, v = F.linear(y, *layer["qkv"]).view(n, t, 3, a.num_heads, hd).permute(2, 0, 3, 1, 4)
         o = F.scaled_dot_product_attention(q, k, v)  # full attention over patches: [n, heads, t, hd]
         x = x + F.linear(o.transpose(1, 2).reshape(n, t, h), *layer["out"])
-        y = F.layer_norm(x, (h,), *layer["norm2"], a.layer_norm_eps)
+        y = F.layer_norm(x, (h,), layer["norm2"][0], layer["norm2"][1], a.layer_norm_eps)
         return x + F.linear(_ACTIVATIONS[a.hidden_act](F.linear(y, *layer["fc1"])), *layer["fc2"])
 
     def step_embeddings(self, seqs: list, num_scheduled: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import importlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -182,7 +182,7 @@ class TrtllmBackend:
             )
         structured = request.sampling.structured
         reason = unsupported_reason(structured, self._guided_backend) if structured is not None else None
-        if reason is not None:  # refuse rather than ignore: an unconstrained answer would not parse
+        if structured is not None and reason is not None:  # refuse rather than ignore: an unconstrained answer would not parse
             param = "tool_choice" if structured.kind is StructuredKind.LARK else "response_format"
             raise RequestRejected(reason, param=param, code="unsupported_value")
         if request.sampling.logprobs is not None and not self._supports_logprobs:
@@ -193,7 +193,7 @@ class TrtllmBackend:
         return self.state is BackendState.READY and self._slots is not None and self._slots.has_free
 
     # -- generation -----------------------------------------------------------------------
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         self._require_serving()
         assert self._slots is not None
         if not await self._slots.acquire(request.request_id):  # turned away: aborted or shutting down

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -202,7 +202,7 @@ class UpstreamBackend:
                 flight.response.close()  # the upstream sees the connection close and frees its KV
 
     # -- generation -----------------------------------------------------------------------
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         if self._session is None or self._is_stopped:
             raise EngineError(f"the upstream backend of {self.name} is not serving")
         self.check_request(request)
@@ -249,8 +249,9 @@ class UpstreamBackend:
                                  retry_after_s=max(1.0, retry_s))
 
     async def _attempt(self, replica: Replica, request: GenerationRequest, body: dict,
-                       progress: _Progress) -> AsyncIterator[TokenEvent]:
+                       progress: _Progress) -> AsyncGenerator[TokenEvent, None]:
         """One try on one replica; raises _AttemptFailed, yields events as chunks arrive."""
+        assert self._session is not None  # generate() refuses before start and after shutdown
         replica.num_in_flight += 1
         replica.num_requests += 1
         flight = _Flight(replica)
@@ -283,7 +284,7 @@ class UpstreamBackend:
                 flight.response.close()  # left early (client gone): close now, never drain
 
     async def _relay(self, response: aiohttp.ClientResponse, flight: _Flight, progress: _Progress,
-                     started_s: float) -> AsyncIterator[TokenEvent]:
+                     started_s: float) -> AsyncGenerator[TokenEvent, None]:
         cfg, replica = self._config, flight.replica
         deadline_s = started_s + cfg.first_token_timeout_s
 
@@ -294,7 +295,7 @@ class UpstreamBackend:
             if flight.is_aborted:  # aborted before the response arrived: it was not closed then
                 yield self._final(progress, FinishReason.ABORT)
                 return
-            if payload is DONE:
+            if payload is DONE or not isinstance(payload, dict):
                 break
             chunk = parse_chunk(payload)
             if isinstance(chunk, UpstreamError):

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.upstream.breaker import BREAKER_GAUGE, FailureKind
+
+if TYPE_CHECKING:
+    from engine.upstream.backend import UpstreamBackend
 
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
@@ -40,8 +44,8 @@ class LatencyHistogram:
 
 
 class UpstreamCollector(Collector):
-    def __init__(self, backends: Mapping[str, object]):
-        self._backends = dict(backends)  # model name -> UpstreamBackend
+    def __init__(self, backends: Mapping[str, UpstreamBackend]):
+        self._backends = dict(backends)  # model name -> its backend
 
     def describe(self) -> Iterable[Metric]:
         return []

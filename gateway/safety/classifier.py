@@ -118,7 +118,7 @@ def merge(parts: Sequence[TurnSummary], bonus: Sequence[np.ndarray | float] | No
     scale = np.exp(peaks - top)  # [runs, queries]
     weight = sum(sc * s.weight for sc, s in zip(scale, parts))
     value = sum(sc[:, None] * s.value for sc, s in zip(scale, parts))
-    state_sum = sum(s.state_sum for s in parts)
+    state_sum = np.sum(np.stack([s.state_sum for s in parts]), axis=0)  # [dim]
     return TurnSummary(top, weight, value, state_sum, sum(s.num_tokens for s in parts))
 
 

@@ -152,8 +152,10 @@ class MiniLmEmbedder:
         self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self._tokenizer.no_padding()  # the shipped file pads to 128; we pad per batch instead
         self._tokenizer.no_truncation()  # we cut texts into windows ourselves
-        self._cls_id = self._tokenizer.token_to_id("[CLS]")
-        self._sep_id = self._tokenizer.token_to_id("[SEP]")
+        cls_id, sep_id = self._tokenizer.token_to_id("[CLS]"), self._tokenizer.token_to_id("[SEP]")
+        if cls_id is None or sep_id is None:
+            raise ValueError(f"{model_dir}/tokenizer.json has no [CLS] or [SEP] token")
+        self._cls_id, self._sep_id = cls_id, sep_id
         self._lock = threading.Lock()
         log.info("safety_embedder_loaded", model_dir=str(model_dir), dtype=dtype, max_tokens=self.max_tokens)
 
