@@ -256,21 +256,24 @@ class NativeBackend:
             else:
                 ready.set_result(outcome)
 
+        loop = self._loop
+        assert loop is not None  # start() sets it before handing the backend to the step thread
         try:
             engine = LLMEngine.from_model_dir(
                 self._model_dir, self._config, eos_token_ids=self._tokenizer.eos_token_ids, max_model_len=self._max_model_len
             )
         except BaseException as exc:  # reported to start(), which re-raises it
-            self._loop.call_soon_threadsafe(settle, exc)
+            loop.call_soon_threadsafe(settle, exc)
             return None
         self._engine = engine
-        self._loop.call_soon_threadsafe(settle, engine.stats())
+        loop.call_soon_threadsafe(settle, engine.stats())
         return engine
 
     def _tick(self) -> str:
         """One turn of the step thread for this engine: take in requests and aborts, run one
         step if there is work, publish the outputs. Returns "busy", "idle" or "done"."""
         engine = self._engine
+        assert engine is not None  # the step thread ticks only the engines it built
         items, stop = self._drain_inbox(engine)
         if not stop and engine.has_unfinished_requests():
             try:
@@ -316,6 +319,7 @@ class NativeBackend:
         return [_Failure(request_id, error) for request_id in request_ids]
 
     def _publish(self, items: list) -> bool:
+        assert self._loop is not None  # set by start(), before any step
         try:
             self._loop.call_soon_threadsafe(self._dispatch, items)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
@@ -345,7 +349,7 @@ class _StepThread:
         with cls._registry_lock:
             stepper = cls._registry.get(key)
             fresh = stepper is None
-            if fresh:
+            if stepper is None:
                 stepper = cls._registry[key] = cls(key)
             stepper._arrivals.append((backend, ready))
             stepper.wakeup.set()

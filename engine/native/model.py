@@ -137,7 +137,7 @@ class Model:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
         args = self.args
-        if self.packed:
+        if self.packed and self.cpu is not None:  # packed weights come with their kernels
             h = self.cpu.rms_norm(hidden.contiguous(), self.weights.norm, args.rms_norm_eps)
         else:
             h = _rms_norm(hidden, self.weights.norm, args.rms_norm_eps)
@@ -159,13 +159,15 @@ class Model:
             return stack(x, positions, meta.slot_mapping, self.cos, self.sin, meta.decode_block_tables,
                          meta.decode_context_lens, meta.decode_max_context_len)
         args, eps, cpu = self.args, self.args.rms_norm_eps, self.cpu
+        assert cpu is not None  # fused_cpu_ops: compiled kernels are loaded
         num_tokens = x.shape[0]
         q_size, kv_size = self._split
         delta = None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.weights.layers, kv_caches, strict=True)):
+            assert layer.input_norm is not None and layer.post_norm is not None  # Llama-like: both pre-norms
             h = cpu.rms_norm(x, layer.input_norm, eps, residual=delta)
             qkv = linear(h, layer.qkv, layer.qkv_bias)
-            if layer.q_norm is not None:  # per head, before RoPE (Qwen3)
+            if layer.q_norm is not None and layer.k_norm is not None:  # per head, before RoPE (Qwen3)
                 qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, args.head_dim)
                 qk[:, : args.num_heads] = _rms_norm(qk[:, : args.num_heads], layer.q_norm, eps)
                 qk[:, args.num_heads :] = _rms_norm(qk[:, args.num_heads :], layer.k_norm, eps)
@@ -183,6 +185,7 @@ class Model:
     def _decode_stack(self, kv_caches) -> DecodeStack:
         stack = self._stack
         if stack is None or stack.kv_cache_ptr != kv_caches[0][0].data_ptr():
+            assert self.cpu is not None  # uses_decode_stack: compiled kernels are loaded
             a = self.args
             stack = self._stack = self.cpu.decode_stack(
                 self.weights.layers, kv_caches, hidden=a.hidden_size, heads=a.num_heads, kv_heads=a.num_kv_heads,
@@ -200,8 +203,9 @@ class Model:
             q, k = _rotate(q, *rope), _rotate(k, *rope)
         spec = self.attention_specs[i]
         meta = meta.for_layer(spec)  # a hybrid model's sliding layers: their own KV group
-        write_kv_cache(k, v, *kv_cache, meta)
-        o = paged_attention(q, k, v, *kv_cache, meta, spec)  # [num_tokens, heads, head_dim]
+        k_cache, v_cache = kv_cache
+        write_kv_cache(k, v, k_cache, v_cache, meta)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, spec)  # [num_tokens, heads, head_dim]
         o = linear(o.reshape(num_tokens, -1), layer.o_proj)
         if layer.attn_out_norm is not None:
             o = _rms_norm(o, layer.attn_out_norm, eps)

@@ -10,8 +10,10 @@ language model's input embeddings. Numerics follow `transformers`' CLIPVisionTra
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -156,7 +158,9 @@ class VisionTower:
         y = F.layer_norm(x, (h,), layer["norm2"][0], layer["norm2"][1], a.layer_norm_eps)
         return x + F.linear(_ACTIVATIONS[a.hidden_act](F.linear(y, *layer["fc1"])), *layer["fc2"])
 
-    def step_embeddings(self, seqs: list, num_scheduled: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def step_embeddings(
+        self, seqs: Sequence[Any], num_scheduled: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows, embeddings) of this step's image tokens, or None when it has none.
 
         Rows follow the runner's flat layout: one-token rows (decodes) first, then the prefill
@@ -175,7 +179,7 @@ class VisionTower:
         return torch.cat(rows).to(self.device), torch.cat(values)
 
 
-def _scheduled_image_spans(seqs: list, num_scheduled: list[int]) -> list[tuple]:
+def _scheduled_image_spans(seqs: Sequence[Any], num_scheduled: Sequence[int]) -> list[tuple[Any, ...]]:
     """(first row, image, first image token, end image token) for each image overlap this step."""
     order = [i for i, n in enumerate(num_scheduled) if n == 1] + [i for i, n in enumerate(num_scheduled) if n > 1]
     spans, row = [], 0
