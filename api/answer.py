@@ -8,7 +8,7 @@ client gets `tool_calls`, never the raw markup. It never talks to the engine or 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from api.reasoning import ReasoningSplitter
 from api.toolparse import Parsed, ToolCallParser
@@ -16,10 +16,13 @@ from api.tools import ToolCall
 from engine.tokenizer import Tokenizer
 from engine.types import FinishReason, TokenLogprob, TokenText
 
+if TYPE_CHECKING:
+    from engine.upstream.counting import Counter
+
 
 class Answer:
     def __init__(
-        self, tokenizer: Tokenizer, parser: ToolCallParser | None, logprobs: int | None,
+        self, tokenizer: Tokenizer | Counter, parser: ToolCallParser | None, logprobs: int | None,
         reasoning: ReasoningSplitter | None = None,
     ):
         self._tokenizer = tokenizer

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import orjson
 
@@ -26,12 +27,15 @@ from settings import FilesConfig, ImagesConfig
 from store.blobs import Blobs, is_file_id
 from store.types import Message, StoredFile
 
+if TYPE_CHECKING:
+    from store.store import Store
+
 _MAX_FIT_TRIES = 3
 
 
 @dataclass(frozen=True, slots=True)
 class AttachContext:
-    store: object  # store.Store
+    store: Store
     blobs: Blobs
     org_id: str
     files: FilesConfig
@@ -93,6 +97,8 @@ async def _image(ctx: AttachContext, part: ImagePart | StoredFile, where: str) -
         elif part.file_id is not None:
             stored = await _owned(ctx, part.file_id, where)
             data = await asyncio.to_thread(ctx.blobs.path(stored.id).read_bytes)
+        elif part.url is None:  # parse_parts gives an image part a file_id or a url
+            raise bad_request(f"'{where}' has neither a file_id nor a url.", param=where)
         elif part.url.startswith("data:"):
             data = images.decode_data_url(part.url, cfg)
         else:
@@ -278,12 +284,12 @@ async def _history_message(ctx: AttachContext, message: ChatMessage, with_images
     a deleted file says so; images stay images for a vision model (remote ones are not fetched again)."""
     if not message.parts:
         return Resolved(message, {}, [])
-    kept = []
+    kept: list[Part] = []
     for part in message.parts:
         file_id = part.file_id if isinstance(part, (FilePart, ImagePart)) else None
         if file_id is not None and await ctx.store.get_file(ctx.org_id, file_id) is None:
             kept.append(TextPart(f"\n[The file {file_id} is no longer available.]\n"))
-        elif isinstance(part, ImagePart) and (not with_images or not (part.file_id or part.url.startswith("data:"))):
+        elif isinstance(part, ImagePart) and (not with_images or not (part.file_id or (part.url or "").startswith("data:"))):
             kept.append(TextPart("[image]"))
         else:
             kept.append(part)
@@ -293,7 +299,7 @@ async def _history_message(ctx: AttachContext, message: ChatMessage, with_images
 
 def history_message(m: Message) -> ChatMessage:
     """A stored message as a chat message, with its parts when it was sent with attachments."""
-    if getattr(m, "parts_json", None) is None:
+    if m.parts_json is None:
         return ChatMessage(m.role, m.content)
     parts: tuple[Part, ...] = parse_parts(orjson.loads(m.parts_json), "history")
     return ChatMessage(m.role, m.content, parts)

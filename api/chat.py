@@ -179,6 +179,7 @@ async def _serve_stream(request: web.Request, state: AppState, turn: Turn, grant
         for d in deltas:
             body = chunk(d["delta"])
             body["choices"][0].update(index=index, logprobs=d.get("logprobs"))
+            assert writer is not None  # tokens flow only once admitted
             await writer.data(body)
 
     def emitter(index: int) -> Callable[[str, tuple[TokenLogprob, ...]], Awaitable[None]]:
@@ -445,6 +446,7 @@ async def _refuse(request: web.Request, state: AppState, turn: Turn, verdict) ->
     """A prompt blocked before the engine: a refusal answer (or a 400 in error mode). The
     refusal is stored as the assistant message, with finish_reason content_filter."""
     cfg = state.settings.safety
+    assert state.safety is not None  # only the safety gate blocks a prompt
     refusal = state.safety.refusal_text(verdict)  # the category's text (self-harm: where to get help)
     is_error = cfg.block_mode == "error"  # then no answer at all: a 400, nothing stored
     turn.text_parts = [] if is_error else [refusal]

@@ -184,7 +184,7 @@ async def _read_form(request: web.Request, upload: Upload, limits: UploadLimits)
             media_type = sniff_media_type(head, part.headers.get("Content-Type"), filename)
         else:
             raise bad_request(f"Unexpected form field {part.name!r}; send 'file' and 'purpose'.", param=part.name)
-    if filename is None:
+    if filename is None or media_type is None:  # both come with the file part
         raise bad_request("Missing required parameter: 'file'.", param="file", code="missing_required_parameter")
     if purpose not in PURPOSES:
         raise bad_request(f"'purpose' must be one of {', '.join(PURPOSES)}; got {purpose!r}.", param="purpose")

@@ -11,6 +11,7 @@ import calendar
 import math
 import time
 from pathlib import Path
+from typing import Any, Literal, overload
 
 import orjson
 from aiohttp import web
@@ -88,13 +89,17 @@ def _message_obj(m: Message) -> dict:
 
 
 def _conversation_obj(c: Conversation, *, with_messages: bool) -> dict:
-    obj = {"id": c.id, "object": "conversation", "title": c.title, "created_at": c.created_at,
+    obj: dict[str, Any] = {"id": c.id, "object": "conversation", "title": c.title, "created_at": c.created_at,
            "updated_at": c.updated_at}
     if with_messages:
         obj["messages"] = [_message_obj(m) for m in c.messages]
     return obj
 
 
+@overload
+def _title(body: object, *, required: Literal[True]) -> str: ...
+@overload
+def _title(body: object, *, required: bool) -> str | None: ...
 def _title(body: object, *, required: bool) -> str | None:
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
@@ -174,6 +179,8 @@ async def truncate_conversation(request: web.Request) -> web.Response:
     if not await request.app[STATE].store.truncate_conversation(request[PRINCIPAL].org.id, cid, keep):
         raise _conversation_missing(cid)
     conv = await request.app[STATE].store.get_conversation(request[PRINCIPAL].org.id, cid)
+    if conv is None:  # deleted since the truncation
+        raise _conversation_missing(cid)
     return _json(_conversation_obj(conv, with_messages=True))
 
 

@@ -256,6 +256,7 @@ async def _serve_stream(
     events: _EventStream | None = None
 
     async def emit(text, logprobs) -> None:
+        assert events is not None  # tokens flow only once the stream is open
         for d in answer.feed(text, logprobs):
             await events.delta(d)
 
@@ -281,6 +282,7 @@ async def _serve_stream(
 
 async def _refuse(ctx: _Context, request: web.Request, state: AppState, turn: Turn, verdict) -> web.StreamResponse:
     """A prompt blocked before the engine: an incomplete response carrying the refusal text."""
+    assert state.safety is not None  # only the safety gate blocks a prompt
     refusal = state.safety.refusal_text(verdict)
     if state.settings.safety.block_mode == "error":
         await finish_turn(state, turn, RequestStatus.FILTERED, FinishReason.CONTENT_FILTER, prompt_billed=False,

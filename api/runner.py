@@ -37,6 +37,7 @@ async def run(app: web.Application, settings: Settings, sock: socket.socket | No
     try:
         guard = ConnectionGuard(ConnectionLimits.from_config(cfg))
         loop = asyncio.get_running_loop()
+        assert runner.server is not None  # made by setup()
         factory = make_protocol_factory(runner.server, guard)
         if sock is not None:
             listener = await loop.create_server(factory, sock=sock, backlog=cfg.backlog)
@@ -55,8 +56,13 @@ async def run(app: web.Application, settings: Settings, sock: socket.socket | No
 
 async def _wait_for_signal(loop: asyncio.AbstractEventLoop) -> str:
     received: asyncio.Future[str] = loop.create_future()
+
+    def on_signal(name: str) -> None:
+        if not received.done():
+            received.set_result(name)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda s=sig: received.done() or received.set_result(s.name))
+        loop.add_signal_handler(sig, on_signal, sig.name)
     try:
         return await received
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import structlog
 from aiohttp import web
@@ -26,6 +27,9 @@ from store import money
 from store.store import Store
 from store.types import Principal, RequestRecord, StoreUnavailable
 
+if TYPE_CHECKING:
+    from gateway.safety import SafetyGate
+
 log = structlog.get_logger(__name__)
 
 PRINCIPAL = web.RequestKey("principal", Principal)  # set by the auth middleware
@@ -40,7 +44,7 @@ class AppState:
     admission: Admission
     metrics: Metrics
     coalescer: Coalescer = field(default_factory=Coalescer)
-    safety: object | None = None  # gateway.safety.SafetyGate when enabled
+    safety: SafetyGate | None = None  # when enabled
     local_principal: Principal | None = None
     draining: bool = False
 
