@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -95,8 +96,8 @@ class BatchInputBuilder:
             **self._decode_metadata(group, decode_seqs, positions),
         )
 
-    def _decode_metadata(self, group: int, seqs: list[Sequence], positions: list[int]) -> dict:
-        meta = dict(
+    def _decode_metadata(self, group: int, seqs: list[Sequence], positions: list[int]) -> dict[str, Any]:
+        meta: dict[str, Any] = dict(
             decode_block_tables=None, decode_context_lens=None, decode_max_context_len=0, decode_slots=None,
             decode_mask=None, decode_window_mask=None,
         )

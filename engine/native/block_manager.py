@@ -87,6 +87,8 @@ class BlockManager:
         """For a sliding group: the cached blocks a query right after the first `num_blocks`
         blocks attends to (None for the leading ones outside its window), or None if one of
         those is not cached."""
+        if self.sliding_window is None:
+            raise ValueError("find_cached_window is asked of a sliding group only")
         bs = self.block_size
         first_needed = max(num_blocks * bs - self.sliding_window + 1, 0) // bs
         hashes = seq.full_block_hashes(num_blocks, bs)

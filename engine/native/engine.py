@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.native.block_manager import BlockManager, cdiv
 from engine.native.hybrid_blocks import HybridBlockManager
@@ -82,7 +82,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len = runner.max_model_len
         self.block_manager = _block_manager(runner, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
+        self.scheduler: Scheduler[Any] = Scheduler(  # the prefix-hit entry type differs per block manager
             SchedulerConfig(
                 config.max_num_seqs,
                 config.max_num_batched_tokens,

@@ -120,7 +120,7 @@ class ModelRunner:
         self.sampler = Sampler(a.vocab_size)
         self.batch_inputs = BatchInputBuilder(KVLayout(
             self.block_size, self.group_windows, self.device,
-            self.cpu.paged_decode_attention if self.use_kernel else None, self.args.attn_logit_softcap is not None,
+            self.cpu.paged_decode_attention if self.cpu is not None else None, self.args.attn_logit_softcap is not None,
         ))
         log.info(
             "model_loaded",
@@ -165,6 +165,7 @@ class ModelRunner:
             raise EngineError(f"KV cache budget of {budget} bytes holds no block of {self.kv_bytes_per_block} bytes")
         if not self.is_hybrid:
             return (int(min(uniform, cap)),)
+        assert self.sliding_window is not None  # a hybrid model has sliding layers
         num_window_layers = sum(self.layer_groups)
         window_blocks_per_seq = -(-(self.sliding_window - 1) // self.block_size) + 2
         window_need = self.config.max_num_seqs * window_blocks_per_seq + -(-self.config.max_num_batched_tokens // self.block_size)

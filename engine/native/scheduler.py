@@ -10,10 +10,12 @@ from __future__ import annotations
 from bisect import insort
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
-from engine.native.block_manager import BlockManager
 from engine.native.sequence import Sequence, SequenceStatus
 from engine.types import FinishReason
+
+EntryT = TypeVar("EntryT")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +51,23 @@ def _order(seq: Sequence) -> tuple[int, int]:
     return (-seq.priority, seq.seq_id)
 
 
-class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+class BlockPool(Protocol[EntryT]):
+    """What the scheduler asks of a KV block manager: BlockManager, or HybridBlockManager for a
+    model that mixes sliding and global layers. EntryT: one block of a prefix-cache hit, as
+    find_cached_prefix returns it and can_allocate / allocate take it back."""
+
+    @property
+    def block_size(self) -> int: ...
+    def find_cached_prefix(self, seq: Sequence, /) -> list[EntryT]: ...
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: SequenceOf[EntryT] = (), /) -> bool: ...
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix: SequenceOf[EntryT] = (), /) -> None: ...
+    def cache_full_blocks(self, seq: Sequence, /) -> None: ...
+    def free(self, seq: Sequence, /) -> None: ...
+    def release_outside_window(self, seq: Sequence, /) -> None: ...
+
+
+class Scheduler(Generic[EntryT]):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockPool[EntryT]):
         self.config = config
         self.block_manager = block_manager
         self.waiting: list[Sequence] = []  # kept in _order

@@ -16,6 +16,7 @@ from engine.types import FinishReason, GenerationRequest, SamplingParams, TokenL
 
 if TYPE_CHECKING:
     from engine.grammar import GrammarMatcher
+    from engine.native.sampler import SeenTokens
 
 
 class SequenceStatus(enum.Enum):
@@ -109,7 +110,7 @@ class Sequence:
         self.grammar: GrammarMatcher | None = None  # set by the engine for structured outputs
         self.logprobs: list[TokenLogprob] = []  # one per completion token, filled by the sampler when asked
         self.images = request.images  # vision models: which prompt tokens take image embeddings
-        self.seen_tokens = None  # the sampler's SeenTokens (repetition penalty), made by the runner
+        self.seen_tokens: SeenTokens | None = None  # the sampler's SeenTokens (repetition penalty), made by the runner
 
     def __repr__(self) -> str:
         return (
