@@ -92,11 +92,13 @@ class CpuKernels:
         q = q.contiguous()
         out = torch.empty_like(q)
         num_seqs, num_heads, head_dim = q.shape
-        self._lib.paged_decode_attention_f32(
+        status = self._lib.paged_decode_attention_f32(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
             out.data_ptr(), num_seqs, num_heads, k_cache.shape[1], head_dim, block_tables.shape[1], k_cache.shape[3],
             max_context_len, head_dim**-0.5,
         )
+        if status != 0:
+            raise MemoryError("decode attention could not allocate its scores buffer")
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -178,9 +180,11 @@ class DecodeStack:
         assert x.is_contiguous() and block_tables.is_contiguous() and block_tables.dtype == context_lens.dtype == torch.int32
         tokens = x.shape[0]
         scratch = torch.empty(tokens * self._scratch_per_token, dtype=torch.float32)
-        self._lib.decode_layers_f32(
+        status = self._lib.decode_layers_f32(
             x.data_ptr(), positions.data_ptr(), slots.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             block_tables.data_ptr(), context_lens.data_ptr(), block_tables.shape[1], max_context_len, tokens,
             self._table.data_ptr(), *self._dims, self._eps, self._scale, scratch.data_ptr(),
         )
+        if status != 0:
+            raise MemoryError("decode attention could not allocate its scores buffer")
         return x

@@ -12,6 +12,10 @@ built with the system C compiler (no torch headers, about a second) into build/n
 a hash of the sources and flags, and called through ctypes (which releases the GIL). It links
 the OpenMP runtime torch itself uses, so its parallel regions run on torch's worker threads (see
 engine/torch_threads.py).
+
+NATIVE_KERNELS_SANITIZE=1 in the environment builds (into their own files) and loads the kernels
+with AddressSanitizer and UndefinedBehaviorSanitizer: tests/engine/test_sanitizers.py runs the
+kernel tests that way in a child process, with the sanitizer runtime preloaded.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from enum import Enum
 from functools import cache
 from pathlib import Path
@@ -61,14 +66,20 @@ _BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "native"
 # -Bsymbolic: calls between the kernels bind inside their own library, so two modes' libraries
 # (same symbol names) can be loaded side by side.
 _FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC")
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_SIGNATURES = {  # argument types of the C entry points (csrc/*.c); all return void
-    "paged_decode_attention_f32": [_P] * 6 + [_I] * 7 + [_F],
-    "packed_linear": [_P] * 5 + [_I] * 3,
-    "rms_norm_f32": [_P] * 4 + [_I] * 2 + [_F],
-    "silu_mul_f32": [_P] * 2 + [_I] * 2,
-    "rope_and_cache_f32": [_P] * 7 + [_I] * 5,
-    "decode_layers_f32": [_P] * 7 + [_I] * 3 + [_P] + [_I] * 7 + [_F] * 2 + [_P],
+# Sanitized builds: every report aborts (a test fails), with stack traces that name the line.
+_SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g", "-O1")
+SANITIZE_ENV = "NATIVE_KERNELS_SANITIZE"
+_P, _I, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+# name -> (return type, argument types) of every function csrc/kernels.h declares, in its order
+# (tests/engine/test_kernel_header.py checks the two agree). Pointers are passed as addresses.
+SIGNATURES: dict[str, tuple[type | None, Sequence[type]]] = {
+    "paged_decode_attention_f32": (_INT, [_P] * 6 + [_I] * 7 + [_F]),
+    "packed_linear_panel": (_I, []),
+    "packed_linear": (None, [_P] * 5 + [_I] * 3),
+    "rms_norm_f32": (None, [_P] * 4 + [_I] * 2 + [_F]),
+    "silu_mul_f32": (None, [_P] * 2 + [_I] * 2),
+    "rope_and_cache_f32": (None, [_P] * 7 + [_I] * 5),
+    "decode_layers_f32": (_INT, [_P] * 7 + [_I] * 3 + [_P] + [_I] * 7 + [_F] * 2 + [_P]),
 }
 
 
@@ -121,11 +132,20 @@ def _link_openmp() -> list[str]:
     return [str(torch_openmp), f"-Wl,-rpath,{torch_openmp.parent}"]
 
 
+def is_sanitized() -> bool:
+    return os.environ.get(SANITIZE_ENV, "") not in ("", "0")
+
+
+def _compile_flags(mode: KernelMode) -> list[str]:
+    return [*_FLAGS, *_ISA_FLAGS[mode], *(_SANITIZE_FLAGS if is_sanitized() else ())]
+
+
 def library_path(mode: KernelMode) -> Path:
-    digest = hashlib.sha256(" ".join([*_FLAGS, *_ISA_FLAGS[mode], *_link_openmp()]).encode())
+    digest = hashlib.sha256(" ".join([*_compile_flags(mode), *_link_openmp()]).encode())
     for source in (*_SOURCES, *_HEADERS):
         digest.update(source.read_bytes())
-    return _BUILD_DIR / f"native-kernels-{mode.value}-{digest.hexdigest()[:16]}.so"
+    kind = "-asan" if is_sanitized() else ""
+    return _BUILD_DIR / f"native-kernels-{mode.value}{kind}-{digest.hexdigest()[:16]}.so"
 
 
 def build(mode: KernelMode) -> Path:
@@ -137,7 +157,7 @@ def build(mode: KernelMode) -> Path:
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) found")
     target.parent.mkdir(parents=True, exist_ok=True)
-    flags = [*_FLAGS, *_ISA_FLAGS[mode]]
+    flags = _compile_flags(mode)
     # Build in a scratch directory and rename: concurrent builders never see a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         objects = [str(Path(scratch) / f"{source.stem}.o") for source in _SOURCES]
@@ -145,7 +165,8 @@ def build(mode: KernelMode) -> Path:
         try:
             for source, obj in zip(_SOURCES, objects, strict=True):
                 subprocess.run([compiler, *flags, "-c", "-o", obj, str(source)], check=True, capture_output=True)
-            link = [compiler, "-shared", "-Wl,-Bsymbolic", "-o", str(library), *objects, *_link_openmp(), "-lm"]
+            sanitizers = [_SANITIZE_FLAGS[0]] if is_sanitized() else []  # links the sanitizer runtimes
+            link = [compiler, "-shared", *sanitizers, "-Wl,-Bsymbolic", "-o", str(library), *objects, *_link_openmp(), "-lm"]
             subprocess.run(link, check=True, capture_output=True)
         except (OSError, subprocess.CalledProcessError) as exc:
             detail = exc.stderr.decode(errors="replace")[-2000:] if isinstance(exc, subprocess.CalledProcessError) else exc
@@ -163,10 +184,9 @@ def load_kernels(mode: KernelMode) -> CpuKernels:
         lib = ctypes.CDLL(str(build(mode)))
     except OSError as exc:
         raise RuntimeError(f"loading the {mode.value} kernels failed: {exc}") from None
-    for name, argtypes in _SIGNATURES.items():
+    for name, (restype, argtypes) in SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.restype, fn.argtypes = None, argtypes
-    lib.packed_linear_panel.restype, lib.packed_linear_panel.argtypes = ctypes.c_int64, []
+        fn.restype, fn.argtypes = restype, argtypes
     log.info("native_kernel_loaded", mode=mode.value, path=str(library_path(mode)))
     return CpuKernels(mode, lib)
 

@@ -19,7 +19,8 @@
 /* x [tokens, hidden]: the residual stream, updated in place to the last layer's output.
  * scratch: at least tokens * (3 * hidden + (heads + 2 * kv_heads) * head_dim + 2 * heads * head_dim
  * + 3 * intermediate) floats. */
-void decode_layers_f32(float *x, const int64_t *positions, const int64_t *slots, const float *cos_table,
+/* Returns 0, or -1 when attention could not allocate its scratch (x is then partly updated). */
+int decode_layers_f32(float *x, const int64_t *positions, const int64_t *slots, const float *cos_table,
                        const float *sin_table, const int32_t *block_tables, const int32_t *context_lens,
                        int64_t max_blocks, int64_t max_context_len, int64_t tokens, const int64_t *layers,
                        int64_t num_layers, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
@@ -50,8 +51,9 @@ void decode_layers_f32(float *x, const int64_t *positions, const int64_t *slots,
         rope_and_cache_f32(qkv, positions, w[15] ? cos_table : 0, sin_table, k_cache, v_cache, slots, tokens, heads,
                            kv_heads, head_dim, block_size);
         for (int64_t t = 0; t < tokens; t++) memcpy(q + t * q_width, qkv + t * qkv_width, sizeof(float) * q_width);
-        paged_decode_attention_f32(q, k_cache, v_cache, block_tables, context_lens, attn, tokens, heads, kv_heads,
-                                   head_dim, max_blocks, block_size, max_context_len, scale);
+        if (paged_decode_attention_f32(q, k_cache, v_cache, block_tables, context_lens, attn, tokens, heads, kv_heads,
+                                       head_dim, max_blocks, block_size, max_context_len, scale))
+            return -1;
         packed_linear(attn, o_w, o_s, 0, attn_proj, tokens, hidden, q_width);
         rms_norm_f32(x, attn_proj, post_norm, h, tokens, hidden, eps);
         packed_linear(h, gate_up_w, gate_up_s, 0, gate_up, tokens, 2 * intermediate, hidden);
@@ -60,4 +62,5 @@ void decode_layers_f32(float *x, const int64_t *positions, const int64_t *slots,
     }
     if (num_layers)
         for (int64_t i = 0; i < tokens * hidden; i++) x[i] += delta[i];
+    return 0;
 }

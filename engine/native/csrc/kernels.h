@@ -1,10 +1,12 @@
-/* The kernels' entry points: each kernel file includes this, so the compiler checks its
- * definitions against them, and decode_step.c calls them. */
+/* Every function the kernels library exports: each kernel file includes this, so the compiler
+ * checks its definitions against it, and decode_step.c calls them. kernels.py's ctypes table
+ * must match it (tests/engine/test_kernel_header.py checks both). Returning int: 0 on success,
+ * -1 when scratch memory could not be allocated (kernels.py raises MemoryError). */
 #ifndef NATIVE_KERNELS_H
 #define NATIVE_KERNELS_H
 #include <stdint.h>
 
-void paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
                                 const int32_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks, int64_t block_size,
                                 int64_t max_context_len, float scale);
@@ -17,4 +19,9 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t dim);
 void rope_and_cache_f32(float *qkv, const int64_t *positions, const float *cos_table, const float *sin_table,
                         float *k_cache, float *v_cache, const int64_t *slots, int64_t tokens, int64_t heads,
                         int64_t kv_heads, int64_t head_dim, int64_t block_size);
+int decode_layers_f32(float *x, const int64_t *positions, const int64_t *slots, const float *cos_table,
+                      const float *sin_table, const int32_t *block_tables, const int32_t *context_lens,
+                      int64_t max_blocks, int64_t max_context_len, int64_t tokens, const int64_t *layers,
+                      int64_t num_layers, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                      int64_t intermediate, int64_t block_size, float eps, float scale, float *scratch);
 #endif

@@ -8,8 +8,8 @@
  * chain is bound by FMA latency.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
-
 #include <stdlib.h>
 
 #include "kernels.h"
@@ -196,7 +196,8 @@ static void weighted_values(const float *probs, const float *v_cache, const int3
     }
 }
 
-void paged_decode_attention_f32(
+/* Returns 0, or -1 when the scores buffer cannot be allocated (nothing is written then). */
+int paged_decode_attention_f32(
     const float *q,               /* [num_seqs, num_heads, head_dim] */
     const float *k_cache,         /* [num_blocks, num_kv_heads, head_dim, block_size] */
     const float *v_cache,         /* [num_slots, num_kv_heads, head_dim] */
@@ -207,9 +208,14 @@ void paged_decode_attention_f32(
     int64_t max_blocks, int64_t block_size, int64_t max_context_len, float scale)
 {
     const Dims d = {num_heads / num_kv_heads, head_dim, num_kv_heads, num_kv_heads * head_dim, block_size, scale};
+    /* One scores row block per thread, allocated (and checked) before the parallel region: a
+     * thread cannot report a failure out of it. A region never has more than max_threads. */
+    const int64_t per_thread = d.group * max_context_len;
+    float *all_scores = malloc(sizeof(float) * (size_t)(per_thread * omp_get_max_threads() + 1));
+    if (!all_scores) return -1;
 #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * d.group * max_context_len);
+        float *scores = all_scores + per_thread * omp_get_thread_num();
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < num_seqs * num_kv_heads; task++) {
             const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
@@ -220,6 +226,7 @@ void paged_decode_attention_f32(
             softmax_rows(scores, d.group, len);
             weighted_values(scores, v_cache, table, h, len, &d, out + first_head * head_dim);
         }
-        free(scores);
     }
+    free(all_scores);
+    return 0;
 }
