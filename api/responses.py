@@ -355,7 +355,8 @@ async def _serve_background(ctx: _Context, accepted: asyncio.Future, request: we
                             turn: Turn, grant: Pass) -> web.Response:
     """Runs inside the in-flight set (shutdown waits for it, then cuts it): queued -> in_progress -> final."""
     queued = response_object(ctx.response_id, ctx.created, turn.model.name, ctx.req, {"status": "queued"})
-    conv = await state.store.get_conversation(turn.principal.org.id, turn.chat.conversation_id)
+    conversation_id = turn.chat.conversation_id
+    conv = None if conversation_id is None else await state.store.get_conversation(turn.principal.org.id, conversation_id)
     await _insert(ctx, state, turn, queued, len(conv.messages) if conv is not None else 0)
     accepted.set_result((queued, state.response_headers(turn)))
     answer = make_answer(turn)
@@ -369,10 +370,10 @@ async def _serve_background(ctx: _Context, accepted: asyncio.Future, request: we
             await _finished(ctx, state, turn, answer, finish)
     except asyncio.CancelledError:
         if request.app[INFLIGHT].was_cut() or state.draining:  # shutdown cut it (or stopped it, below)
-            asyncio.current_task().uncancel()
+            _uncancel_current_task()
             await _fail(ctx, state, turn, STOPPED_ERROR)
         else:  # POST /v1/responses/{id}/cancel (or its DELETE)
-            asyncio.current_task().uncancel()
+            _uncancel_current_task()
             await _finish_quietly(state, turn, RequestStatus.ABORTED, FinishReason.ABORT)
             await _set_state(ctx, state, turn, {"status": "cancelled", "usage": _usage(turn)})
     except (ApiError, GatewayError) as exc:  # engine failure, shutdown, displaced from the queue
@@ -386,10 +387,18 @@ async def _serve_background(ctx: _Context, accepted: asyncio.Future, request: we
     return web.Response(status=204)
 
 
+def _uncancel_current_task() -> None:
+    """The cancellation was handled here: the task goes on to record the outcome."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
+
+
 async def _refuse_background(ctx: _Context, accepted: asyncio.Future, request: web.Request, state: AppState,
                              turn: Turn, verdict) -> web.Response:
     """A prompt the safety gate blocks: stored as the foreground stores it, then answered (not queued)."""
     response = await _refuse(ctx, request, state, turn, verdict)  # block_mode "error": a 400, nothing stored
+    assert isinstance(response, web.Response) and isinstance(response.body, bytes)  # JSON: background never streams
     accepted.set_result((orjson.loads(response.body), state.response_headers(turn)))
     return response
 

@@ -90,8 +90,10 @@ class TierRouter:
         with the model asked.
         """
         tier = self._tiers.get(tier_name)
+        if tier is None:
+            return
         first: Overloaded | None = None
-        for asked in tier.models if tier is not None else ():
+        for asked in tier.models:
             try:
                 self._first_taker(tier_name, tier, self._candidates(tier, asked), 0)
                 return

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import aiosqlite
 
@@ -56,7 +57,7 @@ async def update(conn: aiosqlite.Connection, org_id: str, response_id: str, *, s
     return cursor.rowcount > 0
 
 
-async def fail_unfinished(conn: aiosqlite.Connection, error: dict) -> int:
+async def fail_unfinished(conn: aiosqlite.Connection, error: dict[str, Any]) -> int:
     """Mark `failed` every response still queued or in progress (at startup: no process runs them)."""
     cursor = await conn.execute(
         "UPDATE responses SET status = 'failed',"

@@ -23,7 +23,7 @@ import structlog
 
 from settings import StoreConfig
 from store import conversations, feedback, files, keys, ledger, responses, schema
-from store.keycache import MISS, KeyCache, LiveKey
+from store.keycache import KeyCache, LiveKey
 from store.rows import fetch_all
 from store.types import (
     ApiKey,
@@ -61,8 +61,8 @@ class Store:
         self._read_conns: list[aiosqlite.Connection] = []
         self._last_used: dict[str, float] = {}  # key_id -> unix s, not yet written
         self._keys = KeyCache(config.key_cache_s)
-        self._maintenance: asyncio.Task | None = None
-        self._key_refresh: asyncio.Task | None = None
+        self._maintenance: asyncio.Task[None] | None = None
+        self._key_refresh: asyncio.Task[None] | None = None
         self._is_closed = False
 
     @classmethod
@@ -190,8 +190,10 @@ class Store:
         if not keys.is_well_formed(secret):
             return None
         key_hash = keys.hash_secret(secret)
-        principal = self._keys.get(key_hash)
-        if principal is MISS:
+        cached = self._keys.get(key_hash)
+        if cached is None or isinstance(cached, Principal):
+            principal = cached
+        else:  # MISS: read the database
             principal = await self._look_up_key(key_hash)
         if principal is not None and principal.key_id is not None:
             self._last_used[principal.key_id] = time.time()
@@ -258,7 +260,7 @@ class Store:
             responses.update, org_id=org_id, response_id=response_id, status=status, body_json=body_json,
             num_messages=num_messages))
 
-    async def fail_unfinished_responses(self, error: dict) -> int:
+    async def fail_unfinished_responses(self, error: dict[str, Any]) -> int:
         return await self._write(functools.partial(responses.fail_unfinished, error=error))
 
     async def get_response(self, org_id: str, response_id: str) -> responses.StoredResponse | None:
