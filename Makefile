@@ -1,6 +1,6 @@
 # make run   - install into .venv and serve the bundled demo models on http://127.0.0.1:8000
 # make test  - install test dependencies and run the whole suite (slow end-to-end tests included)
-# Other targets: test-fast, bench, bench-peers, bench-deps, load, demo-model, train-safety, eval-safety, gpu-smoke, help.
+# Other targets: lint, test-fast, bench, bench-peers, bench-deps, load, demo-model, train-safety, eval-safety, gpu-smoke, help.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 ARGS   ?=
 
-.PHONY: help run test test-fast bench bench-peers bench-deps load demo-model train-safety eval-safety gpu-smoke browser clean
+.PHONY: help run lint test test-fast bench bench-peers bench-deps load demo-model train-safety eval-safety gpu-smoke browser clean
 
 help:
 	@sed -n '1,3p' Makefile
@@ -30,6 +30,11 @@ browser:
 	@test -x /usr/bin/chromium || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
 	  else sudo apt-get update -qq && sudo apt-get install -y -qq chromium >/dev/null; fi; }
+
+# ruff (lint and format check) over the tree, mypy over the server's packages (pyproject.toml).
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 test: $(VENV)/.installed-dev browser
 	$(PY) -m pytest -q -ra $(ARGS)
