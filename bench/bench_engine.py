@@ -572,8 +572,12 @@ def checks(engine: list[LoadResult], http: list[LoadResult], hf: list[LoadResult
 
 
 def print_report(rows: list[LoadResult], itl: dict | None, prefix: dict | None, summary: dict, machine: dict) -> None:
-    print(f"machine: {machine['cpu']} | {machine['threads']} threads | fp32 matmul peak {machine['peak_gflops']:.0f} GFLOP/s")
-    header = f"{'path':34} {'conc':>5} {'reqs':>5} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'compute':>8}"
+    peak = f"fp32 matmul peak {machine['peak_gflops']:.0f} GFLOP/s"
+    print(f"machine: {machine['cpu']} | {machine['threads']} threads | {peak}")
+    header = (
+        f"{'path':34} {'conc':>5} {'reqs':>5} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'ITL p50':>8} {'ITL p99':>8} {'compute':>8}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -583,14 +587,17 @@ def print_report(rows: list[LoadResult], itl: dict | None, prefix: dict | None, 
         )
     if itl is not None:
         print(
-            f"chunked prefill: {itl['long_prompt_tokens']}-token prompt over {itl['streams']} streams: ITL during prefill "
+            f"chunked prefill: {itl['long_prompt_tokens']}-token prompt over {itl['streams']} streams: "
+            "ITL during prefill "
             f"p50 {itl['itl_ms_p50_during_prefill']:.1f} / p99 {itl['itl_ms_p99_during_prefill']:.1f} / max "
-            f"{itl['itl_ms_max_during_prefill']:.1f} ms vs median {itl['itl_ms_median']:.1f} ms: p99 = {itl['ratio']:.2f}x (< 3x); "
+            f"{itl['itl_ms_max_during_prefill']:.1f} ms vs median {itl['itl_ms_median']:.1f} ms: "
+            f"p99 = {itl['ratio']:.2f}x (< 3x); "
             f"prefill took {itl['prefill_ms']:.0f} ms"
         )
     if prefix is not None:
         print(
-            f"prefix cache: {prefix['system_prompt_tokens']}-token system prompt: TTFT warm {prefix['ttft_ms_warm']:.1f} ms "
+            f"prefix cache: {prefix['system_prompt_tokens']}-token system prompt: "
+            f"TTFT warm {prefix['ttft_ms_warm']:.1f} ms "
             f"vs cold {prefix['ttft_ms_cold']:.1f} ms = {prefix['ratio']:.3f} (<= 0.2)"
         )
     for name, value in summary["ratios"].items():

@@ -133,10 +133,14 @@ def main(argv: list[str] | None = None) -> list[FamilyRow]:
     rows = rows_for(measured)
     machine = machine_info(in_own_thread(measure_matmul_peak_gflops))
     machine["isa"] = _isa()
-    print(f"\nNative engine per family, reference size, on {machine['cpu']} ({machine['isa']}, {machine['threads']} threads)")
+    where = f"{machine['cpu']} ({machine['isa']}, {machine['threads']} threads)"
+    print(f"\nNative engine per family, reference size, on {where}")
     print(f"{'family':<16} {'path':<13} {'conc':>4} {'tok/s':>8} {'vs llama':>8} {'ITL p50 ms':>10}")
     for r in rows:
-        print(f"{r.family:<16} {r.path:<13} {r.concurrency:>4} {r.output_tokens_per_s:>8.1f} {r.vs_llama:>8.2f} {r.itl_ms_p50:>10.1f}")
+        print(
+            f"{r.family:<16} {r.path:<13} {r.concurrency:>4} {r.output_tokens_per_s:>8.1f} {r.vs_llama:>8.2f} "
+            f"{r.itl_ms_p50:>10.1f}"
+        )
     line = json.dumps({"machine": machine, "families": [asdict(r) for r in rows]})
     print(line)
     if args.json:

@@ -196,7 +196,10 @@ def print_table(results: list[PeerResult], bandwidth_gbs: float) -> None:
     for r in results:
         weights_gbs = r.weight_bytes * r.decode_tokens_per_s / 1e9 if r.workload.endswith("x1") else float("nan")
         share = weights_gbs / bandwidth_gbs
-        print(f"{r.workload:16} {r.path:28} {r.tokens_per_s:>10.1f} {r.decode_tokens_per_s:>13.1f} {weights_gbs:>13.1f} {share:>10.0%}")
+        print(
+            f"{r.workload:16} {r.path:28} {r.tokens_per_s:>10.1f} {r.decode_tokens_per_s:>13.1f} "
+            f"{weights_gbs:>13.1f} {share:>10.0%}"
+        )
 
 
 def ratios(results: list[PeerResult]) -> dict[str, float]:
@@ -273,7 +276,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _in_llama_process(fn, *args):
     """llama.cpp's quantizer, from the native build, in a child process (this one stays llama.cpp-free)."""
-    code = f"import sys; from bench.gguf_export import {fn.__name__} as f; f(*map(__import__('pathlib').Path, sys.argv[1:]))"
+    code = (
+        f"import sys; from bench.gguf_export import {fn.__name__} as f; "
+        "f(*map(__import__('pathlib').Path, sys.argv[1:]))"
+    )
     env = {**os.environ, "PYTHONPATH": f"{LLAMA_BUILDS[llama_builds()[0]]}:{ROOT}"}
     subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env, cwd=ROOT, check=True)
     return args[-1]

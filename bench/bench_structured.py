@@ -65,6 +65,8 @@ def print_structured(s: dict) -> None:
     print(
         f"structured output (llguidance mask): ITL {s['itl_ms_constrained']:.2f} ms constrained vs "
         f"{s['itl_ms_free']:.2f} ms free = +{s['overhead_ms_per_token']:.2f} ms/token over "
-        f"{s['constrained_tokens']} tokens; 8-stream batch, free rows' ITL {s['batch8_free_rows_itl_ms_with_one_constrained']:.2f} "
-        f"ms with one constrained neighbour vs {s['batch8_free_rows_itl_ms']:.2f} ms without ({s['free_rows_ratio']:.2f}x)"
+        f"{s['constrained_tokens']} tokens; 8-stream batch, free rows' ITL "
+        f"{s['batch8_free_rows_itl_ms_with_one_constrained']:.2f} "
+        f"ms with one constrained neighbour vs {s['batch8_free_rows_itl_ms']:.2f} ms without "
+        f"({s['free_rows_ratio']:.2f}x)"
     )

@@ -91,7 +91,8 @@ def main(shape: dict) -> dict:
                 step = [(x, p) for x, p in zip(inputs, packed, strict=True)]
                 results.setdefault(label, {})[rows] = _time_ms(lambda cpu=cpu, step=step: [cpu.packed_linear(x, p) for x, p in step])
             del packed
-    print(f"one step's {len(shapes)} matmuls ({sum(n * k for n, k in shapes) / 1e6:.0f}M weights), ms per step (best of 5):")
+    num_weights_m = sum(n * k for n, k in shapes) / 1e6
+    print(f"one step's {len(shapes)} matmuls ({num_weights_m:.0f}M weights), ms per step (best of 5):")
     print(f"  {'path':26}" + "".join(f"{f'{r} rows':>10}" for r in ROW_COUNTS))
     for name, by_rows in results.items():
         print(f"  {name:26}" + "".join(f"{by_rows.get(r, float('nan')):>10.2f}" for r in ROW_COUNTS))

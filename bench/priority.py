@@ -187,7 +187,8 @@ def targets(rows: list[dict], run: Run) -> list[tuple[str, str, bool]]:
         ("served share enterprise > plus > free", " > ".join(f"{s:.3f}" for s in shares), shares[0] > shares[1] > shares[2]),
         ("free still served", f"{by['free']['served']} requests", by["free"]["served"] > 0),
         ("never more in the engine than its capacity (2)",
-         f"max running {most_running:.0f}, held {most_held:.0f}, reserved {most_reserved:.0f} over {len(run.samples)} samples",
+         f"max running {most_running:.0f}, held {most_held:.0f}, reserved {most_reserved:.0f}"
+         f" over {len(run.samples)} samples",
          most_held <= 2 and most_reserved <= 2),
         ("refusals p99 < 50 ms", ", ".join(f"{p:.1f}" for p in p99s) + " ms", bool(p99s) and max(p99s) < 50.0),
     ]

@@ -2,8 +2,9 @@
 
 Owns the cache layout, the per-step attention metadata and the two paths that read K/V
 through block tables: decode rows (one query per sequence) go to the compiled kernel when the
-runner put one in the metadata (CpuKernels.paged_decode_attention), else to one padded gather + SDPA; prefill chunks gather their context and run
-SDPA with a causal mask aligned to the chunk's position. Rows come decodes first, then chunks.
+runner put one in the metadata (CpuKernels.paged_decode_attention), else to one padded gather
++ SDPA; prefill chunks gather their context and run SDPA with a causal mask aligned to the
+chunk's position. Rows come decodes first, then chunks.
 
 Each KV group (block_manager.py) has its own pool; all pools share one buffer.
 Layout per layer: K blocks transposed, [num_blocks, num_kv_heads, head_dim, block_size], so the

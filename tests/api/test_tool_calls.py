@@ -24,7 +24,9 @@ TEXTS = {
     ToolFormat.HERMES: f"Let me check.<tool_call>\n{CALL}\n</tool_call><tool_call>\n"
                        '{"name": "get_time", "arguments": {}}\n</tool_call>',
     ToolFormat.MISTRAL: f'Let me check.[TOOL_CALLS][{CALL}, {{"name": "get_time", "arguments": {{}}}}]',
-    ToolFormat.LLAMA3_JSON: '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}',
+    ToolFormat.LLAMA3_JSON: (
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'
+    ),
 }
 
 
