@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncGenerator, Callable, Collection
 from dataclasses import dataclass
 
 from engine.detokenizer import IncrementalDetokenizer
@@ -99,7 +99,7 @@ class FakeBackend:
     def health(self) -> bool:
         return True
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         self.requests.append(request)
         self._running[request.request_id] = asyncio.Event()
         return self._stream(request)
@@ -124,7 +124,7 @@ class FakeBackend:
         else:
             await asyncio.sleep(self.behaviour.token_delay_s)
 
-    async def _stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    async def _stream(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         answer_ids, detok = self._answer(request)
         limit = request.sampling.max_tokens
         token_ids = answer_ids[:limit]
