@@ -132,7 +132,7 @@ class CpuKernels:
         """RoPE on q and k in place (cos given), then the new k and v written into the paged cache."""
         assert qkv.is_contiguous() and positions.dtype == slot_mapping.dtype == torch.int64
         _, kv_heads, head_dim, block_size = k_cache.shape
-        cos_ptr, sin_ptr = (None, None) if cos is None else (cos.data_ptr(), sin.data_ptr())
+        cos_ptr, sin_ptr = (None, None) if cos is None or sin is None else (cos.data_ptr(), sin.data_ptr())
         self._lib.rope_and_cache_f32(
             qkv.data_ptr(), positions.data_ptr(), cos_ptr, sin_ptr, k_cache.data_ptr(), v_cache.data_ptr(),
             slot_mapping.data_ptr(), qkv.shape[0], num_heads, kv_heads, head_dim, block_size,
