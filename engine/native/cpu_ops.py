@@ -154,7 +154,7 @@ class DecodeStack:
     """
 
     def __init__(self, lib, layers, kv_caches, *, hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 intermediate: int, eps: float, uses_rope: tuple[bool, ...]):
+                 intermediate: int, eps: float, scale: float, uses_rope: tuple[bool, ...]):
         rows = []
         for layer, (k_cache, v_cache), rope in zip(layers, kv_caches, uses_rope, strict=True):
             bias = layer.qkv_bias.data_ptr() if layer.qkv_bias is not None else 0
@@ -171,7 +171,7 @@ class DecodeStack:
         self.kv_cache_ptr = kv_caches[0][0].data_ptr()
         self._table = torch.tensor(rows, dtype=torch.int64)
         self._dims = (len(rows), hidden, heads, kv_heads, head_dim, intermediate, kv_caches[0][0].shape[-1])
-        self._eps, self._scale = eps, head_dim**-0.5
+        self._eps, self._scale = eps, scale  # scale: q.k's, head_dim ** -0.5 unless the family sets it
         self._scratch_per_token = 3 * hidden + (heads + 2 * kv_heads) * head_dim + 2 * heads * head_dim + 3 * intermediate
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,

@@ -114,8 +114,8 @@ class ModelArgs:
 
     @property
     def is_llama_like(self) -> bool:
-        """Runs through the fused CPU layer path: Llama's layer plus, at most, per-head q/k norms
-        and layers without RoPE (SmolLM3)."""
+        """Runs through the fused CPU layer path: Llama's layer plus, at most, per-head q/k norms,
+        layers without RoPE (SmolLM3), and Granite's attention and residual multipliers."""
         f = self.family
         ropes = {layer.rope for layer in self.layers} - {None}
         (rope,) = ropes if len(ropes) == 1 else (None,)
@@ -127,8 +127,6 @@ class ModelArgs:
             and self.rotary_dim(rope) == self.head_dim
             and self.sliding_window is None
             and self.attn_logit_softcap is None
-            and self.attention_scale == self.head_dim**-0.5
-            and self.residual_multiplier == 1.0
         )
 
     def rotary_dim(self, key: str) -> int:

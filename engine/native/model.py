@@ -32,14 +32,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedLinear, bias: torch.Ten
     return F.linear(x, weight, bias)
 
 
-def prepare_linear_layers(weights: ModelWeights, cpu: CpuKernels | None, quantization: Quantization) -> ModelWeights:
+def prepare_linear_layers(
+    weights: ModelWeights, cpu: CpuKernels | None, quantization: Quantization, args: ModelArgs
+) -> ModelWeights:
     """Every matmul weight packed for the compiled kernels (cpu given; the originals are released),
     and quantized as asked. Without kernels, int8 weights are rounded and kept as floats, so every
     path computes the same model.
 
     The embedding table stays as it is (a lookup, not a matmul); a tied lm_head gets its own
-    packed copy of it.
+    packed copy of it. For the fused path (Llama-like layers with kernels), the residual
+    multiplier is folded into o_proj and down.
     """
+    if cpu is not None and args.is_llama_like:  # Model runs the fused path on these weights
+        weights = _fold_residual_multiplier(weights, args.residual_multiplier)
     if cpu is None and quantization is Quantization.NONE:
         return weights
     if cpu is None:
@@ -54,6 +59,17 @@ def prepare_linear_layers(weights: ModelWeights, cpu: CpuKernels | None, quantiz
         for layer in weights.layers
     )
     return dataclasses.replace(weights, layers=layers, lm_head=prepare(weights.lm_head))
+
+
+def _fold_residual_multiplier(weights: ModelWeights, multiplier: float) -> ModelWeights:
+    """o_proj and down scaled by the residual multiplier (Granite), so that the fused CPU path,
+    which adds each branch to the residual stream as it is, computes x + multiplier * branch."""
+    if multiplier == 1.0:
+        return weights
+    layers = tuple(
+        dataclasses.replace(layer, o_proj=layer.o_proj * multiplier, down=layer.down * multiplier) for layer in weights.layers
+    )
+    return dataclasses.replace(weights, layers=layers)
 
 
 def rope_inv_freq(args: ModelArgs, key: str, max_positions: int) -> tuple[torch.Tensor, float]:
@@ -177,7 +193,7 @@ class Model:
             q = qkv[:, :q_size].view(num_tokens, args.num_heads, args.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(num_tokens, args.num_kv_heads, args.head_dim)
             v = qkv[:, q_size + kv_size :].view(num_tokens, args.num_kv_heads, args.head_dim)
-            o = paged_attention(q, k, v, k_cache, v_cache, meta)
+            o = paged_attention(q, k, v, k_cache, v_cache, meta, self.attention_specs[0])
             h = cpu.rms_norm(x, layer.post_norm, eps, residual=linear(o.reshape(num_tokens, q_size), layer.o_proj))
             delta = linear(cpu.silu_mul(linear(h, layer.gate_up)), layer.down)
         return x.add_(delta) if delta is not None else x
@@ -189,7 +205,7 @@ class Model:
             a = self.args
             stack = self._stack = self.cpu.decode_stack(
                 self.weights.layers, kv_caches, hidden=a.hidden_size, heads=a.num_heads, kv_heads=a.num_kv_heads,
-                head_dim=a.head_dim, intermediate=a.intermediate_size, eps=a.rms_norm_eps,
+                head_dim=a.head_dim, intermediate=a.intermediate_size, eps=a.rms_norm_eps, scale=a.attention_scale,
                 uses_rope=tuple(layer.rope is not None for layer in a.layers),
             )
         return stack

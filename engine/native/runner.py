@@ -102,7 +102,7 @@ class ModelRunner:
         self.vision = VisionTower(Path(model_dir), self.dtype, self.device) if is_llava(Path(model_dir)) else None
         prefix = "language_model." if self.vision is not None else ""
         weights = load_model_weights(Path(model_dir), self.args, self.dtype, self.device, name_prefix=prefix)
-        weights = prepare_linear_layers(weights, self.cpu, self.quantization)
+        weights = prepare_linear_layers(weights, self.cpu, self.quantization, self.args)
         self.model = Model(self.args, weights, self.max_model_len, cpu=self.cpu)
         self.sliding_window = self.args.sliding_window
         # KV groups (block_manager.py): one for every layer, or, when sliding layers mix with

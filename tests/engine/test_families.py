@@ -84,7 +84,7 @@ def test_family_configs_switch_on_their_features(tiny_models):
     assert [layer.rope for layer in args["smollm3"].layers] == ["", None, ""]
     assert args["granite"].residual_multiplier == 0.6 and args["granite"].logits_divisor == 2.5
     assert args["llama-yarn"].rope_type == "yarn" and args["llama-dynamic"].rope_type == "dynamic"
-    assert args["qwen3"].is_llama_like and args["smollm3"].is_llama_like and not args["gemma2"].is_llama_like
+    assert all(args[v].is_llama_like for v in ("qwen3", "smollm3", "granite")) and not args["gemma2"].is_llama_like
 
 
 @pytest.mark.parametrize("native_kernels", [True, False], ids=["c-kernel", "pytorch"])
