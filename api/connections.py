@@ -16,6 +16,7 @@ import os
 import resource
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import orjson
 import structlog
@@ -139,7 +140,8 @@ class GuardedHandler(RequestHandler):
         self._peer = str(peername[0]) if peername else "?"
         if not self._guard.admit(self, self._peer):
             error = ApiError(503, "Too many connections; try again shortly.", "server_error", "too_many_connections")
-            transport.write(_raw_error(503, "Service Unavailable", error))  # type: ignore[attr-defined]
+            # A stream transport (uvloop's does not subclass asyncio.WriteTransport): it has write().
+            cast(asyncio.Transport, transport).write(_raw_error(503, "Service Unavailable", error))
             transport.close()
             return
         self._is_admitted = True

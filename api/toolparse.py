@@ -113,10 +113,9 @@ class ToolCallParser:
             value = json.loads(body)
         except ValueError:
             parts = [self._parse_one(p) for p in body.split(";")]  # llama3: calls joined by ';'
-            return [] if any(p is None for p in parts) else parts  # type: ignore[return-value]
+            return _all_or_none(parts)
         items = value if isinstance(value, list) else [value]
-        calls = [self._call_of(item) for item in items]
-        return [] if any(c is None for c in calls) else calls  # type: ignore[return-value]
+        return _all_or_none([self._call_of(item) for item in items])
 
     def _parse_one(self, body: str) -> ToolCall | None:
         try:
@@ -143,3 +142,9 @@ def _partial_suffix(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
+
+
+def _all_or_none(calls: list[ToolCall | None]) -> list[ToolCall]:
+    """Every call, or none when one of them did not parse."""
+    parsed = [c for c in calls if c is not None]
+    return parsed if len(parsed) == len(calls) else []
