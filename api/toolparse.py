@@ -101,7 +101,7 @@ class ToolCallParser:
             if not head or _LLAMA_TAG.startswith(head):
                 return Parsed()
             self._started = True
-            if head.startswith("{") or head.startswith(_LLAMA_TAG):
+            if head.startswith(("{", _LLAMA_TAG)):
                 self._in_call = True
                 return Parsed()
         content, self._buffer = self._buffer, ""

@@ -110,7 +110,7 @@ def test_curl_streams_sse_lines_ending_with_done(server, tiny_model_dir):
     ).stdout
     frames = [f for f in out.split("\n\n") if f]
     assert frames[-1] == "data: [DONE]"
-    assert all(f.startswith("data: ") or f.startswith(": ") for f in frames)
+    assert all(f.startswith(("data: ", ": ")) for f in frames)
     assert '"role":"assistant"' in frames[0]
 
 

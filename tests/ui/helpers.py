@@ -141,7 +141,7 @@ class Watched:
     requests: list[str] = field(default_factory=list)
 
     def foreign_requests(self) -> list[str]:
-        return [u for u in self.requests if not (u.startswith(self.base_url + "/") or u.startswith("data:"))]
+        return [u for u in self.requests if not u.startswith((self.base_url + "/", "data:"))]
 
     def screenshot(self, name: str) -> Path:
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
