@@ -195,7 +195,7 @@ async def _serve_stream(request: web.Request, state: AppState, turn: Turn, grant
         for i, answer in enumerate(answers):
             await send(i, answer.close())
         await finish_turn(state, turn, _STATUS[finishes[0]], finishes[0])  # durable before the client sees the end
-        for i, (answer, finish) in enumerate(zip(answers, finishes)):
+        for i, (answer, finish) in enumerate(zip(answers, finishes, strict=True)):
             body = chunk({}, answer.finish_reason(finish))
             body["choices"][0]["index"] = i
             await writer.data(body)
@@ -321,7 +321,7 @@ async def _serve_unary(request: web.Request, state: AppState, turn: Turn, grant:
     )
     body["choices"] = [
         {"index": i, "message": a.message(), "logprobs": a.logprobs_obj(), "finish_reason": a.finish_reason(f)}
-        for i, (a, f) in enumerate(zip(answers, finishes))
+        for i, (a, f) in enumerate(zip(answers, finishes, strict=True))
     ]
     return web.json_response(body, headers=state.response_headers(turn), dumps=_dumps)
 

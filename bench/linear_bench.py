@@ -47,15 +47,15 @@ def _time_ms(chain: Callable[[], None], repeats: int = 5) -> float:
 
 
 def _library_paths(weights: list[torch.Tensor], rows: int) -> dict[str, Callable[[list[torch.Tensor]], None]]:
-    paths: dict[str, Callable] = {"torch F.linear": lambda xs: [F.linear(x, w) for x, w in zip(xs, weights)]}
+    paths: dict[str, Callable] = {"torch F.linear": lambda xs: [F.linear(x, w) for x, w in zip(xs, weights, strict=True)]}
     try:
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
-        paths["oneDNN prepacked"] = lambda xs: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for x, p in zip(xs, packed)]
+        paths["oneDNN prepacked"] = lambda xs: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for x, p in zip(xs, packed, strict=True)]
     except (RuntimeError, AttributeError):
         pass
     try:
         mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
-        paths["MKL packed sgemm"] = lambda xs: [torch.ops.mkl._mkl_linear(x, p, w, None, rows) for x, p, w in zip(xs, mkl, weights)]
+        paths["MKL packed sgemm"] = lambda xs: [torch.ops.mkl._mkl_linear(x, p, w, None, rows) for x, p, w in zip(xs, mkl, weights, strict=True)]
     except (RuntimeError, AttributeError):
         pass
     try:
@@ -63,7 +63,7 @@ def _library_paths(weights: list[torch.Tensor], rows: int) -> dict[str, Callable
         for w in weights:
             scales = w.abs().amax(dim=1) / 127.0
             int8.append((torch.round(w / scales[:, None]).to(torch.int8), scales))
-        paths["torch int8 weight-only"] = lambda xs: [torch._weight_int8pack_mm(x, q, s) for x, (q, s) in zip(xs, int8)]
+        paths["torch int8 weight-only"] = lambda xs: [torch._weight_int8pack_mm(x, q, s) for x, (q, s) in zip(xs, int8, strict=True)]
     except (RuntimeError, AttributeError):
         pass
     return paths

@@ -64,7 +64,7 @@ def run(gguf: str, prompts: list[list[int]], output_len: int, threads: int) -> d
         outputs = [[t] for t in step(entries)]
         first = time.perf_counter()
         for k in range(output_len - 1):
-            outputs = [o + [t] for o, t in zip(outputs, step([(o[-1], len(prompts[s]) + k, s, True) for s, o in enumerate(outputs)]))]
+            outputs = [o + [t] for o, t in zip(outputs, step([(o[-1], len(prompts[s]) + k, s, True) for s, o in enumerate(outputs)]), strict=True)]
         return start, first, outputs
 
     generate()  # warm-up (page in the weights, size the buffers)

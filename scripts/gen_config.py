@@ -88,7 +88,7 @@ def toml_value(value: Any) -> str:
         if not value:
             return "{}"
         keys = [k if _BARE_KEY.fullmatch(k) else json.dumps(k) for k in value]
-        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in zip(keys, value.values())) + " }"
+        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in zip(keys, value.values(), strict=True)) + " }"
     raise TypeError(f"no TOML form for {value!r}")
 
 

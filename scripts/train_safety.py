@@ -107,7 +107,7 @@ class Encoder:
                 amask = attention_mask(mask, torch.float32)
                 for layer in range(self.top[0] if self.top else self.shape.num_layers):
                     x = bert_layer(x, amask, self.base, f"encoder.layer.{layer}.", self.shape, torch.float32)
-                for t, row, m in zip(batch, x, mask):
+                for t, row, m in zip(batch, x, mask, strict=True):
                     out[t] = row[: int(m.sum())].clone()
         return out
 
@@ -170,13 +170,13 @@ class WeightAverage:
         if not self.sums:
             self.sums = [p.detach().clone() for p in self.params]
         else:
-            for total, p in zip(self.sums, self.params):
+            for total, p in zip(self.sums, self.params, strict=True):
                 total += p
         self.count += 1
 
     @torch.no_grad()
     def apply(self) -> None:
-        for total, p in zip(self.sums, self.params):
+        for total, p in zip(self.sums, self.params, strict=True):
             p.copy_(total / self.count)
 
 
@@ -213,7 +213,7 @@ def final_states(enc: Encoder, lower: dict[str, torch.Tensor]) -> dict[str, torc
         for i in range(0, len(texts), 64):
             batch = texts[i : i + 64]
             x, mask = padded([lower[t] for t in batch])
-            for t, row, m in zip(batch, enc.upper(x, mask), mask):
+            for t, row, m in zip(batch, enc.upper(x, mask), mask, strict=True):
                 out[t] = row[: int(m.sum())].clone()
     return out
 
@@ -331,7 +331,7 @@ def report_cv(records: list[Record], scores: np.ndarray, min_recall: float) -> N
         ok = [t for t in np.arange(0.3, 0.96, 0.05) if np.mean((scores[mine, c] >= t) | by_rules[mine]) >= min_recall]
         chosen.append(round(float(ok[-1]), 2) if ok else 0.3)
     print(f"cv per-category thresholds (recall >= {min_recall:.0%} each): "
-          + ", ".join(f"{c} = {t}" for c, t in zip(CLASSES[1:], chosen)))
+          + ", ".join(f"{c} = {t}" for c, t in zip(CLASSES[1:], chosen, strict=True)))
     print(f"cv blocked with those thresholds: {line(np.array(chosen))}", flush=True)
 
 

@@ -77,7 +77,7 @@ def allocate_kv_cache(
     its layers; layer_groups[i] is layer i's group), and each layer's (k_cache, v_cache) views."""
     block_numel = block_size * num_kv_heads * head_dim
     num_layers = [layer_groups.count(g) for g in range(len(group_num_blocks))]
-    sizes = [n * 2 * blocks * block_numel for n, blocks in zip(num_layers, group_num_blocks)]
+    sizes = [n * 2 * blocks * block_numel for n, blocks in zip(num_layers, group_num_blocks, strict=True)]
     # Never read before written (context lengths bound every read), so no zero-fill.
     buffer = torch.empty(sum(sizes), dtype=dtype, device=device)
     parts = zip(buffer.split(sizes), num_layers, group_num_blocks, strict=True)

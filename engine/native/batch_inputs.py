@@ -51,7 +51,7 @@ class BatchInputBuilder:
         prefills = tuple(i for i, n in enumerate(batch.num_scheduled_tokens) if n > 1)
         decode_seqs = [batch.seqs[i] for i in decodes]
         positions = [seq.num_computed_tokens for seq in decode_seqs]
-        input_ids = [seq.token_ids[p] for seq, p in zip(decode_seqs, positions)]
+        input_ids = [seq.token_ids[p] for seq, p in zip(decode_seqs, positions, strict=True)]
         position_arrays = [np.asarray(positions, dtype=np.int64)]
         chunks: list[tuple[Sequence, int, int]] = []  # (sequence, num_tokens, first row)
         for i in prefills:
@@ -78,7 +78,7 @@ class BatchInputBuilder:
         self, group: int, decode_seqs: list[Sequence], positions: list[int], chunks: list[tuple[Sequence, int, int]]
     ) -> AttentionMetadata:
         bs = self.layout.block_size
-        slots = [seq.block_tables[group].block_ids[p // bs] * bs + p % bs for seq, p in zip(decode_seqs, positions)]
+        slots = [seq.block_tables[group].block_ids[p // bs] * bs + p % bs for seq, p in zip(decode_seqs, positions, strict=True)]
         slot_arrays = [np.asarray(slots, dtype=np.int64)]
         prefill_chunks = []
         for seq, n, row in chunks:
@@ -108,7 +108,7 @@ class BatchInputBuilder:
         max_len = int(context_lens.max())
         max_blocks = -(-max_len // bs)
         tables = np.empty((len(seqs), max_blocks), dtype=np.int32)
-        for row, seq in zip(tables, seqs):
+        for row, seq in zip(tables, seqs, strict=True):
             table = seq.block_tables[group].live_block_ids()[:max_blocks]
             row[: len(table)] = table
             row[len(table) :] = table[0]  # padding points at written slots: finite, masked out

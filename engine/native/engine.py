@@ -62,7 +62,7 @@ def _block_manager(runner: ModelRunner, enable_prefix_caching: bool) -> BlockMan
         BlockManager(
             num_blocks, runner.block_size, enable_prefix_caching=enable_prefix_caching, sliding_window=window, group=g
         )
-        for g, (num_blocks, window) in enumerate(zip(runner.group_num_blocks, runner.group_windows))
+        for g, (num_blocks, window) in enumerate(zip(runner.group_num_blocks, runner.group_windows, strict=True))
     ]
     return groups[0] if len(groups) == 1 else HybridBlockManager(*groups)
 
@@ -169,7 +169,7 @@ class LLMEngine:
             return []
         sampled = self.runner.execute(batch)
         self.num_steps += 1
-        for seq, n in zip(batch.seqs, batch.num_scheduled_tokens):
+        for seq, n in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
             # Everything but a decode token is prefill work (recompute after preemption included).
             if seq.num_completion_tokens == 0 or seq.num_uncomputed_tokens > 1:
                 self.num_prompt_tokens_processed += n

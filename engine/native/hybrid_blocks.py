@@ -61,7 +61,7 @@ class HybridBlockManager:
         for num_blocks in range(len(full_ids), 0, -1):
             window_ids = self.window.find_cached_window(seq, num_blocks)
             if window_ids is not None:
-                return list(zip(full_ids[:num_blocks], window_ids))
+                return list(zip(full_ids[:num_blocks], window_ids, strict=True))
         return []
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: SequenceOf[PrefixEntry] = ()) -> bool:

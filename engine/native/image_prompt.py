@@ -75,7 +75,7 @@ class ImageTokenizer(Tokenizer):
             )
         sentinels = [f"\x00{i}\x00" for i in range(len(messages))]
         rendered = self.apply_chat_template(
-            [{**m, "content": s} for m, s in zip(messages, sentinels)], add_generation_prompt=add_generation_prompt,
+            [{**m, "content": s} for m, s in zip(messages, sentinels, strict=True)], add_generation_prompt=add_generation_prompt,
             tools=tools, **template_kwargs,
         )
         slot = [self.image_prompter.image_token_id] * self.image_prompter.num_image_tokens

@@ -177,10 +177,10 @@ class _LayerReader:
         h, sizes = a.hidden_size, (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim)
         if a.family.fused_projections:
             return self.r.get(f"{p}qkv_proj.weight", (sum(sizes), h)), None
-        qkv = torch.cat([self.r.get(f"{p}{n}_proj.weight", (o, h)) for n, o in zip("qkv", sizes)]).contiguous()
+        qkv = torch.cat([self.r.get(f"{p}{n}_proj.weight", (o, h)) for n, o in zip("qkv", sizes, strict=True)]).contiguous()
         if not self.r.has(f"{p}q_proj.bias"):
             return qkv, None
-        return qkv, torch.cat([self.r.get(f"{p}{n}_proj.bias", (o,)) for n, o in zip("qkv", sizes)])
+        return qkv, torch.cat([self.r.get(f"{p}{n}_proj.bias", (o,)) for n, o in zip("qkv", sizes, strict=True)])
 
     def mlp(self) -> torch.Tensor:
         a, p = self.a, f"{self.p}mlp."

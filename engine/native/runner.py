@@ -204,7 +204,7 @@ class ModelRunner:
     def _sampling_rows(self, batch: ScheduledBatch, inputs: BatchInputs) -> tuple[list[int], list[int], list[SamplingRow]]:
         rows, batch_indices, sampling_rows = [], [], []
         candidates = [(i, row) for row, i in enumerate(inputs.decodes)]
-        candidates += [(i, end - 1) for i, end in zip(inputs.prefills, inputs.chunk_ends)]
+        candidates += [(i, end - 1) for i, end in zip(inputs.prefills, inputs.chunk_ends, strict=True)]
         for i, row in candidates:
             seq = batch.seqs[i]
             if seq.num_computed_tokens + batch.num_scheduled_tokens[i] < seq.num_tokens:

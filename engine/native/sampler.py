@@ -126,7 +126,7 @@ def _record_logprobs(logits: torch.Tensor, rows: list[SamplingRow], tokens: list
     chosen = logp.gather(1, torch.tensor([[tokens[i]] for i, _, _ in asking], device=logits.device))
     chosen_l, top_v, top_i = chosen[:, 0].tolist(), top_values.tolist(), top_ids.tolist()
     for j, (i, n, sink) in enumerate(asking):
-        top = tuple(zip(top_i[j][:n], top_v[j][:n]))
+        top = tuple(zip(top_i[j][:n], top_v[j][:n], strict=True))
         sink.append(TokenLogprob(tokens[i], chosen_l[j], top))
 
 

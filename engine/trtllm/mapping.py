@@ -201,7 +201,7 @@ def token_logprobs(token_ids: tuple[int, ...], entries: list[Any], num_top: int)
     chosen token beyond the top-k). The alternatives are the `num_top` most likely of the dict.
     """
     out = []
-    for token_id, entry in zip(token_ids, entries):
+    for token_id, entry in zip(token_ids, entries, strict=False):  # a short list from TensorRT-LLM never fails a stream
         if not isinstance(entry, dict):
             out.append(TokenLogprob(token_id, _logprob(entry)))
             continue

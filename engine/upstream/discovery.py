@@ -31,7 +31,7 @@ async def discover_max_model_len(
 ) -> Discovery:
     listings = await asyncio.gather(*(_list_models(session, r, headers, timeout_s) for r in replicas))
     max_len = None
-    for replica, entries in zip(replicas, listings):
+    for replica, entries in zip(replicas, listings, strict=True):
         if entries is None:
             continue
         entry = next((e for e in entries if e.get("id") == upstream_model), None)
@@ -40,7 +40,7 @@ async def discover_max_model_len(
             log.warning("upstream_model_not_listed", replica=replica.label, upstream_model=upstream_model, listed=names)
         elif isinstance(entry.get("max_model_len"), int) and max_len is None:
             max_len = entry["max_model_len"]
-    return Discovery(max_len, {r: entries is not None for r, entries in zip(replicas, listings)})
+    return Discovery(max_len, {r: entries is not None for r, entries in zip(replicas, listings, strict=True)})
 
 
 async def _list_models(

@@ -37,7 +37,7 @@ class LatencyHistogram:
 
     def cumulative(self) -> list[tuple[str, int]]:
         out, total = [], 0
-        for bound, count in zip((*map(str, TTFT_BUCKETS_S), "+Inf"), self.counts):
+        for bound, count in zip((*map(str, TTFT_BUCKETS_S), "+Inf"), self.counts, strict=True):
             total += count
             out.append((bound, total))
         return out

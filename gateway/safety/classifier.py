@@ -113,11 +113,11 @@ def merge(parts: Sequence[TurnSummary], bonus: Sequence[np.ndarray | float] | No
     if len(parts) == 1 and bonus is None:
         return parts[0]
     bonus = bonus if bonus is not None else [0.0] * len(parts)
-    peaks = np.stack([s.peak + b for s, b in zip(parts, bonus)])  # [runs, queries]
+    peaks = np.stack([s.peak + b for s, b in zip(parts, bonus, strict=True)])  # [runs, queries]
     top = peaks.max(axis=0)
     scale = np.exp(peaks - top)  # [runs, queries]
-    weight = sum(sc * s.weight for sc, s in zip(scale, parts))
-    value = sum(sc[:, None] * s.value for sc, s in zip(scale, parts))
+    weight = sum(sc * s.weight for sc, s in zip(scale, parts, strict=True))
+    value = sum(sc[:, None] * s.value for sc, s in zip(scale, parts, strict=True))
     state_sum = np.sum(np.stack([s.state_sum for s in parts]), axis=0)  # [dim]
     return TurnSummary(top, weight, value, state_sum, sum(s.num_tokens for s in parts))
 
@@ -183,10 +183,10 @@ class SafetyClassifier:
             found = {k: self._cache[k] for k in keys if k in self._cache}
             for k in found:
                 self._cache.move_to_end(k)
-        missing = [(k, t) for k, t in zip(keys, turns) if k not in found]
+        missing = [(k, t) for k, t in zip(keys, turns, strict=True) if k not in found]
         if missing:
             states = self.embedder.encode_windows([t for _, t in missing], max_windows=self._max_windows)
-            new = {k: tuple(summarize(self.head, w) for w in s) for (k, _), s in zip(missing, states)}
+            new = {k: tuple(summarize(self.head, w) for w in s) for (k, _), s in zip(missing, states, strict=True)}
             found.update(new)
             with self._lock:
                 self._cache.update(new)

@@ -188,7 +188,7 @@ class MiniLmEmbedder:
                 owners.append(i)
         states = self._run(windows)
         out: list[list[np.ndarray]] = [[] for _ in texts]
-        for owner, ids, state in zip(owners, windows, states):
+        for owner, ids, state in zip(owners, windows, states, strict=True):
             out[owner].append(state[: len(ids)])
         return out
 

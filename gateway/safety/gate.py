@@ -158,7 +158,7 @@ class SafetyGate:
     def _judge(self, scores: np.ndarray, threshold: Callable[[str], float]) -> Verdict:
         assert self._classifier is not None
         best: tuple[float, str] | None = None
-        for category, score in zip(self._classifier.categories, scores.tolist()):
+        for category, score in zip(self._classifier.categories, scores.tolist(), strict=True):
             if score >= threshold(category) and (best is None or score > best[0]):
                 best = (score, category)
         return Verdict.allow() if best is None else Verdict.block(SafetyLayer.CLASSIFIER, best[1], best[0])

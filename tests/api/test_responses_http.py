@@ -178,7 +178,7 @@ def assert_same_logprobs(got, expected) -> None:
     """Same tokens, bytes and alternatives; logprobs up to float noise (a prefix-cache hit computes
     the prompt in other chunks)."""
     assert [(e.token, e.bytes) for e in got] == [(e.token, e.bytes) for e in expected] and expected
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         assert g.logprob == pytest.approx(e.logprob, abs=1e-4)
         assert [t.token for t in g.top_logprobs] == [t.token for t in e.top_logprobs]
 

@@ -119,7 +119,7 @@ class SchedulerDriver:
         self.batches.append(batch)
         sampled = [
             next_token(seq) if seq.num_computed_tokens + n == seq.num_tokens else None
-            for seq, n in zip(batch.seqs, batch.num_scheduled_tokens)
+            for seq, n in zip(batch.seqs, batch.num_scheduled_tokens, strict=True)
         ]
         updated = self.scheduler.postprocess(batch, sampled)
         for seq in updated:

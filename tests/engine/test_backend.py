@@ -50,7 +50,7 @@ async def wait_until_idle(backend: NativeBackend) -> None:
 async def test_concurrent_requests_are_batched_and_match_transformers(backend, tiny_models):
     prompts = [[5 + i] * (3 + 7 * i) for i in range(6)]
     results = await asyncio.gather(*(collect(backend, request(f"r{i}", p)) for i, p in enumerate(prompts)))
-    for prompt, events in zip(prompts, results):
+    for prompt, events in zip(prompts, results, strict=True):
         tokens = [t for e in events for t in e.token_ids]
         assert tokens == tiny_models.greedy(VARIANT, prompt, 16, None)
         assert events[-1].finish_reason is FinishReason.LENGTH and events[-1].num_completion_tokens == 16

@@ -124,7 +124,7 @@ def test_a_mixed_model_keeps_only_the_window_on_its_sliding_layers(tiny_models, 
     prompts = [shared + [rng.randrange(3, vocab_size) for _ in range(60)] for _ in range(2)]
     prompts.append([rng.randrange(3, vocab_size) for _ in range(150)])
     arrivals, expected = [], {}
-    for i, (step, prompt) in enumerate(zip((0, 3, 1), prompts)):  # 208 tokens each: 13 of 16 blocks
+    for i, (step, prompt) in enumerate(zip((0, 3, 1), prompts, strict=True)):  # 208 tokens each: 13 of 16 blocks
         expected[f"r{i}"] = tiny_models.greedy(variant, prompt, 48, None)
         sampling = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
         arrivals.append((step, GenerationRequest(f"r{i}", tuple(prompt), sampling)))

@@ -119,7 +119,7 @@ def test_repetition_penalty_matches_transformers_per_row_in_one_batch():
         r = row(completion, temperature=0.0, repetition_penalty=penalty, logprobs=VOCAB)
         rows.append(SamplingRow(r.params, r.token_ids, r.num_prompt_tokens, r.stop_token_ids, logprobs_sink=[]))
     Sampler(VOCAB, seed=0)(logits, rows)
-    for r, line in zip(rows, logits):
+    for r, line in zip(rows, logits, strict=True):
         processor = RepetitionPenaltyLogitsProcessor(r.params.repetition_penalty)
         reference = torch.log_softmax(processor(torch.tensor([r.token_ids]), line[None].clone())[0], dim=-1)
         ours = dict(r.logprobs_sink[0].top_logprobs)  # the whole distribution sampled from

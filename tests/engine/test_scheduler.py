@@ -67,7 +67,7 @@ def test_prefill_is_capped_while_decodes_ride_along_and_not_when_alone():
     while long.num_uncomputed_tokens > 1:
         d.step()
         batch = d.batches[-1]
-        assert sum(n for s, n in zip(batch.seqs, batch.num_scheduled_tokens) if s.num_completion_tokens == 0 or n > 1) <= 6
+        assert sum(n for s, n in zip(batch.seqs, batch.num_scheduled_tokens, strict=True) if s.num_completion_tokens == 0 or n > 1) <= 6
     d.run()
     assert long.num_completion_tokens == 2 and second.num_completion_tokens == 2
 

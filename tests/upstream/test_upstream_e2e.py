@@ -303,7 +303,7 @@ def assert_same_logprobs(relayed: list[dict], own: list[dict]) -> None:
     """Same tokens, bytes and alternatives; logprobs equal up to float noise (a prefix-cache hit
     upstream computes the prompt in other chunks)."""
     assert [e["token"] for e in relayed] == [e["token"] for e in own] and own
-    for r, o in zip(relayed, own):
+    for r, o in zip(relayed, own, strict=True):
         assert r["bytes"] == o["bytes"] and r["logprob"] == pytest.approx(o["logprob"], abs=1e-3)
         assert [t["token"] for t in r["top_logprobs"]] == [t["token"] for t in o["top_logprobs"]]
         assert [t["logprob"] for t in r["top_logprobs"]] == pytest.approx([t["logprob"] for t in o["top_logprobs"]],
