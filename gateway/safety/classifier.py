@@ -9,6 +9,7 @@ Numpy only; blocking.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import threading
 from collections import OrderedDict
@@ -137,6 +138,21 @@ def pool(head: SafetyHead, summaries: Sequence[TurnSummary]) -> np.ndarray:
 Windows = tuple[TurnSummary, ...]  # one text's summaries, one per encoder window
 
 
+class JobKind(enum.Enum):
+    TURNS = "turns"  # a conversation's latest user turns, oldest first (cached per turn)
+    TEXT = "text"  # one text read alone: a window of a streamed answer
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreJob:
+    texts: tuple[str, ...]
+    kind: JobKind
+
+    @property
+    def num_chars(self) -> int:
+        return sum(len(t) for t in self.texts)
+
+
 class SafetyClassifier:
     """Scores conversations and answer windows; thread-safe."""
 
@@ -156,17 +172,39 @@ class SafetyClassifier:
         """[num_categories]: per category, the highest score of the views of the newest turn
         (whole, and each of its windows alone when it is long) and of all `turns` read
         together. Callers pass the latest few user turns, oldest first."""
-        windows = self._windows(turns)
-        whole = [merge(w) for w in windows]
-        rows = self._views(windows[-1])
-        if len(whole) > 1:
-            rows.append(pool(self.head, whole))
-        return self.head.probabilities(np.stack(rows))[:, 1:].max(axis=0)
+        return self.score([ScoreJob(tuple(turns), JobKind.TURNS)])[0]
 
     def score_text(self, text: str) -> np.ndarray:
         """[num_categories] for one text read alone (a window of a streamed answer); not cached."""
-        states = self.embedder.encode_windows([text], max_windows=self._max_windows)[0]
-        rows = self._views(tuple(summarize(self.head, s) for s in states))
+        return self.score([ScoreJob((text,), JobKind.TEXT)])[0]
+
+    def score(self, jobs: Sequence[ScoreJob]) -> list[np.ndarray]:
+        """Per job, its [num_categories] scores; one encoder forward serves every job's
+        texts that are not in the turn cache (a turn two jobs share is encoded once). Answer
+        windows (TEXT jobs) are not cached: they rarely repeat."""
+        keys: list[list[bytes | int]] = [
+            [_digest(t) for t in job.texts] if job.kind is JobKind.TURNS else [i] for i, job in enumerate(jobs)
+        ]
+        with self._lock:
+            found: dict[bytes | int, Windows] = {k: self._cache[k] for ks in keys for k in ks if k in self._cache}
+            for k in found:
+                self._cache.move_to_end(k)
+        missing = {k: t for job, ks in zip(jobs, keys) for k, t in zip(ks, job.texts) if k not in found}
+        if missing:
+            states = self.embedder.encode_windows(list(missing.values()), max_windows=self._max_windows)
+            new = {k: tuple(summarize(self.head, w) for w in s) for k, s in zip(missing, states)}
+            found.update(new)
+            with self._lock:
+                self._cache.update((k, v) for k, v in new.items() if isinstance(k, bytes))
+                while len(self._cache) > self._cache_entries:
+                    self._cache.popitem(last=False)
+        return [self._score_windows([found[k] for k in ks]) for ks in keys]
+
+    def _score_windows(self, turns: list[Windows]) -> np.ndarray:
+        whole = [merge(w) for w in turns]
+        rows = self._views(turns[-1])
+        if len(whole) > 1:
+            rows.append(pool(self.head, whole))
         return self.head.probabilities(np.stack(rows))[:, 1:].max(axis=0)
 
     def _views(self, windows: Windows) -> list[np.ndarray]:
@@ -177,19 +215,6 @@ class SafetyClassifier:
             rows += [pool(self.head, [w]) for w in windows]
         return rows
 
-    def _windows(self, turns: Sequence[str]) -> list[Windows]:
-        keys = [hashlib.blake2b(t.encode("utf-8", "surrogatepass"), digest_size=16).digest() for t in turns]
-        with self._lock:
-            found = {k: self._cache[k] for k in keys if k in self._cache}
-            for k in found:
-                self._cache.move_to_end(k)
-        missing = [(k, t) for k, t in zip(keys, turns, strict=True) if k not in found]
-        if missing:
-            states = self.embedder.encode_windows([t for _, t in missing], max_windows=self._max_windows)
-            new = {k: tuple(summarize(self.head, w) for w in s) for (k, _), s in zip(missing, states, strict=True)}
-            found.update(new)
-            with self._lock:
-                self._cache.update(new)
-                while len(self._cache) > self._cache_entries:
-                    self._cache.popitem(last=False)
-        return [found[k] for k in keys]
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()

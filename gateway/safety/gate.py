@@ -1,15 +1,18 @@
 """The safety gate: screens a conversation before the engine and hands out output filters.
 
-Layers run cheapest first: rules, then the classifier (one worker thread call for both).
-Every decision is counted and logged without any text.
-The gate never sees the engine; the server decides what a block means for the request.
+Layers run cheapest first: rules, then the classifier. Both run on a worker thread, batched across requests (batcher.py: one encoder
+forward for every prompt and answer window waiting), and a conversation's rules-and-classifier
+verdict is cached by its text. Every decision is counted and logged without any text. The
+gate never sees the engine; the server decides what a block means for the request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +21,8 @@ import numpy as np
 import prometheus_client
 import structlog
 
-from gateway.safety.classifier import SafetyClassifier, SafetyHead
+from gateway.safety.batcher import MicroBatcher
+from gateway.safety.classifier import JobKind, SafetyClassifier, SafetyHead, ScoreJob
 from gateway.safety.output import OutputFilter, OutputPolicy
 from gateway.safety.rules import ALL_CATEGORIES, RuleSet
 from gateway.safety.types import SafetyLayer, Stage, Verdict
@@ -51,6 +55,9 @@ log = structlog.get_logger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _NONE = "none"  # metric label for "no layer / no category" (allowed)
 _OUTPUT_WINDOW_CHARS = 400  # about one 128-token classifier window of English text
+# Text one classifier batch reads at most (about 1,000 tokens): enough rows for the matmuls to
+# run at full speed, few enough that a check arriving behind a batch does not wait long.
+_MAX_BATCH_CHARS = 4000
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
@@ -67,6 +74,15 @@ def user_turns(messages: Sequence[dict]) -> list[str]:
             parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
             turns.append("\n".join(t for t in parts if isinstance(t, str)))
     return turns
+
+
+def _digest(turns: Sequence[str]) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for turn in turns:
+        data = turn.encode("utf-8", "surrogatepass")
+        h.update(len(data).to_bytes(8, "little"))  # so ("ab", "c") and ("a", "bc") differ
+        h.update(data)
+    return h.digest()
 
 
 def resolve_path(path: str) -> Path:
@@ -90,6 +106,11 @@ class SafetyGate:
         # The built-in patterns are phrased as requests; answers get the operator's rules only.
         self._output_rules = RuleSet.merged(config.deny, allow, builtin=False)
         self._classifier = classifier if config.classifier else None
+        self._batcher: MicroBatcher[ScoreJob, Verdict] = MicroBatcher(
+            self._run_batch, _torch_executor, weight=lambda job: job.num_chars, max_batch_weight=_MAX_BATCH_CHARS
+        )
+        # digest of the screened turns -> their verdict
+        self._screened: OrderedDict[bytes, Verdict] = OrderedDict()
         registry = registry if registry is not None else prometheus_client.CollectorRegistry()
         self._decisions = prometheus_client.Counter(
             "chat_safety_gate_decisions", "Safety gate decisions (prompt screening and output filtering).",
@@ -111,13 +132,26 @@ class SafetyGate:
 
     async def screen_prompt(self, messages: Sequence[dict], *, tier: str) -> Verdict:
         started_s = time.perf_counter()
-        turns = user_turns(messages)
+        recent = tuple(user_turns(messages)[-self.config.context_turns :])
         verdict = Verdict.allow()
-        if turns:
-            verdict = await _off_loop(self._screen_sync, turns)
+        if recent:
+            key = _digest(recent)
+            cached = self._screened.get(key)
+            if cached is None:
+                verdict = await self._batcher.submit(ScoreJob(recent, JobKind.TURNS))
+                if self._classifier is not None or not self.config.classifier:  # not before start() loaded it
+                    self._remember(key, verdict)
+            else:
+                self._screened.move_to_end(key)
+                verdict = cached
         self._screen_seconds.observe(time.perf_counter() - started_s)
         self._record(Stage.PROMPT, verdict, tier)
         return verdict
+
+    def _remember(self, key: bytes, verdict: Verdict) -> None:
+        self._screened[key] = verdict
+        while len(self._screened) > self.config.embed_cache_entries:
+            self._screened.popitem(last=False)
 
     def output_filter(self, *, tier: str) -> OutputFilter:
         cfg = self.config
@@ -139,21 +173,32 @@ class SafetyGate:
     def threshold(self, category: str) -> float:
         return self.config.thresholds.get(category, self.config.threshold)
 
-    def _screen_sync(self, turns: list[str]) -> Verdict:
-        """Rules, then the classifier; blocking (runs in a worker thread)."""
-        recent = turns[-self.config.context_turns :]
-        match = self._prompt_rules.first_match("\n\n".join(recent))
-        if match is not None:
-            return Verdict.block(SafetyLayer.RULES, match.category)
-        if self._classifier is None:
-            return Verdict.allow()
-        scores = self._classifier.score_turns(recent)
-        return self._judge(scores, self.threshold)
+    def _run_batch(self, jobs: list[ScoreJob]) -> list[Verdict]:
+        """Blocking (a worker thread): per job, rules first for prompts (answers' rules run in
+        the output filter), then one classifier pass for every job the rules let through."""
+        verdicts: list[Verdict | None] = [None] * len(jobs)
+        for i, job in enumerate(jobs):
+            if job.kind is JobKind.TURNS:
+                match = self._prompt_rules.first_match("\n\n".join(job.texts))
+                if match is not None:
+                    verdicts[i] = Verdict.block(SafetyLayer.RULES, match.category)
+                elif self._classifier is None:
+                    verdicts[i] = Verdict.allow()
+        todo = [i for i, v in enumerate(verdicts) if v is None]
+        if todo:
+            assert self._classifier is not None  # TEXT jobs come only with a classifier
+            scores = self._classifier.score([jobs[i] for i in todo])
+            for i, job_scores in zip(todo, scores):
+                verdicts[i] = self._judge(job_scores, self._threshold_for(jobs[i].kind))
+        return verdicts  # type: ignore[return-value]  # every slot is filled above
+
+    def _threshold_for(self, kind: JobKind) -> Callable[[str], float]:
+        if kind is JobKind.TURNS:
+            return self.threshold
+        return lambda _category: self.config.output_threshold
 
     async def _classify_output(self, text: str) -> Verdict:
-        assert self._classifier is not None  # only handed out when loaded
-        scores = await _off_loop(self._classifier.score_text, text)
-        return self._judge(scores, lambda _category: self.config.output_threshold)
+        return await self._batcher.submit(ScoreJob((text,), JobKind.TEXT))
 
     def _judge(self, scores: np.ndarray, threshold: Callable[[str], float]) -> Verdict:
         assert self._classifier is not None

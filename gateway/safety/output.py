@@ -4,9 +4,11 @@ Text is released only once the deny rules can no longer match over it (it lies m
 `holdback_chars` behind the newest text, and no partial match starts earlier; with no output
 rules there is nothing to hold back for) and, when the classifier is on, once a classifier
 check has covered it. A blocked span is therefore never released; after a block the filter
-releases nothing more. Checks come early while the answer is short (at a word end once
-`min_check_chars` arrived, then each time the unchecked text is as long as the checked), so a
-short answer still appears progressively instead of in one piece at the end.
+releases nothing more. Checks come early while the answer is short (its first text at once,
+then at a word end each time the unchecked text is as long as the checked), so the first token
+is not held back for long and a short answer appears progressively, not in one piece at the
+end; later ones come at sentence ends once `min_check_chars` arrived, or every
+`check_every_chars`.
 """
 
 from __future__ import annotations
@@ -102,13 +104,16 @@ class OutputFilter:
         unchecked = end - self._checked
         if unchecked >= self._policy.check_every_chars:
             return True
-        if unchecked < self._policy.min_check_chars:
-            return False
-        if any(c in _SENTENCE_ENDS for c in new_text):
-            return True
+        if self._checked == 0:
+            # The answer's first text is checked at once (a few tokens: a cheap check), so the
+            # first token reaches the client without waiting for the next 40 characters.
+            return unchecked > 0
         # Early in the answer, check at a word end whenever the unchecked text is as long as
-        # the checked: at about 40, 80, 160 characters, then every check_every_chars.
-        return unchecked >= self._checked and any(c in _WORD_ENDS for c in new_text)
+        # the checked: at about 5, 10, 20, 40, 80, 160 characters, then every check_every_chars.
+        doubling = unchecked >= self._checked and any(c in _WORD_ENDS for c in new_text)
+        if unchecked < self._policy.min_check_chars:
+            return doubling
+        return doubling or any(c in _SENTENCE_ENDS for c in new_text)
 
     def _scan_from(self) -> int:
         # Matches that start up to `rescan_chars` before the release point are still found, so

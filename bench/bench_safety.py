@@ -1,0 +1,236 @@
+"""The safety gate's cost over HTTP (part of `make bench`, issue #22): `server.py` with the
+default configuration (safety on) against the same server with `safety.enabled = false`, one run.
+
+Two workloads on the reference model (bench_engine.REFERENCE, 30M, random weights):
+- throughput: 32 streaming clients in a closed loop, 128-token prompts, 64 tokens out each;
+- warm TTFT: a 1,000-token system prompt, then requests behind it with a new short user
+  message each (the system prompt is in the engine's prefix cache, the user message is new).
+Also `transformers`' static batch of 32 on the same prompts (the issue's table form). Servers
+alternate (off, on, off, on, ...) so slow drift of a shared machine hits both. Prints a table,
+the targets (safety on >= 90% of off at 32 streams; warm TTFT on <= 1.3x off) and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.bench_engine import (  # noqa: E402
+    build_reference_model, hf_static_batch, in_own_thread, machine_info, make_chat_requests,
+)
+from engine.native.kernels import supported_modes  # noqa: E402
+from engine.tokenizer import Tokenizer  # noqa: E402
+
+TARGET_THROUGHPUT_RATIO = 0.9  # safety on / off at 32 streams, at least
+TARGET_TTFT_RATIO = 1.3  # safety on / off, warm request behind the system prompt, at most
+SERVER_SETTINGS = {
+    "server.log_level": "warning",
+    "engine.max_num_seqs": 64,
+    "engine.kv_cache_bytes": 1 << 30,
+    "tiers.enterprise.max_concurrent_streams": 1000,  # keyless loopback requests are enterprise
+    "tiers.enterprise.requests_per_minute": 100_000,
+    "tiers.enterprise.tokens_per_minute": 100_000_000,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class StreamResult:
+    ttft_s: float | None  # first content token, from the request
+    num_tokens: int
+    finish_reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    safety: bool
+    round: int
+    tokens_per_s: float  # 32-stream closed loop, output tokens / wall time
+    num_filtered: int  # streams that ended with content_filter (prompt refused or answer cut)
+    ttft_ms_warm: float  # median over the warm requests
+    ttft_ms_cold: float  # the first request behind the system prompt
+
+
+async def stream_chat(session, url: str, body: dict) -> StreamResult:
+    """One streaming request; counts tokens from `usage` (continuous_usage_stats)."""
+    import orjson
+
+    sent = time.perf_counter()
+    ttft, tokens, finish = None, 0, None
+    payload = {**body, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    async with session.post(url, json=payload) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+        async for line in resp.content:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = orjson.loads(line[6:])
+            for choice in chunk.get("choices", ()):
+                if choice.get("delta", {}).get("content") and ttft is None:
+                    ttft = time.perf_counter() - sent
+                finish = choice.get("finish_reason") or finish
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return StreamResult(ttft, tokens, finish)
+
+
+def chat_body(model: str, messages: list[dict], max_tokens: int) -> dict:
+    return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+async def closed_loop(session, url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int):
+    """(output tokens per second, streams ended by content_filter)."""
+    pending = list(prompts)
+    results: list[StreamResult] = []
+
+    async def client() -> None:
+        while pending:
+            text = pending.pop(0)
+            results.append(await stream_chat(session, url, chat_body(model, [{"role": "user", "content": text}], max_tokens)))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
+    return sum(r.num_tokens for r in results) / wall, sum(r.finish_reason == "content_filter" for r in results)
+
+
+def system_prompt(tokenizer: Tokenizer, num_tokens: int, seed: int) -> str:
+    """Words of the bench vocabulary until the system message alone renders to `num_tokens`."""
+    rng = random.Random(seed)
+    words = sorted({w for i in range(tokenizer.vocab_size) if (w := tokenizer.decode([i]).strip()).isascii() and w.isalpha()})
+    text: list[str] = []
+    while len(tokenizer.encode_chat([{"role": "system", "content": " ".join(text)}])) < num_tokens:
+        text.extend(rng.choice(words) for _ in range(16))
+    return " ".join(text)
+
+
+async def warm_ttft(session, url: str, model: str, system: str, questions: list[str]) -> tuple[float, float]:
+    """(cold TTFT, median warm TTFT) in ms: the first request puts the system prompt in the
+    prefix cache; each later one has a new user message behind it."""
+    ttfts = []
+    for question in questions:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        result = await stream_chat(session, url, chat_body(model, messages, 4))
+        if result.ttft_s is None:
+            raise RuntimeError(f"no content token (finish_reason {result.finish_reason})")
+        ttfts.append(result.ttft_s * 1e3)
+    return ttfts[0], statistics.median(ttfts[1:])
+
+
+async def one_round(model_dir: Path, safety: bool, round_no: int, args, prompts: list[str], ttft_inputs) -> RoundResult:
+    import aiohttp
+
+    from testing.server_proc import ServerProcess
+
+    settings = {**SERVER_SETTINGS, "safety.enabled": str(safety).lower()}
+    system, questions = ttft_inputs
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = ["--model", str(model_dir), "--db", str(Path(tmp) / "bench.db")]
+        for key, value in settings.items():
+            argv += ["--set", f"{key}={value}"]
+        with ServerProcess(argv, log_path=Path(tmp) / "server.log") as server:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+                url = f"{server.base_url}/v1/chat/completions"
+                async with session.get(f"{server.base_url}/v1/models") as resp:
+                    model = (await resp.json())["data"][0]["id"]
+                await closed_loop(session, url, model, prompts[:8], 8, 8)  # warm-up
+                tok_s, filtered = await closed_loop(session, url, model, prompts, args.concurrency, args.output_len)
+                cold, warm = await warm_ttft(session, url, model, system, questions)
+    return RoundResult(safety, round_no, tok_s, filtered, warm, cold)
+
+
+def summarize(rounds: list[RoundResult]) -> dict:
+    def med(safety: bool, field: str) -> float:
+        return statistics.median(getattr(r, field) for r in rounds if r.safety == safety)
+
+    on_tok, off_tok = med(True, "tokens_per_s"), med(False, "tokens_per_s")
+    on_ttft, off_ttft = med(True, "ttft_ms_warm"), med(False, "ttft_ms_warm")
+    return {
+        "tokens_per_s": {"on": on_tok, "off": off_tok, "ratio": on_tok / off_tok},
+        "ttft_ms_warm": {"on": on_ttft, "off": off_ttft, "ratio": on_ttft / off_ttft},
+        "pass": {
+            f"throughput_on_ge_{TARGET_THROUGHPUT_RATIO}x_off": on_tok / off_tok >= TARGET_THROUGHPUT_RATIO,
+            f"warm_ttft_on_le_{TARGET_TTFT_RATIO}x_off": on_ttft / off_ttft <= TARGET_TTFT_RATIO,
+        },
+    }
+
+
+def print_report(rounds: list[RoundResult], summary: dict, hf_tok_s: float | None, machine: dict) -> None:
+    isa = ", ".join(m.value for m in supported_modes()) or "no x86 kernels"
+    print(f"machine: {machine['cpu']} | kernels this CPU runs: {isa} | {machine['threads']} torch threads")
+    print(f"{'safety':7} {'round':>5} {'32 streams tok/s':>17} {'filtered':>9} {'TTFT warm ms':>13} {'TTFT cold ms':>13}")
+    for r in rounds:
+        print(f"{'on' if r.safety else 'off':7} {r.round:>5} {r.tokens_per_s:>17.1f} {r.num_filtered:>9} "
+              f"{r.ttft_ms_warm:>13.1f} {r.ttft_ms_cold:>13.1f}")
+    t, f = summary["tokens_per_s"], summary["ttft_ms_warm"]
+    print(f"median: 32 streams {t['on']:.1f} (on) vs {t['off']:.1f} (off) tok/s = {t['ratio']:.3f}; "
+          f"warm TTFT {f['on']:.1f} vs {f['off']:.1f} ms = {f['ratio']:.2f}x")
+    if hf_tok_s is not None:
+        print(f"transformers static batch 32: {hf_tok_s:.1f} tok/s; HTTP safety off {t['off'] / hf_tok_s:.2f}x, "
+              f"on {t['on'] / hf_tok_s:.2f}x of it")
+    for name, ok in summary["pass"].items():
+        print(f"  {'PASS' if ok else 'FAIL'} {name}")
+
+
+def transformers_static(model_dir: Path, tokenizer: Tokenizer, args) -> float:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    reqs = make_chat_requests(tokenizer, args.num_requests, args.prompt_len, args.output_len, seed=32, prefix="hf")
+    return hf_static_batch(model, reqs, args.concurrency).output_tokens_per_s
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-dir", type=Path, default=ROOT / "build" / "bench-model-v2")
+    p.add_argument("--rounds", type=int, default=2, help="server pairs (off, on) to run")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--system-len", type=int, default=1000)
+    p.add_argument("--warm-requests", type=int, default=8)
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--json", type=Path, help="also write the JSON line to this file")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    model_dir = in_own_thread(build_reference_model, args.model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    reqs = make_chat_requests(tokenizer, args.num_requests, args.prompt_len, args.output_len, seed=32, prefix="s")
+    prompts = [r.user_text for r in reqs]
+    rng = random.Random(5)
+    questions = [f"Question {i}: what does {rng.choice(prompts).split()[0]} mean here?" for i in range(args.warm_requests + 1)]
+    ttft_inputs = (system_prompt(tokenizer, args.system_len, seed=7), questions)
+    rounds = []
+    for i in range(args.rounds):
+        for safety in (False, True):
+            rounds.append(asyncio.run(one_round(model_dir, safety, i, args, prompts, ttft_inputs)))
+    hf = None if args.skip_transformers else in_own_thread(transformers_static, model_dir, tokenizer, args)
+    summary = summarize(rounds)
+    machine = machine_info(0.0)
+    print_report(rounds, summary, hf, machine)
+    record = {"machine": machine, "isa": [m.value for m in supported_modes()], "args": {k: str(v) for k, v in vars(args).items()},
+              "rounds": [asdict(r) for r in rounds], "summary": summary, "transformers_static_tok_s": hf}
+    line = json.dumps(record, default=float)
+    print(line)
+    if args.json:
+        args.json.write_text(line + "\n")
+    return record
+
+
+if __name__ == "__main__":
+    main()
