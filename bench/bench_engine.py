@@ -493,7 +493,7 @@ async def bench_http(model_dir: Path, plan: Plan, args, peak_gflops: float) -> l
 
     cfg = engine_config(args)
     overrides = {
-        "safety.enabled": "false",  # the engine comparison; the gate's cost is measured by make eval-safety
+        "safety.enabled": "false",  # the engine comparison; the gate's cost: bench/bench_safety.py
         "engine.device": cfg.device,
         "engine.kv_cache_bytes": cfg.kv_cache_bytes,
         "engine.max_num_seqs": cfg.max_num_seqs,

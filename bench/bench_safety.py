@@ -6,7 +6,8 @@ Two workloads on the reference model (bench_engine.REFERENCE, 30M, random weight
 - warm TTFT: a 1,000-token system prompt, then requests behind it with a new short user
   message each (the system prompt is in the engine's prefix cache, the user message is new).
 Also `transformers`' static batch of 32 on the same prompts (the issue's table form). Servers
-alternate (off, on, off, on, ...) so slow drift of a shared machine hits both. Prints a table,
+alternate (off, on, off, on, ...) so slow drift of a shared machine hits both; `--variants`
+adds "on-bf16" (the classifier's matmuls in bfloat16). Prints a table,
 the targets (safety on >= 90% of off at 32 streams; warm TTFT on <= 1.3x off) and one JSON line.
 """
 
@@ -51,9 +52,17 @@ class StreamResult:
     finish_reason: str | None
 
 
+# Server configurations compared: name -> settings over SERVER_SETTINGS.
+VARIANTS = {
+    "off": {"safety.enabled": "false"},
+    "on": {"safety.enabled": "true"},  # the default configuration
+    "on-bf16": {"safety.enabled": "true", "safety.embed_dtype": "bfloat16"},  # the classifier's matmuls in bf16
+}
+
+
 @dataclass(frozen=True, slots=True)
 class RoundResult:
-    safety: bool
+    variant: str
     round: int
     tokens_per_s: float  # 32-stream closed loop, output tokens / wall time
     num_filtered: int  # streams that ended with content_filter (prompt refused or answer cut)
@@ -127,12 +136,12 @@ async def warm_ttft(session, url: str, model: str, system: str, questions: list[
     return ttfts[0], statistics.median(ttfts[1:])
 
 
-async def one_round(model_dir: Path, safety: bool, round_no: int, args, prompts: list[str], ttft_inputs) -> RoundResult:
+async def one_round(model_dir: Path, variant: str, round_no: int, args, prompts: list[str], ttft_inputs) -> RoundResult:
     import aiohttp
 
     from testing.server_proc import ServerProcess
 
-    settings = {**SERVER_SETTINGS, "safety.enabled": str(safety).lower()}
+    settings = {**SERVER_SETTINGS, **VARIANTS[variant]}
     system, questions = ttft_inputs
     with tempfile.TemporaryDirectory() as tmp:
         argv = ["--model", str(model_dir), "--db", str(Path(tmp) / "bench.db")]
@@ -146,40 +155,45 @@ async def one_round(model_dir: Path, safety: bool, round_no: int, args, prompts:
                 await closed_loop(session, url, model, prompts[:8], 8, 8)  # warm-up
                 tok_s, filtered = await closed_loop(session, url, model, prompts, args.concurrency, args.output_len)
                 cold, warm = await warm_ttft(session, url, model, system, questions)
-    return RoundResult(safety, round_no, tok_s, filtered, warm, cold)
+    return RoundResult(variant, round_no, tok_s, filtered, warm, cold)
 
 
 def summarize(rounds: list[RoundResult]) -> dict:
-    def med(safety: bool, field: str) -> float:
-        return statistics.median(getattr(r, field) for r in rounds if r.safety == safety)
+    """Medians per variant, and each safety variant's ratios to "off" with the targets."""
+    def med(variant: str, field: str) -> float:
+        return statistics.median(getattr(r, field) for r in rounds if r.variant == variant)
 
-    on_tok, off_tok = med(True, "tokens_per_s"), med(False, "tokens_per_s")
-    on_ttft, off_ttft = med(True, "ttft_ms_warm"), med(False, "ttft_ms_warm")
-    return {
-        "tokens_per_s": {"on": on_tok, "off": off_tok, "ratio": on_tok / off_tok},
-        "ttft_ms_warm": {"on": on_ttft, "off": off_ttft, "ratio": on_ttft / off_ttft},
-        "pass": {
-            f"throughput_on_ge_{TARGET_THROUGHPUT_RATIO}x_off": on_tok / off_tok >= TARGET_THROUGHPUT_RATIO,
-            f"warm_ttft_on_le_{TARGET_TTFT_RATIO}x_off": on_ttft / off_ttft <= TARGET_TTFT_RATIO,
-        },
-    }
+    variants = list(dict.fromkeys(r.variant for r in rounds))
+    out: dict = {"median": {v: {"tokens_per_s": med(v, "tokens_per_s"), "ttft_ms_warm": med(v, "ttft_ms_warm")} for v in variants}}
+    off = out["median"]["off"]
+    for v in variants:
+        if v == "off":
+            continue
+        tok = out["median"][v]["tokens_per_s"] / off["tokens_per_s"]
+        ttft = out["median"][v]["ttft_ms_warm"] / off["ttft_ms_warm"]
+        out[v] = {"throughput_ratio": tok, "ttft_ratio": ttft,
+                  "pass": {f"throughput_ge_{TARGET_THROUGHPUT_RATIO}x_off": tok >= TARGET_THROUGHPUT_RATIO,
+                           f"warm_ttft_le_{TARGET_TTFT_RATIO}x_off": ttft <= TARGET_TTFT_RATIO}}
+    return out
 
 
 def print_report(rounds: list[RoundResult], summary: dict, hf_tok_s: float | None, machine: dict) -> None:
     isa = ", ".join(m.value for m in supported_modes()) or "no x86 kernels"
     print(f"machine: {machine['cpu']} | kernels this CPU runs: {isa} | {machine['threads']} torch threads")
-    print(f"{'safety':7} {'round':>5} {'32 streams tok/s':>17} {'filtered':>9} {'TTFT warm ms':>13} {'TTFT cold ms':>13}")
+    print(f"{'server':8} {'round':>5} {'32 streams tok/s':>17} {'filtered':>9} {'TTFT warm ms':>13} {'TTFT cold ms':>13}")
     for r in rounds:
-        print(f"{'on' if r.safety else 'off':7} {r.round:>5} {r.tokens_per_s:>17.1f} {r.num_filtered:>9} "
-              f"{r.ttft_ms_warm:>13.1f} {r.ttft_ms_cold:>13.1f}")
-    t, f = summary["tokens_per_s"], summary["ttft_ms_warm"]
-    print(f"median: 32 streams {t['on']:.1f} (on) vs {t['off']:.1f} (off) tok/s = {t['ratio']:.3f}; "
-          f"warm TTFT {f['on']:.1f} vs {f['off']:.1f} ms = {f['ratio']:.2f}x")
-    if hf_tok_s is not None:
-        print(f"transformers static batch 32: {hf_tok_s:.1f} tok/s; HTTP safety off {t['off'] / hf_tok_s:.2f}x, "
-              f"on {t['on'] / hf_tok_s:.2f}x of it")
-    for name, ok in summary["pass"].items():
-        print(f"  {'PASS' if ok else 'FAIL'} {name}")
+        print(f"{r.variant:8} {r.round:>5} {r.tokens_per_s:>17.1f} {r.num_filtered:>9} {r.ttft_ms_warm:>13.1f} {r.ttft_ms_cold:>13.1f}")
+    off = summary["median"]["off"]
+    for variant, m in summary["median"].items():
+        line = f"median {variant:8}: {m['tokens_per_s']:.1f} tok/s, warm TTFT {m['ttft_ms_warm']:.1f} ms"
+        if variant != "off":
+            line += f" = {summary[variant]['throughput_ratio']:.3f} / {summary[variant]['ttft_ratio']:.2f}x of off"
+        if hf_tok_s is not None:
+            line += f"; {m['tokens_per_s'] / hf_tok_s:.2f}x transformers static batch 32 ({hf_tok_s:.1f} tok/s)"
+        print(line)
+    for variant in summary["median"]:
+        for name, ok in summary.get(variant, {}).get("pass", {}).items():
+            print(f"  {'PASS' if ok else 'FAIL'} {variant}: {name}")
 
 
 def transformers_static(model_dir: Path, tokenizer: Tokenizer, args) -> float:
@@ -194,7 +208,8 @@ def transformers_static(model_dir: Path, tokenizer: Tokenizer, args) -> float:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", type=Path, default=ROOT / "build" / "bench-model-v2")
-    p.add_argument("--rounds", type=int, default=2, help="server pairs (off, on) to run")
+    p.add_argument("--rounds", type=int, default=2, help="how many times each variant's server runs")
+    p.add_argument("--variants", default="off,on", help=f"comma-separated, in order, from {', '.join(VARIANTS)}")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=128)
@@ -215,10 +230,13 @@ def main(argv: list[str] | None = None) -> dict:
     rng = random.Random(5)
     questions = [f"Question {i}: what does {rng.choice(prompts).split()[0]} mean here?" for i in range(args.warm_requests + 1)]
     ttft_inputs = (system_prompt(tokenizer, args.system_len, seed=7), questions)
+    variants = args.variants.split(",")
+    if "off" not in variants or not set(variants) <= set(VARIANTS):
+        raise SystemExit(f"--variants: 'off' and any of {', '.join(VARIANTS)}")
     rounds = []
     for i in range(args.rounds):
-        for safety in (False, True):
-            rounds.append(asyncio.run(one_round(model_dir, safety, i, args, prompts, ttft_inputs)))
+        for variant in variants:
+            rounds.append(asyncio.run(one_round(model_dir, variant, i, args, prompts, ttft_inputs)))
     hf = None if args.skip_transformers else in_own_thread(transformers_static, model_dir, tokenizer, args)
     summary = summarize(rounds)
     machine = machine_info(0.0)
