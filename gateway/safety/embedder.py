@@ -237,9 +237,10 @@ class MiniLmEmbedder:
             mask[row, :n] = 1
         torch = self._torch
         with self._lock, torch.inference_mode():
+            same_length = min(lengths) == width
             layout = _Layout(
                 rows=torch.from_numpy(np.flatnonzero(mask)), num_windows=len(windows), width=width,
-                attn_mask=attention_mask(torch.from_numpy(mask), self._dtype),
+                attn_mask=None if same_length else attention_mask(torch.from_numpy(mask), self._dtype),
             )
             x = self._hidden(torch.from_numpy(ids), torch.from_numpy(positions), layout).numpy()
         return np.split(x, np.cumsum(lengths)[:-1])
@@ -288,7 +289,7 @@ class _Layout:
     rows: object  # torch int64 [num_tokens]: flat index into num_windows * width
     num_windows: int
     width: int
-    attn_mask: object  # additive [num_windows, 1, 1, width]
+    attn_mask: object  # additive [num_windows, 1, 1, width]; None when every window is `width` long
 
     def attend(self, qkv, num_heads: int):
         """qkv [num_tokens, 3 * hidden] -> attention output [num_tokens, hidden], per window."""
@@ -296,11 +297,15 @@ class _Layout:
 
         hidden = qkv.shape[1] // 3
         head_dim = hidden // num_heads
-        padded = qkv.new_zeros((self.num_windows * self.width, 3 * hidden))
-        padded[self.rows] = qkv
+        if self.attn_mask is None:  # windows of one length: the rows are already [num_windows, width]
+            padded = qkv
+        else:
+            padded = qkv.new_zeros((self.num_windows * self.width, 3 * hidden))
+            padded[self.rows] = qkv
         q, k, v = padded.view(self.num_windows, self.width, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4)
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=self.attn_mask, scale=1.0 / math.sqrt(head_dim))
-        return ctx.transpose(1, 2).reshape(self.num_windows * self.width, hidden)[self.rows]
+        ctx = ctx.transpose(1, 2).reshape(self.num_windows * self.width, hidden)
+        return ctx if self.attn_mask is None else ctx[self.rows]
 
 
 def mean_pool(states: np.ndarray) -> np.ndarray:
