@@ -4,11 +4,10 @@ Text is released only once the deny rules can no longer match over it (it lies m
 `holdback_chars` behind the newest text, and no partial match starts earlier; with no output
 rules there is nothing to hold back for) and, when the classifier is on, once a classifier
 check has covered it. A blocked span is therefore never released; after a block the filter
-releases nothing more. Checks come early while the answer is short (its first text at once,
-then at a word end each time the unchecked text is as long as the checked), so the first token
-is not held back for long and a short answer appears progressively, not in one piece at the
-end; later ones come at sentence ends once `min_check_chars` arrived, or every
-`check_every_chars`.
+releases nothing more. The answer's first text is checked at once, so the first token is not
+held back for long; then checks come early while the answer is short (at a word end once
+`min_check_chars` arrived, then each time the unchecked text is as long as the checked), so a
+short answer still appears progressively instead of in one piece at the end.
 """
 
 from __future__ import annotations
@@ -53,6 +52,7 @@ class OutputFilter:
         self._base = 0
         self._emitted = 0  # absolute offset: everything before it was released
         self._checked = 0  # absolute offset: the classifier has passed everything before it
+        self._scheduled = 0  # absolute offset of the last check the schedule made (see _check_due)
         self._blocked: Verdict | None = None
         self._finished = False
         # The hold-back exists for the deny rules: with none for answers, text waits only for
@@ -71,11 +71,17 @@ class OutputFilter:
         scan = self._rules.scan(self._buf, self._scan_from(), final=False)
         if scan.match is not None:
             return "", self._block(Verdict.block(SafetyLayer.RULES, scan.match.category))
-        if self._classify is not None and self._check_due(text, end):
+        scheduled = self._check_due(text, end)
+        # The answer's first text is checked at once (a few tokens: a cheap check), so the
+        # first token is not held for the next 40 characters. That check is an extra: the
+        # schedule keeps counting from its own checks, so the later ones read the same windows.
+        if self._classify is not None and (scheduled or (self._checked == 0 and end > 0)):
             verdict = await self._classify(self._window())
             if not verdict.allowed:
                 return "", self._block(verdict)
             self._checked = end
+            if scheduled:
+                self._scheduled = end
         cutoff = end - self._holdback_chars
         if scan.pending_start is not None:
             cutoff = min(cutoff, self._base + scan.pending_start)
@@ -101,19 +107,16 @@ class OutputFilter:
         return tail, None
 
     def _check_due(self, new_text: str, end: int) -> bool:
-        unchecked = end - self._checked
+        unchecked = end - self._scheduled
         if unchecked >= self._policy.check_every_chars:
             return True
-        if self._checked == 0:
-            # The answer's first text is checked at once (a few tokens: a cheap check), so the
-            # first token reaches the client without waiting for the next 40 characters.
-            return unchecked > 0
-        # Early in the answer, check at a word end whenever the unchecked text is as long as
-        # the checked: at about 5, 10, 20, 40, 80, 160 characters, then every check_every_chars.
-        doubling = unchecked >= self._checked and any(c in _WORD_ENDS for c in new_text)
         if unchecked < self._policy.min_check_chars:
-            return doubling
-        return doubling or any(c in _SENTENCE_ENDS for c in new_text)
+            return False
+        if any(c in _SENTENCE_ENDS for c in new_text):
+            return True
+        # Early in the answer, check at a word end whenever the unchecked text is as long as
+        # the checked: at about 40, 80, 160 characters, then every check_every_chars.
+        return unchecked >= self._scheduled and any(c in _WORD_ENDS for c in new_text)
 
     def _scan_from(self) -> int:
         # Matches that start up to `rescan_chars` before the release point are still found, so

@@ -168,3 +168,22 @@ async def test_with_deny_rules_the_hold_back_still_applies_to_short_answers():
     flt = OutputFilter(RULES, POLICY, classify=allow, on_done=lambda v: None)
     released = "".join([(await flt.feed(c))[0] for c in BENIGN])
     assert len(BENIGN) - len(released) >= POLICY.holdback_chars
+
+
+async def test_the_first_text_is_checked_at_once_and_the_later_checks_keep_their_schedule():
+    windows = []
+
+    async def classify(window: str) -> Verdict:
+        windows.append(window)
+        return Verdict.allow()
+
+    flt = OutputFilter(RuleSet({}, {}), POLICY, classify=classify, on_done=lambda v: None)
+    first, _ = await flt.feed(BENIGN[0])
+    assert first == BENIGN[0] and windows == [BENIGN[0]]  # released after one check, not 10 characters later
+    for char in BENIGN[1:]:
+        await flt.feed(char)
+    # The second check comes where it would without the first: the first word end once
+    # min_check_chars arrived, counted from the start of the answer.
+    ends = set(" \t\n.,;:!?")
+    second_end = next(i for i in range(POLICY.min_check_chars - 1, len(BENIGN)) if BENIGN[i] in ends) + 1
+    assert windows[1] == BENIGN[:second_end]
