@@ -28,7 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_engine import (  # noqa: E402
-    build_reference_model, hf_static_batch, in_own_thread, machine_info, make_chat_requests,
+    build_reference_model,
+    hf_static_batch,
+    in_own_thread,
+    machine_info,
+    make_chat_requests,
 )
 from engine.native.kernels import supported_modes  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
@@ -105,7 +109,8 @@ async def closed_loop(session, url: str, model: str, prompts: list[str], concurr
     async def client() -> None:
         while pending:
             text = pending.pop(0)
-            results.append(await stream_chat(session, url, chat_body(model, [{"role": "user", "content": text}], max_tokens)))
+            body = chat_body(model, [{"role": "user", "content": text}], max_tokens)
+            results.append(await stream_chat(session, url, body))
 
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -116,7 +121,8 @@ async def closed_loop(session, url: str, model: str, prompts: list[str], concurr
 def system_prompt(tokenizer: Tokenizer, num_tokens: int, seed: int) -> str:
     """Words of the bench vocabulary until the system message alone renders to `num_tokens`."""
     rng = random.Random(seed)
-    words = sorted({w for i in range(tokenizer.vocab_size) if (w := tokenizer.decode([i]).strip()).isascii() and w.isalpha()})
+    decoded = (tokenizer.decode([i]).strip() for i in range(tokenizer.vocab_size))
+    words = sorted({w for w in decoded if w.isascii() and w.isalpha()})
     text: list[str] = []
     while len(tokenizer.encode_chat([{"role": "system", "content": " ".join(text)}])) < num_tokens:
         text.extend(rng.choice(words) for _ in range(16))
@@ -164,7 +170,8 @@ def summarize(rounds: list[RoundResult]) -> dict:
         return statistics.median(getattr(r, field) for r in rounds if r.variant == variant)
 
     variants = list(dict.fromkeys(r.variant for r in rounds))
-    out: dict = {"median": {v: {"tokens_per_s": med(v, "tokens_per_s"), "ttft_ms_warm": med(v, "ttft_ms_warm")} for v in variants}}
+    out: dict = {"median": {v: {"tokens_per_s": med(v, "tokens_per_s"), "ttft_ms_warm": med(v, "ttft_ms_warm")}
+                            for v in variants}}
     off = out["median"]["off"]
     for v in variants:
         if v == "off":
@@ -180,10 +187,11 @@ def summarize(rounds: list[RoundResult]) -> dict:
 def print_report(rounds: list[RoundResult], summary: dict, hf_tok_s: float | None, machine: dict) -> None:
     isa = ", ".join(m.value for m in supported_modes()) or "no x86 kernels"
     print(f"machine: {machine['cpu']} | kernels this CPU runs: {isa} | {machine['threads']} torch threads")
-    print(f"{'server':8} {'round':>5} {'32 streams tok/s':>17} {'filtered':>9} {'TTFT warm ms':>13} {'TTFT cold ms':>13}")
+    print(f"{'server':8} {'round':>5} {'32 streams tok/s':>17} {'filtered':>9} {'TTFT warm ms':>13} "
+          f"{'TTFT cold ms':>13}")
     for r in rounds:
-        print(f"{r.variant:8} {r.round:>5} {r.tokens_per_s:>17.1f} {r.num_filtered:>9} {r.ttft_ms_warm:>13.1f} {r.ttft_ms_cold:>13.1f}")
-    off = summary["median"]["off"]
+        print(f"{r.variant:8} {r.round:>5} {r.tokens_per_s:>17.1f} {r.num_filtered:>9} {r.ttft_ms_warm:>13.1f} "
+              f"{r.ttft_ms_cold:>13.1f}")
     for variant, m in summary["median"].items():
         line = f"median {variant:8}: {m['tokens_per_s']:.1f} tok/s, warm TTFT {m['ttft_ms_warm']:.1f} ms"
         if variant != "off":
@@ -228,7 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
     reqs = make_chat_requests(tokenizer, args.num_requests, args.prompt_len, args.output_len, seed=32, prefix="s")
     prompts = [r.user_text for r in reqs]
     rng = random.Random(5)
-    questions = [f"Question {i}: what does {rng.choice(prompts).split()[0]} mean here?" for i in range(args.warm_requests + 1)]
+    questions = [f"Question {i}: what does {rng.choice(prompts).split()[0]} mean here?"
+                 for i in range(args.warm_requests + 1)]
     ttft_inputs = (system_prompt(tokenizer, args.system_len, seed=7), questions)
     variants = args.variants.split(",")
     if "off" not in variants or not set(variants) <= set(VARIANTS):
@@ -241,7 +250,8 @@ def main(argv: list[str] | None = None) -> dict:
     summary = summarize(rounds)
     machine = machine_info(0.0)
     print_report(rounds, summary, hf, machine)
-    record = {"machine": machine, "isa": [m.value for m in supported_modes()], "args": {k: str(v) for k, v in vars(args).items()},
+    record = {"machine": machine, "isa": [m.value for m in supported_modes()],
+              "args": {k: str(v) for k, v in vars(args).items()},
               "rounds": [asdict(r) for r in rounds], "summary": summary, "transformers_static_tok_s": hf}
     line = json.dumps(record, default=float)
     print(line)

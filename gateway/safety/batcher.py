@@ -54,7 +54,7 @@ class MicroBatcher(Generic[J, R]):
                 continue
             try:
                 results = await loop.run_in_executor(self._executor(), self._run_batch, [job for job, _ in batch])
-            except Exception as exc:  # noqa: BLE001 - handed to every caller of the batch
+            except Exception as exc:  # handed to every caller of the batch
                 for _, future in batch:
                     if not future.done():
                         future.set_exception(exc)

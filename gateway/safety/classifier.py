@@ -185,14 +185,20 @@ class SafetyClassifier:
         keys: list[list[bytes | int]] = [
             [_digest(t) for t in job.texts] if job.kind is JobKind.TURNS else [i] for i, job in enumerate(jobs)
         ]
+        found: dict[bytes | int, Windows] = {}
         with self._lock:
-            found: dict[bytes | int, Windows] = {k: self._cache[k] for ks in keys for k in ks if k in self._cache}
-            for k in found:
+            for k in (k for ks in keys for k in ks if isinstance(k, bytes) and k in self._cache):
+                found[k] = self._cache[k]
                 self._cache.move_to_end(k)
-        missing = {k: t for job, ks in zip(jobs, keys) for k, t in zip(ks, job.texts) if k not in found}
+        missing = {
+            k: t
+            for job, ks in zip(jobs, keys, strict=True)
+            for k, t in zip(ks, job.texts, strict=True)
+            if k not in found
+        }
         if missing:
             states = self.embedder.encode_windows(list(missing.values()), max_windows=self._max_windows)
-            new = {k: tuple(summarize(self.head, w) for w in s) for k, s in zip(missing, states)}
+            new = {k: tuple(summarize(self.head, w) for w in s) for k, s in zip(missing, states, strict=True)}
             found.update(new)
             with self._lock:
                 self._cache.update((k, v) for k, v in new.items() if isinstance(k, bytes))

@@ -14,9 +14,13 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import structlog
+
+if TYPE_CHECKING:
+    import torch
 
 log = structlog.get_logger(__name__)
 
@@ -286,10 +290,10 @@ class MiniLmEmbedder:
 class _Layout:
     """Where each of a batch's back-to-back tokens sits in the padded [num_windows, width]."""
 
-    rows: object  # torch int64 [num_tokens]: flat index into num_windows * width
+    rows: torch.Tensor  # int64 [num_tokens]: flat index into num_windows * width
     num_windows: int
     width: int
-    attn_mask: object  # additive [num_windows, 1, 1, width]; None when every window is `width` long
+    attn_mask: torch.Tensor | None  # additive [num_windows, 1, 1, width]; None when every window is `width` long
 
     def attend(self, qkv, num_heads: int):
         """qkv [num_tokens, 3 * hidden] -> attention output [num_tokens, hidden], per window."""

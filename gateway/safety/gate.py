@@ -1,8 +1,8 @@
 """The safety gate: screens a conversation before the engine and hands out output filters.
 
-Layers run cheapest first: rules, then the classifier. Both run on a worker thread, batched across requests (batcher.py: one encoder
-forward for every prompt and answer window waiting), and a conversation's rules-and-classifier
-verdict is cached by its text. Every decision is counted and logged without any text. The
+Layers run cheapest first: rules, then the classifier. Both run on a worker thread, batched
+across requests (batcher.py: one encoder forward for every prompt and answer window waiting),
+and a conversation's verdict is cached by its text. Every decision is counted and logged without any text. The
 gate never sees the engine; the server decides what a block means for the request.
 """
 
@@ -188,7 +188,7 @@ class SafetyGate:
         if todo:
             assert self._classifier is not None  # TEXT jobs come only with a classifier
             scores = self._classifier.score([jobs[i] for i in todo])
-            for i, job_scores in zip(todo, scores):
+            for i, job_scores in zip(todo, scores, strict=True):
                 verdicts[i] = self._judge(job_scores, self._threshold_for(jobs[i].kind))
         return verdicts  # type: ignore[return-value]  # every slot is filled above
 
