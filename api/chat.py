@@ -158,7 +158,7 @@ def _extra_fields(turn: Turn) -> dict:
     extra: dict = {}
     if turn.chat.conversation_id is not None:
         extra["conversation_id"] = turn.chat.conversation_id
-        extra["history_turns_dropped"] = turn.history_turns_dropped
+        extra["history_messages_dropped"] = turn.history_messages_dropped
     if turn.truncated_files:
         extra["truncated_files"] = list(turn.truncated_files)
     return extra

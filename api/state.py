@@ -91,7 +91,7 @@ class AppState:
         if turn.fallback_from is not None:
             headers["x-fallback-from"] = turn.fallback_from
         if turn.chat.conversation_id is not None:
-            headers["x-history-turns-dropped"] = str(turn.history_turns_dropped)
+            headers["x-history-messages-dropped"] = str(turn.history_messages_dropped)
         return headers
 
     # -- safety ------------------------------------------------------------------------

@@ -40,7 +40,7 @@ class Turn:
     gen: GenerationRequest
     arrival_s: float
     created_at: float
-    history_turns_dropped: int = 0
+    history_messages_dropped: int = 0
     new_messages: tuple[tuple[str, str], ...] = ()
     new_message_parts: tuple[str | None, ...] = ()  # per new message: its parts as JSON (attachments), or None
     truncated_files: tuple[dict, ...] = ()  # files cut to fit the context (truncation: auto)
@@ -270,7 +270,7 @@ def make_turn(inp: TurnInputs) -> Turn:
         gen=gen,
         arrival_s=now,
         created_at=time.time(),
-        history_turns_dropped=dropped,
+        history_messages_dropped=dropped,
         new_messages=tuple((m.role, m.content) for m in chat.messages),
         reasoning_opened=_reasoning_opened(model, ids),
     )

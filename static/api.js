@@ -168,7 +168,7 @@ export async function streamChat({ model, content, conversationId, signal, onDel
   if (model) body.model = model;
   const response = await send("/v1/chat/completions", { method: "POST", body, signal, accept: "text/event-stream" });
   const result = { model: null, fallbackFrom: response.headers.get("x-fallback-from"), finishReason: null, usage: null,
-                   historyDropped: Number(response.headers.get("x-history-turns-dropped") || 0) };
+                   historyDropped: Number(response.headers.get("x-history-messages-dropped") || 0) };
   let isDone = false;
   try {
     for await (const event of sseEvents(response.body)) {

@@ -76,7 +76,7 @@ function noteText(msg) {
   return FINISH_NOTES[msg.finishReason] || "";
 }
 
-// Said in the conversation when the oldest turns were left out to fit the context window.
+// Said in the conversation when the oldest messages were left out to fit the context window.
 function droppedText(msg) {
   const context = msg.contextLength ? `${formatInt(msg.contextLength)}-token ` : "";
   return `Earlier messages no longer fit the model's ${context}context: this answer was written`

@@ -195,7 +195,7 @@ async def test_conversation_turns_are_stored_and_isolated_per_organisation(make_
     conv = await (await client.post("/v1/conversations", json={})).json()
     cid = conv["id"]
     body = await (await chat(client, {"model": "echo", "messages": USER, "conversation_id": cid})).json()
-    assert body["conversation_id"] == cid and body["history_turns_dropped"] == 0
+    assert body["conversation_id"] == cid and body["history_messages_dropped"] == 0
     second = [{"role": "user", "content": "Second question."}]
     body = await (await chat(client, {"model": "echo", "messages": second, "conversation_id": cid})).json()
     assert body["usage"]["prompt_tokens"] > 20  # the history is in the prompt
@@ -213,14 +213,14 @@ async def test_conversation_turns_are_stored_and_isolated_per_organisation(make_
                        404, param="conversation_id")
 
 
-async def test_long_conversation_history_drops_oldest_turns_and_says_so(make_client):
+async def test_long_conversation_history_drops_oldest_messages_and_says_so(make_client):
     client = await make_client()
     cid = (await (await client.post("/v1/conversations", json={"title": "long"})).json())["id"]
     for i in range(8):
         msg = [{"role": "user", "content": f"turn {i} " + "lorem ipsum " * 12}]
         body = await (await chat(client, {"model": "echo", "messages": msg, "conversation_id": cid, "max_tokens": 40})).json()
         assert "error" not in body, body
-    assert body["history_turns_dropped"] > 0
+    assert body["history_messages_dropped"] > 0
     assert body["usage"]["prompt_tokens"] + 40 <= 400
 
 
