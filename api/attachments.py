@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from api import image_turn
+from api import image_job
 from api.errors import ApiError, bad_request, not_found
+from api.job import Job, JobInputs, encode_chat, make_job
 from api.parts import FilePart, ImagePart, Part, TextPart, parse_parts, to_json
 from api.protocol import ChatMessage
-from api.turn import Turn, TurnInputs, encode_chat, make_turn
 from engine.types import IMAGE_PLACEHOLDER
 from media import documents, images
 from settings import FilesConfig, ImagesConfig
@@ -149,11 +149,11 @@ def render(resolved: Resolved, texts: dict[int, str] | None = None) -> str:
 # -- fitting documents to the context ------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    turn: Turn
+    job: Job
     truncated: tuple[TruncatedFile, ...]
 
 
-def _with_texts(inputs: TurnInputs, resolved: list[Resolved], texts: dict[tuple[int, int], str]) -> TurnInputs:
+def _with_texts(inputs: JobInputs, resolved: list[Resolved], texts: dict[tuple[int, int], str]) -> JobInputs:
     messages = []
     for m_index, r in enumerate(resolved):
         if not r.message.parts:
@@ -164,12 +164,12 @@ def _with_texts(inputs: TurnInputs, resolved: list[Resolved], texts: dict[tuple[
     return dataclasses.replace(inputs, chat=dataclasses.replace(inputs.chat, messages=tuple(messages)))
 
 
-def _doc_tokens(inputs: TurnInputs, resolved: list[Resolved]) -> dict[tuple[int, int], list[int]]:
+def _doc_tokens(inputs: JobInputs, resolved: list[Resolved]) -> dict[tuple[int, int], list[int]]:
     tok = inputs.model.tokenizer
     return {(m, i): tok.encode(d.doc.text) for m, r in enumerate(resolved) for i, d in r.documents.items()}
 
 
-def _too_long(inputs: TurnInputs, resolved: list[Resolved], ids: dict, room: int) -> ApiError:
+def _too_long(inputs: JobInputs, resolved: list[Resolved], ids: dict, room: int) -> ApiError:
     limit = min(inputs.model.max_model_len, inputs.tier.max_context_tokens)
     sizes = ", ".join(
         f"{resolved[m].documents[i].stored.filename} is {len(t)} tokens" for (m, i), t in ids.items()
@@ -185,25 +185,25 @@ def _too_long(inputs: TurnInputs, resolved: list[Resolved], ids: dict, room: int
     )
 
 
-def _budget(inputs: TurnInputs) -> tuple[int, int]:
+def _budget(inputs: JobInputs) -> tuple[int, int]:
     """(context limit, tokens kept for the answer) when documents are cut to fit."""
     limit = min(inputs.model.max_model_len, inputs.tier.max_context_tokens)
     return limit, inputs.chat.max_tokens or min(inputs.tier.max_tokens, max(limit // 4, 1))
 
 
-def _num_prompt_tokens(inputs: TurnInputs, resolved: list[Resolved], texts: dict) -> int:
+def _num_prompt_tokens(inputs: JobInputs, resolved: list[Resolved], texts: dict) -> int:
     fitted = _with_texts(inputs, resolved, texts)
     context = [*(inputs.history or ()), *fitted.chat.messages]
     return len(encode_chat(inputs.model, context, (), inputs.chat.chat_template_kwargs))
 
 
-def _room_for_documents(inputs: TurnInputs, resolved: list[Resolved], ids: dict) -> int:
+def _room_for_documents(inputs: JobInputs, resolved: list[Resolved], ids: dict) -> int:
     """Tokens left for document text once everything else (headers included) is counted."""
     limit, reserve = _budget(inputs)
     return limit - reserve - _num_prompt_tokens(inputs, resolved, dict.fromkeys(ids, ""))
 
 
-def _cut(inputs: TurnInputs, resolved: list[Resolved], ids: dict, room: int) -> tuple[dict, list[TruncatedFile]]:
+def _cut(inputs: JobInputs, resolved: list[Resolved], ids: dict, room: int) -> tuple[dict, list[TruncatedFile]]:
     """Keep documents whole in order while they fit; cut the first that does not, drop the rest."""
     tok = inputs.model.tokenizer
     texts, cut = {}, []
@@ -218,10 +218,10 @@ def _cut(inputs: TurnInputs, resolved: list[Resolved], ids: dict, room: int) -> 
     return texts, cut
 
 
-def fit(inputs: TurnInputs, resolved: list[Resolved]) -> Prepared:
-    """make_turn with the documents whole, or cut to fit when the request allows it."""
+def fit(inputs: JobInputs, resolved: list[Resolved]) -> Prepared:
+    """make_job with the documents whole, or cut to fit when the request allows it."""
     try:
-        return Prepared(make_turn(_with_texts(inputs, resolved, {})), ())
+        return Prepared(make_job(_with_texts(inputs, resolved, {})), ())
     except ApiError as exc:
         if exc.code != "context_length_exceeded" or not any(r.documents for r in resolved):
             raise
@@ -237,13 +237,13 @@ def fit(inputs: TurnInputs, resolved: list[Resolved]) -> Prepared:
         texts, cut = _cut(inputs, resolved, ids, room)
         excess = _num_prompt_tokens(inputs, resolved, texts) + reserve - limit
         if excess <= 0:
-            return Prepared(make_turn(_with_texts(inputs, resolved, texts)), tuple(cut))
+            return Prepared(make_job(_with_texts(inputs, resolved, texts)), tuple(cut))
         room -= excess
     raise original
 
 
 # -- the entry point from the chat handler ------------------------------------------------
-def _check_images(inputs: TurnInputs, resolved: list[Resolved], cfg: ImagesConfig, prompter) -> None:
+def _check_images(inputs: JobInputs, resolved: list[Resolved], cfg: ImagesConfig, prompter) -> None:
     num_images = sum(len(r.images) for r in resolved)
     if num_images == 0:
         return
@@ -258,9 +258,9 @@ def _check_images(inputs: TurnInputs, resolved: list[Resolved], cfg: ImagesConfi
         )  # fmt: skip
 
 
-async def prepare_turn(ctx: AttachContext, inputs: TurnInputs) -> Prepared:
+async def prepare_job(ctx: AttachContext, inputs: JobInputs) -> Prepared:
     """Resolve the new messages' attachments (and the history's), then tokenize and fit."""
-    prompter = image_turn.prompter_of(inputs.model)
+    prompter = image_job.prompter_of(inputs.model)
     new = [await resolve(ctx, m, with_images=prompter is not None) for m in inputs.chat.messages]
     _check_images(inputs, new, ctx.images, prompter)
     history, history_images = None, []
@@ -269,11 +269,11 @@ async def prepare_turn(ctx: AttachContext, inputs: TurnInputs) -> Prepared:
         history = tuple(r.message for r in rendered)
         history_images = [img for r in rendered for img in r.images]
     prepared = fit(dataclasses.replace(inputs, history=history), new)
-    turn = prepared.turn
+    job = prepared.job
     if prompter is not None:
-        await image_turn.place_images(turn, prompter, [*history_images, *(img for r in new for img in r.images)])
-    turn.new_messages = tuple((m.role, m.content) for m in inputs.chat.messages)
-    turn.new_message_parts = tuple(
+        await image_job.place_images(job, prompter, [*history_images, *(img for r in new for img in r.images)])
+    job.new_messages = tuple((m.role, m.content) for m in inputs.chat.messages)
+    job.new_message_parts = tuple(
         orjson.dumps(to_json(m.parts)).decode() if m.parts else None for m in inputs.chat.messages
     )
     return prepared

@@ -1,6 +1,6 @@
 """The Responses API: POST /v1/responses, GET/DELETE /v1/responses/{id}, GET .../input_items.
 
-A response is served by the chat completions' request path (`chat.serve_turn`: routing, budget,
+A response is served by the chat completions' request path (`chat.serve_job`: routing, budget,
 context, safety, admission, priority queue, generation, billing); only its rendering differs.
 With `store` (the default) it is a turn of a conversation in the caller's organisation (the web
 UI lists it, retention purges it) plus a row with the response object; `previous_response_id`
@@ -28,16 +28,17 @@ from api.chat import (
     _STATUS,
     Outlet,
     _finish_quietly,
-    finish_turn,
+    finish_job,
     generate_unary,
     make_answer,
     pump_choices,
     read_json,
-    serve_turn,
-    stream_turn,
+    serve_job,
+    stream_job,
 )
 from api.errors import ApiError, bad_request, from_gateway, not_found, overloaded
 from api.inflight import INFLIGHT
+from api.job import Job
 from api.responses_wire import (
     ResponsesRequest,
     event_logprobs,
@@ -53,7 +54,6 @@ from api.responses_wire import (
 from api.sse import SSEWriter
 from api.state import PRINCIPAL, REQUEST_ID, STATE, AppState
 from api.tools import ToolCall
-from api.turn import Turn
 from api.waiting import LazyStream, wait_admitted
 from engine.types import FinishReason
 from gateway.admission import Pass
@@ -100,7 +100,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             return await _start_background(request, state, grant, ctx, (owned.pop_all(), new_conversation))
         outlet = Outlet(serve=functools.partial(_serve, ctx), refuse=functools.partial(_refuse, ctx))
         try:
-            return await serve_turn(request, state, grant, req.chat, outlet)
+            return await serve_job(request, state, grant, req.chat, outlet)
         finally:
             if new_conversation is not None and not ctx.stored:  # refused before an answer: leave no trace
                 await asyncio.shield(state.store.delete_conversation(org_id, new_conversation))
@@ -133,46 +133,46 @@ async def _with_history(state: AppState, org_id: str, req: ResponsesRequest) -> 
     return replace(req, chat=replace(req.chat, conversation_id=conversation_id)), created
 
 
-async def _serve(ctx: _Context, request: web.Request, state: AppState, turn: Turn, grant: Pass) -> web.StreamResponse:
-    if turn.chat.stream:
-        return await _serve_stream(ctx, request, state, turn, grant)
-    return await _serve_unary(ctx, request, state, turn, grant)
+async def _serve(ctx: _Context, request: web.Request, state: AppState, job: Job, grant: Pass) -> web.StreamResponse:
+    if job.chat.stream:
+        return await _serve_stream(ctx, request, state, job, grant)
+    return await _serve_unary(ctx, request, state, job, grant)
 
 
-async def _serve_unary(ctx: _Context, request: web.Request, state: AppState, turn: Turn, grant: Pass) -> web.Response:
-    answer = make_answer(turn)
-    (finish,) = await generate_unary(request, state, turn, grant, [answer])
-    body = await _finished(ctx, state, turn, answer, finish)
-    return web.json_response(body, headers=state.response_headers(turn), dumps=_dumps)
+async def _serve_unary(ctx: _Context, request: web.Request, state: AppState, job: Job, grant: Pass) -> web.Response:
+    answer = make_answer(job)
+    (finish,) = await generate_unary(request, state, job, grant, [answer])
+    body = await _finished(ctx, state, job, answer, finish)
+    return web.json_response(body, headers=state.response_headers(job), dumps=_dumps)
 
 
-async def _finished(ctx: _Context, state: AppState, turn: Turn, answer: Answer, finish: FinishReason) -> dict:
+async def _finished(ctx: _Context, state: AppState, job: Job, answer: Answer, finish: FinishReason) -> dict:
     """The final response object, stored (when asked) before the client sees it."""
     reason = _INCOMPLETE.get(finish)
-    body = response_object(ctx.response_id, ctx.created, turn.model.name, ctx.req, {
+    body = response_object(ctx.response_id, ctx.created, job.model.name, ctx.req, {
         "status": "incomplete" if reason else "completed",
         "incomplete_details": {"reason": reason} if reason else None,
         "output": output_items(answer, ctx.message_id),
-        "usage": usage_object(turn.num_prompt_tokens, turn.num_cached_tokens, turn.num_completion_tokens),
+        "usage": usage_object(job.num_prompt_tokens, job.num_cached_tokens, job.num_completion_tokens),
     })
-    conversation_id = turn.chat.conversation_id
+    conversation_id = job.chat.conversation_id
     if ctx.req.store and conversation_id is not None:
-        org_id = turn.principal.org.id
+        org_id = job.principal.org.id
         conv = await state.store.get_conversation(org_id, conversation_id)
         num_messages = len(conv.messages) if conv is not None else 0
         if ctx.stored:  # a background response: its row exists since it was queued
             await state.store.update_response(org_id, ctx.response_id, status=body["status"], body_json=_dumps(body),
                                               num_messages=num_messages)
         else:
-            await _insert(ctx, state, turn, body, num_messages)
+            await _insert(ctx, state, job, body, num_messages)
     return body
 
 
-async def _insert(ctx: _Context, state: AppState, turn: Turn, body: dict, num_messages: int) -> None:
+async def _insert(ctx: _Context, state: AppState, job: Job, body: dict, num_messages: int) -> None:
     items = [{"id": new_id("msg"), **item} for item in ctx.req.input_items]
-    assert turn.chat.conversation_id is not None
-    await state.store.insert_response(turn.principal.org.id, StoredResponse(
-        ctx.response_id, turn.chat.conversation_id, num_messages, _dumps(body), _dumps(items), time.time(),
+    assert job.chat.conversation_id is not None
+    await state.store.insert_response(job.principal.org.id, StoredResponse(
+        ctx.response_id, job.chat.conversation_id, num_messages, _dumps(body), _dumps(items), time.time(),
         body["status"],
     ))
     ctx.stored = True
@@ -249,10 +249,10 @@ class _EventStream:
 
 
 async def _serve_stream(
-    ctx: _Context, request: web.Request, state: AppState, turn: Turn, grant: Pass
+    ctx: _Context, request: web.Request, state: AppState, job: Job, grant: Pass
 ) -> web.StreamResponse:
-    stream = LazyStream(request, lambda: state.response_headers(turn))
-    answer = make_answer(turn)
+    stream = LazyStream(request, lambda: state.response_headers(job))
+    answer = make_answer(job)
     events: _EventStream | None = None
 
     async def emit(text, logprobs) -> None:
@@ -262,41 +262,41 @@ async def _serve_stream(
 
     async def run() -> None:
         nonlocal events
-        await wait_admitted(state, grant, turn, stream.comment)
+        await wait_admitted(state, grant, job, stream.comment)
         events = _EventStream(ctx, await stream.open())
-        started = response_object(ctx.response_id, ctx.created, turn.model.name, ctx.req, {})
+        started = response_object(ctx.response_id, ctx.created, job.model.name, ctx.req, {})
         await events.event("response.created", response=started)
         await events.event("response.in_progress", response=started)
-        (finish,) = await pump_choices(state, turn, [emit], stream.comment)
+        (finish,) = await pump_choices(state, job, [emit], stream.comment)
         for d in answer.close():
             await events.delta(d)
         await events.close_text(bool(answer.tool_calls))
-        await finish_turn(state, turn, _STATUS[finish], finish)
-        body = await _finished(ctx, state, turn, answer, finish)
+        await finish_job(state, job, _STATUS[finish], finish)
+        body = await _finished(ctx, state, job, answer, finish)
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
         await events.event(kind, response=body)
         await (await stream.open()).done()
 
-    return await stream_turn(request, state, turn, grant, stream, run)
+    return await stream_job(request, state, job, grant, stream, run)
 
 
-async def _refuse(ctx: _Context, request: web.Request, state: AppState, turn: Turn, verdict) -> web.StreamResponse:
+async def _refuse(ctx: _Context, request: web.Request, state: AppState, job: Job, verdict) -> web.StreamResponse:
     """A prompt blocked before the engine: an incomplete response carrying the refusal text."""
     assert state.safety is not None  # only the safety gate blocks a prompt
     refusal = state.safety.refusal_text(verdict)
     if state.settings.safety.block_mode == "error":
-        await finish_turn(state, turn, RequestStatus.FILTERED, FinishReason.CONTENT_FILTER, prompt_billed=False,
+        await finish_job(state, job, RequestStatus.FILTERED, FinishReason.CONTENT_FILTER, prompt_billed=False,
                           store_answer=False)
         raise ApiError(400, "The prompt was blocked by the content policy.", "invalid_request_error",
                        "content_policy_violation", "input")
-    turn.text_parts = [refusal]
-    await finish_turn(state, turn, RequestStatus.FILTERED, FinishReason.CONTENT_FILTER, prompt_billed=False)
-    answer = make_answer(turn)
+    job.text_parts = [refusal]
+    await finish_job(state, job, RequestStatus.FILTERED, FinishReason.CONTENT_FILTER, prompt_billed=False)
+    answer = make_answer(job)
     answer.feed(refusal)
-    body = await _finished(ctx, state, replace_usage(turn), answer, FinishReason.CONTENT_FILTER)
-    if not turn.chat.stream:
-        return web.json_response(body, headers=state.response_headers(turn), dumps=_dumps)
-    writer = await LazyStream(request, lambda: state.response_headers(turn)).open()
+    body = await _finished(ctx, state, replace_usage(job), answer, FinishReason.CONTENT_FILTER)
+    if not job.chat.stream:
+        return web.json_response(body, headers=state.response_headers(job), dumps=_dumps)
+    writer = await LazyStream(request, lambda: state.response_headers(job)).open()
     events = _EventStream(ctx, writer)
     await events.event("response.created", response={**body, "status": "in_progress", "output": [], "usage": None})
     await events.event("response.incomplete", response=body)
@@ -304,10 +304,10 @@ async def _refuse(ctx: _Context, request: web.Request, state: AppState, turn: Tu
     return writer._response
 
 
-def replace_usage(turn: Turn) -> Turn:
+def replace_usage(job: Job) -> Job:
     """A refused prompt is not billed: its response reports zero tokens."""
-    turn.reported_prompt_tokens, turn.num_cached_tokens, turn.num_completion_tokens = 0, 0, 0
-    return turn
+    job.reported_prompt_tokens, job.num_cached_tokens, job.num_completion_tokens = 0, 0, 0
+    return job
 
 
 # ---- background: true -----------------------------------------------------------------------
@@ -316,7 +316,7 @@ def replace_usage(turn: Turn) -> Turn:
 async def _start_background(
     request: web.Request, state: AppState, grant: Pass, ctx: _Context, owned: tuple[contextlib.ExitStack, str | None]
 ) -> web.Response:
-    """Serve the turn in a task that owns the grant; answer `queued` as soon as the turn is in the
+    """Serve the job in a task that owns the grant; answer `queued` as soon as the job is in the
     queue (its row stored first), or with the error that refused it before (a 4xx, as in the foreground)."""
     accepted: asyncio.Future[tuple[dict, dict]] = asyncio.get_running_loop().create_future()
     outlet = Outlet(serve=functools.partial(_serve_background, ctx, accepted),
@@ -339,7 +339,7 @@ async def _run_background(request: web.Request, state: AppState, grant: Pass, ct
     stack, new_conversation = owned
     with stack:  # the admission grant: its one release, whatever happens below
         try:
-            await serve_turn(request, state, grant, ctx.req.chat, outlet)
+            await serve_job(request, state, grant, ctx.req.chat, outlet)
         finally:
             if new_conversation is not None and not ctx.stored:  # refused before it was queued
                 await asyncio.shield(state.store.delete_conversation(request[PRINCIPAL].org.id, new_conversation))
@@ -352,38 +352,38 @@ def _forget(running: dict, key: tuple[str, str], accepted: asyncio.Future, task:
 
 
 async def _serve_background(ctx: _Context, accepted: asyncio.Future, request: web.Request, state: AppState,
-                            turn: Turn, grant: Pass) -> web.Response:
+                            job: Job, grant: Pass) -> web.Response:
     """Runs inside the in-flight set (shutdown waits for it, then cuts it): queued -> in_progress -> final."""
-    queued = response_object(ctx.response_id, ctx.created, turn.model.name, ctx.req, {"status": "queued"})
-    conversation_id = turn.chat.conversation_id
-    conv = None if conversation_id is None else await state.store.get_conversation(turn.principal.org.id, conversation_id)
-    await _insert(ctx, state, turn, queued, len(conv.messages) if conv is not None else 0)
-    accepted.set_result((queued, state.response_headers(turn)))
-    answer = make_answer(turn)
+    queued = response_object(ctx.response_id, ctx.created, job.model.name, ctx.req, {"status": "queued"})
+    conversation_id = job.chat.conversation_id
+    conv = None if conversation_id is None else await state.store.get_conversation(job.principal.org.id, conversation_id)
+    await _insert(ctx, state, job, queued, len(conv.messages) if conv is not None else 0)
+    accepted.set_result((queued, state.response_headers(job)))
+    answer = make_answer(job)
     try:
-        await wait_admitted(state, grant, turn, None)
-        await _set_state(ctx, state, turn, {"status": "in_progress"})
-        (finish,) = await generate_unary(request, state, turn, grant, [answer])
+        await wait_admitted(state, grant, job, None)
+        await _set_state(ctx, state, job, {"status": "in_progress"})
+        (finish,) = await generate_unary(request, state, job, grant, [answer])
         if finish is FinishReason.ABORT:  # the engine stopped it (shutdown): not an answer
-            await _fail(ctx, state, turn, STOPPED_ERROR)
+            await _fail(ctx, state, job, STOPPED_ERROR)
         else:
-            await _finished(ctx, state, turn, answer, finish)
+            await _finished(ctx, state, job, answer, finish)
     except asyncio.CancelledError:
         if request.app[INFLIGHT].was_cut() or state.draining:  # shutdown cut it (or stopped it, below)
             _uncancel_current_task()
-            await _fail(ctx, state, turn, STOPPED_ERROR)
+            await _fail(ctx, state, job, STOPPED_ERROR)
         else:  # POST /v1/responses/{id}/cancel (or its DELETE)
             _uncancel_current_task()
-            await _finish_quietly(state, turn, RequestStatus.ABORTED, FinishReason.ABORT)
-            await _set_state(ctx, state, turn, {"status": "cancelled", "usage": _usage(turn)})
+            await _finish_quietly(state, job, RequestStatus.ABORTED, FinishReason.ABORT)
+            await _set_state(ctx, state, job, {"status": "cancelled", "usage": _usage(job)})
     except (ApiError, GatewayError) as exc:  # engine failure, shutdown, displaced from the queue
         error = exc if isinstance(exc, ApiError) else from_gateway(exc)
-        await _fail(ctx, state, turn, {"code": error.code or "server_error", "message": error.message})
+        await _fail(ctx, state, job, {"code": error.code or "server_error", "message": error.message})
     except StoreUnavailable:  # the store logged it; the row is marked failed at the next start
         log.error("background_response_unsaved", response_id=ctx.response_id)
     except Exception as exc:  # a bug: the client polling must still see an end
         log.exception("background_response_error", response_id=ctx.response_id)
-        await _fail(ctx, state, turn, {"code": "server_error", "message": f"{type(exc).__name__}"})
+        await _fail(ctx, state, job, {"code": "server_error", "message": f"{type(exc).__name__}"})
     return web.Response(status=204)
 
 
@@ -395,31 +395,31 @@ def _uncancel_current_task() -> None:
 
 
 async def _refuse_background(ctx: _Context, accepted: asyncio.Future, request: web.Request, state: AppState,
-                             turn: Turn, verdict) -> web.Response:
+                             job: Job, verdict) -> web.Response:
     """A prompt the safety gate blocks: stored as the foreground stores it, then answered (not queued)."""
-    response = await _refuse(ctx, request, state, turn, verdict)  # block_mode "error": a 400, nothing stored
+    response = await _refuse(ctx, request, state, job, verdict)  # block_mode "error": a 400, nothing stored
     assert isinstance(response, web.Response) and isinstance(response.body, bytes)  # JSON: background never streams
-    accepted.set_result((orjson.loads(response.body), state.response_headers(turn)))
+    accepted.set_result((orjson.loads(response.body), state.response_headers(job)))
     return response
 
 
-async def _fail(ctx: _Context, state: AppState, turn: Turn, error: dict) -> None:
-    await _finish_quietly(state, turn, RequestStatus.ERROR, None)
-    await _set_state(ctx, state, turn, {"status": "failed", "error": error, "usage": _usage(turn)})
+async def _fail(ctx: _Context, state: AppState, job: Job, error: dict) -> None:
+    await _finish_quietly(state, job, RequestStatus.ERROR, None)
+    await _set_state(ctx, state, job, {"status": "failed", "error": error, "usage": _usage(job)})
 
 
-async def _set_state(ctx: _Context, state: AppState, turn: Turn, fields: dict) -> None:
+async def _set_state(ctx: _Context, state: AppState, job: Job, fields: dict) -> None:
     """Update the stored row of a running background response (no-op once it is final or deleted)."""
-    body = {**response_object(ctx.response_id, ctx.created, turn.model.name, ctx.req, fields), **fields}
+    body = {**response_object(ctx.response_id, ctx.created, job.model.name, ctx.req, fields), **fields}
     try:
-        await asyncio.shield(state.store.update_response(turn.principal.org.id, ctx.response_id,
+        await asyncio.shield(state.store.update_response(job.principal.org.id, ctx.response_id,
                                                          status=body["status"], body_json=_dumps(body)))
     except StoreUnavailable:  # the store says so in its log; a restart marks it failed
         log.error("background_response_unsaved", response_id=ctx.response_id, status=body["status"])
 
 
-def _usage(turn: Turn) -> dict:
-    return usage_object(turn.num_prompt_tokens, turn.num_cached_tokens, turn.num_completion_tokens)
+def _usage(job: Job) -> dict:
+    return usage_object(job.num_prompt_tokens, job.num_cached_tokens, job.num_completion_tokens)
 
 
 async def cancel_response(request: web.Request) -> web.Response:

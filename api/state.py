@@ -16,7 +16,7 @@ import structlog
 from aiohttp import web
 
 from api.errors import ApiError, ratelimit_headers
-from api.turn import Turn
+from api.job import Job
 from engine.registry import ModelHandle
 from engine.types import FinishReason, TokenEvent
 from gateway.admission import Admission, Caller
@@ -74,46 +74,46 @@ class AppState:
         key = principal.key_id or f"org:{principal.org.id}"
         return Caller(key, tier_name, tier, principal.org.limits, waits_for_stream=is_local and principal.key_id is None)
 
-    def cost_usd(self, turn: Turn) -> float:
+    def cost_usd(self, job: Job) -> float:
         """Computed in decimal and rounded to the nano-dollar (store/money.py)."""
-        cfg = turn.model.config
-        uncached = turn.num_prompt_tokens - turn.num_cached_tokens
+        cfg = job.model.config
+        uncached = job.num_prompt_tokens - job.num_cached_tokens
         return float(money.cost_usd((
             (uncached, cfg.price_input_per_mtok),
-            (turn.num_cached_tokens, cfg.price_cached_input_per_mtok),
-            (turn.num_completion_tokens, cfg.price_output_per_mtok),
+            (job.num_cached_tokens, cfg.price_cached_input_per_mtok),
+            (job.num_completion_tokens, cfg.price_output_per_mtok),
         )))
 
-    def response_headers(self, turn: Turn) -> dict[str, str]:
-        caller = self.caller(turn.principal)
+    def response_headers(self, job: Job) -> dict[str, str]:
+        caller = self.caller(job.principal)
         headers = ratelimit_headers(self.admission.limiter.buckets(caller.key, caller.tier_name, caller.tier,
                                                                    caller.overrides))
-        if turn.fallback_from is not None:
-            headers["x-fallback-from"] = turn.fallback_from
-        if turn.chat.conversation_id is not None:
-            headers["x-history-messages-dropped"] = str(turn.history_messages_dropped)
+        if job.fallback_from is not None:
+            headers["x-fallback-from"] = job.fallback_from
+        if job.chat.conversation_id is not None:
+            headers["x-history-messages-dropped"] = str(job.history_messages_dropped)
         return headers
 
     # -- safety ------------------------------------------------------------------------
-    async def screen_prompt(self, turn: Turn):
+    async def screen_prompt(self, job: Job):
         """None when allowed; the blocking verdict otherwise."""
         if self.safety is None:
             return None
-        messages = [{"role": m.role, "content": m.content} for m in turn.context]
-        verdict = await self.safety.screen_prompt(messages, tier=turn.tier_name)
+        messages = [{"role": m.role, "content": m.content} for m in job.context]
+        verdict = await self.safety.screen_prompt(messages, tier=job.tier_name)
         return None if verdict.allowed else verdict
 
-    def output_filter(self, turn: Turn):
-        return None if self.safety is None else self.safety.output_filter(tier=turn.tier_name)
+    def output_filter(self, job: Job):
+        return None if self.safety is None else self.safety.output_filter(tier=job.tier_name)
 
-    def count_filtered(self, turn: Turn, verdict) -> None:
-        log.info("output_filtered", request_id=turn.request_id, layer=verdict.layer, category=verdict.category)
+    def count_filtered(self, job: Job, verdict) -> None:
+        log.info("output_filtered", request_id=job.request_id, layer=verdict.layer, category=verdict.category)
 
     # -- generation and billing ----------------------------------------------------------
-    def generate(self, turn: Turn, choice: int = 0) -> AsyncGenerator[TokenEvent, None]:
-        return self.coalescer.generate(turn.model.backend, turn.gen_for(choice))
+    def generate(self, job: Job, choice: int = 0) -> AsyncGenerator[TokenEvent, None]:
+        return self.coalescer.generate(job.model.backend, job.gen_for(choice))
 
-    async def record(self, turn: Turn, record: RequestRecord, finish: FinishReason | None) -> None:
+    async def record(self, job: Job, record: RequestRecord, finish: FinishReason | None) -> None:
         """Write the ledger row + messages (shielded from cancellation), then log and count.
 
         Raises StoreUnavailable when the write failed: the caller must not acknowledge the answer.
@@ -124,7 +124,7 @@ class AppState:
         except StoreUnavailable as exc:
             log.error("ledger_write_failed", request_id=record.request_id, error=str(exc))
             failure = exc
-        self.metrics.observe_request(turn, record, finish)
+        self.metrics.observe_request(job, record, finish)
         log.info(
             "request_finished",
             request_id=record.request_id,

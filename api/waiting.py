@@ -13,9 +13,9 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from api.job import Job
 from api.sse import SSEWriter
 from api.state import AppState
-from api.turn import Turn
 from gateway.admission import Pass
 from gateway.queue import QueueTicket
 
@@ -27,7 +27,7 @@ def queued_comment(ticket: QueueTicket) -> str:
 
 
 async def wait_admitted(
-    state: AppState, grant: Pass, turn: Turn, comment: Callable[[str], Awaitable[None]] | None
+    state: AppState, grant: Pass, job: Job, comment: Callable[[str], Awaitable[None]] | None
 ) -> None:
     """Wait for an engine reservation; `comment(text)` every heartbeat while waiting.
 
@@ -37,7 +37,7 @@ async def wait_admitted(
     while not await grant.wait(interval_s):
         if comment is not None and grant.ticket is not None:
             await comment(queued_comment(grant.ticket))
-    turn.admitted_s = time.monotonic()
+    job.admitted_s = time.monotonic()
 
 
 class LazyStream:

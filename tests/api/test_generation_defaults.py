@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from api.job import sampling_from
 from api.protocol import parse_chat_request
-from api.turn import sampling_from
 from engine.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "user", "content": "hi"}]

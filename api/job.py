@@ -1,4 +1,4 @@
-"""Turns a validated chat request into a ready-to-queue `Turn`: model, context, token ids.
+"""Turns a validated chat request into a ready-to-queue `Job`: model, context, token ids.
 
 Owns step 5 of the request path (docs/architecture.md): for the model the router chose,
 build the context (stored conversation history + new messages, trimming the oldest turns
@@ -26,8 +26,9 @@ from store.types import Principal
 
 
 @dataclass(slots=True)
-class Turn:
-    """Everything one chat request carries through admission, generation and billing."""
+class Job:
+    """Everything one chat request carries through admission, generation and billing (a request
+    and its answer, not a turn of a conversation)."""
 
     request_id: str
     principal: Principal
@@ -217,7 +218,7 @@ def sampling_from(chat: ChatRequest, max_tokens: int, model: ModelHandle | None 
 
 
 @dataclass(frozen=True, slots=True)
-class TurnInputs:
+class JobInputs:
     request_id: str
     principal: Principal
     tier_name: str
@@ -229,7 +230,7 @@ class TurnInputs:
     cache_salt: str | None
 
 
-def make_turn(inp: TurnInputs) -> Turn:
+def make_job(inp: JobInputs) -> Job:
     """Tokenize and size the request; raise ApiError(400) when it cannot fit."""
     model, chat, tier = inp.model, inp.chat, inp.tier
     limit = min(model.max_model_len, tier.max_context_tokens)
@@ -258,7 +259,7 @@ def make_turn(inp: TurnInputs) -> Turn:
         model.backend.check_request(gen)
     except RequestRejected as exc:
         raise ApiError(400, exc.message, "invalid_request_error", exc.code or "invalid_value", exc.param) from None
-    return Turn(
+    return Job(
         request_id=inp.request_id,
         principal=inp.principal,
         tier_name=inp.tier_name,

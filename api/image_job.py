@@ -1,4 +1,4 @@
-"""Images of a turn handed to a vision model: which images fill the prompt's image slots.
+"""Images of a chat request handed to a vision model: which images fill the prompt's image slots.
 
 The model's tokenizer (engine/native/image_prompt.py) has already put one run of image
 tokens where each image sits; here the images still in the (possibly trimmed) context are
@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 
 from api.errors import bad_request
-from api.turn import Turn
+from api.job import Job
 from media.images import DecodedImage
 
 
@@ -21,8 +21,8 @@ def prompter_of(model) -> object | None:
     return getattr(model.tokenizer, "image_prompter", None)
 
 
-async def place_images(turn: Turn, prompter, decoded: list[DecodedImage]) -> None:
-    ids = turn.gen.prompt_token_ids
+async def place_images(job: Job, prompter, decoded: list[DecodedImage]) -> None:
+    ids = job.gen.prompt_token_ids
     num_slots = prompter.num_slots(ids)
     if num_slots > len(decoded):
         raise bad_request(f"The prompt has {num_slots} image slots for {len(decoded)} images.", param="messages")
@@ -33,4 +33,4 @@ async def place_images(turn: Turn, prompter, decoded: list[DecodedImage]) -> Non
         images = prompter.image_inputs(ids, pixels)
     except ValueError as exc:
         raise bad_request(f"The images do not match the prompt's image slots: {exc}.", param="messages") from None
-    turn.gen = dataclasses.replace(turn.gen, images=images)
+    job.gen = dataclasses.replace(job.gen, images=images)
