@@ -23,14 +23,14 @@ log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class CoalesceKey:
-    backend_id: int  # id() of the backend; the flight holds the backend, so the id stays unique
+    backend_id: int  # id() of the backend; the shared generation holds the backend, so the id stays unique
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams  # with seed cleared: greedy output does not depend on it
     cache_salt: str | None
     image_hashes: tuple[str, ...] = ()  # a vision prompt: same token ids, different pictures, different answers
 
 
-class _Flight:
+class _SharedGeneration:
     """One shared generation: the events so far and who is listening."""
 
     __slots__ = ("key", "backend", "request_id", "events", "is_done", "error", "num_waiters", "changed", "task")
@@ -57,14 +57,14 @@ class _Flight:
 
 class Coalescer:
     def __init__(self) -> None:
-        self._flights: dict[CoalesceKey, _Flight] = {}
+        self._generations: dict[CoalesceKey, _SharedGeneration] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # strong refs: the loop only keeps weak ones
         self.num_generations = 0  # backend generations started for coalescable requests
         self.num_joined = 0  # requests served by a generation another request started
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._flights)
+        return len(self._generations)
 
     async def generate(self, backend: Backend, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         """`backend.generate(request)`, shared with identical greedy requests in flight.
@@ -78,65 +78,65 @@ class Coalescer:
                     yield event
             return
         key = _key(backend, request)
-        flight = self._flights.get(key)
-        if flight is None:
-            flight = self._start(key, backend, request)
+        generation = self._generations.get(key)
+        if generation is None:
+            generation = self._start(key, backend, request)
         else:
             self.num_joined += 1
-            log.debug("coalesce_join", request_id=request.request_id, generation_id=flight.request_id)
-        flight.num_waiters += 1
+            log.debug("coalesce_join", request_id=request.request_id, generation_id=generation.request_id)
+        generation.num_waiters += 1
         try:
             index = 0
             while True:
-                if index < len(flight.events):
+                if index < len(generation.events):
                     index += 1
-                    yield flight.events[index - 1]
-                elif flight.is_done:
-                    if flight.error is not None:
-                        raise flight.error
+                    yield generation.events[index - 1]
+                elif generation.is_done:
+                    if generation.error is not None:
+                        raise generation.error
                     return
                 else:
-                    await flight.changed.wait()
+                    await generation.changed.wait()
         finally:
-            flight.num_waiters -= 1
-            if flight.num_waiters == 0 and not flight.is_done:
-                self._abandon(flight)
+            generation.num_waiters -= 1
+            if generation.num_waiters == 0 and not generation.is_done:
+                self._abandon(generation)
 
-    def _start(self, key: CoalesceKey, backend: Backend, request: GenerationRequest) -> _Flight:
-        flight = _Flight(key, backend, request.request_id)
-        self._flights[key] = flight
-        flight.task = asyncio.get_running_loop().create_task(self._pump(flight, request))
-        self._tasks.add(flight.task)
-        flight.task.add_done_callback(self._tasks.discard)
+    def _start(self, key: CoalesceKey, backend: Backend, request: GenerationRequest) -> _SharedGeneration:
+        generation = _SharedGeneration(key, backend, request.request_id)
+        self._generations[key] = generation
+        generation.task = asyncio.get_running_loop().create_task(self._run_generation(generation, request))
+        self._tasks.add(generation.task)
+        generation.task.add_done_callback(self._tasks.discard)
         self.num_generations += 1
-        return flight
+        return generation
 
-    async def _pump(self, flight: _Flight, request: GenerationRequest) -> None:
+    async def _run_generation(self, generation: _SharedGeneration, request: GenerationRequest) -> None:
         """Runs the one backend generation; closing its iterator (on cancel) aborts it."""
         try:
-            async with contextlib.aclosing(flight.backend.generate(request)) as events:
+            async with contextlib.aclosing(generation.backend.generate(request)) as events:
                 async for event in events:
-                    flight.publish(event)
+                    generation.publish(event)
         except asyncio.CancelledError:
             raise  # abandoned: nobody is listening
         except Exception as exc:  # delivered to every waiter; each renders its own error
-            self._forget(flight)
-            flight.publish(error=exc)
+            self._forget(generation)
+            generation.publish(error=exc)
         else:
-            self._forget(flight)
-            flight.publish()
+            self._forget(generation)
+            generation.publish()
 
-    def _abandon(self, flight: _Flight) -> None:
-        self._forget(flight)
-        flight.is_done = True
-        if flight.task is not None:
-            flight.task.cancel()
-        log.debug("coalesce_abandoned", generation_id=flight.request_id)
+    def _abandon(self, generation: _SharedGeneration) -> None:
+        self._forget(generation)
+        generation.is_done = True
+        if generation.task is not None:
+            generation.task.cancel()
+        log.debug("coalesce_abandoned", generation_id=generation.request_id)
 
-    def _forget(self, flight: _Flight) -> None:
+    def _forget(self, generation: _SharedGeneration) -> None:
         """A finished or abandoned generation takes no new waiters."""
-        if self._flights.get(flight.key) is flight:
-            del self._flights[flight.key]
+        if self._generations.get(generation.key) is generation:
+            del self._generations[generation.key]
 
 
 def _key(backend: Backend, request: GenerationRequest) -> CoalesceKey:

@@ -80,7 +80,9 @@ class _Progress:
 
 
 @dataclass(slots=True)
-class _Flight:
+class _Attempt:
+    """One try of a request on one replica: its response once it arrives, and whether it was aborted."""
+
     replica: Replica
     response: aiohttp.ClientResponse | None = None
     is_aborted: bool = False
@@ -124,7 +126,7 @@ class UpstreamBackend:
         self._max_model_len = max_model_len or 0
         self._session: aiohttp.ClientSession | None = None
         self._probe_task: asyncio.Task[None] | None = None
-        self._flights: dict[str, _Flight] = {}
+        self._running: dict[str, _Attempt] = {}
         self._is_stopped = False
         self._num_prompt_tokens = 0
         self._num_cached_tokens = 0
@@ -165,7 +167,7 @@ class UpstreamBackend:
 
     async def shutdown(self) -> None:
         self._is_stopped = True
-        for request_id in list(self._flights):
+        for request_id in list(self._running):
             self.abort(request_id)
         if self._probe_task is not None:
             self._probe_task.cancel()
@@ -195,11 +197,11 @@ class UpstreamBackend:
         return self.pool.has_room()
 
     def abort(self, request_id: str) -> None:
-        flight = self._flights.get(request_id)
-        if flight is not None and not flight.is_aborted:
-            flight.is_aborted = True
-            if flight.response is not None:
-                flight.response.close()  # the upstream sees the connection close and frees its KV
+        attempt = self._running.get(request_id)
+        if attempt is not None and not attempt.is_aborted:
+            attempt.is_aborted = True
+            if attempt.response is not None:
+                attempt.response.close()  # the upstream sees the connection close and frees its KV
 
     # -- generation -----------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
@@ -254,8 +256,8 @@ class UpstreamBackend:
         assert self._session is not None  # generate() refuses before start and after shutdown
         replica.num_in_flight += 1
         replica.num_requests += 1
-        flight = _Flight(replica)
-        self._flights[request.request_id] = flight
+        attempt = _Attempt(replica)
+        self._running[request.request_id] = attempt
         started_s = time.monotonic()
         try:
             # sock_read bounds the wait for the response headers too; the stream's own deadlines follow.
@@ -263,36 +265,36 @@ class UpstreamBackend:
                                             sock_read=max(self._config.first_token_timeout_s, self._config.idle_timeout_s))
             async with self._session.post(replica.base_url + "/chat/completions", json=body, timeout=timeout,
                                           headers=self._headers(request.request_id)) as response:
-                flight.response = response
+                attempt.response = response
                 if response.status != 200:
                     raise self._http_failure(replica, response.status, await response.read(),
                                              response.headers.get("Retry-After"))
-                async for event in self._relay(response, flight, progress, started_s):
+                async for event in self._relay(response, attempt, progress, started_s):
                     yield event
         except _AttemptFailed:
             raise
         except (aiohttp.ClientError, OSError, TimeoutError, MalformedStream) as exc:
-            if flight.is_aborted:
+            if attempt.is_aborted:
                 yield self._final(progress, FinishReason.ABORT)
                 return
             raise self._transport_failure(replica, exc) from None
         finally:
             replica.num_in_flight -= 1
-            if self._flights.get(request.request_id) is flight:
-                del self._flights[request.request_id]
-            if flight.response is not None and not flight.response.closed:
-                flight.response.close()  # left early (client gone): close now, never drain
+            if self._running.get(request.request_id) is attempt:
+                del self._running[request.request_id]
+            if attempt.response is not None and not attempt.response.closed:
+                attempt.response.close()  # left early (client gone): close now, never drain
 
-    async def _relay(self, response: aiohttp.ClientResponse, flight: _Flight, progress: _Progress,
+    async def _relay(self, response: aiohttp.ClientResponse, attempt: _Attempt, progress: _Progress,
                      started_s: float) -> AsyncGenerator[TokenEvent, None]:
-        cfg, replica = self._config, flight.replica
+        cfg, replica = self._config, attempt.replica
         deadline_s = started_s + cfg.first_token_timeout_s
 
         def timeout_s() -> float:
             return cfg.idle_timeout_s if progress.num_yielded else max(0.0, deadline_s - time.monotonic())
 
         async for payload in sse_payloads(response, timeout_s):
-            if flight.is_aborted:  # aborted before the response arrived: it was not closed then
+            if attempt.is_aborted:  # aborted before the response arrived: it was not closed then
                 yield self._final(progress, FinishReason.ABORT)
                 return
             if payload is DONE or not isinstance(payload, dict):
