@@ -160,12 +160,12 @@ class ModelQueue:
         if placement.outcome is Outcome.ADMITTED:
             self._tickets.pop(offer.request_id)._admit(ticket.arrival_s)
         else:
-            self._pump()
+            self._admit_ready()
         return ticket
 
     def notify(self) -> None:
         """Capacity may have freed outside a release (the backend's own hint): look again."""
-        self._pump()
+        self._admit_ready()
 
     async def start(self) -> None:
         return None
@@ -185,9 +185,9 @@ class ModelQueue:
     def _release(self, ticket: QueueTicket) -> None:
         self._tickets.pop(ticket.request_id, None)
         self.room.release(ticket.request_id)
-        self._pump()
+        self._admit_ready()
 
-    def _pump(self) -> None:
+    def _admit_ready(self) -> None:
         """Hand free reservations to the head of the line; poll if the backend said no room."""
         if self._is_closed:
             return
@@ -202,7 +202,7 @@ class ModelQueue:
         while not self._is_closed and self.room.num_waiting:
             await asyncio.sleep(self._poll_interval_s)
             if self._engine_has_room():
-                self._pump()
+                self._admit_ready()
 
     def _engine_has_room(self) -> bool:
         try:

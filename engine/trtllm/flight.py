@@ -1,6 +1,6 @@
-"""One request inside TensorRT-LLM: its RequestOutput, the pump that reads it, its abort path.
+"""One request inside TensorRT-LLM: its RequestOutput, the task that reads it, its abort path.
 
-The pump task turns each in-place update of the RequestOutput (read `*_diff` before the next
+The reader task turns each in-place update of the RequestOutput (read `*_diff` before the next
 step) into one TokenEvent on a queue, so an abort that TensorRT-LLM never confirms can still
 end the stream. It does not own admission or the in-flight cap; the backend does.
 """
@@ -45,11 +45,11 @@ class Flight:
         self._stop = StopStringFilter(request.sampling.stop)
         self._is_final_queued = False
         self._is_abort_requested = False
-        self._pump: asyncio.Task | None = None
+        self._reader: asyncio.Task | None = None
         self._deadline: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
-        self._pump = asyncio.get_running_loop().create_task(self._run(), name=f"trtllm-{self.request.request_id}")
+        self._reader = asyncio.get_running_loop().create_task(self._run(), name=f"trtllm-{self.request.request_id}")
 
     def event(self, text: str, token_ids: tuple[int, ...], reason: FinishReason | None = None,
               logprobs: tuple[TokenLogprob, ...] = ()) -> TokenEvent:
@@ -79,16 +79,16 @@ class Flight:
             return
         log.warning("trtllm_stream_forced_end", request_id=self.request.request_id, reason=why)
         self._put(self.event("", (), FinishReason.ABORT))
-        if self._pump is not None:
-            self._pump.cancel()
+        if self._reader is not None:
+            self._reader.cancel()
 
     def retire(self) -> None:
         """The consumer is done (final event, error, or it went away): release everything."""
         self.is_retired = True
         if self._deadline is not None:
             self._deadline.cancel()
-        if self._pump is not None and not self._pump.done():
-            self._pump.cancel()
+        if self._reader is not None and not self._reader.done():
+            self._reader.cancel()
         if not self.handle.finished:
             self.request_abort()  # leaving the loop alone does not stop the GPU work
 
