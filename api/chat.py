@@ -116,7 +116,7 @@ async def serve_job(
     if not state.store.is_writable:
         raise overloaded("The usage ledger cannot be written; try again later.", retry_after_s=30,
                          code="store_unavailable")
-    state.admission.place(grant, job.est_tokens, num_seqs=job.chat.n)
+    state.admission.place(grant, job.num_tokens_reserved, num_seqs=job.chat.n)
     try:
         with request.app[INFLIGHT].track():  # shutdown waits for it, then cuts it cleanly
             if outlet is not None:

@@ -65,7 +65,8 @@ class Job:
         return len(self.gen.prompt_token_ids)
 
     @property
-    def est_tokens(self) -> int:
+    def num_tokens_reserved(self) -> int:
+        """Prompt + n x max_tokens: what the request holds in the token buckets and the queue."""
         return self.num_prompt_tokens + self.chat.n * self.gen.sampling.max_tokens
 
     def gen_for(self, choice: int) -> GenerationRequest:

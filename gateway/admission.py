@@ -137,7 +137,7 @@ class Admission:
             raise
         return grant.route
 
-    def place(self, grant: Pass, num_tokens: int, *, num_seqs: int = 1) -> QueueTicket:
+    def place(self, grant: Pass, num_tokens_reserved: int, *, num_seqs: int = 1) -> QueueTicket:
         """Debit the real size (prompt + max_tokens), then reserve or queue on the routed model;
         `num_seqs` engine sequences (n choices) are reserved together.
 
@@ -145,11 +145,11 @@ class Admission:
         """
         assert grant.route is not None, "route() first"
         caller, model = grant.caller, grant.route.model
-        offer = Offer(grant.request_id, caller.tier.priority, num_tokens, caller.key,
+        offer = Offer(grant.request_id, caller.tier.priority, num_tokens_reserved, caller.key,
                       caller.tier.max_concurrent_streams if caller.waits_for_stream else 0,
                       self.router.wait_limit_s(caller.tier_name, model), num_seqs)
         try:
-            self.limiter.top_up(grant.reservation, num_tokens)
+            self.limiter.top_up(grant.reservation, num_tokens_reserved)
             grant.ticket = self.queues[model].enqueue(offer)
         except GatewayError as exc:
             self._count(caller, model, exc)

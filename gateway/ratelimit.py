@@ -128,13 +128,13 @@ class _Check:
 class Reservation:
     """What one admitted request took from the buckets; settled or cancelled exactly once."""
 
-    __slots__ = ("key", "tier_name", "num_tokens_estimated", "_checks", "_limits", "is_settled")
+    __slots__ = ("key", "tier_name", "num_tokens_reserved", "_checks", "_limits", "is_settled")
 
-    def __init__(self, key: str, tier_name: str, num_tokens_estimated: int, checks: tuple[_Check, ...],
+    def __init__(self, key: str, tier_name: str, num_tokens_reserved: int, checks: tuple[_Check, ...],
                  limits: Limits):
         self.key = key
         self.tier_name = tier_name
-        self.num_tokens_estimated = num_tokens_estimated
+        self.num_tokens_reserved = num_tokens_reserved
         self._checks = checks
         self._limits = limits
         self.is_settled = False
@@ -181,26 +181,26 @@ class RateLimiter:
         key: str,
         tier_name: str,
         tier: TierConfig,
-        est_tokens: int,
+        num_tokens_reserved: int,
         overrides: Mapping[str, float] | None = None,
     ) -> Reservation:
-        """Debit one request and `est_tokens` from every bucket, or none and raise RateLimited."""
+        """Debit one request and `num_tokens_reserved` from every bucket, or none and raise RateLimited."""
         limits = Limits.for_tier(tier, overrides)
-        checks = _checks_for(key, tier_name, limits, est_tokens)
+        checks = _checks_for(key, tier_name, limits, num_tokens_reserved)
         self._raise_if_limited(key, tier_name, limits, checks)
         for check in checks:
             self._bucket(check).take(check.need)
         self._num_acquires += 1
         if self._num_acquires % self._prune_every == 0:
             self.prune()
-        return Reservation(key, tier_name, est_tokens, checks, limits)
+        return Reservation(key, tier_name, num_tokens_reserved, checks, limits)
 
     def settle(self, reservation: Reservation, actual_tokens: int) -> None:
         """Refund estimate minus actual tokens (or charge the excess); a second call is a no-op."""
         if reservation.is_settled:
             return
         reservation.is_settled = True
-        refund = reservation.num_tokens_estimated - actual_tokens
+        refund = reservation.num_tokens_reserved - actual_tokens
         for check in reservation._checks:
             if check.reason in (Reason.KEY_TOKENS, Reason.TIER_TOKENS):
                 self._bucket(check).settle(refund)
@@ -211,7 +211,7 @@ class RateLimiter:
         The body-size estimate is taken before parsing; once tokenized, the request owes
         prompt + max_tokens. Raises RateLimited (changing nothing) if the extra is not there.
         """
-        extra = num_tokens - reservation.num_tokens_estimated
+        extra = num_tokens - reservation.num_tokens_reserved
         checks = [c for c in reservation._checks if c.reason in _TOKEN_REASONS]
         if extra > 0:
             waits = [(math.inf if num_tokens > c.capacity else self._bucket(c).retry_after_s(extra), c) for c in checks]
@@ -222,7 +222,7 @@ class RateLimiter:
                                         reservation.key, reservation.tier_name, reservation._limits)
         for check in checks:
             self._bucket(check).settle(-extra)
-        reservation.num_tokens_estimated = num_tokens
+        reservation.num_tokens_reserved = num_tokens
         reservation._checks = tuple(dataclasses.replace(c, need=num_tokens) if c.reason in _TOKEN_REASONS else c
                                     for c in reservation._checks)
 
@@ -325,12 +325,12 @@ class RateLimiter:
         return capacity, bucket.level, bucket.reset_s()
 
 
-def _checks_for(key: str, tier_name: str, limits: Limits, est_tokens: int) -> tuple[_Check, ...]:
+def _checks_for(key: str, tier_name: str, limits: Limits, num_tokens_reserved: int) -> tuple[_Check, ...]:
     candidates = (
         _Check(Reason.KEY_REQUESTS, ("key", key, "requests"), limits.requests_per_minute, 1),
-        _Check(Reason.KEY_TOKENS, ("key", key, "tokens"), limits.tokens_per_minute, est_tokens),
+        _Check(Reason.KEY_TOKENS, ("key", key, "tokens"), limits.tokens_per_minute, num_tokens_reserved),
         _Check(Reason.TIER_REQUESTS, ("tier", tier_name, "requests"), limits.tier_requests_per_minute, 1),
-        _Check(Reason.TIER_TOKENS, ("tier", tier_name, "tokens"), limits.tier_tokens_per_minute, est_tokens),
+        _Check(Reason.TIER_TOKENS, ("tier", tier_name, "tokens"), limits.tier_tokens_per_minute, num_tokens_reserved),
     )
     return tuple(c for c in candidates if c.capacity > 0)
 
