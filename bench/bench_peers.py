@@ -85,7 +85,7 @@ def matmul_bytes(shape: dict, bytes_per_weight: float) -> int:
 
 
 def run_ours(model_dir: Path, w: Workload, kernel_isa: str, quantization: str) -> tuple[float, float]:
-    from engine.native.engine import LLMEngine
+    from engine.native.llm_engine import LLMEngine
     from engine.types import GenerationRequest, SamplingParams
     from settings import EngineConfig
 

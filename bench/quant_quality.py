@@ -57,7 +57,7 @@ def heldout_perplexities(model_dir: Path = DEMO_MODEL) -> tuple[float, float]:
 
 
 def _engine_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int, quantization: str, kernel_isa: str):
-    from engine.native.engine import LLMEngine
+    from engine.native.llm_engine import LLMEngine
     from engine.types import GenerationRequest, SamplingParams
     from settings import EngineConfig
 

@@ -20,7 +20,7 @@ from typing import ClassVar
 import structlog
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.native.engine import LLMEngine, RequestOutput
+from engine.native.llm_engine import LLMEngine, RequestOutput
 from engine.native.loader import load_model_args
 from engine.tokenizer import Tokenizer
 from engine.types import (

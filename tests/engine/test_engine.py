@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.native.engine import LLMEngine
+from engine.native.llm_engine import LLMEngine
 from engine.native.sequence import SequenceStatus
 from engine.types import FinishReason, GenerationRequest, RequestRejected, SamplingParams
 from native_harness import check_invariants

@@ -152,7 +152,7 @@ def test_a_mixed_model_keeps_only_the_window_on_its_sliding_layers(tiny_models, 
 
 
 def test_a_mixed_models_sliding_pool_is_window_sized_and_the_global_pool_gets_the_rest(tiny_models):
-    from engine.native.engine import LLMEngine
+    from engine.native.llm_engine import LLMEngine
     from settings import EngineConfig
 
     model_dir = tiny_models.path("gemma3")  # layers: sliding, global, sliding; window 24

@@ -8,8 +8,8 @@ import zlib
 
 import pytest
 
-from engine.native.engine import LLMEngine
 from engine.native.kernels import KernelMode
+from engine.native.llm_engine import LLMEngine
 from engine.native.loader import load_model_args
 from engine.types import FinishReason, GenerationRequest, SamplingParams
 from kernel_modes import ALL_MODES

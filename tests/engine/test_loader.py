@@ -25,7 +25,7 @@ def model_copy(tiny_models, tmp_path):
 
 
 def greedy(model_dir, prompt: list[int], n: int) -> list[int]:
-    from engine.native.engine import LLMEngine
+    from engine.native.llm_engine import LLMEngine
     from engine.types import GenerationRequest, SamplingParams
 
     engine = LLMEngine.from_model_dir(model_dir, CONFIG, eos_token_ids=())

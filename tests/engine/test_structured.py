@@ -13,7 +13,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from engine.grammar import GrammarError, grammar_text, schema_text
-from engine.native.engine import LLMEngine
+from engine.native.llm_engine import LLMEngine
 from engine.types import GenerationRequest, SamplingParams, StructuredKind, StructuredOutput
 from settings import EngineConfig
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.native.engine import LLMEngine
 from engine.native.image_processor import ClipImageProcessor
+from engine.native.llm_engine import LLMEngine
 from engine.native.loader import load_model_args
 from engine.types import GenerationRequest, ImageInput, SamplingParams
 from native_harness import check_invariants

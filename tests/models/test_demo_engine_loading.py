@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.native.engine import LLMEngine
+from engine.native.llm_engine import LLMEngine
 from engine.tokenizer import Tokenizer
 from engine.types import FinishReason, GenerationRequest, SamplingParams
 from settings import EngineConfig
