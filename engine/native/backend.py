@@ -14,6 +14,7 @@ import queue
 import threading
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
+from enum import Enum
 from pathlib import Path
 from typing import ClassVar
 
@@ -89,6 +90,14 @@ class _Stream:
         if not self.done:
             self.done = True
             self.queue.put_nowait(replace(self.last, text="", token_ids=(), finish_reason=FinishReason.ABORT))
+
+
+class _Tick(Enum):
+    """What one turn of the step thread left for this engine."""
+
+    BUSY = "busy"  # requests are still running: step again soon
+    IDLE = "idle"  # nothing to run: the thread may sleep until new work arrives
+    DONE = "done"  # the engine stopped (shutdown, its event loop gone, or too many failed steps)
 
 
 class NativeBackend:
@@ -269,9 +278,9 @@ class NativeBackend:
         loop.call_soon_threadsafe(settle, engine.stats())
         return engine
 
-    def _tick(self) -> str:
+    def _tick(self) -> _Tick:
         """One turn of the step thread for this engine: take in requests and aborts, run one
-        step if there is work, publish the outputs. Returns "busy", "idle" or "done"."""
+        step if there is work, publish the outputs."""
         engine = self._engine
         assert engine is not None  # the step thread ticks only the engines it built
         items, stop = self._drain_inbox(engine)
@@ -286,10 +295,10 @@ class NativeBackend:
                 self._dead = self._failures >= _MAX_CONSECUTIVE_STEP_FAILURES
         self._stats = engine.stats()
         if items and not self._publish(items):
-            return "done"
+            return _Tick.DONE
         if stop or self._dead:
-            return "done"
-        return "busy" if engine.has_unfinished_requests() else "idle"
+            return _Tick.DONE
+        return _Tick.BUSY if engine.has_unfinished_requests() else _Tick.IDLE
 
     def _drain_inbox(self, engine: LLMEngine) -> tuple[list[RequestOutput | _Failure], bool]:
         items: list[RequestOutput | _Failure] = []
@@ -368,10 +377,10 @@ class _StepThread:
             busy = False
             for backend in list(self._members):
                 state = backend._tick()
-                if state == "done":
+                if state is _Tick.DONE:
                     self._members.remove(backend)
                     backend._stopped.set()
-                busy = busy or state == "busy"
+                busy = busy or state is _Tick.BUSY
             if not self._members:
                 with self._registry_lock:
                     if not self._arrivals:
