@@ -124,7 +124,7 @@ class AppState:
         except StoreUnavailable as exc:
             log.error("ledger_write_failed", request_id=record.request_id, error=str(exc))
             failure = exc
-        self.metrics.observe_request(job, record, finish)
+        self.metrics.observe_request(record, finish)
         log.info(
             "request_finished",
             request_id=record.request_id,

@@ -70,10 +70,9 @@ class Metrics:
         self._sources: dict[str, _Sources] = {}
         self.registry.register(_SourceCollector(self._sources))
 
-    def observe_request(self, turn: object, record: RequestRecord, finish: FinishReason | None) -> None:
+    def observe_request(self, record: RequestRecord, finish: FinishReason | None) -> None:
         """Everything about one finished, aborted or failed request, read from its ledger record.
 
-        `turn` is accepted for the caller's convenience; the record carries every number.
         The inter-token latency observed here is the request's mean (vLLM's TPOT).
         """
         tier, model = record.tier, record.model

@@ -92,9 +92,9 @@ def record(**changes) -> RequestRecord:
 
 def test_observe_request_records_latencies_tokens_and_fallback_from_the_ledger_record():
     metrics = Metrics()
-    metrics.observe_request(None, record(fallback_from="flagship"), FinishReason.STOP)
-    metrics.observe_request(None, record(status=RequestStatus.ERROR, queue_ms=None, ttft_ms=None,
-                                         completion_tokens=0), None)
+    metrics.observe_request(record(fallback_from="flagship"), FinishReason.STOP)
+    metrics.observe_request(record(status=RequestStatus.ERROR, queue_ms=None, ttft_ms=None,
+                                    completion_tokens=0), None)
     got = samples(metrics)
     labels = (("model", "mini"), ("tier", "plus"))
     assert got[("chat_queue_time_seconds_count", labels)] == 1
