@@ -215,7 +215,7 @@ def wire_options(chat: ChatRequest) -> dict[str, Any]:
         out["top_logprobs"] = chat.logprobs
     if chat.chat_template_kwargs:  # vLLM and SGLang take it (e.g. enable_thinking)
         out["chat_template_kwargs"] = chat.chat_template_kwargs
-    return out  # n > 1 is fanned out here (api/chat.py), one upstream request per choice
+    return out  # n > 1 is fanned out here (api/generation.py), one upstream request per choice
 
 
 def parse_response_format(value: Any, param: str = "response_format") -> StructuredOutput | None:

@@ -24,19 +24,10 @@ from aiohttp import web
 
 from api import attachments, protocol
 from api.answer import Answer
-from api.chat import (
-    _STATUS,
-    Outlet,
-    _finish_quietly,
-    finish_job,
-    generate_unary,
-    make_answer,
-    pump_choices,
-    read_json,
-    serve_job,
-    stream_job,
-)
+from api.chat import Outlet, read_json, serve_job
 from api.errors import ApiError, bad_request, from_gateway, not_found, overloaded
+from api.finish import STATUS, finish_job, finish_quietly, generate_unary, stream_job
+from api.generation import generate_choices, make_answer
 from api.inflight import INFLIGHT
 from api.job import Job
 from api.responses_wire import (
@@ -267,11 +258,11 @@ async def _serve_stream(
         started = response_object(ctx.response_id, ctx.created, job.model.name, ctx.req, {})
         await events.event("response.created", response=started)
         await events.event("response.in_progress", response=started)
-        (finish,) = await pump_choices(state, job, [emit], stream.comment)
+        (finish,) = await generate_choices(state, job, [emit], stream.comment)
         for d in answer.close():
             await events.delta(d)
         await events.close_text(bool(answer.tool_calls))
-        await finish_job(state, job, _STATUS[finish], finish)
+        await finish_job(state, job, STATUS[finish], finish)
         body = await _finished(ctx, state, job, answer, finish)
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
         await events.event(kind, response=body)
@@ -374,7 +365,7 @@ async def _serve_background(ctx: _Context, accepted: asyncio.Future, request: we
             await _fail(ctx, state, job, STOPPED_ERROR)
         else:  # POST /v1/responses/{id}/cancel (or its DELETE)
             _uncancel_current_task()
-            await _finish_quietly(state, job, RequestStatus.ABORTED, FinishReason.ABORT)
+            await finish_quietly(state, job, RequestStatus.ABORTED, FinishReason.ABORT)
             await _set_state(ctx, state, job, {"status": "cancelled", "usage": _usage(job)})
     except (ApiError, GatewayError) as exc:  # engine failure, shutdown, displaced from the queue
         error = exc if isinstance(exc, ApiError) else from_gateway(exc)
@@ -404,7 +395,7 @@ async def _refuse_background(ctx: _Context, accepted: asyncio.Future, request: w
 
 
 async def _fail(ctx: _Context, state: AppState, job: Job, error: dict) -> None:
-    await _finish_quietly(state, job, RequestStatus.ERROR, None)
+    await finish_quietly(state, job, RequestStatus.ERROR, None)
     await _set_state(ctx, state, job, {"status": "failed", "error": error, "usage": _usage(job)})
 
 

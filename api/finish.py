@@ -1,0 +1,194 @@
+"""How a job ends: the one finish path (`finish_job`) and the failure ladders around it.
+
+`finish_job` writes exactly one ledger row and the conversation's messages before the client
+sees the end of its answer. `stream_job` (streamed) and `generate_unary` (not streamed) run a
+job to its end for chat completions and Responses alike, so a disconnect, a shutdown, an
+engine error and an unwritable store each have one finish path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import structlog
+from aiohttp import web
+
+from api.answer import Answer
+from api.errors import ApiError, from_gateway, overloaded
+from api.generation import Emit, generate_choices
+from api.inflight import INFLIGHT
+from api.job import Job
+from api.reasoning import answer_text
+from api.sse import ClientGone, SSEWriter
+from api.state import AppState
+from api.waiting import LazyStream, wait_admitted
+from engine.types import EngineError, EngineUnavailable, FinishReason, RequestRejected, TokenLogprob
+from gateway.admission import Pass
+from gateway.errors import Overloaded
+from store.types import RequestRecord, RequestStatus, StoreUnavailable
+
+log = structlog.get_logger(__name__)
+
+# A finish reason's ledger status.
+STATUS = {
+    FinishReason.STOP: RequestStatus.FINISHED,
+    FinishReason.LENGTH: RequestStatus.FINISHED,
+    FinishReason.ABORT: RequestStatus.ABORTED,
+    FinishReason.CONTENT_FILTER: RequestStatus.FILTERED,
+}
+_STORED_EMPTY = (RequestStatus.FINISHED, RequestStatus.FILTERED)  # an empty answer is still stored
+
+
+async def stream_job(
+    request: web.Request, state: AppState, job: Job, grant: Pass, stream: LazyStream,
+    run: Callable[[], Awaitable[None]],
+) -> web.StreamResponse:
+    """Run one streamed answer (`run`: admission, generation, the durable write, the last frames)
+    under the failure ladder chat completions and Responses share: each failure has one finish path."""
+    try:
+        await run()
+    except StoreUnavailable:  # the answer could not be stored: no finish_reason, no [DONE]
+        await _stream_error(await stream.open(), store_unavailable(), job, is_done=False)
+    except (ClientGone, asyncio.CancelledError):
+        is_cut = request.app[INFLIGHT].was_cut()
+        await finish_quietly(state, job, RequestStatus.ABORTED, FinishReason.ABORT)
+        if not is_cut:
+            raise asyncio.CancelledError() from None
+        if not stream.is_open:
+            raise shutting_down() from None  # still queued: a plain 503
+        await _stream_error(await stream.open(), shutting_down(), job, is_done=False)
+    except Overloaded as exc:  # displaced from the queue by a higher tier
+        if not stream.is_open:
+            raise  # nothing sent yet: a plain 503 with Retry-After
+        grant.close(refund=True)
+        await _stream_error(await stream.open(), from_gateway(exc), job)
+    except (EngineError, RequestRejected, ApiError) as exc:
+        await finish_quietly(state, job, RequestStatus.ERROR, None)
+        await _stream_error(await stream.open(), exc, job)
+    return (await stream.open())._response
+
+
+async def _stream_error(writer: SSEWriter, exc: Exception, job: Job, *, is_done: bool = True) -> None:
+    """After headers are sent an error is one `data:` frame with the error object, then the end.
+
+    `[DONE]` follows only errors of the request itself; an answer cut by the server (store
+    unavailable, shutdown) ends without it, so no client mistakes it for a stored answer.
+    """
+    error = _engine_api_error(exc)
+    log.error("stream_failed", request_id=job.request_id, code=error.code, error=str(exc))
+    try:
+        await writer.data(error.body())
+        await (writer.done() if is_done else writer.end())
+    except ClientGone:
+        pass
+
+
+def _engine_api_error(exc: Exception) -> ApiError:
+    """A backend's failure in our envelope: the caller's fault (400), unreachable (503), else 500."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, RequestRejected):  # e.g. an upstream server's 400, passed on with its message
+        return ApiError(400, exc.message, "invalid_request_error", exc.code or "invalid_value", exc.param)
+    if isinstance(exc, EngineUnavailable):
+        return overloaded("The model is unavailable right now; please retry after the time in the Retry-After header.",
+                          retry_after_s=exc.retry_after_s, code="model_unavailable")
+    return ApiError(500, "The model failed while generating.", "server_error", "engine_error")
+
+
+def store_unavailable() -> ApiError:
+    return overloaded("The answer could not be stored (the database cannot be written); it was not saved "
+                      "or acknowledged. Try again later.", retry_after_s=30, code="store_unavailable")
+
+
+def shutting_down() -> ApiError:
+    return overloaded("The server is shutting down; the answer was cut here (the tokens generated are billed).",
+                      retry_after_s=5, code="server_shutting_down")
+
+
+async def finish_quietly(state: AppState, job: Job, status: RequestStatus, finish: FinishReason | None) -> None:
+    """The finish path of an answer that already failed: bill only work done (nothing if it never left the
+    queue); a store error is logged by the store, not raised."""
+    try:
+        await finish_job(state, job, status, finish, prompt_billed=job.admitted_s is not None)
+    except StoreUnavailable:
+        pass
+
+
+async def generate_unary(
+    request: web.Request, state: AppState, job: Job, grant: Pass, answers: list[Answer]
+) -> list[FinishReason]:
+    """A non-streaming job run to its end, one `Answer` per choice, the durable write done before it
+    returns (StoreUnavailable: 503, nothing acknowledged). Chat completions and Responses both call it,
+    so a disconnect, a shutdown and an engine error each have one finish path."""
+
+    def emitter(index: int) -> Emit:
+        async def emit(text: str, logprobs: tuple[TokenLogprob, ...]) -> None:
+            answers[index].feed(text, logprobs)
+        return emit
+
+    try:
+        await wait_admitted(state, grant, job, None)
+        finishes = await generate_choices(state, job, [emitter(i) for i in range(len(answers))], None)
+        for answer in answers:
+            answer.close()
+    except asyncio.CancelledError:  # client went away (handler cancellation) or shutdown
+        is_cut = request.app[INFLIGHT].was_cut()
+        await finish_quietly(state, job, RequestStatus.ABORTED, FinishReason.ABORT)
+        if is_cut:
+            raise shutting_down() from None
+        raise
+    except (EngineError, RequestRejected) as exc:
+        await finish_quietly(state, job, RequestStatus.ERROR, None)
+        log.error("request_failed", request_id=job.request_id, error=str(exc))
+        raise _engine_api_error(exc) from None
+    await finish_job(state, job, STATUS[finishes[0]], finishes[0])
+    return finishes
+
+
+async def finish_job(
+    state: AppState, job: Job, status: RequestStatus, finish: FinishReason | None, *, prompt_billed: bool = True,
+    store_answer: bool = True,
+) -> None:
+    """The one place a request is billed and its messages stored (idempotent on request_id)."""
+    if job.recorded:
+        return
+    job.recorded = True
+    end = time.monotonic()
+    num_prompt = job.num_prompt_tokens if prompt_billed else 0
+    cached = job.num_cached_tokens if prompt_billed else 0
+    content = "".join(job.text_parts)
+    if job.reasoning_opened is not None:  # the conversation keeps the answer, not the thinking
+        content = answer_text(content, in_thinking=job.reasoning_opened)
+    record = RequestRecord(
+        request_id=job.request_id,
+        org_id=job.principal.org.id,
+        key_id=job.principal.key_id,
+        model=job.model.name,
+        tier=job.tier_name,
+        status=status,
+        prompt_tokens=num_prompt,
+        cached_tokens=cached,
+        completion_tokens=job.num_completion_tokens,
+        cost_usd=state.cost_usd(job) if prompt_billed else 0.0,
+        queue_ms=_ms(job.arrival_s, job.admitted_s),
+        ttft_ms=_ms(job.arrival_s, job.first_token_s),
+        total_ms=_ms(job.arrival_s, end),
+        created_at=job.created_at,
+        finished_at=time.time(),
+        conversation_id=job.chat.conversation_id,
+        new_messages=job.new_messages,
+        new_message_parts=job.new_message_parts,
+        # A refused or filtered answer is stored too (the text sent, maybe none), so the
+        # conversation shows what happened after a reload.
+        assistant_content=content if store_answer and (content or status in _STORED_EMPTY) else None,
+        fallback_from=job.fallback_from,
+        usage_source=job.usage_source.value,
+        finish_reason=finish.value if finish is not None else None,
+    )
+    await state.record(job, record, finish)
+
+
+def _ms(start: float, end: float | None) -> float | None:
+    return None if end is None else round((end - start) * 1000.0, 3)
