@@ -12,6 +12,7 @@ import urllib.request
 
 import pytest
 
+from testing.fake_backend import FakeBehaviour
 from testing.server_proc import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -29,7 +30,6 @@ shutdown_grace_s = 0.5
 enabled = false
 [models.echo]
 path = "{model_dir}"
-backend = "echo"
 [tiers.enterprise]
 models = ["echo"]
 max_tokens = 256
@@ -57,18 +57,18 @@ def start_running(server: ServerProcess) -> str:
 
 def test_a_background_response_ends_failed_after_sigterm_and_after_kill_9(tiny_model_dir, tmp_path):
     args = ["--config", write_config(tmp_path, tiny_model_dir), "--db", str(tmp_path / "chat.db")]
-    env = {"CHAT_ECHO_TOKEN_DELAY_S": "0.2"}
-    server = ServerProcess(args, env=env, log_path=tmp_path / "first.log").start()
+    fake = FakeBehaviour(token_delay_s=0.2)
+    server = ServerProcess(args, fake=fake, log_path=tmp_path / "first.log").start()
     cut = start_running(server)
     assert server.terminate() == 0
-    server = ServerProcess(args, env=env, log_path=tmp_path / "second.log").start()
+    server = ServerProcess(args, fake=fake, log_path=tmp_path / "second.log").start()
     try:
         after_cut = call(server, "GET", f"/v1/responses/{cut}")
         assert after_cut["status"] == "failed" and after_cut["error"]["code"] == "server_shutting_down", after_cut
         killed = start_running(server)
     finally:
         server.kill()  # SIGKILL: no shutdown code runs
-    with ServerProcess(args, env=env, log_path=tmp_path / "third.log") as server:
+    with ServerProcess(args, fake=fake, log_path=tmp_path / "third.log") as server:
         after_kill = call(server, "GET", f"/v1/responses/{killed}")
         assert after_kill["status"] == "failed" and after_kill["error"]["code"] == "server_error", after_kill
         assert call(server, "GET", f"/v1/responses/{cut}")["error"]["code"] == "server_shutting_down"
