@@ -373,6 +373,8 @@ def run_priority(args: argparse.Namespace) -> int:
     print(text)
     for row in rows:
         print(f"{row['tier']}: refusals by code {row['refusal_codes']}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"rows": rows, "results": [dataclasses.asdict(r) for r in run.results]}))
     if args.write_results:
         priority.write_results(text)
     return 0 if all(ok for *_, ok in checks) else 1
