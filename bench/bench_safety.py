@@ -1,7 +1,11 @@
 """The safety gate's cost over HTTP (part of `make bench`, issue #22): `server.py` with the
 default configuration (safety on) against the same server with `safety.enabled = false`, one run.
 
-Two workloads on the reference model (bench_engine.REFERENCE, 30M, random weights):
+Two workloads on the reference model's shape (bench_engine.REFERENCE, random weights) with the
+bundled demo model's English tokenizer (vocabulary 4,096, so 28M parameters): random tokens of
+it read as English word salad, which the output classifier lets through, where the code-like
+text of bench_engine's tokenizer gets about 40% of the answers blocked as malware (a fair
+measure of the gate's cost needs answers it passes; blocked ones are still counted):
 - throughput: 32 streaming clients in a closed loop, 128-token prompts, 64 tokens out each;
 - warm TTFT: a 1,000-token system prompt, then requests behind it with a new short user
   message each (the system prompt is in the engine's prefix cache, the user message is new).
@@ -28,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_engine import (  # noqa: E402
-    build_reference_model,
+    REFERENCE,
     hf_static_batch,
     in_own_thread,
     machine_info,
@@ -47,6 +51,31 @@ SERVER_SETTINGS = {
     "tiers.enterprise.requests_per_minute": 100_000,
     "tiers.enterprise.tokens_per_minute": 100_000_000,
 }
+
+
+DEMO_TOKENIZER = ROOT / "models" / "demo-flagship"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def build_model(path: Path) -> Path:
+    """REFERENCE's shape with the demo model's tokenizer and vocabulary size, random weights."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (path / "model.safetensors").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(DEMO_TOKENIZER / name, path / name)
+    tokenizer = Tokenizer.from_dir(path)
+    torch.manual_seed(0)
+    eos_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
+    config = LlamaConfig(**{**REFERENCE, "vocab_size": tokenizer.vocab_size}, pad_token_id=0, bos_token_id=None,
+                         eos_token_id=eos_id)
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
+    return path
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +244,7 @@ def transformers_static(model_dir: Path, tokenizer: Tokenizer, args) -> float:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-dir", type=Path, default=ROOT / "build" / "bench-model-v2")
+    p.add_argument("--model-dir", type=Path, default=ROOT / "build" / "bench-safety-model")
     p.add_argument("--rounds", type=int, default=2, help="how many times each variant's server runs")
     p.add_argument("--variants", default="off,on", help=f"comma-separated, in order, from {', '.join(VARIANTS)}")
     p.add_argument("--concurrency", type=int, default=32)
@@ -231,7 +260,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    model_dir = in_own_thread(build_reference_model, args.model_dir)
+    model_dir = in_own_thread(build_model, args.model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
     reqs = make_chat_requests(tokenizer, args.num_requests, args.prompt_len, args.output_len, seed=32, prefix="s")
     prompts = [r.user_text for r in reqs]
