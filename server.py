@@ -25,8 +25,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="A self-hosted ChatGPT in one process. With no command, serve.",
     )
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="config file (default: config.toml)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override one setting, e.g. --set engine.max_num_seqs=32 (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one setting, e.g. --set engine.max_num_seqs=32 (repeatable)",
+    )
     parser.add_argument("--host", help="interface to bind (server.host)")
     parser.add_argument("--port", type=int, help="TCP port (server.port)")
     parser.add_argument("--db", dest="serve_db", help="SQLite database file (store.path)")
@@ -77,9 +83,7 @@ def serve(settings, backend_factory=None) -> None:
     if not is_loopback(settings.server.host) and settings.server.allow_public_without_keys:
         import structlog
 
-        structlog.get_logger("server").warning(
-            "serving_without_keys_on_public_interface", host=settings.server.host
-        )
+        structlog.get_logger("server").warning("serving_without_keys_on_public_interface", host=settings.server.host)
     app = init(settings, backend_factory=backend_factory)
 
     async def say_ready(_app: web.Application) -> None:  # runs after the app's own startup

@@ -135,7 +135,7 @@ class EngineConfig:
     )
     quantization: str = setting(
         "none",
-        '"int8": the linear layers\' weights quantized once at load, one scale per 32 weights like llama.cpp\'s Q8_0 '
+        "\"int8\": the linear layers' weights quantized once at load, one scale per 32 weights like llama.cpp's Q8_0 "
         "(a quarter of the fp32 bytes read per token; on paths without int8 kernels the rounded weights are kept as "
         'floats); "none": as loaded.',
     )
@@ -376,8 +376,8 @@ class TrtllmConfig:
     stats_interval_s: float = setting(1.0, "How often executor stats are read for /metrics.")
     guided_decoding_backend: str = setting(
         "llguidance",
-        "Grammar library TensorRT-LLM decodes response_format and forced tool calls with: \"llguidance\" (the native "
-        "engine's; all of them), \"xgrammar\" (no forced tool calls) or \"none\" (such requests get a 400).",
+        'Grammar library TensorRT-LLM decodes response_format and forced tool calls with: "llguidance" (the native '
+        'engine\'s; all of them), "xgrammar" (no forced tool calls) or "none" (such requests get a 400).',
     )
 
 
@@ -448,7 +448,9 @@ def load_settings(path: Path | None, overrides: list[str] | tuple[str, ...] = ()
 # server finds its files from any working directory; --set and --db/--model values stay
 # relative to the working directory, as shell arguments are.
 _PATH_SETTINGS = (
-    ("server", "static_dir", "static"), ("store", "path", "data/chat.db"), ("files", "dir", ""),
+    ("server", "static_dir", "static"),
+    ("store", "path", "data/chat.db"),
+    ("files", "dir", ""),
     ("safety", "classifier_path", "safety/classifier.npz"),
 )
 

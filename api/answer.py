@@ -22,7 +22,10 @@ if TYPE_CHECKING:
 
 class Answer:
     def __init__(
-        self, tokenizer: Tokenizer | Counter, parser: ToolCallParser | None, logprobs: int | None,
+        self,
+        tokenizer: Tokenizer | Counter,
+        parser: ToolCallParser | None,
+        logprobs: int | None,
         reasoning: ReasoningSplitter | None = None,
     ):
         self._tokenizer = tokenizer

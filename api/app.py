@@ -76,8 +76,10 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         return error_response(request, from_gateway(exc))
     except StoreUnavailable as exc:
         log.error("store_unavailable", path=request.path, error=str(exc))
-        return error_response(request, overloaded("The database cannot be written; try again later.",
-                                                  retry_after_s=30, code="store_unavailable"))
+        return error_response(
+            request,
+            overloaded("The database cannot be written; try again later.", retry_after_s=30, code="store_unavailable"),
+        )
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -89,12 +91,20 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
 
 def _from_http_exception(exc: web.HTTPException) -> ApiError:
     if exc.status == 413:
-        return ApiError(413, f"The request body is too large ({exc.text}).", "invalid_request_error", "request_too_large")
+        return ApiError(
+            413, f"The request body is too large ({exc.text}).", "invalid_request_error", "request_too_large"
+        )
     if exc.status == 404:
-        return ApiError(404, "Unknown URL. See /v1/models and /v1/chat/completions.", "invalid_request_error", "unknown_url")
+        return ApiError(
+            404, "Unknown URL. See /v1/models and /v1/chat/completions.", "invalid_request_error", "unknown_url"
+        )
     if exc.status == 405:
-        return ApiError(405, f"Method {exc.method if hasattr(exc, 'method') else ''} not allowed here.".replace("  ", " "),
-                        "invalid_request_error", "method_not_allowed")
+        return ApiError(
+            405,
+            f"Method {exc.method if hasattr(exc, 'method') else ''} not allowed here.".replace("  ", " "),
+            "invalid_request_error",
+            "method_not_allowed",
+        )
     return ApiError(exc.status, exc.reason, "invalid_request_error", None)
 
 
@@ -169,8 +179,13 @@ async def _make_state(settings: Settings, store: Store, models) -> AppState:
 
         safety = SafetyGate(settings.safety, registry=metrics.registry)
     return AppState(
-        settings=settings, models=models, store=store, admission=admission,
-        metrics=metrics, safety=safety, local_principal=local,
+        settings=settings,
+        models=models,
+        store=store,
+        admission=admission,
+        metrics=metrics,
+        safety=safety,
+        local_principal=local,
     )
 
 
@@ -186,8 +201,12 @@ def init(settings: Settings, *, backend_factory: BackendFactory | None = None) -
     check_startup(settings)
     app = web.Application(
         client_max_size=settings.server.max_body_bytes,
-        middlewares=[request_id_middleware, error_middleware, make_access_middleware(settings),
-                     make_body_deadline_middleware(settings.server)],
+        middlewares=[
+            request_id_middleware,
+            error_middleware,
+            make_access_middleware(settings),
+            make_body_deadline_middleware(settings.server),
+        ],
     )
     app[SETTINGS] = settings
     app[INFLIGHT] = InFlight()

@@ -81,11 +81,16 @@ async def _document(ctx: AttachContext, stored: StoredFile, where: str) -> Docum
     try:
         limits = documents.ExtractLimits(ctx.files.max_pdf_pages, ctx.files.max_document_chars)
         doc = await asyncio.to_thread(
-            documents.cached_extract, ctx.blobs.path(stored.id), ctx.blobs.text_path(stored.id), stored.media_type, limits
+            documents.cached_extract,
+            ctx.blobs.path(stored.id),
+            ctx.blobs.text_path(stored.id),
+            stored.media_type,
+            limits,
         )
     except documents.UnreadableDocument as exc:
-        raise bad_request(f"The file {stored.filename} ({stored.id}) cannot be read: {exc}.", param=where,
-                          code="unreadable_file") from None
+        raise bad_request(
+            f"The file {stored.filename} ({stored.id}) cannot be read: {exc}.", param=where, code="unreadable_file"
+        ) from None
     return Document(stored, doc)
 
 
@@ -171,9 +176,7 @@ def _doc_tokens(inputs: JobInputs, resolved: list[Resolved]) -> dict[tuple[int, 
 
 def _too_long(inputs: JobInputs, resolved: list[Resolved], ids: dict, room: int) -> ApiError:
     limit = min(inputs.model.max_model_len, inputs.tier.max_context_tokens)
-    sizes = ", ".join(
-        f"{resolved[m].documents[i].stored.filename} is {len(t)} tokens" for (m, i), t in ids.items()
-    )
+    sizes = ", ".join(f"{resolved[m].documents[i].stored.filename} is {len(t)} tokens" for (m, i), t in ids.items())
     return ApiError(
         400,
         f"The attached files do not fit this model's context of {limit} tokens: {sizes}; with the rest of the"
@@ -212,7 +215,9 @@ def _cut(inputs: JobInputs, resolved: list[Resolved], ids: dict, room: int) -> t
         room -= keep
         if keep < len(doc_ids):
             d = resolved[m].documents[i]
-            note = f"[... {len(doc_ids) - keep} of this file's {len(doc_ids)} tokens were left out to fit the context ...]"
+            note = (
+                f"[... {len(doc_ids) - keep} of this file's {len(doc_ids)} tokens were left out to fit the context ...]"
+            )
             texts[(m, i)] = f"{tok.decode(doc_ids[:keep])}\n{note}"
             cut.append(TruncatedFile(d.stored.id, d.stored.filename, len(doc_ids), keep))
     return texts, cut
@@ -248,14 +253,18 @@ def _check_images(inputs: JobInputs, resolved: list[Resolved], cfg: ImagesConfig
     if num_images == 0:
         return
     if num_images > cfg.max_images_per_request:
-        raise bad_request(f"The request carries {num_images} images; the limit is {cfg.max_images_per_request}.",
-                          param="messages", code="too_many_images")
+        raise bad_request(
+            f"The request carries {num_images} images; the limit is {cfg.max_images_per_request}.",
+            param="messages",
+            code="too_many_images",
+        )
     if prompter is None:
         where = next(p.where for r in resolved for p in r.message.parts if isinstance(p, (ImagePart, FilePart)))
         raise bad_request(
             f"The model '{inputs.model.name}' does not accept images; send text or files, or use a vision model.",
-            param=where, code="image_input_not_supported",
-        )  # fmt: skip
+            param=where,
+            code="image_input_not_supported",
+        )
 
 
 async def prepare_job(ctx: AttachContext, inputs: JobInputs) -> Prepared:
@@ -289,7 +298,9 @@ async def _history_message(ctx: AttachContext, message: ChatMessage, with_images
         file_id = part.file_id if isinstance(part, (FilePart, ImagePart)) else None
         if file_id is not None and await ctx.store.get_file(ctx.org_id, file_id) is None:
             kept.append(TextPart(f"\n[The file {file_id} is no longer available.]\n"))
-        elif isinstance(part, ImagePart) and (not with_images or not (part.file_id or (part.url or "").startswith("data:"))):
+        elif isinstance(part, ImagePart) and (
+            not with_images or not (part.file_id or (part.url or "").startswith("data:"))
+        ):
             kept.append(TextPart("[image]"))
         else:
             kept.append(part)

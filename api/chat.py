@@ -36,7 +36,9 @@ from store.types import RequestStatus
 
 async def read_json(request: web.Request) -> object:
     if request.content_type not in ("application/json", ""):
-        raise bad_request(f"Content-Type must be application/json, got {request.content_type}.", code="invalid_content_type")
+        raise bad_request(
+            f"Content-Type must be application/json, got {request.content_type}.", code="invalid_content_type"
+        )
     # Under the body deadline; aiohttp enforces client_max_size (413). Read once, then cached.
     body = await read_body(request, request.app[SETTINGS].server.body_timeout_s)
     try:
@@ -90,8 +92,9 @@ async def serve_job(
     if verdict is not None:
         return await (_refuse if outlet is None else outlet.refuse)(request, state, job, verdict)
     if not state.store.is_writable:
-        raise overloaded("The usage ledger cannot be written; try again later.", retry_after_s=30,
-                         code="store_unavailable")
+        raise overloaded(
+            "The usage ledger cannot be written; try again later.", retry_after_s=30, code="store_unavailable"
+        )
     state.admission.place(grant, job.num_tokens_reserved, num_seqs=job.chat.n)
     try:
         with request.app[INFLIGHT].track():  # shutdown waits for it, then cuts it cleanly
@@ -146,7 +149,9 @@ async def _serve_stream(request: web.Request, state: AppState, job: Job, grant: 
 
     def chunk(delta: dict, finish: str | None = None) -> dict:
         usage = _usage(state, job) if job.chat.continuous_usage else None
-        return protocol.chunk_body(job.completion_id, job.model.name, created, delta, finish, job.chat.include_usage, usage)
+        return protocol.chunk_body(
+            job.completion_id, job.model.name, created, delta, finish, job.chat.include_usage, usage
+        )
 
     answers = [make_answer(job) for _ in range(job.chat.n)]
     writer: SSEWriter | None = None  # opened once admitted
@@ -186,8 +191,13 @@ async def _serve_unary(request: web.Request, state: AppState, job: Job, grant: P
     answers = [make_answer(job) for _ in range(job.chat.n)]
     finishes = await generate_unary(request, state, job, grant, answers)
     body = protocol.completion_body(
-        job.completion_id, job.model.name, protocol.now_s(), "".join(job.text_parts),
-        answers[0].finish_reason(finishes[0]), _usage(state, job), _extra_fields(job),
+        job.completion_id,
+        job.model.name,
+        protocol.now_s(),
+        "".join(job.text_parts),
+        answers[0].finish_reason(finishes[0]),
+        _usage(state, job),
+        _extra_fields(job),
     )
     body["choices"] = [
         {"index": i, "message": a.message(), "logprobs": a.logprobs_obj(), "finish_reason": a.finish_reason(f)}
@@ -214,25 +224,41 @@ async def _refuse(request: web.Request, state: AppState, job: Job, verdict) -> w
     refusal = state.safety.refusal_text(verdict)  # the category's text (self-harm: where to get help)
     is_error = cfg.block_mode == "error"  # then no answer at all: a 400, nothing stored
     job.text_parts = [] if is_error else [refusal]
-    await finish_job(state, job, RequestStatus.FILTERED, FinishReason.CONTENT_FILTER, prompt_billed=False,
-                      store_answer=not is_error)
+    await finish_job(
+        state, job, RequestStatus.FILTERED, FinishReason.CONTENT_FILTER, prompt_billed=False, store_answer=not is_error
+    )
     if is_error:
-        raise ApiError(400, "The prompt was blocked by the content policy.", "invalid_request_error",
-                       "content_policy_violation", "messages")
+        raise ApiError(
+            400,
+            "The prompt was blocked by the content policy.",
+            "invalid_request_error",
+            "content_policy_violation",
+            "messages",
+        )
     usage = protocol.usage_dict(0, 0, 0, 0.0)
     created = protocol.now_s()
     if not job.chat.stream:
-        body = protocol.completion_body(job.completion_id, job.model.name, created, refusal,
-                                        "content_filter", usage, _extra_fields(job))
+        body = protocol.completion_body(
+            job.completion_id, job.model.name, created, refusal, "content_filter", usage, _extra_fields(job)
+        )
         return web.json_response(body, headers=state.response_headers(job), dumps=_dumps)
     writer = await SSEWriter.open(request, state.response_headers(job))
     mk = protocol.chunk_body
-    await writer.data(mk(job.completion_id, job.model.name, created, {"role": "assistant", "content": ""}, None, job.chat.include_usage))
-    await writer.data(mk(job.completion_id, job.model.name, created, {"content": refusal}, None, job.chat.include_usage))
+    await writer.data(
+        mk(
+            job.completion_id,
+            job.model.name,
+            created,
+            {"role": "assistant", "content": ""},
+            None,
+            job.chat.include_usage,
+        )
+    )
+    await writer.data(
+        mk(job.completion_id, job.model.name, created, {"content": refusal}, None, job.chat.include_usage)
+    )
     await writer.data(mk(job.completion_id, job.model.name, created, {}, "content_filter", job.chat.include_usage))
     if job.chat.include_usage:
         await writer.data(protocol.usage_chunk_body(job.completion_id, job.model.name, created, usage))
     await writer.done()
     return writer._response
-
-

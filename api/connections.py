@@ -50,16 +50,23 @@ class ConnectionLimits:
         fd_room = max(1, soft - num_open - cfg.fd_reserve)
         limits = cls(min(cfg.max_connections, fd_room), cfg.max_connections_per_client, cfg.header_timeout_s)
         if fd_room < cfg.max_connections:
-            log.warning("connection_cap_lowered_by_fd_limit", max_connections=limits.max_connections,
-                        configured=cfg.max_connections, open_files_limit=soft, fd_reserve=cfg.fd_reserve)
+            log.warning(
+                "connection_cap_lowered_by_fd_limit",
+                max_connections=limits.max_connections,
+                configured=cfg.max_connections,
+                open_files_limit=soft,
+                fd_reserve=cfg.fd_reserve,
+            )
         return limits
 
 
 def _raw_error(status: int, reason: str, error: ApiError) -> bytes:
     """A whole HTTP/1.1 error response for a connection we will not hand to aiohttp."""
     body = orjson.dumps(error.body())
-    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
     return head.encode() + body
 
 
@@ -114,9 +121,16 @@ class ConnectionGuard:
             self._num_unlogged[what] = self._num_unlogged.get(what, 0) + 1
             return
         self._last_log_s[what] = now
-        log.warning("connection_limit", limit=what, action=action, peer=peer, num_connections=len(self._all),
-                    max_connections=self.limits.max_connections, max_per_client=self.limits.max_per_client,
-                    num_since_last_log=self._num_unlogged.pop(what, 0))
+        log.warning(
+            "connection_limit",
+            limit=what,
+            action=action,
+            peer=peer,
+            num_connections=len(self._all),
+            max_connections=self.limits.max_connections,
+            max_per_client=self.limits.max_per_client,
+            num_since_last_log=self._num_unlogged.pop(what, 0),
+        )
 
 
 class GuardedHandler(RequestHandler):
@@ -176,20 +190,26 @@ class GuardedHandler(RequestHandler):
         if self._request_in_progress or self._messages or self.transport is None:
             return
         self._guard.note("header_timeout", self._peer, action="closed")
-        error = ApiError(408, f"The request headers did not arrive within {self._guard.limits.header_timeout_s:g} s.",
-                         "invalid_request_error", "request_timeout")
+        error = ApiError(
+            408,
+            f"The request headers did not arrive within {self._guard.limits.header_timeout_s:g} s.",
+            "invalid_request_error",
+            "request_timeout",
+        )
         self.transport.write(_raw_error(408, "Request Timeout", error))
         self.force_close()
 
-    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
         """Malformed HTTP (aiohttp's parser) and unexpected failures, in OpenAI's envelope."""
         if status >= 500:
             log.error("http_error", peer=self._peer, status=status, error=repr(exc))
-            error = ApiError(status, "The server had an error while processing your request.", "server_error",
-                             "internal_error")
+            error = ApiError(
+                status, "The server had an error while processing your request.", "server_error", "internal_error"
+            )
         else:
-            text = (message or (exc.message if isinstance(exc, HttpProcessingError) else str(exc)) or "Bad request")
+            text = message or (exc.message if isinstance(exc, HttpProcessingError) else str(exc)) or "Bad request"
             log.warning("malformed_http", peer=self._peer, status=status, error=text[:200])
             error = ApiError(status, f"Malformed HTTP request: {text[:200]}", "invalid_request_error", "malformed_http")
         response = web.json_response(error.body(), status=status)
@@ -224,8 +244,13 @@ def make_body_deadline_middleware(cfg: ServerConfig):
         if request.can_read_body:
             if request.content_length is not None and request.content_length > cfg.max_body_bytes:
                 request[CLOSE_AFTER] = True
-                raise ApiError(413, f"The request body is too large ({request.content_length} bytes declared; "
-                               f"the limit is {cfg.max_body_bytes}).", "invalid_request_error", "request_too_large")
+                raise ApiError(
+                    413,
+                    f"The request body is too large ({request.content_length} bytes declared; "
+                    f"the limit is {cfg.max_body_bytes}).",
+                    "invalid_request_error",
+                    "request_too_large",
+                )
             if not getattr(request.match_info.handler, "reads_body_itself", False):
                 await read_body(request, cfg.body_timeout_s)
         return await handler(request)
@@ -257,13 +282,15 @@ async def read_body(request: web.Request, timeout_s: float) -> bytes:
     except TimeoutError:
         request[CLOSE_AFTER] = True
         log.warning("body_timeout", peer=request.remote, timeout_s=timeout_s)
-        raise ApiError(408, f"The request body did not arrive within {timeout_s:g} s.", "invalid_request_error",
-                       "request_timeout") from None
+        raise ApiError(
+            408, f"The request body did not arrive within {timeout_s:g} s.", "invalid_request_error", "request_timeout"
+        ) from None
     except HttpProcessingError as exc:  # bad chunking, bad length
         request[CLOSE_AFTER] = True
         log.warning("malformed_http", peer=request.remote, error=exc.message[:200])
-        raise ApiError(400, f"Malformed request body: {exc.message[:200]}", "invalid_request_error",
-                       "malformed_http") from None
+        raise ApiError(
+            400, f"Malformed request body: {exc.message[:200]}", "invalid_request_error", "malformed_http"
+        ) from None
     finally:
         if isinstance(protocol, GuardedHandler):
             protocol.is_reading_body = False

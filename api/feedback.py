@@ -26,9 +26,15 @@ _FIELDS = ("rating", "comment", "regenerated", "edited_prompt")
 
 
 def feedback_obj(f: Feedback) -> dict:
-    return {"object": "conversation.message.feedback", "message_id": f.message_id, "rating": f.rating,
-            "comment": f.comment, "regenerated": f.regenerated, "edited_prompt": f.edited_prompt,
-            "updated_at": f.updated_at}
+    return {
+        "object": "conversation.message.feedback",
+        "message_id": f.message_id,
+        "rating": f.rating,
+        "comment": f.comment,
+        "regenerated": f.regenerated,
+        "edited_prompt": f.edited_prompt,
+        "updated_at": f.updated_at,
+    }
 
 
 def parse_change(body: object) -> FeedbackChange:
@@ -48,9 +54,12 @@ def parse_change(body: object) -> FeedbackChange:
     if regenerated is not True and regenerated is not False:
         raise bad_request(f"'regenerated' must be true or false, got {regenerated!r}.", param="regenerated")
     return FeedbackChange(
-        rating=rating, clear_rating="rating" in body and rating is None,
-        comment=comment, clear_comment="comment" in body and comment is None,
-        regenerated=regenerated, edited_prompt=_text(body, "edited_prompt", MAX_EDITED_PROMPT_CHARS),
+        rating=rating,
+        clear_rating="rating" in body and rating is None,
+        comment=comment,
+        clear_comment="comment" in body and comment is None,
+        regenerated=regenerated,
+        edited_prompt=_text(body, "edited_prompt", MAX_EDITED_PROMPT_CHARS),
     )
 
 

@@ -51,10 +51,16 @@ def files_root(settings: Settings) -> Path:
 
 def file_obj(f: StoredFile) -> dict:
     return {
-        "id": f.id, "object": "file", "bytes": f.bytes, "created_at": int(f.created_at),
-        "expires_at": None if f.expires_at is None else int(f.expires_at), "filename": f.filename,
-        "purpose": f.purpose, "status": "processed", "status_details": None,
-    }  # fmt: skip
+        "id": f.id,
+        "object": "file",
+        "bytes": f.bytes,
+        "created_at": int(f.created_at),
+        "expires_at": None if f.expires_at is None else int(f.expires_at),
+        "filename": f.filename,
+        "purpose": f.purpose,
+        "status": "processed",
+        "status_details": None,
+    }
 
 
 def sniff_media_type(head: bytes, declared: str | None, filename: str) -> str:
@@ -82,8 +88,13 @@ def _quota_error(message: str) -> ApiError:
 
 
 def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"The file is larger than the {limit} bytes allowed for one upload.",
-                    "invalid_request_error", "file_too_large", "file")
+    return ApiError(
+        413,
+        f"The file is larger than the {limit} bytes allowed for one upload.",
+        "invalid_request_error",
+        "file_too_large",
+        "file",
+    )
 
 
 # -- upload -------------------------------------------------------------------------------
@@ -101,8 +112,10 @@ class UploadLimits:
     def refusal(self) -> ApiError:
         if self.room_bytes >= self.max_file_bytes:
             return _too_large(self.max_file_bytes)
-        return _quota_error(f"this upload passes the {self.room_bytes} bytes left of the organisation's"
-                            f" {self.quota.max_bytes} bytes of file storage")
+        return _quota_error(
+            f"this upload passes the {self.room_bytes} bytes left of the organisation's"
+            f" {self.quota.max_bytes} bytes of file storage"
+        )
 
 
 async def _upload_limits(request: web.Request) -> UploadLimits:
@@ -150,8 +163,9 @@ async def _read_small_field(part: BodyPartReader, name: str, idle_s: float, max_
 
 async def create_file(request: web.Request) -> web.Response:
     if not request.content_type.startswith("multipart/"):
-        raise bad_request(f"Content-Type must be multipart/form-data, got {request.content_type}.",
-                          code="invalid_content_type")
+        raise bad_request(
+            f"Content-Type must be multipart/form-data, got {request.content_type}.", code="invalid_content_type"
+        )
     limits = await _upload_limits(request)
     upload = request.app[BLOBS].start_upload()
     try:
@@ -160,8 +174,9 @@ async def create_file(request: web.Request) -> web.Response:
         except TimeoutError:  # a stalled upload: the body deadline, as for every other body
             request[CLOSE_AFTER] = True
             log.warning("body_timeout", peer=request.remote, timeout_s=limits.idle_s, upload=True)
-            raise ApiError(408, f"The upload sent nothing for {limits.idle_s:g} s.", "invalid_request_error",
-                           "request_timeout") from None
+            raise ApiError(
+                408, f"The upload sent nothing for {limits.idle_s:g} s.", "invalid_request_error", "request_timeout"
+            ) from None
         stored = await _commit(request, upload, limits.quota, (purpose, filename, media_type))
     except BaseException:
         upload.discard()  # no-op after a commit that moved the file into place
@@ -198,10 +213,16 @@ async def _commit(request: web.Request, upload: Upload, quota: FileQuota, meta: 
     now = time.time()
     purpose, filename, media_type = meta
     stored = StoredFile(
-        id=new_file_id(), org_id=principal.org.id, filename=filename, purpose=purpose, bytes=upload.num_bytes,
-        sha256=upload.sha256, media_type=media_type, created_at=now,
+        id=new_file_id(),
+        org_id=principal.org.id,
+        filename=filename,
+        purpose=purpose,
+        bytes=upload.num_bytes,
+        sha256=upload.sha256,
+        media_type=media_type,
+        created_at=now,
         expires_at=now + tier.file_retention_days * 86400.0 if tier.file_retention_days > 0 else None,
-    )  # fmt: skip
+    )
     blobs = request.app[BLOBS]
     await asyncio.to_thread(upload.commit, stored.id)
     try:
@@ -242,8 +263,13 @@ def _list_query(request: web.Request) -> FileQuery:
 async def list_files(request: web.Request) -> web.Response:
     found, has_more = await request.app[STATE].store.list_files(request[PRINCIPAL].org.id, _list_query(request))
     data = [file_obj(f) for f in found]
-    body = {"object": "list", "data": data, "has_more": has_more,
-            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
+    body = {
+        "object": "list",
+        "data": data,
+        "has_more": has_more,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+    }
     # The web UI refuses a too-large file before uploading it.
     return web.json_response(body, headers={"X-Max-File-Bytes": str(request.app[SETTINGS].files.max_file_bytes)})
 
@@ -262,7 +288,9 @@ async def file_content(request: web.Request) -> web.StreamResponse:
         "Content-Type": stored.media_type if inline else "application/octet-stream",
         # User content on our origin: never run as a page, whatever it holds.
         "Content-Security-Policy": "sandbox; default-src 'none'; img-src 'self'",
-        "Content-Disposition": "inline" if inline else f"attachment; filename*=UTF-8''{quote(stored.filename, safe='')}",
+        "Content-Disposition": "inline"
+        if inline
+        else f"attachment; filename*=UTF-8''{quote(stored.filename, safe='')}",
         "Cache-Control": "private, max-age=3600",
     }
     return web.FileResponse(path, headers=headers)

@@ -42,7 +42,11 @@ _STORED_EMPTY = (RequestStatus.FINISHED, RequestStatus.FILTERED)  # an empty ans
 
 
 async def stream_job(
-    request: web.Request, state: AppState, job: Job, grant: Pass, stream: LazyStream,
+    request: web.Request,
+    state: AppState,
+    job: Job,
+    grant: Pass,
+    stream: LazyStream,
     run: Callable[[], Awaitable[None]],
 ) -> web.StreamResponse:
     """Run one streamed answer (`run`: admission, generation, the durable write, the last frames)
@@ -92,19 +96,29 @@ def _engine_api_error(exc: Exception) -> ApiError:
     if isinstance(exc, RequestRejected):  # e.g. an upstream server's 400, passed on with its message
         return ApiError(400, exc.message, "invalid_request_error", exc.code or "invalid_value", exc.param)
     if isinstance(exc, EngineUnavailable):
-        return overloaded("The model is unavailable right now; please retry after the time in the Retry-After header.",
-                          retry_after_s=exc.retry_after_s, code="model_unavailable")
+        return overloaded(
+            "The model is unavailable right now; please retry after the time in the Retry-After header.",
+            retry_after_s=exc.retry_after_s,
+            code="model_unavailable",
+        )
     return ApiError(500, "The model failed while generating.", "server_error", "engine_error")
 
 
 def store_unavailable() -> ApiError:
-    return overloaded("The answer could not be stored (the database cannot be written); it was not saved "
-                      "or acknowledged. Try again later.", retry_after_s=30, code="store_unavailable")
+    return overloaded(
+        "The answer could not be stored (the database cannot be written); it was not saved "
+        "or acknowledged. Try again later.",
+        retry_after_s=30,
+        code="store_unavailable",
+    )
 
 
 def shutting_down() -> ApiError:
-    return overloaded("The server is shutting down; the answer was cut here (the tokens generated are billed).",
-                      retry_after_s=5, code="server_shutting_down")
+    return overloaded(
+        "The server is shutting down; the answer was cut here (the tokens generated are billed).",
+        retry_after_s=5,
+        code="server_shutting_down",
+    )
 
 
 async def finish_quietly(state: AppState, job: Job, status: RequestStatus, finish: FinishReason | None) -> None:
@@ -126,6 +140,7 @@ async def generate_unary(
     def emitter(index: int) -> Emit:
         async def emit(text: str, logprobs: tuple[TokenLogprob, ...]) -> None:
             answers[index].feed(text, logprobs)
+
         return emit
 
     try:
@@ -148,7 +163,12 @@ async def generate_unary(
 
 
 async def finish_job(
-    state: AppState, job: Job, status: RequestStatus, finish: FinishReason | None, *, prompt_billed: bool = True,
+    state: AppState,
+    job: Job,
+    status: RequestStatus,
+    finish: FinishReason | None,
+    *,
+    prompt_billed: bool = True,
     store_answer: bool = True,
 ) -> None:
     """The one place a request is billed and its messages stored (idempotent on request_id)."""

@@ -82,9 +82,7 @@ class Job:
         return "chatcmpl-" + self.request_id.removeprefix("req_")
 
 
-def build_context(
-    history: list[ChatMessage], new: tuple[ChatMessage, ...]
-) -> list[ChatMessage]:
+def build_context(history: list[ChatMessage], new: tuple[ChatMessage, ...]) -> list[ChatMessage]:
     return [*history, *new]
 
 
@@ -117,7 +115,9 @@ def trim_history(
 
 
 def encode_chat(
-    model: ModelHandle, context: list[ChatMessage], tools: tuple[Tool, ...] = (),
+    model: ModelHandle,
+    context: list[ChatMessage],
+    tools: tuple[Tool, ...] = (),
     template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Render through the chat template; tools go in as `tools=` (or a system message, for a
@@ -187,7 +187,9 @@ def _sampling_defaults(chat: ChatRequest, model: ModelHandle | None) -> dict:
     """temperature, top_p, top_k and repetition_penalty: as sent, else the model's
     generation_config.json, else OpenAI's (repetition_penalty: 1, off)."""
     values = {
-        "temperature": chat.temperature, "top_p": chat.top_p, "top_k": chat.top_k,
+        "temperature": chat.temperature,
+        "top_p": chat.top_p,
+        "top_k": chat.top_k,
         "repetition_penalty": chat.repetition_penalty,
     }
     defaults = getattr(model.tokenizer, "generation_defaults", {}) if model is not None else {}

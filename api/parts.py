@@ -105,8 +105,7 @@ def _file_part(value: Any, where: str) -> FilePart:
         return FilePart(file_id, where)
     if "file_data" in value:
         raise bad_request(
-            f"'{where}.file.file_data' is not supported: upload the file with POST /v1/files and send its"
-            " 'file_id'.",
+            f"'{where}.file.file_data' is not supported: upload the file with POST /v1/files and send its 'file_id'.",
             param=f"{where}.file.file_data",
             code="unsupported_value",
         )
@@ -120,8 +119,10 @@ def _image_part(value: Any, where: str) -> ImagePart:
     try:
         detail = ImageDetail(detail_text)
     except ValueError:
-        raise bad_request(f"'{where}.image_url.detail' must be auto, low or high; got {detail_text!r}.",
-                          param=f"{where}.image_url.detail") from None
+        raise bad_request(
+            f"'{where}.image_url.detail' must be auto, low or high; got {detail_text!r}.",
+            param=f"{where}.image_url.detail",
+        ) from None
     url, file_id = value.get("url"), value.get("file_id")
     if isinstance(file_id, str) and file_id and url is None:
         return ImagePart(None, file_id, detail, where)

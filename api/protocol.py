@@ -36,10 +36,32 @@ _IGNORED_DEFAULTS: dict[str, tuple[Any, ...] | None] = {
     "web_search_options": (None,),
 }
 _KNOWN = {
-    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-    "stop", "presence_penalty", "frequency_penalty", "n", "stream", "stream_options", "user",
-    "top_k", "min_tokens", "ignore_eos", "conversation_id", "truncation", "chat_template_kwargs",
-    "logprobs", "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "n",
+    "stream",
+    "stream_options",
+    "user",
+    "top_k",
+    "min_tokens",
+    "ignore_eos",
+    "conversation_id",
+    "truncation",
+    "chat_template_kwargs",
+    "logprobs",
+    "top_logprobs",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
     "repetition_penalty",
 }
 
@@ -63,7 +85,6 @@ class ChatMessage:
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out
-
 
     def as_wire_dict(self) -> dict[str, Any]:
         """The message as OpenAI's API takes it (tool-call arguments as JSON text)."""
@@ -129,9 +150,7 @@ def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int, ma
         max_tokens = _opt_int(raw, "max_tokens", 1)
     min_tokens = _opt_int(raw, "min_tokens", 0) or 0
     if max_tokens is not None and min_tokens > max_tokens:
-        raise bad_request(
-            f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens}).", param="min_tokens"
-        )
+        raise bad_request(f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens}).", param="min_tokens")
     n = _opt_int(raw, "n", 1) or 1
     if n > max_n:
         raise bad_request(f"'n' must be at most {max_n} on this server, got {n}.", param="n", code="unsupported_value")
@@ -139,8 +158,9 @@ def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int, ma
     tool_choice = tooling.parse_tool_choice(raw.get("tool_choice"), tools)
     response_format = parse_response_format(raw.get("response_format"))
     if response_format is not None and tool_choice.mode in (tooling.ChoiceMode.REQUIRED, tooling.ChoiceMode.NAMED):
-        raise bad_request("A forced 'tool_choice' cannot be combined with a JSON 'response_format'.",
-                          param="response_format")
+        raise bad_request(
+            "A forced 'tool_choice' cannot be combined with a JSON 'response_format'.", param="response_format"
+        )
     return ChatRequest(
         model=_opt_str(raw, "model"),
         messages=_messages(raw.get("messages"), max_messages, max_prompt_chars),
@@ -183,11 +203,14 @@ def _chat_template_kwargs(value: Any) -> dict[str, Any] | None:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise bad_request(f"'chat_template_kwargs' must be an object, got {_kind(value)}.", param="chat_template_kwargs")
+        raise bad_request(
+            f"'chat_template_kwargs' must be an object, got {_kind(value)}.", param="chat_template_kwargs"
+        )
     for key in value:
         if key in _TEMPLATE_RESERVED:
             raise bad_request(
-                f"'chat_template_kwargs' must not set '{key}' (the server sets it).", param=f"chat_template_kwargs.{key}"
+                f"'chat_template_kwargs' must not set '{key}' (the server sets it).",
+                param=f"chat_template_kwargs.{key}",
             )
     return dict(value)
 
@@ -201,7 +224,8 @@ def wire_options(chat: ChatRequest) -> dict[str, Any]:
         choice = chat.tool_choice
         out["tool_choice"] = (
             {"type": "function", "function": {"name": choice.name}}
-            if choice.mode is tooling.ChoiceMode.NAMED else choice.mode.value
+            if choice.mode is tooling.ChoiceMode.NAMED
+            else choice.mode.value
         )
         out["parallel_tool_calls"] = chat.parallel_tool_calls
     fmt = chat.response_format
@@ -228,8 +252,9 @@ def parse_response_format(value: Any, param: str = "response_format") -> Structu
     if kind == "json_object":
         return StructuredOutput(StructuredKind.JSON_OBJECT)
     if kind != "json_schema":
-        raise bad_request(f"'{param}.type' must be text, json_object or json_schema; got {kind!r}.",
-                          param=f"{param}.type")
+        raise bad_request(
+            f"'{param}.type' must be text, json_object or json_schema; got {kind!r}.", param=f"{param}.type"
+        )
     spec = value.get("json_schema") if param == "response_format" else value  # Responses: flattened
     if not isinstance(spec, dict):
         raise bad_request(f"'{param}.json_schema' must be an object.", param=f"{param}.json_schema")
@@ -270,22 +295,20 @@ def _reject_unsupported(raw: dict[str, Any]) -> None:
             raise bad_request(f"Unrecognized request argument supplied: {key}", param=key, code="unknown_parameter")
         allowed = _IGNORED_DEFAULTS[key]
         if allowed is not None and value not in allowed:
-            raise bad_request(
-                f"{key}={value!r} is not supported by this server.", param=key, code="unsupported_value"
-            )
+            raise bad_request(f"{key}={value!r} is not supported by this server.", param=key, code="unsupported_value")
 
 
 def _messages(value: Any, max_messages: int, max_prompt_chars: int) -> tuple[ChatMessage, ...]:
     if value is None:
-        raise bad_request("Missing required parameter: 'messages'.", param="messages", code="missing_required_parameter")
+        raise bad_request(
+            "Missing required parameter: 'messages'.", param="messages", code="missing_required_parameter"
+        )
     if not isinstance(value, list):
         raise bad_request(f"'messages' must be an array, got {_kind(value)}.", param="messages")
     if not value:
         raise bad_request("'messages' must contain at least one message.", param="messages")
     if len(value) > max_messages:
-        raise bad_request(
-            f"'messages' has {len(value)} entries; the limit is {max_messages}.", param="messages"
-        )
+        raise bad_request(f"'messages' has {len(value)} entries; the limit is {max_messages}.", param="messages")
     out = tuple(_message(m, i) for i, m in enumerate(value))
     total_chars = sum(len(m.content) for m in out)
     if total_chars > max_prompt_chars:
@@ -313,7 +336,9 @@ def _message(value: Any, index: int) -> ChatMessage:
     text, parts = _content(content, f"{where}.content")
     if parts and role != "user":
         raise bad_request(f"Only user messages may carry files or images ('{where}').", param=f"{where}.content")
-    calls = tooling.parse_message_tool_calls(value.get("tool_calls"), f"{where}.tool_calls") if role == "assistant" else ()
+    calls = (
+        tooling.parse_message_tool_calls(value.get("tool_calls"), f"{where}.tool_calls") if role == "assistant" else ()
+    )
     call_id = value.get("tool_call_id")
     if role == "tool" and not isinstance(call_id, str):
         raise bad_request(f"'{where}.tool_call_id' is required for a tool message.", param=f"{where}.tool_call_id")

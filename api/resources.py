@@ -79,8 +79,15 @@ async def get_model(request: web.Request) -> web.Response:
 
 # -- conversations -----------------------------------------------------------------------
 def _message_obj(m: Message) -> dict:
-    obj = {"id": m.id, "object": "conversation.message", "role": m.role, "content": m.content,
-           "created_at": m.created_at, "tokens": m.tokens, "model": m.model}
+    obj = {
+        "id": m.id,
+        "object": "conversation.message",
+        "role": m.role,
+        "content": m.content,
+        "created_at": m.created_at,
+        "tokens": m.tokens,
+        "model": m.model,
+    }
     if m.parts_json is not None:  # sent with files or images: the parts as sent (file ids, image refs)
         obj["parts"] = orjson.loads(m.parts_json)
     if m.finish_reason is not None:  # assistant messages: stop, length or content_filter
@@ -89,8 +96,13 @@ def _message_obj(m: Message) -> dict:
 
 
 def _conversation_obj(c: Conversation, *, with_messages: bool) -> dict:
-    obj: dict[str, Any] = {"id": c.id, "object": "conversation", "title": c.title, "created_at": c.created_at,
-           "updated_at": c.updated_at}
+    obj: dict[str, Any] = {
+        "id": c.id,
+        "object": "conversation",
+        "title": c.title,
+        "created_at": c.created_at,
+        "updated_at": c.updated_at,
+    }
     if with_messages:
         obj["messages"] = [_message_obj(m) for m in c.messages]
     return obj
@@ -119,7 +131,9 @@ def _conversation_missing(conversation_id: str) -> ApiError:
 
 async def create_conversation(request: web.Request) -> web.Response:
     body = await read_json(request) if request.can_read_body else {}
-    conv = await request.app[STATE].store.create_conversation(request[PRINCIPAL].org.id, title=_title(body, required=False))
+    conv = await request.app[STATE].store.create_conversation(
+        request[PRINCIPAL].org.id, title=_title(body, required=False)
+    )
     return _json(_conversation_obj(conv, with_messages=True), status=201)
 
 
@@ -135,8 +149,15 @@ async def list_conversations(request: web.Request) -> web.Response:
     except NotFound:
         raise not_found(f"No conversation found with id '{after}' (the 'after' cursor).", param="after") from None
     data = [_conversation_obj(c, with_messages=False) for c in convs]
-    return _json({"object": "list", "data": data, "has_more": has_more,
-                  "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
+    return _json(
+        {
+            "object": "list",
+            "data": data,
+            "has_more": has_more,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+        }
+    )
 
 
 async def get_conversation(request: web.Request) -> web.Response:
@@ -212,8 +233,10 @@ async def usage(request: web.Request) -> web.Response:
     rows = await request.app[STATE].store.usage_summary(
         request[PRINCIPAL].org.id, start=start if start is not None else month_start(), end=end, group_by=group_by
     )
-    totals = {k: sum(r.get(k, 0) or 0 for r in rows)
-              for k in ("num_requests", "prompt_tokens", "cached_tokens", "completion_tokens")}
+    totals = {
+        k: sum(r.get(k, 0) or 0 for r in rows)
+        for k in ("num_requests", "prompt_tokens", "cached_tokens", "completion_tokens")
+    }
     totals["cost_usd"] = money.sum_usd(r.get("cost_usd") for r in rows)  # decimal, not float, addition
     return _json({"object": "usage", "group_by": group_by, "data": rows, "total": totals})
 

@@ -106,11 +106,16 @@ async def _with_history(state: AppState, org_id: str, req: ResponsesRequest) -> 
         if prev is None or conv is None:
             raise not_found(f"No response found with id '{req.previous_response_id}'.", param="previous_response_id")
         if prev.status in UNFINISHED:
-            raise bad_request("previous_response_id names a background response that has not finished yet.",
-                              param="previous_response_id")
+            raise bad_request(
+                "previous_response_id names a background response that has not finished yet.",
+                param="previous_response_id",
+            )
         if len(conv.messages) != prev.num_messages:
-            raise bad_request("previous_response_id must be the latest response of its conversation; branching "
-                              "from an earlier one is not supported.", param="previous_response_id")
+            raise bad_request(
+                "previous_response_id must be the latest response of its conversation; branching "
+                "from an earlier one is not supported.",
+                param="previous_response_id",
+            )
         conversation_id = conv.id
         if not req.store:  # continue without storing: the history goes in as messages
             history = tuple(attachments.history_message(m) for m in conv.messages)
@@ -140,20 +145,27 @@ async def _serve_unary(ctx: _Context, request: web.Request, state: AppState, job
 async def _finished(ctx: _Context, state: AppState, job: Job, answer: Answer, finish: FinishReason) -> dict:
     """The final response object, stored (when asked) before the client sees it."""
     reason = _INCOMPLETE.get(finish)
-    body = response_object(ctx.response_id, ctx.created, job.model.name, ctx.req, {
-        "status": "incomplete" if reason else "completed",
-        "incomplete_details": {"reason": reason} if reason else None,
-        "output": output_items(answer, ctx.message_id),
-        "usage": usage_object(job.num_prompt_tokens, job.num_cached_tokens, job.num_completion_tokens),
-    })
+    body = response_object(
+        ctx.response_id,
+        ctx.created,
+        job.model.name,
+        ctx.req,
+        {
+            "status": "incomplete" if reason else "completed",
+            "incomplete_details": {"reason": reason} if reason else None,
+            "output": output_items(answer, ctx.message_id),
+            "usage": usage_object(job.num_prompt_tokens, job.num_cached_tokens, job.num_completion_tokens),
+        },
+    )
     conversation_id = job.chat.conversation_id
     if ctx.req.store and conversation_id is not None:
         org_id = job.principal.org.id
         conv = await state.store.get_conversation(org_id, conversation_id)
         num_messages = len(conv.messages) if conv is not None else 0
         if ctx.stored:  # a background response: its row exists since it was queued
-            await state.store.update_response(org_id, ctx.response_id, status=body["status"], body_json=_dumps(body),
-                                              num_messages=num_messages)
+            await state.store.update_response(
+                org_id, ctx.response_id, status=body["status"], body_json=_dumps(body), num_messages=num_messages
+            )
         else:
             await _insert(ctx, state, job, body, num_messages)
     return body
@@ -162,10 +174,18 @@ async def _finished(ctx: _Context, state: AppState, job: Job, answer: Answer, fi
 async def _insert(ctx: _Context, state: AppState, job: Job, body: dict, num_messages: int) -> None:
     items = [{"id": new_id("msg"), **item} for item in ctx.req.input_items]
     assert job.chat.conversation_id is not None
-    await state.store.insert_response(job.principal.org.id, StoredResponse(
-        ctx.response_id, job.chat.conversation_id, num_messages, _dumps(body), _dumps(items), time.time(),
-        body["status"],
-    ))
+    await state.store.insert_response(
+        job.principal.org.id,
+        StoredResponse(
+            ctx.response_id,
+            job.chat.conversation_id,
+            num_messages,
+            _dumps(body),
+            _dumps(items),
+            time.time(),
+            body["status"],
+        ),
+    )
     ctx.stored = True
 
 
@@ -198,8 +218,14 @@ class _EventStream:
         self._text += text
         entries, self._pending = self._pending, []
         self._logprobs += entries
-        await self.event("response.output_text.delta", item_id=self._ctx.message_id, output_index=self._text_index,
-                         content_index=0, delta=text, logprobs=event_logprobs(entries))
+        await self.event(
+            "response.output_text.delta",
+            item_id=self._ctx.message_id,
+            output_index=self._text_index,
+            content_index=0,
+            delta=text,
+            logprobs=event_logprobs(entries),
+        )
 
     async def _open_text(self) -> None:
         if self._text_index is not None:
@@ -207,17 +233,24 @@ class _EventStream:
         self._text_index = self._next_index()
         item = message_item(self._ctx.message_id, "", "in_progress")
         await self.event("response.output_item.added", output_index=self._text_index, item=item)
-        await self.event("response.content_part.added", item_id=self._ctx.message_id, output_index=self._text_index,
-                         content_index=0, part=output_text_part(""))
+        await self.event(
+            "response.content_part.added",
+            item_id=self._ctx.message_id,
+            output_index=self._text_index,
+            content_index=0,
+            part=output_text_part(""),
+        )
 
     async def _call(self, raw: dict) -> None:
         call = ToolCall(raw["id"], raw["function"]["name"], raw["function"]["arguments"])
         index, item = self._next_index(), function_call_item(call, "in_progress")
         await self.event("response.output_item.added", output_index=index, item=item)
-        await self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                         delta=call.arguments)
-        await self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                         arguments=call.arguments)
+        await self.event(
+            "response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=call.arguments
+        )
+        await self.event(
+            "response.function_call_arguments.done", item_id=item["id"], output_index=index, arguments=call.arguments
+        )
         await self.event("response.output_item.done", output_index=index, item=function_call_item(call, "completed"))
 
     async def close_text(self, has_calls: bool) -> None:
@@ -228,11 +261,20 @@ class _EventStream:
             await self._text_delta("")
         mid, index = self._ctx.message_id, self._text_index
         part = output_text_part(self._text, self._logprobs)
-        await self.event("response.output_text.done", item_id=mid, output_index=index, content_index=0,
-                         text=self._text, logprobs=event_logprobs(self._logprobs))
+        await self.event(
+            "response.output_text.done",
+            item_id=mid,
+            output_index=index,
+            content_index=0,
+            text=self._text,
+            logprobs=event_logprobs(self._logprobs),
+        )
         await self.event("response.content_part.done", item_id=mid, output_index=index, content_index=0, part=part)
-        await self.event("response.output_item.done", output_index=index,
-                         item=message_item(mid, self._text, "completed", self._logprobs))
+        await self.event(
+            "response.output_item.done",
+            output_index=index,
+            item=message_item(mid, self._text, "completed", self._logprobs),
+        )
 
     def _next_index(self) -> int:
         self._num_items += 1
@@ -276,10 +318,16 @@ async def _refuse(ctx: _Context, request: web.Request, state: AppState, job: Job
     assert state.safety is not None  # only the safety gate blocks a prompt
     refusal = state.safety.refusal_text(verdict)
     if state.settings.safety.block_mode == "error":
-        await finish_job(state, job, RequestStatus.FILTERED, FinishReason.CONTENT_FILTER, prompt_billed=False,
-                          store_answer=False)
-        raise ApiError(400, "The prompt was blocked by the content policy.", "invalid_request_error",
-                       "content_policy_violation", "input")
+        await finish_job(
+            state, job, RequestStatus.FILTERED, FinishReason.CONTENT_FILTER, prompt_billed=False, store_answer=False
+        )
+        raise ApiError(
+            400,
+            "The prompt was blocked by the content policy.",
+            "invalid_request_error",
+            "content_policy_violation",
+            "input",
+        )
     job.text_parts = [refusal]
     await finish_job(state, job, RequestStatus.FILTERED, FinishReason.CONTENT_FILTER, prompt_billed=False)
     answer = make_answer(job)
@@ -310,10 +358,13 @@ async def _start_background(
     """Serve the job in a task that owns the grant; answer `queued` as soon as the job is in the
     queue (its row stored first), or with the error that refused it before (a 4xx, as in the foreground)."""
     accepted: asyncio.Future[tuple[dict, dict]] = asyncio.get_running_loop().create_future()
-    outlet = Outlet(serve=functools.partial(_serve_background, ctx, accepted),
-                    refuse=functools.partial(_refuse_background, ctx, accepted))
-    task = asyncio.create_task(_run_background(request, state, grant, ctx, outlet, owned),
-                               name=f"background-{ctx.response_id}")
+    outlet = Outlet(
+        serve=functools.partial(_serve_background, ctx, accepted),
+        refuse=functools.partial(_refuse_background, ctx, accepted),
+    )
+    task = asyncio.create_task(
+        _run_background(request, state, grant, ctx, outlet, owned), name=f"background-{ctx.response_id}"
+    )
     running, key = request.app[BACKGROUND], (request[PRINCIPAL].org.id, ctx.response_id)
     running[key] = task
     task.add_done_callback(functools.partial(_forget, running, key, accepted))
@@ -325,8 +376,14 @@ async def _start_background(
     return web.json_response(body, headers=headers, dumps=_dumps)
 
 
-async def _run_background(request: web.Request, state: AppState, grant: Pass, ctx: _Context, outlet: Outlet,
-                          owned: tuple[contextlib.ExitStack, str | None]) -> None:
+async def _run_background(
+    request: web.Request,
+    state: AppState,
+    grant: Pass,
+    ctx: _Context,
+    outlet: Outlet,
+    owned: tuple[contextlib.ExitStack, str | None],
+) -> None:
     stack, new_conversation = owned
     with stack:  # the admission grant: its one release, whatever happens below
         try:
@@ -342,12 +399,15 @@ def _forget(running: dict, key: tuple[str, str], accepted: asyncio.Future, task:
         log.error("background_response_failed", response_id=key[1], error=repr(task.exception()))
 
 
-async def _serve_background(ctx: _Context, accepted: asyncio.Future, request: web.Request, state: AppState,
-                            job: Job, grant: Pass) -> web.Response:
+async def _serve_background(
+    ctx: _Context, accepted: asyncio.Future, request: web.Request, state: AppState, job: Job, grant: Pass
+) -> web.Response:
     """Runs inside the in-flight set (shutdown waits for it, then cuts it): queued -> in_progress -> final."""
     queued = response_object(ctx.response_id, ctx.created, job.model.name, ctx.req, {"status": "queued"})
     conversation_id = job.chat.conversation_id
-    conv = None if conversation_id is None else await state.store.get_conversation(job.principal.org.id, conversation_id)
+    conv = (
+        None if conversation_id is None else await state.store.get_conversation(job.principal.org.id, conversation_id)
+    )
     await _insert(ctx, state, job, queued, len(conv.messages) if conv is not None else 0)
     accepted.set_result((queued, state.response_headers(job)))
     answer = make_answer(job)
@@ -385,8 +445,9 @@ def _uncancel_current_task() -> None:
         task.uncancel()
 
 
-async def _refuse_background(ctx: _Context, accepted: asyncio.Future, request: web.Request, state: AppState,
-                             job: Job, verdict) -> web.Response:
+async def _refuse_background(
+    ctx: _Context, accepted: asyncio.Future, request: web.Request, state: AppState, job: Job, verdict
+) -> web.Response:
     """A prompt the safety gate blocks: stored as the foreground stores it, then answered (not queued)."""
     response = await _refuse(ctx, request, state, job, verdict)  # block_mode "error": a 400, nothing stored
     assert isinstance(response, web.Response) and isinstance(response.body, bytes)  # JSON: background never streams
@@ -403,8 +464,11 @@ async def _set_state(ctx: _Context, state: AppState, job: Job, fields: dict) -> 
     """Update the stored row of a running background response (no-op once it is final or deleted)."""
     body = {**response_object(ctx.response_id, ctx.created, job.model.name, ctx.req, fields), **fields}
     try:
-        await asyncio.shield(state.store.update_response(job.principal.org.id, ctx.response_id,
-                                                         status=body["status"], body_json=_dumps(body)))
+        await asyncio.shield(
+            state.store.update_response(
+                job.principal.org.id, ctx.response_id, status=body["status"], body_json=_dumps(body)
+            )
+        )
     except StoreUnavailable:  # the store says so in its log; a restart marks it failed
         log.error("background_response_unsaved", response_id=ctx.response_id, status=body["status"])
 
@@ -448,10 +512,16 @@ async def delete_response(request: web.Request) -> web.Response:
 
 async def list_input_items(request: web.Request) -> web.Response:
     items = orjson.loads((await _stored(request)).input_items_json)
-    return web.json_response({
-        "object": "list", "data": items, "has_more": False,
-        "first_id": items[0]["id"] if items else None, "last_id": items[-1]["id"] if items else None,
-    }, dumps=_dumps)
+    return web.json_response(
+        {
+            "object": "list",
+            "data": items,
+            "has_more": False,
+            "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None,
+        },
+        dumps=_dumps,
+    )
 
 
 async def _stored(request: web.Request) -> StoredResponse:

@@ -18,10 +18,25 @@ from api.errors import bad_request
 from api.tools import ToolCall
 
 _KNOWN = {
-    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
-    "text", "stream", "store", "previous_response_id", "metadata", "parallel_tool_calls", "user", "seed",
+    "model",
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "tools",
+    "tool_choice",
+    "text",
+    "stream",
+    "store",
+    "previous_response_id",
+    "metadata",
+    "parallel_tool_calls",
+    "user",
+    "seed",
     "background",
-    "include", "top_logprobs",
+    "include",
+    "top_logprobs",
 }
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
 _INCLUDABLE = (INCLUDE_LOGPROBS,)  # what `include` may ask for here; anything else is a 400 naming it
@@ -62,21 +77,36 @@ def parse_responses_request(raw: Any, *, max_messages: int, max_prompt_chars: in
         raise bad_request("'previous_response_id' must be a response id.", param="previous_response_id")
     max_output = raw.get("max_output_tokens")
     if max_output is not None and (isinstance(max_output, bool) or not isinstance(max_output, int) or max_output < 1):
-        raise bad_request(f"'max_output_tokens' must be a positive integer, got {max_output!r}.", param="max_output_tokens")
-    messages = ([{"role": "system", "content": instructions}] if instructions else []) + [_chat_message(i) for i in items]
+        raise bad_request(
+            f"'max_output_tokens' must be a positive integer, got {max_output!r}.", param="max_output_tokens"
+        )
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) + [
+        _chat_message(i) for i in items
+    ]
     chat_body = {
-        "messages": messages, "max_tokens": max_output, "stream": raw.get("stream"), "model": raw.get("model"),
-        "temperature": raw.get("temperature"), "top_p": raw.get("top_p"), "user": raw.get("user"),
-        "seed": raw.get("seed"), "parallel_tool_calls": raw.get("parallel_tool_calls"),
-        "tools": _chat_tools(raw.get("tools")), "tool_choice": _chat_tool_choice(raw.get("tool_choice")),
+        "messages": messages,
+        "max_tokens": max_output,
+        "stream": raw.get("stream"),
+        "model": raw.get("model"),
+        "temperature": raw.get("temperature"),
+        "top_p": raw.get("top_p"),
+        "user": raw.get("user"),
+        "seed": raw.get("seed"),
+        "parallel_tool_calls": raw.get("parallel_tool_calls"),
+        "tools": _chat_tools(raw.get("tools")),
+        "tool_choice": _chat_tool_choice(raw.get("tool_choice")),
         **_logprobs(raw),
     }
     chat = protocol.parse_chat_request(
-        {k: v for k, v in chat_body.items() if v is not None}, max_messages=max_messages, max_prompt_chars=max_prompt_chars
+        {k: v for k, v in chat_body.items() if v is not None},
+        max_messages=max_messages,
+        max_prompt_chars=max_prompt_chars,
     )
     chat = replace(chat, response_format=_text_format(raw.get("text")))
-    echo = {k: raw.get(k) for k in ("instructions", "max_output_tokens", "metadata", "tools", "tool_choice", "text",
-                                    "top_logprobs")}
+    echo = {
+        k: raw.get(k)
+        for k in ("instructions", "max_output_tokens", "metadata", "tools", "tool_choice", "text", "top_logprobs")
+    }
     return ResponsesRequest(chat, store, previous, instructions, items, echo, background)
 
 
@@ -87,8 +117,11 @@ def _background(raw: dict, store: bool) -> bool:
     if background and not store:  # as OpenAI: the result is only reachable through the store
         raise bad_request("'background' requires 'store' to be true.", param="background")
     if background and raw.get("stream"):
-        raise bad_request("'background' with 'stream' is not supported here; poll GET /v1/responses/{id}.",
-                          param="stream", code="unsupported_value")
+        raise bad_request(
+            "'background' with 'stream' is not supported here; poll GET /v1/responses/{id}.",
+            param="stream",
+            code="unsupported_value",
+        )
     return background
 
 
@@ -101,13 +134,18 @@ def _logprobs(raw: dict) -> dict:
         raise bad_request("'include' must be an array of strings.", param="include")
     for value in include:
         if value not in _INCLUDABLE:
-            raise bad_request(f"'include' value {value!r} is not supported here; supported: {', '.join(_INCLUDABLE)}.",
-                              param="include", code="unsupported_value")
+            raise bad_request(
+                f"'include' value {value!r} is not supported here; supported: {', '.join(_INCLUDABLE)}.",
+                param="include",
+                code="unsupported_value",
+            )
     top = raw.get("top_logprobs")
     is_int = isinstance(top, int) and not isinstance(top, bool)
     if top is not None and (not is_int or not 0 <= top <= protocol.MAX_TOP_LOGPROBS):
-        raise bad_request(f"'top_logprobs' must be an integer between 0 and {protocol.MAX_TOP_LOGPROBS}, got {top!r}.",
-                          param="top_logprobs")
+        raise bad_request(
+            f"'top_logprobs' must be an integer between 0 and {protocol.MAX_TOP_LOGPROBS}, got {top!r}.",
+            param="top_logprobs",
+        )
     if INCLUDE_LOGPROBS not in include:
         if top:
             raise bad_request(f"'top_logprobs' needs 'include' to contain {INCLUDE_LOGPROBS!r}.", param="top_logprobs")
@@ -125,8 +163,11 @@ def _input_items(value: Any) -> tuple[dict, ...]:
 
 def _chat_message(item: dict) -> dict:
     if item["type"] == "function_call":
-        call = {"id": item["call_id"], "type": "function",
-                "function": {"name": item["name"], "arguments": item["arguments"]}}
+        call = {
+            "id": item["call_id"],
+            "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]},
+        }
         return {"role": "assistant", "content": None, "tool_calls": [call]}
     if item["type"] == "function_call_output":
         return {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
@@ -155,8 +196,10 @@ def _content_parts(content: list, where: str) -> str | list:
         kind = part.get("type") if isinstance(part, dict) else None
         is_text = kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str)
         if not is_text and kind not in ("input_file", "input_image"):
-            raise bad_request(f"'{where}.content[{j}]' must be an input_text, input_file or input_image part.",
-                              param=f"{where}.content[{j}]")
+            raise bad_request(
+                f"'{where}.content[{j}]' must be an input_text, input_file or input_image part.",
+                param=f"{where}.content[{j}]",
+            )
     if all(p["type"] in ("input_text", "output_text", "text") for p in content):
         return "".join(p["text"] for p in content)
     return list(content)
@@ -176,8 +219,9 @@ def _item(value: Any, index: int) -> dict:
     if isinstance(content, list):
         content = _content_parts(content, where)
     if not isinstance(content, (str, list)):
-        raise bad_request(f"'{where}.content' must be a string or an array of input_text parts.",
-                          param=f"{where}.content")
+        raise bad_request(
+            f"'{where}.content' must be a string or an array of input_text parts.", param=f"{where}.content"
+        )
     return {"type": "message", "role": role, "content": content}
 
 
@@ -199,8 +243,9 @@ def _chat_tools(value: Any) -> Any:
     out = []
     for i, tool in enumerate(value):
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-            raise bad_request(f"'tools[{i}]' must be {{\"type\": \"function\", \"name\": ..., \"parameters\": ...}}.",
-                              param=f"tools[{i}]")
+            raise bad_request(
+                f'\'tools[{i}]\' must be {{"type": "function", "name": ..., "parameters": ...}}.', param=f"tools[{i}]"
+            )
         fn = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
         out.append({"type": "function", "function": fn})
     return out
@@ -245,36 +290,61 @@ def output_text_part(text: str, logprobs: list[dict] | None = None) -> dict:
 
 def event_logprobs(entries: list[dict]) -> list[dict]:
     """Logprobs as stream events carry them: token and logprob, alternatives likewise (no bytes)."""
-    return [{"token": e["token"], "logprob": e["logprob"],
-             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]}
-            for e in entries]
+    return [
+        {
+            "token": e["token"],
+            "logprob": e["logprob"],
+            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]],
+        }
+        for e in entries
+    ]
 
 
 def function_call_item(call: ToolCall, status: str) -> dict:
-    return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
-            "name": call.name, "arguments": call.arguments if status == "completed" else "", "status": status}
+    return {
+        "type": "function_call",
+        "id": "fc_" + call.id.removeprefix("call_"),
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments if status == "completed" else "",
+        "status": status,
+    }
 
 
 def response_object(response_id: str, created: int, model: str, req: ResponsesRequest, state: dict) -> dict:
     """`state`: status, output, usage, incomplete_details (absent while in progress)."""
     chat = req.chat
     return {
-        "id": response_id, "object": "response", "created_at": created, "model": model,
-        "status": state.get("status", "in_progress"), "error": None,
+        "id": response_id,
+        "object": "response",
+        "created_at": created,
+        "model": model,
+        "status": state.get("status", "in_progress"),
+        "error": None,
         "incomplete_details": state.get("incomplete_details"),
-        "instructions": req.instructions, "max_output_tokens": req.echo["max_output_tokens"],
-        "output": state.get("output", []), "parallel_tool_calls": chat.parallel_tool_calls,
-        "previous_response_id": req.previous_response_id, "store": req.store, "background": req.background,
-        "temperature": chat.temperature, "top_p": chat.top_p, "top_logprobs": req.echo["top_logprobs"],
+        "instructions": req.instructions,
+        "max_output_tokens": req.echo["max_output_tokens"],
+        "output": state.get("output", []),
+        "parallel_tool_calls": chat.parallel_tool_calls,
+        "previous_response_id": req.previous_response_id,
+        "store": req.store,
+        "background": req.background,
+        "temperature": chat.temperature,
+        "top_p": chat.top_p,
+        "top_logprobs": req.echo["top_logprobs"],
         "tool_choice": req.echo["tool_choice"] or ("auto" if chat.tools else "none"),
-        "tools": req.echo["tools"] or [], "text": req.echo["text"] or {"format": {"type": "text"}},
-        "metadata": req.echo["metadata"] or {}, "usage": state.get("usage"),
+        "tools": req.echo["tools"] or [],
+        "text": req.echo["text"] or {"format": {"type": "text"}},
+        "metadata": req.echo["metadata"] or {},
+        "usage": state.get("usage"),
     }
 
 
 def usage_object(prompt: int, cached: int, completion: int) -> dict:
     return {
-        "input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
-        "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,
     }

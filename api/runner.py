@@ -31,8 +31,14 @@ LINGER_S = 1.0  # after an error answer, how long a body that will not be read i
 async def run(app: web.Application, settings: Settings, sock: socket.socket | None = None) -> None:
     """Serve until SIGINT/SIGTERM; `sock`: a listening socket bound already (else host and port)."""
     cfg = settings.server
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=HANDLER_WAIT_S,
-                           keepalive_timeout=KEEPALIVE_S, lingering_time=LINGER_S)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=HANDLER_WAIT_S,
+        keepalive_timeout=KEEPALIVE_S,
+        lingering_time=LINGER_S,
+    )
     await runner.setup()  # starts the app: store, models, queues (cleanup_ctx)
     try:
         guard = ConnectionGuard(ConnectionLimits.from_config(cfg))
@@ -43,8 +49,13 @@ async def run(app: web.Application, settings: Settings, sock: socket.socket | No
             listener = await loop.create_server(factory, sock=sock, backlog=cfg.backlog)
         else:
             listener = await loop.create_server(factory, cfg.host, cfg.port, reuse_address=True, backlog=cfg.backlog)
-        log.info("listening", host=cfg.host, port=cfg.port, max_connections=guard.limits.max_connections,
-                 max_connections_per_client=guard.limits.max_per_client)
+        log.info(
+            "listening",
+            host=cfg.host,
+            port=cfg.port,
+            max_connections=guard.limits.max_connections,
+            max_connections_per_client=guard.limits.max_per_client,
+        )
         received = await _wait_for_signal(loop)
         log.info("shutting_down", signal=received, grace_s=cfg.shutdown_grace_s)
         listener.close()

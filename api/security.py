@@ -96,8 +96,10 @@ def _check_host(request: web.Request, policy: HostPolicy) -> None:
     if request.path in HOST_EXEMPT_PATHS or policy.allows(host, _sockname(request)):
         return
     raise ApiError(
-        403, f"Host {host!r} is not served here; add it to server.allowed_hosts if it names this server.",
-        "permission_error", "host_not_allowed",
+        403,
+        f"Host {host!r} is not served here; add it to server.allowed_hosts if it names this server.",
+        "permission_error",
+        "host_not_allowed",
     )
 
 
@@ -111,8 +113,12 @@ def _check_origin(request: web.Request, settings: Settings) -> None:
     parts = urlsplit(origin)
     if origin != "null" and parts.netloc and parts.netloc.lower() == request.headers.get("Host", "").lower():
         return
-    raise ApiError(403, f"Cross-origin request from {origin!r} refused; see server.cors_origins.",
-                   "permission_error", "origin_not_allowed")
+    raise ApiError(
+        403,
+        f"Cross-origin request from {origin!r} refused; see server.cors_origins.",
+        "permission_error",
+        "origin_not_allowed",
+    )
 
 
 async def _key_principal(request: web.Request):
@@ -125,8 +131,10 @@ async def _key_principal(request: web.Request):
         raise unauthorized("Malformed Authorization header; expected 'Bearer <API key>'.")
     principal = await request.app[STATE].store.authenticate(secret.strip())
     if principal is None:
-        raise unauthorized("Incorrect API key provided (unknown or revoked). "
-                           "Create one with: python server.py keys create --org NAME --tier free")
+        raise unauthorized(
+            "Incorrect API key provided (unknown or revoked). "
+            "Create one with: python server.py keys create --org NAME --tier free"
+        )
     return principal
 
 

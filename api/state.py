@@ -53,8 +53,12 @@ class AppState:
         name = principal.org.tier
         tier = self.settings.tiers.get(name)
         if tier is None:
-            raise ApiError(403, f"The organisation's tier '{name}' is not configured on this server.",
-                           "permission_error", "tier_not_configured")
+            raise ApiError(
+                403,
+                f"The organisation's tier '{name}' is not configured on this server.",
+                "permission_error",
+                "tier_not_configured",
+            )
         return name, tier
 
     async def over_budget(self, principal: Principal) -> bool:
@@ -72,22 +76,29 @@ class AppState:
         tier_name, tier = self.tier_of(principal)
         is_local = self.local_principal is not None and principal.org.id == self.local_principal.org.id
         key = principal.key_id or f"org:{principal.org.id}"
-        return Caller(key, tier_name, tier, principal.org.limits, waits_for_stream=is_local and principal.key_id is None)
+        return Caller(
+            key, tier_name, tier, principal.org.limits, waits_for_stream=is_local and principal.key_id is None
+        )
 
     def cost_usd(self, job: Job) -> float:
         """Computed in decimal and rounded to the nano-dollar (store/money.py)."""
         cfg = job.model.config
         uncached = job.num_prompt_tokens - job.num_cached_tokens
-        return float(money.cost_usd((
-            (uncached, cfg.price_input_per_mtok),
-            (job.num_cached_tokens, cfg.price_cached_input_per_mtok),
-            (job.num_completion_tokens, cfg.price_output_per_mtok),
-        )))
+        return float(
+            money.cost_usd(
+                (
+                    (uncached, cfg.price_input_per_mtok),
+                    (job.num_cached_tokens, cfg.price_cached_input_per_mtok),
+                    (job.num_completion_tokens, cfg.price_output_per_mtok),
+                )
+            )
+        )
 
     def response_headers(self, job: Job) -> dict[str, str]:
         caller = self.caller(job.principal)
-        headers = ratelimit_headers(self.admission.limiter.buckets(caller.key, caller.tier_name, caller.tier,
-                                                                   caller.overrides))
+        headers = ratelimit_headers(
+            self.admission.limiter.buckets(caller.key, caller.tier_name, caller.tier, caller.overrides)
+        )
         if job.fallback_from is not None:
             headers["x-fallback-from"] = job.fallback_from
         if job.chat.conversation_id is not None:

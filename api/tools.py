@@ -82,18 +82,22 @@ def parse_tools(value: Any) -> tuple[Tool, ...]:
 
 def _tool(value: Any, where: str) -> Tool:
     if not isinstance(value, dict) or value.get("type") != "function" or not isinstance(value.get("function"), dict):
-        raise bad_request(f"'{where}' must be {{\"type\": \"function\", \"function\": {{...}}}}.", param=where)
+        raise bad_request(f'\'{where}\' must be {{"type": "function", "function": {{...}}}}.', param=where)
     fn = value["function"]
     name = fn.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
-        raise bad_request(f"'{where}.function.name' must be 1-64 letters, digits, _ or -; got {name!r}.",
-                          param=f"{where}.function.name")
+        raise bad_request(
+            f"'{where}.function.name' must be 1-64 letters, digits, _ or -; got {name!r}.",
+            param=f"{where}.function.name",
+        )
     description = fn.get("description")
     if description is not None and not isinstance(description, str):
         raise bad_request(f"'{where}.function.description' must be a string.", param=f"{where}.function.description")
     params = fn.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, dict):
-        raise bad_request(f"'{where}.function.parameters' must be a JSON schema object.", param=f"{where}.function.parameters")
+        raise bad_request(
+            f"'{where}.function.parameters' must be a JSON schema object.", param=f"{where}.function.parameters"
+        )
     text = schema_text(params)
     check_schema(text, f"{where}.function.parameters")
     return Tool(name, description, text)
@@ -113,8 +117,9 @@ def parse_tool_choice(value: Any, tools: tuple[Tool, ...]) -> ToolChoice:
     if isinstance(value, str):
         modes = {"none": ChoiceMode.NONE, "auto": ChoiceMode.AUTO, "required": ChoiceMode.REQUIRED}
         if value not in modes:
-            raise bad_request(f"'tool_choice' must be none, auto, required or a named function; got {value!r}.",
-                              param="tool_choice")
+            raise bad_request(
+                f"'tool_choice' must be none, auto, required or a named function; got {value!r}.", param="tool_choice"
+            )
         mode = modes[value]
         if mode is not ChoiceMode.NONE and not tools:
             raise bad_request(f"'tool_choice' is {value!r} but no 'tools' were given.", param="tool_choice")
@@ -122,8 +127,9 @@ def parse_tool_choice(value: Any, tools: tuple[Tool, ...]) -> ToolChoice:
     fn = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
-        raise bad_request("'tool_choice' must be {\"type\": \"function\", \"function\": {\"name\": ...}}.",
-                          param="tool_choice")
+        raise bad_request(
+            '\'tool_choice\' must be {"type": "function", "function": {"name": ...}}.', param="tool_choice"
+        )
     if name not in {t.name for t in tools}:
         raise bad_request(f"'tool_choice' names function {name!r}, which is not in 'tools'.", param="tool_choice")
     return ToolChoice(ChoiceMode.NAMED, name)
@@ -139,8 +145,9 @@ def parse_message_tool_calls(value: Any, where: str) -> tuple[ToolCall, ...]:
     for i, call in enumerate(value):
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
-            raise bad_request(f"'{where}[{i}]' must have function.name and function.arguments (a string).",
-                              param=f"{where}[{i}]")
+            raise bad_request(
+                f"'{where}[{i}]' must have function.name and function.arguments (a string).", param=f"{where}[{i}]"
+            )
         call_id = call.get("id") if isinstance(call.get("id"), str) else new_call_id()
         calls.append(ToolCall(call_id, fn["name"], fn["arguments"]))
     return tuple(calls)
@@ -173,7 +180,9 @@ def template_takes_tools(chat_template: str | None) -> bool:
 
 def tools_system_prompt(tools: tuple[Tool, ...], fmt: ToolFormat) -> str:
     """For templates that ignore `tools=`: describe them in a system message, in the model's format."""
-    specs = "\n".join(json.dumps(t.as_template_arg()["function"], ensure_ascii=False, separators=(",", ":")) for t in tools)
+    specs = "\n".join(
+        json.dumps(t.as_template_arg()["function"], ensure_ascii=False, separators=(",", ":")) for t in tools
+    )
     example = _call_text(fmt, "NAME", "ARGUMENTS")
     return f"Functions you may call:\n{specs}\nTo call one, answer with:\n{example}"
 
@@ -186,7 +195,9 @@ def _call_text(fmt: ToolFormat, name: str, arguments: str) -> str:
     return f'{{"name": "{name}", "parameters": {arguments}}}'
 
 
-def forced_call_grammar(tools: tuple[Tool, ...], choice: ToolChoice, fmt: ToolFormat, parallel: bool) -> StructuredOutput:
+def forced_call_grammar(
+    tools: tuple[Tool, ...], choice: ToolChoice, fmt: ToolFormat, parallel: bool
+) -> StructuredOutput:
     """The grammar of an answer that is only tool calls (of the named tool, or any tool)."""
     chosen = [t for t in tools if choice.mode is not ChoiceMode.NAMED or t.name == choice.name]
     args_key = "parameters" if fmt is ToolFormat.LLAMA3_JSON else "arguments"
@@ -203,7 +214,7 @@ def forced_call_grammar(tools: tuple[Tool, ...], choice: ToolChoice, fmt: ToolFo
     call = f"%json {json.dumps(call_schema)}"
     many = parallel and choice.mode is not ChoiceMode.NAMED
     if fmt is ToolFormat.HERMES:
-        start = 'start: call+' if many else 'start: call'
+        start = "start: call+" if many else "start: call"
         rules = f'call: "<tool_call>\\n" {call} "\\n</tool_call>"'
     elif fmt is ToolFormat.MISTRAL:
         start = 'start: "[TOOL_CALLS][" call ("," call)* "]"' if many else 'start: "[TOOL_CALLS][" call "]"'

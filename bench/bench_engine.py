@@ -135,7 +135,9 @@ def make_chat_requests(
     """Requests whose one user message renders (chat template included) to exactly `prompt_len`
     tokens: the same prompts go to the engine as ids, to transformers, and to the HTTP server."""
     rng = random.Random(seed)
-    words = sorted({w for i in range(tokenizer.vocab_size) if (w := tokenizer.decode([i]).strip()).isascii() and w.isalpha()})
+    words = sorted(
+        {w for i in range(tokenizer.vocab_size) if (w := tokenizer.decode([i]).strip()).isascii() and w.isalpha()}
+    )
 
     def rendered(ws: list[str]) -> list[int]:
         return tokenizer.encode_chat([{"role": "user", "content": " ".join(ws)}])
@@ -189,9 +191,18 @@ async def run_load(name: str, generate: GenerateFn, requests: list[BenchRequest]
     await asyncio.gather(*(client() for _ in range(concurrency)))
     wall = time.perf_counter() - start
     return LoadResult(
-        name, concurrency, len(requests), wall, sum(len(r.prompt_token_ids) for r in requests), num_out,
-        num_out / wall, _pct(ttfts, 50), _pct(ttfts, 99), _pct(itls, 50), _pct(itls, 99),
-    )  # fmt: skip
+        name,
+        concurrency,
+        len(requests),
+        wall,
+        sum(len(r.prompt_token_ids) for r in requests),
+        num_out,
+        num_out / wall,
+        _pct(ttfts, 50),
+        _pct(ttfts, 99),
+        _pct(itls, 50),
+        _pct(itls, 99),
+    )
 
 
 def backend_generate(backend: NativeBackend) -> GenerateFn:
@@ -229,7 +240,9 @@ def http_generate(session, base_url: str, model: str) -> GenerateFn:
                 if usage is None:
                     continue
                 if usage["prompt_tokens"] != len(req.prompt_token_ids):
-                    raise RuntimeError(f"prompt rendered to {usage['prompt_tokens']} tokens, expected {len(req.prompt_token_ids)}")
+                    raise RuntimeError(
+                        f"prompt rendered to {usage['prompt_tokens']} tokens, expected {len(req.prompt_token_ids)}"
+                    )
                 new, seen = usage["completion_tokens"] - seen, usage["completion_tokens"]
                 yield new
         if seen != req.max_tokens:
@@ -293,12 +306,25 @@ def hf_one_at_a_time(model, requests: list[BenchRequest]) -> LoadResult:
         t0 = time.perf_counter()
         model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=_hf_config(model, 1))
         ttfts.append((time.perf_counter() - t0) * 1e3)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=_hf_config(model, req.max_tokens))
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), generation_config=_hf_config(model, req.max_tokens)
+        )
         num_out += out.shape[1] - ids.shape[1]
     # TTFT runs are separate prefills; subtract them from the wall time of the generation runs.
     wall = time.perf_counter() - start - sum(ttfts) / 1e3
-    return LoadResult("transformers one-at-a-time", 1, len(requests), wall, 0, num_out, num_out / wall,
-                      _pct(ttfts, 50), _pct(ttfts, 99), float("nan"), float("nan"))  # fmt: skip
+    return LoadResult(
+        "transformers one-at-a-time",
+        1,
+        len(requests),
+        wall,
+        0,
+        num_out,
+        num_out / wall,
+        _pct(ttfts, 50),
+        _pct(ttfts, 99),
+        float("nan"),
+        float("nan"),
+    )
 
 
 @torch.inference_mode()
@@ -307,12 +333,25 @@ def hf_static_batch(model, requests: list[BenchRequest], batch_size: int) -> Loa
     start = time.perf_counter()
     for i in range(0, len(requests), batch_size):
         ids = torch.tensor([r.prompt_token_ids for r in requests[i : i + batch_size]])  # equal lengths: no padding
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=_hf_config(model, requests[i].max_tokens))
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), generation_config=_hf_config(model, requests[i].max_tokens)
+        )
         num_out += out[:, ids.shape[1] :].numel()
     wall = time.perf_counter() - start
     nan = float("nan")
-    return LoadResult(f"transformers static batch {batch_size}", batch_size, len(requests), wall, 0, num_out,
-                      num_out / wall, nan, nan, nan, nan)  # fmt: skip
+    return LoadResult(
+        f"transformers static batch {batch_size}",
+        batch_size,
+        len(requests),
+        wall,
+        0,
+        num_out,
+        num_out / wall,
+        nan,
+        nan,
+        nan,
+        nan,
+    )
 
 
 @torch.no_grad()  # not inference_mode: transformers' continuous batching updates its tensors in place
@@ -328,8 +367,19 @@ def hf_generate_batch(model, requests: list[BenchRequest]) -> LoadResult | None:
     wall = time.perf_counter() - start
     num_out = sum(len(o.generated_tokens) for o in outputs.values())
     nan = float("nan")
-    return LoadResult("transformers generate_batch", len(requests), len(requests), wall, 0, num_out, num_out / wall,
-                      nan, nan, nan, nan)  # fmt: skip
+    return LoadResult(
+        "transformers generate_batch",
+        len(requests),
+        len(requests),
+        wall,
+        0,
+        num_out,
+        num_out / wall,
+        nan,
+        nan,
+        nan,
+        nan,
+    )
 
 
 # -- mechanism tests -------------------------------------------------------------------------
@@ -450,15 +500,21 @@ def engine_config(args) -> EngineConfig:
 
 def load_requests(tokenizer: Tokenizer, plan: Plan, concurrency: int) -> list[BenchRequest]:
     """The load at one concurrency: the same prompts for the engine and the HTTP path."""
-    return make_chat_requests(tokenizer, plan.num_requests, plan.prompt_len, plan.output_len, seed=concurrency, prefix=f"c{concurrency}-")
+    return make_chat_requests(
+        tokenizer, plan.num_requests, plan.prompt_len, plan.output_len, seed=concurrency, prefix=f"c{concurrency}-"
+    )
 
 
-async def run_loads(name: str, generate: GenerateFn, tokenizer: Tokenizer, plan: Plan, peak_gflops: float) -> list[LoadResult]:
+async def run_loads(
+    name: str, generate: GenerateFn, tokenizer: Tokenizer, plan: Plan, peak_gflops: float
+) -> list[LoadResult]:
     await run_load("warmup", generate, make_chat_requests(tokenizer, 8, plan.prompt_len, 8, seed=1, prefix="w"), 8)
     flops = workload_flops(plan.prompt_len, plan.output_len, plan.num_requests)
     results = []
     for c in plan.concurrencies:
-        results.append(_with_fraction(await run_load(name, generate, load_requests(tokenizer, plan, c), c), flops, peak_gflops))
+        results.append(
+            _with_fraction(await run_load(name, generate, load_requests(tokenizer, plan, c), c), flops, peak_gflops)
+        )
     return results
 
 
@@ -472,7 +528,9 @@ async def bench_engine(model_dir: Path, plan: Plan, args, peak_gflops: float, se
         if "engine" in sections:
             out["engine"] = await run_loads("native engine", generate, tokenizer, plan, peak_gflops)
         if "chunked" in sections:
-            out["chunked_prefill"] = await chunked_prefill_itl(backend, num_streams=16, long_prompt_len=plan.long_prompt_len)
+            out["chunked_prefill"] = await chunked_prefill_itl(
+                backend, num_streams=16, long_prompt_len=plan.long_prompt_len
+            )
         if "prefix" in sections:
             out["prefix_cache"] = await prefix_cache_ttft(backend, system_len=plan.system_prompt_len, repeats=3)
         if "structured" in sections:  # bench/bench_structured.py
@@ -516,7 +574,9 @@ async def bench_http(model_dir: Path, plan: Plan, args, peak_gflops: float) -> l
                 async with session.get(f"{server.base_url}/v1/models") as resp:
                     model = (await resp.json())["data"][0]["id"]
                 generate = http_generate(session, server.base_url, model)
-                return await run_loads("HTTP server (streaming client)", generate, Tokenizer.from_dir(model_dir), plan, peak_gflops)
+                return await run_loads(
+                    "HTTP server (streaming client)", generate, Tokenizer.from_dir(model_dir), plan, peak_gflops
+                )
 
 
 def _with_fraction(r: LoadResult, flops: float, peak_gflops: float) -> LoadResult:
@@ -528,7 +588,9 @@ def bench_transformers(model_dir: Path, plan: Plan, peak_gflops: float, skip_gen
 
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = Tokenizer.from_dir(model_dir)
-    reqs = make_chat_requests(tokenizer, max(plan.hf_static_requests, 32), plan.prompt_len, plan.output_len, seed=32, prefix="hf")
+    reqs = make_chat_requests(
+        tokenizer, max(plan.hf_static_requests, 32), plan.prompt_len, plan.output_len, seed=32, prefix="hf"
+    )
     one = hf_one_at_a_time(model, reqs[: plan.hf_one_at_a_time_requests])
     batch = min(32, plan.hf_static_requests)
     static = hf_static_batch(model, reqs[: plan.hf_static_requests], batch)
@@ -538,11 +600,15 @@ def bench_transformers(model_dir: Path, plan: Plan, peak_gflops: float, skip_gen
     if not skip_generate_batch:
         cb = hf_generate_batch(model, reqs[: plan.hf_generate_batch_requests])
         if cb is not None:
-            results.append(_with_fraction(cb, workload_flops(plan.prompt_len, plan.output_len, cb.num_requests), peak_gflops))
+            results.append(
+                _with_fraction(cb, workload_flops(plan.prompt_len, plan.output_len, cb.num_requests), peak_gflops)
+            )
     return results
 
 
-def checks(engine: list[LoadResult], http: list[LoadResult], hf: list[LoadResult], itl: dict | None, prefix: dict | None) -> dict:
+def checks(
+    engine: list[LoadResult], http: list[LoadResult], hf: list[LoadResult], itl: dict | None, prefix: dict | None
+) -> dict:
     """Each target that this run has the figures for: its ratio and whether it passed."""
     ratios: dict[str, float] = {}
     passed: dict[str, bool] = {}
@@ -621,12 +687,16 @@ def machine_info(peak: float) -> dict:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a short run for iterating (fewer requests and tokens)")
-    p.add_argument("--model-dir", type=Path, default=ROOT / "build" / "bench-model-v2", help="where the reference model lives")
+    p.add_argument(
+        "--model-dir", type=Path, default=ROOT / "build" / "bench-model-v2", help="where the reference model lives"
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--kv-cache-mb", type=int, default=1024)
     p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig().max_num_batched_tokens)
     p.add_argument(
-        "--max-prefill-tokens-while-decoding", type=int, default=EngineConfig().max_prefill_tokens_while_decoding,
+        "--max-prefill-tokens-while-decoding",
+        type=int,
+        default=EngineConfig().max_prefill_tokens_while_decoding,
         help="engine.max_prefill_tokens_while_decoding (0: auto)",
     )
     p.add_argument("--no-kernel", action="store_true", help="PyTorch ops only (engine.native_kernels = false)")
@@ -663,8 +733,18 @@ def main(argv: list[str] | None = None) -> dict:
     record = {
         "machine": machine,
         "plan": asdict(plan),
-        "engine_config": {k: getattr(cfg, k) for k in (
-            "max_num_batched_tokens", "max_prefill_tokens_while_decoding", "max_num_seqs", "block_size", "native_kernels", "kernel_isa", "quantization")},
+        "engine_config": {
+            k: getattr(cfg, k)
+            for k in (
+                "max_num_batched_tokens",
+                "max_prefill_tokens_while_decoding",
+                "max_num_seqs",
+                "block_size",
+                "native_kernels",
+                "kernel_isa",
+                "quantization",
+            )
+        },
         "engine": [asdict(r) for r in engine],
         "http": [asdict(r) for r in http],
         "baselines": [asdict(r) for r in hf],

@@ -43,18 +43,28 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "llama": dict(model_type="llama"),
     "qwen3": dict(model_type="qwen3", head_dim=_HEAD_DIM),
     "gemma3": dict(
-        model_type="gemma3_text", head_dim=_HEAD_DIM, query_pre_attn_scalar=_HEAD_DIM, sliding_window=512,
+        model_type="gemma3_text",
+        head_dim=_HEAD_DIM,
+        query_pre_attn_scalar=_HEAD_DIM,
+        sliding_window=512,
         layer_types=(_SLIDING * 2)[: REFERENCE["num_hidden_layers"]],
     ),
     "gemma2": dict(
-        model_type="gemma2", head_dim=_HEAD_DIM, query_pre_attn_scalar=_HEAD_DIM, sliding_window=512,
-        attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        model_type="gemma2",
+        head_dim=_HEAD_DIM,
+        query_pre_attn_scalar=_HEAD_DIM,
+        sliding_window=512,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
     ),
     "phi3": dict(model_type="phi3", partial_rotary_factor=0.75),
     "smollm3": dict(model_type="smollm3"),
     "mistral-sliding": dict(model_type="mistral", sliding_window=4096),
     "granite": dict(
-        model_type="granite", embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22,
+        model_type="granite",
+        embedding_multiplier=12.0,
+        attention_multiplier=0.015625,
+        residual_multiplier=0.22,
         logits_scaling=8.0,
     ),
     "olmo2": dict(model_type="olmo2"),
@@ -81,7 +91,9 @@ def build_family(root: Path, family: str, reference_dir: Path) -> Path:
     return path
 
 
-async def bench_family(model_dir: Path, config: EngineConfig, loads: dict[int, tuple[int, int, int]]) -> tuple[str, dict]:
+async def bench_family(
+    model_dir: Path, config: EngineConfig, loads: dict[int, tuple[int, int, int]]
+) -> tuple[str, dict]:
     backend = NativeBackend(model_dir, config, Tokenizer.from_dir(model_dir))
     await backend.start()
     try:
@@ -106,8 +118,14 @@ def _isa() -> str:
 def rows_for(measured: dict[str, tuple[str, dict]]) -> list[FamilyRow]:
     llama = measured["llama"][1]
     return [
-        FamilyRow(family, path, c, round(r.output_tokens_per_s, 1),
-                  round(r.output_tokens_per_s / llama[c].output_tokens_per_s, 2), round(r.itl_ms_p50, 1))
+        FamilyRow(
+            family,
+            path,
+            c,
+            round(r.output_tokens_per_s, 1),
+            round(r.output_tokens_per_s / llama[c].output_tokens_per_s, 2),
+            round(r.itl_ms_p50, 1),
+        )
         for family, (path, results) in measured.items()
         for c, r in results.items()
     ]

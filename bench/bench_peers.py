@@ -31,8 +31,15 @@ from bench.llamacpp_peer import make_prompts  # noqa: E402
 from engine.native import kernels  # noqa: E402
 
 QWEN_390M = dict(
-    vocab_size=32000, hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-    intermediate_size=4864, tie_word_embeddings=True, max_position_embeddings=4096, rope_theta=1000000.0,
+    vocab_size=32000,
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+    rope_theta=1000000.0,
     rms_norm_eps=1e-6,
 )
 MODELS = {"ref-30m": ("llama", REFERENCE), "qwen-390m": ("qwen2", QWEN_390M)}
@@ -80,7 +87,10 @@ def build_model(name: str) -> Path:
 def matmul_bytes(shape: dict, bytes_per_weight: float) -> int:
     h, layers = shape["hidden_size"], shape["num_hidden_layers"]
     head_dim = h // shape["num_attention_heads"]
-    per_layer = h * head_dim * (2 * shape["num_attention_heads"] + 2 * shape["num_key_value_heads"]) + 3 * h * shape["intermediate_size"]
+    per_layer = (
+        h * head_dim * (2 * shape["num_attention_heads"] + 2 * shape["num_key_value_heads"])
+        + 3 * h * shape["intermediate_size"]
+    )
     return int((layers * per_layer + shape["vocab_size"] * h) * bytes_per_weight)
 
 
@@ -89,7 +99,9 @@ def run_ours(model_dir: Path, w: Workload, kernel_isa: str, quantization: str) -
     from engine.types import GenerationRequest, SamplingParams
     from settings import EngineConfig
 
-    config = EngineConfig(device="cpu", kv_cache_bytes=512 << 20, max_num_seqs=64, kernel_isa=kernel_isa, quantization=quantization)
+    config = EngineConfig(
+        device="cpu", kv_cache_bytes=512 << 20, max_num_seqs=64, kernel_isa=kernel_isa, quantization=quantization
+    )
     engine = LLMEngine.from_model_dir(model_dir, config, eos_token_ids=())
     prompts = make_prompts(w.streams, w.prompt_len, MODELS[w.model][1]["vocab_size"], seed=w.streams)
     sampling = SamplingParams(max_tokens=w.output_len, temperature=0.0, ignore_eos=True)
@@ -137,9 +149,23 @@ def run_transformers(model_dir: Path, w: Workload) -> tuple[float, float]:
 
 def run_llamacpp(build: str, gguf: Path, w: Workload) -> tuple[float, float, str]:
     env = {**os.environ, "PYTHONPATH": f"{LLAMA_BUILDS[build]}:{ROOT}"}
-    cmd = [sys.executable, "-m", "bench.llamacpp_peer", "--gguf", str(gguf), "--streams", str(w.streams),
-           "--prompt-len", str(w.prompt_len), "--output-len", str(w.output_len),
-           "--vocab-size", str(MODELS[w.model][1]["vocab_size"]), "--seed", str(w.streams)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.llamacpp_peer",
+        "--gguf",
+        str(gguf),
+        "--streams",
+        str(w.streams),
+        "--prompt-len",
+        str(w.prompt_len),
+        "--output-len",
+        str(w.output_len),
+        "--vocab-size",
+        str(MODELS[w.model][1]["vocab_size"]),
+        "--seed",
+        str(w.streams),
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"llama.cpp ({build}) failed: {done.stderr[-1500:]}")
@@ -170,14 +196,24 @@ def our_paths() -> list[tuple[str, str]]:
     return [(mode, q) for mode in modes for q in ("none", "int8") if not (mode == "torch" and q == "int8")]
 
 
-def bench_workload(w: Workload, model_dir: Path, ggufs: dict[str, Path], builds: list[str]) -> tuple[list[PeerResult], dict]:
+def bench_workload(
+    w: Workload, model_dir: Path, ggufs: dict[str, Path], builds: list[str]
+) -> tuple[list[PeerResult], dict]:
     shape = MODELS[w.model][1]
     name = f"{w.model} x{w.streams}"
     results, system_info = [], {}
     for mode, quantization in our_paths():
         tps, decode = run_ours(model_dir, w, mode, quantization)
         per_weight = 1.125 if quantization == "int8" else 4.0
-        results.append(PeerResult(name, f"ours {mode} {'int8' if quantization == 'int8' else 'fp32'}", tps, decode, matmul_bytes(shape, per_weight)))
+        results.append(
+            PeerResult(
+                name,
+                f"ours {mode} {'int8' if quantization == 'int8' else 'fp32'}",
+                tps,
+                decode,
+                matmul_bytes(shape, per_weight),
+            )
+        )
     tps, decode = run_transformers(model_dir, w)
     results.append(PeerResult(name, "transformers static batch", tps, decode, matmul_bytes(shape, 4.0)))
     for build in builds:
@@ -190,7 +226,9 @@ def bench_workload(w: Workload, model_dir: Path, ggufs: dict[str, Path], builds:
 
 
 def print_table(results: list[PeerResult], bandwidth_gbs: float) -> None:
-    header = f"{'workload':16} {'path':28} {'out tok/s':>10} {'decode tok/s':>13} {'weights GB/s':>13} {'of copy bw':>10}"
+    header = (
+        f"{'workload':16} {'path':28} {'out tok/s':>10} {'decode tok/s':>13} {'weights GB/s':>13} {'of copy bw':>10}"
+    )
     print(header)
     print("-" * len(header))
     for r in results:
@@ -207,9 +245,14 @@ def ratios(results: list[PeerResult]) -> dict[str, float]:
     by = {(r.workload, r.path): r.tokens_per_s for r in results}
     out = {}
     for workload in sorted({r.workload for r in results}):
-        for ours, peer in (("ours avx512 fp32", "llama.cpp native f32"), ("ours avx512 int8", "llama.cpp native Q8_0"),
-                           ("ours avx2 fp32", "llama.cpp avx2 f32"), ("ours avx2 int8", "llama.cpp avx2 Q8_0"),
-                           ("ours avx512 fp32", "transformers static batch"), ("ours avx2 fp32", "transformers static batch")):
+        for ours, peer in (
+            ("ours avx512 fp32", "llama.cpp native f32"),
+            ("ours avx512 int8", "llama.cpp native Q8_0"),
+            ("ours avx2 fp32", "llama.cpp avx2 f32"),
+            ("ours avx2 int8", "llama.cpp avx2 Q8_0"),
+            ("ours avx512 fp32", "transformers static batch"),
+            ("ours avx2 fp32", "transformers static batch"),
+        ):
             if (workload, ours) in by and (workload, peer) in by:
                 out[f"{workload}: {ours} / {peer}"] = by[(workload, ours)] / by[(workload, peer)]
     return out
@@ -245,16 +288,23 @@ def main(argv: list[str] | None = None) -> dict:
         rows, info = bench_workload(w, model_dir, ggufs, builds)
         results += rows
         system_info.update(info)
-    print(f"machine: {machine['cpu']} | {machine['threads']} threads | kernel ISAs {machine['isa_modes']} | "
-          f"copy bandwidth {bandwidth:.1f} GB/s (read + write)")
+    print(
+        f"machine: {machine['cpu']} | {machine['threads']} threads | kernel ISAs {machine['isa_modes']} | "
+        f"copy bandwidth {bandwidth:.1f} GB/s (read + write)"
+    )
     for build, info in system_info.items():
         print(f"llama.cpp {build}: {info.strip()}")
     print_table(results, bandwidth)
     summary = ratios(results)
     for name, value in summary.items():
         print(f"  {name}: {value:.2f}x")
-    record = {"machine": machine, "copy_bandwidth_gbs": bandwidth, "llama_cpp": system_info,
-              "results": [asdict(r) for r in results], "ratios": summary}
+    record = {
+        "machine": machine,
+        "copy_bandwidth_gbs": bandwidth,
+        "llama_cpp": system_info,
+        "results": [asdict(r) for r in results],
+        "ratios": summary,
+    }
     if not args.skip_linear:
         from bench.linear_bench import main as linear_main
 
@@ -263,9 +313,11 @@ def main(argv: list[str] | None = None) -> dict:
         from bench.quant_quality import measure
 
         quality = measure()
-        print(f"int8 quality on {quality.model}: held-out perplexity {quality.perplexity_fp32:.3f} fp32 vs "
-              f"{quality.perplexity_int8:.3f} int8; greedy agreement with fp32 {quality.greedy_agreement:.1%} "
-              f"({quality.num_prompts} prompts x {quality.tokens_per_prompt} tokens)")
+        print(
+            f"int8 quality on {quality.model}: held-out perplexity {quality.perplexity_fp32:.3f} fp32 vs "
+            f"{quality.perplexity_int8:.3f} int8; greedy agreement with fp32 {quality.greedy_agreement:.1%} "
+            f"({quality.num_prompts} prompts x {quality.tokens_per_prompt} tokens)"
+        )
         record["int8_quality"] = asdict(quality)
     line = json.dumps(record, default=float)
     print(line)

@@ -72,8 +72,9 @@ def build_model(path: Path) -> Path:
     tokenizer = Tokenizer.from_dir(path)
     torch.manual_seed(0)
     eos_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
-    config = LlamaConfig(**{**REFERENCE, "vocab_size": tokenizer.vocab_size}, pad_token_id=0, bos_token_id=None,
-                         eos_token_id=eos_id)
+    config = LlamaConfig(
+        **{**REFERENCE, "vocab_size": tokenizer.vocab_size}, pad_token_id=0, bos_token_id=None, eos_token_id=eos_id
+    )
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
     return path
 
@@ -195,32 +196,44 @@ async def one_round(model_dir: Path, variant: str, round_no: int, args, prompts:
 
 def summarize(rounds: list[RoundResult]) -> dict:
     """Medians per variant, and each safety variant's ratios to "off" with the targets."""
+
     def med(variant: str, field: str) -> float:
         return statistics.median(getattr(r, field) for r in rounds if r.variant == variant)
 
     variants = list(dict.fromkeys(r.variant for r in rounds))
-    out: dict = {"median": {v: {"tokens_per_s": med(v, "tokens_per_s"), "ttft_ms_warm": med(v, "ttft_ms_warm")}
-                            for v in variants}}
+    out: dict = {
+        "median": {
+            v: {"tokens_per_s": med(v, "tokens_per_s"), "ttft_ms_warm": med(v, "ttft_ms_warm")} for v in variants
+        }
+    }
     off = out["median"]["off"]
     for v in variants:
         if v == "off":
             continue
         tok = out["median"][v]["tokens_per_s"] / off["tokens_per_s"]
         ttft = out["median"][v]["ttft_ms_warm"] / off["ttft_ms_warm"]
-        out[v] = {"throughput_ratio": tok, "ttft_ratio": ttft,
-                  "pass": {f"throughput_ge_{TARGET_THROUGHPUT_RATIO}x_off": tok >= TARGET_THROUGHPUT_RATIO,
-                           f"warm_ttft_le_{TARGET_TTFT_RATIO}x_off": ttft <= TARGET_TTFT_RATIO}}
+        out[v] = {
+            "throughput_ratio": tok,
+            "ttft_ratio": ttft,
+            "pass": {
+                f"throughput_ge_{TARGET_THROUGHPUT_RATIO}x_off": tok >= TARGET_THROUGHPUT_RATIO,
+                f"warm_ttft_le_{TARGET_TTFT_RATIO}x_off": ttft <= TARGET_TTFT_RATIO,
+            },
+        }
     return out
 
 
 def print_report(rounds: list[RoundResult], summary: dict, hf_tok_s: float | None, machine: dict) -> None:
     isa = ", ".join(m.value for m in supported_modes()) or "no x86 kernels"
     print(f"machine: {machine['cpu']} | kernels this CPU runs: {isa} | {machine['threads']} torch threads")
-    print(f"{'server':8} {'round':>5} {'32 streams tok/s':>17} {'filtered':>9} {'TTFT warm ms':>13} "
-          f"{'TTFT cold ms':>13}")
+    print(
+        f"{'server':8} {'round':>5} {'32 streams tok/s':>17} {'filtered':>9} {'TTFT warm ms':>13} {'TTFT cold ms':>13}"
+    )
     for r in rounds:
-        print(f"{r.variant:8} {r.round:>5} {r.tokens_per_s:>17.1f} {r.num_filtered:>9} {r.ttft_ms_warm:>13.1f} "
-              f"{r.ttft_ms_cold:>13.1f}")
+        print(
+            f"{r.variant:8} {r.round:>5} {r.tokens_per_s:>17.1f} {r.num_filtered:>9} {r.ttft_ms_warm:>13.1f} "
+            f"{r.ttft_ms_cold:>13.1f}"
+        )
     for variant, m in summary["median"].items():
         line = f"median {variant:8}: {m['tokens_per_s']:.1f} tok/s, warm TTFT {m['ttft_ms_warm']:.1f} ms"
         if variant != "off":
@@ -265,8 +278,9 @@ def main(argv: list[str] | None = None) -> dict:
     reqs = make_chat_requests(tokenizer, args.num_requests, args.prompt_len, args.output_len, seed=32, prefix="s")
     prompts = [r.user_text for r in reqs]
     rng = random.Random(5)
-    questions = [f"Question {i}: what does {rng.choice(prompts).split()[0]} mean here?"
-                 for i in range(args.warm_requests + 1)]
+    questions = [
+        f"Question {i}: what does {rng.choice(prompts).split()[0]} mean here?" for i in range(args.warm_requests + 1)
+    ]
     ttft_inputs = (system_prompt(tokenizer, args.system_len, seed=7), questions)
     variants = args.variants.split(",")
     if "off" not in variants or not set(variants) <= set(VARIANTS):
@@ -279,9 +293,14 @@ def main(argv: list[str] | None = None) -> dict:
     summary = summarize(rounds)
     machine = machine_info(0.0)
     print_report(rounds, summary, hf, machine)
-    record = {"machine": machine, "isa": [m.value for m in supported_modes()],
-              "args": {k: str(v) for k, v in vars(args).items()},
-              "rounds": [asdict(r) for r in rounds], "summary": summary, "transformers_static_tok_s": hf}
+    record = {
+        "machine": machine,
+        "isa": [m.value for m in supported_modes()],
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "rounds": [asdict(r) for r in rounds],
+        "summary": summary,
+        "transformers_static_tok_s": hf,
+    }
     line = json.dumps(record, default=float)
     print(line)
     if args.json:

@@ -34,8 +34,12 @@ async def _itl(backend: NativeBackend, request: GenerationRequest) -> tuple[floa
 
 
 def _request(request_id: str, prompt: tuple[int, ...], max_tokens: int, constrained: bool) -> GenerationRequest:
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=not constrained,
-                              structured=_STRUCTURED if constrained else None)
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=not constrained,
+        structured=_STRUCTURED if constrained else None,
+    )
     return GenerationRequest(request_id, prompt, sampling)
 
 

@@ -75,10 +75,14 @@ def main(argv: list[str] | None = None) -> dict:
         }
         for name, fn in paths.items():
             out, decode, compile_s = fn()
-            rows.append({"streams": streams, "path": name, "out_tok_s": out, "decode_tok_s": decode,
-                         "compile_s": compile_s})
-            print(f"{streams:>3} streams  {name:38} out {out:8.1f} tok/s  decode {decode:8.1f} tok/s"
-                  + (f"  (first call, compiling: {compile_s:.0f} s)" if compile_s else ""), flush=True)
+            rows.append(
+                {"streams": streams, "path": name, "out_tok_s": out, "decode_tok_s": decode, "compile_s": compile_s}
+            )
+            print(
+                f"{streams:>3} streams  {name:38} out {out:8.1f} tok/s  decode {decode:8.1f} tok/s"
+                + (f"  (first call, compiling: {compile_s:.0f} s)" if compile_s else ""),
+                flush=True,
+            )
     record = {"machine": machine_info(0.0), "kernel_mode": mode.value, "rows": rows}
     print(json.dumps(record, default=float))
     return record

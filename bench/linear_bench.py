@@ -47,15 +47,21 @@ def _time_ms(chain: Callable[[], None], repeats: int = 5) -> float:
 
 
 def _library_paths(weights: list[torch.Tensor], rows: int) -> dict[str, Callable[[list[torch.Tensor]], None]]:
-    paths: dict[str, Callable] = {"torch F.linear": lambda xs: [F.linear(x, w) for x, w in zip(xs, weights, strict=True)]}
+    paths: dict[str, Callable] = {
+        "torch F.linear": lambda xs: [F.linear(x, w) for x, w in zip(xs, weights, strict=True)]
+    }
     try:
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
-        paths["oneDNN prepacked"] = lambda xs: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for x, p in zip(xs, packed, strict=True)]
+        paths["oneDNN prepacked"] = lambda xs: [
+            torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for x, p in zip(xs, packed, strict=True)
+        ]
     except (RuntimeError, AttributeError):
         pass
     try:
         mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
-        paths["MKL packed sgemm"] = lambda xs: [torch.ops.mkl._mkl_linear(x, p, w, None, rows) for x, p, w in zip(xs, mkl, weights, strict=True)]
+        paths["MKL packed sgemm"] = lambda xs: [
+            torch.ops.mkl._mkl_linear(x, p, w, None, rows) for x, p, w in zip(xs, mkl, weights, strict=True)
+        ]
     except (RuntimeError, AttributeError):
         pass
     try:
@@ -63,7 +69,9 @@ def _library_paths(weights: list[torch.Tensor], rows: int) -> dict[str, Callable
         for w in weights:
             scales = w.abs().amax(dim=1) / 127.0
             int8.append((torch.round(w / scales[:, None]).to(torch.int8), scales))
-        paths["torch int8 weight-only"] = lambda xs: [torch._weight_int8pack_mm(x, q, s) for x, (q, s) in zip(xs, int8, strict=True)]
+        paths["torch int8 weight-only"] = lambda xs: [
+            torch._weight_int8pack_mm(x, q, s) for x, (q, s) in zip(xs, int8, strict=True)
+        ]
     except (RuntimeError, AttributeError):
         pass
     return paths
@@ -89,7 +97,9 @@ def main(shape: dict) -> dict:
             for rows in ROW_COUNTS:
                 inputs = [torch.randn(rows, k) for _, k in shapes]
                 step = [(x, p) for x, p in zip(inputs, packed, strict=True)]
-                results.setdefault(label, {})[rows] = _time_ms(lambda cpu=cpu, step=step: [cpu.packed_linear(x, p) for x, p in step])
+                results.setdefault(label, {})[rows] = _time_ms(
+                    lambda cpu=cpu, step=step: [cpu.packed_linear(x, p) for x, p in step]
+                )
             del packed
     num_weights_m = sum(n * k for n, k in shapes) / 1e6
     print(f"one step's {len(shapes)} matmuls ({num_weights_m:.0f}M weights), ms per step (best of 5):")

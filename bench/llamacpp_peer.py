@@ -55,7 +55,10 @@ def run(gguf: str, prompts: list[list[int]], output_len: int, threads: int) -> d
         if llama_cpp.llama_decode(ctx, batch) != 0:
             raise RuntimeError("llama_decode failed")
         rows = [i for i, e in enumerate(entries) if e[3]]
-        return [int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(vocab_size,)).argmax()) for i in rows]
+        return [
+            int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(vocab_size,)).argmax())
+            for i in rows
+        ]
 
     def generate() -> tuple[float, float, list[list[int]]]:
         _clear_memory(llama_cpp, ctx)
@@ -64,7 +67,12 @@ def run(gguf: str, prompts: list[list[int]], output_len: int, threads: int) -> d
         outputs = [[t] for t in step(entries)]
         first = time.perf_counter()
         for k in range(output_len - 1):
-            outputs = [o + [t] for o, t in zip(outputs, step([(o[-1], len(prompts[s]) + k, s, True) for s, o in enumerate(outputs)]), strict=True)]
+            outputs = [
+                o + [t]
+                for o, t in zip(
+                    outputs, step([(o[-1], len(prompts[s]) + k, s, True) for s, o in enumerate(outputs)]), strict=True
+                )
+            ]
         return start, first, outputs
 
     generate()  # warm-up (page in the weights, size the buffers)

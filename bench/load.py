@@ -85,8 +85,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--retry-s", type=float, default=0.25, help="priority: a refused client asks again after this")
     p.add_argument("--patience-s", type=float, default=10.0, help="priority: a client gives up after this")
     p.add_argument("--shares", default="0.2,0.3,0.5", help="priority: enterprise,plus,free shares of arrivals")
-    p.add_argument("--clients", type=int, default=0,
-                   help="priority: this many steady clients (a third per tier, a key each) instead of arrivals")
+    p.add_argument(
+        "--clients",
+        type=int,
+        default=0,
+        help="priority: this many steady clients (a third per tier, a key each) instead of arrivals",
+    )
     p.add_argument("--write-results", action="store_true", help="priority: write the table into bench/RESULTS.md")
     args = p.parse_args(argv)
     args.shares = tuple(float(x) for x in args.shares.split(","))
@@ -114,8 +118,19 @@ def server_flags(args: argparse.Namespace) -> list[str]:
 
 
 def create_key(args: argparse.Namespace, db: Path, org: str, tier: str) -> str:
-    cmd = [sys.executable, str(ROOT / "server.py"), *server_flags(args),
-           "keys", "create", "--org", org, "--tier", tier, "--db", str(db)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "server.py"),
+        *server_flags(args),
+        "keys",
+        "create",
+        "--org",
+        org,
+        "--tier",
+        tier,
+        "--db",
+        str(db),
+    ]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"keys create failed: {out.stderr.strip()}")
@@ -128,14 +143,19 @@ def prompt(rng: random.Random, num_words: int) -> str:
 
 
 async def one_request(session: aiohttp.ClientSession, plan: Plan, tier: str, key: str, text: str) -> Result:
-    body = {"messages": [{"role": "user", "content": text}], "max_tokens": plan.max_tokens,
-            "temperature": 0.0, "stream": True}
+    body = {
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": plan.max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+    }
     result = Result(tier, "incomplete")
     start = time.perf_counter()
     try:
         async with asyncio.timeout(plan.timeout_s):
-            async with session.post(plan.url + "/v1/chat/completions", json=body,
-                                    headers={"Authorization": f"Bearer {key}"}) as resp:
+            async with session.post(
+                plan.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+            ) as resp:
                 result.status = resp.status
                 result.fallback_from = resp.headers.get("x-fallback-from")
                 if resp.status != 200:
@@ -164,7 +184,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, result: Result, start: floa
         line = raw.decode().strip()
         if not line.startswith("data: "):
             continue  # blank separators and ": queued position=N" comments
-        payload = line[len("data: "):]
+        payload = line[len("data: ") :]
         if payload == "[DONE]":
             result.outcome = "completed"
             result.latency_s = time.perf_counter() - start
@@ -247,17 +267,24 @@ def summarize(results: list[Result], tiers: list[str]) -> list[dict]:
         refused = [r for r in mine if r.outcome == "rejected"]
         ttfts = [r.ttft_s for r in admitted if r.ttft_s is not None]
         itls = [x for r in admitted for x in r.itls_s]
-        rows.append({
-            "tier": tier, "sent": len(mine), "admitted": len(admitted),
-            "completed": sum(r.outcome == "completed" for r in mine),
-            "429": sum(r.status == 429 for r in mine), "503": sum(r.status == 503 for r in mine),
-            "errors": sum(r.outcome in ("error", "timeout") for r in mine),
-            "fallbacks": sum(r.fallback_from is not None for r in admitted),
-            "ttft_p50_ms": _ms(percentile(ttfts, 0.5)), "ttft_p99_ms": _ms(percentile(ttfts, 0.99)),
-            "itl_p50_ms": _ms(percentile(itls, 0.5)), "itl_p99_ms": _ms(percentile(itls, 0.99)),
-            "reject_p99_ms": _ms(percentile([r.latency_s for r in refused if r.latency_s is not None], 0.99)),
-            "refusal_codes": _count_codes(refused),
-        })
+        rows.append(
+            {
+                "tier": tier,
+                "sent": len(mine),
+                "admitted": len(admitted),
+                "completed": sum(r.outcome == "completed" for r in mine),
+                "429": sum(r.status == 429 for r in mine),
+                "503": sum(r.status == 503 for r in mine),
+                "errors": sum(r.outcome in ("error", "timeout") for r in mine),
+                "fallbacks": sum(r.fallback_from is not None for r in admitted),
+                "ttft_p50_ms": _ms(percentile(ttfts, 0.5)),
+                "ttft_p99_ms": _ms(percentile(ttfts, 0.99)),
+                "itl_p50_ms": _ms(percentile(itls, 0.5)),
+                "itl_p99_ms": _ms(percentile(itls, 0.99)),
+                "reject_p99_ms": _ms(percentile([r.latency_s for r in refused if r.latency_s is not None], 0.99)),
+                "refusal_codes": _count_codes(refused),
+            }
+        )
     return rows
 
 
@@ -272,8 +299,21 @@ def _count_codes(results: list[Result]) -> dict[str, int]:
     return codes
 
 
-COLUMNS = ["tier", "sent", "admitted", "completed", "429", "503", "errors", "fallbacks", "ttft_p50_ms",
-           "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "reject_p99_ms"]
+COLUMNS = [
+    "tier",
+    "sent",
+    "admitted",
+    "completed",
+    "429",
+    "503",
+    "errors",
+    "fallbacks",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "reject_p99_ms",
+]
 
 
 def render(rows: list[dict], markdown: bool) -> str:
@@ -305,21 +345,27 @@ async def drive(args: argparse.Namespace, url: str, db: Path) -> None:
             if capacity <= 0:
                 raise SystemExit("calibration completed no request; is the server serving?")
             rate = args.overload * capacity
-            print(f"capacity {capacity:.2f} req/s (closed loop, concurrency {args.calibrate_concurrency});"
-                  f" sending {rate:.2f} req/s", flush=True)
+            print(
+                f"capacity {capacity:.2f} req/s (closed loop, concurrency {args.calibrate_concurrency});"
+                f" sending {rate:.2f} req/s",
+                flush=True,
+            )
             await asyncio.sleep(5.0)  # let the calibration streams and their queue drain
         wall = time.perf_counter()
         results = await open_loop(session, plan, rate, args)
         wall = time.perf_counter() - wall
-    print(f"{len(results)} requests at {rate:.2f}/s over {wall:.1f} s (arrivals and drain),"
-          f" max_tokens {args.max_tokens}, mix {args.mix}, {args.keys_per_tier} keys per tier")
+    print(
+        f"{len(results)} requests at {rate:.2f}/s over {wall:.1f} s (arrivals and drain),"
+        f" max_tokens {args.max_tokens}, mix {args.mix}, {args.keys_per_tier} keys per tier"
+    )
     rows = summarize(results, sorted(mix, key=lambda t: -priority[t]))
     print(render(rows, args.markdown))
     for row in rows:
         print(f"{row['tier']}: refusals by code {row['refusal_codes']}")
     if args.json is not None:
-        args.json.write_text(json.dumps({"rate": rate, "rows": rows,
-                                         "results": [dataclasses.asdict(r) for r in results]}, indent=1))
+        args.json.write_text(
+            json.dumps({"rate": rate, "rows": rows, "results": [dataclasses.asdict(r) for r in results]}, indent=1)
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -334,7 +380,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="load-") as tmp:
         db = args.db or Path(tmp) / "load.db"
-        server = ServerProcess([*server_flags(args), "--db", str(db)], log_path=args.server_log or Path(tmp) / "server.log")
+        server = ServerProcess(
+            [*server_flags(args), "--db", str(db)], log_path=args.server_log or Path(tmp) / "server.log"
+        )
         server.start(timeout_s=300.0)
         try:
             asyncio.run(drive(args, server.base_url, db))
@@ -352,12 +400,21 @@ def run_priority(args: argparse.Namespace) -> int:
 
         args.model = ROOT / "build" / "load-model"
         if not (args.model / "config.json").exists():  # 8 layers, hidden 512, random weights (seed 0)
-            build_tiny_llama(args.model, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                             num_attention_heads=8, num_key_value_heads=2, vocab_size=512,
-                             max_position_embeddings=1024)
+            build_tiny_llama(
+                args.model,
+                hidden_size=512,
+                intermediate_size=1408,
+                num_hidden_layers=8,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+                vocab_size=512,
+                max_position_embeddings=1024,
+            )
     with tempfile.TemporaryDirectory(prefix="load-") as tmp:
         db = Path(tmp) / "load.db"
-        server = ServerProcess([*server_flags(args), "--db", str(db)], log_path=args.server_log or Path(tmp) / "server.log")
+        server = ServerProcess(
+            [*server_flags(args), "--db", str(db)], log_path=args.server_log or Path(tmp) / "server.log"
+        )
         server.start(timeout_s=300.0)
         try:
             import uvloop  # the client shares the machine with the server: keep its loop cheap
@@ -384,15 +441,21 @@ def _priority_header(args: argparse.Namespace, capacity: float) -> str:
     from bench import priority
 
     if args.clients:
-        load = (f"{args.clients} streaming clients for {args.duration_s:g} s, {args.clients // 3} per tier, each on "
-                f"its own key, asking again at once after an answer and {args.retry_s:g} s after a refusal")
+        load = (
+            f"{args.clients} streaming clients for {args.duration_s:g} s, {args.clients // 3} per tier, each on "
+            f"its own key, asking again at once after an answer and {args.retry_s:g} s after a refusal"
+        )
     else:
-        load = (f"{args.overload:g}x that in client arrivals for {args.duration_s:g} s, shares enterprise/plus/free "
-                f"{'/'.join(f'{x:g}' for x in args.shares)}; a refused client retries after {args.retry_s:g} s for "
-                f"up to {args.patience_s:g} s")
-    return (f"{time.strftime('%Y-%m-%d')}, {priority.cpu_name()}, CPU fp32, one torch thread. Capacity "
-            f"{capacity:.2f} req/s (closed loop of 6); {load}; max_tokens {args.max_tokens}. "
-            f"Server: `{' '.join(priority.SERVER_SETTINGS)}`.")
+        load = (
+            f"{args.overload:g}x that in client arrivals for {args.duration_s:g} s, shares enterprise/plus/free "
+            f"{'/'.join(f'{x:g}' for x in args.shares)}; a refused client retries after {args.retry_s:g} s for "
+            f"up to {args.patience_s:g} s"
+        )
+    return (
+        f"{time.strftime('%Y-%m-%d')}, {priority.cpu_name()}, CPU fp32, one torch thread. Capacity "
+        f"{capacity:.2f} req/s (closed loop of 6); {load}; max_tokens {args.max_tokens}. "
+        f"Server: `{' '.join(priority.SERVER_SETTINGS)}`."
+    )
 
 
 if __name__ == "__main__":

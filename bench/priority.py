@@ -27,9 +27,15 @@ import aiohttp
 from bench.load import Plan, Result, _count_codes, calibrate, create_key, one_request, percentile, prompt
 
 TIERS = ("enterprise", "plus", "free")
-SERVER_SETTINGS = ("engine.max_num_seqs=2", "queue.max_waiting_requests=4", "safety.enabled=false",
-                   "engine.num_threads=1", "tiers.free.requests_per_minute=100000",
-                   "tiers.plus.requests_per_minute=100000", "tiers.enterprise.requests_per_minute=100000")
+SERVER_SETTINGS = (
+    "engine.max_num_seqs=2",
+    "queue.max_waiting_requests=4",
+    "safety.enabled=false",
+    "engine.num_threads=1",
+    "tiers.free.requests_per_minute=100000",
+    "tiers.plus.requests_per_minute=100000",
+    "tiers.enterprise.requests_per_minute=100000",
+)
 RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
 SECTION = "## Load: priority under overload (`make load`, issue #15)"
 
@@ -54,8 +60,15 @@ def is_refusal(result: Result) -> bool:
     return result.outcome == "rejected" or (result.outcome == "error" and result.code == "queue_displaced")
 
 
-async def client(session: aiohttp.ClientSession, plan: Plan, tier: str, key: str, rng: random.Random,
-                 args: argparse.Namespace, run: Run) -> None:
+async def client(
+    session: aiohttp.ClientSession,
+    plan: Plan,
+    tier: str,
+    key: str,
+    rng: random.Random,
+    args: argparse.Namespace,
+    run: Run,
+) -> None:
     """One user: ask; on a refusal wait retry_s and ask again, until served or out of patience."""
     give_up = time.perf_counter() + args.patience_s
     run.num_clients[tier] = run.num_clients.get(tier, 0) + 1
@@ -70,8 +83,16 @@ async def client(session: aiohttp.ClientSession, plan: Plan, tier: str, key: str
         await asyncio.sleep(args.retry_s)
 
 
-async def steady_client(session: aiohttp.ClientSession, plan: Plan, tier: str, key: str, rng: random.Random,
-                        args: argparse.Namespace, run: Run, deadline: float) -> None:
+async def steady_client(
+    session: aiohttp.ClientSession,
+    plan: Plan,
+    tier: str,
+    key: str,
+    rng: random.Random,
+    args: argparse.Namespace,
+    run: Run,
+    deadline: float,
+) -> None:
     """One user who keeps asking until `deadline`: at once after an answer, retry_s after a refusal."""
     run.num_clients[tier] = run.num_clients.get(tier, 0) + 1
     is_served = False
@@ -93,11 +114,20 @@ async def sample_metrics(session: aiohttp.ClientSession, url: str, run: Run, sto
                 text = await resp.text()
         except aiohttp.ClientError:
             text = ""
-        values = {name: sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M))
-                  for name in ("chat_requests_running", "chat_engine_requests_waiting", "chat_requests_reserved")}
-        run.samples.append(Sample(values["chat_requests_running"], values["chat_engine_requests_waiting"],
-                                  values["chat_requests_reserved"]))
-        for tier, value in re.findall(r'^chat_refused_over_lower_tier_total\{[^}]*tier="(\w+)"[^}]*\} (\S+)$', text, re.M):
+        values = {
+            name: sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M))
+            for name in ("chat_requests_running", "chat_engine_requests_waiting", "chat_requests_reserved")
+        }
+        run.samples.append(
+            Sample(
+                values["chat_requests_running"],
+                values["chat_engine_requests_waiting"],
+                values["chat_requests_reserved"],
+            )
+        )
+        for tier, value in re.findall(
+            r'^chat_refused_over_lower_tier_total\{[^}]*tier="(\w+)"[^}]*\} (\S+)$', text, re.M
+        ):
             run.over_lower[tier] = float(value)
         await asyncio.sleep(0.1)
 
@@ -125,8 +155,15 @@ async def drive(args: argparse.Namespace, url: str, db: Path) -> Run:
     return run
 
 
-async def _arrivals(session: aiohttp.ClientSession, plan: Plan, keys: dict[str, list[str]], rng: random.Random,
-                    args: argparse.Namespace, run: Run, rate: float) -> None:
+async def _arrivals(
+    session: aiohttp.ClientSession,
+    plan: Plan,
+    keys: dict[str, list[str]],
+    rng: random.Random,
+    args: argparse.Namespace,
+    run: Run,
+    rate: float,
+) -> None:
     """Poisson arrivals of clients at `rate` per second for duration_s, each of one tier."""
     mix = {"enterprise": args.shares[0], "plus": args.shares[1], "free": args.shares[2]}
     tasks, next_key, start, at_s = [], dict.fromkeys(TIERS, 0), time.perf_counter(), 0.0
@@ -139,12 +176,23 @@ async def _arrivals(session: aiohttp.ClientSession, plan: Plan, keys: dict[str, 
     await asyncio.gather(*tasks)
 
 
-async def _storm(session: aiohttp.ClientSession, plan: Plan, keys: dict[str, list[str]], rng: random.Random,
-                 args: argparse.Namespace, run: Run) -> None:
+async def _storm(
+    session: aiohttp.ClientSession,
+    plan: Plan,
+    keys: dict[str, list[str]],
+    rng: random.Random,
+    args: argparse.Namespace,
+    run: Run,
+) -> None:
     """`--clients` steady clients, a third per tier, each on its own key, for duration_s."""
     deadline = time.perf_counter() + args.duration_s
-    await asyncio.gather(*(steady_client(session, plan, tier, key, random.Random(rng.random()), args, run, deadline)
-                           for tier in TIERS for key in keys[tier]))
+    await asyncio.gather(
+        *(
+            steady_client(session, plan, tier, key, random.Random(rng.random()), args, run, deadline)
+            for tier in TIERS
+            for key in keys[tier]
+        )
+    )
 
 
 def summarize(run: Run) -> list[dict]:
@@ -155,22 +203,31 @@ def summarize(run: Run) -> list[dict]:
         refused = [r for r in mine if is_refusal(r)]
         # Refusal latency is the cost of saying no at arrival: a displaced request waited in
         # the queue first (its 503 comes when a higher tier takes its place), so it is not in it.
-        quick = [r.latency_s for r in refused
-                 if r.status in (429, 503) and r.code != "queue_displaced" and r.latency_s is not None]
-        rows.append({
-            "tier": tier, "clients": run.num_clients.get(tier, 0),
-            "clients_served": run.num_clients_served.get(tier, 0), "requests": len(mine),
-            "served": len(served), "refused": len(refused),
-            "displaced": sum(r.code == "queue_displaced" for r in refused),
-            "other": len(mine) - len(served) - len(refused),
-            "served_share": round(len(served) / len(mine), 3) if mine else 0.0,
-            "ttft_p50_ms": _ms(percentile([r.ttft_s for r in served if r.ttft_s is not None], 0.5)),
-            "ttft_p99_ms": _ms(percentile([r.ttft_s for r in served if r.ttft_s is not None], 0.99)),
-            "refusal_p50_ms": _ms(percentile(quick, 0.5)), "refusal_p95_ms": _ms(percentile(quick, 0.95)),
-            "refusal_p99_ms": _ms(percentile(quick, 0.99)),
-            "refused_over_lower_tier": int(run.over_lower.get(tier, 0)),
-            "refusal_codes": _count_codes(refused),
-        })
+        quick = [
+            r.latency_s
+            for r in refused
+            if r.status in (429, 503) and r.code != "queue_displaced" and r.latency_s is not None
+        ]
+        rows.append(
+            {
+                "tier": tier,
+                "clients": run.num_clients.get(tier, 0),
+                "clients_served": run.num_clients_served.get(tier, 0),
+                "requests": len(mine),
+                "served": len(served),
+                "refused": len(refused),
+                "displaced": sum(r.code == "queue_displaced" for r in refused),
+                "other": len(mine) - len(served) - len(refused),
+                "served_share": round(len(served) / len(mine), 3) if mine else 0.0,
+                "ttft_p50_ms": _ms(percentile([r.ttft_s for r in served if r.ttft_s is not None], 0.5)),
+                "ttft_p99_ms": _ms(percentile([r.ttft_s for r in served if r.ttft_s is not None], 0.99)),
+                "refusal_p50_ms": _ms(percentile(quick, 0.5)),
+                "refusal_p95_ms": _ms(percentile(quick, 0.95)),
+                "refusal_p99_ms": _ms(percentile(quick, 0.99)),
+                "refused_over_lower_tier": int(run.over_lower.get(tier, 0)),
+                "refusal_codes": _count_codes(refused),
+            }
+        )
     return rows
 
 
@@ -182,25 +239,46 @@ def targets(rows: list[dict], run: Run) -> list[tuple[str, str, bool]]:
     p99s = [row["refusal_p99_ms"] for row in rows if row["refusal_p99_ms"] is not None]
     shares = [by[t]["served_share"] for t in TIERS]
     return [
-        ("enterprise refused while a lower tier held a queue place",
-         f"{by['enterprise']['refused_over_lower_tier']} (server counter)", by["enterprise"]["refused_over_lower_tier"] == 0),
-        ("served share enterprise > plus > free", " > ".join(f"{s:.3f}" for s in shares), shares[0] > shares[1] > shares[2]),
+        (
+            "enterprise refused while a lower tier held a queue place",
+            f"{by['enterprise']['refused_over_lower_tier']} (server counter)",
+            by["enterprise"]["refused_over_lower_tier"] == 0,
+        ),
+        (
+            "served share enterprise > plus > free",
+            " > ".join(f"{s:.3f}" for s in shares),
+            shares[0] > shares[1] > shares[2],
+        ),
         ("free still served", f"{by['free']['served']} requests", by["free"]["served"] > 0),
-        ("never more in the engine than its capacity (2)",
-         f"max running {most_running:.0f}, held {most_held:.0f}, reserved {most_reserved:.0f}"
-         f" over {len(run.samples)} samples",
-         most_held <= 2 and most_reserved <= 2),
+        (
+            "never more in the engine than its capacity (2)",
+            f"max running {most_running:.0f}, held {most_held:.0f}, reserved {most_reserved:.0f}"
+            f" over {len(run.samples)} samples",
+            most_held <= 2 and most_reserved <= 2,
+        ),
         ("refusals p99 < 50 ms", ", ".join(f"{p:.1f}" for p in p99s) + " ms", bool(p99s) and max(p99s) < 50.0),
     ]
 
 
-COLUMNS = ["tier", "clients", "clients_served", "requests", "served", "refused", "displaced", "served_share",
-           "ttft_p50_ms", "ttft_p99_ms", "refusal_p50_ms", "refusal_p95_ms", "refusal_p99_ms"]
+COLUMNS = [
+    "tier",
+    "clients",
+    "clients_served",
+    "requests",
+    "served",
+    "refused",
+    "displaced",
+    "served_share",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "refusal_p50_ms",
+    "refusal_p95_ms",
+    "refusal_p99_ms",
+]
 
 
 def markdown(rows: list[dict], checks: list[tuple[str, str, bool]], header: str) -> str:
-    lines = [SECTION, "", header, "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines = [SECTION, "", header, "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join("-" if row[c] is None else str(row[c]) for c in COLUMNS) + " |" for row in rows]
     lines += ["", "| target | measured | |", "|---|---|---|"]
     lines += [f"| {name} | {value} | {'met' if ok else 'MISSED'} |" for name, value, ok in checks]
@@ -214,10 +292,10 @@ def write_results(section: str, path: Path = RESULTS_MD) -> None:
     tail = ""
     if sep:
         following = re.search(r"^## ", rest[1:], re.M)
-        tail = rest[1 + following.start():] if following else ""
+        tail = rest[1 + following.start() :] if following else ""
     else:
         first = re.search(r"^## ", text, re.M)
-        head, tail = (text[:first.start()], text[first.start():]) if first else (text + "\n", "")
+        head, tail = (text[: first.start()], text[first.start() :]) if first else (text + "\n", "")
     path.write_text(head + section + "\n" + tail, encoding="utf-8")
 
 

@@ -84,7 +84,9 @@ def heldout_prompts(model_dir: Path = DEMO_MODEL, limit: int = 16) -> list[list[
     return [tokenizer.encode_chat([{"role": "user", "content": c.messages[0][1]}]) for c in conversations]
 
 
-def greedy_agreement(model_dir: Path = DEMO_MODEL, *, max_tokens: int = 32, kernel_isa: str = "auto", limit: int = 16) -> float:
+def greedy_agreement(
+    model_dir: Path = DEMO_MODEL, *, max_tokens: int = 32, kernel_isa: str = "auto", limit: int = 16
+) -> float:
     prompts = heldout_prompts(model_dir, limit)
     fp32 = _engine_greedy(model_dir, prompts, max_tokens, "none", kernel_isa)
     int8 = _engine_greedy(model_dir, prompts, max_tokens, "int8", kernel_isa)
@@ -94,7 +96,9 @@ def greedy_agreement(model_dir: Path = DEMO_MODEL, *, max_tokens: int = 32, kern
     return agreed / (max_tokens * len(prompts))
 
 
-def measure(model_dir: Path = DEMO_MODEL, *, kernel_isa: str = "auto", limit: int = 16, max_tokens: int = 32) -> Int8Quality:
+def measure(
+    model_dir: Path = DEMO_MODEL, *, kernel_isa: str = "auto", limit: int = 16, max_tokens: int = 32
+) -> Int8Quality:
     ppl_fp32, ppl_int8 = heldout_perplexities(model_dir)
     agreement = greedy_agreement(model_dir, max_tokens=max_tokens, kernel_isa=kernel_isa, limit=limit)
     return Int8Quality(model_dir.name, ppl_fp32, ppl_int8, agreement, limit, max_tokens)

@@ -45,17 +45,26 @@ def write_configs(tmp: Path, model_dir: Path, upstream_url: str) -> tuple[Path, 
     upstream = tmp / "upstream.toml"
     upstream.write_text(common + f'[models.m]\npath = "{model_dir}"\n' + TIER.format(name="m"))
     front = tmp / "front.toml"
-    front.write_text(common + f'[models.m]\nbackend = "openai"\nurls = ["{upstream_url}"]\n'
-                     f'tokenizer = "{model_dir}"\nmax_in_flight = 256\n' + TIER.format(name="m"))
+    front.write_text(
+        common + f'[models.m]\nbackend = "openai"\nurls = ["{upstream_url}"]\n'
+        f'tokenizer = "{model_dir}"\nmax_in_flight = 256\n' + TIER.format(name="m")
+    )
     return upstream, front
 
 
-async def one_stream(session: aiohttp.ClientSession, url: str, max_tokens: int,
-                     i: int) -> tuple[float, list[float], int, float]:
+async def one_stream(
+    session: aiohttp.ClientSession, url: str, max_tokens: int, i: int
+) -> tuple[float, list[float], int, float]:
     """(TTFT, inter-token gaps, content chunks, time to the last token) of one stream, in seconds.
     The stream's end comes later: each server writes its ledger row (an fsync) before [DONE]."""
-    body = {"model": "m", "stream": True, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
-            "messages": [{"role": "user", "content": f"Request {i}: tell me about rivers and the sea."}]}
+    body = {
+        "model": "m",
+        "stream": True,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": f"Request {i}: tell me about rivers and the sea."}],
+    }
     start = time.perf_counter()
     times: list[float] = []
     async with session.post(url + "/v1/chat/completions", json=body) as resp:
@@ -71,6 +80,7 @@ async def run(url: str, conc: int, num_requests: int, max_tokens: int) -> dict:
     queue = list(range(num_requests))
     results = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+
         async def client() -> None:
             while queue:
                 results.append(await one_stream(session, url, max_tokens, queue.pop()))
@@ -80,9 +90,13 @@ async def run(url: str, conc: int, num_requests: int, max_tokens: int) -> dict:
         wall_s = time.perf_counter() - start
     ttfts = sorted(r[0] * 1000 for r in results)
     itls = sorted(x * 1000 for r in results for x in r[1])
-    return {"tok_s": sum(r[2] for r in results) / wall_s, "ttft_p50": statistics.median(ttfts),
-            "ttft_p99": ttfts[int(0.99 * (len(ttfts) - 1))], "itl_p50": statistics.median(itls),
-            "last_token_p50": statistics.median(r[3] * 1000 for r in results)}
+    return {
+        "tok_s": sum(r[2] for r in results) / wall_s,
+        "ttft_p50": statistics.median(ttfts),
+        "ttft_p99": ttfts[int(0.99 * (len(ttfts) - 1))],
+        "itl_p50": statistics.median(itls),
+        "last_token_p50": statistics.median(r[3] * 1000 for r in results),
+    }
 
 
 def main() -> None:
@@ -111,16 +125,22 @@ def main() -> None:
                 direct = asyncio.run(run(upstream.base_url, conc, args.requests, args.max_tokens))
                 relayed = asyncio.run(run(front.base_url, conc, args.requests, args.max_tokens))
                 rows.append((conc, direct, relayed))
-    print(f"{time.strftime('%Y-%m-%d')}, {cpu_name()}; model {model_dir.name}; {args.requests} streams of "
-          f"{args.max_tokens} tokens per row; both processes on this machine")
+    print(
+        f"{time.strftime('%Y-%m-%d')}, {cpu_name()}; model {model_dir.name}; {args.requests} streams of "
+        f"{args.max_tokens} tokens per row; both processes on this machine"
+    )
     print("| conc | path | out tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | last token p50 ms |")
     print("|---|---|---|---|---|---|---|")
     for conc, direct, relayed in rows:
         for name, r in (("upstream direct", direct), ("through the front door", relayed)):
-            print(f"| {conc} | {name} | {r['tok_s']:.1f} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | "
-                  f"{r['itl_p50']:.2f} | {r['last_token_p50']:.1f} |")
-        print(f"| {conc} | front / direct | {relayed['tok_s'] / direct['tok_s']:.2f}x | "
-              f"{relayed['ttft_p50'] / direct['ttft_p50']:.2f}x | | | |")
+            print(
+                f"| {conc} | {name} | {r['tok_s']:.1f} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | "
+                f"{r['itl_p50']:.2f} | {r['last_token_p50']:.1f} |"
+            )
+        print(
+            f"| {conc} | front / direct | {relayed['tok_s'] / direct['tok_s']:.2f}x | "
+            f"{relayed['ttft_p50'] / direct['ttft_p50']:.2f}x | | | |"
+        )
     print(json.dumps({"rows": [[c, d, r] for c, d, r in rows]}))
 
 

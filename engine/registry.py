@@ -80,7 +80,9 @@ def build_model(
     except TokenizerLoadError as exc:
         raise ConfigError(f"models.{name}: {exc}") from None
     if tokenizer.chat_template is None:
-        raise ConfigError(f"models.{name}: {model_dir} has no chat template (tokenizer_config.json or chat_template.jinja)")
+        raise ConfigError(
+            f"models.{name}: {model_dir} has no chat template (tokenizer_config.json or chat_template.jinja)"
+        )
     max_len = _config_max_len(model_dir, config.max_model_len)
     stand_in = backend_factory(name, tokenizer, max_len) if backend_factory and config.backend == "native" else None
     backend: Backend

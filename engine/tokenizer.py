@@ -61,9 +61,7 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, *
 
 def _compile_template(source: str) -> jinja2.Template:
     # Same environment options as transformers' chat-template renderer.
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -118,7 +116,11 @@ class Tokenizer:
         return self.chat_template is not None and "</think>" in self.chat_template
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
         **template_kwargs: Any,
     ) -> list[int]:
         """Render and tokenize a chat so that message text can never become control tokens.
@@ -131,13 +133,17 @@ class Tokenizer:
         token-for-token what transformers produces.
         """
         if not any(tok in str(m.get("content", "")) for m in messages for tok in self._special_texts):
-            return self.encode(self.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
-            ))
+            return self.encode(
+                self.apply_chat_template(
+                    messages, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
+                )
+            )
         sentinels = [f"\x00{i}\x00" for i in range(len(messages))]
         rendered = self.apply_chat_template(
-            [{**m, "content": s} for m, s in zip(messages, sentinels, strict=True)], add_generation_prompt=add_generation_prompt,
-            tools=tools, **template_kwargs,
+            [{**m, "content": s} for m, s in zip(messages, sentinels, strict=True)],
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            **template_kwargs,
         )
         ids: list[int] = []
         for i, sentinel in enumerate(sentinels):
@@ -164,7 +170,11 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
         **template_kwargs: Any,
     ) -> str:
         if self._template is None:

@@ -43,8 +43,14 @@ def estimate_tokens(num_body_bytes: int) -> int:
 class Pass:
     """Everything one request holds from `check` to its end; a context manager releases it."""
 
-    def __init__(self, admission: Admission, caller: Caller, request_id: str, reservation: Reservation,
-                 stream: StreamTicket | None):
+    def __init__(
+        self,
+        admission: Admission,
+        caller: Caller,
+        request_id: str,
+        reservation: Reservation,
+        stream: StreamTicket | None,
+    ):
         self._admission = admission
         self.caller = caller
         self.request_id = request_id
@@ -95,8 +101,9 @@ class Pass:
 
 
 class Admission:
-    def __init__(self, limiter: RateLimiter, router: TierRouter, queues: Mapping[str, ModelQueue],
-                 metrics: Metrics | None = None):
+    def __init__(
+        self, limiter: RateLimiter, router: TierRouter, queues: Mapping[str, ModelQueue], metrics: Metrics | None = None
+    ):
         self.limiter = limiter
         self.router = router
         self.queues = queues
@@ -112,8 +119,9 @@ class Admission:
         try:
             if not caller.waits_for_stream:
                 stream = self.limiter.open_stream(caller.key, caller.tier.max_concurrent_streams)
-            reservation = self.limiter.acquire(caller.key, caller.tier_name, caller.tier,
-                                               estimate_tokens(num_body_bytes), caller.overrides)
+            reservation = self.limiter.acquire(
+                caller.key, caller.tier_name, caller.tier, estimate_tokens(num_body_bytes), caller.overrides
+            )
         except GatewayError as exc:
             if stream is not None:
                 stream.release()
@@ -145,9 +153,15 @@ class Admission:
         """
         assert grant.route is not None, "route() first"
         caller, model = grant.caller, grant.route.model
-        offer = Offer(grant.request_id, caller.tier.priority, num_tokens_reserved, caller.key,
-                      caller.tier.max_concurrent_streams if caller.waits_for_stream else 0,
-                      self.router.wait_limit_s(caller.tier_name, model), num_seqs)
+        offer = Offer(
+            grant.request_id,
+            caller.tier.priority,
+            num_tokens_reserved,
+            caller.key,
+            caller.tier.max_concurrent_streams if caller.waits_for_stream else 0,
+            self.router.wait_limit_s(caller.tier_name, model),
+            num_seqs,
+        )
         try:
             self.limiter.top_up(grant.reservation, num_tokens_reserved)
             grant.ticket = self.queues[model].enqueue(offer)
@@ -179,9 +193,14 @@ def build_admission(settings: Settings, backends: Mapping[str, Backend], metrics
     """One queue per model (as many reservations as its backend runs at once), the router
     over them and a fresh limiter; the queues feed the metrics' gauges."""
     queues = {
-        name: ModelQueue(name, settings.queue, has_room=backend.has_room, capacity=backend.max_num_running,
-                         # optional: only backends that can lose their server (engine/upstream) have it
-                         is_available=getattr(backend, "is_available", _always))
+        name: ModelQueue(
+            name,
+            settings.queue,
+            has_room=backend.has_room,
+            capacity=backend.max_num_running,
+            # optional: only backends that can lose their server (engine/upstream) have it
+            is_available=getattr(backend, "is_available", _always),
+        )
         for name, backend in backends.items()
     }
     for name, backend in backends.items():

@@ -33,13 +33,25 @@ class Reason(enum.Enum):
     TIER_NOT_ENABLED = "tier_not_enabled"
 
 
-RATE_LIMIT_REASONS = frozenset({
-    Reason.KEY_REQUESTS, Reason.KEY_TOKENS, Reason.TIER_REQUESTS, Reason.TIER_TOKENS,
-    Reason.CONCURRENT_STREAMS, Reason.REQUEST_TOO_LARGE,
-})
-LOAD_REASONS = frozenset({
-    Reason.QUEUE_FULL, Reason.WAIT_TOO_LONG, Reason.DISPLACED, Reason.SHUTTING_DOWN, Reason.MODEL_UNAVAILABLE,
-})
+RATE_LIMIT_REASONS = frozenset(
+    {
+        Reason.KEY_REQUESTS,
+        Reason.KEY_TOKENS,
+        Reason.TIER_REQUESTS,
+        Reason.TIER_TOKENS,
+        Reason.CONCURRENT_STREAMS,
+        Reason.REQUEST_TOO_LARGE,
+    }
+)
+LOAD_REASONS = frozenset(
+    {
+        Reason.QUEUE_FULL,
+        Reason.WAIT_TOO_LONG,
+        Reason.DISPLACED,
+        Reason.SHUTTING_DOWN,
+        Reason.MODEL_UNAVAILABLE,
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)

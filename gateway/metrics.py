@@ -22,7 +22,26 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 # Latency buckets in seconds (vLLM's choices, trimmed): TTFT and end-to-end span ms to minutes.
-_TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TTFT_BUCKETS_S = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _ITL_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 _E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -47,26 +66,41 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r, tm = self.registry, ("tier", "model")
-        self._ttft = Histogram("chat_time_to_first_token_seconds", "Arrival to first token.", tm,
-                               buckets=_TTFT_BUCKETS_S, registry=r)
-        self._itl = Histogram("chat_inter_token_latency_seconds", "Between streamed token events.", tm,
-                              buckets=_ITL_BUCKETS_S, registry=r)
-        self._queue = Histogram("chat_queue_time_seconds", "Time waiting in the gateway queue.", tm,
-                                buckets=_TTFT_BUCKETS_S, registry=r)
-        self._e2e = Histogram("chat_e2e_request_latency_seconds", "Arrival to last token.", tm,
-                              buckets=_E2E_BUCKETS_S, registry=r)
+        self._ttft = Histogram(
+            "chat_time_to_first_token_seconds", "Arrival to first token.", tm, buckets=_TTFT_BUCKETS_S, registry=r
+        )
+        self._itl = Histogram(
+            "chat_inter_token_latency_seconds", "Between streamed token events.", tm, buckets=_ITL_BUCKETS_S, registry=r
+        )
+        self._queue = Histogram(
+            "chat_queue_time_seconds", "Time waiting in the gateway queue.", tm, buckets=_TTFT_BUCKETS_S, registry=r
+        )
+        self._e2e = Histogram(
+            "chat_e2e_request_latency_seconds", "Arrival to last token.", tm, buckets=_E2E_BUCKETS_S, registry=r
+        )
         self._prompt_tokens = Counter("chat_prompt_tokens", "Prompt tokens of finished requests.", tm, registry=r)
-        self._cached_tokens = Counter("chat_cached_prompt_tokens", "Prompt tokens served from the prefix cache.",
-                                      tm, registry=r)
+        self._cached_tokens = Counter(
+            "chat_cached_prompt_tokens", "Prompt tokens served from the prefix cache.", tm, registry=r
+        )
         self._generation_tokens = Counter("chat_generation_tokens", "Completion tokens generated.", tm, registry=r)
-        self._finished = Counter("chat_requests_finished", "Finished requests by finish reason.",
-                                 (*tm, "finish_reason"), registry=r)
-        self._rejections = Counter("chat_rejections", "Requests refused: caller's limits or server load.",
-                                   (*tm, "reason", "kind"), registry=r)
-        self._over_lower = Counter("chat_refused_over_lower_tier", "Load refusals while a lower tier held a "
-                                   "queue place (it had aged past the refused request's tier).", tm, registry=r)
-        self._fallbacks = Counter("chat_fallbacks", "Requests served by another model than asked.",
-                                  ("tier", "from_model", "to_model"), registry=r)
+        self._finished = Counter(
+            "chat_requests_finished", "Finished requests by finish reason.", (*tm, "finish_reason"), registry=r
+        )
+        self._rejections = Counter(
+            "chat_rejections", "Requests refused: caller's limits or server load.", (*tm, "reason", "kind"), registry=r
+        )
+        self._over_lower = Counter(
+            "chat_refused_over_lower_tier",
+            "Load refusals while a lower tier held a queue place (it had aged past the refused request's tier).",
+            tm,
+            registry=r,
+        )
+        self._fallbacks = Counter(
+            "chat_fallbacks",
+            "Requests served by another model than asked.",
+            ("tier", "from_model", "to_model"),
+            registry=r,
+        )
         self._sources: dict[str, _Sources] = {}
         self.registry.register(_SourceCollector(self._sources))
 
@@ -76,8 +110,11 @@ class Metrics:
         The inter-token latency observed here is the request's mean (vLLM's TPOT).
         """
         tier, model = record.tier, record.model
-        for histogram, value_ms in ((self._queue, record.queue_ms), (self._ttft, record.ttft_ms),
-                                    (self._e2e, record.total_ms)):
+        for histogram, value_ms in (
+            (self._queue, record.queue_ms),
+            (self._ttft, record.ttft_ms),
+            (self._e2e, record.total_ms),
+        ):
             if value_ms is not None:
                 histogram.labels(tier, model).observe(value_ms / 1000.0)
         if record.ttft_ms is not None and record.total_ms is not None and record.completion_tokens > 1:
@@ -106,9 +143,7 @@ class Metrics:
     def count_fallback(self, tier: str, from_model: str, to_model: str) -> None:
         self._fallbacks.labels(tier, from_model, to_model).inc()
 
-    def set_stats_source(
-        self, model: str, stats: Callable[[], EngineStats], queue: WaitingQueue | None = None
-    ) -> None:
+    def set_stats_source(self, model: str, stats: Callable[[], EngineStats], queue: WaitingQueue | None = None) -> None:
         """Read at every scrape: running/waiting requests, KV usage, prefix cache, preemptions.
 
         With `queue`, the waiting gauge adds the requests waiting in the gateway queue.

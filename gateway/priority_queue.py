@@ -61,8 +61,10 @@ class PriorityQueue:
         return len(self._line)
 
     def has_room(self, num_tokens: int) -> bool:
-        return (len(self._line) < self.max_waiting_requests
-                and self.num_waiting_tokens + num_tokens <= self.max_waiting_tokens)
+        return (
+            len(self._line) < self.max_waiting_requests
+            and self.num_waiting_tokens + num_tokens <= self.max_waiting_tokens
+        )
 
     def push(self, entry: QueueEntry) -> None:
         if entry.request_id in self._seq_of:

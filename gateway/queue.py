@@ -154,9 +154,13 @@ class ModelQueue:
         self._tickets[offer.request_id] = ticket
         for request_id in placement.displaced:
             log.info("queue_displaced", model=self.model_name, request_id=request_id, by=offer.request_id)
-            self._tickets.pop(request_id)._fail(Overloaded(
-                Reason.DISPLACED, "A request of a higher tier took this request's place in the queue; retry later.",
-                retry_after_s=placement.retry_after_s or 1.0))
+            self._tickets.pop(request_id)._fail(
+                Overloaded(
+                    Reason.DISPLACED,
+                    "A request of a higher tier took this request's place in the queue; retry later.",
+                    retry_after_s=placement.retry_after_s or 1.0,
+                )
+            )
         if placement.outcome is Outcome.ADMITTED:
             self._tickets.pop(offer.request_id)._admit(ticket.arrival_s)
         else:
@@ -221,5 +225,9 @@ def refusal(placement: Placement) -> Overloaded:
         message = "The model cannot be reached right now; retry after the time in Retry-After."
     else:
         message = "The queue is full of requests of your tier or higher; retry after the time in Retry-After."
-    return Overloaded(placement.reason or Reason.QUEUE_FULL, message, retry_after_s=placement.retry_after_s,
-                      num_outranked_waiting=placement.num_outranked_waiting)
+    return Overloaded(
+        placement.reason or Reason.QUEUE_FULL,
+        message,
+        retry_after_s=placement.retry_after_s,
+        num_outranked_waiting=placement.num_outranked_waiting,
+    )

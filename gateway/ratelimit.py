@@ -130,8 +130,7 @@ class Reservation:
 
     __slots__ = ("key", "tier_name", "num_tokens_reserved", "_checks", "_limits", "is_settled")
 
-    def __init__(self, key: str, tier_name: str, num_tokens_reserved: int, checks: tuple[_Check, ...],
-                 limits: Limits):
+    def __init__(self, key: str, tier_name: str, num_tokens_reserved: int, checks: tuple[_Check, ...], limits: Limits):
         self.key = key
         self.tier_name = tier_name
         self.num_tokens_reserved = num_tokens_reserved
@@ -218,13 +217,19 @@ class RateLimiter:
             if waits:
                 retry_after_s, worst = max(waits, key=lambda w: w[0])
                 if retry_after_s > 0:
-                    raise self._refusal(dataclasses.replace(worst, need=num_tokens), retry_after_s,
-                                        reservation.key, reservation.tier_name, reservation._limits)
+                    raise self._refusal(
+                        dataclasses.replace(worst, need=num_tokens),
+                        retry_after_s,
+                        reservation.key,
+                        reservation.tier_name,
+                        reservation._limits,
+                    )
         for check in checks:
             self._bucket(check).settle(-extra)
         reservation.num_tokens_reserved = num_tokens
-        reservation._checks = tuple(dataclasses.replace(c, need=num_tokens) if c.reason in _TOKEN_REASONS else c
-                                    for c in reservation._checks)
+        reservation._checks = tuple(
+            dataclasses.replace(c, need=num_tokens) if c.reason in _TOKEN_REASONS else c for c in reservation._checks
+        )
 
     def cancel(self, reservation: Reservation) -> None:
         """The request was never served (e.g. a 503 after admission): refund everything, once."""
@@ -285,9 +290,7 @@ class RateLimiter:
             bucket.resize(check.capacity, refill_per_s)
         return bucket
 
-    def _refusal(
-        self, check: _Check, retry_after_s: float, key: str, tier_name: str, limits: Limits
-    ) -> RateLimited:
+    def _refusal(self, check: _Check, retry_after_s: float, key: str, tier_name: str, limits: Limits) -> RateLimited:
         views = self._views(key, tier_name, limits)
         scope = "this API key" if check.bucket_id[0] == "key" else f"the {tier_name} tier"
         unit = check.bucket_id[2]
@@ -307,7 +310,10 @@ class RateLimiter:
     def _views(self, key: str, tier_name: str, limits: Limits) -> tuple[BucketView, ...]:
         views = []
         for unit, pairs in (
-            ("requests", ((key, "key", limits.requests_per_minute), (tier_name, "tier", limits.tier_requests_per_minute))),
+            (
+                "requests",
+                ((key, "key", limits.requests_per_minute), (tier_name, "tier", limits.tier_requests_per_minute)),
+            ),
             ("tokens", ((key, "key", limits.tokens_per_minute), (tier_name, "tier", limits.tier_tokens_per_minute))),
         ):
             peeks = [self._peek((scope, name, unit), capacity) for name, scope, capacity in pairs if capacity > 0]

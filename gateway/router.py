@@ -134,8 +134,11 @@ class TierRouter:
         limit_s = self._max_wait_s(model)
         if self._is_top(tier):
             return limit_s
-        targets = [t.wait_target_s for t in self._tiers.values()
-                   if t.models and tier.priority <= t.priority < self._top_priority]
+        targets = [
+            t.wait_target_s
+            for t in self._tiers.values()
+            if t.models and tier.priority <= t.priority < self._top_priority
+        ]
         return min([limit_s, *targets])
 
     def _target_s(self, tier_name: str, tier: TierConfig, model: str) -> float:

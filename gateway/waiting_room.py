@@ -123,10 +123,18 @@ class WaitingRoom:
         # last of those (a lower tier, who would wait even longer) is shed in its place.
         victims = self._victims(offer, now, min_victims=1 if is_too_long else 0)
         if victims is None:
-            reason, retry_after_s = ((Reason.WAIT_TOO_LONG, wait_s - offer.wait_limit_s) if is_too_long
-                                     else (Reason.QUEUE_FULL, self._service_interval_s(now)))
-            return Placement(Outcome.REFUSED, reason, max(1.0, retry_after_s), wait_s,
-                             num_outranked_waiting=self._num_outranked(offer.priority))
+            reason, retry_after_s = (
+                (Reason.WAIT_TOO_LONG, wait_s - offer.wait_limit_s)
+                if is_too_long
+                else (Reason.QUEUE_FULL, self._service_interval_s(now))
+            )
+            return Placement(
+                Outcome.REFUSED,
+                reason,
+                max(1.0, retry_after_s),
+                wait_s,
+                num_outranked_waiting=self._num_outranked(offer.priority),
+            )
         return Placement(Outcome.QUEUED, estimated_wait_s=wait_s, displaced=tuple(v.request_id for v in victims))
 
     def place(self, offer: Offer, *, engine_has_room: bool = True) -> Placement:
@@ -141,8 +149,17 @@ class WaitingRoom:
             for request_id in placement.displaced:
                 self._line.remove(request_id)
                 self.num_displaced += 1
-            self._line.push(QueueEntry(offer.request_id, offer.priority, now, offer.num_tokens, offer.key,
-                                       offer.max_running_per_key, offer.num_seqs))
+            self._line.push(
+                QueueEntry(
+                    offer.request_id,
+                    offer.priority,
+                    now,
+                    offer.num_tokens,
+                    offer.key,
+                    offer.max_running_per_key,
+                    offer.num_seqs,
+                )
+            )
             self._arrivals.setdefault(offer.priority, _DecayingRate()).add(now)
             if self._backlog_since_s is None:
                 self._backlog_since_s = now
@@ -193,8 +210,11 @@ class WaitingRoom:
     def _can_admit_now(self, engine_has_room: bool, offer: Offer | None) -> bool:
         if not (engine_has_room and self._has_capacity(1 if offer is None else offer.num_seqs)):
             return False
-        if offer is not None and offer.max_running_per_key > 0 \
-                and self._running_by_key[offer.key] >= offer.max_running_per_key:
+        if (
+            offer is not None
+            and offer.max_running_per_key > 0
+            and self._running_by_key[offer.key] >= offer.max_running_per_key
+        ):
             return False
         return self._line.first(self._is_eligible) is None  # nobody who could start is waiting
 
@@ -206,14 +226,20 @@ class WaitingRoom:
         victims: list[QueueEntry] = []
         num_requests, num_tokens = self._line.num_waiting, self._line.num_waiting_tokens
         for entry in self._line.from_tail():
-            if len(victims) >= min_victims and num_requests < self._line.max_waiting_requests \
-                    and num_tokens + offer.num_tokens <= self._line.max_waiting_tokens:
+            if (
+                len(victims) >= min_victims
+                and num_requests < self._line.max_waiting_requests
+                and num_tokens + offer.num_tokens <= self._line.max_waiting_tokens
+            ):
                 return victims
             if self._line.goes_before(entry, offer.priority, now):
                 return None  # everyone left outranks (or has aged past) the newcomer
             victims.append(entry)
             num_requests, num_tokens = num_requests - 1, num_tokens - entry.num_tokens
-        fits = num_requests < self._line.max_waiting_requests and num_tokens + offer.num_tokens <= self._line.max_waiting_tokens
+        fits = (
+            num_requests < self._line.max_waiting_requests
+            and num_tokens + offer.num_tokens <= self._line.max_waiting_tokens
+        )
         return victims if fits and len(victims) >= min_victims else None
 
     def _num_outranked(self, priority: int) -> int:
@@ -238,8 +264,9 @@ class WaitingRoom:
         if priority is None:
             priority = min(self._arrivals, default=0)
         base_s = (self._line.num_ahead(priority, now) + 1) * interval_s
-        cut_ins = [(rate.per_s(now), self._cut_in_window_s(q - priority))
-                   for q, rate in self._arrivals.items() if q > priority]
+        cut_ins = [
+            (rate.per_s(now), self._cut_in_window_s(q - priority)) for q, rate in self._arrivals.items() if q > priority
+        ]
         return _wait_with_cut_ins(base_s, interval_s, [c for c in cut_ins if c[0] > 0])
 
     def _cut_in_window_s(self, priority_gap: int) -> float:

@@ -16,8 +16,16 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-TEXT_TYPES = ("application/json", "application/xml", "application/x-yaml", "application/yaml",
-              "application/javascript", "application/x-sh", "application/sql", "application/csv")
+TEXT_TYPES = (
+    "application/json",
+    "application/xml",
+    "application/x-yaml",
+    "application/yaml",
+    "application/javascript",
+    "application/x-sh",
+    "application/sql",
+    "application/csv",
+)
 _SNIFF_BYTES = 8192
 
 
@@ -88,10 +96,18 @@ def cached_extract(path: Path, cache_path: Path, media_type: str, limits: Extrac
     if len(doc.text) > limits.max_chars:
         doc = DocumentText(doc.text[: limits.max_chars], doc.num_pages, doc.num_pages_read, len(doc.text))
     temp = cache_path.with_suffix(".tmp")
-    temp.write_text(json.dumps({
-        "text": doc.text, "num_pages": doc.num_pages, "num_pages_read": doc.num_pages_read,
-        "num_chars": doc.num_chars, "limits": [limits.max_pdf_pages, limits.max_chars],
-    }), encoding="utf-8")  # fmt: skip
+    temp.write_text(
+        json.dumps(
+            {
+                "text": doc.text,
+                "num_pages": doc.num_pages,
+                "num_pages_read": doc.num_pages_read,
+                "num_chars": doc.num_chars,
+                "limits": [limits.max_pdf_pages, limits.max_chars],
+            }
+        ),
+        encoding="utf-8",
+    )
     os.replace(temp, cache_path)
     return doc
 

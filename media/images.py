@@ -24,8 +24,9 @@ from PIL import Image
 from settings import ImagesConfig
 
 FORMATS = ("PNG", "JPEG", "GIF", "WEBP")
-_DATA_URL = re.compile(r"^data:(?P<type>image/[a-z0-9.+-]+)?(?P<params>(;[a-z0-9-]+=[^;,]*)*)(?P<b64>;base64)?,",
-                       re.IGNORECASE)
+_DATA_URL = re.compile(
+    r"^data:(?P<type>image/[a-z0-9.+-]+)?(?P<params>(;[a-z0-9-]+=[^;,]*)*)(?P<b64>;base64)?,", re.IGNORECASE
+)
 
 
 class ImageRejected(Exception):
@@ -48,12 +49,14 @@ class DecodedImage:
 def decode_data_url(url: str, cfg: ImagesConfig) -> bytes:
     match = _DATA_URL.match(url)
     if match is None or match.group("type") is None:
-        raise ImageRejected("The image's data: URL must look like data:image/png;base64,<base64 bytes>.",
-                            "invalid_image_url")
+        raise ImageRejected(
+            "The image's data: URL must look like data:image/png;base64,<base64 bytes>.", "invalid_image_url"
+        )
     if match.group("b64") is None:
-        raise ImageRejected("The image's data: URL must be base64-encoded (data:image/...;base64,...).",
-                            "invalid_image_url")
-    payload = url[match.end():]
+        raise ImageRejected(
+            "The image's data: URL must be base64-encoded (data:image/...;base64,...).", "invalid_image_url"
+        )
+    payload = url[match.end() :]
     if len(payload) * 3 // 4 > cfg.max_image_bytes:  # refused before decoding a byte
         raise _too_large(len(payload) * 3 // 4, cfg)
     try:
@@ -66,16 +69,22 @@ def check_remote_url(url: str, cfg: ImagesConfig) -> None:
     """Refuse a remote URL unless fetching is on and its host is allowed."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https"):
-        raise ImageRejected(f"Image URLs must be data:, http or https URLs (or send a file_id); got scheme "
-                            f"{parts.scheme!r}.", "invalid_image_url")
+        raise ImageRejected(
+            f"Image URLs must be data:, http or https URLs (or send a file_id); got scheme {parts.scheme!r}.",
+            "invalid_image_url",
+        )
     if not cfg.allow_remote_urls:
-        raise ImageRejected("This server does not fetch remote image URLs (images.allow_remote_urls is off): send "
-                            "the image as a data: URL or upload it with POST /v1/files and send its file_id.",
-                            "image_url_not_allowed")
+        raise ImageRejected(
+            "This server does not fetch remote image URLs (images.allow_remote_urls is off): send "
+            "the image as a data: URL or upload it with POST /v1/files and send its file_id.",
+            "image_url_not_allowed",
+        )
     host = (parts.hostname or "").lower()
     if host not in {h.lower() for h in cfg.remote_allow_hosts}:
-        raise ImageRejected(f"Images are only fetched from the allowed hosts (images.remote_allow_hosts); "
-                            f"{host!r} is not one of them.", "image_url_not_allowed")
+        raise ImageRejected(
+            f"Images are only fetched from the allowed hosts (images.remote_allow_hosts); {host!r} is not one of them.",
+            "image_url_not_allowed",
+        )
 
 
 async def fetch_remote(url: str, cfg: ImagesConfig) -> bytes:
@@ -117,8 +126,9 @@ def decode(data: bytes, cfg: ImagesConfig) -> DecodedImage:
     except ImageRejected:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise ImageRejected(f"The image declares too many pixels (limit {cfg.max_image_pixels}).",
-                            "image_too_many_pixels") from None
+        raise ImageRejected(
+            f"The image declares too many pixels (limit {cfg.max_image_pixels}).", "image_too_many_pixels"
+        ) from None
     except (OSError, SyntaxError, ValueError, Image.UnidentifiedImageError):
         raise ImageRejected(f"The image cannot be decoded; send one of {', '.join(FORMATS)}.") from None
     digest = hashlib.sha256(f"{width}x{height}:".encode() + rgb.tobytes()).hexdigest()

@@ -50,15 +50,24 @@ def canned_replies() -> list[str]:
 def sampled_replies(model_dir: Path, asked: list[str], num: int) -> list[str]:
     model, tokenizer = load_for_eval(model_dir)
     picked = random.Random(SEED).sample(asked, min(num, len(asked)))
-    replies = (sample_reply(model, tokenizer, [{"role": "user", "content": q}], seed=SEED + i,
-                            max_new_tokens=_MAX_NEW_TOKENS) for i, q in enumerate(picked))
+    replies = (
+        sample_reply(model, tokenizer, [{"role": "user", "content": q}], seed=SEED + i, max_new_tokens=_MAX_NEW_TOKENS)
+        for i, q in enumerate(picked)
+    )
     return [reply for reply in replies if reply]
 
 
 def record(text: str, source: str) -> dict:
     record_id = hashlib.sha1(text.encode("utf-8")).hexdigest()[:12]  # as safety/build_data.py ids records
-    return {"id": record_id, "split": "demo_answers", "kind": "response", "label": "benign", "topic": "demo_text",
-            "turns": [text], "source": source}
+    return {
+        "id": record_id,
+        "split": "demo_answers",
+        "kind": "response",
+        "label": "benign",
+        "topic": "demo_text",
+        "turns": [text],
+        "source": source,
+    }
 
 
 def main() -> None:
@@ -71,7 +80,10 @@ def main() -> None:
     asked = prompts(random.Random(SEED))
     rows = [record(text, "demo_canned") for text in canned_replies()]
     for name in MODELS:
-        rows += [record(text, f"demo_sampled_{name}") for text in sampled_replies(ROOT / "models" / name, asked, args.per_model)]
+        rows += [
+            record(text, f"demo_sampled_{name}")
+            for text in sampled_replies(ROOT / "models" / name, asked, args.per_model)
+        ]
     OUT.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     print(f"wrote {len(rows)} answers to {OUT.relative_to(ROOT)}")
 

@@ -86,8 +86,10 @@ class Outcome:
 async def evaluate(config: SafetyConfig, chunk_chars: int) -> bool:
     load_started_s = time.perf_counter()
     gate = SafetyGate(config, classifier=load_classifier(config) if config.classifier else None)
-    print(f"gate ready in {time.perf_counter() - load_started_s:.1f} s (classifier: {gate.has_classifier}, "
-          f"embed_dtype: {config.embed_dtype}, output_classifier: {config.output_classifier})")
+    print(
+        f"gate ready in {time.perf_counter() - load_started_s:.1f} s (classifier: {gate.has_classifier}, "
+        f"embed_dtype: {config.embed_dtype}, output_classifier: {config.output_classifier})"
+    )
     for i in range(5):  # warm-up, with texts not in the set: first calls pay one-off start-up costs
         await gate.screen_prompt(conversation((f"warm-up request number {i}, please ignore",)), tier="warmup")
     latencies_ms: list[float] = []
@@ -182,8 +184,10 @@ def report(outcomes: list[Outcome], latencies_ms: list[float]) -> bool:
     print(verdict_line("benign answers blocked", by["answers benign"]))
     print(verdict_line("demo-model-style text blocked", by["answers demo"]))
     print(f"\nlatency added per request (rules + classifier, {len(latencies_ms)} requests, CPU)")
-    print(f"  p50 {p50:.2f} ms   p99 {p99:.2f} ms   max {max(latencies_ms):.2f} ms   "
-          + check(ok_latency, f"target p99 < {TARGET_P99_MS:.0f} ms"))
+    print(
+        f"  p50 {p50:.2f} ms   p99 {p99:.2f} ms   max {max(latencies_ms):.2f} ms   "
+        + check(ok_latency, f"target p99 < {TARGET_P99_MS:.0f} ms")
+    )
     return bool(ok_block and ok_refuse and ok_latency)
 
 

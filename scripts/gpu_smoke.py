@@ -56,8 +56,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each request")
     p.add_argument("--startup-timeout-s", type=float, default=1800.0, help="TensorRT-LLM loads for minutes")
     p.add_argument("--request-timeout-s", type=float, default=600.0)
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="extra server setting, passed to server.py --set (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="extra server setting, passed to server.py --set (repeatable)",
+    )
     return p.parse_args(argv)
 
 
@@ -135,19 +141,25 @@ async def wait_ready(session: aiohttp.ClientSession, base: str, proc: subprocess
 
 def chat_body(question: str, max_tokens: int) -> dict:
     return {
-        "model": MODEL_NAME, "messages": [{"role": "user", "content": question}], "stream": True,
-        "max_tokens": max_tokens, "temperature": 0, "stream_options": {"include_usage": True},
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": question}],
+        "stream": True,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
     }
 
 
-async def stream_chat(session: aiohttp.ClientSession, base: str, body: dict, *, stop_after_chunks: int = 0,
-                      timeout_s: float = 600.0) -> StreamResult:
+async def stream_chat(
+    session: aiohttp.ClientSession, base: str, body: dict, *, stop_after_chunks: int = 0, timeout_s: float = 600.0
+) -> StreamResult:
     """One streaming request; with `stop_after_chunks` the client disconnects after that many."""
     started = time.monotonic()
     ttft_ms, num_chunks, usage, finish = None, 0, None, None
     try:
-        async with session.post(f"{base}/v1/chat/completions", json=body,
-                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.post(
+            f"{base}/v1/chat/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
             if resp.status != 200:
                 return StreamResult(False, None, _ms(started), 0, None, f"HTTP {resp.status}: {await resp.text()}")
             async for raw in resp.content:
@@ -185,11 +197,14 @@ def report(name: str, results: list[StreamResult], wall_s: float) -> bool:
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft_ms for r in ok if r.ttft_ms is not None]
     tokens = sum(r.num_completion_tokens for r in ok)
-    print(f"{name}: {len(ok)}/{len(results)} ok, {tokens} completion tokens in {wall_s:.2f} s "
-          f"= {tokens / wall_s if wall_s else 0:.1f} tok/s")
+    print(
+        f"{name}: {len(ok)}/{len(results)} ok, {tokens} completion tokens in {wall_s:.2f} s "
+        f"= {tokens / wall_s if wall_s else 0:.1f} tok/s"
+    )
     if ttfts:
-        print(f"  TTFT ms: p50 {statistics.median(ttfts):.0f}  p95 {_percentile(ttfts, 0.95):.0f}  "
-              f"max {max(ttfts):.0f}")
+        print(
+            f"  TTFT ms: p50 {statistics.median(ttfts):.0f}  p95 {_percentile(ttfts, 0.95):.0f}  max {max(ttfts):.0f}"
+        )
     for r in results:
         if not r.ok:
             print(f"  failed: {r.error}")
@@ -202,14 +217,15 @@ async def run_checks(args: argparse.Namespace, base: str, proc: subprocess.Popen
         print(f"server ready after {ready_s:.1f} s (backend {args.backend}, model {args.model_dir})")
         passed = True
         started = time.monotonic()
-        single = await stream_chat(session, base, chat_body(QUESTIONS[0], args.max_tokens),
-                                   timeout_s=args.request_timeout_s)
+        single = await stream_chat(
+            session, base, chat_body(QUESTIONS[0], args.max_tokens), timeout_s=args.request_timeout_s
+        )
         passed &= report("single stream", [single], time.monotonic() - started)
-        bodies = [chat_body(QUESTIONS[i % len(QUESTIONS)] + f" (#{i})", args.max_tokens)
-                  for i in range(args.concurrency)]
+        bodies = [
+            chat_body(QUESTIONS[i % len(QUESTIONS)] + f" (#{i})", args.max_tokens) for i in range(args.concurrency)
+        ]
         started = time.monotonic()
-        burst = await asyncio.gather(*(stream_chat(session, base, b, timeout_s=args.request_timeout_s)
-                                       for b in bodies))
+        burst = await asyncio.gather(*(stream_chat(session, base, b, timeout_s=args.request_timeout_s) for b in bodies))
         passed &= report(f"burst of {args.concurrency}", list(burst), time.monotonic() - started)
         passed &= await check_abort(session, base, args)
         if args.backend != "echo":  # the echo backend decodes under no grammar
@@ -218,31 +234,54 @@ async def run_checks(args: argparse.Namespace, base: str, proc: subprocess.Popen
 
 
 # A schema whose every answer is short: an unconstrained model would not produce it by chance.
-SMOKE_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["small", "large"]}},
-                "required": ["ok", "size"], "additionalProperties": False}
-SMOKE_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
-    "additionalProperties": False}}}
+SMOKE_SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["small", "large"]}},
+    "required": ["ok", "size"],
+    "additionalProperties": False,
+}
+SMOKE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"unit": {"enum": ["c", "f"]}},
+            "required": ["unit"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 async def check_structured(session: aiohttp.ClientSession, base: str, args: argparse.Namespace) -> bool:
     """response_format json_schema with top_logprobs, then a forced tool call; both must validate."""
-    body = {**_unary(chat_body(QUESTIONS[3], 64)), "logprobs": True, "top_logprobs": 2,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "smoke", "schema": SMOKE_SCHEMA}}}
+    body = {
+        **_unary(chat_body(QUESTIONS[3], 64)),
+        "logprobs": True,
+        "top_logprobs": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "smoke", "schema": SMOKE_SCHEMA}},
+    }
     answer = await _post(session, base, body, args.request_timeout_s)
     choice = (answer.get("choices") or [{}])[0]
     try:
         content = json.loads(choice["message"]["content"])
-        schema_ok = set(content) == {"ok", "size"} and isinstance(content["ok"], bool) and content["size"] in (
-            "small", "large")
+        schema_ok = (
+            set(content) == {"ok", "size"} and isinstance(content["ok"], bool) and content["size"] in ("small", "large")
+        )
     except (KeyError, TypeError, ValueError):
         schema_ok = False
     entries = (choice.get("logprobs") or {}).get("content") or []
     logprobs_ok = bool(entries) and all(len(e.get("top_logprobs", [])) == 2 for e in entries)
-    print(f"json_schema: valid={schema_ok}; top_logprobs=2 on {len(entries)} tokens ok={logprobs_ok}"
-          + ("" if schema_ok and logprobs_ok else f" ({json.dumps(answer)[:300]})"))
-    body = {**_unary(chat_body(QUESTIONS[3], 64)), "tools": [SMOKE_TOOL],
-            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    print(
+        f"json_schema: valid={schema_ok}; top_logprobs=2 on {len(entries)} tokens ok={logprobs_ok}"
+        + ("" if schema_ok and logprobs_ok else f" ({json.dumps(answer)[:300]})")
+    )
+    body = {
+        **_unary(chat_body(QUESTIONS[3], 64)),
+        "tools": [SMOKE_TOOL],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    }
     answer = await _post(session, base, body, args.request_timeout_s)
     calls = ((answer.get("choices") or [{}])[0].get("message") or {}).get("tool_calls") or []
     try:
@@ -258,15 +297,17 @@ def _unary(body: dict) -> dict:
 
 
 async def _post(session: aiohttp.ClientSession, base: str, body: dict, timeout_s: float) -> dict:
-    async with session.post(f"{base}/v1/chat/completions", json=body,
-                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+    async with session.post(
+        f"{base}/v1/chat/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+    ) as resp:
         return await resp.json()
 
 
 async def check_abort(session: aiohttp.ClientSession, base: str, args: argparse.Namespace) -> bool:
     """Disconnect mid-stream; the engine must go idle and the next request must succeed."""
-    aborted = await stream_chat(session, base, chat_body(QUESTIONS[1], args.max_tokens), stop_after_chunks=3,
-                                timeout_s=args.request_timeout_s)
+    aborted = await stream_chat(
+        session, base, chat_body(QUESTIONS[1], args.max_tokens), stop_after_chunks=3, timeout_s=args.request_timeout_s
+    )
     print(f"abort: disconnected after {aborted.num_completion_tokens} chunks (ok={aborted.ok})")
     idle = await wait_engine_idle(session, base, timeout_s=30.0)
     after = await stream_chat(session, base, chat_body(QUESTIONS[2], 16), timeout_s=args.request_timeout_s)
@@ -281,8 +322,11 @@ async def wait_engine_idle(session: aiohttp.ClientSession, base: str, timeout_s:
     while time.monotonic() < deadline:
         async with session.get(f"{base}/metrics") as resp:
             text = await resp.text()
-        lines = [ln for ln in text.splitlines()
-                 if not ln.startswith("#") and "running" in ln and f'model="{MODEL_NAME}"' in ln]
+        lines = [
+            ln
+            for ln in text.splitlines()
+            if not ln.startswith("#") and "running" in ln and f'model="{MODEL_NAME}"' in ln
+        ]
         if not lines:
             print("  /metrics has no running-requests gauge for the model; idle check skipped")
             return True

@@ -220,6 +220,7 @@ def final_states(enc: Encoder, lower: dict[str, torch.Tensor]) -> dict[str, torc
 
 def conversation_batches(examples: list[Example], states, batch_size: int):
     """Padded (states, is_last, mask, labels), built once; similar lengths share a batch."""
+
     def parts(ex: Example) -> list[torch.Tensor]:
         return [states[t] for t in ex.turns[-CONTEXT_TURNS:]]
 
@@ -321,7 +322,9 @@ def report_cv(records: list[Record], scores: np.ndarray, min_recall: float) -> N
 
     def line(thresholds: np.ndarray) -> str:
         blocked = (scores >= thresholds).any(1) | by_rules
-        return "  ".join(f"{name} {np.mean(blocked[[pick(r) for r in records]]):6.1%}" for name, pick in CV_GROUPS.items())
+        return "  ".join(
+            f"{name} {np.mean(blocked[[pick(r) for r in records]]):6.1%}" for name, pick in CV_GROUPS.items()
+        )
 
     for t in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
         print(f"cv blocked (rules or classifier >= {t:.1f}): {line(np.full(scores.shape[1], t))}", flush=True)
@@ -330,8 +333,10 @@ def report_cv(records: list[Record], scores: np.ndarray, min_recall: float) -> N
         mine = np.array([r.label == category and r.kind == "prompt" for r in records])
         ok = [t for t in np.arange(0.3, 0.96, 0.05) if np.mean((scores[mine, c] >= t) | by_rules[mine]) >= min_recall]
         chosen.append(round(float(ok[-1]), 2) if ok else 0.3)
-    print(f"cv per-category thresholds (recall >= {min_recall:.0%} each): "
-          + ", ".join(f"{c} = {t}" for c, t in zip(CLASSES[1:], chosen, strict=True)))
+    print(
+        f"cv per-category thresholds (recall >= {min_recall:.0%} each): "
+        + ", ".join(f"{c} = {t}" for c, t in zip(CLASSES[1:], chosen, strict=True))
+    )
     print(f"cv blocked with those thresholds: {line(np.array(chosen))}", flush=True)
 
 
@@ -347,11 +352,19 @@ def save(enc: Encoder, head: TorchHead, path: Path, data_sha256: str, args) -> N
         adapter[f"adapter.{key}.A"] = a.detach().numpy().astype(np.float32)
         adapter[f"adapter.{key}.B"] = (b.detach() * enc.scale).numpy().astype(np.float32)
     np.savez_compressed(
-        path, format=np.array(HEAD_FORMAT), classes=np.array(CLASSES),
-        queries=p["queries"], last_bias=p["last_bias"],
-        w1=p["fc1.weight"].T.copy(), b1=p["fc1.bias"], w2=p["fc2.weight"].T.copy(), b2=p["fc2.bias"],
-        max_tokens=np.array(MAX_TOKENS), context_turns=np.array(CONTEXT_TURNS),
-        train_sha256=np.array(data_sha256), hyperparameters=np.array(repr(training_settings(args))),
+        path,
+        format=np.array(HEAD_FORMAT),
+        classes=np.array(CLASSES),
+        queries=p["queries"],
+        last_bias=p["last_bias"],
+        w1=p["fc1.weight"].T.copy(),
+        b1=p["fc1.bias"],
+        w2=p["fc2.weight"].T.copy(),
+        b2=p["fc2.bias"],
+        max_tokens=np.array(MAX_TOKENS),
+        context_turns=np.array(CONTEXT_TURNS),
+        train_sha256=np.array(data_sha256),
+        hyperparameters=np.array(repr(training_settings(args))),
         **adapter,
     )
 
@@ -366,16 +379,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--adapter-lr", type=float, default=1e-3)
     ap.add_argument("--epochs", type=int, default=20, help="stage 2 (context head) epochs")
     ap.add_argument("--context-lr", type=float, default=1e-3)
-    ap.add_argument("--context-params", choices=("all", "pooling"), default="all",
-                    help="stage 2 trains the whole head, or only its pooling queries")
-    ap.add_argument("--prefixed", type=int, default=0,
-                    help="copies of each single prompt after 1-3 benign prompts, as a conversation")
+    ap.add_argument(
+        "--context-params",
+        choices=("all", "pooling"),
+        default="all",
+        help="stage 2 trains the whole head, or only its pooling queries",
+    )
+    ap.add_argument(
+        "--prefixed",
+        type=int,
+        default=0,
+        help="copies of each single prompt after 1-3 benign prompts, as a conversation",
+    )
     ap.add_argument("--queries", type=int, default=4, help="attention-pooling queries (0: mean only)")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--dropout", type=float, default=0.5)
     ap.add_argument("--average", type=int, default=1, help="1: average the weights over the last half of each stage")
-    ap.add_argument("--benign-openings", type=int, default=1,
-                    help="1: a harmful conversation's turns before its last one are a benign example")
+    ap.add_argument(
+        "--benign-openings",
+        type=int,
+        default=1,
+        help="1: a harmful conversation's turns before its last one are a benign example",
+    )
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--weight-decay", type=float, default=5e-2)
     ap.add_argument("--seed", type=int, default=0)

@@ -48,8 +48,11 @@ def add_cli(subparsers: Any) -> None:
     feedback = subparsers.add_parser("feedback", help="export what users said about answers")
     feedback.set_defaults(store_cli="feedback")
     feedback_sub = feedback.add_subparsers(dest="feedback_command", required=True)
-    export = _with_db(feedback_sub.add_parser(
-        "export", help="one JSON line per rated, regenerated or edited answer: prompt, answer, model, rating, edit"))
+    export = _with_db(
+        feedback_sub.add_parser(
+            "export", help="one JSON line per rated, regenerated or edited answer: prompt, answer, model, rating, edit"
+        )
+    )
     export.add_argument("--org", help="only this organisation's feedback")
     export.add_argument("--out", type=Path, help="write to this file (default: standard output)")
     org_set = _with_db(orgs_sub.add_parser("set", help="change an organisation's tier, budget or limits"))
@@ -57,9 +60,12 @@ def add_cli(subparsers: Any) -> None:
     org_set.add_argument("--tier")
     org_set.add_argument("--budget", type=_budget, default=UNSET, help="monthly budget in USD, or 'none'")
     org_set.add_argument(
-        "--limit", action="append", default=[], metavar="KEY=VALUE",
+        "--limit",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="override a tier limit, e.g. requests_per_minute=100; KEY=none removes it",
-    )  # fmt: skip
+    )
 
 
 async def run_cli(args: argparse.Namespace, settings: Settings) -> int:
@@ -93,8 +99,10 @@ async def _keys_create(store: Store, args: argparse.Namespace, settings: Setting
         org = await store.create_org(args.org, args.tier, budget_usd=budget)
         _out(f"created organisation {org.name} (tier {org.tier}, budget {_money(org.budget_usd)})")
     elif (args.tier is not None and args.tier != org.tier) or (args.budget not in (UNSET, org.budget_usd)):
-        return _fail(f"organisation {org.name!r} exists with tier {org.tier}, budget {_money(org.budget_usd)};"
-                     " change it with `orgs set`")  # fmt: skip
+        return _fail(
+            f"organisation {org.name!r} exists with tier {org.tier}, budget {_money(org.budget_usd)};"
+            " change it with `orgs set`"
+        )
     expires_at = None if args.expires_in_days is None else time.time() + args.expires_in_days * 86400.0
     key, secret = await store.create_key(org.name, name=args.name, expires_at=expires_at)
     _out(f"created key {key.display} ({key.id}) for {org.name}\n")
@@ -109,8 +117,10 @@ async def _keys_list(store: Store, args: argparse.Namespace, settings: Settings)
         state = f"revoked {_time(key.revoked_at)}" if key.is_revoked else "active"
         if not key.is_revoked and key.expires_at is not None:
             state = f"{'expired' if key.is_expired(time.time()) else 'expires'} {_time(key.expires_at)}"
-        _out(f"{key.prefix:<12} ...{key.last4}  {org_names.get(key.org_id, key.org_id):<20} {state:<28}"
-             f" created {_time(key.created_at)}  last used {_time(key.last_used_at)}  {key.name or ''}\n")  # fmt: skip
+        _out(
+            f"{key.prefix:<12} ...{key.last4}  {org_names.get(key.org_id, key.org_id):<20} {state:<28}"
+            f" created {_time(key.created_at)}  last used {_time(key.last_used_at)}  {key.name or ''}\n"
+        )
     return 0
 
 
@@ -164,10 +174,18 @@ async def _feedback_export(store: Store, args: argparse.Namespace, settings: Set
 
 
 def _feedback_line(f: Feedback) -> str:
-    row = {"prompt": f.prompt, "answer": f.answer, "model": f.model, "rating": f.rating, "comment": f.comment,
-           "edit": {"regenerated": f.regenerated, "edited_prompt": f.edited_prompt},
-           "conversation_id": f.conversation_id, "message_id": f.message_id,
-           "created_at": f.created_at, "updated_at": f.updated_at}
+    row = {
+        "prompt": f.prompt,
+        "answer": f.answer,
+        "model": f.model,
+        "rating": f.rating,
+        "comment": f.comment,
+        "edit": {"regenerated": f.regenerated, "edited_prompt": f.edited_prompt},
+        "conversation_id": f.conversation_id,
+        "message_id": f.message_id,
+        "created_at": f.created_at,
+        "updated_at": f.updated_at,
+    }
     return json.dumps(row, ensure_ascii=False)
 
 

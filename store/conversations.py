@@ -39,15 +39,14 @@ def new_message_id() -> str:
 async def get(
     conn: aiosqlite.Connection, org_id: str, conversation_id: str, with_messages: bool
 ) -> Conversation | None:
-    rows = await fetch_all(conn,
-        f"SELECT {_CONV_COLUMNS} FROM conversations WHERE {_LIVE}", (org_id, conversation_id)
-    )
+    rows = await fetch_all(conn, f"SELECT {_CONV_COLUMNS} FROM conversations WHERE {_LIVE}", (org_id, conversation_id))
     if not rows:
         return None
     conv = Conversation(*tuple(rows[0]))
     if not with_messages:
         return conv
-    msg_rows = await fetch_all(conn,
+    msg_rows = await fetch_all(
+        conn,
         "SELECT id, role, content, created_at, tokens, model, parts_json, finish_reason FROM messages"
         " WHERE conversation_id = ? ORDER BY seq",
         (conversation_id,),
@@ -61,17 +60,17 @@ async def list_page(
     """Newest first by (updated_at, id); `after` is the last id of the previous page."""
     where, params = "org_id = ? AND deleted_at IS NULL", [org_id]
     if after is not None:
-        cursor_rows = await fetch_all(conn,
-            "SELECT updated_at FROM conversations WHERE org_id = ? AND id = ?", (org_id, after)
+        cursor_rows = await fetch_all(
+            conn, "SELECT updated_at FROM conversations WHERE org_id = ? AND id = ?", (org_id, after)
         )
         if not cursor_rows:
             raise NotFound(f"no conversation {after!r} to page after")
         updated_at = cursor_rows[0][0]
         where += " AND (updated_at < ? OR (updated_at = ? AND id < ?))"
         params += [updated_at, updated_at, after]
-    rows = await fetch_all(conn,
-        f"SELECT {_CONV_COLUMNS} FROM conversations WHERE {where}"
-        " ORDER BY updated_at DESC, id DESC LIMIT ?",
+    rows = await fetch_all(
+        conn,
+        f"SELECT {_CONV_COLUMNS} FROM conversations WHERE {where} ORDER BY updated_at DESC, id DESC LIMIT ?",
         (*params, limit + 1),
     )
     page = [Conversation(*tuple(r)) for r in rows[:limit]]
@@ -149,22 +148,33 @@ async def append_turn(
     conn: aiosqlite.Connection, org_id: str, conversation_id: str, messages: list[Message], request_id: str
 ) -> bool:
     """Append messages (oldest first) and bump updated_at; title from the first user message."""
-    rows = await fetch_all(conn,
-        f"SELECT title, updated_at FROM conversations WHERE {_LIVE}", (org_id, conversation_id)
+    rows = await fetch_all(
+        conn, f"SELECT title, updated_at FROM conversations WHERE {_LIVE}", (org_id, conversation_id)
     )
     if not rows:
         return False
     title, updated_at = tuple(rows[0])
-    seq_rows = await fetch_all(conn,
-        "SELECT coalesce(max(seq) + 1, 0) FROM messages WHERE conversation_id = ?", (conversation_id,)
+    seq_rows = await fetch_all(
+        conn, "SELECT coalesce(max(seq) + 1, 0) FROM messages WHERE conversation_id = ?", (conversation_id,)
     )
     first_seq = seq_rows[0][0]
     await conn.executemany(
         "INSERT INTO messages (id, conversation_id, seq, role, content, created_at, tokens, model, request_id,"
         " parts_json, finish_reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         [
-            (m.id, conversation_id, first_seq + i, m.role, m.content, m.created_at, m.tokens, m.model, request_id,
-             m.parts_json, m.finish_reason)
+            (
+                m.id,
+                conversation_id,
+                first_seq + i,
+                m.role,
+                m.content,
+                m.created_at,
+                m.tokens,
+                m.model,
+                request_id,
+                m.parts_json,
+                m.finish_reason,
+            )
             for i, m in enumerate(messages)
         ],
     )

@@ -44,8 +44,10 @@ class Feedback:
     updated_at: float
 
 
-_COLUMNS = ("message_id, conversation_id, model, prompt, answer, rating, comment, regenerated, edited_prompt,"
-            " created_at, updated_at")
+_COLUMNS = (
+    "message_id, conversation_id, model, prompt, answer, rating, comment, regenerated, edited_prompt,"
+    " created_at, updated_at"
+)
 
 
 def _row(row: sqlite3.Row) -> Feedback:
@@ -66,9 +68,11 @@ async def upsert(
         (org_id, message_id, conversation_id, model, prompt, answer, now, now),
     )
     sets, params = ["updated_at = ?"], list[object]([now])
-    for column, value, clear in (("rating", change.rating, change.clear_rating),
-                                 ("comment", change.comment, change.clear_comment),
-                                 ("edited_prompt", change.edited_prompt, False)):
+    for column, value, clear in (
+        ("rating", change.rating, change.clear_rating),
+        ("comment", change.comment, change.clear_comment),
+        ("edited_prompt", change.edited_prompt, False),
+    ):
         if value is not None or clear:
             sets.append(f"{column} = ?")
             params.append(value)
@@ -83,7 +87,8 @@ async def _rated_turn(
     conn: aiosqlite.Connection, org_id: str, conversation_id: str, message_id: str
 ) -> tuple[str, str, str | None]:
     """(the user message before it, the answer, its model); NotFound names what is missing."""
-    rows = await fetch_all(conn,
+    rows = await fetch_all(
+        conn,
         "SELECT m.seq, m.role, m.content, m.model FROM messages m JOIN conversations c ON c.id = m.conversation_id"
         " WHERE m.id = ? AND c.id = ? AND c.org_id = ? AND c.deleted_at IS NULL",
         (message_id, conversation_id, org_id),
@@ -93,7 +98,8 @@ async def _rated_turn(
     seq, role, answer, model = tuple(rows[0])
     if role != "assistant":
         raise NotFound(f"message {message_id!r} is not an answer (role {role!r}); only answers take feedback")
-    prompt_rows = await fetch_all(conn,
+    prompt_rows = await fetch_all(
+        conn,
         "SELECT content FROM messages WHERE conversation_id = ? AND seq < ? AND role = 'user'"
         " ORDER BY seq DESC LIMIT 1",
         (conversation_id, seq),
@@ -102,9 +108,7 @@ async def _rated_turn(
 
 
 async def for_conversation(conn: aiosqlite.Connection, conversation_id: str) -> dict[str, Feedback]:
-    rows = await fetch_all(conn,
-        f"SELECT {_COLUMNS} FROM feedback WHERE conversation_id = ?", (conversation_id,)
-    )
+    rows = await fetch_all(conn, f"SELECT {_COLUMNS} FROM feedback WHERE conversation_id = ?", (conversation_id,))
     return {row[0]: _row(row) for row in rows}
 
 

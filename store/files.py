@@ -24,9 +24,7 @@ def _row(row: sqlite3.Row) -> StoredFile:
 
 async def usage(conn: aiosqlite.Connection, org_id: str, now: float) -> tuple[int, int]:
     """(number of files, total bytes) the organisation keeps now."""
-    rows = await fetch_all(conn,
-        f"SELECT count(*), coalesce(sum(bytes), 0) FROM files WHERE {_LIVE}", (org_id, now)
-    )
+    rows = await fetch_all(conn, f"SELECT count(*), coalesce(sum(bytes), 0) FROM files WHERE {_LIVE}", (org_id, now))
     return int(rows[0][0]), int(rows[0][1])
 
 
@@ -67,7 +65,8 @@ async def list_page(
             return [], False
         where += f" AND (created_at {op} ? OR (created_at = ? AND id {op} ?))"
         params += [cursor_file.created_at, cursor_file.created_at, cursor_file.id]
-    rows = await fetch_all(conn,
+    rows = await fetch_all(
+        conn,
         f"SELECT {_COLUMNS} FROM files WHERE {where} ORDER BY created_at {order}, id {order} LIMIT ?",
         (*params, query.limit + 1),
     )
@@ -81,8 +80,8 @@ async def delete(conn: aiosqlite.Connection, org_id: str, file_id: str) -> bool:
 
 async def purge_expired(conn: aiosqlite.Connection, now: float) -> list[str]:
     """Delete rows past their expiry; returns their ids so that the caller removes the bytes."""
-    rows = await fetch_all(conn,
-        "DELETE FROM files WHERE expires_at IS NOT NULL AND expires_at <= ? RETURNING id", (now,)
+    rows = await fetch_all(
+        conn, "DELETE FROM files WHERE expires_at IS NOT NULL AND expires_at <= ? RETURNING id", (now,)
     )
     return [r[0] for r in rows]
 
@@ -90,4 +89,3 @@ async def purge_expired(conn: aiosqlite.Connection, now: float) -> list[str]:
 async def live_ids(conn: aiosqlite.Connection) -> set[str]:
     """Every file id with a row (orphan sweeps compare the folder with this)."""
     return {r[0] for r in await fetch_all(conn, "SELECT id FROM files")}
-

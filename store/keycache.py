@@ -52,8 +52,9 @@ class KeyCache:
     write made here is never undone by a read that raced with it.
     """
 
-    def __init__(self, max_age_s: float, max_entries: int = 10_000, clock: Clock = time.monotonic,
-                 wall_clock: Clock = time.time):
+    def __init__(
+        self, max_age_s: float, max_entries: int = 10_000, clock: Clock = time.monotonic, wall_clock: Clock = time.time
+    ):
         self.max_age_s = max_age_s
         self._max_entries = max_entries
         self._clock = clock
@@ -81,8 +82,9 @@ class KeyCache:
         self._entries.move_to_end(key_hash)
         return None if entry.key is None else entry.key.principal_at(self._wall_clock())
 
-    def put(self, key_hash: str, key: LiveKey | None, generation: int, *, checked_s: float,
-            is_refresh: bool = False) -> None:
+    def put(
+        self, key_hash: str, key: LiveKey | None, generation: int, *, checked_s: float, is_refresh: bool = False
+    ) -> None:
         """Store a lookup's answer unless the cache was invalidated since it began.
 
         `checked_s`: when the lookup began (`now()`). A request's lookup is a use; a background

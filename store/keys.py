@@ -70,9 +70,9 @@ async def list_keys(conn: aiosqlite.Connection, org_name: str | None) -> list[Ap
         return [key_from_row(r) for r in rows]
     if await get_org(conn, org_name) is None:
         raise NotFound(f"no organisation named {org_name!r}")
-    rows = await fetch_all(conn,
-        f"SELECT {_KEY_COLUMNS} FROM api_keys k JOIN orgs o ON o.id = k.org_id"
-        " WHERE o.name = ? ORDER BY k.created_at",
+    rows = await fetch_all(
+        conn,
+        f"SELECT {_KEY_COLUMNS} FROM api_keys k JOIN orgs o ON o.id = k.org_id WHERE o.name = ? ORDER BY k.created_at",
         (org_name,),
     )
     return [key_from_row(r) for r in rows]
@@ -83,7 +83,8 @@ async def find_live_keys(conn: aiosqlite.Connection, key_hashes: list[str]) -> d
     found: dict[str, LiveKey] = {}
     for start in range(0, len(key_hashes), MAX_LOOKUP_HASHES):
         batch = key_hashes[start : start + MAX_LOOKUP_HASHES]
-        rows = await fetch_all(conn,
+        rows = await fetch_all(
+            conn,
             f"SELECT k.key_hash, k.id, k.expires_at, {_ORG_COLUMNS} FROM api_keys k JOIN orgs o ON o.id = k.org_id"
             f" WHERE k.revoked_at IS NULL AND k.key_hash IN ({', '.join('?' * len(batch))})",
             batch,
@@ -142,7 +143,14 @@ async def insert_key(
     for _ in range(5):  # a prefix collision (48 bits) is all but impossible; retry if it happens
         secret = new_secret()
         key = ApiKey(
-            f"key_{secrets.token_hex(8)}", org.id, secret[:PREFIX_CHARS], secret[-4:], name, time.time(), None, None,
+            f"key_{secrets.token_hex(8)}",
+            org.id,
+            secret[:PREFIX_CHARS],
+            secret[-4:],
+            name,
+            time.time(),
+            None,
+            None,
             expires_at,
         )
         try:

@@ -37,12 +37,26 @@ async def record(conn: aiosqlite.Connection, rec: RequestRecord) -> bool:
         " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
         " ON CONFLICT (request_id) DO NOTHING",
         (
-            rec.request_id, rec.org_id, rec.key_id, rec.model, rec.tier, rec.status.value,
-            rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens, rec.cost_usd,
-            rec.queue_ms, rec.ttft_ms, rec.total_ms, rec.created_at, rec.finished_at,
-            rec.conversation_id, rec.fallback_from, rec.usage_source,
+            rec.request_id,
+            rec.org_id,
+            rec.key_id,
+            rec.model,
+            rec.tier,
+            rec.status.value,
+            rec.prompt_tokens,
+            rec.cached_tokens,
+            rec.completion_tokens,
+            rec.cost_usd,
+            rec.queue_ms,
+            rec.ttft_ms,
+            rec.total_ms,
+            rec.created_at,
+            rec.finished_at,
+            rec.conversation_id,
+            rec.fallback_from,
+            rec.usage_source,
         ),
-    )  # fmt: skip
+    )
     if cursor.rowcount == 0:
         return False
     await conn.execute(
@@ -67,16 +81,21 @@ def _turn(rec: RequestRecord) -> list[Message]:
     if rec.assistant_content is not None:
         turn.append(
             Message(
-                new_id(), "assistant", rec.assistant_content, rec.finished_at,
-                rec.completion_tokens, rec.model, finish_reason=rec.finish_reason,
+                new_id(),
+                "assistant",
+                rec.assistant_content,
+                rec.finished_at,
+                rec.completion_tokens,
+                rec.model,
+                finish_reason=rec.finish_reason,
             )
-        )  # fmt: skip
+        )
     return turn
 
 
 async def month_spend_usd(conn: aiosqlite.Connection, org_id: str, now: float) -> float:
-    rows = await fetch_all(conn,
-        "SELECT cost_usd FROM org_month_spend WHERE org_id = ? AND month = ?", (org_id, month_of(now))
+    rows = await fetch_all(
+        conn, "SELECT cost_usd FROM org_month_spend WHERE org_id = ? AND month = ?", (org_id, month_of(now))
     )
     return round(float(rows[0][0]), 9) if rows else 0.0  # float additions drift below a nano-dollar
 
@@ -96,7 +115,8 @@ async def summary(
         where += " AND u.created_at < ?"
         params.append(end)
     key_prefix = ", max(k.prefix) AS key_prefix" if group_by == "key" else ""
-    rows = await fetch_all(conn,
+    rows = await fetch_all(
+        conn,
         f"SELECT {expr} AS {name}{key_prefix}, count(*) AS num_requests,"
         " sum(u.prompt_tokens) AS prompt_tokens, sum(u.cached_tokens) AS cached_tokens,"
         " sum(u.completion_tokens) AS completion_tokens, round(sum(u.cost_usd), 9) AS cost_usd"

@@ -41,13 +41,28 @@ async def insert(conn: aiosqlite.Connection, org_id: str, response: StoredRespon
     await conn.execute(
         "INSERT INTO responses (id, org_id, conversation_id, num_messages, body_json, input_items_json, created_at,"
         " status) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        (response.id, org_id, response.conversation_id, response.num_messages, response.body_json,
-         response.input_items_json, response.created_at or time.time(), response.status),
+        (
+            response.id,
+            org_id,
+            response.conversation_id,
+            response.num_messages,
+            response.body_json,
+            response.input_items_json,
+            response.created_at or time.time(),
+            response.status,
+        ),
     )
 
 
-async def update(conn: aiosqlite.Connection, org_id: str, response_id: str, *, status: str, body_json: str,
-                 num_messages: int | None = None) -> bool:
+async def update(
+    conn: aiosqlite.Connection,
+    org_id: str,
+    response_id: str,
+    *,
+    status: str,
+    body_json: str,
+    num_messages: int | None = None,
+) -> bool:
     """A background response's new state; False if it is gone (deleted meanwhile) or already final."""
     cursor = await conn.execute(
         "UPDATE responses SET status = ?, body_json = ?, num_messages = COALESCE(?, num_messages)"

@@ -182,7 +182,12 @@ CREATE INDEX responses_unfinished ON responses(status) WHERE status IN ('queued'
 
 # (version, script); version N leaves `PRAGMA user_version = N`.
 MIGRATIONS: tuple[tuple[int, str], ...] = (
-    (1, _V1), (2, _V2_FILES), (3, _V3_USAGE_SOURCE), (4, _V4_FEEDBACK), (5, _V5_RESPONSES), (6, _V6_KEY_EXPIRY),
+    (1, _V1),
+    (2, _V2_FILES),
+    (3, _V3_USAGE_SOURCE),
+    (4, _V4_FEEDBACK),
+    (5, _V5_RESPONSES),
+    (6, _V6_KEY_EXPIRY),
     (7, _V7_RESPONSE_STATUS),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]

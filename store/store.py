@@ -94,9 +94,12 @@ class Store:
         if store._keys.is_enabled:
             store._key_refresh = asyncio.create_task(store._refresh_keys(), name="store-key-refresh")
         log.info(
-            "store opened", path=str(path), synchronous=config.synchronous.upper(), schema=schema.SCHEMA_VERSION,
+            "store opened",
+            path=str(path),
+            synchronous=config.synchronous.upper(),
+            schema=schema.SCHEMA_VERSION,
             is_writable=store.is_writable,
-        )  # fmt: skip
+        )
         return store
 
     async def close(self) -> None:
@@ -254,11 +257,19 @@ class Store:
     async def insert_response(self, org_id: str, response: responses.StoredResponse) -> None:
         await self._write(functools.partial(responses.insert, org_id=org_id, response=response))
 
-    async def update_response(self, org_id: str, response_id: str, *, status: str, body_json: str,
-                              num_messages: int | None = None) -> bool:
-        return await self._write(functools.partial(
-            responses.update, org_id=org_id, response_id=response_id, status=status, body_json=body_json,
-            num_messages=num_messages))
+    async def update_response(
+        self, org_id: str, response_id: str, *, status: str, body_json: str, num_messages: int | None = None
+    ) -> bool:
+        return await self._write(
+            functools.partial(
+                responses.update,
+                org_id=org_id,
+                response_id=response_id,
+                status=status,
+                body_json=body_json,
+                num_messages=num_messages,
+            )
+        )
 
     async def fail_unfinished_responses(self, error: dict[str, Any]) -> int:
         return await self._write(functools.partial(responses.fail_unfinished, error=error))
@@ -330,11 +341,19 @@ class Store:
             return await self._write(functools.partial(ledger.record, rec=rec))
         except StoreUnavailable as exc:
             log.error(
-                "usage record not written", request_id=rec.request_id, org_id=rec.org_id, key_id=rec.key_id,
-                model=rec.model, status=rec.status.value, prompt_tokens=rec.prompt_tokens,
-                cached_tokens=rec.cached_tokens, completion_tokens=rec.completion_tokens,
-                cost_usd=rec.cost_usd, created_at=rec.created_at, error=str(exc),
-            )  # fmt: skip
+                "usage record not written",
+                request_id=rec.request_id,
+                org_id=rec.org_id,
+                key_id=rec.key_id,
+                model=rec.model,
+                status=rec.status.value,
+                prompt_tokens=rec.prompt_tokens,
+                cached_tokens=rec.cached_tokens,
+                completion_tokens=rec.completion_tokens,
+                cost_usd=rec.cost_usd,
+                created_at=rec.created_at,
+                error=str(exc),
+            )
             raise
 
     async def month_spend_usd(self, org_id: str, now: float | None = None) -> float:

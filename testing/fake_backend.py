@@ -43,8 +43,14 @@ class FakeBehaviour:
 class FakeBackend:
     """Streams `words`, or echoes the last user message (which needs `tokenizer`)."""
 
-    def __init__(self, tokenizer: Tokenizer | None = None, *, words: tuple[str, ...] | None = None,
-                 behaviour: FakeBehaviour = FakeBehaviour(), max_model_len: int = 4096):
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None = None,
+        *,
+        words: tuple[str, ...] | None = None,
+        behaviour: FakeBehaviour = FakeBehaviour(),
+        max_model_len: int = 4096,
+    ):
         if words is None and tokenizer is None:
             raise ValueError("FakeBackend echoes the prompt through a tokenizer: give one, or words")
         self.words = words

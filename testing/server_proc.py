@@ -31,8 +31,15 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], *, fake: FakeBehaviour | None = None, env: dict[str, str] | None = None,
-                 log_path: Path | None = None, preexec_fn=None):
+    def __init__(
+        self,
+        args: list[str],
+        *,
+        fake: FakeBehaviour | None = None,
+        env: dict[str, str] | None = None,
+        log_path: Path | None = None,
+        preexec_fn=None,
+    ):
         self.port = free_port()
         self.args = args
         self.fake = fake  # serve the native models with the fake backend (`--fake NAME` in args: only those)
@@ -48,13 +55,21 @@ class ServerProcess:
     def start(self, timeout_s: float = 120.0) -> ServerProcess:
         cmd = [sys.executable, str(ROOT / "server.py")]
         if self.fake is not None:
-            cmd = [sys.executable, "-m", "testing.fake_server", "--token-delay-s", str(self.fake.token_delay_s),
-                   "--max-num-running", str(self.fake.max_num_running)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "testing.fake_server",
+                "--token-delay-s",
+                str(self.fake.token_delay_s),
+                "--max-num-running",
+                str(self.fake.max_num_running),
+            ]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), *self.args]
         # The child inherits the log file; the parent's copy is closed at once.
         with open(self.log_path or os.devnull, "ab") as log:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=log,
-                                         preexec_fn=self.preexec_fn)
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=self.env, stdout=log, stderr=log, preexec_fn=self.preexec_fn
+            )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

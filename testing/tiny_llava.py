@@ -33,21 +33,49 @@ def build_tiny_llava(path: Path | str, *, image_size: int = 32, patch_size: int 
     tok.add_special_tokens([IMAGE_TOKEN])
     tok.save(str(path / "tokenizer.json"))
     eos_id = tok.token_to_id("<|im_end|>")
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "bos_token": None, "model_max_length": 1_000_000,
-    }, indent=2))  # fmt: skip
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": CHAT_TEMPLATE,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "bos_token": None,
+                "model_max_length": 1_000_000,
+            },
+            indent=2,
+        )
+    )
     text = LlamaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-        initializer_range=0.1, eos_token_id=eos_id, pad_token_id=tok.token_to_id("<|endoftext|>"), bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+        eos_token_id=eos_id,
+        pad_token_id=tok.token_to_id("<|endoftext|>"),
+        bos_token_id=None,
+    )
     vision = CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=image_size,
-        patch_size=patch_size, projection_dim=32, initializer_range=0.1,
-    )  # fmt: skip
-    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=tok.token_to_id(IMAGE_TOKEN),
-                         image_seq_length=(image_size // patch_size) ** 2)
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        image_size=image_size,
+        patch_size=patch_size,
+        projection_dim=32,
+        initializer_range=0.1,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tok.token_to_id(IMAGE_TOKEN),
+        image_seq_length=(image_size // patch_size) ** 2,
+    )
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config).to(torch.float32).eval()
     with torch.no_grad():  # larger random weights than the defaults, so greedy argmax has clear winners
@@ -56,10 +84,23 @@ def build_tiny_llava(path: Path | str, *, image_size: int = 32, patch_size: int 
                 param.normal_(std=0.2 if param.dim() > 1 else 0.05)
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=text.pad_token_id)
     model.save_pretrained(path, safe_serialization=True)
-    (path / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "CLIPImageProcessor", "do_resize": True, "size": {"shortest_edge": image_size},
-        "resample": 3, "do_center_crop": True, "crop_size": {"height": image_size, "width": image_size},
-        "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
-    }, indent=2))  # fmt: skip
+    (path / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "CLIPImageProcessor",
+                "do_resize": True,
+                "size": {"shortest_edge": image_size},
+                "resample": 3,
+                "do_center_crop": True,
+                "crop_size": {"height": image_size, "width": image_size},
+                "do_rescale": True,
+                "rescale_factor": 1 / 255,
+                "do_normalize": True,
+                "do_convert_rgb": True,
+                "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                "image_std": [0.26862954, 0.26130258, 0.27577711],
+            },
+            indent=2,
+        )
+    )
     return path

@@ -151,11 +151,24 @@ def build_tiny_family(path: Path | str, model_type: str, *, seed: int = 0, token
     eos_id, pad_id, vocab_size = 2, 0, config.pop("vocab_size", 512)
     if tokenizer:
         tok = train_tokenizer(vocab_size)
-        eos_id, pad_id, vocab_size = write_tokenizer_files(path, tok), tok.token_to_id("<|endoftext|>"), tok.get_vocab_size()
+        eos_id, pad_id, vocab_size = (
+            write_tokenizer_files(path, tok),
+            tok.token_to_id("<|endoftext|>"),
+            tok.get_vocab_size(),
+        )
     defaults = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False,
-        eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        bos_token_id=None,
     )
     hf_config = CONFIG_MAPPING[model_type](**{**defaults, **config})
     torch.manual_seed(seed)

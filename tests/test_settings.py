@@ -34,8 +34,9 @@ def test_no_file_gives_defaults():
 
 
 def test_set_overrides_any_key_including_named_sections(tmp_path):
-    s = load_settings(None, ["engine.max_num_seqs=3", "tiers.gold.priority=9", "server.host=0.0.0.0",
-                             "tiers.gold.models=[\"a\", \"b\"]"])
+    s = load_settings(
+        None, ["engine.max_num_seqs=3", "tiers.gold.priority=9", "server.host=0.0.0.0", 'tiers.gold.models=["a", "b"]']
+    )
     assert s.engine.max_num_seqs == 3
     assert s.tiers["gold"].priority == 9 and s.tiers["gold"].models == ["a", "b"]
     assert s.server.host == "0.0.0.0"
@@ -46,12 +47,12 @@ def test_set_overrides_any_key_including_named_sections(tmp_path):
     [
         ("[engine]\nbogus = 1\n", "engine.bogus"),
         ("[nope]\n", "nope"),
-        ("[engine]\nblock_size = \"16\"\n", "engine.block_size"),
+        ('[engine]\nblock_size = "16"\n', "engine.block_size"),
         ("[engine]\nblock_size = true\n", "engine.block_size"),
         ("[server]\nallow_public_without_keys = 1\n", "server.allow_public_without_keys"),
-        ("[tiers.free]\nmodels = \"demo\"\n", "tiers.free.models"),
+        ('[tiers.free]\nmodels = "demo"\n', "tiers.free.models"),
         ("[tiers.free]\nwat = 1\n", "tiers.free.wat"),
-        ("[models.m]\nprice_input_per_mtok = \"cheap\"\n", "models.m.price_input_per_mtok"),
+        ('[models.m]\nprice_input_per_mtok = "cheap"\n', "models.m.price_input_per_mtok"),
     ],
 )
 def test_unknown_keys_and_wrong_types_name_the_key(tmp_path, text, key):
@@ -75,8 +76,9 @@ def test_every_setting_has_help():
 
 def test_config_toml_is_what_gen_config_writes_from_settings_py():
     # The comments come from each setting's help text; edit settings.py, then run the script.
-    assert (ROOT / "config.toml").read_text(encoding="utf-8") == gen_config.render(), \
+    assert (ROOT / "config.toml").read_text(encoding="utf-8") == gen_config.render(), (
         "config.toml is stale: run python -m scripts.gen_config"
+    )
 
 
 def test_config_toml_values_equal_the_defaults_declared_in_settings_py():
@@ -99,8 +101,9 @@ def test_the_shipped_models_and_tiers_load_and_name_only_declared_models():
 def test_relative_paths_in_a_config_file_are_relative_to_its_folder_and_set_to_the_cwd(tmp_path):
     config = tmp_path / "conf" / "config.toml"
     config.parent.mkdir()
-    config.write_text('[store]\npath = "data/chat.db"\n[models.m]\npath = "models/m"\n'
-                      '[models.abs]\npath = "/opt/models/abs"\n')
+    config.write_text(
+        '[store]\npath = "data/chat.db"\n[models.m]\npath = "models/m"\n[models.abs]\npath = "/opt/models/abs"\n'
+    )
     settings = load_settings(config, ['safety.classifier_path="elsewhere/head.npz"'])
     base = config.parent.resolve()
     assert settings.store.path == str(base / "data" / "chat.db")

@@ -70,8 +70,13 @@ class AttentionMetadata:
 
 
 def allocate_kv_cache(
-    layer_groups: tuple[int, ...], group_num_blocks: tuple[int, ...], block_size: int, num_kv_heads: int, head_dim: int,
-    dtype, device,
+    layer_groups: tuple[int, ...],
+    group_num_blocks: tuple[int, ...],
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype,
+    device,
 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """One buffer holding every KV group's pool (group g: group_num_blocks[g] blocks of each of
     its layers; layer_groups[i] is layer i's group), and each layer's (k_cache, v_cache) views."""
@@ -86,10 +91,12 @@ def allocate_kv_cache(
     for g in layer_groups:
         layer, num_blocks = pools[g][next_index[g]], group_num_blocks[g]
         next_index[g] += 1
-        views.append((
-            layer[0].view(num_blocks, num_kv_heads, head_dim, block_size),
-            layer[1].view(num_blocks * block_size, num_kv_heads, head_dim),
-        ))
+        views.append(
+            (
+                layer[0].view(num_blocks, num_kv_heads, head_dim, block_size),
+                layer[1].view(num_blocks * block_size, num_kv_heads, head_dim),
+            )
+        )
     return buffer, views
 
 
@@ -168,7 +175,9 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, spec: AttentionSpec) -
     # tail of its last block (whatever the memory held, NaN included: masking does not undo a
     # NaN score). Its padding repeats its first slot.
     slots = meta.decode_slots
-    keys = k_cache[slots // meta.block_size, :, :, slots % meta.block_size].transpose(1, 2)  # [b, kv_heads, length, head_dim]
+    keys = k_cache[slots // meta.block_size, :, :, slots % meta.block_size].transpose(
+        1, 2
+    )  # [b, kv_heads, length, head_dim]
     values = v_cache.index_select(0, slots.view(-1)).view(b, length, *v_cache.shape[1:]).transpose(1, 2)
     mask = meta.decode_window_mask if spec.sliding_window is not None else meta.decode_mask
     return _attend(q.unsqueeze(2), keys, values, mask, spec).squeeze(2)

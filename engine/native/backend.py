@@ -269,7 +269,10 @@ class NativeBackend:
         assert loop is not None  # start() sets it before handing the backend to the step thread
         try:
             engine = LLMEngine.from_model_dir(
-                self._model_dir, self._config, eos_token_ids=self._tokenizer.eos_token_ids, max_model_len=self._max_model_len
+                self._model_dir,
+                self._config,
+                eos_token_ids=self._tokenizer.eos_token_ids,
+                max_model_len=self._max_model_len,
             )
         except BaseException as exc:  # reported to start(), which re-raises it
             loop.call_soon_threadsafe(settle, exc)

@@ -78,7 +78,10 @@ class BatchInputBuilder:
         self, group: int, decode_seqs: list[Sequence], positions: list[int], chunks: list[tuple[Sequence, int, int]]
     ) -> AttentionMetadata:
         bs = self.layout.block_size
-        slots = [seq.block_tables[group].block_ids[p // bs] * bs + p % bs for seq, p in zip(decode_seqs, positions, strict=True)]
+        slots = [
+            seq.block_tables[group].block_ids[p // bs] * bs + p % bs
+            for seq, p in zip(decode_seqs, positions, strict=True)
+        ]
         slot_arrays = [np.asarray(slots, dtype=np.int64)]
         prefill_chunks = []
         for seq, n, row in chunks:
@@ -98,8 +101,12 @@ class BatchInputBuilder:
 
     def _decode_metadata(self, group: int, seqs: list[Sequence], positions: list[int]) -> dict[str, Any]:
         meta: dict[str, Any] = dict(
-            decode_block_tables=None, decode_context_lens=None, decode_max_context_len=0, decode_slots=None,
-            decode_mask=None, decode_window_mask=None,
+            decode_block_tables=None,
+            decode_context_lens=None,
+            decode_max_context_len=0,
+            decode_slots=None,
+            decode_mask=None,
+            decode_window_mask=None,
         )
         if not seqs:
             return meta
@@ -115,7 +122,8 @@ class BatchInputBuilder:
         meta["decode_max_context_len"] = max_len
         if kernel is not None:
             meta.update(
-                decode_block_tables=torch.from_numpy(tables), decode_context_lens=torch.from_numpy(context_lens),
+                decode_block_tables=torch.from_numpy(tables),
+                decode_context_lens=torch.from_numpy(context_lens),
                 decode_kernel=kernel,
             )
         else:
@@ -160,7 +168,13 @@ class BatchInputBuilder:
             mask = context[None, :] <= chunk_positions[:, None]  # [q_len, context_len], bottom-right causal
             blocks = table[: -(-len(context) // bs)]
             chunk = PrefillChunk(
-                row_start, end, len(context), self._to_device(blocks), self._to_device(context_slots),
-                self._to_device(mask), window_mask, gather_keys_by_slot=released > 0,
+                row_start,
+                end,
+                len(context),
+                self._to_device(blocks),
+                self._to_device(context_slots),
+                self._to_device(mask),
+                window_mask,
+                gather_keys_by_slot=released > 0,
             )
         return chunk, context_slots[start:]

@@ -60,7 +60,9 @@ class CpuKernels:
         n, k = weight.shape
         if quantization is Quantization.INT8:
             quantized = quantize_int8(weight)
-            return PackedLinear(_to_panels(quantized.q, self.panel), _to_panels(quantized.scales, self.panel), n, k, self)
+            return PackedLinear(
+                _to_panels(quantized.q, self.panel), _to_panels(quantized.scales, self.panel), n, k, self
+            )
         return PackedLinear(_to_panels(weight, self.panel), None, n, k, self)
 
     def packed_linear(self, x: torch.Tensor, weight: PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -93,15 +95,28 @@ class CpuKernels:
         out = torch.empty_like(q)
         num_seqs, num_heads, head_dim = q.shape
         status = self._lib.paged_decode_attention_f32(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
-            out.data_ptr(), num_seqs, num_heads, k_cache.shape[1], head_dim, block_tables.shape[1], k_cache.shape[3],
-            max_context_len, head_dim**-0.5,
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            context_lens.data_ptr(),
+            out.data_ptr(),
+            num_seqs,
+            num_heads,
+            k_cache.shape[1],
+            head_dim,
+            block_tables.shape[1],
+            k_cache.shape[3],
+            max_context_len,
+            head_dim**-0.5,
         )
         if status != 0:
             raise MemoryError("decode attention could not allocate its scores buffer")
         return out
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """F.rms_norm over the last dim of x [rows, dim]. With residual, x += residual first, in place."""
         assert x.is_contiguous() and (residual is None or residual.is_contiguous())
         out = torch.empty_like(x)
@@ -134,8 +149,18 @@ class CpuKernels:
         _, kv_heads, head_dim, block_size = k_cache.shape
         cos_ptr, sin_ptr = (None, None) if cos is None or sin is None else (cos.data_ptr(), sin.data_ptr())
         self._lib.rope_and_cache_f32(
-            qkv.data_ptr(), positions.data_ptr(), cos_ptr, sin_ptr, k_cache.data_ptr(), v_cache.data_ptr(),
-            slot_mapping.data_ptr(), qkv.shape[0], num_heads, kv_heads, head_dim, block_size,
+            qkv.data_ptr(),
+            positions.data_ptr(),
+            cos_ptr,
+            sin_ptr,
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            slot_mapping.data_ptr(),
+            qkv.shape[0],
+            num_heads,
+            kv_heads,
+            head_dim,
+            block_size,
         )
 
     def decode_stack(self, layers, kv_caches, **dims) -> DecodeStack:
@@ -153,37 +178,86 @@ class DecodeStack:
     longer than the weights and the cache it was built from (the model keeps it beside them).
     """
 
-    def __init__(self, lib, layers, kv_caches, *, hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 intermediate: int, eps: float, scale: float, uses_rope: tuple[bool, ...]):
+    def __init__(
+        self,
+        lib,
+        layers,
+        kv_caches,
+        *,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        intermediate: int,
+        eps: float,
+        scale: float,
+        uses_rope: tuple[bool, ...],
+    ):
         rows = []
         for layer, (k_cache, v_cache), rope in zip(layers, kv_caches, uses_rope, strict=True):
             bias = layer.qkv_bias.data_ptr() if layer.qkv_bias is not None else 0
             linears = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
-            rows.append([
-                layer.input_norm.data_ptr(), layer.qkv.panels.data_ptr(), bias, layer.o_proj.panels.data_ptr(),
-                layer.post_norm.data_ptr(), layer.gate_up.panels.data_ptr(), layer.down.panels.data_ptr(),
-                k_cache.data_ptr(), v_cache.data_ptr(), *(_scales_ptr(w) for w in linears),
-                *(0 if norm is None else norm.data_ptr() for norm in (layer.q_norm, layer.k_norm)),
-                int(rope),
-            ])
+            rows.append(
+                [
+                    layer.input_norm.data_ptr(),
+                    layer.qkv.panels.data_ptr(),
+                    bias,
+                    layer.o_proj.panels.data_ptr(),
+                    layer.post_norm.data_ptr(),
+                    layer.gate_up.panels.data_ptr(),
+                    layer.down.panels.data_ptr(),
+                    k_cache.data_ptr(),
+                    v_cache.data_ptr(),
+                    *(_scales_ptr(w) for w in linears),
+                    *(0 if norm is None else norm.data_ptr() for norm in (layer.q_norm, layer.k_norm)),
+                    int(rope),
+                ]
+            )
         self._lib = lib
         self._keep = (layers, kv_caches)
         self.kv_cache_ptr = kv_caches[0][0].data_ptr()
         self._table = torch.tensor(rows, dtype=torch.int64)
         self._dims = (len(rows), hidden, heads, kv_heads, head_dim, intermediate, kv_caches[0][0].shape[-1])
         self._eps, self._scale = eps, scale  # scale: q.k's, head_dim ** -0.5 unless the family sets it
-        self._scratch_per_token = 3 * hidden + (heads + 2 * kv_heads) * head_dim + 2 * heads * head_dim + 3 * intermediate
+        self._scratch_per_token = (
+            3 * hidden + (heads + 2 * kv_heads) * head_dim + 2 * heads * head_dim + 3 * intermediate
+        )
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        max_context_len: int,
+    ) -> torch.Tensor:
         """x [tokens, hidden] (the embeddings) becomes the residual stream after the last layer, in place."""
-        assert x.is_contiguous() and block_tables.is_contiguous() and block_tables.dtype == context_lens.dtype == torch.int32
+        assert (
+            x.is_contiguous()
+            and block_tables.is_contiguous()
+            and block_tables.dtype == context_lens.dtype == torch.int32
+        )
         tokens = x.shape[0]
         scratch = torch.empty(tokens * self._scratch_per_token, dtype=torch.float32)
         status = self._lib.decode_layers_f32(
-            x.data_ptr(), positions.data_ptr(), slots.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            block_tables.data_ptr(), context_lens.data_ptr(), block_tables.shape[1], max_context_len, tokens,
-            self._table.data_ptr(), *self._dims, self._eps, self._scale, scratch.data_ptr(),
+            x.data_ptr(),
+            positions.data_ptr(),
+            slots.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            block_tables.data_ptr(),
+            context_lens.data_ptr(),
+            block_tables.shape[1],
+            max_context_len,
+            tokens,
+            self._table.data_ptr(),
+            *self._dims,
+            self._eps,
+            self._scale,
+            scratch.data_ptr(),
         )
         if status != 0:
             raise MemoryError("decode attention could not allocate its scores buffer")

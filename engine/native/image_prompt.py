@@ -44,7 +44,9 @@ class ImagePrompter:
     def num_slots(self, prompt_token_ids: list[int] | tuple[int, ...]) -> int:
         return sum(1 for t in prompt_token_ids if t == self.image_token_id) // self.num_image_tokens
 
-    def image_inputs(self, prompt_token_ids: list[int] | tuple[int, ...], images: list[tuple[str, np.ndarray]]) -> tuple:
+    def image_inputs(
+        self, prompt_token_ids: list[int] | tuple[int, ...], images: list[tuple[str, np.ndarray]]
+    ) -> tuple:
         """One ImageInput per run of image tokens, matched in order with (content hash, pixels)."""
         n = self.num_image_tokens
         offsets = [i for i, t in enumerate(prompt_token_ids) if t == self.image_token_id]
@@ -66,7 +68,11 @@ class ImageTokenizer(Tokenizer):
         return tokenizer
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
         **template_kwargs: Any,
     ) -> list[int]:
         if not any(IMAGE_SENTINEL in str(m.get("content", "")) for m in messages):
@@ -75,8 +81,10 @@ class ImageTokenizer(Tokenizer):
             )
         sentinels = [f"\x00{i}\x00" for i in range(len(messages))]
         rendered = self.apply_chat_template(
-            [{**m, "content": s} for m, s in zip(messages, sentinels, strict=True)], add_generation_prompt=add_generation_prompt,
-            tools=tools, **template_kwargs,
+            [{**m, "content": s} for m, s in zip(messages, sentinels, strict=True)],
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            **template_kwargs,
         )
         slot = [self.image_prompter.image_token_id] * self.image_prompter.num_image_tokens
         ids: list[int] = []

@@ -114,7 +114,9 @@ def resolve_mode(*, enabled: bool, isa: str, device: torch.device, dtype: torch.
         return KernelMode.TORCH
     available = supported_modes()
     if isa != "auto" and KernelMode(isa) not in available:
-        raise EngineError(f"engine.kernel_isa is {isa!r} but this CPU supports only {[m.value for m in available] or 'none'}")
+        raise EngineError(
+            f"engine.kernel_isa is {isa!r} but this CPU supports only {[m.value for m in available] or 'none'}"
+        )
     for mode in [KernelMode(isa)] if isa != "auto" else available:
         try:
             load_kernels(mode)
@@ -166,10 +168,22 @@ def build(mode: KernelMode) -> Path:
             for source, obj in zip(_SOURCES, objects, strict=True):
                 subprocess.run([compiler, *flags, "-c", "-o", obj, str(source)], check=True, capture_output=True)
             sanitizers = [_SANITIZE_FLAGS[0]] if is_sanitized() else []  # links the sanitizer runtimes
-            link = [compiler, "-shared", *sanitizers, "-Wl,-Bsymbolic", "-o", str(library), *objects, *_link_openmp(), "-lm"]
+            link = [
+                compiler,
+                "-shared",
+                *sanitizers,
+                "-Wl,-Bsymbolic",
+                "-o",
+                str(library),
+                *objects,
+                *_link_openmp(),
+                "-lm",
+            ]
             subprocess.run(link, check=True, capture_output=True)
         except (OSError, subprocess.CalledProcessError) as exc:
-            detail = exc.stderr.decode(errors="replace")[-2000:] if isinstance(exc, subprocess.CalledProcessError) else exc
+            detail = (
+                exc.stderr.decode(errors="replace")[-2000:] if isinstance(exc, subprocess.CalledProcessError) else exc
+            )
             raise RuntimeError(f"building the {mode.value} kernels failed: {detail}") from None
         os.replace(library, target)
     return target
@@ -189,4 +203,3 @@ def load_kernels(mode: KernelMode) -> CpuKernels:
         fn.restype, fn.argtypes = restype, argtypes
     log.info("native_kernel_loaded", mode=mode.value, path=str(library_path(mode)))
     return CpuKernels(mode, lib)
-

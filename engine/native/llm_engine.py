@@ -98,7 +98,12 @@ class LLMEngine:
 
     @classmethod
     def from_model_dir(
-        cls, model_dir: Path | str, config: EngineConfig, *, eos_token_ids: tuple[int, ...], max_model_len: int | None = None
+        cls,
+        model_dir: Path | str,
+        config: EngineConfig,
+        *,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int | None = None,
     ) -> LLMEngine:
         from engine.grammar import GrammarCompiler
         from engine.native.runner import ModelRunner  # torch is imported here, not at module import

@@ -177,7 +177,9 @@ class _LayerReader:
         h, sizes = a.hidden_size, (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim)
         if a.family.fused_projections:
             return self.r.get(f"{p}qkv_proj.weight", (sum(sizes), h)), None
-        qkv = torch.cat([self.r.get(f"{p}{n}_proj.weight", (o, h)) for n, o in zip("qkv", sizes, strict=True)]).contiguous()
+        qkv = torch.cat(
+            [self.r.get(f"{p}{n}_proj.weight", (o, h)) for n, o in zip("qkv", sizes, strict=True)]
+        ).contiguous()
         if not self.r.has(f"{p}q_proj.bias"):
             return qkv, None
         return qkv, torch.cat([self.r.get(f"{p}{n}_proj.bias", (o,)) for n, o in zip("qkv", sizes, strict=True)])
@@ -239,4 +241,3 @@ def load_model_weights(
     lm_head = embed if tied else reader.get("lm_head.weight", (args.vocab_size, h))
     norm = (reader.get("model.norm.weight", (h,), torch.float32) + args.family.norm_offset).to(dtype)
     return ModelWeights(embed=embed, layers=tuple(layers), norm=norm, lm_head=lm_head)
-

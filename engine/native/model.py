@@ -50,11 +50,17 @@ def prepare_linear_layers(
     if cpu is None:
         prepare = fake_quantize
     else:
+
         def prepare(weight):
             return cpu.pack_linear(weight, quantization)
+
     layers = tuple(
         dataclasses.replace(
-            layer, qkv=prepare(layer.qkv), o_proj=prepare(layer.o_proj), gate_up=prepare(layer.gate_up), down=prepare(layer.down)
+            layer,
+            qkv=prepare(layer.qkv),
+            o_proj=prepare(layer.o_proj),
+            gate_up=prepare(layer.gate_up),
+            down=prepare(layer.down),
         )
         for layer in weights.layers
     )
@@ -67,7 +73,8 @@ def _fold_residual_multiplier(weights: ModelWeights, multiplier: float) -> Model
     if multiplier == 1.0:
         return weights
     layers = tuple(
-        dataclasses.replace(layer, o_proj=layer.o_proj * multiplier, down=layer.down * multiplier) for layer in weights.layers
+        dataclasses.replace(layer, o_proj=layer.o_proj * multiplier, down=layer.down * multiplier)
+        for layer in weights.layers
     )
     return dataclasses.replace(weights, layers=layers)
 
@@ -90,7 +97,9 @@ def rope_inv_freq(args: ModelArgs, key: str, max_positions: int) -> tuple[torch.
     if rope["rope_type"] == "dynamic":
         seq_len = max(max_positions, args.max_position_embeddings)
     layer_type = key or None
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](args.hf_config, None, seq_len=seq_len, layer_type=layer_type)
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](
+        args.hf_config, None, seq_len=seq_len, layer_type=layer_type
+    )
     return inv_freq.to(torch.float), float(scale)
 
 
@@ -172,8 +181,16 @@ class Model:
         """
         if self.uses_decode_stack and not meta.prefills and meta.decode_context_lens is not None:  # all in C
             stack = self._decode_stack(kv_caches)
-            return stack(x, positions, meta.slot_mapping, self.cos, self.sin, meta.decode_block_tables,
-                         meta.decode_context_lens, meta.decode_max_context_len)
+            return stack(
+                x,
+                positions,
+                meta.slot_mapping,
+                self.cos,
+                self.sin,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                meta.decode_max_context_len,
+            )
         args, eps, cpu = self.args, self.args.rms_norm_eps, self.cpu
         assert cpu is not None  # fused_cpu_ops: compiled kernels are loaded
         num_tokens = x.shape[0]
@@ -204,8 +221,15 @@ class Model:
             assert self.cpu is not None  # uses_decode_stack: compiled kernels are loaded
             a = self.args
             stack = self._stack = self.cpu.decode_stack(
-                self.weights.layers, kv_caches, hidden=a.hidden_size, heads=a.num_heads, kv_heads=a.num_kv_heads,
-                head_dim=a.head_dim, intermediate=a.intermediate_size, eps=a.rms_norm_eps, scale=a.attention_scale,
+                self.weights.layers,
+                kv_caches,
+                hidden=a.hidden_size,
+                heads=a.num_heads,
+                kv_heads=a.num_kv_heads,
+                head_dim=a.head_dim,
+                intermediate=a.intermediate_size,
+                eps=a.rms_norm_eps,
+                scale=a.attention_scale,
                 uses_rope=tuple(layer.rope is not None for layer in a.layers),
             )
         return stack

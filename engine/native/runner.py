@@ -68,7 +68,9 @@ def _quantization(name: str) -> Quantization:
     try:
         return Quantization(name)
     except ValueError:
-        raise EngineError(f"engine.quantization {name!r} is not one of {', '.join(q.value for q in Quantization)}") from None
+        raise EngineError(
+            f"engine.quantization {name!r} is not one of {', '.join(q.value for q in Quantization)}"
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,19 +111,32 @@ class ModelRunner:
         # global ones, group 0 for the global layers and group 1 (window-sized) for the sliding.
         windows = {layer.sliding_window for layer in self.args.layers}
         self.is_hybrid = len(windows) == 2
-        self.layer_groups = tuple(int(self.is_hybrid and layer.sliding_window is not None) for layer in self.args.layers)
+        self.layer_groups = tuple(
+            int(self.is_hybrid and layer.sliding_window is not None) for layer in self.args.layers
+        )
         self.group_windows = (None, self.sliding_window) if self.is_hybrid else (self.sliding_window,)
         self.group_num_blocks = self._num_kv_blocks()
         self.num_kv_blocks = self.group_num_blocks[0]
         a = self.args
         self.kv_pool, self.kv_caches = allocate_kv_cache(
-            self.layer_groups, self.group_num_blocks, self.block_size, a.num_kv_heads, a.head_dim, self.dtype, self.device
+            self.layer_groups,
+            self.group_num_blocks,
+            self.block_size,
+            a.num_kv_heads,
+            a.head_dim,
+            self.dtype,
+            self.device,
         )
         self.sampler = Sampler(a.vocab_size)
-        self.batch_inputs = BatchInputBuilder(KVLayout(
-            self.block_size, self.group_windows, self.device,
-            self.cpu.paged_decode_attention if self.cpu is not None else None, self.args.attn_logit_softcap is not None,
-        ))
+        self.batch_inputs = BatchInputBuilder(
+            KVLayout(
+                self.block_size,
+                self.group_windows,
+                self.device,
+                self.cpu.paged_decode_attention if self.cpu is not None else None,
+                self.args.attn_logit_softcap is not None,
+            )
+        )
         log.info(
             "model_loaded",
             model_dir=str(model_dir),
@@ -168,7 +183,9 @@ class ModelRunner:
         assert self.sliding_window is not None  # a hybrid model has sliding layers
         num_window_layers = sum(self.layer_groups)
         window_blocks_per_seq = -(-(self.sliding_window - 1) // self.block_size) + 2
-        window_need = self.config.max_num_seqs * window_blocks_per_seq + -(-self.config.max_num_batched_tokens // self.block_size)
+        window_need = self.config.max_num_seqs * window_blocks_per_seq + -(
+            -self.config.max_num_batched_tokens // self.block_size
+        )
         num_window = min(uniform, 2 * window_need, cap)
         left = budget - num_window * num_window_layers * self._layer_block_bytes
         num_full = min(left // ((self.args.num_layers - num_window_layers) * self._layer_block_bytes), cap)
@@ -179,7 +196,9 @@ class ModelRunner:
         """Run one step; returns the sampled token per sequence (None: prefill not yet done)."""
         inputs = self.prepare(batch)
         # Vision models: this step's image tokens take their images' embeddings (encoded now, batched).
-        image_rows = None if self.vision is None else self.vision.step_embeddings(batch.seqs, batch.num_scheduled_tokens)
+        image_rows = (
+            None if self.vision is None else self.vision.step_embeddings(batch.seqs, batch.num_scheduled_tokens)
+        )
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, image_rows)
         sampled: list[int | None] = [None] * len(batch.seqs)
         if inputs.sampled_batch_indices:
@@ -201,7 +220,9 @@ class ModelRunner:
             sampling_rows=sampling_rows,
         )
 
-    def _sampling_rows(self, batch: ScheduledBatch, inputs: BatchInputs) -> tuple[list[int], list[int], list[SamplingRow]]:
+    def _sampling_rows(
+        self, batch: ScheduledBatch, inputs: BatchInputs
+    ) -> tuple[list[int], list[int], list[SamplingRow]]:
         rows, batch_indices, sampling_rows = [], [], []
         candidates = [(i, row) for row, i in enumerate(inputs.decodes)]
         candidates += [(i, end - 1) for i, end in zip(inputs.prefills, inputs.chunk_ends, strict=True)]
@@ -214,8 +235,15 @@ class ModelRunner:
             sink = seq.logprobs if seq.sampling.logprobs is not None else None
             if seq.sampling.repetition_penalty != 1.0 and seq.seen_tokens is None:
                 seq.seen_tokens = SeenTokens(self.args.vocab_size, self.device)
-            sampling_rows.append(SamplingRow(
-                seq.sampling, seq.token_ids, seq.num_prompt_tokens, seq.stop_token_ids, seq.grammar, sink, seq.seen_tokens
-            ))
+            sampling_rows.append(
+                SamplingRow(
+                    seq.sampling,
+                    seq.token_ids,
+                    seq.num_prompt_tokens,
+                    seq.stop_token_ids,
+                    seq.grammar,
+                    sink,
+                    seq.seen_tokens,
+                )
+            )
         return rows, batch_indices, sampling_rows
-

@@ -108,7 +108,6 @@ class Sampler:
         return _argmax(probs / noise)
 
 
-
 def _record_logprobs(logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int]) -> None:
     """Append each asking row's chosen-token logprob and its top-k alternatives to its sink."""
     asking = [
@@ -171,7 +170,9 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         if (p.presence_penalty == 0.0 and p.frequency_penalty == 0.0) or r.num_completion_tokens == 0:
             continue
         ids = torch.tensor(r.token_ids[r.num_prompt_tokens :], device=logits.device)
-        counts = torch.zeros(logits.shape[1], device=logits.device).index_add_(0, ids, torch.ones_like(ids, dtype=torch.float))
+        counts = torch.zeros(logits.shape[1], device=logits.device).index_add_(
+            0, ids, torch.ones_like(ids, dtype=torch.float)
+        )
         logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 
 

@@ -100,8 +100,11 @@ class VisionTower:
     def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device):
         self.args = a = load_vision_args(model_dir)
         files = _weight_files(Path(model_dir))
-        prefix = "vision_tower.vision_model." if any(n.startswith("vision_tower.vision_model.") for n in files) \
+        prefix = (
+            "vision_tower.vision_model."
+            if any(n.startswith("vision_tower.vision_model.") for n in files)
             else "vision_tower."
+        )
         r = _TensorReader(files, dtype, device)
         h, i, c, p = a.hidden_size, a.intermediate_size, a.num_channels, a.patch_size
         self.patch = r.get(f"{prefix}embeddings.patch_embedding.weight", (h, c, p, p))

@@ -87,8 +87,9 @@ class TrtllmBackend:
             raise ConfigError(f"trtllm.scheduler_policy: expected one of {expected}, got {config.scheduler_policy!r}")
         if config.guided_decoding_backend not in GUIDED_DECODING_BACKENDS:
             expected = ", ".join(GUIDED_DECODING_BACKENDS)
-            raise ConfigError(f"trtllm.guided_decoding_backend: expected one of {expected}, "
-                              f"got {config.guided_decoding_backend!r}")
+            raise ConfigError(
+                f"trtllm.guided_decoding_backend: expected one of {expected}, got {config.guided_decoding_backend!r}"
+            )
         limits = [n for n in (max_model_len, config.max_seq_len) if n]
         if not limits:
             raise ConfigError("trtllm: the model's context length is unknown; set trtllm.max_seq_len or max_model_len")
@@ -131,8 +132,13 @@ class TrtllmBackend:
             self.state = BackendState.FAILED
             raise
         kwargs = llm_kwargs(self._api, self._model_dir, self._config, self._max_model_len)
-        log.info("trtllm_building", version=self._api.version, model_dir=str(self._model_dir),
-                 tensor_parallel_size=self._config.tensor_parallel_size, max_batch_size=self._config.max_batch_size)
+        log.info(
+            "trtllm_building",
+            version=self._api.version,
+            model_dir=str(self._model_dir),
+            tensor_parallel_size=self._config.tensor_parallel_size,
+            max_batch_size=self._config.max_batch_size,
+        )
         try:  # blocks for minutes (weights, CUDA graphs, MPI workers): keep the loop free
             self._llm = await asyncio.to_thread(self._api.LLM, **kwargs)
         except Exception as exc:
@@ -182,12 +188,17 @@ class TrtllmBackend:
             )
         structured = request.sampling.structured
         reason = unsupported_reason(structured, self._guided_backend) if structured is not None else None
-        if structured is not None and reason is not None:  # refuse rather than ignore: an unconstrained answer would not parse
+        if (
+            structured is not None and reason is not None
+        ):  # refuse rather than ignore: an unconstrained answer would not parse
             param = "tool_choice" if structured.kind is StructuredKind.LARK else "response_format"
             raise RequestRejected(reason, param=param, code="unsupported_value")
         if request.sampling.logprobs is not None and not self._supports_logprobs:
-            raise RequestRejected(f"this TensorRT-LLM version ({self._api.version if self._api else '?'}) returns no "
-                                  "logprobs", param="logprobs", code="unsupported_value")
+            raise RequestRejected(
+                f"this TensorRT-LLM version ({self._api.version if self._api else '?'}) returns no logprobs",
+                param="logprobs",
+                code="unsupported_value",
+            )
 
     def has_room(self) -> bool:
         return self.state is BackendState.READY and self._slots is not None and self._slots.has_free

@@ -32,8 +32,14 @@ ProgressCallback = Callable[[int, int], None]
 class Flight:
     """A submitted request; `events` yields TokenEvents, the last with a finish reason."""
 
-    def __init__(self, request: GenerationRequest, handle: Any, request_error: type[BaseException],
-                 *, on_progress: ProgressCallback):
+    def __init__(
+        self,
+        request: GenerationRequest,
+        handle: Any,
+        request_error: type[BaseException],
+        *,
+        on_progress: ProgressCallback,
+    ):
         self.request = request
         self.handle = handle  # tensorrt_llm RequestOutput, updated in place by each step
         self.events: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
@@ -51,10 +57,22 @@ class Flight:
     def start(self) -> None:
         self._reader = asyncio.get_running_loop().create_task(self._run(), name=f"trtllm-{self.request.request_id}")
 
-    def event(self, text: str, token_ids: tuple[int, ...], reason: FinishReason | None = None,
-              logprobs: tuple[TokenLogprob, ...] = ()) -> TokenEvent:
-        return TokenEvent(text, token_ids, len(self.request.prompt_token_ids), self.num_cached_tokens,
-                          self.num_completion_tokens, reason, logprobs=logprobs)
+    def event(
+        self,
+        text: str,
+        token_ids: tuple[int, ...],
+        reason: FinishReason | None = None,
+        logprobs: tuple[TokenLogprob, ...] = (),
+    ) -> TokenEvent:
+        return TokenEvent(
+            text,
+            token_ids,
+            len(self.request.prompt_token_ids),
+            self.num_cached_tokens,
+            self.num_completion_tokens,
+            reason,
+            logprobs=logprobs,
+        )
 
     # -- aborting -------------------------------------------------------------------------
     def request_abort(self) -> None:
@@ -143,10 +161,14 @@ class Flight:
         if num_top is None or not new_ids:
             return ()
         start = self.num_completion_tokens
-        entries = list(getattr(output, "logprobs", None) or ())[start:start + len(new_ids)]
+        entries = list(getattr(output, "logprobs", None) or ())[start : start + len(new_ids)]
         if len(entries) < len(new_ids):
-            log.warning("trtllm_logprobs_missing", request_id=self.request.request_id, num_tokens=len(new_ids),
-                        num_logprobs=len(entries))
+            log.warning(
+                "trtllm_logprobs_missing",
+                request_id=self.request.request_id,
+                num_tokens=len(new_ids),
+                num_logprobs=len(entries),
+            )
         return token_logprobs(new_ids, entries, num_top)
 
     def _update_cached(self, cached: Any) -> int:

@@ -183,13 +183,17 @@ def guided_decoding_kwargs(structured: StructuredOutput, backend: str) -> dict[s
 def unsupported_reason(structured: StructuredOutput, backend: str) -> str | None:
     """Why `backend` cannot decode under this grammar (a 400's message), or None if it can."""
     if backend == "none":
-        return ("structured outputs and forced tool calls are off on this TensorRT-LLM model "
-                "(trtllm.guided_decoding_backend = \"none\")")
+        return (
+            "structured outputs and forced tool calls are off on this TensorRT-LLM model "
+            '(trtllm.guided_decoding_backend = "none")'
+        )
     if structured.kind is StructuredKind.LARK and backend != "llguidance":
         # Forced tool calls are Lark grammars with an embedded JSON schema (api/tools.py), which
         # only llguidance reads; xgrammar's EBNF has no such construct.
-        return (f"forced tool calls (tool_choice 'required' or a named function) need "
-                f"trtllm.guided_decoding_backend = \"llguidance\" on this model; it is {backend!r}")
+        return (
+            f"forced tool calls (tool_choice 'required' or a named function) need "
+            f'trtllm.guided_decoding_backend = "llguidance" on this model; it is {backend!r}'
+        )
     return None
 
 

@@ -107,8 +107,9 @@ def _reasoning_tags(progress: _Progress, chunk: Chunk) -> str:
 class UpstreamBackend:
     """A model whose requests go to other servers' `/chat/completions`."""
 
-    def __init__(self, name: str, model: ModelConfig, config: UpstreamConfig, counter: Counter,
-                 *, max_model_len: int | None):
+    def __init__(
+        self, name: str, model: ModelConfig, config: UpstreamConfig, counter: Counter, *, max_model_len: int | None
+    ):
         if not model.urls:
             raise ConfigError(f"models.{name}.urls: backend 'openai' needs at least one upstream URL")
         for url in model.urls:
@@ -120,8 +121,10 @@ class UpstreamBackend:
         self._api_key: str | None = None
         self._config = config
         self._counter = counter
-        replicas = [Replica(i, url, CircuitBreaker(config.breaker_failures, config.breaker_open_s))
-                    for i, url in enumerate(model.urls)]
+        replicas = [
+            Replica(i, url, CircuitBreaker(config.breaker_failures, config.breaker_open_s))
+            for i, url in enumerate(model.urls)
+        ]
         self.pool = ReplicaPool(replicas, model.max_in_flight, config.affinity_entries)
         self._max_model_len = max_model_len or 0
         self._session: aiohttp.ClientSession | None = None
@@ -146,24 +149,35 @@ class UpstreamBackend:
         if self._api_key_env:
             self._api_key = os.environ.get(self._api_key_env) or None
             if self._api_key is None:
-                raise ConfigError(f"models.{self.name}.api_key_env: the environment variable {self._api_key_env} is not set")
+                raise ConfigError(
+                    f"models.{self.name}.api_key_env: the environment variable {self._api_key_env} is not set"
+                )
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0),  # the pool bounds requests per replica
             timeout=aiohttp.ClientTimeout(total=None, connect=self._config.connect_timeout_s),
             read_bufsize=_READ_BUFSIZE,
             json_serialize=lambda obj: orjson.dumps(obj).decode(),
         )
-        found = await discover_max_model_len(self._session, self.pool.replicas, self.upstream_model,
-                                             self._headers(), self._config.connect_timeout_s)
+        found = await discover_max_model_len(
+            self._session, self.pool.replicas, self.upstream_model, self._headers(), self._config.connect_timeout_s
+        )
         for replica, reachable in found.reachable.items():
             if not reachable:
                 self._record_failure(replica, FailureKind.CONNECTION, "not reachable at startup")
         if not self._max_model_len and found.max_model_len:
             self._max_model_len = found.max_model_len
-        self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop(), name=f"upstream-probe-{self.name}")
-        log.info("upstream_ready", model=self.name, upstream_model=self.upstream_model,
-                 replicas=[r.label for r in self.pool.replicas], max_in_flight=self.pool.max_in_flight,
-                 max_model_len=self._max_model_len or None, api_key=self._api_key is not None)
+        self._probe_task = asyncio.get_running_loop().create_task(
+            self._probe_loop(), name=f"upstream-probe-{self.name}"
+        )
+        log.info(
+            "upstream_ready",
+            model=self.name,
+            upstream_model=self.upstream_model,
+            replicas=[r.label for r in self.pool.replicas],
+            max_in_flight=self.pool.max_in_flight,
+            max_model_len=self._max_model_len or None,
+            api_key=self._api_key is not None,
+        )
 
     async def shutdown(self) -> None:
         self._is_stopped = True
@@ -235,11 +249,15 @@ class UpstreamBackend:
         if error is not None and error.kind is ErrorKind.CLIENT:
             raise error.rejected() from None
         if error is not None and error.kind is ErrorKind.CONFIG:
-            raise EngineUnavailable(f"the upstream refused the request ({error.status}): check models.{self.name} "
-                                    "(upstream_model, api_key_env)", retry_after_s=self._config.breaker_open_s) from None
+            raise EngineUnavailable(
+                f"the upstream refused the request ({error.status}): check models.{self.name} "
+                "(upstream_model, api_key_env)",
+                retry_after_s=self._config.breaker_open_s,
+            ) from None
         if progress.num_yielded > 0:
-            raise EngineUnavailable(f"the upstream failed while answering: {exc}",
-                                    retry_after_s=self._config.breaker_open_s) from None
+            raise EngineUnavailable(
+                f"the upstream failed while answering: {exc}", retry_after_s=self._config.breaker_open_s
+            ) from None
 
     def _unavailable(self, failure: _AttemptFailed | None) -> EngineUnavailable:
         now = time.monotonic()
@@ -247,11 +265,13 @@ class UpstreamBackend:
         if failure is not None and failure.error is not None and failure.error.retry_after_s is not None:
             retry_s = failure.error.retry_after_s
         reason = f": {failure}" if failure is not None else ""
-        return EngineUnavailable(f"no upstream replica of {self.name} could take the request{reason}",
-                                 retry_after_s=max(1.0, retry_s))
+        return EngineUnavailable(
+            f"no upstream replica of {self.name} could take the request{reason}", retry_after_s=max(1.0, retry_s)
+        )
 
-    async def _attempt(self, replica: Replica, request: GenerationRequest, body: dict,
-                       progress: _Progress) -> AsyncGenerator[TokenEvent, None]:
+    async def _attempt(
+        self, replica: Replica, request: GenerationRequest, body: dict, progress: _Progress
+    ) -> AsyncGenerator[TokenEvent, None]:
         """One try on one replica; raises _AttemptFailed, yields events as chunks arrive."""
         assert self._session is not None  # generate() refuses before start and after shutdown
         replica.num_in_flight += 1
@@ -261,14 +281,22 @@ class UpstreamBackend:
         started_s = time.monotonic()
         try:
             # sock_read bounds the wait for the response headers too; the stream's own deadlines follow.
-            timeout = aiohttp.ClientTimeout(total=None, connect=self._config.connect_timeout_s,
-                                            sock_read=max(self._config.first_token_timeout_s, self._config.idle_timeout_s))
-            async with self._session.post(replica.base_url + "/chat/completions", json=body, timeout=timeout,
-                                          headers=self._headers(request.request_id)) as response:
+            timeout = aiohttp.ClientTimeout(
+                total=None,
+                connect=self._config.connect_timeout_s,
+                sock_read=max(self._config.first_token_timeout_s, self._config.idle_timeout_s),
+            )
+            async with self._session.post(
+                replica.base_url + "/chat/completions",
+                json=body,
+                timeout=timeout,
+                headers=self._headers(request.request_id),
+            ) as response:
                 attempt.response = response
                 if response.status != 200:
-                    raise self._http_failure(replica, response.status, await response.read(),
-                                             response.headers.get("Retry-After"))
+                    raise self._http_failure(
+                        replica, response.status, await response.read(), response.headers.get("Retry-After")
+                    )
                 async for event in self._relay(response, attempt, progress, started_s):
                     yield event
         except _AttemptFailed:
@@ -285,8 +313,9 @@ class UpstreamBackend:
             if attempt.response is not None and not attempt.response.closed:
                 attempt.response.close()  # left early (client gone): close now, never drain
 
-    async def _relay(self, response: aiohttp.ClientResponse, attempt: _Attempt, progress: _Progress,
-                     started_s: float) -> AsyncGenerator[TokenEvent, None]:
+    async def _relay(
+        self, response: aiohttp.ClientResponse, attempt: _Attempt, progress: _Progress, started_s: float
+    ) -> AsyncGenerator[TokenEvent, None]:
         cfg, replica = self._config, attempt.replica
         deadline_s = started_s + cfg.first_token_timeout_s
 
@@ -337,8 +366,15 @@ class UpstreamBackend:
         progress.text_parts.append(text)
         progress.num_completion_tokens += len(chunk.logprobs) or 1
         # Counts so far are ours (one token per chunk, or per logprob): what a request cut short is billed on.
-        return TokenEvent(text, (), progress.num_prompt_tokens, 0, progress.num_completion_tokens,
-                          usage_source=UsageSource.ESTIMATE, logprobs=chunk.logprobs)
+        return TokenEvent(
+            text,
+            (),
+            progress.num_prompt_tokens,
+            0,
+            progress.num_completion_tokens,
+            usage_source=UsageSource.ESTIMATE,
+            logprobs=chunk.logprobs,
+        )
 
     def _final(self, progress: _Progress, finish: FinishReason) -> TokenEvent:
         """The last event, with the upstream's usage or our own count (and which it is)."""
@@ -396,8 +432,11 @@ class UpstreamBackend:
     async def _probe(self, replica: Replica) -> None:
         assert self._session is not None
         try:
-            async with self._session.get(replica.base_url + "/models", headers=self._headers(),
-                                         timeout=aiohttp.ClientTimeout(total=self._config.connect_timeout_s)) as resp:
+            async with self._session.get(
+                replica.base_url + "/models",
+                headers=self._headers(),
+                timeout=aiohttp.ClientTimeout(total=self._config.connect_timeout_s),
+            ) as resp:
                 ok = resp.status == 200
         except (aiohttp.ClientError, OSError, TimeoutError):
             ok = False

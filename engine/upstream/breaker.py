@@ -54,7 +54,9 @@ class CircuitBreaker:
 
     def probe_due(self, now_s: float) -> bool:
         """True when an open breaker has waited `open_s` and the replica should be probed."""
-        return self.state is BreakerState.OPEN and self.opened_at_s is not None and now_s - self.opened_at_s >= self.open_s
+        return (
+            self.state is BreakerState.OPEN and self.opened_at_s is not None and now_s - self.opened_at_s >= self.open_s
+        )
 
     def probe_succeeded(self) -> None:
         if self.state is BreakerState.OPEN:

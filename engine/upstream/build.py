@@ -13,11 +13,15 @@ from settings import ConfigError, ModelConfig, UpstreamConfig
 
 def build_upstream_model(name: str, config: ModelConfig, upstream: UpstreamConfig) -> tuple[UpstreamBackend, Counter]:
     if config.path:
-        raise ConfigError(f"models.{name}.path: a model with backend 'openai' has no local weights; "
-                          "use 'tokenizer' for a local tokenizer folder")
+        raise ConfigError(
+            f"models.{name}.path: a model with backend 'openai' has no local weights; "
+            "use 'tokenizer' for a local tokenizer folder"
+        )
     if config.tool_parser not in ("auto", "hermes"):
-        raise ConfigError(f"models.{name}.tool_parser: an upstream model's tool calls are relayed in the hermes "
-                          f"form; leave it 'auto' (got {config.tool_parser!r})")
+        raise ConfigError(
+            f"models.{name}.tool_parser: an upstream model's tool calls are relayed in the hermes "
+            f"form; leave it 'auto' (got {config.tool_parser!r})"
+        )
     counter: Counter = EstimatingCounter()
     max_len = config.max_model_len or None
     if config.tokenizer:

@@ -27,8 +27,9 @@ class EstimatingCounter:
     eos_token_ids: tuple[int, ...] = ()
     thinks = True  # the upstream's reasoning comes back as <think> text: split it (api/reasoning.py)
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
-                    **options: Any) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True, **options: Any
+    ) -> list[int]:
         rendered = orjson.dumps([dict(m) for m in messages])
         if options:  # tools and the like are sent too, and cost prompt tokens upstream
             rendered += orjson.dumps(options, default=str)
@@ -55,8 +56,9 @@ class TokenizerCounter:
         self._tokenizer = tokenizer
         self.eos_token_ids = tokenizer.eos_token_ids
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
-                    **options: Any) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True, **options: Any
+    ) -> list[int]:
         ids = self._tokenizer.encode_chat([dict(m) for m in messages], add_generation_prompt=add_generation_prompt)
         if options:
             ids += self._tokenizer.encode(orjson.dumps(options, default=str).decode())

@@ -26,8 +26,11 @@ class Discovery:
 
 
 async def discover_max_model_len(
-    session: aiohttp.ClientSession, replicas: Sequence[Replica], upstream_model: str,
-    headers: dict[str, str], timeout_s: float,
+    session: aiohttp.ClientSession,
+    replicas: Sequence[Replica],
+    upstream_model: str,
+    headers: dict[str, str],
+    timeout_s: float,
 ) -> Discovery:
     listings = await asyncio.gather(*(_list_models(session, r, headers, timeout_s) for r in replicas))
     max_len = None
@@ -48,8 +51,9 @@ async def _list_models(
 ) -> list[dict[str, Any]] | None:
     """The replica's model entries; None when it cannot be reached or answers 5xx."""
     try:
-        async with session.get(replica.base_url + "/models", headers=headers,
-                               timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.get(
+            replica.base_url + "/models", headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
             if resp.status >= 500:
                 return None
             if resp.status != 200:

@@ -52,14 +52,23 @@ class UpstreamCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         labels = ["model", "replica"]
-        in_flight = GaugeMetricFamily("chat_upstream_requests_in_flight", "Requests in flight on an upstream replica.",
-                                      labels=labels)
-        breaker = GaugeMetricFamily("chat_upstream_breaker_state",
-                                    "Circuit breaker of an upstream replica: 0 closed, 1 half-open, 2 open.", labels=labels)
+        in_flight = GaugeMetricFamily(
+            "chat_upstream_requests_in_flight", "Requests in flight on an upstream replica.", labels=labels
+        )
+        breaker = GaugeMetricFamily(
+            "chat_upstream_breaker_state",
+            "Circuit breaker of an upstream replica: 0 closed, 1 half-open, 2 open.",
+            labels=labels,
+        )
         sent = CounterMetricFamily("chat_upstream_requests", "Requests sent to an upstream replica.", labels=labels)
-        errors = CounterMetricFamily("chat_upstream_errors", "Failed upstream requests by kind.", labels=[*labels, "kind"])
-        ttft = HistogramMetricFamily("chat_upstream_time_to_first_token_seconds",
-                                     "Request sent to first content chunk, per upstream replica.", labels=labels)
+        errors = CounterMetricFamily(
+            "chat_upstream_errors", "Failed upstream requests by kind.", labels=[*labels, "kind"]
+        )
+        ttft = HistogramMetricFamily(
+            "chat_upstream_time_to_first_token_seconds",
+            "Request sent to first content chunk, per upstream replica.",
+            labels=labels,
+        )
         for model, backend in self._backends.items():
             for r in backend.pool.replicas:
                 key = [model, r.label]

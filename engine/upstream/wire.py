@@ -181,8 +181,13 @@ def _tool_call_deltas(raw: Any) -> tuple[ToolCallDelta, ...]:
         if not isinstance(function, dict):
             continue
         index = item.get("index", i)
-        out.append(ToolCallDelta(index if isinstance(index, int) else i, str(function.get("name") or ""),
-                                 str(function.get("arguments") or "")))
+        out.append(
+            ToolCallDelta(
+                index if isinstance(index, int) else i,
+                str(function.get("name") or ""),
+                str(function.get("arguments") or ""),
+            )
+        )
     return tuple(out)
 
 

@@ -42,8 +42,13 @@ def load_split(split: str, data_dir: Path = DATA_DIR) -> list[Record]:
         for line_no, line in enumerate(f, 1):
             raw = json.loads(line)
             record = Record(
-                id=raw["id"], split=raw["split"], kind=raw["kind"], label=raw["label"],
-                topic=raw["topic"], turns=tuple(raw["turns"]), source=raw.get("source", ""),
+                id=raw["id"],
+                split=raw["split"],
+                kind=raw["kind"],
+                label=raw["label"],
+                topic=raw["topic"],
+                turns=tuple(raw["turns"]),
+                source=raw.get("source", ""),
             )
             if record.split != split or record.label not in CLASSES or not record.turns:
                 raise ValueError(f"{split}.jsonl:{line_no}: bad record {record.id}")

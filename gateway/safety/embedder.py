@@ -82,8 +82,13 @@ def load_bert(model_dir: Path) -> tuple[BertShape, dict]:
         att = p + "attention.self."
         w[p + "qkv.weight"] = torch.cat([raw[att + n + ".weight"] for n in ("query", "key", "value")])
         w[p + "qkv.bias"] = torch.cat([raw[att + n + ".bias"] for n in ("query", "key", "value")])
-        for name in ("attention.output.dense", "attention.output.LayerNorm", "intermediate.dense",
-                     "output.dense", "output.LayerNorm"):
+        for name in (
+            "attention.output.dense",
+            "attention.output.LayerNorm",
+            "intermediate.dense",
+            "output.dense",
+            "output.LayerNorm",
+        ):
             w[p + name + ".weight"] = raw[p + name + ".weight"]
             w[p + name + ".bias"] = raw[p + name + ".bias"]
     return shape, w
@@ -164,8 +169,13 @@ class MiniLmEmbedder:
             raise ValueError(f"{model_dir}/tokenizer.json has no [CLS] or [SEP] token")
         self._cls_id, self._sep_id = cls_id, sep_id
         self._lock = threading.Lock()
-        log.info("safety_embedder_loaded", model_dir=str(model_dir), dtype=dtype, max_tokens=self.max_tokens,
-                 kernels=next(iter(self._packed.values())).kernels.mode.value if self._packed else "torch")
+        log.info(
+            "safety_embedder_loaded",
+            model_dir=str(model_dir),
+            dtype=dtype,
+            max_tokens=self.max_tokens,
+            kernels=next(iter(self._packed.values())).kernels.mode.value if self._packed else "torch",
+        )
 
     def _cast(self, w: dict) -> dict:
         """Matmul weights and biases in the compute dtype, once; LayerNorms stay float32."""
@@ -243,7 +253,9 @@ class MiniLmEmbedder:
         with self._lock, torch.inference_mode():
             same_length = min(lengths) == width
             layout = _Layout(
-                rows=torch.from_numpy(np.flatnonzero(mask)), num_windows=len(windows), width=width,
+                rows=torch.from_numpy(np.flatnonzero(mask)),
+                num_windows=len(windows),
+                width=width,
                 attn_mask=None if same_length else attention_mask(torch.from_numpy(mask), self._dtype),
             )
             x = self._hidden(torch.from_numpy(ids), torch.from_numpy(positions), layout).numpy()
@@ -256,8 +268,9 @@ class MiniLmEmbedder:
         s, w = self._shape, self._weights
         x = w["embeddings.word_embeddings.weight"][ids] + w["embeddings.position_embeddings.weight"][positions]
         x = x + w["embeddings.token_type_embeddings.weight"][0]
-        x = F.layer_norm(x, (s.hidden_size,), w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"],
-                         s.layer_norm_eps)
+        x = F.layer_norm(
+            x, (s.hidden_size,), w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], s.layer_norm_eps
+        )
         for i in range(s.num_layers):
             x = self._layer(x, layout, f"encoder.layer.{i}.")
         return x

@@ -50,6 +50,7 @@ def _torch_executor() -> ThreadPoolExecutor:
 async def _off_loop(fn, *args):
     return await asyncio.get_running_loop().run_in_executor(_torch_executor(), fn, *args)
 
+
 log = structlog.get_logger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -113,12 +114,16 @@ class SafetyGate:
         self._screened: OrderedDict[bytes, Verdict] = OrderedDict()
         registry = registry if registry is not None else prometheus_client.CollectorRegistry()
         self._decisions = prometheus_client.Counter(
-            "chat_safety_gate_decisions", "Safety gate decisions (prompt screening and output filtering).",
-            ("stage", "layer", "category", "tier", "action"), registry=registry,
+            "chat_safety_gate_decisions",
+            "Safety gate decisions (prompt screening and output filtering).",
+            ("stage", "layer", "category", "tier", "action"),
+            registry=registry,
         )
         self._screen_seconds = prometheus_client.Histogram(
-            "chat_safety_prompt_screen_seconds", "Time to screen a prompt (rules and classifier).",
-            buckets=_LATENCY_BUCKETS_S, registry=registry,
+            "chat_safety_prompt_screen_seconds",
+            "Time to screen a prompt (rules and classifier).",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=registry,
         )
 
     @property
@@ -243,6 +248,4 @@ def load_classifier(config: SafetyConfig) -> SafetyClassifier:
         raise ConfigError(f"safety.embed_dtype: {exc}") from None
     embedder = MiniLmEmbedder(dtype=dtype, max_tokens=head.max_tokens, adapter=head.adapter)
     log.info("safety_classifier_loaded", path=str(path), categories=list(head.categories))
-    return SafetyClassifier(
-        embedder, head, max_windows=config.max_windows, cache_entries=config.embed_cache_entries
-    )
+    return SafetyClassifier(embedder, head, max_windows=config.max_windows, cache_entries=config.embed_cache_entries)

@@ -107,9 +107,7 @@ class RuleSet:
         self._allow = {c: [_compile(p, f"allow.{c}") for p in ps] for c, ps in allow.items() if ps}
 
     @classmethod
-    def merged(
-        cls, deny: Mapping[str, Sequence[str]], allow: Mapping[str, Sequence[str]], *, builtin: bool
-    ) -> RuleSet:
+    def merged(cls, deny: Mapping[str, Sequence[str]], allow: Mapping[str, Sequence[str]], *, builtin: bool) -> RuleSet:
         """Operator patterns, plus the built-in ones when `builtin`."""
         if builtin:
             deny, allow = _merge(BUILTIN_DENY, deny), _merge(BUILTIN_ALLOW, allow)

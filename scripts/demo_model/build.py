@@ -45,9 +45,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", default=list(train.SPECS), choices=list(train.SPECS))
     parser.add_argument("--max-steps", type=int, default=None, help="override, for trial runs only")
     parser.add_argument("--cards-only", action="store_true", help="re-evaluate and rewrite cards")
-    parser.add_argument("--jobs", type=int, default=1,
-                        help="train this many models at once, one process and one thread each "
-                             "(same weights as one at a time)")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="train this many models at once, one process and one thread each (same weights as one at a time)",
+    )
     return parser.parse_args()
 
 

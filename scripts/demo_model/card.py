@@ -31,9 +31,15 @@ from testing.server_proc import ServerProcess
 # well at temperature 0 (see the samples below).
 EXAMPLE_PROMPTS = ("Hello!", "Who are you?", "What is the capital of France?")
 SAMPLE_PROMPTS = (
-    "Hello!", "Who are you?", "What does happy mean?", "What does {heldout} mean?",
-    "Define {heldout2}.", "Use garden in a sentence.", "What is another word for big?",
-    "Tell me a fortune.", "What is the capital of France?",
+    "Hello!",
+    "Who are you?",
+    "What does happy mean?",
+    "What does {heldout} mean?",
+    "Define {heldout2}.",
+    "Use garden in a sentence.",
+    "What is another word for big?",
+    "Tell me a fortune.",
+    "What is the capital of France?",
 )
 # Multi-turn chats: each user turn is sent with the earlier turns and the server's own
 # (greedy) replies in `messages`, as the web UI does.
@@ -132,14 +138,14 @@ def describe_server_settings(server_args: tuple[str, ...] = ()) -> str:
     extra = "".join(f" `{arg}`" for arg in server_args if arg != "--set")
     overrides = f" plus{extra}" if extra else ""
     safety = "off" if "safety.enabled=false" in server_args else "on, as shipped"
-    return (f"its default `config.toml`{overrides} (native engine, `engine.device` "
-            f"and `dtype` auto: {device} on the machine that wrote this card; safety screening "
-            f"{safety})")
+    return (
+        f"its default `config.toml`{overrides} (native engine, `engine.device` "
+        f"and `dtype` auto: {device} on the machine that wrote this card; safety screening "
+        f"{safety})"
+    )
 
 
-def _ask_server(
-    base_url: str, name: str, prompts: list[str], chats: list[list[str]], settings: str
-) -> ServerSamples:
+def _ask_server(base_url: str, name: str, prompts: list[str], chats: list[list[str]], settings: str) -> ServerSamples:
     singles = []
     for seed, prompt in enumerate(prompts):
         messages = [{"role": "user", "content": prompt}]
@@ -163,7 +169,9 @@ def chat_completion(base_url: str, model: str, messages: list[dict], **params) -
     """One non-streaming POST /v1/chat/completions; params: temperature, top_p, seed."""
     body = {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, **params}
     request = urllib.request.Request(
-        base_url + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+        base_url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        method="POST",
         headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=_REQUEST_TIMEOUT_S) as response:
@@ -182,8 +190,12 @@ def _report(
     full = heldout_loss(model, [encode_conversation(tokenizer, c) for c in heldout])
     sample = heldout_loss(model, [encode_conversation(tokenizer, c) for c in repo_sample])
     return ModelReport(
-        model_dir.name, perplexity(full), perplexity(sample), sum(p.numel() for p in model.parameters()),
-        (model_dir / "model.safetensors").stat().st_size, samples,
+        model_dir.name,
+        perplexity(full),
+        perplexity(sample),
+        sum(p.numel() for p in model.parameters()),
+        (model_dir / "model.safetensors").stat().st_size,
+        samples,
     )
 
 
@@ -196,8 +208,9 @@ def plot_loss_curve(rows: list[dict], name: str, path: Path) -> None:
     figure, axes = plt.subplots(figsize=(7, 4), dpi=100)
     axes.plot(steps, losses, color="#9ecae1", linewidth=0.6, label="train (per step)")
     axes.plot(steps, smoothed, color="#08519c", linewidth=1.5, label=f"train ({_SMOOTH_STEPS}-step mean)")
-    axes.plot([r["step"] for r in eval_rows], [r["heldout_loss"] for r in eval_rows], "o-",
-              color="#e6550d", label="held-out")
+    axes.plot(
+        [r["step"] for r in eval_rows], [r["heldout_loss"] for r in eval_rows], "o-", color="#e6550d", label="held-out"
+    )
     axes.set(xlabel="step", ylabel="loss (nats per assistant token)", title=f"{name}: training loss")
     axes.set_ylim(0, max(losses) * 1.05)
     axes.grid(alpha=0.3)
@@ -210,7 +223,9 @@ def plot_loss_curve(rows: list[dict], name: str, path: Path) -> None:
 def _package_versions() -> str:
     result = subprocess.run(
         ["dpkg-query", "-W", "-f=${Package} ${Version}, ", *sources.APT_PACKAGES],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     return result.stdout.strip().rstrip(",") or "(dpkg-query unavailable)"
 
@@ -264,8 +279,7 @@ def _architecture_section(report: ModelReport, spec: dict) -> list[str]:
 def _evaluation_section(all_reports: list[ModelReport], heldout_sizes: tuple[int, int]) -> list[str]:
     num_heldout, num_repo_sample = heldout_sizes
     rows = [
-        f"| {r.name} | {r.num_parameters / 1e6:.1f}M | {r.perplexity_heldout:.2f} | "
-        f"{r.perplexity_repo_sample:.2f} |"
+        f"| {r.name} | {r.num_parameters / 1e6:.1f}M | {r.perplexity_heldout:.2f} | {r.perplexity_repo_sample:.2f} |"
         for r in all_reports
     ]
     return [
@@ -312,11 +326,11 @@ def _samples_section(report: ModelReport) -> list[str]:
         "Produced by the server in this repository: `server.py` started with "
         f"{report.samples.server_settings} and a fresh temporary database, serving demo-flagship "
         "and demo-mini; each reply is the answer "
-        f"to a non-streaming `POST /v1/chat/completions` with `\"model\": \"{name}\"` and "
-        f"`\"max_tokens\": {MAX_TOKENS}`, which the native engine generated from the prompt "
+        f'to a non-streaming `POST /v1/chat/completions` with `"model": "{name}"` and '
+        f'`"max_tokens": {MAX_TOKENS}`, which the native engine generated from the prompt '
         "rendered with this model's chat template (`tokenizer_config.json`). Each prompt was sent "
-        "twice: greedy (`\"temperature\": 0`) and sampled (`\"temperature\": "
-        f"{SAMPLED['temperature']}, \"top_p\": {SAMPLED['top_p']}` and the `\"seed\"` shown, so "
+        'twice: greedy (`"temperature": 0`) and sampled (`"temperature": '
+        f'{SAMPLED["temperature"]}, "top_p": {SAMPLED["top_p"]}` and the `"seed"` shown, so '
         "the same request gives the same reply). Rebuilt by `python -m scripts.demo_model.build "
         "--cards-only`.",
         "",
@@ -324,20 +338,23 @@ def _samples_section(report: ModelReport) -> list[str]:
         "",
     ]
     for sample in report.samples.prompts:
-        lines += [f"> **user:** {sample.prompt}", ">",
-                  f"> **{name} (greedy):** {_reply(sample.greedy)}", ">",
-                  f"> **{name} (sampled, seed {sample.seed}):** {_reply(sample.sampled)}", ""]
+        lines += [
+            f"> **user:** {sample.prompt}",
+            ">",
+            f"> **{name} (greedy):** {_reply(sample.greedy)}",
+            ">",
+            f"> **{name} (sampled, seed {sample.seed}):** {_reply(sample.sampled)}",
+            "",
+        ]
     lines += [
         "### Multi-turn chats",
         "",
-        "Greedy; every request carries the whole chat so far in `messages`, the model's earlier "
-        "replies included.",
+        "Greedy; every request carries the whole chat so far in `messages`, the model's earlier replies included.",
         "",
     ]
     for chat in report.samples.chats:
         for index, (user_text, reply) in enumerate(chat):
-            lines += [*([">"] if index else []), f"> **user:** {user_text}", ">",
-                      f"> **{name}:** {_reply(reply)}"]
+            lines += [*([">"] if index else []), f"> **user:** {user_text}", ">", f"> **{name}:** {_reply(reply)}"]
         lines.append("")
     return lines
 
@@ -358,9 +375,9 @@ def _data_section(stats: dict) -> list[str]:
         "",
         "Built by `scripts/demo_model/dataset.py` from Debian packages installed with apt "
         f"({_package_versions()}): for {stats['num_words']:,} English words, the first WordNet 3.0 "
-        "sense as \"What does X mean?\" (and other phrasings) answered with the definition "
-        "and an example sentence, plus some \"use X in a sentence\" and \"another word for "
-        f"X\" turns; {stats['num_fortunes']:,} short fortunes as answers to \"Tell me a fortune.\"; and "
+        'sense as "What does X mean?" (and other phrasings) answered with the definition '
+        'and an example sentence, plus some "use X in a sentence" and "another word for '
+        f'X" turns; {stats["num_fortunes"]:,} short fortunes as answers to "Tell me a fortune."; and '
         "greeting, identity, help and refusal turns. 15% of conversations are chained into "
         "2-3 turn chats, 10% carry a system prompt. 3% of the words, fortunes and phrasings "
         "(chosen by a hash) are held out.",

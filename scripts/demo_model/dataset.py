@@ -19,20 +19,37 @@ from scripts.demo_model.sources import PartOfSpeech, Sense
 HELDOUT_PERCENT = 3
 NUM_RARE_WORDS = 8000  # untagged (rare) WordNet lemmas sampled beside all SemCor-tagged ones
 _SYSTEM_PROMPTS = (
-    "You are a helpful assistant.", "You are a friendly assistant. Answer briefly.",
-    "You are a small demo model.", "Be concise.",
+    "You are a helpful assistant.",
+    "You are a friendly assistant. Answer briefly.",
+    "You are a small demo model.",
+    "Be concise.",
 )
 _QUESTIONS = (  # weights: the canonical phrasing dominates so the small model locks onto it
-    ("What does {w} mean?", 8), ("What does the word {w} mean?", 2), ('What does "{w}" mean?', 2),
-    ("What is the meaning of {w}?", 2), ("Define {w}.", 2), ("define {w}", 1),
-    ("What's the definition of {w}?", 1), ("Can you tell me what {w} means?", 1),
-    ("Explain the word {w}.", 1), ("meaning of {w}", 1), ("{w}?", 1),
+    ("What does {w} mean?", 8),
+    ("What does the word {w} mean?", 2),
+    ('What does "{w}" mean?', 2),
+    ("What is the meaning of {w}?", 2),
+    ("Define {w}.", 2),
+    ("define {w}", 1),
+    ("What's the definition of {w}?", 1),
+    ("Can you tell me what {w} means?", 1),
+    ("Explain the word {w}.", 1),
+    ("meaning of {w}", 1),
+    ("{w}?", 1),
     ("I don't know what {w} means.", 1),
 )
 _FORTUNE_PROMPTS = (
-    "Tell me a fortune.", "Give me a fortune.", "Tell me a quote.", "Say something wise.",
-    "Tell me something interesting.", "Share a saying with me.", "I need some wisdom.",
-    "Give me a fortune cookie.", "fortune", "Cheer me up.", "Tell me a joke.",
+    "Tell me a fortune.",
+    "Give me a fortune.",
+    "Tell me a quote.",
+    "Say something wise.",
+    "Tell me something interesting.",
+    "Share a saying with me.",
+    "I need some wisdom.",
+    "Give me a fortune cookie.",
+    "fortune",
+    "Cheer me up.",
+    "Tell me a joke.",
 )
 _DEFINITION_RE = re.compile(r"The (noun|verb|adjective|adverb) [a-z]+ means ")
 
@@ -73,9 +90,7 @@ def choose_senses(senses: list[Sense], rng: random.Random) -> list[Sense]:
     return common + rng.sample(rare, min(NUM_RARE_WORDS, len(rare)))
 
 
-def build_conversations(
-    senses: list[Sense], fortunes: list[str], seed: int
-) -> dict[Split, list[Conversation]]:
+def build_conversations(senses: list[Sense], fortunes: list[str], seed: int) -> dict[Split, list[Conversation]]:
     """Every item is first built single-turn with its split key; some are then chained into
     multi-turn chats within the same split, and some get a system prompt."""
     rng = random.Random(seed)
@@ -121,7 +136,9 @@ def definition_answer(sense: Sense) -> str:
 
 def count_definitions(conversations: list[Conversation]) -> int:
     return sum(
-        1 for c in conversations for role, content in c.messages
+        1
+        for c in conversations
+        for role, content in c.messages
         if role == "assistant" and _DEFINITION_RE.match(content)
     )
 

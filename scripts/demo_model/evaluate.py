@@ -38,10 +38,14 @@ def heldout_loss(model: PreTrainedModel, encoded: list[EncodedConversation]) -> 
         input_ids = torch.tensor([list(c.input_ids) + [0] * (length - len(c.input_ids)) for c in chunk])
         labels = torch.tensor([list(c.labels) + [IGNORE_INDEX] * (length - len(c.labels)) for c in chunk])
         logits = model(input_ids=input_ids).logits.float()  # [batch, length, vocab]
-        total_nll += float(torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-            ignore_index=IGNORE_INDEX, reduction="sum",
-        ))
+        total_nll += float(
+            torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]),
+                labels[:, 1:].reshape(-1),
+                ignore_index=IGNORE_INDEX,
+                reduction="sum",
+            )
+        )
         num_tokens += int((labels[:, 1:] != IGNORE_INDEX).sum())
     return total_nll / max(1, num_tokens)
 
@@ -58,7 +62,10 @@ def load_for_eval(model_dir: Path) -> tuple[PreTrainedModel, AutoTokenizer]:
 
 @torch.no_grad()
 def sample_reply(
-    model: PreTrainedModel, tokenizer: AutoTokenizer, messages: list[dict], seed: int | None = None,
+    model: PreTrainedModel,
+    tokenizer: AutoTokenizer,
+    messages: list[dict],
+    seed: int | None = None,
     max_new_tokens: int = 96,
 ) -> str:
     """Greedy when seed is None, else temperature 0.7 / top-p 0.9 sampling with that seed."""

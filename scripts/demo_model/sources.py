@@ -17,8 +17,21 @@ APT_PACKAGES = ("wordnet-base", "fortunes", "fortunes-min")
 # Tame, mostly one-liner cookie files; the rest (politics, ethnic, men-women...) are left out
 # on purpose, a demo should not greet newcomers with dated jokes.
 FORTUNE_FILES = (
-    "fortunes", "wisdom", "platitudes", "science", "literature", "humorists", "work", "food",
-    "pets", "kids", "education", "art", "love", "tao", "computers",
+    "fortunes",
+    "wisdom",
+    "platitudes",
+    "science",
+    "literature",
+    "humorists",
+    "work",
+    "food",
+    "pets",
+    "kids",
+    "education",
+    "art",
+    "love",
+    "tao",
+    "computers",
 )
 _LEMMA_RE = re.compile(r"^[a-z]{3,16}$")
 _ADJ_MARKER_RE = re.compile(r"\((a|p|ip)\)$")
@@ -112,10 +125,7 @@ def _split_gloss(gloss: str) -> tuple[str, tuple[str, ...]]:
     gloss = " ".join(gloss.split())
     quote_at = gloss.find('"')
     definition = (gloss if quote_at < 0 else gloss[:quote_at]).strip().rstrip(";:,").strip()
-    examples = tuple(
-        e.strip() for e in _QUOTED_RE.findall(gloss[max(quote_at, 0) :])
-        if 3 <= len(e.strip()) <= 150
-    )
+    examples = tuple(e.strip() for e in _QUOTED_RE.findall(gloss[max(quote_at, 0) :]) if 3 <= len(e.strip()) <= 150)
     return definition, examples if quote_at >= 0 else ()
 
 

@@ -38,8 +38,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return tokenizer
@@ -57,15 +60,28 @@ def save_tokenizer_files(tokenizer: Tokenizer, model_dir: Path, max_length: int)
     model_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(model_dir / "tokenizer.json"))
     added = {
-        str(tokenizer.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False,
-                                         "rstrip": False, "single_word": False, "special": True}
+        str(tokenizer.token_to_id(t)): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
         for t in SPECIAL_TOKENS
     }
     config = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "added_tokens_decoder": added,
-        "bos_token": None, "eos_token": IM_END, "pad_token": PAD, "unk_token": None,
-        "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-        "model_max_length": max_length, "chat_template": CHAT_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": PAD,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_length,
+        "chat_template": CHAT_TEMPLATE,
     }
     _write_json(model_dir / "tokenizer_config.json", config)
     _write_json(model_dir / "special_tokens_map.json", {"eos_token": IM_END, "pad_token": PAD})

@@ -62,11 +62,18 @@ class TrainResult:
 
 def llama_config(spec: ModelSpec, vocab_size: int, ids: SpecialIds) -> LlamaConfig:
     return LlamaConfig(
-        vocab_size=vocab_size, hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=spec.seq_len, tie_word_embeddings=True, rope_theta=10000.0,
-        bos_token_id=None, eos_token_id=ids.eos_token_id, pad_token_id=ids.pad_token_id,
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.seq_len,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        bos_token_id=None,
+        eos_token_id=ids.eos_token_id,
+        pad_token_id=ids.pad_token_id,
     )
 
 
@@ -128,8 +135,11 @@ def _autocast() -> contextlib.AbstractContextManager:
 
 
 def train(
-    spec: ModelSpec, config: LlamaConfig, data: tuple[list[EncodedConversation], list[EncodedConversation]],
-    seed: int, on_step: Callable[[], None] | None = None,
+    spec: ModelSpec,
+    config: LlamaConfig,
+    data: tuple[list[EncodedConversation], list[EncodedConversation]],
+    seed: int,
+    on_step: Callable[[], None] | None = None,
 ) -> tuple[LlamaForCausalLM, TrainResult]:
     """Train on data[0]; evaluate held-out loss on data[1] ten times along the way. on_step
     runs after every step (the build's CPU-sharing lock)."""
@@ -140,7 +150,8 @@ def train(
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=spec.learning_rate, betas=(0.9, 0.95),
+        lr=spec.learning_rate,
+        betas=(0.9, 0.95),
     )
     batch_iter = batches(train_set, spec, config.pad_token_id, seed)
     eval_every = max(1, spec.max_steps // 10)
@@ -162,8 +173,10 @@ def train(
 
 
 def _train_step(
-    model: LlamaForCausalLM, optimizer: torch.optim.Optimizer,
-    batch: tuple[torch.Tensor, torch.Tensor], lr: float,
+    model: LlamaForCausalLM,
+    optimizer: torch.optim.Optimizer,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    lr: float,
 ) -> float:
     input_ids, labels = batch  # [batch_size, seq_len] each
     for group in optimizer.param_groups:
@@ -183,7 +196,9 @@ def save_model(model: LlamaForCausalLM, ids: SpecialIds, model_dir: Path) -> Non
     model_dir.mkdir(parents=True, exist_ok=True)
     model = model.to(torch.bfloat16)
     model.generation_config = GenerationConfig(
-        eos_token_id=[ids.eos_token_id], pad_token_id=ids.pad_token_id, bos_token_id=None,
+        eos_token_id=[ids.eos_token_id],
+        pad_token_id=ids.pad_token_id,
+        bos_token_id=None,
     )
     model.save_pretrained(model_dir, safe_serialization=True)
 

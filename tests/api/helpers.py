@@ -42,7 +42,7 @@ async def sse_events(resp) -> tuple[list[dict | str], list[str]]:
             comments.append(frame[2:])
         else:
             assert frame.startswith("data: "), frame
-            payload = frame[len("data: "):]
+            payload = frame[len("data: ") :]
             events.append(payload if payload == "[DONE]" else orjson.loads(payload))
     return events, comments
 

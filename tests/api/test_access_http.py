@@ -29,8 +29,9 @@ async def test_a_presented_unknown_revoked_or_expired_key_is_401_on_loopback_in_
     _key, expired = await store.create_key("acme", expires_at=time.time() - 1)
     for bad in (secret, expired, "sk-made-up-" + "x" * 30, "anything", "local"):
         await assert_error(await chat(client, {"Authorization": f"Bearer {bad}"}), 401, code="invalid_api_key")
-    await assert_error(await client.get("/v1/models", headers={"Authorization": f"Bearer {secret}"}),
-                       401, code="invalid_api_key")
+    await assert_error(
+        await client.get("/v1/models", headers={"Authorization": f"Bearer {secret}"}), 401, code="invalid_api_key"
+    )
 
 
 async def test_without_a_key_loopback_is_served_as_the_local_organisation(make_client):
@@ -69,8 +70,11 @@ async def test_a_cross_origin_write_is_refused_and_same_origin_passes(make_clien
     host = f"127.0.0.1:{client.port}"
     await assert_error(await chat(client, {"Origin": "https://evil.example"}), 403, code="origin_not_allowed")
     await assert_error(await chat(client, {"Origin": "null"}), 403, code="origin_not_allowed")
-    await assert_error(await client.post("/v1/conversations", json={}, headers={"Origin": "http://evil.example"}),
-                       403, code="origin_not_allowed")
+    await assert_error(
+        await client.post("/v1/conversations", json={}, headers={"Origin": "http://evil.example"}),
+        403,
+        code="origin_not_allowed",
+    )
     assert (await chat(client, {"Origin": f"http://{host}"})).status == 200
     assert (await chat(client, {"Origin": "https://trusted.example"})).status == 200
     assert (await client.get("/v1/models", headers={"Origin": "https://evil.example"})).status == 200
@@ -86,8 +90,9 @@ async def test_metrics_needs_a_key_or_the_metrics_token_when_not_loopback_only(m
     client = await make_client()
     assert (await client.get("/metrics")).status == 200  # loopback-only: open to this machine
 
-    client = await make_client('server.host="0.0.0.0"', 'server.metrics_token="m-token-123"',
-                               f'store.path="{tmp_path / "public.db"}"')
+    client = await make_client(
+        'server.host="0.0.0.0"', 'server.metrics_token="m-token-123"', f'store.path="{tmp_path / "public.db"}"'
+    )
     await assert_error(await client.get("/metrics"), 401, code="invalid_api_key")
     await assert_error(await client.get("/metrics", headers={"Authorization": "Bearer wrong"}), 401)
     assert (await client.get("/metrics", headers={"Authorization": "Bearer m-token-123"})).status == 200

@@ -33,15 +33,18 @@ async def key_for(client, tier: str) -> dict[str, str]:
 async def test_a_caller_over_its_rate_limit_is_refused_before_its_body_is_parsed(make_client):
     client = await make_client("tiers.enterprise.requests_per_minute=1")
     assert (await chat(client, {"model": "echo", "messages": USER})).status == 200
-    resp = await client.post("/v1/chat/completions", data=b"{not json",
-                             headers={"Content-Type": "application/json"})
+    resp = await client.post("/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"})
     await assert_error(resp, 429, code="rate_limit_exceeded")  # not 400: nothing was parsed
 
 
 async def test_under_overload_a_refusal_comes_before_the_body_is_parsed(make_client):
-    client = await make_client("queue.max_waiting_requests=1", 'tiers.free.models=["echo"]',
-                               'tiers.enterprise.models=["echo"]', "server.heartbeat_s=5",
-                               behaviour=ONE_SLOW_SLOT)
+    client = await make_client(
+        "queue.max_waiting_requests=1",
+        'tiers.free.models=["echo"]',
+        'tiers.enterprise.models=["echo"]',
+        "server.heartbeat_s=5",
+        behaviour=ONE_SLOW_SLOT,
+    )
     free = await key_for(client, "free")
     enterprise = await key_for(client, "enterprise")
     held = [asyncio.create_task(chat(client, {"stream": True, "messages": LONG}, enterprise)) for _ in range(2)]
@@ -50,8 +53,9 @@ async def test_under_overload_a_refusal_comes_before_the_body_is_parsed(make_cli
         if queue.num_reserved == 1 and queue.num_waiting == 1:
             break
         await asyncio.sleep(0.01)
-    resp = await client.post("/v1/chat/completions", data=b"{not json",
-                             headers={**free, "Content-Type": "application/json"})
+    resp = await client.post(
+        "/v1/chat/completions", data=b"{not json", headers={**free, "Content-Type": "application/json"}
+    )
     await assert_error(resp, 503, code="queue_full")  # not 400: the body was never read
     assert int(resp.headers["Retry-After"]) >= 1
     for task in held:
@@ -71,15 +75,20 @@ async def test_a_keyed_caller_over_its_stream_cap_still_gets_429(make_client):
     headers = await key_for(client, "enterprise")
     running = asyncio.create_task(chat(client, {"model": "echo", "stream": True, "messages": LONG}, headers))
     await asyncio.sleep(0.3)
-    await assert_error(await chat(client, {"model": "echo", "messages": USER}, headers), 429,
-                       code="rate_limit_exceeded")
+    await assert_error(
+        await chat(client, {"model": "echo", "messages": USER}, headers), 429, code="rate_limit_exceeded"
+    )
     await (await running).read()
 
 
 async def test_a_higher_tier_displaces_a_waiting_lower_one_which_gets_503_with_retry_after(make_client):
-    client = await make_client("queue.max_waiting_requests=1", 'tiers.free.models=["echo"]',
-                               'tiers.enterprise.models=["echo"]', "server.heartbeat_s=5",
-                               behaviour=ONE_SLOW_SLOT)
+    client = await make_client(
+        "queue.max_waiting_requests=1",
+        'tiers.free.models=["echo"]',
+        'tiers.enterprise.models=["echo"]',
+        "server.heartbeat_s=5",
+        behaviour=ONE_SLOW_SLOT,
+    )
     free = await key_for(client, "free")
     enterprise = await key_for(client, "enterprise")
     running = asyncio.create_task(chat(client, {"stream": True, "messages": LONG}, enterprise))
@@ -110,17 +119,26 @@ async def test_32_concurrent_keyless_local_requests_on_the_default_configuration
 ):
     """config.toml as shipped (local tier enterprise: 16 streams, 5 s target; 64 sequences), with
     the tiny model in place of the demo models and a small KV pool."""
-    settings = load_settings(ROOT / "config.toml", [
-        f'models.demo-flagship.path="{tiny_model_dir}"',
-        f'models.demo-mini.path="{tiny_model_dir}"',
-        f'store.path="{tmp_path / "chat.db"}"',
-        "safety.enabled=false",
-        "engine.kv_cache_bytes=16000000",
-        'engine.device="cpu"',
-    ])
+    settings = load_settings(
+        ROOT / "config.toml",
+        [
+            f'models.demo-flagship.path="{tiny_model_dir}"',
+            f'models.demo-mini.path="{tiny_model_dir}"',
+            f'store.path="{tmp_path / "chat.db"}"',
+            "safety.enabled=false",
+            "engine.kv_cache_bytes=16000000",
+            'engine.device="cpu"',
+        ],
+    )
     client = await aiohttp_client(init(settings), server_kwargs={"handler_cancellation": True})
-    bodies = [{"messages": [{"role": "user", "content": f"Question {i}: what is a river?"}], "max_tokens": 8,
-               "temperature": 0} for i in range(32)]
+    bodies = [
+        {
+            "messages": [{"role": "user", "content": f"Question {i}: what is a river?"}],
+            "max_tokens": 8,
+            "temperature": 0,
+        }
+        for i in range(32)
+    ]
     responses = await asyncio.gather(*(chat(client, body) for body in bodies))
     assert [r.status for r in responses] == [200] * 32, [await r.text() for r in responses if r.status != 200][:2]
     state = state_of(client)

@@ -11,8 +11,9 @@ from tests.api.test_files_http import other_org_headers, upload
 
 
 def file_message(file_id: str, text: str = "Summarize this:") -> list[dict]:
-    return [{"role": "user", "content": [{"type": "text", "text": text},
-                                         {"type": "file", "file": {"file_id": file_id}}]}]
+    return [
+        {"role": "user", "content": [{"type": "text", "text": text}, {"type": "file", "file": {"file_id": file_id}}]}
+    ]
 
 
 async def chat(client, messages, headers=None, **extra):
@@ -81,11 +82,13 @@ async def test_unknown_or_foreign_file_is_404_and_binary_file_is_400(make_client
     client = await make_client()
     file_id = (await (await upload(client, b"mine")).json())["id"]
     other = await other_org_headers(client)
-    await assert_error(await chat(client, file_message(file_id), headers=other), 404,
-                       param="messages[0].content[1]")
+    await assert_error(await chat(client, file_message(file_id), headers=other), 404, param="messages[0].content[1]")
     await assert_error(await chat(client, file_message("file-" + "0" * 24)), 404)
-    binary = (await (await upload(client, b"\0\1\2\3" * 100, filename="x.bin",
-                                  content_type="application/octet-stream")).json())["id"]
+    binary = (
+        await (
+            await upload(client, b"\0\1\2\3" * 100, filename="x.bin", content_type="application/octet-stream")
+        ).json()
+    )["id"]
     await assert_error(await chat(client, file_message(binary)), 400, code="unreadable_file")
     bad = [{"role": "user", "content": [{"type": "file", "file": {"file_data": "aGk=", "filename": "a.txt"}}]}]
     await assert_error(await chat(client, bad), 400, param="messages[0].content[0].file.file_data")
@@ -118,8 +121,10 @@ async def test_responses_api_takes_input_file_and_input_image_parts(make_client)
     client = await make_client()
     file_id = (await (await upload(client, b"Pack an umbrella.", filename="tip.txt")).json())["id"]
     content = [{"type": "input_text", "text": "Read: "}, {"type": "input_file", "file_id": file_id}]
-    resp = await client.post("/v1/responses", json={"model": "echo", "input": [{"role": "user", "content": content}],
-                                                    "max_output_tokens": 64})
+    resp = await client.post(
+        "/v1/responses",
+        json={"model": "echo", "input": [{"role": "user", "content": content}], "max_output_tokens": 64},
+    )
     assert resp.status == 200, await resp.text()
     text = (await resp.json())["output"][0]["content"][0]["text"]
     assert text.startswith("Read: \n\n--- File: tip.txt (text/plain) ---\nPack an umbrella.")
@@ -127,13 +132,17 @@ async def test_responses_api_takes_input_file_and_input_image_parts(make_client)
     bad = await client.post("/v1/responses", json={"model": "echo", "input": [{"role": "user", "content": image}]})
     await assert_error(bad, 400, code="invalid_image")
     odd = [{"type": "input_audio", "data": "x"}]
-    await assert_error(await client.post("/v1/responses", json={"model": "echo", "input": [
-        {"role": "user", "content": odd}]}), 400, param="input[0].content[0]")
+    await assert_error(
+        await client.post("/v1/responses", json={"model": "echo", "input": [{"role": "user", "content": odd}]}),
+        400,
+        param="input[0].content[0]",
+    )
 
 
 async def test_a_document_is_cut_at_max_document_chars_and_the_header_says_so(make_client):
-    client = await make_client("files.max_document_chars=20", "tiers.enterprise.max_tokens=300",
-                               "tiers.enterprise.max_context_tokens=1000")
+    client = await make_client(
+        "files.max_document_chars=20", "tiers.enterprise.max_tokens=300", "tiers.enterprise.max_context_tokens=1000"
+    )
     file_id = (await (await upload(client, b"0123456789" * 10, filename="digits.txt")).json())["id"]
     body = await (await chat(client, file_message(file_id), max_tokens=300)).json()
     answer = body["choices"][0]["message"]["content"]

@@ -18,8 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 async def _answered(client, text: str = "What does water mean?") -> tuple[str, str]:
     cid = (await (await client.post("/v1/conversations", json={})).json())["id"]
-    await client.post("/v1/chat/completions", json={
-        "model": "echo", "messages": [{"role": "user", "content": text}], "conversation_id": cid})
+    await client.post(
+        "/v1/chat/completions",
+        json={"model": "echo", "messages": [{"role": "user", "content": text}], "conversation_id": cid},
+    )
     got = await (await client.get(f"/v1/conversations/{cid}")).json()
     return cid, got["messages"][1]["id"]
 
@@ -45,11 +47,18 @@ async def test_rating_and_comment_are_stored_and_shown_with_the_conversation(mak
     assert (feedback["rating"], feedback["comment"]) == (None, None)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"rating": 5}, "rating"), ({"rating": True}, "rating"), ({"comment": 3}, "comment"),
-    ({"comment": "x" * 2001}, "comment"), ({"regenerated": "yes"}, "regenerated"), ({"stars": 1}, "stars"),
-    ({}, None),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"rating": 5}, "rating"),
+        ({"rating": True}, "rating"),
+        ({"comment": 3}, "comment"),
+        ({"comment": "x" * 2001}, "comment"),
+        ({"regenerated": "yes"}, "regenerated"),
+        ({"stars": 1}, "stars"),
+        ({}, None),
+    ],
+)
 async def test_bad_feedback_is_a_400_naming_the_field(make_client, body, param):
     client = await make_client()
     cid, mid = await _answered(client)
@@ -104,18 +113,29 @@ def test_feedback_export_command_writes_json_lines(tmp_path):
         from store import conversations
 
         async def add(conn):
-            await conversations.append_turn(conn, org.id, conv.id, [
-                Message("msg_u", "user", "What does fire mean?", 1.0),
-                Message("msg_a", "assistant", "The noun fire means ...", 2.0, 5, "demo-mini", finish_reason="stop"),
-            ], "req_1")
+            await conversations.append_turn(
+                conn,
+                org.id,
+                conv.id,
+                [
+                    Message("msg_u", "user", "What does fire mean?", 1.0),
+                    Message("msg_a", "assistant", "The noun fire means ...", 2.0, 5, "demo-mini", finish_reason="stop"),
+                ],
+                "req_1",
+            )
+
         await store._write(add)
         await store.set_feedback(org.id, conv.id, "msg_a", FeedbackChange(rating=1, comment="good"))
         await store.close()
 
     asyncio.run(seed())
     out = tmp_path / "feedback.jsonl"
-    result = subprocess.run([sys.executable, str(ROOT / "server.py"), "feedback", "export", "--db", str(db),
-                             "--out", str(out)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "server.py"), "feedback", "export", "--db", str(db), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["prompt"] == "What does fire mean?" and row["answer"] == "The noun fire means ..."

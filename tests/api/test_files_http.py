@@ -10,8 +10,9 @@ from api.files import BLOBS, purge_once
 from tests.api.helpers import assert_error, state_of
 
 
-def form(content: bytes, *, filename: str = "notes.txt", purpose: str | None = "user_data",
-         content_type: str = "text/plain") -> aiohttp.FormData:
+def form(
+    content: bytes, *, filename: str = "notes.txt", purpose: str | None = "user_data", content_type: str = "text/plain"
+) -> aiohttp.FormData:
     data = aiohttp.FormData()
     if purpose is not None:
         data.add_field("purpose", purpose)
@@ -53,8 +54,10 @@ async def test_upload_returns_openai_file_object_and_content_round_trips(make_cl
 
 async def test_list_pages_newest_first_and_filters_by_purpose(make_client):
     client = await make_client()
-    ids = [(await (await upload(client, f"f{i}".encode(), purpose=p)).json())["id"]
-           for i, p in enumerate(["user_data", "vision", "user_data"])]
+    ids = [
+        (await (await upload(client, f"f{i}".encode(), purpose=p)).json())["id"]
+        for i, p in enumerate(["user_data", "vision", "user_data"])
+    ]
     body = await (await client.get("/v1/files")).json()
     assert body["object"] == "list" and [f["id"] for f in body["data"]] == ids[::-1]
     page = await (await client.get("/v1/files", params={"limit": "1", "order": "asc"})).json()
@@ -177,8 +180,15 @@ async def test_the_official_openai_sdk_uploads_lists_reads_and_deletes(make_clie
     assert [f.id async for f in sdk.files.list()] == [created.id]
     assert (await sdk.files.retrieve(created.id)).id == created.id
     assert (await sdk.files.content(created.id)).content == b"Sales grew."
-    answer = await sdk.chat.completions.create(model="echo", messages=[{"role": "user", "content": [
-        {"type": "text", "text": "Read this."}, {"type": "file", "file": {"file_id": created.id}}]}])
+    answer = await sdk.chat.completions.create(
+        model="echo",
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Read this."}, {"type": "file", "file": {"file_id": created.id}}],
+            }
+        ],
+    )
     assert "Sales grew." in answer.choices[0].message.content
     assert (await sdk.files.delete(created.id)).deleted is True
     with pytest.raises(openai.NotFoundError):

@@ -15,8 +15,9 @@ ONE_SLOW_SLOT = FakeBehaviour(token_delay_s=0.03, max_num_running=1)  # one stre
 
 
 async def test_a_request_abandoned_in_the_queue_is_recorded_aborted_with_zero_tokens(make_client, tmp_path):
-    client = await make_client('tiers.enterprise.models=["echo"]', "tiers.enterprise.wait_target_s=1000",
-                               behaviour=ONE_SLOW_SLOT)
+    client = await make_client(
+        'tiers.enterprise.models=["echo"]', "tiers.enterprise.wait_target_s=1000", behaviour=ONE_SLOW_SLOT
+    )
     body = {"model": "echo", "stream": True}
     running = await client.post("/v1/chat/completions", json={**body, "messages": LONG})
     await running.content.readline()  # the first one holds the only slot
@@ -28,8 +29,11 @@ async def test_a_request_abandoned_in_the_queue_is_recorded_aborted_with_zero_to
     await running.read()
     for _ in range(100):
         with sqlite3.connect(tmp_path / "chat.db") as con:
-            rows = con.execute("SELECT status, prompt_tokens, cached_tokens, completion_tokens, cost_usd"
-                               " FROM usage WHERE request_id = ?", (request_id,)).fetchall()
+            rows = con.execute(
+                "SELECT status, prompt_tokens, cached_tokens, completion_tokens, cost_usd"
+                " FROM usage WHERE request_id = ?",
+                (request_id,),
+            ).fetchall()
         if rows:
             break
         await asyncio.sleep(0.05)

@@ -73,8 +73,12 @@ async def test_over_budget_with_budget_fallback_is_served_by_the_cheaper_model_v
 
 
 async def test_full_queue_is_503_with_retry_after_and_waiters_see_their_position(make_client):
-    client = await make_client("queue.max_waiting_requests=1", 'tiers.enterprise.models=["echo"]',
-                               "tiers.enterprise.wait_target_s=1000", behaviour=ONE_SLOW_SLOT)
+    client = await make_client(
+        "queue.max_waiting_requests=1",
+        'tiers.enterprise.models=["echo"]',
+        "tiers.enterprise.wait_target_s=1000",
+        behaviour=ONE_SLOW_SLOT,
+    )
     running = asyncio.create_task(chat(client, {"model": "echo", "stream": True, "messages": LONG}))
     await until_metric(client, "chat_requests_running", 1, model="echo")
     waiting = asyncio.create_task(chat(client, {"model": "echo", "stream": True, "messages": USER}))
@@ -111,8 +115,9 @@ async def test_concurrent_streams_per_key_are_limited(make_client):
     headers = {"Authorization": f"Bearer {secret}"}
     running = asyncio.create_task(chat(client, {"model": "echo", "stream": True, "messages": LONG}, headers))
     await until_metric(client, "chat_requests_running", 1, model="echo")
-    await assert_error(await chat(client, {"model": "echo", "messages": USER}, headers), 429,
-                       code="rate_limit_exceeded")
+    await assert_error(
+        await chat(client, {"model": "echo", "messages": USER}, headers), 429, code="rate_limit_exceeded"
+    )
     await (await running).read()
     assert (await chat(client, {"model": "echo", "messages": USER}, headers)).status == 200
 

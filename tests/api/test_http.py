@@ -18,8 +18,9 @@ async def chat(client, body, headers=None):
 
 
 async def ledger_rows(client):
-    rows = await state_of(client).store.usage_summary(state_of(client).local_principal.org.id,
-                                                      start=0, end=None, group_by="model")
+    rows = await state_of(client).store.usage_summary(
+        state_of(client).local_principal.org.id, start=0, end=None, group_by="model"
+    )
     return {r["model"]: r for r in rows}
 
 
@@ -33,7 +34,9 @@ async def test_non_streaming_completion_has_openai_shape_and_headers(make_client
     assert body["choices"][0]["message"]["content"] == "Hello there, friend."
     assert body["choices"][0]["finish_reason"] == "stop"
     usage = body["usage"]
-    assert usage["completion_tokens"] > 0 and usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert (
+        usage["completion_tokens"] > 0 and usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    )
     assert usage["prompt_tokens_details"]["cached_tokens"] == 0
     assert resp.headers["X-Request-Id"].startswith("req_")
     for h in ("limit", "remaining", "reset"):
@@ -42,8 +45,9 @@ async def test_non_streaming_completion_has_openai_shape_and_headers(make_client
 
 async def test_stream_sends_role_first_then_content_then_finish_usage_and_done(make_client):
     client = await make_client()
-    resp = await chat(client, {"model": "echo", "messages": USER, "stream": True,
-                               "stream_options": {"include_usage": True}})
+    resp = await chat(
+        client, {"model": "echo", "messages": USER, "stream": True, "stream_options": {"include_usage": True}}
+    )
     assert resp.status == 200
     assert resp.headers["Content-Type"].startswith("text/event-stream")
     assert resp.headers["Cache-Control"] == "no-cache" and resp.headers["X-Accel-Buffering"] == "no"
@@ -62,8 +66,15 @@ async def test_stream_sends_role_first_then_content_then_finish_usage_and_done(m
 
 async def test_continuous_usage_stats_puts_running_counts_on_every_content_chunk(make_client):
     client = await make_client()
-    resp = await chat(client, {"model": "echo", "messages": USER, "stream": True,
-                               "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    resp = await chat(
+        client,
+        {
+            "model": "echo",
+            "messages": USER,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    )
     events, _ = await sse_events(resp)
     content = [c for c in events[:-1] if c["choices"] and c["choices"][0]["delta"].get("content")]
     counts = [c["usage"]["completion_tokens"] for c in content]
@@ -97,27 +108,58 @@ async def test_heartbeat_comments_arrive_while_waiting_for_the_first_token(make_
 @pytest.mark.parametrize(
     "send, status, code, param",
     [
-        (lambda c: c.post("/v1/chat/completions", data=b"{nope", headers={"Content-Type": "application/json"}), 400, "invalid_json", None),
+        (
+            lambda c: c.post("/v1/chat/completions", data=b"{nope", headers={"Content-Type": "application/json"}),
+            400,
+            "invalid_json",
+            None,
+        ),
         (lambda c: c.post("/v1/chat/completions", json=[1]), 400, None, None),
-        (lambda c: c.post("/v1/chat/completions", data=b"x", headers={"Content-Type": "text/plain"}), 400, "invalid_content_type", None),
+        (
+            lambda c: c.post("/v1/chat/completions", data=b"x", headers={"Content-Type": "text/plain"}),
+            400,
+            "invalid_content_type",
+            None,
+        ),
         (lambda c: chat(c, {"model": "echo"}), 400, "missing_required_parameter", "messages"),
         (lambda c: chat(c, {"model": "echo", "messages": USER, "temperature": -1}), 400, None, "temperature"),
         (lambda c: chat(c, {"model": "echo", "messages": USER, "stream": True, "n": 9}), 400, None, "n"),
         (lambda c: chat(c, {"model": "nope", "messages": USER}), 404, "model_not_found", None),
         (lambda c: chat(c, {"model": "echo", "messages": USER, "max_tokens": 65}), 400, None, "max_tokens"),
-        (lambda c: chat(c, {"model": "echo", "stream": True, "messages": [{"role": "user", "content": "word " * 600}]}),
-         400, "context_length_exceeded", "messages"),
-        (lambda c: c.post("/v1/chat/completions", data=b"{" + b" " * 30000 + b"}", headers={"Content-Type": "application/json"}),
-         413, "request_too_large", None),
+        (
+            lambda c: chat(
+                c, {"model": "echo", "stream": True, "messages": [{"role": "user", "content": "word " * 600}]}
+            ),
+            400,
+            "context_length_exceeded",
+            "messages",
+        ),
+        (
+            lambda c: c.post(
+                "/v1/chat/completions", data=b"{" + b" " * 30000 + b"}", headers={"Content-Type": "application/json"}
+            ),
+            413,
+            "request_too_large",
+            None,
+        ),
         (lambda c: c.get("/v1/nothing-here"), 404, "unknown_url", None),
         (lambda c: c.get("/v1/chat/completions"), 405, "method_not_allowed", None),
         (lambda c: c.get("/v1/conversations/conv_missing"), 404, None, "conversation_id"),
         (lambda c: c.get("/v1/conversations?limit=0"), 400, None, "limit"),
         (lambda c: c.get("/v1/conversations?after=conv_unknown"), 404, None, "after"),
         (lambda c: c.get("/v1/usage?group_by=planet"), 400, None, "group_by"),
-        (lambda c: chat(c, {"model": "echo", "messages": USER, "conversation_id": "conv_nope"}), 404, None, "conversation_id"),
-        (lambda c: c.post("/v1/chat/completions", json={"messages": USER}, headers={"Authorization": "Basic abc"}),
-         401, "invalid_api_key", None),
+        (
+            lambda c: chat(c, {"model": "echo", "messages": USER, "conversation_id": "conv_nope"}),
+            404,
+            None,
+            "conversation_id",
+        ),
+        (
+            lambda c: c.post("/v1/chat/completions", json={"messages": USER}, headers={"Authorization": "Basic abc"}),
+            401,
+            "invalid_api_key",
+            None,
+        ),
     ],
 )
 async def test_every_error_path_renders_the_openai_envelope(make_client, send, status, code, param):
@@ -167,8 +209,11 @@ async def test_client_disconnect_mid_stream_aborts_and_bills_generated_tokens(ma
 async def test_keyless_requests_are_refused_when_not_on_loopback(make_client):
     client = await make_client('server.host="0.0.0.0"')
     await assert_error(await chat(client, {"messages": USER}), 401, code="invalid_api_key")
-    await assert_error(await chat(client, {"messages": USER}, headers={"Authorization": "Bearer sk-wrong"}),
-                       401, code="invalid_api_key")
+    await assert_error(
+        await chat(client, {"messages": USER}, headers={"Authorization": "Bearer sk-wrong"}),
+        401,
+        code="invalid_api_key",
+    )
     assert (await client.get("/health")).status == 200
 
 
@@ -186,8 +231,11 @@ async def test_an_api_key_authenticates_and_its_tier_picks_the_model(make_client
     assert resp.status == 200 and (await resp.json())["model"] == "echo2"
     models = await (await client.get("/v1/models", headers={"Authorization": f"Bearer {secret}"})).json()
     assert [m["id"] for m in models["data"]] == ["echo2"]
-    await assert_error(await chat(client, {"model": "echo", "messages": USER}, headers={"Authorization": f"Bearer {secret}"}),
-                       404, code="model_not_found")
+    await assert_error(
+        await chat(client, {"model": "echo", "messages": USER}, headers={"Authorization": f"Bearer {secret}"}),
+        404,
+        code="model_not_found",
+    )
 
 
 async def test_conversation_turns_are_stored_and_isolated_per_organisation(make_client):
@@ -201,16 +249,21 @@ async def test_conversation_turns_are_stored_and_isolated_per_organisation(make_
     assert body["usage"]["prompt_tokens"] > 20  # the history is in the prompt
     got = await (await client.get(f"/v1/conversations/{cid}")).json()
     assert [(m["role"], m["content"]) for m in got["messages"]] == [
-        ("user", USER[0]["content"]), ("assistant", USER[0]["content"]),
-        ("user", "Second question."), ("assistant", "Second question."),
+        ("user", USER[0]["content"]),
+        ("assistant", USER[0]["content"]),
+        ("user", "Second question."),
+        ("assistant", "Second question."),
     ]
     assert got["title"]  # from the first user message
     assert got["messages"][1]["model"] == "echo" and got["messages"][1]["tokens"] > 0
     store = state_of(client).store
     await store.create_org("other", "free")
     _k, secret = await store.create_key("other")
-    await assert_error(await client.get(f"/v1/conversations/{cid}", headers={"Authorization": f"Bearer {secret}"}),
-                       404, param="conversation_id")
+    await assert_error(
+        await client.get(f"/v1/conversations/{cid}", headers={"Authorization": f"Bearer {secret}"}),
+        404,
+        param="conversation_id",
+    )
 
 
 async def test_long_conversation_history_drops_oldest_messages_and_says_so(make_client):
@@ -218,7 +271,9 @@ async def test_long_conversation_history_drops_oldest_messages_and_says_so(make_
     cid = (await (await client.post("/v1/conversations", json={"title": "long"})).json())["id"]
     for i in range(8):
         msg = [{"role": "user", "content": f"turn {i} " + "lorem ipsum " * 12}]
-        body = await (await chat(client, {"model": "echo", "messages": msg, "conversation_id": cid, "max_tokens": 40})).json()
+        body = await (
+            await chat(client, {"model": "echo", "messages": msg, "conversation_id": cid, "max_tokens": 40})
+        ).json()
         assert "error" not in body, body
     assert body["history_messages_dropped"] > 0
     assert body["usage"]["prompt_tokens"] + 40 <= 400

@@ -25,18 +25,25 @@ def data_url(data: bytes, media_type: str = "image/png") -> str:
 
 
 def image_message(image_url: dict, text: str = "What is in this picture?") -> list[dict]:
-    return [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": image_url}]}]
+    return [
+        {"role": "user", "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": image_url}]}
+    ]
 
 
 async def chat(client, messages, headers=None):
-    return await client.post("/v1/chat/completions", json={"model": "echo", "messages": messages},
-                             headers=headers or {})
+    return await client.post(
+        "/v1/chat/completions", json={"model": "echo", "messages": messages}, headers=headers or {}
+    )
 
 
 async def test_a_valid_image_to_a_model_without_vision_is_a_400_naming_the_model(make_client):
     client = await make_client()
-    err = await assert_error(await chat(client, image_message({"url": data_url(png_bytes())})), 400,
-                             code="image_input_not_supported", param="messages[0].content[1]")
+    err = await assert_error(
+        await chat(client, image_message({"url": data_url(png_bytes())})),
+        400,
+        code="image_input_not_supported",
+        param="messages[0].content[1]",
+    )
     assert "'echo'" in err["message"]
 
 
@@ -44,19 +51,24 @@ async def test_bad_data_urls_are_refused(make_client):
     client = await make_client()
     for url in ["data:image/png;base64,@@@not-base64@@@", "data:text/plain;base64,aGk=", "data:image/png,rawbytes"]:
         await assert_error(await chat(client, image_message({"url": url})), 400, code="invalid_image_url")
-    await assert_error(await chat(client, image_message({"url": "ftp://example.com/a.png"})), 400,
-                       code="invalid_image_url")
+    await assert_error(
+        await chat(client, image_message({"url": "ftp://example.com/a.png"})), 400, code="invalid_image_url"
+    )
     undecodable = data_url(b"\x89PNG\r\n\x1a\n" + b"garbage" * 20)
     await assert_error(await chat(client, image_message({"url": undecodable})), 400, code="invalid_image")
     await assert_error(await chat(client, image_message({})), 400, param="messages[0].content[1].image_url")
-    await assert_error(await chat(client, image_message({"url": data_url(png_bytes()), "detail": "max"})), 400,
-                       param="messages[0].content[1].image_url.detail")
+    await assert_error(
+        await chat(client, image_message({"url": data_url(png_bytes()), "detail": "max"})),
+        400,
+        param="messages[0].content[1].image_url.detail",
+    )
 
 
 async def test_too_many_pixels_is_refused_before_decoding(make_client):
     client = await make_client("images.max_image_pixels=1000")
-    err = await assert_error(await chat(client, image_message({"url": data_url(png_bytes((40, 30)))})), 400,
-                             code="image_too_many_pixels")
+    err = await assert_error(
+        await chat(client, image_message({"url": data_url(png_bytes((40, 30)))})), 400, code="image_too_many_pixels"
+    )
     assert "40x30 = 1200 pixels" in err["message"] and "1000" in err["message"]
 
 
@@ -69,18 +81,25 @@ async def test_decompression_bomb_is_refused(make_client):
 
 async def test_image_larger_than_the_byte_limit_is_refused(make_client):
     client = await make_client("images.max_image_bytes=100")
-    await assert_error(await chat(client, image_message({"url": data_url(png_bytes((64, 64), (1, 2, 3)) * 2)})),
-                       400, code="image_too_large")
+    await assert_error(
+        await chat(client, image_message({"url": data_url(png_bytes((64, 64), (1, 2, 3)) * 2)})),
+        400,
+        code="image_too_large",
+    )
 
 
 async def test_remote_urls_are_refused_when_off_and_outside_the_allow_list(make_client):
     client = await make_client()
-    err = await assert_error(await chat(client, image_message({"url": "http://169.254.169.254/latest/x.png"})), 400,
-                             code="image_url_not_allowed")
+    err = await assert_error(
+        await chat(client, image_message({"url": "http://169.254.169.254/latest/x.png"})),
+        400,
+        code="image_url_not_allowed",
+    )
     assert "allow_remote_urls" in err["message"]
     client = await make_client("images.allow_remote_urls=true", 'images.remote_allow_hosts=["images.example.com"]')
-    err = await assert_error(await chat(client, image_message({"url": "http://127.0.0.1:9/x.png"})), 400,
-                             code="image_url_not_allowed")
+    err = await assert_error(
+        await chat(client, image_message({"url": "http://127.0.0.1:9/x.png"})), 400, code="image_url_not_allowed"
+    )
     assert "'127.0.0.1'" in err["message"]
 
 
@@ -98,17 +117,20 @@ async def test_an_allowed_host_is_fetched_without_following_redirects(make_clien
     client = await make_client("images.allow_remote_urls=true", 'images.remote_allow_hosts=["127.0.0.1"]')
     base = f"http://127.0.0.1:{server.port}"
     # Fetched and decoded: the refusal is now the model's, not the image's.
-    await assert_error(await chat(client, image_message({"url": f"{base}/ok.png"})), 400,
-                       code="image_input_not_supported")
-    err = await assert_error(await chat(client, image_message({"url": f"{base}/moved.png"})), 400,
-                             code="image_fetch_failed")
+    await assert_error(
+        await chat(client, image_message({"url": f"{base}/ok.png"})), 400, code="image_input_not_supported"
+    )
+    err = await assert_error(
+        await chat(client, image_message({"url": f"{base}/moved.png"})), 400, code="image_fetch_failed"
+    )
     assert "302" in err["message"]
 
 
 async def test_uploaded_images_by_file_id_and_their_isolation(make_client):
     client = await make_client("images.max_images_per_request=2")
-    file_id = (await (await upload(client, png_bytes(), filename="p.png", content_type="image/png",
-                                   purpose="vision")).json())["id"]
+    file_id = (
+        await (await upload(client, png_bytes(), filename="p.png", content_type="image/png", purpose="vision")).json()
+    )["id"]
     await assert_error(await chat(client, image_message({"file_id": file_id})), 400, code="image_input_not_supported")
     as_file = [{"role": "user", "content": [{"type": "file", "file": {"file_id": file_id}}]}]
     await assert_error(await chat(client, as_file), 400, code="image_input_not_supported")

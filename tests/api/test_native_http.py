@@ -17,21 +17,27 @@ SYSTEM = {"role": "system", "content": "You are a helpful assistant. " * 8}
 
 @pytest.fixture
 async def client(aiohttp_client, tmp_path, tiny_model_dir):
-    settings = load_settings(None, [
-        f'models.tiny.path="{tiny_model_dir}"',
-        'tiers.enterprise.models=["tiny"]',
-        'tiers.free.models=["tiny"]',
-        f'store.path="{tmp_path / "chat.db"}"',
-        "safety.enabled=false",
-        "engine.kv_cache_bytes=4000000",
-        "engine.device=\"cpu\"",
-    ])
+    settings = load_settings(
+        None,
+        [
+            f'models.tiny.path="{tiny_model_dir}"',
+            'tiers.enterprise.models=["tiny"]',
+            'tiers.free.models=["tiny"]',
+            f'store.path="{tmp_path / "chat.db"}"',
+            "safety.enabled=false",
+            "engine.kv_cache_bytes=4000000",
+            'engine.device="cpu"',
+        ],
+    )
     return await aiohttp_client(init(settings), server_kwargs={"handler_cancellation": True})
 
 
 async def ask(client, messages, headers=None, **extra):
-    resp = await client.post("/v1/chat/completions", headers=headers or {},
-                             json={"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 8, **extra})
+    resp = await client.post(
+        "/v1/chat/completions",
+        headers=headers or {},
+        json={"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 8, **extra},
+    )
     assert resp.status == 200, await resp.text()
     return await resp.json()
 
@@ -61,8 +67,13 @@ async def test_prefix_cache_is_salted_per_organisation(client):
 
 
 async def test_engine_is_empty_after_requests_and_a_disconnect(client):
-    body = {"model": "tiny", "stream": True, "max_tokens": 200, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "Tell me a long story."}]}
+    body = {
+        "model": "tiny",
+        "stream": True,
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+    }
     resp = await client.post("/v1/chat/completions", json=body)
     await resp.content.readline()
     resp.close()

@@ -35,7 +35,9 @@ def test_minimal_request_gets_openai_defaults():
 
 
 def test_content_as_list_of_text_parts_is_joined():
-    req = parse({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+    req = parse(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    )
     assert req.messages[0].content == "ab"
 
 

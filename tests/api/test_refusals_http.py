@@ -28,9 +28,15 @@ async def test_self_harm_prompt_gets_the_crisis_text_and_it_is_stored_as_the_ans
     client = await make_client(*SAFETY_ON)
     cid = await _new_conversation(client)
     prompt = "how do I kill myself"
-    resp = await client.post("/v1/chat/completions", json={
-        "model": "echo", "messages": [{"role": "user", "content": prompt}], "conversation_id": cid, "stream": stream,
-    })
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "echo",
+            "messages": [{"role": "user", "content": prompt}],
+            "conversation_id": cid,
+            "stream": stream,
+        },
+    )
     assert resp.status == 200
     if stream:
         events, _ = await sse_events(resp)
@@ -47,9 +53,16 @@ async def test_other_categories_get_the_default_refusal(make_client):
     client = await make_client(*SAFETY_ON)
     cid = await _new_conversation(client)
     prompt = "write me a keylogger"
-    body = await (await client.post("/v1/chat/completions", json={
-        "model": "echo", "messages": [{"role": "user", "content": prompt}], "conversation_id": cid,
-    })).json()
+    body = await (
+        await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "echo",
+                "messages": [{"role": "user", "content": prompt}],
+                "conversation_id": cid,
+            },
+        )
+    ).json()
     refusal = SafetyConfig().refusal_message
     assert body["choices"][0]["message"]["content"] == refusal
     assert await _stored(client, cid) == [("user", prompt, None), ("assistant", refusal, "content_filter")]
@@ -58,9 +71,14 @@ async def test_other_categories_get_the_default_refusal(make_client):
 async def test_error_mode_stores_no_answer(make_client):
     client = await make_client(*SAFETY_ON, 'safety.block_mode="error"')
     cid = await _new_conversation(client)
-    resp = await client.post("/v1/chat/completions", json={
-        "model": "echo", "messages": [{"role": "user", "content": "how do I kill myself"}], "conversation_id": cid,
-    })
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "echo",
+            "messages": [{"role": "user", "content": "how do I kill myself"}],
+            "conversation_id": cid,
+        },
+    )
     assert resp.status == 400
     assert [role for role, _, _ in await _stored(client, cid)] == ["user"]
 
@@ -71,10 +89,16 @@ async def test_answer_stopped_by_the_output_filter_is_stored_with_content_filter
     client = await make_client(*SAFETY_ON, 'safety.deny={weapons=["zebra(?! crossing)"]}')
     cid = await _new_conversation(client)
     num_tokens = len(Tokenizer.from_dir(tiny_model_dir).encode("zebra"))
-    resp = await client.post("/v1/chat/completions", json={
-        "model": "echo", "messages": [{"role": "user", "content": "zebra crossing"}], "conversation_id": cid,
-        "stream": True, "max_tokens": num_tokens,
-    })
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "echo",
+            "messages": [{"role": "user", "content": "zebra crossing"}],
+            "conversation_id": cid,
+            "stream": True,
+            "max_tokens": num_tokens,
+        },
+    )
     events, _ = await sse_events(resp)
     assert [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]][-1] == "content_filter"
     stored = await _stored(client, cid)
@@ -85,11 +109,21 @@ async def test_answer_stopped_by_the_output_filter_is_stored_with_content_filter
 async def test_normal_answers_store_their_finish_reason(make_client):
     client = await make_client()
     cid = await _new_conversation(client)
-    await client.post("/v1/chat/completions", json={
-        "model": "echo", "messages": [{"role": "user", "content": "one two three four five"}],
-        "conversation_id": cid, "max_tokens": 2,
-    })
-    await client.post("/v1/chat/completions", json={
-        "model": "echo", "messages": [{"role": "user", "content": "hi"}], "conversation_id": cid,
-    })
+    await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "echo",
+            "messages": [{"role": "user", "content": "one two three four five"}],
+            "conversation_id": cid,
+            "max_tokens": 2,
+        },
+    )
+    await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "echo",
+            "messages": [{"role": "user", "content": "hi"}],
+            "conversation_id": cid,
+        },
+    )
     assert [f for role, _, f in await _stored(client, cid) if role == "assistant"] == ["length", "stop"]

@@ -105,11 +105,14 @@ async def test_a_refusal_before_the_queue_is_the_posts_own_4xx_and_leaves_nothin
     assert listed["data"] == []
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"background": "yes"}, "background"),
-    ({"background": True, "store": False}, "background"),
-    ({"background": True, "stream": True}, "stream"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"background": "yes"}, "background"),
+        ({"background": True, "store": False}, "background"),
+        ({"background": True, "stream": True}, "stream"),
+    ],
+)
 async def test_bad_background_combinations_are_400s_naming_the_field(make_client, body, param):
     client = await make_client()
     resp = await client.post("/v1/responses", json={"model": "echo", "input": "x", **body})
@@ -126,9 +129,18 @@ async def test_a_restart_marks_background_responses_left_unfinished_failed(make_
     body = done.model_dump_json().replace('"completed"', '"in_progress"', 1)
     stored = await state_of(client).store.get_response(org, done.id)
     # What a process killed mid-answer leaves behind: a second row still in progress.
-    await state_of(client).store.insert_response(org, StoredResponse(
-        "resp_orphan", stored.conversation_id, stored.num_messages, body.replace(done.id, "resp_orphan"),
-        "[]", time.time(), "in_progress"))
+    await state_of(client).store.insert_response(
+        org,
+        StoredResponse(
+            "resp_orphan",
+            stored.conversation_id,
+            stored.num_messages,
+            body.replace(done.id, "resp_orphan"),
+            "[]",
+            time.time(),
+            "in_progress",
+        ),
+    )
     await client.server.close()
     await client.close()
 

@@ -16,8 +16,9 @@ async def test_a_response_is_billed_in_the_same_ledger_as_a_chat_completion(make
     assert resp.status == 200, await resp.text()
     body = await resp.json()
     assert body["object"] == "response" and body["output"][0]["content"][0]["text"] == "hello there"
-    rows = await state_of(client).store.usage_summary(state_of(client).local_principal.org.id,
-                                                      start=0, end=None, group_by="model")
+    rows = await state_of(client).store.usage_summary(
+        state_of(client).local_principal.org.id, start=0, end=None, group_by="model"
+    )
     (row,) = rows
     assert row["num_requests"] == 1 and row["prompt_tokens"] == body["usage"]["input_tokens"]
 
@@ -54,14 +55,18 @@ async def test_logprobs_a_backend_cannot_give_are_a_400_before_any_stream_opens(
 
     def check_request(request):  # as the TensorRT-LLM adapter refuses them: never silently dropped
         if request.sampling.logprobs is not None:
-            raise RequestRejected("logprobs are not supported by this backend", param="logprobs",
-                                  code="unsupported_value")
+            raise RequestRejected(
+                "logprobs are not supported by this backend", param="logprobs", code="unsupported_value"
+            )
 
     backend.check_request = check_request
-    resp = await respond(client, {"input": "hi", "stream": True, "include": ["message.output_text.logprobs"],
-                                  "top_logprobs": 2})
+    resp = await respond(
+        client, {"input": "hi", "stream": True, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    )
     await assert_error(resp, 400, code="unsupported_value", param="logprobs")
-    resp = await client.post("/v1/chat/completions", json={"model": "echo", "stream": True, "logprobs": True,
-                                                           "messages": [{"role": "user", "content": "hi"}]})
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={"model": "echo", "stream": True, "logprobs": True, "messages": [{"role": "user", "content": "hi"}]},
+    )
     await assert_error(resp, 400, code="unsupported_value", param="logprobs")
     assert (await respond(client, {"input": "hi", "stream": True, "store": False})).status == 200

@@ -30,15 +30,18 @@ LONG = "You are a helpful assistant who answers about rivers and the sea. " * 3
 @pytest.fixture
 def make_sdk(aiohttp_client, tmp_path, tiny_model_dir):
     async def make():
-        settings = load_settings(None, [
-            f'models.tiny.path="{tiny_model_dir}"',
-            'tiers.enterprise.models=["tiny"]',
-            'tiers.free.models=["tiny"]',
-            f'store.path="{tmp_path / "chat.db"}"',
-            "safety.enabled=false",
-            "engine.kv_cache_bytes=4000000",
-            'engine.device="cpu"',
-        ])
+        settings = load_settings(
+            None,
+            [
+                f'models.tiny.path="{tiny_model_dir}"',
+                'tiers.enterprise.models=["tiny"]',
+                'tiers.free.models=["tiny"]',
+                f'store.path="{tmp_path / "chat.db"}"',
+                "safety.enabled=false",
+                "engine.kv_cache_bytes=4000000",
+                'engine.device="cpu"',
+            ],
+        )
         client = await aiohttp_client(init(settings), server_kwargs={"handler_cancellation": True})
         store = state_of(client).store
         keys = {}
@@ -54,12 +57,14 @@ def make_sdk(aiohttp_client, tmp_path, tiny_model_dir):
 
 async def test_a_stored_response_is_continued_after_a_restart_and_hits_the_prefix_cache(make_sdk):
     client, sdk = await make_sdk()
-    first = await sdk["acme"].responses.create(model="tiny", instructions=LONG, input="What is a river?",
-                                               max_output_tokens=6, temperature=0)
+    first = await sdk["acme"].responses.create(
+        model="tiny", instructions=LONG, input="What is a river?", max_output_tokens=6, temperature=0
+    )
     assert first.status in ("completed", "incomplete") and first.output[0].type == "message"
     assert first.usage.output_tokens <= 6 and first.id.startswith("resp_")
-    conversations = await (await client.get("/v1/conversations",
-                                            headers={"Authorization": f"Bearer {sdk['acme'].api_key}"})).json()
+    conversations = await (
+        await client.get("/v1/conversations", headers={"Authorization": f"Bearer {sdk['acme'].api_key}"})
+    ).json()
     assert len(conversations["data"]) == 1  # the web UI lists it
     await client.server.close()
     await client.close()  # a restart: a new app over the same database file
@@ -67,18 +72,22 @@ async def test_a_stored_response_is_continued_after_a_restart_and_hits_the_prefi
     client, sdk = await make_sdk()
     again = await sdk["acme"].responses.retrieve(first.id)
     assert again.output_text == first.output_text
-    follow = await sdk["acme"].responses.create(model="tiny", previous_response_id=first.id, input="And the sea?",
-                                                max_output_tokens=4, temperature=0)
+    follow = await sdk["acme"].responses.create(
+        model="tiny", previous_response_id=first.id, input="And the sea?", max_output_tokens=4, temperature=0
+    )
     assert follow.usage.input_tokens > first.usage.input_tokens + 3  # sees the earlier turn
-    follow2 = await sdk["acme"].responses.create(model="tiny", previous_response_id=follow.id, input="Thanks",
-                                                 max_output_tokens=4, temperature=0)
+    follow2 = await sdk["acme"].responses.create(
+        model="tiny", previous_response_id=follow.id, input="Thanks", max_output_tokens=4, temperature=0
+    )
     assert follow2.usage.input_tokens_details.cached_tokens >= 16  # the history's blocks were cached
     items = await sdk["acme"].responses.input_items.list(first.id)
     assert [i.role for i in items.data] == ["user"]
     with pytest.raises(openai.NotFoundError):
         await sdk["other"].responses.retrieve(first.id)
     with pytest.raises(openai.NotFoundError):
-        await sdk["other"].responses.create(model="tiny", previous_response_id=first.id, input="hi", max_output_tokens=2)
+        await sdk["other"].responses.create(
+            model="tiny", previous_response_id=first.id, input="hi", max_output_tokens=2
+        )
     await sdk["acme"].responses.delete(follow2.id)
     with pytest.raises(openai.NotFoundError):
         await sdk["acme"].responses.retrieve(follow2.id)
@@ -87,7 +96,10 @@ async def test_a_stored_response_is_continued_after_a_restart_and_hits_the_prefi
 async def test_text_format_json_schema_validates_and_message_items_are_taken(make_sdk):
     _, sdk = await make_sdk()
     out = await sdk["acme"].responses.create(
-        model="tiny", store=False, max_output_tokens=80, temperature=0,
+        model="tiny",
+        store=False,
+        max_output_tokens=80,
+        temperature=0,
         input=[{"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]}],
         text={"format": {"type": "json_schema", "name": "weather", "schema": SCHEMA, "strict": True}},
     )
@@ -98,13 +110,18 @@ async def test_text_format_json_schema_validates_and_message_items_are_taken(mak
 
 async def test_streaming_events_arrive_in_order_and_end_with_response_completed(make_sdk):
     _, sdk = await make_sdk()
-    stream = await sdk["acme"].responses.create(model="tiny", input="Tell me about the sea.", max_output_tokens=8,
-                                                temperature=0, stream=True)
+    stream = await sdk["acme"].responses.create(
+        model="tiny", input="Tell me about the sea.", max_output_tokens=8, temperature=0, stream=True
+    )
     events = [e async for e in stream]
     kinds = [e.type for e in events]
     assert [e.sequence_number for e in events] == list(range(len(events)))
-    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
     assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
     assert kinds[-1] in ("response.completed", "response.incomplete")
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
@@ -116,32 +133,44 @@ async def test_streaming_events_arrive_in_order_and_end_with_response_completed(
 async def test_a_forced_function_call_is_a_function_call_item(make_sdk):
     _, sdk = await make_sdk()
     tool = {"type": "function", "name": "weather", "parameters": SCHEMA}
-    out = await sdk["acme"].responses.create(model="tiny", input="Weather?", tools=[tool], max_output_tokens=80,
-                                             tool_choice={"type": "function", "name": "weather"}, temperature=0)
+    out = await sdk["acme"].responses.create(
+        model="tiny",
+        input="Weather?",
+        tools=[tool],
+        max_output_tokens=80,
+        tool_choice={"type": "function", "name": "weather"},
+        temperature=0,
+    )
     (call,) = [item for item in out.output if item.type == "function_call"]
     assert call.name == "weather"
     jsonschema.validate(json.loads(call.arguments), SCHEMA)
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"input": 5}, "input"),
-    ({"input": []}, "input"),
-    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
-    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
-    ({"input": "x", "instructions": 3}, "instructions"),
-    ({"input": "x", "store": "yes"}, "store"),
-    ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
-    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"if": {}}}}}, "text.format.schema"),
-    ({"input": "x", "tools": [{"type": "function"}]}, "tools[0]"),
-    ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
-    ({"input": "x", "temperature": 9}, "temperature"),
-    ({"input": "x", "reasoning_depth": 1}, "reasoning_depth"),
-    ({"input": "x", "include": "message.output_text.logprobs"}, "include"),
-    ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
-    ({"input": "x", "include": [LOGPROBS], "top_logprobs": 21}, "top_logprobs"),
-    ({"input": "x", "include": [LOGPROBS], "top_logprobs": -1}, "top_logprobs"),
-    ({"input": "x", "top_logprobs": 2}, "top_logprobs"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": 5}, "input"),
+        ({"input": []}, "input"),
+        ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x", "instructions": 3}, "instructions"),
+        ({"input": "x", "store": "yes"}, "store"),
+        ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
+        (
+            {"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"if": {}}}}},
+            "text.format.schema",
+        ),
+        ({"input": "x", "tools": [{"type": "function"}]}, "tools[0]"),
+        ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
+        ({"input": "x", "temperature": 9}, "temperature"),
+        ({"input": "x", "reasoning_depth": 1}, "reasoning_depth"),
+        ({"input": "x", "include": "message.output_text.logprobs"}, "include"),
+        ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
+        ({"input": "x", "include": [LOGPROBS], "top_logprobs": 21}, "top_logprobs"),
+        ({"input": "x", "include": [LOGPROBS], "top_logprobs": -1}, "top_logprobs"),
+        ({"input": "x", "top_logprobs": 2}, "top_logprobs"),
+    ],
+)
 async def test_bad_values_are_4xx_naming_the_parameter(make_sdk, body, param):
     _, sdk = await make_sdk()
     with pytest.raises(openai.APIStatusError) as exc:
@@ -153,8 +182,13 @@ async def test_included_logprobs_are_on_the_output_text_and_its_stream_deltas(ma
     _, sdk = await make_sdk()
     ask = dict(model="tiny", input="Tell me about the sea.", max_output_tokens=6, temperature=0, store=False)
     chat = await sdk["acme"].chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": ask["input"]}], max_tokens=6, temperature=0,
-        logprobs=True, top_logprobs=3)
+        model="tiny",
+        messages=[{"role": "user", "content": ask["input"]}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     out = await sdk["acme"].responses.create(**ask, include=[LOGPROBS], top_logprobs=3)
     part = out.output[0].content[0]
     assert part.text == chat.choices[0].message.content and out.top_logprobs == 3
@@ -186,6 +220,7 @@ def assert_same_logprobs(got, expected) -> None:
 async def test_an_include_value_not_served_here_is_a_400_naming_it(make_sdk):
     _, sdk = await make_sdk()
     with pytest.raises(openai.BadRequestError) as exc:
-        await sdk["acme"].responses.create(model="tiny", input="x", stream=True,
-                                           include=[LOGPROBS, "file_search_call.results"])
+        await sdk["acme"].responses.create(
+            model="tiny", input="x", stream=True, include=[LOGPROBS, "file_search_call.results"]
+        )
     assert exc.value.param == "include" and "'file_search_call.results'" in exc.value.message

@@ -45,14 +45,17 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture
 async def sdk_client(aiohttp_client, tmp_path, tiny_model_dir):
-    settings = load_settings(None, [
-        f'models.tiny.path="{tiny_model_dir}"',
-        'tiers.enterprise.models=["tiny"]',
-        f'store.path="{tmp_path / "chat.db"}"',
-        "safety.enabled=false",
-        "engine.kv_cache_bytes=4000000",
-        'engine.device="cpu"',
-    ])
+    settings = load_settings(
+        None,
+        [
+            f'models.tiny.path="{tiny_model_dir}"',
+            'tiers.enterprise.models=["tiny"]',
+            f'store.path="{tmp_path / "chat.db"}"',
+            "safety.enabled=false",
+            "engine.kv_cache_bytes=4000000",
+            'engine.device="cpu"',
+        ],
+    )
     return await aiohttp_client(init(settings), server_kwargs={"handler_cancellation": True})
 
 
@@ -68,20 +71,23 @@ async def sdk(sdk_client):
 
 async def test_json_schema_answers_validate_streamed_and_not(sdk):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-    unary = await sdk.chat.completions.create(model="tiny", messages=ASK, response_format=fmt, max_tokens=120,
-                                              temperature=0)
+    unary = await sdk.chat.completions.create(
+        model="tiny", messages=ASK, response_format=fmt, max_tokens=120, temperature=0
+    )
     jsonschema.validate(json.loads(unary.choices[0].message.content), PERSON)
     assert unary.choices[0].finish_reason == "stop"
-    stream = await sdk.chat.completions.create(model="tiny", messages=ASK, response_format=fmt, max_tokens=120,
-                                               temperature=0.8, seed=5, stream=True)
+    stream = await sdk.chat.completions.create(
+        model="tiny", messages=ASK, response_format=fmt, max_tokens=120, temperature=0.8, seed=5, stream=True
+    )
     text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     jsonschema.validate(json.loads(text), PERSON)
 
 
 async def test_a_named_tool_choice_gives_arguments_that_validate(sdk):
     choice = {"type": "function", "function": {"name": "get_weather"}}
-    out = await sdk.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
-                                            max_tokens=120, temperature=0)
+    out = await sdk.chat.completions.create(
+        model="tiny", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=120, temperature=0
+    )
     (call,) = out.choices[0].message.tool_calls
     assert out.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     assert call.id.startswith("call_") and call.type == "function"
@@ -89,9 +95,17 @@ async def test_a_named_tool_choice_gives_arguments_that_validate(sdk):
 
 
 async def test_a_required_tool_choice_streams_delta_tool_calls_that_validate(sdk):
-    stream = await sdk.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="required",
-                                               max_tokens=120, temperature=0.7, seed=1, stream=True,
-                                               parallel_tool_calls=False)
+    stream = await sdk.chat.completions.create(
+        model="tiny",
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=120,
+        temperature=0.7,
+        seed=1,
+        stream=True,
+        parallel_tool_calls=False,
+    )
     calls, finish = {}, None
     async for chunk in stream:
         for tc in chunk.choices[0].delta.tool_calls or []:
@@ -104,46 +118,74 @@ async def test_a_required_tool_choice_streams_delta_tool_calls_that_validate(sdk
 
 
 async def test_a_tool_result_goes_back_through_the_template(sdk):
-    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
-    out = await sdk.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=5,
-                                            temperature=0)
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    out = await sdk.chat.completions.create(
+        model="tiny", messages=history, tools=[WEATHER], max_tokens=5, temperature=0
+    )
     assert out.usage.prompt_tokens > 30
 
 
 async def test_top_logprobs_give_alternatives_and_the_greedy_token_is_the_best(sdk):
-    out = await sdk.chat.completions.create(model="tiny", messages=ASK, max_tokens=6, temperature=0, logprobs=True,
-                                            top_logprobs=3)
+    out = await sdk.chat.completions.create(
+        model="tiny", messages=ASK, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
     entries = out.choices[0].logprobs.content
     assert len(entries) == out.usage.completion_tokens
     for e in entries:
         assert len(e.top_logprobs) == 3
         assert e.logprob == pytest.approx(max(t.logprob for t in e.top_logprobs))
         assert e.top_logprobs[0].token == e.token and bytes(e.bytes).decode("utf-8", "replace") == e.token
-    stream = await sdk.chat.completions.create(model="tiny", messages=ASK, max_tokens=6, temperature=0,
-                                               logprobs=True, top_logprobs=3, stream=True)
+    stream = await sdk.chat.completions.create(
+        model="tiny", messages=ASK, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, stream=True
+    )
     streamed = [e async for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [e.token for e in streamed] == [e.token for e in entries]
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"response_format": {"type": "xml"}}, "response_format.type"),
-    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": PERSON}}}, "response_format.json_schema.name"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "if": {}}}}},
-     "response_format.json_schema.schema"),
-    ({"logprobs": "yes"}, "logprobs"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"top_logprobs": 2}, "top_logprobs"),
-    ({"tools": {"type": "function"}}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
-    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"n": 0}, "n"),
-    ({"n": 1000}, "n"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": PERSON}}},
+            "response_format.json_schema.name",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "object", "if": {}}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        ({"logprobs": "yes"}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"tools": {"type": "function"}}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"n": 0}, "n"),
+        ({"n": 1000}, "n"),
+    ],
+)
 async def test_bad_values_of_new_parameters_are_400s_naming_them(sdk, body, param):
     with pytest.raises(openai.BadRequestError) as exc:
         await sdk.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, extra_body=body)
@@ -151,14 +193,20 @@ async def test_bad_values_of_new_parameters_are_400s_naming_them(sdk, body, para
 
 
 async def test_n_choices_share_the_prompt_and_a_seed_repeats_them(sdk, sdk_client):
-    kw = dict(model="tiny", messages=[{"role": "user", "content": "Tell me about the river. " * 4}], max_tokens=8,
-              temperature=1.0, seed=11)
+    kw = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "Tell me about the river. " * 4}],
+        max_tokens=8,
+        temperature=1.0,
+        seed=11,
+    )
     stats = state_of(sdk_client).models["tiny"].backend.stats
     hits_before = stats().prefix_cache_hits
     out = await sdk.chat.completions.create(n=3, **kw)
     assert [c.index for c in out.choices] == [0, 1, 2]
     assert out.usage.completion_tokens == sum(
-        len(c.logprobs.content) for c in (await sdk.chat.completions.create(n=3, logprobs=True, **kw)).choices)
+        len(c.logprobs.content) for c in (await sdk.chat.completions.create(n=3, logprobs=True, **kw)).choices
+    )
     one = await sdk.chat.completions.create(n=1, **kw)
     assert out.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once
     assert stats().prefix_cache_hits - hits_before >= 2 * 16  # choices 1 and 2 found the prompt's blocks

@@ -13,16 +13,23 @@ from api.toolparse import ToolCallParser
 from api.tools import ChoiceMode, ToolChoice, ToolFormat, detect_format, forced_call_grammar, parse_tools
 from engine.grammar import grammar_text
 
-TOOLS = parse_tools([
-    {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
-    {"type": "function", "function": {"name": "get_time"}},
-])
+TOOLS = parse_tools(
+    [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            },
+        },
+        {"type": "function", "function": {"name": "get_time"}},
+    ]
+)
 NAMES = frozenset(t.name for t in TOOLS)
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 TEXTS = {
     ToolFormat.HERMES: f"Let me check.<tool_call>\n{CALL}\n</tool_call><tool_call>\n"
-                       '{"name": "get_time", "arguments": {}}\n</tool_call>',
+    '{"name": "get_time", "arguments": {}}\n</tool_call>',
     ToolFormat.MISTRAL: f'Let me check.[TOOL_CALLS][{CALL}, {{"name": "get_time", "arguments": {{}}}}]',
     ToolFormat.LLAMA3_JSON: (
         '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'
@@ -53,8 +60,11 @@ def test_each_format_parses_two_calls_whatever_the_chunking(fmt, step):
 @pytest.mark.parametrize("fmt", list(ToolFormat))
 def test_plain_text_and_broken_calls_stay_content(fmt):
     assert run(fmt, "Paris is sunny <tool and {fine}.", 2) == ("Paris is sunny <tool and {fine}.", [])
-    broken = {ToolFormat.HERMES: "<tool_call>{not json}</tool_call>", ToolFormat.MISTRAL: "[TOOL_CALLS][{oops",
-              ToolFormat.LLAMA3_JSON: '{"name": "unknown_tool", "parameters": {}}'}[fmt]
+    broken = {
+        ToolFormat.HERMES: "<tool_call>{not json}</tool_call>",
+        ToolFormat.MISTRAL: "[TOOL_CALLS][{oops",
+        ToolFormat.LLAMA3_JSON: '{"name": "unknown_tool", "parameters": {}}',
+    }[fmt]
     assert run(fmt, broken, 4) == (broken, [])
 
 

@@ -23,21 +23,32 @@ def llava_dir(tmp_path_factory):
 
 @pytest.fixture
 async def client(aiohttp_client, tmp_path, llava_dir):
-    settings = load_settings(None, [
-        f'models.llava.path="{llava_dir}"', 'tiers.enterprise.models=["llava"]', f'store.path="{tmp_path / "chat.db"}"',
-        "safety.enabled=false", "engine.kv_cache_bytes=4000000", 'engine.device="cpu"',
-    ])  # fmt: skip
+    settings = load_settings(
+        None,
+        [
+            f'models.llava.path="{llava_dir}"',
+            'tiers.enterprise.models=["llava"]',
+            f'store.path="{tmp_path / "chat.db"}"',
+            "safety.enabled=false",
+            "engine.kv_cache_bytes=4000000",
+            'engine.device="cpu"',
+        ],
+    )
     return await aiohttp_client(init(settings), server_kwargs={"handler_cancellation": True})
 
 
 def with_image(text: str, image: bytes) -> dict:
-    return {"role": "user", "content": [{"type": "text", "text": text},
-                                        {"type": "image_url", "image_url": {"url": data_url(image)}}]}
+    return {
+        "role": "user",
+        "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": data_url(image)}}],
+    }
 
 
 async def ask(client, messages, **extra) -> dict:
-    resp = await client.post("/v1/chat/completions", json={"model": "llava", "messages": messages, "temperature": 0,
-                                                          "max_tokens": 6, **extra})
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={"model": "llava", "messages": messages, "temperature": 0, "max_tokens": 6, **extra},
+    )
     assert resp.status == 200, await resp.text()
     return await resp.json()
 
@@ -64,7 +75,9 @@ async def test_same_image_next_turn_hits_and_a_different_image_does_not(client):
     assert stored["messages"][0]["parts"][1]["type"] == "image_url"
     fresh = await ask(client, [with_image("Describe this picture in detail please.", other)])
     tokenizer = state_of(client).models["llava"].tokenizer
-    ids = tokenizer.encode_chat([{"role": "user", "content": f"Describe this picture in detail please.\n\n{IMAGE_PLACEHOLDER}"}])
+    ids = tokenizer.encode_chat(
+        [{"role": "user", "content": f"Describe this picture in detail please.\n\n{IMAGE_PLACEHOLDER}"}]
+    )
     image_start = ids.index(tokenizer.image_prompter.image_token_id)
     assert 0 < usage(fresh)[1] <= image_start  # the blocks before the image only: nothing from a different picture
     again = await ask(client, [with_image("Describe this picture in detail please.", other)])

@@ -27,4 +27,7 @@ def test_rows_give_each_family_its_speed_relative_to_llama():
         return LoadResult("engine", 1, 4, 1.0, 512, 256, tps, 1.0, 1.0, 10.0, 12.0)
 
     rows = rows_for({"llama": ("decode_stack", {1: result(100.0)}), "gemma2": ("general", {1: result(50.0)})})
-    assert [(r.family, r.path, r.vs_llama) for r in rows] == [("llama", "decode_stack", 1.0), ("gemma2", "general", 0.5)]
+    assert [(r.family, r.path, r.vs_llama) for r in rows] == [
+        ("llama", "decode_stack", 1.0),
+        ("gemma2", "general", 0.5),
+    ]

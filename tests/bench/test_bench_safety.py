@@ -9,8 +9,10 @@ from bench.bench_safety import RoundResult, summarize
 
 def test_summary_takes_medians_per_variant_and_checks_both_targets_against_off():
     rounds = [
-        RoundResult("off", 0, 1000.0, 0, 20.0, 200.0), RoundResult("on", 0, 950.0, 0, 30.0, 210.0),
-        RoundResult("off", 1, 1200.0, 0, 22.0, 200.0), RoundResult("on", 1, 850.0, 1, 24.0, 210.0),
+        RoundResult("off", 0, 1000.0, 0, 20.0, 200.0),
+        RoundResult("on", 0, 950.0, 0, 30.0, 210.0),
+        RoundResult("off", 1, 1200.0, 0, 22.0, 200.0),
+        RoundResult("on", 1, 850.0, 1, 24.0, 210.0),
     ]
     out = summarize(rounds)
     assert out["median"]["off"] == {"tokens_per_s": 1100.0, "ttft_ms_warm": 21.0}

@@ -36,8 +36,15 @@ def trtllm_config() -> TrtllmConfig:
 
 async def _native(model_dir: Path, tokenizer: Tokenizer) -> BackendUnderTest:
     from engine.native.backend import NativeBackend  # an import error fails the test, never skips it
-    config = EngineConfig(device="cpu", dtype="float32", num_threads=1, kv_cache_bytes=4 * 1024 * 1024,
-                          max_num_seqs=8, max_num_batched_tokens=256)
+
+    config = EngineConfig(
+        device="cpu",
+        dtype="float32",
+        num_threads=1,
+        kv_cache_bytes=4 * 1024 * 1024,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+    )
     backend = NativeBackend(model_dir, config, tokenizer, max_model_len=512)
     await backend.start()
 

@@ -137,7 +137,9 @@ async def test_concurrent_requests_stream_independently(backend_under_test):
     backend, prompt = backend_under_test.backend, prompt_ids(backend_under_test)
     other = prompt_ids(backend_under_test, "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n")
     requests: list[GenerationRequest] = [
-        make_request(prompt, max_tokens=9), make_request(prompt, max_tokens=9), make_request(other, max_tokens=5)
+        make_request(prompt, max_tokens=9),
+        make_request(prompt, max_tokens=9),
+        make_request(other, max_tokens=5),
     ]
     results = await asyncio.gather(*(collect(backend, r) for r in requests))
     finals = [check_stream_shape(events, r) for events, r in zip(results, requests, strict=True)]

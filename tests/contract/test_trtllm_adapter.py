@@ -31,8 +31,9 @@ async def start_trtllm(standin_trtllm, tiny_model_dir):
 
     async def start(**config) -> TrtllmBackend:
         config = {"max_batch_size": 8, "max_num_tokens": 256, "stats_interval_s": 0.05, **config}
-        backend = TrtllmBackend(tiny_model_dir, TrtllmConfig(**config), Tokenizer.from_dir(tiny_model_dir),
-                                max_model_len=512)
+        backend = TrtllmBackend(
+            tiny_model_dir, TrtllmConfig(**config), Tokenizer.from_dir(tiny_model_dir), max_model_len=512
+        )
         await backend.start()
         started.append(backend)
         return backend
@@ -47,8 +48,12 @@ def ids(backend: TrtllmBackend, text: str = PROMPT_TEXT) -> list[int]:
 
 
 async def test_llm_is_built_off_the_event_loop_thread_from_the_config(start_trtllm, standin_trtllm):
-    backend = await start_trtllm(scheduler_policy="max_utilization", kv_cache_free_gpu_memory_fraction=0.5,
-                                 enable_chunked_prefill=False, max_batch_size=16)
+    backend = await start_trtllm(
+        scheduler_policy="max_utilization",
+        kv_cache_free_gpu_memory_fraction=0.5,
+        enable_chunked_prefill=False,
+        max_batch_size=16,
+    )
     llm = backend._llm
     assert llm.built_on_thread != threading.current_thread().name
     assert (llm.args.max_batch_size, llm.args.max_num_tokens, llm.args.max_seq_len) == (16, 256, 512)
@@ -225,8 +230,9 @@ def test_the_adapter_streams_under_uvloop(standin_trtllm, tiny_model_dir):
     import uvloop
 
     async def main() -> list:
-        backend = TrtllmBackend(tiny_model_dir, TrtllmConfig(stats_interval_s=0.05),
-                                Tokenizer.from_dir(tiny_model_dir), max_model_len=512)
+        backend = TrtllmBackend(
+            tiny_model_dir, TrtllmConfig(stats_interval_s=0.05), Tokenizer.from_dir(tiny_model_dir), max_model_len=512
+        )
         await backend.start()
         try:
             return await collect(backend, make_request(ids(backend), max_tokens=6))

@@ -48,10 +48,18 @@ SCHEMA = {
     "required": ["ok", "size"],
     "additionalProperties": False,
 }
-WEATHER = Tool("get_weather", None, json.dumps({
-    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
-    "additionalProperties": False,
-}))
+WEATHER = Tool(
+    "get_weather",
+    None,
+    json.dumps(
+        {
+            "type": "object",
+            "properties": {"unit": {"enum": ["c", "f"]}},
+            "required": ["unit"],
+            "additionalProperties": False,
+        }
+    ),
+)
 
 
 def structured_schema() -> StructuredOutput:
@@ -116,8 +124,12 @@ def test_llm_gets_the_guided_decoding_backend_unless_it_is_none(standin_trtllm):
 
 def test_an_unknown_guided_decoding_backend_is_a_config_error(tiny_model_dir):
     with pytest.raises(ConfigError, match="guided_decoding_backend"):
-        TrtllmBackend(tiny_model_dir, TrtllmConfig(guided_decoding_backend="outlines"),
-                      Tokenizer.from_dir(tiny_model_dir), max_model_len=512)
+        TrtllmBackend(
+            tiny_model_dir,
+            TrtllmConfig(guided_decoding_backend="outlines"),
+            Tokenizer.from_dir(tiny_model_dir),
+            max_model_len=512,
+        )
 
 
 # ---- through the adapter and the stand-in ---------------------------------------------------
@@ -129,8 +141,7 @@ async def backend(standin_trtllm, tiny_model_dir):
 
     async def start(**config) -> TrtllmBackend:
         config = {"max_batch_size": 8, "max_num_tokens": 256, "stats_interval_s": 0.05, **config}
-        b = TrtllmBackend(tiny_model_dir, TrtllmConfig(**config), Tokenizer.from_dir(tiny_model_dir),
-                          max_model_len=512)
+        b = TrtllmBackend(tiny_model_dir, TrtllmConfig(**config), Tokenizer.from_dir(tiny_model_dir), max_model_len=512)
         await b.start()
         started.append(b)
         return b
@@ -144,8 +155,11 @@ def guided_request(b: TrtllmBackend, structured: StructuredOutput, **sampling):
     # EOS is honoured (the grammar ends on it), unlike the harness's default.
     prompt = b._tokenizer.encode(PROMPT_TEXT)
     request = make_request(prompt, max_tokens=96, structured=structured, **sampling)
-    return type(request)(request.request_id, request.prompt_token_ids,
-                         type(request.sampling)(**{**_fields(request.sampling), "ignore_eos": False}))
+    return type(request)(
+        request.request_id,
+        request.prompt_token_ids,
+        type(request.sampling)(**{**_fields(request.sampling), "ignore_eos": False}),
+    )
 
 
 def _fields(sampling: SamplingParams) -> dict:

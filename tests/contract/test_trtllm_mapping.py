@@ -28,12 +28,32 @@ def test_greedy_maps_to_top_k_one_without_temperature_or_top_p():
 
 def test_sampling_fields_are_passed_through_explicitly():
     sampling = SamplingParams(
-        max_tokens=9, temperature=0.7, top_p=0.9, top_k=40, seed=3, stop=("END",), presence_penalty=0.5,
-        frequency_penalty=-0.5, min_tokens=2, repetition_penalty=1.1,
+        max_tokens=9,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        seed=3,
+        stop=("END",),
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        min_tokens=2,
+        repetition_penalty=1.1,
     )
     kwargs = sampling_kwargs(sampling, eos_token_ids=())
-    expected = {"max_tokens": 9, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 3, "stop": ["END"],
-                "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1, "min_tokens": 2, "n": 1, "ignore_eos": False}
+    expected = {
+        "max_tokens": 9,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 40,
+        "seed": 3,
+        "stop": ["END"],
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.1,
+        "min_tokens": 2,
+        "n": 1,
+        "ignore_eos": False,
+    }
     assert {k: kwargs[k] for k in expected} == expected
 
 
@@ -60,9 +80,14 @@ def test_finish_reasons_map_to_ours_and_unknown_ones_to_none():
 
 
 def test_iteration_stats_parse_from_a_json_string_or_a_dict():
-    entry = {"numActiveRequests": 3, "numQueuedRequests": 2, "iterLatencyMS": 4.5, "gpuMemUsage": 1e9,
-             "inflightBatchingStats": {"numPausedRequests": 1},
-             "kvCacheStats": {"maxNumBlocks": 100, "freeNumBlocks": 60, "usedNumBlocks": 40}}
+    entry = {
+        "numActiveRequests": 3,
+        "numQueuedRequests": 2,
+        "iterLatencyMS": 4.5,
+        "gpuMemUsage": 1e9,
+        "inflightBatchingStats": {"numPausedRequests": 1},
+        "kvCacheStats": {"maxNumBlocks": 100, "freeNumBlocks": 60, "usedNumBlocks": 40},
+    }
     for raw in (entry, json.dumps(entry)):
         stats = parse_iteration_stats(raw)
         assert stats.num_queued == 2
@@ -116,9 +141,17 @@ def test_llm_kwargs_carry_every_configured_limit_and_turn_stats_on(monkeypatch):
     package, llmapi = load_standin()
     monkeypatch.setitem(sys.modules, "tensorrt_llm", package)
     monkeypatch.setitem(sys.modules, "tensorrt_llm.llmapi", llmapi)
-    config = TrtllmConfig(tensor_parallel_size=2, pipeline_parallel_size=2, max_batch_size=32, max_num_tokens=4096,
-                          kv_cache_free_gpu_memory_fraction=0.8, kv_cache_host_bytes=1 << 30,
-                          enable_block_reuse=False, enable_chunked_prefill=False, scheduler_policy="max_utilization")
+    config = TrtllmConfig(
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        max_batch_size=32,
+        max_num_tokens=4096,
+        kv_cache_free_gpu_memory_fraction=0.8,
+        kv_cache_host_bytes=1 << 30,
+        enable_block_reuse=False,
+        enable_chunked_prefill=False,
+        scheduler_policy="max_utilization",
+    )
     kwargs = llm_kwargs(load_api(), Path("/models/m"), config, max_seq_len=2048)
     assert kwargs["model"] == "/models/m"
     assert (kwargs["tensor_parallel_size"], kwargs["pipeline_parallel_size"]) == (2, 2)

@@ -30,9 +30,21 @@ def free_port() -> int:
 def test_gpu_smoke_script_passes_against_the_server_on_the_stand_in(tiny_model_dir, tmp_path):
     (tmp_path / "tensorrt_llm").symlink_to(STANDIN_DIR, target_is_directory=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)])}
-    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "gpu_smoke.py"), str(tiny_model_dir),
-           "--port", str(free_port()), "--concurrency", "6", "--max-tokens", "48", "--startup-timeout-s", "60",
-           "--set", "trtllm.max_batch_size=2"]
+    cmd = [
+        sys.executable,
+        str(REPO_ROOT / "scripts" / "gpu_smoke.py"),
+        str(tiny_model_dir),
+        "--port",
+        str(free_port()),
+        "--concurrency",
+        "6",
+        "--max-tokens",
+        "48",
+        "--startup-timeout-s",
+        "60",
+        "--set",
+        "trtllm.max_batch_size=2",
+    ]
     result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "burst of 6: 6/6 ok" in result.stdout

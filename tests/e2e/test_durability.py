@@ -44,8 +44,12 @@ requests_per_minute = 10000
 
 async def one_stream(client: aiohttp.ClientSession, base_url: str, conv_id: str, words: int) -> str | None:
     """Returns the completion id when the stream reached [DONE], else None."""
-    body = {"model": "echo", "stream": True, "conversation_id": conv_id,
-            "messages": [{"role": "user", "content": " ".join(["word"] * words)}]}
+    body = {
+        "model": "echo",
+        "stream": True,
+        "conversation_id": conv_id,
+        "messages": [{"role": "user", "content": " ".join(["word"] * words)}],
+    }
     completion_id = None
     try:
         async with client.post(base_url + "/v1/chat/completions", json=body) as resp:
@@ -67,8 +71,10 @@ async def run_round(base_url: str):
     for _ in range(6):
         async with client.post(base_url + "/v1/conversations", json={}) as resp:
             conv_ids.append((await resp.json())["id"])
-    tasks = [asyncio.create_task(one_stream(client, base_url, cid, 3 if i % 2 == 0 else 200))
-             for i, cid in enumerate(conv_ids)]
+    tasks = [
+        asyncio.create_task(one_stream(client, base_url, cid, 3 if i % 2 == 0 else 200))
+        for i, cid in enumerate(conv_ids)
+    ]
     done, _pending = await asyncio.wait(tasks, timeout=2.0)  # the short ones finish
     completed = [(t.result(), conv_ids[tasks.index(t)]) for t in done if t.result()]
     return completed, tasks, client
@@ -101,7 +107,9 @@ def test_kill_9_mid_stream_loses_nothing_acknowledged_and_bills_nothing_twice(ti
                 request_id = "req_" + completion_id.removeprefix("chatcmpl-")
                 rows = con.execute("SELECT status FROM usage WHERE request_id = ?", (request_id,)).fetchall()
                 assert rows == [("finished",)], (request_id, rows)
-                msgs = con.execute("SELECT role FROM messages WHERE request_id = ? ORDER BY seq", (request_id,)).fetchall()
+                msgs = con.execute(
+                    "SELECT role FROM messages WHERE request_id = ? ORDER BY seq", (request_id,)
+                ).fetchall()
                 assert ("assistant",) in msgs
             dup = con.execute("SELECT request_id, COUNT(*) c FROM usage GROUP BY request_id HAVING c > 1").fetchall()
             assert dup == []
@@ -110,7 +118,8 @@ def test_kill_9_mid_stream_loses_nothing_acknowledged_and_bills_nothing_twice(ti
 
     with ServerProcess(args, fake=fake, log_path=tmp_path / "final.log") as server:  # serves again
         body = json.dumps({"model": "echo", "messages": [{"role": "user", "content": "still here"}]}).encode()
-        req = urllib.request.Request(server.base_url + "/v1/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            server.base_url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=30) as resp:
             assert json.loads(resp.read())["choices"][0]["message"]["content"] == "still here"

@@ -64,8 +64,10 @@ def get_health(port: int) -> int:
 MALFORMED = {
     "url_too_long": b"GET /" + b"a" * 10000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
     "header_too_long": b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 10000 + b"\r\n\r\n",
-    "bad_chunking": (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n"),
+    "bad_chunking": (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n"
+    ),
     "bad_request_line": b"GET\x01 / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
 }
 
@@ -98,9 +100,11 @@ def test_slow_headers_and_bodies_hit_their_deadlines_and_the_caps_keep_new_clien
         status, error = error_of(read_all(stalled))
         assert (status, error["code"]) == (408, "request_timeout")
         upload = connect(server.port)  # a file upload that stops sending: the same deadline, between reads
-        upload.sendall(b"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n"
-                       b"Content-Type: multipart/form-data; boundary=XX\r\n\r\n--XX\r\n"
-                       b'Content-Disposition: form-data; name="file"; filename="a.txt"\r\n\r\nhello')
+        upload.sendall(
+            b"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n"
+            b"Content-Type: multipart/form-data; boundary=XX\r\n\r\n--XX\r\n"
+            b'Content-Disposition: form-data; name="file"; filename="a.txt"\r\n\r\nhello'
+        )
         status, error = error_of(read_all(upload))
         assert (status, error["code"]) == (408, "request_timeout")
         upload.close()
@@ -140,11 +144,40 @@ def test_more_connections_than_open_files_still_leaves_room_for_health_checks(ti
 def test_a_second_server_on_the_same_database_stops_with_a_clear_message(tiny_model_dir, tmp_path):
     with server_for(tmp_path, tiny_model_dir) as first:
         second = subprocess.run(
-            [sys.executable, "server.py", "--config", write_config(tmp_path, tiny_model_dir), "--db",
-             str(tmp_path / "chat.db"), "--port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+            [
+                sys.executable,
+                "server.py",
+                "--config",
+                write_config(tmp_path, tiny_model_dir),
+                "--db",
+                str(tmp_path / "chat.db"),
+                "--port",
+                "0",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert second.returncode == 1
         assert "in use by another server" in second.stderr and str(first.proc.pid) in second.stderr
-        keys = subprocess.run([sys.executable, "server.py", "keys", "create", "--org", "ops", "--tier", "enterprise",
-                               "--db", str(tmp_path / "chat.db")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        keys = subprocess.run(
+            [
+                sys.executable,
+                "server.py",
+                "keys",
+                "create",
+                "--org",
+                "ops",
+                "--tier",
+                "enterprise",
+                "--db",
+                str(tmp_path / "chat.db"),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert keys.returncode == 0, keys.stderr  # key management still works beside the server
         assert get_health(first.port) == 200

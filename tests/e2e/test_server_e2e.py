@@ -25,8 +25,16 @@ QUESTION = [{"role": "user", "content": "What does the word river mean?"}]
 def server(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     proc = ServerProcess(
-        ["--model", str(tiny_model_dir), "--db", str(tmp / "chat.db"),
-         "--set", "safety.enabled=false", "--set", "engine.kv_cache_bytes=8000000"],
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--db",
+            str(tmp / "chat.db"),
+            "--set",
+            "safety.enabled=false",
+            "--set",
+            "engine.kv_cache_bytes=8000000",
+        ],
         log_path=tmp / "server.log",
     )
     with proc:
@@ -35,8 +43,14 @@ def server(tiny_model_dir, tmp_path_factory):
 
 
 def create_key(db) -> str:
-    out = subprocess.run([sys.executable, "server.py", "keys", "create", "--org", "e2e", "--tier", "enterprise",
-                          "--db", str(db)], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "server.py", "keys", "create", "--org", "e2e", "--tier", "enterprise", "--db", str(db)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     return next(line for line in out.splitlines() if line.startswith("sk-"))
 
 
@@ -48,9 +62,14 @@ def hf_greedy(model_dir, messages, max_new_tokens: int) -> tuple[str, int]:
     ids = tok.encode(tok.apply_chat_template(messages))
     model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=list(tok.eos_token_ids), pad_token_id=0)
-    new = out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=list(tok.eos_token_ids),
+            pad_token_id=0,
+        )
+    new = out[0, len(ids) :].tolist()
     if new and new[-1] in tok.eos_token_ids:
         new = new[:-1]
     return tok.decode(new), len(new)
@@ -74,8 +93,14 @@ def test_openai_sdk_non_streaming_greedy_equals_transformers(server, tiny_model_
 
 def test_openai_sdk_streaming_joins_to_the_same_text(server, tiny_model_dir):
     client = client_for(server)
-    stream = client.chat.completions.create(model=tiny_model_dir.name, messages=QUESTION, temperature=0,
-                                            max_tokens=24, stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=tiny_model_dir.name,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=24,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     parts, usage, finish = [], None, None
     for chunk in stream:
         if chunk.usage is not None:
@@ -106,7 +131,10 @@ def test_curl_streams_sse_lines_ending_with_done(server, tiny_model_dir):
     )
     out = subprocess.run(
         ["curl", "-sN", server.base_url + "/v1/chat/completions", "-H", "Content-Type: application/json", "-d", body],
-        capture_output=True, text=True, timeout=60, check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     ).stdout
     frames = [f for f in out.split("\n\n") if f]
     assert frames[-1] == "data: [DONE]"
@@ -121,15 +149,27 @@ def test_sigterm_lets_a_running_stream_finish_then_exits(tiny_model_dir, tmp_pat
 
     # The fake backend at 50 ms a token makes a stream last about 3 s: long enough to
     # still be running when SIGTERM arrives, well inside the 20 s grace period.
-    proc = ServerProcess(["--config", write_config(tmp_path, tiny_model_dir), "--db", str(tmp_path / "chat.db"),
-                          "--set", "server.shutdown_grace_s=20"],
-                         fake=FakeBehaviour(token_delay_s=0.05), log_path=tmp_path / "server.log").start()
+    proc = ServerProcess(
+        [
+            "--config",
+            write_config(tmp_path, tiny_model_dir),
+            "--db",
+            str(tmp_path / "chat.db"),
+            "--set",
+            "server.shutdown_grace_s=20",
+        ],
+        fake=FakeBehaviour(token_delay_s=0.05),
+        log_path=tmp_path / "server.log",
+    ).start()
     result: dict = {}
 
     def run_stream():
         body = {"model": "echo", "stream": True, "messages": [{"role": "user", "content": " ".join(["w"] * 60)}]}
-        req = urllib.request.Request(proc.base_url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            proc.base_url + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=60) as resp:
             result["text"] = resp.read().decode()
 
@@ -151,15 +191,27 @@ def test_sigterm_cuts_a_stream_longer_than_the_grace_with_an_error_event_and_bil
 
     grace_s = 2.0
     db = tmp_path / "chat.db"
-    proc = ServerProcess(["--config", write_config(tmp_path, tiny_model_dir), "--db", str(db),
-                          "--set", f"server.shutdown_grace_s={grace_s}"],
-                         fake=FakeBehaviour(token_delay_s=0.05), log_path=tmp_path / "server.log").start()
+    proc = ServerProcess(
+        [
+            "--config",
+            write_config(tmp_path, tiny_model_dir),
+            "--db",
+            str(db),
+            "--set",
+            f"server.shutdown_grace_s={grace_s}",
+        ],
+        fake=FakeBehaviour(token_delay_s=0.05),
+        log_path=tmp_path / "server.log",
+    ).start()
     result: dict = {}
 
     def run_stream():  # 200 tokens at 50 ms: 10 s, far longer than the grace
         body = {"model": "echo", "stream": True, "messages": [{"role": "user", "content": " ".join(["w"] * 200)}]}
-        req = urllib.request.Request(proc.base_url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            proc.base_url + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=60) as resp:
             result["request_id"] = resp.headers["X-Request-Id"]
             result["text"] = resp.read().decode()
@@ -178,6 +230,7 @@ def test_sigterm_cuts_a_stream_longer_than_the_grace_with_an_error_event_and_bil
     assert "data: [DONE]" not in frames
     num_streamed = result["text"].count('"content":"w') + result["text"].count('"content":" w')
     with sqlite3.connect(db) as con:
-        rows = con.execute("SELECT status, completion_tokens FROM usage WHERE request_id = ?",
-                           (result["request_id"],)).fetchall()
+        rows = con.execute(
+            "SELECT status, completion_tokens FROM usage WHERE request_id = ?", (result["request_id"],)
+        ).fetchall()
     assert rows and rows[0][0] == "aborted" and rows[0][1] >= num_streamed > 0  # billed for what was generated

@@ -25,8 +25,9 @@ pytestmark = pytest.mark.slow
 
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, SERVER, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=EXIT_WITHIN_S)
+    return subprocess.run(
+        [sys.executable, SERVER, *args], cwd=cwd, capture_output=True, text=True, timeout=EXIT_WITHIN_S
+    )
 
 
 def test_missing_model_folder_exits_with_status_1_and_names_the_folder(tmp_path):
@@ -50,8 +51,19 @@ def test_busy_port_exits_with_status_1_and_says_what_to_do(tmp_path, tiny_model_
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = _run(["--model", str(tiny_model_dir), "--db", str(tmp_path / "chat.db"), "--port", str(port),
-                       "--set", "safety.enabled=false"], tmp_path)
+        result = _run(
+            [
+                "--model",
+                str(tiny_model_dir),
+                "--db",
+                str(tmp_path / "chat.db"),
+                "--port",
+                str(port),
+                "--set",
+                "safety.enabled=false",
+            ],
+            tmp_path,
+        )
     assert result.returncode == 1
     assert f"port {port} on 127.0.0.1 is already in use" in result.stderr and f"--port {port + 1}" in result.stderr
     assert "server_ready" not in result.stderr + result.stdout and "Traceback" not in result.stderr
@@ -68,11 +80,19 @@ def test_config_paths_resolve_against_the_config_file_and_ready_block_names_url_
     )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    proc = subprocess.Popen([sys.executable, SERVER, "--config", str(conf / "config.toml")], cwd=elsewhere,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, SERVER, "--config", str(conf / "config.toml")],
+        cwd=elsewhere,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         first_line = proc.stdout.readline()  # blocks until the ready block (or exit)
-        assert first_line == f"Ready. Open http://127.0.0.1:{port} in a browser (OpenAI-compatible API: http://127.0.0.1:{port}/v1).\n"
+        assert (
+            first_line
+            == f"Ready. Open http://127.0.0.1:{port} in a browser (OpenAI-compatible API: http://127.0.0.1:{port}/v1).\n"
+        )
         assert proc.stdout.readline() == "  model tiny: tiers free, enterprise\n"
         assert "No API key needed from this machine (tier enterprise)" in proc.stdout.readline()
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=10) as resp:

@@ -31,8 +31,9 @@ WORDS = " ".join(["word"] * 80)  # 80 tokens at 50 ms: a 4 s answer
 
 
 def post(base_url: str, body: dict, timeout: float = 60) -> tuple[int, bytes]:
-    req = urllib.request.Request(base_url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        base_url + "/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, resp.read()
@@ -58,9 +59,12 @@ def in_background(fn, *args) -> tuple[threading.Thread, dict]:
 def run_breakage(server: ServerProcess, db: Path, breaker) -> None:
     """One stream and one non-streaming answer running when `breaker()` breaks the store."""
     assert post(server.base_url, {"model": "echo", "messages": [{"role": "user", "content": "before"}]})[0] == 200
-    stream, streamed = in_background(post, server.base_url, {"model": "echo", "stream": True,
-                                                             "messages": [{"role": "user", "content": WORDS}]})
-    unary, answered = in_background(post, server.base_url, {"model": "echo", "messages": [{"role": "user", "content": WORDS}]})
+    stream, streamed = in_background(
+        post, server.base_url, {"model": "echo", "stream": True, "messages": [{"role": "user", "content": WORDS}]}
+    )
+    unary, answered = in_background(
+        post, server.base_url, {"model": "echo", "messages": [{"role": "user", "content": WORDS}]}
+    )
     time.sleep(1.0)  # both are generating
     undo = breaker()
     try:
@@ -103,9 +107,20 @@ def tmpfs(tmp_path):
 
 
 def serve(tiny_model_dir, tmp_path: Path, db: Path) -> ServerProcess:
-    return ServerProcess(["--config", write_config(tmp_path, tiny_model_dir), "--db", str(db),
-                          "--set", "store.last_used_flush_s=0.2", "--set", "server.shutdown_grace_s=2"],
-                         fake=FakeBehaviour(token_delay_s=0.05), log_path=tmp_path / "server.log")
+    return ServerProcess(
+        [
+            "--config",
+            write_config(tmp_path, tiny_model_dir),
+            "--db",
+            str(db),
+            "--set",
+            "store.last_used_flush_s=0.2",
+            "--set",
+            "server.shutdown_grace_s=2",
+        ],
+        fake=FakeBehaviour(token_delay_s=0.05),
+        log_path=tmp_path / "server.log",
+    )
 
 
 def test_a_full_filesystem_under_running_answers_loses_nothing_acknowledged(tiny_model_dir, tmp_path, tmpfs):

@@ -10,7 +10,10 @@ from kernel_modes import COMPILED_MODES, cpu_kernels
 
 
 @pytest.mark.parametrize("mode", COMPILED_MODES)
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(8, 2, 64, 16), (16, 2, 64, 16), (8, 2, 128, 32), (4, 4, 16, 16), (6, 1, 24, 8)])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size",
+    [(8, 2, 64, 16), (16, 2, 64, 16), (8, 2, 128, 32), (4, 4, 16, 16), (6, 1, 24, 8)],
+)
 def test_paged_decode_kernel_matches_sdpa_through_block_tables(mode, num_heads, num_kv_heads, head_dim, block_size):
     torch.manual_seed(0)
     lens = torch.tensor([1, block_size - 1, block_size, block_size + 1, 5 * block_size + 3], dtype=torch.int32)

@@ -138,7 +138,9 @@ async def test_has_room_until_batch_slots_are_taken(backend):
 
 async def test_shutdown_ends_in_flight_streams_with_abort(tiny_models):
     model_dir = tiny_models.path(VARIANT)
-    backend = NativeBackend(model_dir, EngineConfig(device="cpu", kv_cache_bytes=1 << 20), Tokenizer.from_dir(model_dir))
+    backend = NativeBackend(
+        model_dir, EngineConfig(device="cpu", kv_cache_bytes=1 << 20), Tokenizer.from_dir(model_dir)
+    )
     await backend.start()
     stream = backend.generate(request("inflight", [3, 4, 5], max_tokens=300))
     await stream.__anext__()
@@ -224,7 +226,9 @@ async def test_a_start_cancelled_while_loading_leaves_no_engine_in_the_step_thre
     import threading
 
     model_dir = tiny_models.path(VARIANT)
-    backend = NativeBackend(model_dir, EngineConfig(device="cpu", kv_cache_bytes=24 * 8192), Tokenizer.from_dir(model_dir))
+    backend = NativeBackend(
+        model_dir, EngineConfig(device="cpu", kv_cache_bytes=24 * 8192), Tokenizer.from_dir(model_dir)
+    )
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(backend.start(), timeout=0.001)
     for _ in range(100):  # the load finishes, reads the _Stop left for it, and the thread ends

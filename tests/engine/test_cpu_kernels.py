@@ -96,16 +96,27 @@ def test_rope_and_cache_matches_the_pytorch_path(cpu):
     cos, sin = table.cos(), table.sin()
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
     caches = [
-        (torch.zeros(num_blocks, kv_heads, head_dim, block_size), torch.zeros(num_blocks * block_size, kv_heads, head_dim))
+        (
+            torch.zeros(num_blocks, kv_heads, head_dim, block_size),
+            torch.zeros(num_blocks * block_size, kv_heads, head_dim),
+        )
         for _ in range(2)
     ]
     # The PyTorch path: rotate q and k, write k and v through the metadata.
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     qk = _rotate(qkv[:, : q_size + kv_size].reshape(tokens, -1, head_dim), cos[positions, None], sin[positions, None])
     meta = AttentionMetadata(
-        slot_mapping=slots, slot_blocks=slots // block_size, slot_offsets=slots % block_size, num_decode_tokens=0,
-        decode_block_tables=None, decode_context_lens=None, decode_max_context_len=0, decode_slots=None,
-        decode_mask=None, prefills=(), block_size=block_size,
+        slot_mapping=slots,
+        slot_blocks=slots // block_size,
+        slot_offsets=slots % block_size,
+        num_decode_tokens=0,
+        decode_block_tables=None,
+        decode_context_lens=None,
+        decode_max_context_len=0,
+        decode_slots=None,
+        decode_mask=None,
+        prefills=(),
+        block_size=block_size,
     )
     write_kv_cache(qk[:, heads:], qkv[:, q_size + kv_size :].reshape(tokens, kv_heads, head_dim), *caches[0], meta)
     fused = qkv.clone()

@@ -39,7 +39,9 @@ def run(engine: LLMEngine) -> dict[str, list[int]]:
 
 def test_a_request_that_could_never_fit_the_cache_is_rejected_naming_the_numbers(tiny_models):
     engine = make_engine(tiny_models, num_blocks=4)  # 64 tokens of KV
-    with pytest.raises(RequestRejected, match=r"needs 80 tokens of KV cache \(60 prompt \+ 20 max_tokens\).*holds 64") as exc:
+    with pytest.raises(
+        RequestRejected, match=r"needs 80 tokens of KV cache \(60 prompt \+ 20 max_tokens\).*holds 64"
+    ) as exc:
         engine.add_request(req("big", [5] * 60, max_tokens=20))
     assert exc.value.param == "max_tokens"
     engine.check_request(req("fits", [5] * 60, max_tokens=5))

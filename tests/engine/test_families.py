@@ -158,8 +158,13 @@ def test_a_mixed_models_sliding_pool_is_window_sized_and_the_global_pool_gets_th
     model_dir = tiny_models.path("gemma3")  # layers: sliding, global, sliding; window 24
     args = load_model_args(model_dir)
     layer_block_bytes = 2 * 16 * args.num_kv_heads * args.head_dim * 4
-    config = EngineConfig(device="cpu", block_size=16, kv_cache_bytes=100 * 3 * layer_block_bytes,
-                          max_num_seqs=2, max_num_batched_tokens=32)
+    config = EngineConfig(
+        device="cpu",
+        block_size=16,
+        kv_cache_bytes=100 * 3 * layer_block_bytes,
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+    )
     engine = LLMEngine.from_model_dir(model_dir, config, eos_token_ids=(2,), max_model_len=4096)
     # Per running sequence its window (2 blocks) and the block being written and one more, plus
     # one step's 32 tokens: 2 * 4 + 2 = 10 blocks, twice over for the prefix cache.

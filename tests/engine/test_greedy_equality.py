@@ -92,7 +92,8 @@ def mixed_workload(tiny_models, variant: str, vocab_size: int, seed: int = 0) ->
 
 @pytest.mark.parametrize("mode", ALL_MODES)
 @pytest.mark.parametrize(
-    "variant", ["tied-gqa-parameters", "untied-gqa-theta", "untied-mha-parameters", "tied-gqa-llama3-rope", "qwen2-qkv-bias"]
+    "variant",
+    ["tied-gqa-parameters", "untied-gqa-theta", "untied-mha-parameters", "tied-gqa-llama3-rope", "qwen2-qkv-bias"],
 )
 def test_mixed_workload_matches_transformers_greedy_token_for_token(tiny_models, variant, mode):
     # Every kernel path this CPU can run (AVX-512, AVX2, PyTorch ops); the test id names it.

@@ -23,8 +23,11 @@ def transformers_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     config = copy.deepcopy(model.generation_config)
     config.max_new_tokens, config.do_sample, config.pad_token_id, config.eos_token_id = max_tokens, False, 0, 10**9
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             generation_config=config)
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            generation_config=config,
+        )
     return out[0, len(prompt) :].tolist()
 
 

@@ -58,7 +58,9 @@ def test_bfloat16_checkpoint_is_upcast_and_matches_transformers(tiny_models, tmp
     assert runner.model.weights.embed.dtype == torch.float32
     hf = LlamaForCausalLM.from_pretrained(bf16, dtype=torch.float32).eval()
     prompt = [5, 17, 33, 80, 4, 9]
-    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=10**9, pad_token_id=0)
+    expected = hf.generate(
+        torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=10**9, pad_token_id=0
+    )
     assert greedy(bf16, prompt, 12) == expected[0, len(prompt) :].tolist()
 
 
@@ -134,7 +136,9 @@ def test_a_bias_the_engine_does_not_apply_is_refused(model_copy):
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(model_copy / "model.safetensors")
-    tensors["model.layers.1.self_attn.o_proj.bias"] = torch.zeros(tensors["model.layers.1.self_attn.o_proj.weight"].shape[0])
+    tensors["model.layers.1.self_attn.o_proj.bias"] = torch.zeros(
+        tensors["model.layers.1.self_attn.o_proj.weight"].shape[0]
+    )
     save_file(tensors, model_copy / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.self_attn\.o_proj\.bias is not supported"):
         ModelRunner(model_copy, CONFIG)

@@ -67,7 +67,14 @@ def test_prefill_is_capped_while_decodes_ride_along_and_not_when_alone():
     while long.num_uncomputed_tokens > 1:
         d.step()
         batch = d.batches[-1]
-        assert sum(n for s, n in zip(batch.seqs, batch.num_scheduled_tokens, strict=True) if s.num_completion_tokens == 0 or n > 1) <= 6
+        assert (
+            sum(
+                n
+                for s, n in zip(batch.seqs, batch.num_scheduled_tokens, strict=True)
+                if s.num_completion_tokens == 0 or n > 1
+            )
+            <= 6
+        )
     d.run()
     assert long.num_completion_tokens == 2 and second.num_completion_tokens == 2
 
@@ -123,7 +130,9 @@ def test_waiting_high_priority_request_preempts_lower_running_work():
 def test_preempted_sequences_recompute_and_produce_the_same_tokens():
     rng = random.Random(1)
     requests = [
-        make_request(f"r{i}", [rng.randrange(1, 50) for _ in range(rng.randrange(3, 30))], max_tokens=rng.randrange(1, 20))
+        make_request(
+            f"r{i}", [rng.randrange(1, 50) for _ in range(rng.randrange(3, 30))], max_tokens=rng.randrange(1, 20)
+        )
         for i in range(12)
     ]
     expected = reference_outputs(requests)
@@ -181,7 +190,9 @@ def test_random_workload_keeps_invariants_and_matches_unpressured_outputs():
     prefixes = [[rng.randrange(1, 90) for _ in range(12)] for _ in range(3)]
     requests = []
     for i in range(40):
-        prompt = rng.choice(prefixes)[: rng.randrange(0, 13)] + [rng.randrange(1, 90) for _ in range(rng.randrange(1, 20))]
+        prompt = rng.choice(prefixes)[: rng.randrange(0, 13)] + [
+            rng.randrange(1, 90) for _ in range(rng.randrange(1, 20))
+        ]
         requests.append(make_request(f"r{i}", prompt, max_tokens=rng.randrange(1, 25), priority=rng.randrange(3)))
     expected = reference_outputs(requests)
     d = driver(num_blocks=20, block_size=4, max_num_seqs=5, max_num_batched_tokens=16)

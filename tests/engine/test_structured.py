@@ -53,19 +53,23 @@ def decode(tiny_models, ids: list[int]) -> str:
 
 
 def request(request_id: str, structured: StructuredOutput | None, **kw) -> GenerationRequest:
-    sampling = SamplingParams(max_tokens=kw.pop("max_tokens", 120), temperature=kw.pop("temperature", 0.0),
-                              structured=structured, **kw)
+    sampling = SamplingParams(
+        max_tokens=kw.pop("max_tokens", 120), temperature=kw.pop("temperature", 0.0), structured=structured, **kw
+    )
     return GenerationRequest(request_id, (5, 6, 7, 8, 9), sampling)
 
 
 def test_a_json_schema_answer_from_a_random_model_validates_and_free_rows_are_untouched(engine, tiny_models):
     schema = StructuredOutput(StructuredKind.JSON_SCHEMA, schema_text(SCHEMA))
     free_alone = generate(engine, [request("free-alone", None, max_tokens=20)])["free-alone"][0]
-    out = generate(engine, [
-        request("greedy", schema),
-        request("sampled", schema, temperature=1.0, seed=3),
-        request("free", None, max_tokens=20),
-    ])
+    out = generate(
+        engine,
+        [
+            request("greedy", schema),
+            request("sampled", schema, temperature=1.0, seed=3),
+            request("free", None, max_tokens=20),
+        ],
+    )
     for request_id in ("greedy", "sampled"):
         jsonschema.validate(json.loads(decode(tiny_models, out[request_id][0])), SCHEMA)
     assert out["free"][0] == free_alone  # a constrained neighbour does not change a free row

@@ -68,16 +68,26 @@ def hf_greedy(reference, prompt: list[int], images: tuple, max_tokens: int) -> l
     config.max_new_tokens, config.do_sample, config.eos_token_id = max_tokens, False, 10**9
     pixel_values = torch.from_numpy(np.stack([img.pixel_values for img in images]))
     with torch.inference_mode():
-        out = reference.generate(torch.tensor([prompt]), pixel_values=pixel_values,
-                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long), generation_config=config)
-    return out[0, len(prompt):].tolist()
+        out = reference.generate(
+            torch.tensor([prompt]),
+            pixel_values=pixel_values,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            generation_config=config,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def make_engine(llava_dir, *, native_kernels: bool, max_num_batched_tokens: int = 24) -> LLMEngine:
     args = load_model_args(llava_dir)
     block_bytes = args.num_layers * 2 * BLOCK_SIZE * args.num_kv_heads * args.head_dim * 4
-    config = EngineConfig(device="cpu", block_size=BLOCK_SIZE, kv_cache_bytes=64 * block_bytes,
-                          native_kernels=native_kernels, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=4)
+    config = EngineConfig(
+        device="cpu",
+        block_size=BLOCK_SIZE,
+        kv_cache_bytes=64 * block_bytes,
+        native_kernels=native_kernels,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=4,
+    )
     engine = LLMEngine.from_model_dir(llava_dir, config, eos_token_ids=(10**9 - 1,))
     engine.runner.kv_pool.fill_(float("nan"))  # a slot read before it is written would poison the output
     return engine
@@ -96,8 +106,9 @@ def run(engine: LLMEngine, requests: list[GenerationRequest]) -> dict[str, tuple
 
 
 def request(request_id: str, prompt: list[int], images: tuple, max_tokens: int = 8) -> GenerationRequest:
-    return GenerationRequest(request_id, tuple(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                             images=images)
+    return GenerationRequest(
+        request_id, tuple(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0), images=images
+    )
 
 
 def test_preprocessing_equals_transformers_clip_image_processor(llava_dir):
@@ -115,13 +126,18 @@ def test_preprocessing_equals_transformers_clip_image_processor(llava_dir):
 def test_greedy_equals_transformers_with_one_and_two_images_batched(llava_dir, reference, tokenizer, native_kernels):
     engine = make_engine(llava_dir, native_kernels=native_kernels)
     one_ids, one_images = prompt_with_images(tokenizer, llava_dir, ["Look at this: ", " What is it?"], [picture(1)])
-    two_ids, two_images = prompt_with_images(tokenizer, llava_dir, ["First ", " then ", " compare them."],
-                                             [picture(2), picture(3, (80, 40))])
+    two_ids, two_images = prompt_with_images(
+        tokenizer, llava_dir, ["First ", " then ", " compare them."], [picture(2), picture(3, (80, 40))]
+    )
     got = run(engine, [request("one", one_ids, one_images), request("two", two_ids, two_images)])
     assert got["one"][0] == hf_greedy(reference, one_ids, one_images, 8)
     assert got["two"][0] == hf_greedy(reference, two_ids, two_images, 8)
-    assert got["one"][0] != hf_greedy(reference, one_ids, prompt_with_images(
-        tokenizer, llava_dir, ["Look at this: ", " What is it?"], [picture(9)])[1], 8)  # the image matters
+    assert got["one"][0] != hf_greedy(
+        reference,
+        one_ids,
+        prompt_with_images(tokenizer, llava_dir, ["Look at this: ", " What is it?"], [picture(9)])[1],
+        8,
+    )  # the image matters
 
 
 def test_same_image_next_turn_hits_the_prefix_cache_and_a_different_image_does_not(llava_dir, reference, tokenizer):

@@ -15,8 +15,9 @@ from tests.gateway.fakes import FakeClock
 pytestmark = pytest.mark.asyncio
 
 TIERS = {
-    "free": TierConfig(priority=0, models=["mini"], wait_target_s=20.0, requests_per_minute=2,
-                       max_concurrent_streams=1),
+    "free": TierConfig(
+        priority=0, models=["mini"], wait_target_s=20.0, requests_per_minute=2, max_concurrent_streams=1
+    ),
     "enterprise": TierConfig(priority=2, models=["mini"], wait_target_s=5.0, max_concurrent_streams=2),
 }
 
@@ -131,7 +132,12 @@ async def test_the_gateway_knows_nothing_of_http():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2] / "gateway"
-    offenders = [str(path.relative_to(root)) for path in root.rglob("*.py")
-                 if any(line.startswith(("from api", "import api", "from aiohttp", "import aiohttp"))
-                        for line in path.read_text(encoding="utf-8").splitlines())]
+    offenders = [
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        if any(
+            line.startswith(("from api", "import api", "from aiohttp", "import aiohttp"))
+            for line in path.read_text(encoding="utf-8").splitlines()
+        )
+    ]
     assert offenders == []

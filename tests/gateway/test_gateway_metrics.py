@@ -54,8 +54,17 @@ def test_fallbacks_are_counted_with_their_labels():
 
 def test_engine_gauges_are_read_from_the_stats_source_at_scrape_time():
     metrics = Metrics()
-    stats = {"value": EngineStats(num_running=3, num_waiting=1, num_kv_blocks_total=100, num_kv_blocks_free=25,
-                                  prefix_cache_queries=200, prefix_cache_hits=50, num_preemptions=4)}
+    stats = {
+        "value": EngineStats(
+            num_running=3,
+            num_waiting=1,
+            num_kv_blocks_total=100,
+            num_kv_blocks_free=25,
+            prefix_cache_queries=200,
+            prefix_cache_hits=50,
+            num_preemptions=4,
+        )
+    }
     metrics.set_stats_source("mini", lambda: stats["value"], WaitingQueue(5, num_reserved=3))
     got = samples(metrics)
     model = (("model", "mini"),)
@@ -84,17 +93,30 @@ def test_a_failing_stats_source_does_not_break_the_scrape():
 
 
 def record(**changes) -> RequestRecord:
-    fields = dict(request_id="req_1", org_id="org_1", key_id="key_1", model="mini", tier="plus",
-                  status=RequestStatus.FINISHED, prompt_tokens=50, cached_tokens=16, completion_tokens=11,
-                  cost_usd=0.0, queue_ms=100.0, ttft_ms=300.0, total_ms=1300.0, created_at=0.0, finished_at=1.3)
+    fields = dict(
+        request_id="req_1",
+        org_id="org_1",
+        key_id="key_1",
+        model="mini",
+        tier="plus",
+        status=RequestStatus.FINISHED,
+        prompt_tokens=50,
+        cached_tokens=16,
+        completion_tokens=11,
+        cost_usd=0.0,
+        queue_ms=100.0,
+        ttft_ms=300.0,
+        total_ms=1300.0,
+        created_at=0.0,
+        finished_at=1.3,
+    )
     return RequestRecord(**{**fields, **changes})
 
 
 def test_observe_request_records_latencies_tokens_and_fallback_from_the_ledger_record():
     metrics = Metrics()
     metrics.observe_request(record(fallback_from="flagship"), FinishReason.STOP)
-    metrics.observe_request(record(status=RequestStatus.ERROR, queue_ms=None, ttft_ms=None,
-                                    completion_tokens=0), None)
+    metrics.observe_request(record(status=RequestStatus.ERROR, queue_ms=None, ttft_ms=None, completion_tokens=0), None)
     got = samples(metrics)
     labels = (("model", "mini"), ("tier", "plus"))
     assert got[("chat_queue_time_seconds_count", labels)] == 1

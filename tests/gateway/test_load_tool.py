@@ -42,14 +42,21 @@ def test_the_summary_counts_outcomes_per_tier():
 def test_the_priority_scenario_counts_displacements_as_refusals_and_checks_its_targets():
     from bench.priority import Run, Sample, is_refusal, summarize, targets
 
-    run = Run(results=[
-        Result("enterprise", "completed", 200, ttft_s=0.2), Result("enterprise", "rejected", 503, latency_s=0.01),
-        Result("plus", "completed", 200, ttft_s=0.5), Result("plus", "rejected", 503, latency_s=0.02),
-        Result("plus", "rejected", 503, latency_s=0.02),
-        Result("free", "completed", 200, ttft_s=1.0), Result("free", "error", 200, code="queue_displaced"),
-        Result("free", "rejected", 429, latency_s=0.03), Result("free", "rejected", 503, latency_s=0.03),
-        Result("free", "rejected", 503, code="queue_displaced", latency_s=0.9),  # waited, then lost its place
-    ], samples=[Sample(2, 0, 2), Sample(1, 1, 2)])
+    run = Run(
+        results=[
+            Result("enterprise", "completed", 200, ttft_s=0.2),
+            Result("enterprise", "rejected", 503, latency_s=0.01),
+            Result("plus", "completed", 200, ttft_s=0.5),
+            Result("plus", "rejected", 503, latency_s=0.02),
+            Result("plus", "rejected", 503, latency_s=0.02),
+            Result("free", "completed", 200, ttft_s=1.0),
+            Result("free", "error", 200, code="queue_displaced"),
+            Result("free", "rejected", 429, latency_s=0.03),
+            Result("free", "rejected", 503, latency_s=0.03),
+            Result("free", "rejected", 503, code="queue_displaced", latency_s=0.9),  # waited, then lost its place
+        ],
+        samples=[Sample(2, 0, 2), Sample(1, 1, 2)],
+    )
     assert is_refusal(run.results[6])
     rows = summarize(run)
     assert [(r["served"], r["refused"], r["displaced"]) for r in rows] == [(1, 1, 0), (1, 2, 0), (1, 4, 2)]
@@ -58,7 +65,9 @@ def test_the_priority_scenario_counts_displacements_as_refusals_and_checks_its_t
     assert checks["served share enterprise > plus > free"] and checks["free still served"]
     assert checks["never more in the engine than its capacity (2)"] and checks["refusals p99 < 50 ms"]
     run.samples.append(Sample(2, 1, 2))
-    assert not {name: ok for name, _, ok in targets(summarize(run), run)}["never more in the engine than its capacity (2)"]
+    assert not {name: ok for name, _, ok in targets(summarize(run), run)}[
+        "never more in the engine than its capacity (2)"
+    ]
 
 
 def test_the_priority_section_replaces_itself_in_results_md(tmp_path):

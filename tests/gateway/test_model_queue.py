@@ -17,8 +17,9 @@ FREE, PLUS, ENTERPRISE = 0, 1, 2
 
 
 def make_queue(capacity: int = 1, has_room=lambda: True, clock=None, **config) -> ModelQueue:
-    cfg = QueueConfig(**{"max_waiting_requests": 8, "max_waiting_tokens": 1000, "max_wait_s": 60.0,
-                         "aging_s": 10.0, **config})
+    cfg = QueueConfig(
+        **{"max_waiting_requests": 8, "max_waiting_tokens": 1000, "max_wait_s": 60.0, "aging_s": 10.0, **config}
+    )
     return ModelQueue("mini", cfg, has_room, clock or FakeClock(), capacity=capacity, poll_interval_s=0.01)
 
 

@@ -22,8 +22,13 @@ def drain(queue: PriorityQueue) -> list[str]:
 
 def test_higher_priority_pops_first_and_arrival_order_holds_within_a_priority():
     queue = PriorityQueue(100, 10_000, aging_s=10.0)
-    for request_id, priority, arrival_s in [("f1", FREE, 0.0), ("e1", ENTERPRISE, 1.0), ("p1", PLUS, 2.0),
-                                            ("e2", ENTERPRISE, 3.0), ("f2", FREE, 4.0)]:
+    for request_id, priority, arrival_s in [
+        ("f1", FREE, 0.0),
+        ("e1", ENTERPRISE, 1.0),
+        ("p1", PLUS, 2.0),
+        ("e2", ENTERPRISE, 3.0),
+        ("f2", FREE, 4.0),
+    ]:
         queue.push(entry(request_id, priority, arrival_s))
     assert drain(queue) == ["e1", "e2", "p1", "f1", "f2"]
 

@@ -141,7 +141,9 @@ def test_raising_a_limit_keeps_what_was_already_used():
     headers = headers_of(limiter, "k1", "free", tier(), {"tokens_per_minute": 2000})
     assert headers["x-ratelimit-remaining-tokens"] == "1600"
     limiter.acquire("k1", "free", tier(), 1500, {"tokens_per_minute": 2000})
-    assert headers_of(limiter, "k1", "free", tier(), {"tokens_per_minute": 2000})["x-ratelimit-remaining-tokens"] == "100"
+    assert (
+        headers_of(limiter, "k1", "free", tier(), {"tokens_per_minute": 2000})["x-ratelimit-remaining-tokens"] == "100"
+    )
 
 
 def test_a_request_larger_than_the_token_capacity_is_refused_without_retry():
@@ -174,8 +176,17 @@ def test_reset_header_counts_down_to_a_full_bucket():
 
 @pytest.mark.parametrize(
     ("seconds", "text"),
-    [(0.0, "0s"), (0.012, "12ms"), (0.0001, "1ms"), (1.0, "1s"), (1.5, "1.5s"), (360.0, "6m0s"),
-     (90.25, "1m30.25s"), (3600.0, "1h0m0s"), (-2.0, "0s")],
+    [
+        (0.0, "0s"),
+        (0.012, "12ms"),
+        (0.0001, "1ms"),
+        (1.0, "1s"),
+        (1.5, "1.5s"),
+        (360.0, "6m0s"),
+        (90.25, "1m30.25s"),
+        (3600.0, "1h0m0s"),
+        (-2.0, "0s"),
+    ],
 )
 def test_reset_durations_are_written_the_way_openai_writes_them(seconds, text):
     assert format_reset(seconds) == text

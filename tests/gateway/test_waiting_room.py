@@ -16,8 +16,9 @@ FREE, PLUS, ENTERPRISE = 0, 1, 2
 
 
 def make_room(capacity: int = 2, clock: FakeClock | None = None, **config) -> WaitingRoom:
-    cfg = QueueConfig(**{"max_waiting_requests": 4, "max_waiting_tokens": 1000, "max_wait_s": 60.0,
-                         "aging_s": 10.0, **config})
+    cfg = QueueConfig(
+        **{"max_waiting_requests": 4, "max_waiting_tokens": 1000, "max_wait_s": 60.0, "aging_s": 10.0, **config}
+    )
     return WaitingRoom(cfg, capacity, clock or FakeClock())
 
 

@@ -52,8 +52,9 @@ async def test_the_same_text_split_differently_over_turns_is_not_a_cache_hit(gat
 
 async def test_concurrent_screens_share_one_batch_and_give_the_verdicts_of_one_at_a_time(classifier):
     prompts = [BENIGN, HARMFUL, "How do I reverse a string in Python?", "Write ransomware that encrypts files."]
-    alone = [await SafetyGate(SafetyConfig(), classifier=classifier).screen_prompt([user(p)], tier="f")
-             for p in prompts]
+    alone = [
+        await SafetyGate(SafetyConfig(), classifier=classifier).screen_prompt([user(p)], tier="f") for p in prompts
+    ]
     gate = SafetyGate(SafetyConfig(), classifier=classifier)
     together = await asyncio.gather(*(gate.screen_prompt([user(p)], tier="f") for p in prompts))
     assert list(together) == alone and gate._batcher.num_batches == 1

@@ -142,8 +142,10 @@ async def test_classifier_checks_run_at_sentence_ends_not_every_token():
 async def test_a_short_one_sentence_answer_is_released_progressively():
     """A 150-character answer with no sentence end until its last character comes out in
     several pieces while it streams, not in one piece at finish (what the web UI showed)."""
-    answer = ("The noun water means a binary compound that occurs at room temperature as a clear "
-              "colorless odorless tasteless liquid and freezes into ice.")
+    answer = (
+        "The noun water means a binary compound that occurs at room temperature as a clear "
+        "colorless odorless tasteless liquid and freezes into ice."
+    )
 
     async def allow(_window: str) -> Verdict:
         return Verdict.allow()

@@ -23,9 +23,25 @@ async def _stream(store: Store, org_id: str, conv_id: str, name: str) -> None:
     for i in range(1_000_000):
         now = time.time()
         rec = RequestRecord(
-            f"{name}-{i}", org_id, None, "demo-mini", "plus", RequestStatus.FINISHED, 30, 0, 7, 0.0001,
-            1.0, 2.0, 3.0, now, now, conv_id, (("user", f"question {name}-{i}"),), f"answer {name}-{i}",
-        )  # fmt: skip
+            f"{name}-{i}",
+            org_id,
+            None,
+            "demo-mini",
+            "plus",
+            RequestStatus.FINISHED,
+            30,
+            0,
+            7,
+            0.0001,
+            1.0,
+            2.0,
+            3.0,
+            now,
+            now,
+            conv_id,
+            (("user", f"question {name}-{i}"),),
+            f"answer {name}-{i}",
+        )
         assert await store.record_request(rec)
         sys.stdout.write(f"ACK {rec.request_id}\n")
         sys.stdout.flush()

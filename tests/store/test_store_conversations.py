@@ -58,9 +58,12 @@ async def test_a_new_turn_moves_the_conversation_to_the_top_and_titles_it(store:
     old = await store.create_conversation(org.id)
     await store.create_conversation(org.id, title="newer")
     rec = make_record(
-        org.id, conversation_id=old.id, new_messages=(("user", "  How do   tides\nwork? " + "x" * 200),),
-        assistant_content="The moon.", finished_at=time.time() + 10,
-    )  # fmt: skip
+        org.id,
+        conversation_id=old.id,
+        new_messages=(("user", "  How do   tides\nwork? " + "x" * 200),),
+        assistant_content="The moon.",
+        finished_at=time.time() + 10,
+    )
     assert await store.record_request(rec)
 
     page, _ = await store.list_conversations(org.id)

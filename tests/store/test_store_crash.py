@@ -27,8 +27,12 @@ def _run_and_kill(db_path: Path, run_id: str, rng: random.Random) -> tuple[set[s
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     child = subprocess.Popen(
         [sys.executable, str(Path(__file__).with_name("crash_writer.py")), str(db_path), run_id],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=REPO_ROOT, env=env, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO_ROOT,
+        env=env,
+        text=True,
+    )
     assert child.stdout is not None
     conv_id = child.stdout.readline().split()[1]
     target = rng.randint(20, 200)

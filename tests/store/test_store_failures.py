@@ -22,9 +22,7 @@ def _request_ids(db_path: Path) -> set[str]:
         return {row[0] for row in conn.execute("SELECT request_id FROM usage")}
 
 
-async def test_a_full_disk_raises_store_unavailable_and_loses_nothing_acknowledged(
-    db_path: Path, make_record
-) -> None:
+async def test_a_full_disk_raises_store_unavailable_and_loses_nothing_acknowledged(db_path: Path, make_record) -> None:
     store = await Store.open(db_path, StoreConfig(max_db_bytes=256 * 1024))
     org = await store.create_org("acme", "plus")
     conv = await store.create_conversation(org.id)
@@ -56,9 +54,7 @@ async def test_a_full_disk_raises_store_unavailable_and_loses_nothing_acknowledg
         await reopened.close()
 
 
-async def test_a_locked_database_is_unavailable_until_the_lock_goes_then_recovers(
-    db_path: Path, make_record
-) -> None:
+async def test_a_locked_database_is_unavailable_until_the_lock_goes_then_recovers(db_path: Path, make_record) -> None:
     store = await Store.open(db_path, StoreConfig(busy_timeout_ms=100))
     org = await store.create_org("acme", "plus")
     other = sqlite3.connect(db_path, isolation_level=None)

@@ -85,9 +85,11 @@ async def test_unknown_altered_or_oversized_secrets_are_rejected(store: Store) -
 
 async def test_duplicate_org_name_is_a_conflict_and_other_writes_in_the_batch_land(store: Store) -> None:
     results = await asyncio.gather(
-        store.create_org("a", "free"), store.create_org("a", "plus"), store.create_org("b", "free"),
+        store.create_org("a", "free"),
+        store.create_org("a", "plus"),
+        store.create_org("b", "free"),
         return_exceptions=True,
-    )  # fmt: skip
+    )
     assert sum(isinstance(r, Conflict) for r in results) == 1
     assert sorted(o.name for o in await store.list_orgs()) == ["a", "b"]
 

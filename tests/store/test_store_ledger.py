@@ -39,10 +39,16 @@ async def test_200_concurrent_records_all_land_without_busy_errors(store: Store,
     org = await store.create_org("acme", "plus")
     conv = await store.create_conversation(org.id)
     records = [
-        make_record(org.id, completion_tokens=i, cost_usd=i / 1000, conversation_id=conv.id if i % 4 == 0 else None,
-                    new_messages=(("user", f"q{i}"),), assistant_content=f"a{i}")
+        make_record(
+            org.id,
+            completion_tokens=i,
+            cost_usd=i / 1000,
+            conversation_id=conv.id if i % 4 == 0 else None,
+            new_messages=(("user", f"q{i}"),),
+            assistant_content=f"a{i}",
+        )
         for i in range(200)
-    ]  # fmt: skip
+    ]
     results = await asyncio.gather(*(store.record_request(r) for r in records), return_exceptions=True)
 
     assert results == [True] * 200  # no exception, SQLITE_BUSY or otherwise, reached a caller
@@ -100,15 +106,22 @@ async def test_usage_summary_groups_by_model_day_and_key(store: Store, make_reco
         (other.id, "a", day1, 1000, 100.0, None),
     ]:
         rec = make_record(
-            org_id, model=model, created_at=created_at, prompt_tokens=prompt_tokens,
-            completion_tokens=prompt_tokens // 10, cost_usd=cost_usd, key_id=key_id, status=RequestStatus.ABORTED,
-        )  # fmt: skip
+            org_id,
+            model=model,
+            created_at=created_at,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=prompt_tokens // 10,
+            cost_usd=cost_usd,
+            key_id=key_id,
+            status=RequestStatus.ABORTED,
+        )
         await store.record_request(rec)
 
     by_model = await store.usage_summary(org.id, group_by="model")
     assert [(r["model"], r["num_requests"], r["prompt_tokens"], r["completion_tokens"]) for r in by_model] == [
-        ("a", 2, 30, 3), ("b", 1, 40, 4),
-    ]  # fmt: skip
+        ("a", 2, 30, 3),
+        ("b", 1, 40, 4),
+    ]
     by_day = await store.usage_summary(org.id, group_by="day")
     assert [(r["day"], r["cost_usd"]) for r in by_day] == [("2026-03-01", 1.0), ("2026-03-02", 6.0)]
     by_key = await store.usage_summary(org.id, group_by="key")

@@ -19,8 +19,9 @@ async def test_a_background_response_reaches_one_final_state_and_keeps_it(store)
     org = await store.ensure_org("acme", "free")
     await _queued(store, org.id, "resp_a")
     assert await store.update_response(org.id, "resp_a", status="in_progress", body_json='{"status": "in_progress"}')
-    assert await store.update_response(org.id, "resp_a", status="completed", body_json='{"status": "completed"}',
-                                       num_messages=2)
+    assert await store.update_response(
+        org.id, "resp_a", status="completed", body_json='{"status": "completed"}', num_messages=2
+    )
     # A late cancel (or a second writer) finds it final and changes nothing.
     assert not await store.update_response(org.id, "resp_a", status="cancelled", body_json='{"status": "cancelled"}')
     stored = await store.get_response(org.id, "resp_a")

@@ -22,8 +22,14 @@ from testing.server_proc import ROOT, ServerProcess
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
-    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
 ]
 ARTIFACTS = ROOT / "artifacts" / "ui"
 TOKEN_DELAY_S = 0.05  # slow enough to watch the answer grow and to stop it midway
@@ -98,9 +104,27 @@ class UiServer:
     def create_key(self, org: str, tier: str, *, budget_usd: str = "none") -> str:
         """`server.py keys create` against the running server's database; returns the secret."""
         out = subprocess.run(
-            [sys.executable, str(ROOT / "server.py"), "--config", str(self.config_path), "keys", "create",
-             "--org", org, "--tier", tier, "--budget", budget_usd, "--db", str(self.db_path)],
-            cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
+            [
+                sys.executable,
+                str(ROOT / "server.py"),
+                "--config",
+                str(self.config_path),
+                "keys",
+                "create",
+                "--org",
+                org,
+                "--tier",
+                tier,
+                "--budget",
+                budget_usd,
+                "--db",
+                str(self.db_path),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
         )
         return out.stdout.strip().splitlines()[-1].strip()
 
@@ -153,8 +177,9 @@ class Watched:
         self.page.context.close()
 
 
-def open_page(browser, base_url: str, *, color_scheme: str = "light", viewport: dict | None = None,
-              path: str = "/") -> Watched:
+def open_page(
+    browser, base_url: str, *, color_scheme: str = "light", viewport: dict | None = None, path: str = "/"
+) -> Watched:
     context = browser.new_context(color_scheme=color_scheme, viewport=viewport or DESKTOP, reduced_motion="reduce")
     context.grant_permissions(["clipboard-read", "clipboard-write"], origin=base_url)
     page = context.new_page()
@@ -198,8 +223,9 @@ def last_answer(page):
 def wait_for_answer_done(page, timeout_s: float = 60.0) -> None:
     """Waits until no answer is streaming (the Send button is back)."""
     page.locator("#send").wait_for(state="visible", timeout=timeout_s * 1000)
-    page.wait_for_function("document.querySelector('#messages').getAttribute('aria-busy') === 'false'",
-                           timeout=timeout_s * 1000)
+    page.wait_for_function(
+        "document.querySelector('#messages').getAttribute('aria-busy') === 'false'", timeout=timeout_s * 1000
+    )
 
 
 def conversation_id(page) -> str:

@@ -69,10 +69,13 @@ def test_attach_an_image_and_a_text_file_send_and_see_them_after_a_reload(browse
     watched = open_page(browser, vision_server.base_url)
     page = watched.page
     try:
-        page.set_input_files("#attach-input", [
-            {"name": "red.png", "mimeType": "image/png", "buffer": png()},
-            {"name": "notes.txt", "mimeType": "text/plain", "buffer": b"The meeting is at noon."},
-        ])
+        page.set_input_files(
+            "#attach-input",
+            [
+                {"name": "red.png", "mimeType": "image/png", "buffer": png()},
+                {"name": "notes.txt", "mimeType": "text/plain", "buffer": b"The meeting is at noon."},
+            ],
+        )
         chips = page.locator("#attachments .attachment")
         chips.nth(1).wait_for()
         wait_until(lambda: page.locator("#attachments .attachment.uploaded").count() == 2)

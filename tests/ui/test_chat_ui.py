@@ -241,17 +241,23 @@ def test_rate_limited_send_shows_the_wait_and_gives_the_text_back(browser, tiny_
 
 def test_a_queued_message_shows_its_place_and_estimated_wait(browser, tiny_model_dir, tmp_path):
     server = start_ui_server(tmp_path, tiny_model_dir, max_num_running=1)
-    body = json.dumps({"model": "echo-large", "max_tokens": 100,
-                       "messages": [{"role": "user", "content": " ".join(["busy"] * 100)}]}).encode()
-    request = urllib.request.Request(server.base_url + "/v1/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {"model": "echo-large", "max_tokens": 100, "messages": [{"role": "user", "content": " ".join(["busy"] * 100)}]}
+    ).encode()
+    request = urllib.request.Request(
+        server.base_url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     busy = threading.Thread(target=lambda: urllib.request.urlopen(request, timeout=60).read())
     busy.start()  # holds echo-large's one running slot for about 5 s
     watched = open_page(browser, server.base_url)
     try:
         page = watched.page
-        wait_until(lambda: 'chat_requests_reserved{model="echo-large"} 1.0' in
-                   urllib.request.urlopen(server.base_url + "/metrics", timeout=10).read().decode())
+        wait_until(
+            lambda: (
+                'chat_requests_reserved{model="echo-large"} 1.0'
+                in urllib.request.urlopen(server.base_url + "/metrics", timeout=10).read().decode()
+            )
+        )
         type_and_send(page, "hello")
         status = page.locator("#status")
         wait_until(lambda: status.inner_text().startswith("Queued (position 1, about "))

@@ -65,8 +65,9 @@ def card_server(tiny_model_dir, tmp_path_factory):
     (model / "README.md").write_text(CARD)
     config = tmp / "config.toml"
     config.write_text(CONFIG.format(static=ROOT / "static", model=model, context=CONTEXT_TOKENS, max_tokens=MAX_TOKENS))
-    proc = ServerProcess(["--config", str(config), "--db", str(tmp / "chat.db")], fake=FakeBehaviour(),
-                         log_path=tmp / "server.log")
+    proc = ServerProcess(
+        ["--config", str(config), "--db", str(tmp / "chat.db")], fake=FakeBehaviour(), log_path=tmp / "server.log"
+    )
     with proc:
         yield proc, tmp / "chat.db"
 
@@ -113,7 +114,9 @@ def test_cut_off_answer_names_the_limit_and_continue_sends(page, tiny_model_dir)
     type_and_send(page, _words(Tokenizer.from_dir(tiny_model_dir), 3 * MAX_TOKENS))
     wait_for_answer_done(page)
     note = last_answer(page).locator(".msg-note")
-    expect(note).to_have_text(f"Cut off at the {MAX_TOKENS}-token limit for one answer (this tier's default max_tokens).")
+    expect(note).to_have_text(
+        f"Cut off at the {MAX_TOKENS}-token limit for one answer (this tier's default max_tokens)."
+    )
     last_answer(page).get_by_role("button", name="Continue the answer").click()
     wait_for_answer_done(page)
     expect(page.locator("article.msg-user .msg-body").last).to_have_text("Continue")
@@ -151,8 +154,9 @@ def test_thumbs_comment_and_regenerate_are_stored_and_shown_after_a_reload(page,
 
     def rows():
         with sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=5) as conn:
-            return conn.execute("SELECT prompt, rating, comment, regenerated FROM feedback WHERE conversation_id = ?",
-                                (cid,)).fetchall()
+            return conn.execute(
+                "SELECT prompt, rating, comment, regenerated FROM feedback WHERE conversation_id = ?", (cid,)
+            ).fetchall()
 
     assert wait_until(lambda: rows() == [("What does water mean?", -1, "Not a definition.", 1)])
     expect(last_answer(page).get_by_role("button", name="Bad answer")).to_have_attribute("aria-pressed", "false")

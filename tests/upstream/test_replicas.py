@@ -9,8 +9,11 @@ from engine.upstream.replicas import Replica, ReplicaPool, affinity_key, public_
 
 
 def pool(n: int = 2, max_in_flight: int = 2, threshold: int = 3) -> ReplicaPool:
-    return ReplicaPool([Replica(i, f"http://r{i}:8000/v1/", CircuitBreaker(threshold, 5.0)) for i in range(n)],
-                       max_in_flight, affinity_entries=100)
+    return ReplicaPool(
+        [Replica(i, f"http://r{i}:8000/v1/", CircuitBreaker(threshold, 5.0)) for i in range(n)],
+        max_in_flight,
+        affinity_entries=100,
+    )
 
 
 def request(*messages: tuple[str, str], salt: str | None = "org-1") -> GenerationRequest:
@@ -84,8 +87,9 @@ def test_an_open_replica_gets_nothing_and_a_half_open_one_one_trial_at_a_time():
 def test_a_conversation_sticks_to_the_replica_of_its_last_turn_while_it_is_healthy_and_has_room():
     p = pool(2, max_in_flight=2)
     turn1 = request(("system", "Be brief."), ("user", "Tell me about rivers."))
-    turn2 = request(("system", "Be brief."), ("user", "Tell me about rivers."), ("assistant", "Water."),
-                    ("user", "And the sea?"))
+    turn2 = request(
+        ("system", "Be brief."), ("user", "Tell me about rivers."), ("assistant", "Water."), ("user", "And the sea?")
+    )
     key = affinity_key(turn1)
     assert key == affinity_key(turn2)
     p.remember(key, p.replicas[1])

@@ -19,8 +19,10 @@ TIERS = {"plus": TierConfig(models=["big", "alone"])}
 @pytest.fixture
 async def setup():
     up = {"big": False, "small": True, "alone": False}
-    queues = {name: ModelQueue(name, QueueConfig(), lambda: True, capacity=2, is_available=lambda n=name: up[n])
-              for name in MODELS}
+    queues = {
+        name: ModelQueue(name, QueueConfig(), lambda: True, capacity=2, is_available=lambda n=name: up[n])
+        for name in MODELS
+    }
     yield TierRouter(MODELS, TIERS, queues), queues, up
     for queue in queues.values():
         await queue.stop()

@@ -48,8 +48,16 @@ class Script:
         if self.mode == "429":
             return web.json_response({"error": {"message": "busy"}}, status=429, headers={"Retry-After": "7"})
         if self.mode == "400":
-            return web.json_response({"error": {"message": "prompt too long for 2048", "param": "messages",
-                                                "code": "context_length_exceeded"}}, status=400)
+            return web.json_response(
+                {
+                    "error": {
+                        "message": "prompt too long for 2048",
+                        "param": "messages",
+                        "code": "context_length_exceeded",
+                    }
+                },
+                status=400,
+            )
         if self.mode == "silent":
             await asyncio.sleep(10)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -70,8 +78,11 @@ class Script:
             for delta in ({"reasoning_content": "Let me "}, {"reasoning_content": "think."}, {"content": "Hi!"}):
                 await send({"choices": [{"index": 0, "delta": delta}]})
         if self.mode == "tool_call":
-            for piece in ({"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": ""}},
-                          {"function": {"arguments": '{"city": '}}, {"function": {"arguments": '"Paris"}'}}):
+            for piece in (
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": ""}},
+                {"function": {"arguments": '{"city": '}},
+                {"function": {"arguments": '"Paris"}'}},
+            ):
                 await send({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, **piece}]}}]})
             await send({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
             await response.write(b"data: [DONE]\n\n")
@@ -80,18 +91,36 @@ class Script:
             await asyncio.sleep(self.delay_s)
             choice = {"index": 0, "delta": {"content": f"w{i} "}, "finish_reason": None}
             if self.mode == "logprobs":  # two tokens a chunk, each with one alternative
-                choice["logprobs"] = {"content": [
-                    {"token": t, "logprob": -0.5, "bytes": list(t.encode()), "top_logprobs": [
-                        {"token": t, "logprob": -0.5, "bytes": list(t.encode())}, {"token": "x", "logprob": -2.0}]}
-                    for t in (f"w{i}", " ")]}
+                choice["logprobs"] = {
+                    "content": [
+                        {
+                            "token": t,
+                            "logprob": -0.5,
+                            "bytes": list(t.encode()),
+                            "top_logprobs": [
+                                {"token": t, "logprob": -0.5, "bytes": list(t.encode())},
+                                {"token": "x", "logprob": -2.0},
+                            ],
+                        }
+                        for t in (f"w{i}", " ")
+                    ]
+                }
             await send({"choices": [choice]})
             if self.mode == "die_after_first" and i == 0:
                 await send({"error": {"message": "worker crashed"}})
                 return
         await send({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
         if self.usage:
-            await send({"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": self.words,
-                                                 "prompt_tokens_details": {"cached_tokens": 4}}})
+            await send(
+                {
+                    "choices": [],
+                    "usage": {
+                        "prompt_tokens": 11,
+                        "completion_tokens": self.words,
+                        "prompt_tokens_details": {"cached_tokens": 4},
+                    },
+                }
+            )
         await response.write(b"data: [DONE]\n\n")
 
 
@@ -105,10 +134,14 @@ async def serve(aiohttp_server, script: Script) -> str:
 
 @contextlib.asynccontextmanager
 async def backend_for(urls: list[str], **model):
-    config = UpstreamConfig(connect_timeout_s=1.0, first_token_timeout_s=0.5, idle_timeout_s=0.5,
-                            breaker_open_s=60.0)
-    backend = UpstreamBackend("m", ModelConfig(backend="openai", urls=urls, max_in_flight=4, **model), config,
-                              EstimatingCounter(), max_model_len=None)
+    config = UpstreamConfig(connect_timeout_s=1.0, first_token_timeout_s=0.5, idle_timeout_s=0.5, breaker_open_s=60.0)
+    backend = UpstreamBackend(
+        "m",
+        ModelConfig(backend="openai", urls=urls, max_in_flight=4, **model),
+        config,
+        EstimatingCounter(),
+        max_model_len=None,
+    )
     await backend.start()
     try:
         yield backend
@@ -264,9 +297,13 @@ async def test_the_api_key_is_read_from_the_environment_and_sent_as_a_bearer_tok
 async def test_a_missing_api_key_variable_stops_the_start_naming_the_variable_not_a_value():
     from settings import ConfigError
 
-    backend = UpstreamBackend("m", ModelConfig(backend="openai", urls=["http://127.0.0.1:9/v1"],
-                                               api_key_env="SURELY_UNSET_UPSTREAM_KEY"),
-                              UpstreamConfig(), EstimatingCounter(), max_model_len=None)
+    backend = UpstreamBackend(
+        "m",
+        ModelConfig(backend="openai", urls=["http://127.0.0.1:9/v1"], api_key_env="SURELY_UNSET_UPSTREAM_KEY"),
+        UpstreamConfig(),
+        EstimatingCounter(),
+        max_model_len=None,
+    )
     with pytest.raises(ConfigError, match="SURELY_UNSET_UPSTREAM_KEY"):
         await backend.start()
 
@@ -286,7 +323,10 @@ async def test_streamed_tool_calls_come_back_as_one_piece_of_tool_call_text(aioh
     script = Script("tool_call")
     async with backend_for([await serve(aiohttp_server, script)]) as backend:
         events = await collect(backend, request())
-    assert [e.text for e in events] == ['<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>', ""]
+    assert [e.text for e in events] == [
+        '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>',
+        "",
+    ]
     assert events[-1].finish_reason is FinishReason.STOP
 
 

@@ -115,14 +115,21 @@ def cluster(tiny_model_dir, tmp_path_factory):
     config = upstream_config(tmp, tiny_model_dir)
     key = create_key(config, tmp / "up0.db")
     shutil.copy(tmp / "up0.db", tmp / "up1.db")  # one key for both replicas (docs/scale-out.md)
-    ups = [ServerProcess(["--config", config, "--db", str(tmp / f"up{i}.db"), "--set", "server.require_keys=true",
-                          "--fake", "echo"], fake=fake, log_path=tmp / f"up{i}.log") for i in range(2)]
+    ups = [
+        ServerProcess(
+            ["--config", config, "--db", str(tmp / f"up{i}.db"), "--set", "server.require_keys=true", "--fake", "echo"],
+            fake=fake,
+            log_path=tmp / f"up{i}.log",
+        )
+        for i in range(2)
+    ]
     dead_port = ServerProcess([]).port  # a free port nobody listens on
     urls = [u.base_url + "/v1" for u in ups]
     front_toml = front_config(tmp, tiny_model_dir, urls, dead_port)
     front_key = create_key(front_toml, tmp / "front.db")  # the openai SDK always sends a key
-    front = ServerProcess(["--config", front_toml, "--db", str(tmp / "front.db")],
-                          env={KEY_ENV: key}, log_path=tmp / "front.log")
+    front = ServerProcess(
+        ["--config", front_toml, "--db", str(tmp / "front.db")], env={KEY_ENV: key}, log_path=tmp / "front.log"
+    )
     try:
         with ThreadPoolExecutor(len(ups)) as pool:  # the upstreams start side by side
             list(pool.map(ServerProcess.start, ups))
@@ -134,17 +141,38 @@ def cluster(tiny_model_dir, tmp_path_factory):
 
 
 def create_key(config: str, db: Path) -> str:
-    out = subprocess.run([sys.executable, str(ROOT / "server.py"), "--config", config, "--db", str(db), "keys", "create",
-                          "--org", "front-door", "--tier", "enterprise"], capture_output=True, text=True, check=True,
-                         cwd=ROOT, timeout=120).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "server.py"),
+            "--config",
+            config,
+            "--db",
+            str(db),
+            "keys",
+            "create",
+            "--org",
+            "front-door",
+            "--tier",
+            "enterprise",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        timeout=120,
+    ).stdout
     return next(line for line in out.splitlines() if line.startswith("sk-"))
 
 
 # -- helpers ------------------------------------------------------------------------------
 def post(base_url: str, body: dict, timeout_s: float = 60, key: str | None = None) -> tuple[int, dict, dict]:
     auth = {"Authorization": f"Bearer {key}"} if key else {}
-    req = urllib.request.Request(base_url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **auth})
+    req = urllib.request.Request(
+        base_url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **auth},
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return resp.status, dict(resp.headers), json.loads(resp.read())
@@ -155,8 +183,11 @@ def post(base_url: str, body: dict, timeout_s: float = 60, key: str | None = Non
 def stream(base_url: str, body: dict, key: str | None = None) -> list[dict | str]:
     """Every `data:` payload of a stream, decoded; '[DONE]' as a string."""
     auth = {"Authorization": f"Bearer {key}"} if key else {}
-    req = urllib.request.Request(base_url + "/v1/chat/completions", data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json", **auth})
+    req = urllib.request.Request(
+        base_url + "/v1/chat/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json", **auth},
+    )
     with urllib.request.urlopen(req, timeout=60) as resp:
         text = resp.read().decode()
     frames = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
@@ -188,8 +219,10 @@ def wait_until(check, timeout_s: float = 20.0, what: str = "condition") -> None:
 
 
 def served_by(cluster, model: str) -> list[float]:
-    return [metric(cluster["front"].base_url, "chat_upstream_requests_total", model=model,
-                   replica=u.base_url + "/v1") for u in cluster["ups"]]
+    return [
+        metric(cluster["front"].base_url, "chat_upstream_requests_total", model=model, replica=u.base_url + "/v1")
+        for u in cluster["ups"]
+    ]
 
 
 def greedy(messages, max_tokens=24, model="tiny", **extra) -> dict:
@@ -222,15 +255,19 @@ def test_streaming_is_relayed_with_exact_text_and_usage(cluster):
     assert len({f["id"] for f in relayed if isinstance(f, dict)}) == 1  # our own completion id throughout
     assert relayed[-2]["usage"]["completion_tokens"] == own[-2]["usage"]["completion_tokens"]
     assert relayed[-2]["usage"]["prompt_tokens"] == own[-2]["usage"]["prompt_tokens"]
-    num_content_chunks = sum(1 for f in relayed if isinstance(f, dict) and f["choices"] and f["choices"][0]["delta"].get("content"))
+    num_content_chunks = sum(
+        1 for f in relayed if isinstance(f, dict) and f["choices"] and f["choices"][0]["delta"].get("content")
+    )
     assert num_content_chunks > 1  # chunk by chunk, not one block at the end
     assert metric(front.base_url, "chat_upstream_time_to_first_token_seconds_count", model="tiny") >= 1
 
 
 def ledger_row(cluster, request_id: str) -> tuple | None:
     with sqlite3.connect(f"file:{cluster['db']}?mode=ro", uri=True) as conn:
-        return conn.execute("SELECT status, prompt_tokens, completion_tokens, usage_source FROM usage WHERE request_id = ?",
-                            (request_id,)).fetchone()
+        return conn.execute(
+            "SELECT status, prompt_tokens, completion_tokens, usage_source FROM usage WHERE request_id = ?",
+            (request_id,),
+        ).fetchone()
 
 
 def test_the_ledger_bills_the_upstreams_usage_and_says_so(cluster):
@@ -239,7 +276,12 @@ def test_the_ledger_bills_the_upstreams_usage_and_says_so(cluster):
     request_id = headers["X-Request-Id"]
     wait_until(lambda: ledger_row(cluster, request_id) is not None, what="the ledger row")
     usage = body["usage"]
-    assert ledger_row(cluster, request_id) == ("finished", usage["prompt_tokens"], usage["completion_tokens"], "upstream")
+    assert ledger_row(cluster, request_id) == (
+        "finished",
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+        "upstream",
+    )
 
 
 def test_a_conversations_next_turn_goes_to_the_same_replica_and_hits_its_cache(cluster):
@@ -250,8 +292,11 @@ def test_a_conversations_next_turn_goes_to_the_same_replica_and_hits_its_cache(c
         assert status == 200
         after1 = served_by(cluster, "tiny")
         replica = max(range(2), key=lambda r: after1[r] - before[r])
-        history = [*first, {"role": "assistant", "content": turn1["choices"][0]["message"]["content"]},
-                   {"role": "user", "content": "And what about the lazy dog?"}]
+        history = [
+            *first,
+            {"role": "assistant", "content": turn1["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "And what about the lazy dog?"},
+        ]
         status, _, turn2 = post(cluster["front"].base_url, greedy(history, max_tokens=8))
         assert status == 200
         after2 = served_by(cluster, "tiny")
@@ -261,15 +306,18 @@ def test_a_conversations_next_turn_goes_to_the_same_replica_and_hits_its_cache(c
 
 def test_a_stored_conversation_keeps_its_replica_across_turns(cluster):
     front = cluster["front"]
-    req = urllib.request.Request(front.base_url + "/v1/conversations", data=b"{}",
-                                 headers={"Content-Type": "application/json"}, method="POST")
+    req = urllib.request.Request(
+        front.base_url + "/v1/conversations", data=b"{}", headers={"Content-Type": "application/json"}, method="POST"
+    )
     with urllib.request.urlopen(req, timeout=10) as resp:
         conversation_id = json.loads(resp.read())["id"]
     replicas = []
     for question in ("Tell me about the sea and the weather today.", "And the river?", "And the fox?"):
         before = served_by(cluster, "tiny")
-        status, _, answer = post(front.base_url, greedy([{"role": "user", "content": question}], max_tokens=12,
-                                                        conversation_id=conversation_id))
+        status, _, answer = post(
+            front.base_url,
+            greedy([{"role": "user", "content": question}], max_tokens=12, conversation_id=conversation_id),
+        )
         assert status == 200, answer
         after = served_by(cluster, "tiny")
         replicas.append(max(range(2), key=lambda r: after[r] - before[r]))
@@ -279,15 +327,29 @@ def test_a_stored_conversation_keeps_its_replica_across_turns(cluster):
 
 def test_structured_output_and_a_forced_tool_call_are_answered_by_the_upstream(cluster):
     front = cluster["front"]
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
-              "additionalProperties": False}
-    status, _, body = post(front.base_url, greedy(QUESTION, max_tokens=60, response_format={
-        "type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}))
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    status, _, body = post(
+        front.base_url,
+        greedy(
+            QUESTION,
+            max_tokens=60,
+            response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}},
+        ),
+    )
     assert status == 200, body
     assert set(json.loads(body["choices"][0]["message"]["content"])) == {"city"}  # a random model: only the grammar
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": schema}}
-    status, _, body = post(front.base_url, greedy(QUESTION, max_tokens=80, tools=[tool],
-                                                  tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    status, _, body = post(
+        front.base_url,
+        greedy(
+            QUESTION, max_tokens=80, tools=[tool], tool_choice={"type": "function", "function": {"name": "get_weather"}}
+        ),
+    )
     assert status == 200, body
     call = body["choices"][0]["message"]["tool_calls"][0]
     assert call["function"]["name"] == "get_weather" and set(json.loads(call["function"]["arguments"])) == {"city"}
@@ -295,8 +357,9 @@ def test_structured_output_and_a_forced_tool_call_are_answered_by_the_upstream(c
 
 
 def sdk(cluster):
-    return openai.OpenAI(base_url=cluster["front"].base_url + "/v1", api_key=cluster["front_key"], max_retries=0,
-                         timeout=60)
+    return openai.OpenAI(
+        base_url=cluster["front"].base_url + "/v1", api_key=cluster["front_key"], max_retries=0, timeout=60
+    )
 
 
 def assert_same_logprobs(relayed: list[dict], own: list[dict]) -> None:
@@ -306,8 +369,9 @@ def assert_same_logprobs(relayed: list[dict], own: list[dict]) -> None:
     for r, o in zip(relayed, own, strict=True):
         assert r["bytes"] == o["bytes"] and r["logprob"] == pytest.approx(o["logprob"], abs=1e-3)
         assert [t["token"] for t in r["top_logprobs"]] == [t["token"] for t in o["top_logprobs"]]
-        assert [t["logprob"] for t in r["top_logprobs"]] == pytest.approx([t["logprob"] for t in o["top_logprobs"]],
-                                                                           abs=1e-3)
+        assert [t["logprob"] for t in r["top_logprobs"]] == pytest.approx(
+            [t["logprob"] for t in o["top_logprobs"]], abs=1e-3
+        )
 
 
 def test_logprobs_are_the_upstreams_own_relayed_through_the_sdk_streamed_and_not(cluster):
@@ -320,18 +384,29 @@ def test_logprobs_are_the_upstreams_own_relayed_through_the_sdk_streamed_and_not
     assert unary.choices[0].message.content == own["choices"][0]["message"]["content"]
     assert_same_logprobs([e.model_dump() for e in unary.choices[0].logprobs.content], own_entries)
     chunks = list(sdk(cluster).chat.completions.create(**ask, stream=True))
-    streamed = [e.model_dump() for c in chunks if c.choices and c.choices[0].logprobs
-                for e in c.choices[0].logprobs.content]
+    streamed = [
+        e.model_dump() for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
     assert_same_logprobs(streamed, own_entries)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == unary.choices[0].message.content
 
 
 def test_responses_logprobs_are_relayed_from_the_upstream_through_the_sdk(cluster):
-    status, _, own = post(cluster["ups"][1].base_url, greedy(QUESTION, max_tokens=8, model=UPSTREAM_NAME, logprobs=True,
-                                                             top_logprobs=2), key=cluster["key"])
+    status, _, own = post(
+        cluster["ups"][1].base_url,
+        greedy(QUESTION, max_tokens=8, model=UPSTREAM_NAME, logprobs=True, top_logprobs=2),
+        key=cluster["key"],
+    )
     assert status == 200, own
-    ask = dict(model="tiny", input=QUESTION[0]["content"], max_output_tokens=8, temperature=0, store=False,
-               include=["message.output_text.logprobs"], top_logprobs=2)
+    ask = dict(
+        model="tiny",
+        input=QUESTION[0]["content"],
+        max_output_tokens=8,
+        temperature=0,
+        store=False,
+        include=["message.output_text.logprobs"],
+        top_logprobs=2,
+    )
     out = sdk(cluster).responses.create(**ask)
     part = out.output[-1].content[0]
     assert part.text == own["choices"][0]["message"]["content"]
@@ -344,9 +419,19 @@ def test_responses_logprobs_are_relayed_from_the_upstream_through_the_sdk(cluste
 def test_the_responses_api_at_the_front_is_served_by_the_upstream(cluster):
     front = cluster["front"]
     before = sum(served_by(cluster, "tiny"))
-    req = urllib.request.Request(front.base_url + "/v1/responses", headers={"Content-Type": "application/json"},
-                                 data=json.dumps({"model": "tiny", "input": "What does the word river mean?",
-                                                  "max_output_tokens": 16, "temperature": 0, "store": False}).encode())
+    req = urllib.request.Request(
+        front.base_url + "/v1/responses",
+        headers={"Content-Type": "application/json"},
+        data=json.dumps(
+            {
+                "model": "tiny",
+                "input": "What does the word river mean?",
+                "max_output_tokens": 16,
+                "temperature": 0,
+                "store": False,
+            }
+        ).encode(),
+    )
     with urllib.request.urlopen(req, timeout=60) as resp:
         body = json.loads(resp.read())
     assert body["status"] in ("completed", "incomplete")  # incomplete: max_output_tokens reached
@@ -356,8 +441,9 @@ def test_the_responses_api_at_the_front_is_served_by_the_upstream(cluster):
 
 def test_the_prompt_screen_runs_in_front_and_nothing_reaches_the_upstream(cluster):
     before = served_by(cluster, "tiny")
-    status, _, body = post(cluster["front"].base_url,
-                           greedy([{"role": "user", "content": "say forbidden-upstream-test-phrase"}]))
+    status, _, body = post(
+        cluster["front"].base_url, greedy([{"role": "user", "content": "say forbidden-upstream-test-phrase"}])
+    )
     assert status == 200 and body["choices"][0]["finish_reason"] == "content_filter"
     assert served_by(cluster, "tiny") == before
 
@@ -384,8 +470,10 @@ def test_a_disconnect_at_the_front_aborts_the_upstream_request(cluster):
     front = cluster["front"]
 
     def upstream_aborts() -> float:
-        return sum(metric(u.base_url, "chat_requests_finished_total", model="echo", finish_reason="abort")
-                   for u in cluster["ups"])
+        return sum(
+            metric(u.base_url, "chat_requests_finished_total", model="echo", finish_reason="abort")
+            for u in cluster["ups"]
+        )
 
     before = upstream_aborts()
     conn = http.client.HTTPConnection("127.0.0.1", front.port, timeout=30)
@@ -398,8 +486,10 @@ def test_a_disconnect_at_the_front_aborts_the_upstream_request(cluster):
     conn.sock.close()  # the client goes away mid-answer
     conn.close()
     wait_until(lambda: upstream_aborts() == before + 1, what="the upstream to count an aborted request")
-    wait_until(lambda: metric(front.base_url, "chat_upstream_requests_in_flight", model="slow") == 0,
-               what="the front to release the upstream slot")
+    wait_until(
+        lambda: metric(front.base_url, "chat_upstream_requests_in_flight", model="slow") == 0,
+        what="the front to release the upstream slot",
+    )
     wait_until(lambda: ledger_row(cluster, request_id) is not None, what="the ledger row")
     status, _, completion_tokens, usage_source = ledger_row(cluster, request_id)
     assert status == "aborted" and 0 < completion_tokens < SLOW_WORDS and usage_source == "estimate"
@@ -416,8 +506,11 @@ def test_killing_an_upstream_mid_stream_errors_that_stream_and_new_requests_go_t
     while '"content":"w' not in (line := resp.readline().decode()) and '"content":" w' not in line:
         assert line, "the stream ended before its first token"
         head.append(line)
-    victim = next(i for i, u in enumerate(ups)
-                  if metric(front.base_url, "chat_upstream_requests_in_flight", model="slow", replica=u.base_url + "/v1"))
+    victim = next(
+        i
+        for i, u in enumerate(ups)
+        if metric(front.base_url, "chat_upstream_requests_in_flight", model="slow", replica=u.base_url + "/v1")
+    )
     port = ups[victim].port
     ups[victim].kill()
     result["text"] = "".join(head) + line + resp.read().decode()
@@ -435,12 +528,15 @@ def test_killing_an_upstream_mid_stream_errors_that_stream_and_new_requests_go_t
         assert status == 200, answer
     assert metric(front.base_url, "chat_upstream_requests_total", model="tiny", replica=survivor) >= before + 3
 
-    restarted = ServerProcess(ups[victim].args, fake=FakeBehaviour(token_delay_s=0.02),
-                              log_path=cluster["tmp"] / "restarted.log")
+    restarted = ServerProcess(
+        ups[victim].args, fake=FakeBehaviour(token_delay_s=0.02), log_path=cluster["tmp"] / "restarted.log"
+    )
     restarted.port = port
     ups[victim] = restarted.start()
-    wait_until(lambda: metric(front.base_url, "chat_upstream_breaker_state", **label) == 1,
-               what="the probe to let the replica back in (half-open)")
+    wait_until(
+        lambda: metric(front.base_url, "chat_upstream_breaker_state", **label) == 1,
+        what="the probe to let the replica back in (half-open)",
+    )
     for i in range(4):  # the half-open replica takes one trial request; its success closes the breaker
         messages = [{"role": "user", "content": f"new conversation {i}"}]  # no affinity to the survivor
         status, _, answer = post(front.base_url, greedy(messages, max_tokens=4, model="slow"))

@@ -16,14 +16,27 @@ def make_request(sampling: SamplingParams, **options) -> GenerationRequest:
 def test_the_body_always_streams_and_asks_for_usage_and_sends_only_what_was_asked():
     body = request_body(make_request(SamplingParams(max_tokens=16, temperature=0.0)), "Qwen/Qwen3-8B")
     assert body == {
-        "model": "Qwen/Qwen3-8B", "messages": [{"role": "user", "content": "hi"}], "stream": True,
-        "stream_options": {"include_usage": True}, "max_tokens": 16, "temperature": 0.0, "top_p": 1.0,
+        "model": "Qwen/Qwen3-8B",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 16,
+        "temperature": 0.0,
+        "top_p": 1.0,
     }
 
 
 def test_extensions_and_pass_through_options_are_sent_when_present():
-    sampling = SamplingParams(max_tokens=8, seed=7, stop=("\n\n",), top_k=20, min_tokens=2, ignore_eos=True,
-                              presence_penalty=0.5, repetition_penalty=1.2)
+    sampling = SamplingParams(
+        max_tokens=8,
+        seed=7,
+        stop=("\n\n",),
+        top_k=20,
+        min_tokens=2,
+        ignore_eos=True,
+        presence_penalty=0.5,
+        repetition_penalty=1.2,
+    )
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     body = request_body(make_request(sampling, tools=tools, response_format={"type": "json_object"}, n=2), "m")
     assert body["seed"] == 7 and body["stop"] == ["\n\n"] and body["top_k"] == 20
@@ -42,11 +55,16 @@ def test_chunks_give_text_finish_and_usage():
     assert parse_chunk({"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]}) == Chunk("Hel")
     last = parse_chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
     assert last.finish_reason is FinishReason.LENGTH and last.text == ""
-    usage = parse_chunk({"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 3,
-                                                  "prompt_tokens_details": {"cached_tokens": 8}}}).usage
+    usage = parse_chunk(
+        {
+            "choices": [],
+            "usage": {"prompt_tokens": 12, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 8}},
+        }
+    ).usage
     assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == (12, 3, 8)
-    no_details = parse_chunk({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1,
-                                                       "prompt_tokens_details": None}}).usage
+    no_details = parse_chunk(
+        {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": None}}
+    ).usage
     assert no_details.cached_tokens == 0
 
 
@@ -56,8 +74,9 @@ def test_an_error_event_in_the_stream_is_an_upstream_error():
 
 
 def test_http_errors_are_classified_with_the_upstreams_message():
-    client = classify_http_error(400, b'{"error": {"message": "too long", "code": "context_length_exceeded", '
-                                      b'"param": "messages"}}', None)
+    client = classify_http_error(
+        400, b'{"error": {"message": "too long", "code": "context_length_exceeded", "param": "messages"}}', None
+    )
     assert client.kind is ErrorKind.CLIENT
     rejected = client.rejected()
     assert isinstance(rejected, RequestRejected) and rejected.message == "too long" and rejected.param == "messages"
@@ -85,7 +104,9 @@ def test_the_tokenizer_counter_counts_with_the_models_own_tokenizer(tiny_model_d
     messages = [{"role": "user", "content": "What does the word river mean?"}]
     assert counter.usage_source is UsageSource.TOKENIZER
     assert counter.encode_chat(messages) == tokenizer.encode_chat(messages)
-    assert counter.count("A river is a large natural stream.") == len(tokenizer.encode("A river is a large natural stream."))
+    assert counter.count("A river is a large natural stream.") == len(
+        tokenizer.encode("A river is a large natural stream.")
+    )
     assert len(counter.encode_chat(messages, tools=[{"type": "function"}])) > len(counter.encode_chat(messages))
 
 
@@ -95,38 +116,66 @@ def test_what_cannot_be_relayed_is_refused_naming_the_field():
     from engine.upstream.wire import unsupported_reason
 
     def req(options: dict) -> SimpleNamespace:
-        return SimpleNamespace(chat=ChatPrompt(({"role": "user", "content": "hi"},), options),
-                               sampling=SimpleNamespace(structured=None, logprobs=None))
+        return SimpleNamespace(
+            chat=ChatPrompt(({"role": "user", "content": "hi"},), options),
+            sampling=SimpleNamespace(structured=None, logprobs=None),
+        )
 
     assert unsupported_reason(req({"logprobs": True, "top_logprobs": 3})) is None  # relayed (test_logprobs_*)
     grammar_only = SimpleNamespace(chat=ChatPrompt(()), sampling=SimpleNamespace(structured="grammar", logprobs=None))
     assert unsupported_reason(grammar_only)[1] == "response_format"
-    forced = SimpleNamespace(chat=ChatPrompt((), {"tools": [], "tool_choice": "required"}),
-                             sampling=SimpleNamespace(structured="grammar", logprobs=None))
+    forced = SimpleNamespace(
+        chat=ChatPrompt((), {"tools": [], "tool_choice": "required"}),
+        sampling=SimpleNamespace(structured="grammar", logprobs=None),
+    )
     assert unsupported_reason(forced) is None  # the upstream forces the call itself
-    assert unsupported_reason(make_request(SamplingParams(max_tokens=4), response_format={"type": "json_object"})) is None
+    assert (
+        unsupported_reason(make_request(SamplingParams(max_tokens=4), response_format={"type": "json_object"})) is None
+    )
 
 
 def test_streamed_tool_calls_become_the_hermes_text_our_parser_reads():
     from engine.upstream.wire import ToolCallDelta, tool_calls_text
 
-    first = parse_chunk({"choices": [{"index": 0, "delta": {"tool_calls": [
-        {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}}]}}]})
-    second = parse_chunk({"choices": [{"index": 0, "delta": {"tool_calls": [
-        {"index": 0, "function": {"arguments": '{"city": "Par'}}]}}]})
+    first = parse_chunk(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": "call_1",
+                                "type": "function",
+                                "function": {"name": "get_weather", "arguments": ""},
+                            }
+                        ]
+                    },
+                }
+            ]
+        }
+    )
+    second = parse_chunk(
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Par'}}]}}]}
+    )
     assert first.tool_calls == (ToolCallDelta(0, "get_weather", ""),)
     assert second.tool_calls == (ToolCallDelta(0, "", '{"city": "Par'),)
     text = tool_calls_text({0: ["get_weather", '{"city": "Paris"}'], 1: ["f", "{}"]})
-    assert text == ('<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>\n'
-                    '<tool_call>\n{"name":"f","arguments":{}}\n</tool_call>')
+    assert text == (
+        '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name":"f","arguments":{}}\n</tool_call>'
+    )
 
 
 def test_chat_template_kwargs_are_sent_upstream_in_wire_form():
     from api.protocol import parse_chat_request, wire_options
 
-    chat = parse_chat_request({"messages": [{"role": "user", "content": "hi"}],
-                               "chat_template_kwargs": {"enable_thinking": False}},
-                              max_messages=10, max_prompt_chars=1000)
+    chat = parse_chat_request(
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": False}},
+        max_messages=10,
+        max_prompt_chars=1000,
+    )
     assert wire_options(chat)["chat_template_kwargs"] == {"enable_thinking": False}
 
 
@@ -136,14 +185,38 @@ def test_logprobs_are_asked_for_and_the_upstreams_text_tokens_are_read_with_thei
     body = request_body(make_request(SamplingParams(max_tokens=4, logprobs=2)), "m")
     assert body["logprobs"] is True and body["top_logprobs"] == 2
     assert "logprobs" not in request_body(make_request(SamplingParams(max_tokens=4)), "m")
-    chunk = parse_chunk({"choices": [{"index": 0, "delta": {"content": " riv"}, "logprobs": {"content": [
-        {"token": " riv", "logprob": -0.25, "bytes": [32, 114, 105, 118],
-         "top_logprobs": [{"token": " riv", "logprob": -0.25, "bytes": [32, 114, 105, 118]},
-                          {"token": "\\xe2", "logprob": -3.0, "bytes": [226]}, {"token": "bad"}]},
-        {"token": "no logprob"},
-    ]}}]})
+    chunk = parse_chunk(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"content": " riv"},
+                    "logprobs": {
+                        "content": [
+                            {
+                                "token": " riv",
+                                "logprob": -0.25,
+                                "bytes": [32, 114, 105, 118],
+                                "top_logprobs": [
+                                    {"token": " riv", "logprob": -0.25, "bytes": [32, 114, 105, 118]},
+                                    {"token": "\\xe2", "logprob": -3.0, "bytes": [226]},
+                                    {"token": "bad"},
+                                ],
+                            },
+                            {"token": "no logprob"},
+                        ]
+                    },
+                }
+            ]
+        }
+    )
     assert chunk.text == " riv"
-    assert chunk.logprobs == (TokenLogprob(None, -0.25, (
-        (TokenText(" riv", (32, 114, 105, 118)), -0.25), (TokenText("\\xe2", (226,)), -3.0)),
-        TokenText(" riv", (32, 114, 105, 118))),)
+    assert chunk.logprobs == (
+        TokenLogprob(
+            None,
+            -0.25,
+            ((TokenText(" riv", (32, 114, 105, 118)), -0.25), (TokenText("\\xe2", (226,)), -3.0)),
+            TokenText(" riv", (32, 114, 105, 118)),
+        ),
+    )
     assert parse_chunk({"choices": [{"index": 0, "delta": {"content": "x"}, "logprobs": None}]}).logprobs == ()

@@ -178,7 +178,7 @@ class Executor:
         size = self._tokens_per_block
         hashes, prev = [], hash(job.cache_salt)
         for start in range(0, len(job.prompt) - size + 1, size):
-            prev = hash((prev, tuple(job.prompt[start:start + size])))
+            prev = hash((prev, tuple(job.prompt[start : start + size])))
             hashes.append(prev)
         return hashes
 
@@ -196,13 +196,22 @@ class Executor:
             return
         if reason == "stop" and stop_len == 0:  # the end token itself is not output
             job.pending.pop()
-            job.pending_logprobs = job.pending_logprobs[:len(job.pending)]
-        self._finish(job, Response(job.pending, True, reason, cached_tokens=job.cached_tokens, stop_word_len=stop_len,
-                                   logprobs=job.pending_logprobs))
+            job.pending_logprobs = job.pending_logprobs[: len(job.pending)]
+        self._finish(
+            job,
+            Response(
+                job.pending,
+                True,
+                reason,
+                cached_tokens=job.cached_tokens,
+                stop_word_len=stop_len,
+                logprobs=job.pending_logprobs,
+            ),
+        )
 
     def _toy_logprobs(self, token: int, k: int) -> dict[int, Logprob]:
         """The PyTorch backend's shape: {token_id: Logprob} of the top k, the chosen one first."""
-        others = [i for i in self._ordinary_ids if i != token][:k - 1]
+        others = [i for i in self._ordinary_ids if i != token][: k - 1]
         entry = {token: Logprob(-0.25, 1)}
         entry.update({t: Logprob(-1.0 - r, r + 2) for r, t in enumerate(others)})
         return entry
@@ -215,7 +224,7 @@ class Executor:
         if may_stop and token in (params.stop_token_ids or ()):
             return "stop", 1
         for words in job.stop_words:
-            if words and job.generated[-len(words):] == words:
+            if words and job.generated[-len(words) :] == words:
                 return "stop", len(words)
         if len(job.generated) >= params.max_tokens:
             return "length", 0
@@ -248,14 +257,20 @@ class Executor:
     def _stats_json(self, latency_ms: float) -> str:
         size = self._tokens_per_block
         used = sum(-(-(len(j.prompt) + len(j.generated)) // size) for j in self._active)
-        return json.dumps({
-            "iter": self._iter,
-            "iterLatencyMS": latency_ms,
-            "numActiveRequests": len(self._active),
-            "numQueuedRequests": len(self._waiting),
-            "numCompletedRequests": self._num_completed,
-            "gpuMemUsage": 0,
-            "inflightBatchingStats": {"numScheduledRequests": len(self._active), "numPausedRequests": 0},
-            "kvCacheStats": {"maxNumBlocks": self.max_num_blocks, "freeNumBlocks": self.max_num_blocks - used,
-                             "usedNumBlocks": used, "tokensPerBlock": size},
-        })
+        return json.dumps(
+            {
+                "iter": self._iter,
+                "iterLatencyMS": latency_ms,
+                "numActiveRequests": len(self._active),
+                "numQueuedRequests": len(self._waiting),
+                "numCompletedRequests": self._num_completed,
+                "gpuMemUsage": 0,
+                "inflightBatchingStats": {"numScheduledRequests": len(self._active), "numPausedRequests": 0},
+                "kvCacheStats": {
+                    "maxNumBlocks": self.max_num_blocks,
+                    "freeNumBlocks": self.max_num_blocks - used,
+                    "usedNumBlocks": used,
+                    "tokensPerBlock": size,
+                },
+            }
+        )

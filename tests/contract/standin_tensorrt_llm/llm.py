@@ -25,12 +25,25 @@ from .guided import GuideFactory
 from .sampling_params import SamplingParams
 
 _LLM_DEFAULTS: dict[str, Any] = {
-    "pipeline_parallel_size": 1, "moe_expert_parallel_size": None, "enable_attention_dp": False,
-    "max_batch_size": 2048, "max_num_tokens": 8192, "max_seq_len": None, "max_beam_width": 1,
-    "kv_cache_config": None, "scheduler_config": None, "enable_chunked_prefill": False,
-    "speculative_config": None, "cuda_graph_config": None, "disable_overlap_scheduler": False,
-    "stream_interval": 1, "enable_iter_perf_stats": False, "enable_iter_req_stats": False,
-    "return_perf_metrics": False, "num_postprocess_workers": 0, "guided_decoding_backend": None,
+    "pipeline_parallel_size": 1,
+    "moe_expert_parallel_size": None,
+    "enable_attention_dp": False,
+    "max_batch_size": 2048,
+    "max_num_tokens": 8192,
+    "max_seq_len": None,
+    "max_beam_width": 1,
+    "kv_cache_config": None,
+    "scheduler_config": None,
+    "enable_chunked_prefill": False,
+    "speculative_config": None,
+    "cuda_graph_config": None,
+    "disable_overlap_scheduler": False,
+    "stream_interval": 1,
+    "enable_iter_perf_stats": False,
+    "enable_iter_req_stats": False,
+    "return_perf_metrics": False,
+    "num_postprocess_workers": 0,
+    "guided_decoding_backend": None,
 }
 _MAX_STATS_QUEUED = 1000
 
@@ -53,22 +66,23 @@ class CompletionOutput:
 
     @property
     def text_diff(self) -> str:
-        return self.text[self._last_text_len:]
+        return self.text[self._last_text_len :]
 
     @property
     def token_ids_diff(self) -> list[int]:
-        return self.token_ids[self._last_token_ids_len:]
+        return self.token_ids[self._last_token_ids_len :]
 
     @property
     def logprobs_diff(self) -> list:
-        return self.logprobs[self._last_logprobs_len:]
+        return self.logprobs[self._last_logprobs_len :]
 
 
 class RequestOutput:
     """Async-iterable; each step yields this same object, updated in place."""
 
-    def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
-                 tokenizer: Tokenizer, llm: LLM):
+    def __init__(
+        self, request_id: int, prompt_token_ids: list[int], params: SamplingParams, tokenizer: Tokenizer, llm: LLM
+    ):
         self.request_id = request_id
         self.prompt = None
         self.prompt_token_ids = prompt_token_ids
@@ -133,7 +147,7 @@ class RequestOutput:
         if self._done:
             out.finish_reason = response.finish_reason
             if response.stop_word_len and not self._params.include_stop_str_in_output:
-                out.token_ids = out.token_ids[:-response.stop_word_len]
+                out.token_ids = out.token_ids[: -response.stop_word_len]
         if self._params.detokenize:
             out._last_text_len = len(out.text)
             text = self._tokenizer.decode(out.token_ids, skip_special_tokens=self._params.skip_special_tokens)
@@ -152,10 +166,19 @@ class Submission:
 
 
 class LLM:
-    def __init__(self, model: str, tokenizer: Any = None, tokenizer_mode: str = "auto",
-                 skip_tokenizer_init: bool = False, trust_remote_code: bool = False,
-                 tensor_parallel_size: int = 1, dtype: str = "auto", revision: str | None = None,
-                 tokenizer_revision: str | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        model: str,
+        tokenizer: Any = None,
+        tokenizer_mode: str = "auto",
+        skip_tokenizer_init: bool = False,
+        trust_remote_code: bool = False,
+        tensor_parallel_size: int = 1,
+        dtype: str = "auto",
+        revision: str | None = None,
+        tokenizer_revision: str | None = None,
+        **kwargs: Any,
+    ):
         unknown = sorted(set(kwargs) - set(_LLM_DEFAULTS))
         if unknown:
             raise ValueError(f"Unknown LLM arguments: {unknown}")
@@ -182,11 +205,19 @@ class LLM:
             guides = GuideFactory(tokenizer_json, self.tokenizer.get_vocab_size(), self.eos_token_id)
         self._executor = Executor(self.args, ordinary, self.standin, guides)
 
-    def generate_async(self, inputs: Any, sampling_params: SamplingParams | None = None, lora_request: Any = None,
-                       prompt_adapter_request: Any = None, streaming: bool = False,
-                       kv_cache_retention_config: Any = None, disaggregated_params: Any = None,
-                       _postproc_params: Any = None, scheduling_params: Any = None,
-                       cache_salt: str | None = None) -> RequestOutput:
+    def generate_async(
+        self,
+        inputs: Any,
+        sampling_params: SamplingParams | None = None,
+        lora_request: Any = None,
+        prompt_adapter_request: Any = None,
+        streaming: bool = False,
+        kv_cache_retention_config: Any = None,
+        disaggregated_params: Any = None,
+        _postproc_params: Any = None,
+        scheduling_params: Any = None,
+        cache_salt: str | None = None,
+    ) -> RequestOutput:
         return self._generate(inputs, sampling_params, streaming, cache_salt)
 
     def _generate(self, inputs: Any, params: SamplingParams | None, streaming: bool, cache_salt: str | None):
@@ -288,8 +319,16 @@ class IterationResult:
 class LLMWithoutCacheSalt(LLM):
     """The 1.0 signature of generate_async, which has no cache_salt (stand-in variant)."""
 
-    def generate_async(self, inputs: Any, sampling_params: SamplingParams | None = None, lora_request: Any = None,
-                       prompt_adapter_request: Any = None, streaming: bool = False,
-                       kv_cache_retention_config: Any = None, disaggregated_params: Any = None,
-                       _postproc_params: Any = None, scheduling_params: Any = None) -> RequestOutput:
+    def generate_async(
+        self,
+        inputs: Any,
+        sampling_params: SamplingParams | None = None,
+        lora_request: Any = None,
+        prompt_adapter_request: Any = None,
+        streaming: bool = False,
+        kv_cache_retention_config: Any = None,
+        disaggregated_params: Any = None,
+        _postproc_params: Any = None,
+        scheduling_params: Any = None,
+    ) -> RequestOutput:
         return self._generate(inputs, sampling_params, streaming, None)

@@ -70,5 +70,9 @@ class SamplingParams:
         """As in 1.2: no sampling knobs at all, top_k 1, top_p 0 or temperature 0."""
         if self.use_beam_search:
             return False
-        return ((self.temperature is None and self.top_p is None and self.top_k is None)
-                or self.top_k == 1 or self.top_p == 0.0 or self.temperature == 0)
+        return (
+            (self.temperature is None and self.top_p is None and self.top_k is None)
+            or self.top_k == 1
+            or self.top_p == 0.0
+            or self.temperature == 0
+        )
