@@ -32,8 +32,10 @@ browser:
 	  else sudo apt-get update -qq && sudo apt-get install -y -qq chromium >/dev/null; fi; }
 
 # ruff (lint and format check) over the tree, mypy over the server's packages (pyproject.toml).
+# CI (.ci/run) runs it before the tests; `ruff format .` and `ruff check --fix .` fix most findings.
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 test: $(VENV)/.installed-dev browser
