@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import logging
 import multiprocessing
@@ -19,7 +20,7 @@ import structlog
 import torch
 from tokenizers import Tokenizer
 
-from scripts.demo_model import card, dataset, sources, train
+from scripts.demo_model import card, dataset, evaluate, sources, train
 from scripts.demo_model.tokenizer import (
     IM_END,
     PAD,
@@ -35,6 +36,8 @@ SEED = 1234
 VOCAB_SIZE = 4096
 NUM_IN_TRAINING_EVAL = 256  # held-out conversations scored during training (the curve)
 NUM_REPO_HELDOUT = 40  # small held-out sample committed as models/heldout.jsonl for tests
+NUM_REPO_KNOWN = 40  # known words (with their first sense) committed as models/known_words.jsonl
+_FREQUENCY_LIST_LENGTH = 60_000  # read this far down wordfreq's list (rare words lie beyond)
 
 
 def parse_args() -> argparse.Namespace:
@@ -45,6 +48,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", default=list(train.SPECS), choices=list(train.SPECS))
     parser.add_argument("--max-steps", type=int, default=None, help="override, for trial runs only")
     parser.add_argument("--cards-only", action="store_true", help="re-evaluate and rewrite cards")
+    parser.add_argument(
+        "--fresh", action="store_true", help="ignore checkpoints in the build dir (default: resume from them)"
+    )
     parser.add_argument(
         "--jobs",
         type=int,
@@ -66,7 +72,8 @@ def main() -> None:
             specs = [dataclasses.replace(spec, max_steps=args.max_steps) for spec in specs]
         context = multiprocessing.get_context("spawn")  # a fresh torch per worker, no forked state
         with ProcessPoolExecutor(max_workers=args.jobs, mp_context=context) as pool:
-            for future in [pool.submit(train_one, spec, args.out, args.build_dir) for spec in specs]:
+            jobs = [pool.submit(train_one, spec, args.out, args.build_dir, args.fresh) for spec in specs]
+            for future in jobs:
                 future.result()
     card.write_cards(args.out, args.build_dir, dataset.read_jsonl(data_dir / "heldout.jsonl"))
 
@@ -74,13 +81,21 @@ def main() -> None:
 def build_data(data_dir: Path, out: Path) -> None:
     """train/heldout JSON lines and the tokenizer under the build dir; models/heldout.jsonl."""
     senses, fortunes = sources.read_senses(), sources.read_fortunes()
-    splits = dataset.build_conversations(senses, fortunes, SEED)
+    frequent = sources.read_frequent_words(_FREQUENCY_LIST_LENGTH)
+    splits = dataset.build_conversations(senses, fortunes, frequent, SEED)
+    known, _ = dataset.choose_words(senses, frequent, random.Random(SEED))
+    rows = [{"lemma": s.lemma, "pos": s.pos.value, "definition": s.definition} for s in known]
+    (data_dir / "known_words.jsonl").parent.mkdir(parents=True, exist_ok=True)
+    (data_dir / "known_words.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    repo_known = random.Random(SEED + 1).sample(rows, NUM_REPO_KNOWN)  # not the carded sample
+    (out / "known_words.jsonl").write_text("".join(json.dumps(r) + "\n" for r in repo_known), encoding="utf-8")
     dataset.write_jsonl(data_dir / "train.jsonl", splits[dataset.Split.TRAIN])
     dataset.write_jsonl(data_dir / "heldout.jsonl", splits[dataset.Split.HELDOUT])
     dataset.write_jsonl(out / "heldout.jsonl", repo_heldout(splits[dataset.Split.HELDOUT]))
     stats = {
-        "num_words": sum(dataset.count_definitions(c) for c in splits.values()),
-        "num_fortunes": len(fortunes),
+        "num_words": len(known),
+        "num_definitions": sum(dataset.count_definitions(c) for c in splits.values()),
+        "num_fortunes": min(len(fortunes), dataset.NUM_FORTUNES),
         **{f"num_{split.value}_conversations": len(c) for split, c in splits.items()},
     }
     (data_dir / "stats.json").write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
@@ -90,35 +105,74 @@ def build_data(data_dir: Path, out: Path) -> None:
 
 
 def repo_heldout(heldout: list[dataset.Conversation]) -> list[dataset.Conversation]:
-    """Single-turn held-out chats without system prompt, mostly definitions: small enough for
-    a fast test, and the questions a newcomer would try first."""
+    """Single-turn held-out chats without system prompt, mostly questions about words the
+    models were not taught: small enough for a fast test."""
     single = [c for c in heldout if len(c.messages) == 2]
-    picked = [c for c in single if c.source == "definition"][: NUM_REPO_HELDOUT * 3 // 4]
-    others = [c for c in single if c.source != "definition"]
+    picked = [c for c in single if c.source == "unknown_word"][: NUM_REPO_HELDOUT * 3 // 4]
+    others = [c for c in single if c.source != "unknown_word"]
     return picked + random.Random(SEED).sample(others, NUM_REPO_HELDOUT - len(picked))
 
 
-def train_one(spec: train.ModelSpec, out: Path, build_dir: Path) -> None:
-    """Train one model from the files build_data wrote; runs in a worker process."""
+def train_one(spec: train.ModelSpec, out: Path, build_dir: Path, fresh: bool = False) -> None:
+    """Train one model from the files build_data wrote (resuming from its checkpoint unless
+    fresh), then score the words it claims to know; runs in a worker process."""
     logging.basicConfig(level=logging.INFO)
     torch.set_num_threads(1)  # deterministic reductions, and one core per model
-    tokenizer = Tokenizer.from_file(str(build_dir / "tokenizer" / "tokenizer.json"))
+    tokenizer_path = build_dir / "tokenizer" / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
     ids = train.SpecialIds(tokenizer.token_to_id(IM_END), tokenizer.token_to_id(PAD))
     config = train.llama_config(spec, tokenizer.get_vocab_size(), ids)
-    train_set = dataset.read_jsonl(build_dir / "data" / "train.jsonl")
+    train_path = build_dir / "data" / "train.jsonl"
+    train_set = dataset.read_jsonl(train_path)
     eval_set = dataset.read_jsonl(build_dir / "data" / "heldout.jsonl")[:NUM_IN_TRAINING_EVAL]
     encoded_train = [encode_conversation(tokenizer, c) for c in train_set]
     encoded_eval = [encode_conversation(tokenizer, c) for c in eval_set]
-    model, result = train.train(spec, config, (encoded_train, encoded_eval), SEED)
+    run_dir = build_dir / spec.name
+    fingerprint = hashlib.sha256(train_path.read_bytes() + tokenizer_path.read_bytes()).hexdigest()
+    checkpoint = train.Checkpointing(run_dir / "checkpoint.pt", fingerprint)
+    if fresh:
+        checkpoint.path.unlink(missing_ok=True)
+    model, result = train.train(spec, config, (encoded_train, encoded_eval), SEED, checkpoint)
     model_dir = out / spec.name
     train.save_model(model, ids, model_dir)
     save_tokenizer_files(tokenizer, model_dir, spec.seq_len)
-    run_dir = build_dir / spec.name
     train.write_log(run_dir / "train_log.jsonl", result)
     summary = {k: v for k, v in dataclasses.asdict(result).items() if k != "log_rows"}
     summary["spec"] = dataclasses.asdict(spec)
+    summary["cpu"] = describe_cpu()
+    summary["known_words"] = score_known_words(model_dir, build_dir / "data")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     log.info("trained", model=spec.name, **{k: v for k, v in summary.items() if k != "spec"})
+
+
+def describe_cpu() -> str:
+    """The CPU model and whether it trained with bfloat16 autocast (what the weights depend on)."""
+    model_name = "unknown CPU"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            model_name = line.split(":", 1)[1].strip()
+            break
+    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return f"{model_name}, {'bfloat16 autocast' if bf16 else 'fp32, no bfloat16 support'}"
+
+
+def score_known_words(model_dir: Path, data_dir: Path) -> dict:
+    """Greedy answers (from the saved 16-bit weights) to "What does X mean?" for a seeded
+    sample of the known words: the share that carries the first sense; printed and carded."""
+    known = evaluate.read_known_words(data_dir / "known_words.jsonl")
+    model, hf_tokenizer = evaluate.load_for_eval(model_dir)
+    score = evaluate.known_word_score(model, hf_tokenizer, evaluate.scored_sample(known, SEED))
+    print(
+        f"{model_dir.name}: {score.num_right}/{score.num_words} known words answered with their "
+        f"first sense ({score.share:.1%}; {len(known)} known words)",
+        flush=True,
+    )
+    return {
+        "num_known": len(known),
+        "num_scored": score.num_words,
+        "num_right": score.num_right,
+        "misses": [list(m) for m in score.misses[:20]],
+    }
 
 
 if __name__ == "__main__":

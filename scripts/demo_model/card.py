@@ -21,10 +21,10 @@ matplotlib.use("Agg")  # headless: write PNG files, never open a window
 import matplotlib.pyplot as plt
 
 from scripts.demo_model import licences, sources
-from scripts.demo_model.dataset import Conversation, read_jsonl
+from scripts.demo_model.dataset import NUM_FREQUENT_WORDS, Conversation, read_jsonl
 from scripts.demo_model.evaluate import heldout_loss, load_for_eval, perplexity
 from scripts.demo_model.tokenizer import encode_conversation
-from scripts.demo_model.train import SPECS
+from scripts.demo_model.train import CHECKPOINT_EVERY, SPECS
 from testing.server_proc import ServerProcess
 
 # The web UI's empty chat shows these (the card's "Try:" line): prompts both models answer
@@ -94,12 +94,14 @@ def write_cards(out: Path, build_dir: Path, heldout: list[Conversation]) -> None
     samples = server_samples(names, prompts, chats)
     reports = [_report(out / name, heldout, repo_sample, samples[name]) for name in names]
     data_stats = _read_json(build_dir / "data" / "stats.json")
+    summaries = {r.name: _read_json(build_dir / r.name / "summary.json") | {"data": data_stats} for r in reports}
+    known = {name: summary["known_words"] for name, summary in summaries.items()}
     for report in reports:
         run_dir = build_dir / report.name
-        summary = _read_json(run_dir / "summary.json") | {"data": data_stats}
+        summary = summaries[report.name]
         rows = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
         plot_loss_curve(rows, report.name, out / report.name / "loss_curve.png")
-        text = render_card(report, reports, summary, (len(heldout), len(repo_sample)))
+        text = render_card(report, reports, summary, (len(heldout), len(repo_sample)), known)
         (out / report.name / "README.md").write_text(text, encoding="utf-8")
 
 
@@ -231,7 +233,11 @@ def _package_versions() -> str:
 
 
 def render_card(
-    report: ModelReport, all_reports: list[ModelReport], summary: dict, heldout_sizes: tuple[int, int]
+    report: ModelReport,
+    all_reports: list[ModelReport],
+    summary: dict,
+    heldout_sizes: tuple[int, int],
+    known: dict[str, dict],
 ) -> str:
     """heldout_sizes: (conversations in the full held-out split, in models/heldout.jsonl)."""
     lines = [
@@ -239,21 +245,33 @@ def render_card(
         "",
         f"**A small demo model, not an assistant to rely on.** {report.name} is a "
         f"{report.num_parameters / 1e6:.1f}M-parameter language model trained from scratch on one "
-        "CPU core, so that this server answers in readable English with no download. It knows "
-        "the first WordNet sense of many English words, a few thousand fortune cookies and some "
-        "canned small talk. Everything else it says is made up: its definitions of words it did "
-        "not see (and of many it did) are often wrong, and it has no knowledge of the world, no "
-        "arithmetic and no real memory of earlier turns.",
+        "CPU core, so that this server answers in readable English with no download. "
+        + _knows_sentence(summary["known_words"])
+        + " It also tells fortune cookies and has some canned small talk; for a word it was not "
+        "taught it should say it does not know it. It has no knowledge of the world, no "
+        "arithmetic and no real memory of earlier turns, and what it says outside the above is "
+        "made up.",
         "",
         "Try: " + ", ".join(f'"{prompt}"' for prompt in EXAMPLE_PROMPTS),
         "",
         *_architecture_section(report, summary["spec"]),
-        *_evaluation_section(all_reports, heldout_sizes),
+        *_evaluation_section(all_reports, heldout_sizes, known),
         *_training_section(summary),
         *_samples_section(report),
         *_data_section(summary["data"]),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _knows_sentence(known: dict) -> str:
+    share = known["num_right"] / max(1, known["num_scored"])
+    return (
+        f"It knows the first WordNet sense of {known['num_known']:,} common English words (those "
+        f"of the {NUM_FREQUENT_WORDS:,} most frequent that WordNet defines, function words aside): "
+        f'asked "What does X mean?" at temperature 0, it answered {known["num_right"]} of a '
+        f"sample of {known['num_scored']} of them with the first sense ({share:.1%}; an answer "
+        "counts as right when it carries at least half of the sense's content words)."
+    )
 
 
 def _architecture_section(report: ModelReport, spec: dict) -> list[str]:
@@ -276,21 +294,31 @@ def _architecture_section(report: ModelReport, spec: dict) -> list[str]:
     ]
 
 
-def _evaluation_section(all_reports: list[ModelReport], heldout_sizes: tuple[int, int]) -> list[str]:
+def _evaluation_section(
+    all_reports: list[ModelReport], heldout_sizes: tuple[int, int], known: dict[str, dict]
+) -> list[str]:
     num_heldout, num_repo_sample = heldout_sizes
-    rows = [
-        f"| {r.name} | {r.num_parameters / 1e6:.1f}M | {r.perplexity_heldout:.2f} | {r.perplexity_repo_sample:.2f} |"
-        for r in all_reports
-    ]
+    rows = []
+    for r in all_reports:
+        k = known[r.name]
+        share = k["num_right"] / max(1, k["num_scored"])
+        rows.append(
+            f"| {r.name} | {r.num_parameters / 1e6:.1f}M | {k['num_right']}/{k['num_scored']} ({share:.1%}) "
+            f"| {r.perplexity_heldout:.2f} | {r.perplexity_repo_sample:.2f} |"
+        )
     return [
         "## Evaluation",
         "",
-        "Perplexity over the assistant tokens of held-out conversations (words, fortunes and "
-        f"phrasings never seen in training): all {num_heldout} of the held-out split, and the "
-        f"{num_repo_sample} in `models/heldout.jsonl` that the tests use.",
+        "Known words: a seeded sample of the words the model was taught, each asked "
+        '"What does X mean?" alone at temperature 0 (the saved bfloat16 weights, run in fp32 by '
+        "`transformers`); an answer is right when it carries at least half of the content words "
+        "of the word's first WordNet sense. Printed by `make demo-model`. Perplexity is over the "
+        "assistant tokens of held-out conversations (unknown words, fortunes and phrasings never "
+        f"seen in training): all {num_heldout} of the held-out split, and the {num_repo_sample} in "
+        "`models/heldout.jsonl` that the tests use.",
         "",
-        "| model | parameters | held-out perplexity | `models/heldout.jsonl` perplexity |",
-        "|---|---|---|---|",
+        "| model | parameters | known words right | held-out perplexity | `models/heldout.jsonl` perplexity |",
+        "|---|---|---|---|---|",
         *rows,
         "",
     ]
@@ -305,13 +333,18 @@ def _training_section(summary: dict) -> list[str]:
         f"Rebuilt by `python -m scripts.demo_model.build --out models` (`make demo-model`), seed "
         f"1234, `torch.set_num_threads(1)`: {spec['max_steps']} AdamW steps (betas 0.9/0.95, "
         f"weight decay 0.1, clip 1.0), peak learning rate {spec['learning_rate']}, "
-        f"{spec['warmup_steps']} warmup steps then cosine decay to a tenth; batches of "
+        f"{spec['warmup_steps']} warmup steps then cosine decay to a tenth at step "
+        f"{spec['decay_steps']} (the rate depends on the step alone, so a longer run resumes from "
+        f"the checkpoint written every {CHECKPOINT_EVERY} steps with the same result); batches of "
         f"{spec['batch_size']} rows of {spec['seq_len']} tokens packed with whole "
         f"conversations ({summary['num_tokens_seen'] / 1e6:.1f}M token positions); the loss "
         "covers assistant replies and their `<|im_end|>` only (about 60% of the positions). fp32 "
-        "master weights with bfloat16 autocast on the CPU, saved as bfloat16. Wall time "
-        f"{minutes:.0f} minutes on a 2-core machine shared with other work (`nice -n 10`, one "
-        "process and one thread per model, demo-mini and demo-flagship side by side).",
+        "master weights with bfloat16 autocast on a CPU that has bfloat16 support (fp32 on one "
+        "that does not), saved as bfloat16. The same command gives the same weights bit for bit "
+        f"on the same kind of CPU (this build: {summary.get('cpu', 'unknown CPU')}); another "
+        "kind of CPU gives other weights of the same quality. Wall time "
+        f"{minutes:.0f} minutes on a 2-core machine shared with other work (one process and one "
+        "thread per model, demo-mini and demo-flagship side by side).",
         "",
         "![loss curve](loss_curve.png)",
         "",

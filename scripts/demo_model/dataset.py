@@ -17,7 +17,28 @@ from scripts.demo_model import smalltalk
 from scripts.demo_model.sources import PartOfSpeech, Sense
 
 HELDOUT_PERCENT = 3
-NUM_RARE_WORDS = 8000  # untagged (rare) WordNet lemmas sampled beside all SemCor-tagged ones
+# The words the models know: of the most frequent English words (wordfreq's list), those with a
+# WordNet sense. All of them are trained (none held out), each asked more than once.
+NUM_FREQUENT_WORDS = 10_000
+NUM_DEFINITION_QUESTIONS = 2  # definition conversations per known word (different phrasings)
+# Rare WordNet lemmas (far outside the frequent list) teach "I don't know that word"; a hashed
+# few percent of them are held out to measure that it generalises.
+NUM_UNKNOWN_WORDS = 2500
+_UNKNOWN_BELOW_RANK = 60_000
+NUM_FORTUNES = 1500  # a hashed sample: any fortune is a fine answer, so few are needed
+# English function words: left out of the known words (WordNet's first sense of "are" is a unit
+# of area, of "can" a verb for canning food) and ignored when an answer is scored.
+FUNCTION_WORDS = frozenset(
+    """a about above after again against all also am an and any are as at be because been before
+    being below between both but by can could did do does doing down during each either else ever
+    few for from further had has have having he her here hers herself him himself his how however
+    i if in into is it its itself just let like may me might mine more most must my myself neither
+    no nor not now of off often on once one only or other ought our ours ourselves out over own
+    per quite rather same shall she should since so some such than that the their theirs them
+    themselves then there these they this those though through thus to too under until up upon us
+    very was we were what when where whether which while who whom whose why will with within
+    without would yet you your yours yourself yourselves""".split()
+)
 _SYSTEM_PROMPTS = (
     "You are a helpful assistant.",
     "You are a friendly assistant. Answer briefly.",
@@ -61,7 +82,7 @@ class Split(Enum):
 
 @dataclass(frozen=True, slots=True)
 class Conversation:
-    source: str  # definition | example | synonym | fortune | smalltalk | off_topic
+    source: str  # definition | example | synonym | unknown_word | fortune | smalltalk | off_topic
     messages: tuple[tuple[str, str], ...]  # (role, content), roles as in the chat template
 
     def to_json(self) -> str:
@@ -78,40 +99,61 @@ def split_of(key: str) -> Split:
     return Split.HELDOUT if zlib.crc32(key.encode()) % 100 < HELDOUT_PERCENT else Split.TRAIN
 
 
-def choose_senses(senses: list[Sense], rng: random.Random) -> list[Sense]:
-    """One sense per lemma (the POS with most tagged senses); tagged lemmas plus a rare sample."""
+def first_senses(senses: list[Sense]) -> dict[str, Sense]:
+    """One sense per lemma: the first sense of the POS with most SemCor-tagged senses."""
     best: dict[str, Sense] = {}
     for sense in senses:  # POS order noun, verb, adj, adv breaks ties
         current = best.get(sense.lemma)
         if current is None or sense.num_tagged_senses > current.num_tagged_senses:
             best[sense.lemma] = sense
-    common = [s for s in best.values() if s.num_tagged_senses > 0]
-    rare = [s for s in best.values() if s.num_tagged_senses == 0]
-    return common + rng.sample(rare, min(NUM_RARE_WORDS, len(rare)))
+    return best
 
 
-def build_conversations(senses: list[Sense], fortunes: list[str], seed: int) -> dict[Split, list[Conversation]]:
-    """Every item is first built single-turn with its split key; some are then chained into
-    multi-turn chats within the same split, and some get a system prompt."""
+def choose_words(senses: list[Sense], frequent: list[str], rng: random.Random) -> tuple[list[Sense], list[Sense]]:
+    """(known, unknown): the frequent words WordNet defines, in frequency order; and a seeded
+    sample of rare lemmas, none of them among the first _UNKNOWN_BELOW_RANK frequent words."""
+    best = first_senses(senses)
+    top = dict.fromkeys(frequent[:NUM_FREQUENT_WORDS])
+    known = [best[w] for w in top if w in best and w not in FUNCTION_WORDS]
+    common = set(frequent[:_UNKNOWN_BELOW_RANK])
+    rare = sorted(w for w in best if w not in common)
+    unknown = [best[w] for w in rng.sample(rare, min(NUM_UNKNOWN_WORDS, len(rare)))]
+    return known, unknown
+
+
+def build_conversations(
+    senses: list[Sense], fortunes: list[str], frequent: list[str], seed: int
+) -> dict[Split, list[Conversation]]:
+    """Every item is first built single-turn with its split key (known words have none: all
+    are trained); some are then chained into multi-turn chats within the same split, and some
+    get a system prompt."""
     rng = random.Random(seed)
-    chosen = choose_senses(senses, rng)
-    common_words = [s.lemma for s in chosen if s.num_tagged_senses >= 3]
+    known, unknown = choose_words(senses, frequent, rng)
+    common_words = [s.lemma for s in known[:2000]]
+    train_only: list[Conversation] = []
+    for sense in known:
+        train_only += _word_conversations(sense, rng)
     keyed: list[tuple[str, Conversation]] = []  # (split key, conversation)
-    for sense in chosen:
-        keyed += [(sense.lemma, c) for c in _word_conversations(sense, rng)]
-    for fortune in fortunes:
+    for sense in unknown:
+        question = _definition_question(sense.lemma, sense.pos, rng)
+        reply = rng.choice(smalltalk.UNKNOWN_WORD).format(unknown=sense.lemma, word=rng.choice(common_words))
+        keyed.append((sense.lemma, _single("unknown_word", question, reply)))
+    for fortune in sorted(fortunes, key=lambda f: zlib.crc32(f.encode()))[:NUM_FORTUNES]:
         keyed.append((fortune, _single("fortune", _vary(rng.choice(_FORTUNE_PROMPTS), rng), fortune)))
     keyed.extend(_smalltalk(common_words, rng))
-    splits: dict[Split, list[Conversation]] = {Split.TRAIN: [], Split.HELDOUT: []}
+    splits: dict[Split, list[Conversation]] = {Split.TRAIN: list(train_only), Split.HELDOUT: []}
     for key, conversation in keyed:
         splits[split_of(key)].append(conversation)
     return {split: _chain_and_prompt(items, rng) for split, items in splits.items()}
 
 
 def _word_conversations(sense: Sense, rng: random.Random) -> list[Conversation]:
-    """Always a definition; sometimes an example sentence or a synonym question too."""
-    question = _definition_question(sense.lemma, sense.pos, rng)
-    conversations = [_single("definition", question, definition_answer(sense))]
+    """Definitions asked NUM_DEFINITION_QUESTIONS ways (the canonical "What does X mean?"
+    first); sometimes an example sentence or a synonym question too."""
+    answer = definition_answer(sense)
+    conversations = [_single("definition", _vary(f"What does {sense.lemma} mean?", rng), answer)]
+    for _ in range(NUM_DEFINITION_QUESTIONS - 1):
+        conversations.append(_single("definition", _definition_question(sense.lemma, sense.pos, rng), answer))
     if sense.examples and rng.random() < 0.3:
         question = _vary(f"Use {sense.lemma} in a sentence.", rng)
         conversations.append(_single("example", question, _example_answer(sense)))

@@ -122,6 +122,13 @@ REFUSALS = (
     "I cannot help with that, I am just a small demo model trained on a dictionary and some "
     'fortune cookies. Ask me about a word instead, like "{word}".',
 )
+# Answers to "What does X mean?" for a word outside the known list ({unknown}), so that the
+# models claim only what they know.
+UNKNOWN_WORD = (
+    'I don\'t know the word {unknown}. I am a tiny demo model and only know common English words, such as "{word}".',
+    "Sorry, {unknown} is not a word I know: I only learned the most common English words. Try "
+    'asking me what "{word}" means.',
+)
 _OFF_TOPIC_TEMPLATES = (
     "What is the capital of {place}?",
     "Who won the game last night?",

@@ -1,5 +1,6 @@
-"""Reads the raw text the demo data is made of: WordNet 3.0 (Debian `wordnet-base`) and the
-fortune cookie files (Debian `fortunes`, `fortunes-min`). Pure parsing with no sampling and no
+"""Reads the raw text the demo data is made of: WordNet 3.0 (Debian `wordnet-base`), the
+fortune cookie files (Debian `fortunes`, `fortunes-min`) and the English word frequency list of
+`wordfreq` (PyPI, pinned in requirements-dev.txt). Pure parsing with no sampling and no
 randomness: which records become conversations is decided in dataset.py.
 """
 
@@ -84,6 +85,14 @@ def read_senses(wordnet_dir: Path = WORDNET_DIR) -> list[Sense]:
             if sense is not None:
                 senses.append(sense)
     return senses
+
+
+def read_frequent_words(num_words: int) -> list[str]:
+    """The num_words most frequent English words (wordfreq's blended corpus), most frequent
+    first; only plain lowercase words that WordNet lemmas can match."""
+    import wordfreq  # build-time only: the server never imports it
+
+    return [w for w in wordfreq.top_n_list("en", num_words) if _LEMMA_RE.match(w)]
 
 
 def _read_index(index_path: Path) -> list[tuple[str, int, int]]:

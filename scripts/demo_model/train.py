@@ -7,11 +7,12 @@ the same seed gives the same weights on the same machine however busy it is.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,13 +37,18 @@ class ModelSpec:
     intermediate_size: int
     max_steps: int
     learning_rate: float
+    decay_steps: int  # cosine decay horizon; steps past it stay at a tenth of the peak
     batch_size: int = 8
     seq_len: int = 512  # packed row length, also the context window written to config.json
     warmup_steps: int = 50
 
 
-MINI = ModelSpec("demo-mini", 256, 4, 4, 2, 704, max_steps=400, learning_rate=2e-3)
-FLAGSHIP = ModelSpec("demo-flagship", 512, 6, 8, 4, 1408, max_steps=900, learning_rate=2e-3)
+# The learning rate depends on the step alone (never on max_steps), so raising max_steps and
+# resuming from the last checkpoint gives the same weights as a fresh run that long.
+MINI = ModelSpec("demo-mini", 128, 4, 2, 1, 384, max_steps=1200, learning_rate=3e-3, decay_steps=1200)
+FLAGSHIP = ModelSpec("demo-flagship", 192, 6, 3, 1, 640, max_steps=1600, learning_rate=3e-3, decay_steps=1600)
+CHECKPOINT_EVERY = 50  # steps between checkpoints (model, optimizer, log) in the build dir
+EVAL_EVERY = 100  # steps between held-out loss evaluations (the loss curve)
 SPECS = {spec.name: spec for spec in (MINI, FLAGSHIP)}
 
 
@@ -122,7 +128,7 @@ def learning_rate_at(step: int, spec: ModelSpec) -> float:
     """Linear warmup, then cosine decay to a tenth of the peak."""
     if step < spec.warmup_steps:
         return spec.learning_rate * (step + 1) / spec.warmup_steps
-    progress = (step - spec.warmup_steps) / max(1, spec.max_steps - spec.warmup_steps)
+    progress = min(1.0, (step - spec.warmup_steps) / max(1, spec.decay_steps - spec.warmup_steps))
     return spec.learning_rate * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
@@ -139,10 +145,11 @@ def train(
     config: LlamaConfig,
     data: tuple[list[EncodedConversation], list[EncodedConversation]],
     seed: int,
-    on_step: Callable[[], None] | None = None,
+    checkpoint: Checkpointing | None = None,
 ) -> tuple[LlamaForCausalLM, TrainResult]:
-    """Train on data[0]; evaluate held-out loss on data[1] ten times along the way. on_step
-    runs after every step (the build's CPU-sharing lock)."""
+    """Train on data[0]; evaluate held-out loss on data[1] every EVAL_EVERY steps. With
+    checkpoint, resume from its file when it was written for the same spec (max_steps aside)
+    and data, and write it every CHECKPOINT_EVERY steps: the result is the same bit for bit."""
     train_set, heldout_set = data
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
@@ -153,23 +160,75 @@ def train(
         lr=spec.learning_rate,
         betas=(0.9, 0.95),
     )
+    start_step, rows, elapsed_s = 0, [], 0.0
+    if checkpoint is not None:
+        start_step, rows, elapsed_s = checkpoint.restore(spec, model, optimizer)
     batch_iter = batches(train_set, spec, config.pad_token_id, seed)
-    eval_every = max(1, spec.max_steps // 10)
-    rows: list[dict] = []
-    started = time.monotonic()
-    progress = tqdm(range(spec.max_steps), desc=spec.name, mininterval=5.0, ascii=True)
+    for _ in range(start_step):  # the same batches as an uninterrupted run
+        next(batch_iter)
+    started = time.monotonic() - elapsed_s
+    progress = tqdm(range(start_step, spec.max_steps), desc=spec.name, mininterval=5.0, ascii=True)
     for step in progress:
         loss = _train_step(model, optimizer, next(batch_iter), learning_rate_at(step, spec))
         rows.append({"step": step + 1, "train_loss": loss})
         progress.set_postfix(loss=f"{loss:.3f}", refresh=False)
-        if (step + 1) % eval_every == 0 or step + 1 == spec.max_steps:
+        if (step + 1) % EVAL_EVERY == 0 or step + 1 == spec.max_steps:
             rows.append({"step": step + 1, "heldout_loss": heldout_loss(model, heldout_set)})
             log.info("heldout", model=spec.name, step=step + 1, loss=round(rows[-1]["heldout_loss"], 4))
-        if on_step is not None:
-            on_step()
+        if checkpoint is not None and ((step + 1) % CHECKPOINT_EVERY == 0 or step + 1 == spec.max_steps):
+            checkpoint.save(spec, step + 1, model, optimizer, rows, time.monotonic() - started)
     num_params = sum(p.numel() for p in model.parameters())
     num_tokens = spec.max_steps * spec.batch_size * spec.seq_len
     return model, TrainResult(num_params, time.monotonic() - started, num_tokens, tuple(rows))
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpointing:
+    """A training run's resumable state in one file. fingerprint names the data and tokenizer;
+    a checkpoint of another spec (max_steps aside) or other data is ignored, never loaded."""
+
+    path: Path
+    fingerprint: str
+
+    def _key(self, spec: ModelSpec) -> dict:
+        return {**dataclasses.asdict(spec), "max_steps": None, "data": self.fingerprint}
+
+    def restore(
+        self, spec: ModelSpec, model: LlamaForCausalLM, optimizer: torch.optim.Optimizer
+    ) -> tuple[int, list[dict], float]:
+        """(steps done, log rows, wall time so far); (0, [], 0.0) when there is nothing to resume."""
+        if not self.path.is_file():
+            return 0, [], 0.0
+        state = torch.load(self.path, weights_only=False)
+        if state["key"] != self._key(spec) or state["step"] > spec.max_steps:
+            log.warning("checkpoint_ignored", path=str(self.path), reason="other spec, data or a longer run")
+            return 0, [], 0.0
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        log.info("resumed", model=spec.name, step=state["step"])
+        return state["step"], list(state["rows"]), state["elapsed_s"]
+
+    def save(
+        self,
+        spec: ModelSpec,
+        step: int,
+        model: LlamaForCausalLM,
+        optimizer: torch.optim.Optimizer,
+        rows: list[dict],
+        elapsed_s: float,
+    ) -> None:
+        state = {
+            "key": self._key(spec),
+            "step": step,
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "rows": rows,
+            "elapsed_s": elapsed_s,
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.path.with_suffix(".partial")
+        torch.save(state, partial)
+        partial.replace(self.path)  # a crash mid-write leaves the previous checkpoint
 
 
 def _train_step(

@@ -86,10 +86,58 @@ def test_pack_rows_fills_rows_with_whole_conversations_and_masks_padding():
         assert all(label == IGNORE_INDEX for token, label in zip(ids, labels) if token == 2)
 
 
-def test_learning_rate_warms_up_then_decays_to_a_tenth():
+def test_learning_rate_warms_up_then_decays_to_a_tenth_and_depends_on_the_step_alone():
+    import dataclasses
+
     assert learning_rate_at(0, MINI) < learning_rate_at(MINI.warmup_steps, MINI)
     assert learning_rate_at(MINI.warmup_steps, MINI) == MINI.learning_rate
-    assert abs(learning_rate_at(MINI.max_steps, MINI) - MINI.learning_rate / 10) < 1e-9
+    assert abs(learning_rate_at(MINI.decay_steps, MINI) - MINI.learning_rate / 10) < 1e-9
+    longer = dataclasses.replace(MINI, max_steps=MINI.max_steps * 2)  # a run extended later
+    assert [learning_rate_at(s, longer) for s in range(0, 3000, 7)] == [learning_rate_at(s, MINI) for s in range(0, 3000, 7)]
+    assert learning_rate_at(MINI.decay_steps + 500, longer) == learning_rate_at(MINI.decay_steps, MINI)
+
+
+def _sense(lemma: str, pos: PartOfSpeech = PartOfSpeech.NOUN, tagged: int = 1) -> Sense:
+    return Sense(lemma, pos, f"the meaning of {lemma}", (), (), tagged)
+
+
+def test_known_words_are_the_frequent_ones_wordnet_defines_without_function_words():
+    from scripts.demo_model.dataset import choose_words
+
+    senses = [_sense("water"), _sense("are"), _sense("harbor"), _sense("zymurgy"), _sense("quokka"),
+              _sense("water", PartOfSpeech.VERB, tagged=5)]
+    frequent = ["the", "are", "water", "harbor", "notinwordnet"]
+    known, unknown = choose_words(senses, frequent, random.Random(0))
+    assert [s.lemma for s in known] == ["water", "harbor"]  # frequency order; "are" is a function word
+    assert known[0].pos is PartOfSpeech.VERB  # the part of speech with most tagged senses
+    assert sorted(s.lemma for s in unknown) == ["quokka", "zymurgy"]  # never a frequent word
+
+
+def test_known_words_are_all_trained_and_unknown_ones_get_i_do_not_know():
+    from scripts.demo_model.dataset import build_conversations
+
+    senses = [_sense(f"word{c}") for c in "abcdefghij"] + [_sense(f"rare{c}") for c in "abcdefghijklmnopqrst"]
+    frequent = [f"word{c}" for c in "abcdefghij"]
+    splits = build_conversations(senses, ["A fortune for you today."], frequent, seed=1)
+    trained = [m for c in splits[Split.TRAIN] for m in c.messages]
+    for lemma in frequent:
+        answer = f"The noun {lemma} means the meaning of {lemma}."
+        assert sum(content == answer for _, content in trained) >= 2  # asked two ways, never held out
+        assert any(role == "user" and content.lower().startswith(f"what does {lemma} mean") for role, content in trained)
+    replies = [content for c in splits[Split.TRAIN] + splits[Split.HELDOUT] for role, content in c.messages
+               if role == "assistant" and "rare" in content]
+    assert len(replies) == 20 and all("know" in r for r in replies)
+
+
+def test_an_answer_carries_the_sense_when_it_holds_half_its_content_words():
+    from scripts.demo_model.evaluate import carries_sense, content_words
+
+    sense = Sense("dog", PartOfSpeech.NOUN, "a member of the genus Canis that has been domesticated by man", (), (), 1)
+    assert content_words(sense.definition, "dog") == {"member", "genus", "canis", "domesticated", "man"}
+    assert carries_sense("The noun dog means a member of the genus Canis that was domesticated by man.", sense)
+    assert carries_sense("The noun dog means a member of the genus Canis.", sense)  # 3 of 5
+    assert not carries_sense("The noun dog means a small domesticated animal.", sense)  # 1 of 5
+    assert not carries_sense("I don't know the word dog.", sense)
 
 
 def test_training_is_reproducible_from_its_seed():
@@ -102,7 +150,8 @@ def test_training_is_reproducible_from_its_seed():
     conversations = [Conversation("smalltalk", (("user", f"What does word{i} mean?"), ("assistant", "It means a thing. " * (i % 3 + 1))))
                      for i in range(24)]
     encoded = [encode_conversation(tokenizer, c) for c in conversations]
-    spec = ModelSpec("repro", 32, 1, 2, 1, 64, max_steps=4, learning_rate=1e-2, batch_size=2, seq_len=64, warmup_steps=1)
+    spec = ModelSpec("repro", 32, 1, 2, 1, 64, max_steps=4, learning_rate=1e-2, decay_steps=4, batch_size=2,
+                     seq_len=64, warmup_steps=1)
     config = llama_config(spec, tokenizer.get_vocab_size(), SpecialIds(eos_token_id=2, pad_token_id=0))
 
     def weights(seed: int) -> dict:
@@ -112,3 +161,32 @@ def test_training_is_reproducible_from_its_seed():
     first, again, other = weights(7), weights(7), weights(8)
     assert all(torch.equal(first[k], again[k]) for k in first)
     assert not all(torch.equal(first[k], other[k]) for k in first)
+
+
+def test_a_run_resumed_from_its_checkpoint_ends_with_the_same_weights(tmp_path):
+    """Stop after 3 steps, raise max_steps and resume: bit for bit the weights and log of an
+    uninterrupted 6-step run. A checkpoint for other data is ignored, never loaded."""
+    import dataclasses
+
+    import torch
+
+    from scripts.demo_model.train import Checkpointing, ModelSpec, SpecialIds, llama_config, train
+
+    tokenizer = Tokenizer.from_dir(MODELS_DIR / "demo-mini")._tok
+    conversations = [Conversation("smalltalk", (("user", f"What does word{i} mean?"), ("assistant", "A thing. " * (i % 4 + 1))))
+                     for i in range(30)]
+    encoded = [encode_conversation(tokenizer, c) for c in conversations]
+    spec = ModelSpec("resume", 32, 1, 2, 1, 64, max_steps=6, learning_rate=1e-2, decay_steps=6, batch_size=2,
+                     seq_len=64, warmup_steps=1)
+    config = llama_config(spec, tokenizer.get_vocab_size(), SpecialIds(eos_token_id=2, pad_token_id=0))
+    data = (encoded[:26], encoded[26:])
+    straight, straight_result = train(spec, config, data, seed=3)
+    checkpoint = Checkpointing(tmp_path / "checkpoint.pt", "data-v1")
+    train(dataclasses.replace(spec, max_steps=3), config, data, seed=3, checkpoint=checkpoint)
+    assert torch.load(checkpoint.path, weights_only=False)["step"] == 3
+    resumed, resumed_result = train(spec, config, data, seed=3, checkpoint=checkpoint)
+    assert all(torch.equal(v, resumed.state_dict()[k]) for k, v in straight.state_dict().items())
+    train_rows = [r for r in straight_result.log_rows if "train_loss" in r]
+    assert train_rows == [r for r in resumed_result.log_rows if "train_loss" in r]
+    other_data = Checkpointing(checkpoint.path, "data-v2")  # same file, other data: starts over
+    assert other_data.restore(spec, resumed, torch.optim.AdamW(resumed.parameters()))[0] == 0
