@@ -22,12 +22,26 @@ def test_each_family_config_at_the_reference_size_is_served(family):
     assert args.is_llama_like == (family in ("llama", "qwen3", "smollm3", "granite"))
 
 
-def test_rows_give_each_family_its_speed_relative_to_llama():
-    def result(tps: float) -> LoadResult:
-        return LoadResult("engine", 1, 4, 1.0, 512, 256, tps, 1.0, 1.0, 10.0, 12.0)
+def result(tps: float) -> LoadResult:
+    return LoadResult("engine", 1, 4, 1.0, 512, 256, tps, 1.0, 1.0, 10.0, 12.0)
 
-    rows = rows_for({"llama": ("decode_stack", {1: result(100.0)}), "gemma2": ("general", {1: result(50.0)})})
-    assert [(r.family, r.path, r.vs_llama) for r in rows] == [
-        ("llama", "decode_stack", 1.0),
-        ("gemma2", "general", 0.5),
+
+def test_rows_give_each_family_its_speed_relative_to_llama():
+    rows = rows_for({"llama": ("decode_stack", [{1: result(100.0)}]), "gemma2": ("general", [{1: result(50.0)}])})
+    assert [(r.family, r.path, r.vs_llama, r.worst_tokens_per_s) for r in rows] == [
+        ("llama", "decode_stack", 1.0, 100.0),
+        ("gemma2", "general", 0.5, 50.0),
+    ]
+
+
+def test_rows_keep_each_familys_best_round_and_show_its_worst():
+    # Llama's slow second round and Gemma's slow first one must not skew the ratio.
+    llama = [{1: result(100.0), 32: result(400.0)}, {1: result(60.0), 32: result(390.0)}]
+    gemma = [{1: result(20.0), 32: result(300.0)}, {1: result(80.0), 32: result(200.0)}]
+    rows = rows_for({"llama": ("decode_stack", llama), "gemma2": ("general", gemma)})
+    assert [(r.family, r.concurrency, r.output_tokens_per_s, r.vs_llama, r.worst_tokens_per_s) for r in rows] == [
+        ("llama", 1, 100.0, 1.0, 60.0),
+        ("llama", 32, 400.0, 1.0, 390.0),
+        ("gemma2", 1, 80.0, 0.8, 20.0),
+        ("gemma2", 32, 300.0, 0.75, 200.0),
     ]
