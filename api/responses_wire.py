@@ -37,6 +37,7 @@ _KNOWN = {
     "background",
     "include",
     "top_logprobs",
+    "repetition_penalty",  # vLLM's extension, as on chat completions
 }
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
 _INCLUDABLE = (INCLUDE_LOGPROBS,)  # what `include` may ask for here; anything else is a 400 naming it
@@ -90,6 +91,7 @@ def parse_responses_request(raw: Any, *, max_messages: int, max_prompt_chars: in
         "model": raw.get("model"),
         "temperature": raw.get("temperature"),
         "top_p": raw.get("top_p"),
+        "repetition_penalty": raw.get("repetition_penalty"),
         "user": raw.get("user"),
         "seed": raw.get("seed"),
         "parallel_tool_calls": raw.get("parallel_tool_calls"),

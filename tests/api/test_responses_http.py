@@ -169,6 +169,9 @@ async def test_a_forced_function_call_is_a_function_call_item(make_sdk):
         ({"input": "x", "include": [LOGPROBS], "top_logprobs": 21}, "top_logprobs"),
         ({"input": "x", "include": [LOGPROBS], "top_logprobs": -1}, "top_logprobs"),
         ({"input": "x", "top_logprobs": 2}, "top_logprobs"),
+        ({"input": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"input": "x", "repetition_penalty": -1.2}, "repetition_penalty"),
+        ({"input": "x", "repetition_penalty": "high"}, "repetition_penalty"),
     ],
 )
 async def test_bad_values_are_4xx_naming_the_parameter(make_sdk, body, param):
@@ -176,6 +179,22 @@ async def test_bad_values_are_4xx_naming_the_parameter(make_sdk, body, param):
     with pytest.raises(openai.APIStatusError) as exc:
         await sdk["acme"].responses.create(model="tiny", extra_body=body)
     assert exc.value.status_code in (400, 404) and exc.value.body["param"] == param, exc.value.body
+
+
+async def test_repetition_penalty_changes_the_answer_as_on_chat_completions(make_sdk):
+    _, sdk = await make_sdk()
+    ask = dict(model="tiny", input="Tell me about the sea.", max_output_tokens=16, temperature=0, store=False)
+    plain = await sdk["acme"].responses.create(**ask)
+    penalized = await sdk["acme"].responses.create(**ask, extra_body={"repetition_penalty": 1.8})
+    chat = await sdk["acme"].chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": ask["input"]}],
+        max_tokens=16,
+        temperature=0,
+        extra_body={"repetition_penalty": 1.8},
+    )
+    assert penalized.output_text == chat.choices[0].message.content
+    assert penalized.output_text != plain.output_text  # the penalty reached the sampler
 
 
 async def test_included_logprobs_are_on_the_output_text_and_its_stream_deltas(make_sdk):
