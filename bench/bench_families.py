@@ -3,7 +3,8 @@
 One random-weight checkpoint per family, each the shape of bench_engine.py's reference model
 (8 layers, hidden 512, 8 heads / 2 KV heads, vocab 8192) with the family's own features on,
 is run through the engine directly at concurrency 1 and 32. Each row names the path its
-layers took (one C call per decode step, fused C ops, or the general path with C matmuls),
+layers took: decode-only steps (one C call per step, fused C ops, or the general path: PyTorch
+ops around C matmuls), then prefill steps (fused C ops or the general path),
 and its speed as a ratio to Llama measured in the same run, so a family that falls off the
 fast path is visible. The families are measured in rounds (every family once per round) and
 each row keeps its best round, with its worst beside it: on a shared machine a neighbour's
@@ -76,7 +77,7 @@ FAMILY_CONFIGS: dict[str, dict] = {
 @dataclass(frozen=True, slots=True)
 class FamilyRow:
     family: str
-    path: str  # decode_stack | fused_ops | general
+    path: str  # decode-only steps (decode_stack: one C call | fused_ops | general) + prefill steps' path
     concurrency: int
     output_tokens_per_s: float  # the best round's
     vs_llama: float  # this family's tokens/s over Llama's at the same concurrency, same run
@@ -108,6 +109,8 @@ async def bench_family(
             results[concurrency] = await run_load("engine", generate, requests, concurrency)
         model = backend.engine.runner.model
         path = "decode_stack" if model.uses_decode_stack else "fused_ops" if model.fused_cpu_ops else "general"
+        # Prefill and mixed steps: one compiled call per operation (Llama-like), else the general path.
+        path += "+fused_ops" if model.fused_cpu_ops else "+general"
         return path, results
     finally:
         await backend.shutdown()
@@ -163,10 +166,10 @@ def main(argv: list[str] | None = None) -> list[FamilyRow]:
     machine["isa"] = _isa()
     where = f"{machine['cpu']} ({machine['isa']}, {machine['threads']} threads)"
     print(f"\nNative engine per family, reference size, on {where}; best of {args.rounds} rounds")
-    print(f"{'family':<16} {'path':<13} {'conc':>4} {'tok/s':>8} {'vs llama':>8} {'ITL p50 ms':>10} {'worst':>8}")
+    print(f"{'family':<16} {'path':<22} {'conc':>4} {'tok/s':>8} {'vs llama':>8} {'ITL p50 ms':>10} {'worst':>8}")
     for r in rows:
         print(
-            f"{r.family:<16} {r.path:<13} {r.concurrency:>4} {r.output_tokens_per_s:>8.1f} {r.vs_llama:>8.2f} "
+            f"{r.family:<16} {r.path:<22} {r.concurrency:>4} {r.output_tokens_per_s:>8.1f} {r.vs_llama:>8.2f} "
             f"{r.itl_ms_p50:>10.1f} {r.worst_tokens_per_s:>8.1f}"
         )
     line = json.dumps({"machine": machine, "rounds": args.rounds, "families": [asdict(r) for r in rows]})

@@ -28,11 +28,6 @@ class AttentionSpec:
     sliding_window: int | None = None  # the last `sliding_window` positions, this one included
     softcap: float | None = None  # scores become softcap * tanh(scores / softcap)
 
-    @property
-    def runs_in_kernel(self) -> bool:
-        """The compiled decode kernel attends to the whole context, uncapped."""
-        return self.sliding_window is None and self.softcap is None
-
 
 @dataclass(frozen=True, slots=True)
 class PrefillChunk:
@@ -162,12 +157,17 @@ def _attend(q, keys, values, mask, spec: AttentionSpec) -> torch.Tensor:
 
 
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
-    head_dim = q.shape[-1]
-    if meta.decode_kernel is not None and spec.runs_in_kernel:
-        if spec.scale != head_dim**-0.5:  # the kernel scales by head_dim ** -0.5
-            q = q * (spec.scale * head_dim**0.5)
+    if meta.decode_kernel is not None:
         return meta.decode_kernel(
-            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.decode_max_context_len
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            meta.decode_max_context_len,
+            scale=spec.scale,
+            sliding_window=spec.sliding_window,
+            softcap=spec.softcap,
         )
     assert meta.decode_slots is not None  # built whenever the kernel does not run this step
     b, length = meta.decode_slots.shape

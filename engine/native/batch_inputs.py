@@ -39,7 +39,6 @@ class KVLayout:
     group_windows: tuple[int | None, ...]  # per KV group, the window of its layers (None: global)
     device: torch.device
     decode_kernel: Callable | None  # CpuKernels.paged_decode_attention; None: PyTorch decode only
-    softcap: bool  # attention logits are soft-capped: decode reads through the gather path too
 
 
 class BatchInputBuilder:
@@ -128,9 +127,8 @@ class BatchInputBuilder:
             )
         else:
             meta["decode_block_tables"] = self._to_device(tables)
-        # Sliding layers and soft-capped scores are attended on the gather path, also when the
-        # decode kernel serves the other layers.
-        if kernel is None or window is not None or self.layout.softcap:
+        # The kernel attends within windows and soft-caps itself; without it, the gather path.
+        if kernel is None:
             slot_grid = (tables[:, :, None] * bs + np.arange(bs, dtype=np.int32)).reshape(len(seqs), -1)[:, :max_len]
             index = np.arange(max_len)[None, :]
             # Released positions (outside every window, masked) read the first live slot: written, finite.

@@ -16,6 +16,7 @@ import torch
 from engine.native.quant import Quantization, quantize_int8
 
 if TYPE_CHECKING:
+    from engine.native.attention import AttentionMetadata
     from engine.native.kernels import KernelMode
 
 
@@ -90,6 +91,10 @@ class CpuKernels:
         block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
         context_lens: torch.Tensor,  # [num_seqs] int32
         max_context_len: int,
+        *,
+        scale: float | None = None,  # multiplies q.k; None: head_dim ** -0.5
+        sliding_window: int | None = None,  # attend to the last `sliding_window` positions only
+        softcap: float | None = None,  # scores become softcap * tanh(scores / softcap)
     ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
         q = q.contiguous()
         out = torch.empty_like(q)
@@ -108,7 +113,9 @@ class CpuKernels:
             block_tables.shape[1],
             k_cache.shape[3],
             max_context_len,
-            head_dim**-0.5,
+            head_dim**-0.5 if scale is None else scale,
+            sliding_window or 0,
+            softcap or 0.0,
         )
         if status != 0:
             raise MemoryError("decode attention could not allocate its scores buffer")
@@ -133,18 +140,27 @@ class CpuKernels:
         self._lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
         return out
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [rows, 2 * dim] -> gelu(gate, approximate="tanh") * up [rows, dim]."""
+        gate_up = gate_up.contiguous()
+        rows, width = gate_up.shape
+        out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+        self._lib.gelu_tanh_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+        return out
+
     def rope_and_cache(
         self,
         qkv: torch.Tensor,  # [tokens, (heads + 2 * kv_heads) * head_dim], rotated in place
         positions: torch.Tensor,  # [tokens] int64
-        cos: torch.Tensor | None,  # [max_positions, head_dim]; None: a layer without RoPE
+        cos: torch.Tensor | None,  # [max_positions, rotary_dim]; None: a layer without RoPE
         sin: torch.Tensor | None,
         k_cache: torch.Tensor,  # [num_blocks, kv_heads, head_dim, block_size]
         v_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # [tokens] int64
         num_heads: int,
     ) -> None:
-        """RoPE on q and k in place (cos given), then the new k and v written into the paged cache."""
+        """RoPE on q and k in place (cos given; on each head's first rotary_dim = cos.shape[-1]
+        features), then the new k and v written into the paged cache."""
         assert qkv.is_contiguous() and positions.dtype == slot_mapping.dtype == torch.int64
         _, kv_heads, head_dim, block_size = k_cache.shape
         cos_ptr, sin_ptr = (None, None) if cos is None or sin is None else (cos.data_ptr(), sin.data_ptr())
@@ -160,103 +176,121 @@ class CpuKernels:
             num_heads,
             kv_heads,
             head_dim,
+            head_dim if cos is None else cos.shape[-1],
             block_size,
         )
 
-    def decode_stack(self, layers, kv_caches, **dims) -> DecodeStack:
-        return DecodeStack(self._lib, layers, kv_caches, **dims)
+    def decode_stack(self, layers, kv_caches, specs: tuple[StackLayer, ...], shape: StackShape) -> DecodeStack:
+        return DecodeStack(self._lib, layers, kv_caches, specs, shape)
 
 
 def _scales_ptr(weight: PackedLinear) -> int:
     return 0 if weight.scales is None else weight.scales.data_ptr()
 
 
+def _ptr(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
+
+
+@dataclass(frozen=True, slots=True)
+class StackLayer:
+    """How one layer attends in the decode stack, besides its weights and KV cache."""
+
+    rope: tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) [max_positions, rotary_dim]; None: no RoPE
+    sliding_window: int | None  # None: the whole context
+    kv_group: int  # 0: the global layers' KV group; 1: a hybrid model's sliding layers' (window_group)
+
+
+@dataclass(frozen=True, slots=True)
+class StackShape:
+    """The model-wide numbers of the decode stack."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    scale: float  # q.k's, head_dim ** -0.5 unless the family sets it
+    softcap: float | None  # attention logits' soft-cap (Gemma 2)
+    gelu_tanh: bool  # the MLP's activation: GELU-tanh (Gemma), else SiLU
+    qk_norm_whole: bool  # q/k norms over the whole projection (OLMo 2), else per head
+
+
 class DecodeStack:
     """Runs every layer of a decode-only step in one call (csrc/decode_step.c).
 
-    Holds the per-layer addresses of the packed weights and the KV cache, so it must live no
-    longer than the weights and the cache it was built from (the model keeps it beside them).
+    Holds the per-layer addresses of the packed weights, norms, RoPE tables and the KV cache, so
+    it must live no longer than the weights, tables and cache it was built from (the model keeps
+    it beside them). The row layout is decode_step.c's field enum, in its order.
     """
 
-    def __init__(
-        self,
-        lib,
-        layers,
-        kv_caches,
-        *,
-        hidden: int,
-        heads: int,
-        kv_heads: int,
-        head_dim: int,
-        intermediate: int,
-        eps: float,
-        scale: float,
-        uses_rope: tuple[bool, ...],
-    ):
+    def __init__(self, lib, layers, kv_caches, specs: tuple[StackLayer, ...], shape: StackShape):
         rows = []
-        for layer, (k_cache, v_cache), rope in zip(layers, kv_caches, uses_rope, strict=True):
-            bias = layer.qkv_bias.data_ptr() if layer.qkv_bias is not None else 0
-            linears = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        for layer, (k_cache, v_cache), spec in zip(layers, kv_caches, specs, strict=True):
+            cos, sin = spec.rope if spec.rope is not None else (None, None)
             rows.append(
                 [
-                    layer.input_norm.data_ptr(),
+                    _ptr(layer.input_norm),
                     layer.qkv.panels.data_ptr(),
-                    bias,
+                    _ptr(layer.qkv_bias),
                     layer.o_proj.panels.data_ptr(),
-                    layer.post_norm.data_ptr(),
+                    _ptr(layer.post_norm),
                     layer.gate_up.panels.data_ptr(),
                     layer.down.panels.data_ptr(),
                     k_cache.data_ptr(),
                     v_cache.data_ptr(),
-                    *(_scales_ptr(w) for w in linears),
-                    *(0 if norm is None else norm.data_ptr() for norm in (layer.q_norm, layer.k_norm)),
-                    int(rope),
+                    *(_scales_ptr(w) for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)),
+                    _ptr(layer.q_norm),
+                    _ptr(layer.k_norm),
+                    int(shape.qk_norm_whole),
+                    _ptr(cos),
+                    _ptr(sin),
+                    shape.head_dim if cos is None else cos.shape[-1],
+                    _ptr(layer.attn_out_norm),
+                    _ptr(layer.mlp_out_norm),
+                    spec.sliding_window or 0,
+                    spec.kv_group,
                 ]
             )
         self._lib = lib
-        self._keep = (layers, kv_caches)
+        self._keep = (layers, kv_caches, specs)
         self.kv_cache_ptr = kv_caches[0][0].data_ptr()
         self._table = torch.tensor(rows, dtype=torch.int64)
-        self._dims = (len(rows), hidden, heads, kv_heads, head_dim, intermediate, kv_caches[0][0].shape[-1])
-        self._eps, self._scale = eps, scale  # scale: q.k's, head_dim ** -0.5 unless the family sets it
+        s = shape
+        self._dims = (len(rows), s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate, kv_caches[0][0].shape[-1])
+        self._floats = (s.eps, s.scale, s.softcap or 0.0)
+        self._gelu = int(s.gelu_tanh)
         self._scratch_per_token = (
-            3 * hidden + (heads + 2 * kv_heads) * head_dim + 2 * heads * head_dim + 3 * intermediate
+            3 * s.hidden + (s.heads + 2 * s.kv_heads) * s.head_dim + 2 * s.heads * s.head_dim + 3 * s.intermediate
         )
 
-    def __call__(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
-        max_context_len: int,
-    ) -> torch.Tensor:
-        """x [tokens, hidden] (the embeddings) becomes the residual stream after the last layer, in place."""
-        assert (
-            x.is_contiguous()
-            and block_tables.is_contiguous()
-            and block_tables.dtype == context_lens.dtype == torch.int32
-        )
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x [tokens, hidden] (the embeddings) becomes the residual stream after the last layer, in
+        place. meta: a decode-only step's, with the kernel's block tables (and, in a hybrid model,
+        its window_group's for the sliding layers)."""
+        window = meta.window_group or meta
+        table, window_table, lens = meta.decode_block_tables, window.decode_block_tables, meta.decode_context_lens
+        assert table is not None and window_table is not None and lens is not None
+        assert x.is_contiguous() and table.shape == window_table.shape
+        assert all(t.is_contiguous() and t.dtype == torch.int32 for t in (table, window_table, lens))
+        slots = (ctypes.c_int64 * 2)(meta.slot_mapping.data_ptr(), window.slot_mapping.data_ptr())
+        table_ptrs = (ctypes.c_int64 * 2)(table.data_ptr(), window_table.data_ptr())
         tokens = x.shape[0]
         scratch = torch.empty(tokens * self._scratch_per_token, dtype=torch.float32)
         status = self._lib.decode_layers_f32(
             x.data_ptr(),
             positions.data_ptr(),
-            slots.data_ptr(),
-            cos.data_ptr(),
-            sin.data_ptr(),
-            block_tables.data_ptr(),
-            context_lens.data_ptr(),
-            block_tables.shape[1],
-            max_context_len,
+            ctypes.addressof(slots),
+            ctypes.addressof(table_ptrs),
+            lens.data_ptr(),
+            table.shape[1],
+            meta.decode_max_context_len,
             tokens,
             self._table.data_ptr(),
             *self._dims,
-            self._eps,
-            self._scale,
+            self._gelu,
+            *self._floats,
             scratch.data_ptr(),
         )
         if status != 0:

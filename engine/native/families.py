@@ -129,6 +129,20 @@ class ModelArgs:
             and self.attn_logit_softcap is None
         )
 
+    @property
+    def fits_decode_stack(self) -> bool:
+        """decode_step.c runs every layer of a decode-only step: every family's layer (norm
+        placement, q/k norms, partial and per-layer RoPE, windows, soft-caps, GELU-tanh) fits, and
+        a residual multiplier where it is folded into the weights (Llama-like layers, Granite)."""
+        return self.residual_multiplier == 1.0 or self.is_llama_like
+
+    @property
+    def kv_groups(self) -> tuple[int, ...]:
+        """Each layer's KV group (block_manager.py): 0 for all, unless sliding layers mix with
+        global ones; then the global layers are group 0 and the sliding ones group 1."""
+        hybrid = len({layer.sliding_window for layer in self.layers}) == 2
+        return tuple(int(hybrid and layer.sliding_window is not None) for layer in self.layers)
+
     def rotary_dim(self, key: str) -> int:
         return int(self.head_dim * float(self.rope(key).get("partial_rotary_factor", 1.0)))
 

@@ -2,7 +2,7 @@
 
 - paged_attention.c: decode attention straight from the paged KV cache.
 - packed_linear.c: the linear layers, from weights packed once into column panels (fp32 or int8).
-- fused_ops.c: RMSNorm (with the residual add), SiLU * up, RoPE + the KV-cache write.
+- fused_ops.c: RMSNorm (with the residual add), SiLU * up, GELU-tanh * up, RoPE + the KV-cache write.
 - decode_step.c: all the layers of a decode-only step in one call, from the kernels above.
 
 The same sources are built once per KernelMode (AVX-512 or AVX2 + FMA, each with its own -m
@@ -73,13 +73,14 @@ _P, _I, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # name -> (return type, argument types) of every function csrc/kernels.h declares, in its order
 # (tests/engine/test_kernel_header.py checks the two agree). Pointers are passed as addresses.
 SIGNATURES: dict[str, tuple[type | None, Sequence[type]]] = {
-    "paged_decode_attention_f32": (_INT, [_P] * 6 + [_I] * 7 + [_F]),
+    "paged_decode_attention_f32": (_INT, [_P] * 6 + [_I] * 7 + [_F, _I, _F]),
     "packed_linear_panel": (_I, []),
     "packed_linear": (None, [_P] * 5 + [_I] * 3),
     "rms_norm_f32": (None, [_P] * 4 + [_I] * 2 + [_F]),
     "silu_mul_f32": (None, [_P] * 2 + [_I] * 2),
-    "rope_and_cache_f32": (None, [_P] * 7 + [_I] * 5),
-    "decode_layers_f32": (_INT, [_P] * 7 + [_I] * 3 + [_P] + [_I] * 7 + [_F] * 2 + [_P]),
+    "gelu_tanh_mul_f32": (None, [_P] * 2 + [_I] * 2),
+    "rope_and_cache_f32": (None, [_P] * 7 + [_I] * 6),
+    "decode_layers_f32": (_INT, [_P] * 5 + [_I] * 3 + [_P] + [_I] * 8 + [_F] * 3 + [_P]),
 }
 
 

@@ -5,8 +5,9 @@ on CPUs with the compiled kernels, packed for them), the KV cache is owned by th
 passed per layer. What differs between families is data in ModelArgs (families.py): norm
 placement, q/k norms, activation, multipliers, soft-caps, per-layer window and rope. Numerics
 follow `transformers` (RMSNorm, rotate-half RoPE with its own inverse-frequency functions).
-Llama-like families also have a fused CPU path (one compiled call per operation, and a
-decode-only step in one call); the others run the same matmul kernels from the general path.
+On CPUs with the compiled kernels, a decode-only step runs every layer in one C call
+(decode_step.c) for every family; Llama-like families also run prefill steps as one compiled
+call per operation, the others run them on the general path with the same matmul kernels.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.native.attention import AttentionMetadata, AttentionSpec, paged_attention, write_kv_cache
-from engine.native.cpu_ops import CpuKernels, DecodeStack, PackedLinear
+from engine.native.cpu_ops import CpuKernels, DecodeStack, PackedLinear, StackLayer, StackShape
 from engine.native.families import Activation, ModelArgs, QKNorm
 from engine.native.loader import ModelWeights
 from engine.native.quant import Quantization, fake_quantize
@@ -117,10 +118,10 @@ class Model:
         self.weights = weights
         self.cpu = cpu
         self.packed = cpu is not None
-        # Llama-like layers (per-head q/k norms included) run as one compiled call per operation,
-        # and a decode-only step in one call (decode_step.c). Other families use the general path.
+        # Llama-like layers (per-head q/k norms included) run as one compiled call per operation;
+        # other families' prefill steps use the general path. Decode-only steps: one C call.
         self.fused_cpu_ops = self.packed and args.is_llama_like
-        self.uses_decode_stack = self.fused_cpu_ops
+        self.uses_decode_stack = self.packed and args.fits_decode_stack
         self._stack: DecodeStack | None = None  # built on the first decode-only step
         device, dtype = weights.embed.device, weights.embed.dtype
         self.rope_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -149,6 +150,8 @@ class Model:
             x.index_copy_(0, image_rows[0], image_rows[1].to(x.dtype))
         if self.args.embedding_multiplier != 1.0:  # after the images, as transformers scales inputs_embeds
             x = x * self._embed_scale
+        if self.uses_decode_stack and not meta.prefills and meta.decode_context_lens is not None:  # all in C
+            return self._decode_stack(kv_caches)(x, positions, meta)
         if self.fused_cpu_ops:
             return self._forward_fused(x, positions, kv_caches, meta)
         rope = {  # [num_tokens, 1, rotary_dim] each
@@ -179,18 +182,6 @@ class Model:
         The residual add is folded into the next RMSNorm: a layer leaves its MLP output in
         `delta`, and the next layer's first norm adds it to x in place.
         """
-        if self.uses_decode_stack and not meta.prefills and meta.decode_context_lens is not None:  # all in C
-            stack = self._decode_stack(kv_caches)
-            return stack(
-                x,
-                positions,
-                meta.slot_mapping,
-                self.cos,
-                self.sin,
-                meta.decode_block_tables,
-                meta.decode_context_lens,
-                meta.decode_max_context_len,
-            )
         args, eps, cpu = self.args, self.args.rms_norm_eps, self.cpu
         assert cpu is not None  # fused_cpu_ops: compiled kernels are loaded
         num_tokens = x.shape[0]
@@ -220,9 +211,11 @@ class Model:
         if stack is None or stack.kv_cache_ptr != kv_caches[0][0].data_ptr():
             assert self.cpu is not None  # uses_decode_stack: compiled kernels are loaded
             a = self.args
-            stack = self._stack = self.cpu.decode_stack(
-                self.weights.layers,
-                kv_caches,
+            specs = tuple(
+                StackLayer(None if spec.rope is None else self.rope_tables[spec.rope], spec.sliding_window, group)
+                for spec, group in zip(a.layers, a.kv_groups, strict=True)
+            )
+            shape = StackShape(
                 hidden=a.hidden_size,
                 heads=a.num_heads,
                 kv_heads=a.num_kv_heads,
@@ -230,8 +223,11 @@ class Model:
                 intermediate=a.intermediate_size,
                 eps=a.rms_norm_eps,
                 scale=a.attention_scale,
-                uses_rope=tuple(layer.rope is not None for layer in a.layers),
+                softcap=a.attn_logit_softcap,
+                gelu_tanh=a.activation is Activation.GELU_TANH,
+                qk_norm_whole=a.family.qk_norm is QKNorm.WHOLE,
             )
+            stack = self._stack = self.cpu.decode_stack(self.weights.layers, kv_caches, specs, shape)
         return stack
 
     def _layer(self, i: int, layer, x, rope, kv_cache, meta) -> torch.Tensor:

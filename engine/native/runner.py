@@ -109,11 +109,8 @@ class ModelRunner:
         self.sliding_window = self.args.sliding_window
         # KV groups (block_manager.py): one for every layer, or, when sliding layers mix with
         # global ones, group 0 for the global layers and group 1 (window-sized) for the sliding.
-        windows = {layer.sliding_window for layer in self.args.layers}
-        self.is_hybrid = len(windows) == 2
-        self.layer_groups = tuple(
-            int(self.is_hybrid and layer.sliding_window is not None) for layer in self.args.layers
-        )
+        self.layer_groups = self.args.kv_groups
+        self.is_hybrid = any(self.layer_groups)
         self.group_windows = (None, self.sliding_window) if self.is_hybrid else (self.sliding_window,)
         self.group_num_blocks = self._num_kv_blocks()
         self.num_kv_blocks = self.group_num_blocks[0]
@@ -134,7 +131,6 @@ class ModelRunner:
                 self.group_windows,
                 self.device,
                 self.cpu.paged_decode_attention if self.cpu is not None else None,
-                self.args.attn_logit_softcap is not None,
             )
         )
         log.info(

@@ -17,8 +17,10 @@ def test_each_family_config_at_the_reference_size_is_served(family):
     cfg = dict(FAMILY_CONFIGS[family])
     args = model_args_from_config(CONFIG_MAPPING[cfg.pop("model_type")](**REFERENCE, **cfg))
     assert args.hidden_size == REFERENCE["hidden_size"] and args.num_layers == REFERENCE["num_hidden_layers"]
-    # The fused CPU path: Llama's layer, with per-head q/k norms (Qwen3), layers without RoPE
-    # (SmolLM3) or Granite's multipliers folded in; the others take the general path.
+    # Every family's decode-only steps run as one C call (decode_step.c); prefill steps take the
+    # fused CPU path for Llama's layer, with per-head q/k norms (Qwen3), layers without RoPE
+    # (SmolLM3) or Granite's multipliers folded in, and the general path for the others.
+    assert args.fits_decode_stack
     assert args.is_llama_like == (family in ("llama", "qwen3", "smollm3", "granite"))
 
 

@@ -84,7 +84,14 @@ def test_fused_silu_mul(cpu):
     torch.testing.assert_close(cpu.silu_mul(gate_up), F.silu(gate_up[:, :40]) * gate_up[:, 40:], atol=1e-5, rtol=1e-5)
 
 
-def test_rope_and_cache_matches_the_pytorch_path(cpu):
+def test_fused_gelu_tanh_mul(cpu):
+    gate_up = torch.randn(7, 2 * 40) * 4
+    expected = F.gelu(gate_up[:, :40], approximate="tanh") * gate_up[:, 40:]
+    torch.testing.assert_close(cpu.gelu_tanh_mul(gate_up), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rotary_dim", [16, 8, 12])  # the whole head, Phi-3's partial rotary
+def test_rope_and_cache_matches_the_pytorch_path(cpu, rotary_dim):
     from engine.native.attention import AttentionMetadata, write_kv_cache
     from engine.native.model import _rotate
 
@@ -92,7 +99,7 @@ def test_rope_and_cache_matches_the_pytorch_path(cpu):
     heads, kv_heads, head_dim, block_size, num_blocks, tokens = 4, 2, 16, 8, 6, 5
     positions = torch.tensor([0, 3, 9, 17, 30])
     slots = torch.tensor([1, 12, 47, 8, 30])
-    table = torch.randn(40, head_dim)
+    table = torch.randn(40, rotary_dim)
     cos, sin = table.cos(), table.sin()
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
     caches = [

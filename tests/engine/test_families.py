@@ -1,4 +1,4 @@
-"""Every served family's greedy output equals transformers' token for token, on both paths.
+"""Every served family's greedy output equals transformers' token for token, on every kernel path.
 
 Each checkpoint comes from transformers' own config class (conftest.FAMILY_VARIANTS). The
 workload crosses the sliding windows (24-40 tokens) and the 32-token chunked-prefill step,
@@ -12,9 +12,11 @@ import zlib
 
 import pytest
 
+from engine.native.kernels import KernelMode
 from engine.native.loader import load_model_args
 from engine.types import GenerationRequest, SamplingParams
 from family_variants import FAMILY_VARIANTS
+from kernel_modes import ALL_MODES
 from native_harness import check_invariants
 from test_greedy_equality import engine_for, run_with_arrivals
 
@@ -47,9 +49,11 @@ def family_workload(tiny_models, variant: str, vocab_size: int, min_len: int) ->
     return arrivals, expected
 
 
-@pytest.mark.parametrize("native_kernels", [True, False], ids=["c-kernel", "pytorch"])
+@pytest.mark.parametrize("mode", ALL_MODES)
 @pytest.mark.parametrize("variant", list(FAMILY_VARIANTS))
-def test_family_matches_transformers_greedy_token_for_token(tiny_models, variant, native_kernels):
+def test_family_matches_transformers_greedy_token_for_token(tiny_models, variant, mode):
+    # Every kernel path this CPU can run (AVX-512, AVX2, PyTorch ops); the test id names it.
+    native_kernels = mode is not KernelMode.TORCH
     model_dir = tiny_models.path(variant)
     args = load_model_args(model_dir)
     # longrope: transformers switches to the long factors once a sequence passes the original
@@ -58,15 +62,16 @@ def test_family_matches_transformers_greedy_token_for_token(tiny_models, variant
     # Every layer sliding: sequences give back blocks outside the window, so a smaller pool preempts.
     all_sliding = all(layer.sliding_window for layer in args.layers)
     num_blocks = 6 if all_sliding else 16 if long_context else 10
-    engine = engine_for(model_dir, num_blocks=num_blocks, native_kernels=native_kernels)
-    assert engine.runner.use_kernel == native_kernels
+    engine = engine_for(model_dir, num_blocks=num_blocks, kernel_isa=mode.value)
+    assert engine.runner.kernel_mode is mode
     arrivals, expected = family_workload(tiny_models, variant, args.vocab_size, 66 if long_context else 0)
     assert run_with_arrivals(engine, arrivals) == expected
-    # Which path ran: with the C kernels, Llama-like families (Qwen3's per-head q/k norms
-    # included) ran their decode-only steps as one C call (decode_step.c); the others did not.
-    one_call = native_kernels and args.is_llama_like
-    assert engine.runner.model.uses_decode_stack == one_call
-    assert (engine.runner.model._stack is not None) == one_call
+    # Which path ran: with the C kernels, every family ran its decode-only steps as one C call
+    # (decode_step.c), and Llama-like ones (Qwen3's per-head q/k norms included) their prefill
+    # steps as one compiled call per operation; without them, PyTorch ops throughout.
+    assert engine.runner.model.uses_decode_stack == native_kernels
+    assert (engine.runner.model._stack is not None) == native_kernels
+    assert engine.runner.model.fused_cpu_ops == (native_kernels and args.is_llama_like)
     stats = engine.stats()
     assert stats.num_preemptions > 0, "the KV budget was meant to force preemption"
     assert stats.prefix_cache_hits > 0, "shared prefixes were meant to hit the cache"

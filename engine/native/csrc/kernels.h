@@ -9,19 +9,20 @@
 int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
                                 const int32_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks, int64_t block_size,
-                                int64_t max_context_len, float scale);
+                                int64_t max_context_len, float scale, int64_t window, float softcap);
 int64_t packed_linear_panel(void);
 void packed_linear(const float *x, const void *wp, const float *scales, const float *bias, float *out, int64_t m,
                    int64_t n, int64_t k);
 void rms_norm_f32(float *x, const float *residual, const float *weight, float *out, int64_t rows, int64_t dim,
                   float eps);
 void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t dim);
+void gelu_tanh_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t dim);
 void rope_and_cache_f32(float *qkv, const int64_t *positions, const float *cos_table, const float *sin_table,
                         float *k_cache, float *v_cache, const int64_t *slots, int64_t tokens, int64_t heads,
-                        int64_t kv_heads, int64_t head_dim, int64_t block_size);
-int decode_layers_f32(float *x, const int64_t *positions, const int64_t *slots, const float *cos_table,
-                      const float *sin_table, const int32_t *block_tables, const int32_t *context_lens,
-                      int64_t max_blocks, int64_t max_context_len, int64_t tokens, const int64_t *layers,
-                      int64_t num_layers, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                      int64_t intermediate, int64_t block_size, float eps, float scale, float *scratch);
+                        int64_t kv_heads, int64_t head_dim, int64_t rotary_dim, int64_t block_size);
+int decode_layers_f32(float *x, const int64_t *positions, const int64_t *const *slots,
+                      const int32_t *const *block_tables, const int32_t *context_lens, int64_t max_blocks,
+                      int64_t max_context_len, int64_t tokens, const int64_t *layers, int64_t num_layers,
+                      int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
+                      int64_t block_size, int64_t gelu, float eps, float scale, float softcap, float *scratch);
 #endif

@@ -113,20 +113,26 @@ static void qk_scores(const float *qg, const float *k_cache, const float *v_cach
     }
 }
 
-/* In place: each row of scores becomes softmax(row). */
-static void softmax_rows(float *scores, int64_t rows, int64_t len)
+/* In place, each of `rows` rows of `len` scores: the first `skip` (before a sliding window)
+ * become 0, the rest softmax(softcap * tanh(score / softcap)) (softcap 0: plain softmax). */
+static void softmax_rows(float *scores, int64_t rows, int64_t len, int64_t skip, float softcap)
 {
     for (int64_t g = 0; g < rows; g++) {
         float *sg = scores + g * len;
-        float top = sg[0];
-        for (int64_t t = 1; t < len; t++) top = sg[t] > top ? sg[t] : top;
+        for (int64_t t = 0; t < skip; t++) sg[t] = 0.0f;
+        if (softcap > 0.0f) {
+            const float inv_cap = 1.0f / softcap;
+            for (int64_t t = skip; t < len; t++) sg[t] = softcap * tanhf(sg[t] * inv_cap);
+        }
+        float top = sg[skip];
+        for (int64_t t = skip + 1; t < len; t++) top = sg[t] > top ? sg[t] : top;
         float sum = 0.0f;
-        for (int64_t t = 0; t < len; t++) {
+        for (int64_t t = skip; t < len; t++) {
             sg[t] = expf(sg[t] - top);
             sum += sg[t];
         }
         const float inv = 1.0f / sum;
-        for (int64_t t = 0; t < len; t++) sg[t] *= inv;
+        for (int64_t t = skip; t < len; t++) sg[t] *= inv;
     }
 }
 
@@ -196,7 +202,11 @@ static void weighted_values(const float *probs, const float *v_cache, const int3
     }
 }
 
-/* Returns 0, or -1 when the scores buffer cannot be allocated (nothing is written then). */
+/* Returns 0, or -1 when the scores buffer cannot be allocated (nothing is written then).
+ * window > 0: each query attends to its last `window` positions (itself included), reading
+ * from the block holding the first of them (blocks before it may be released and reused: never
+ * read); the positions of that block before the window get probability 0 (they were written,
+ * so finite). softcap > 0: scores are soft-capped (Gemma 2) before the softmax. */
 int paged_decode_attention_f32(
     const float *q,               /* [num_seqs, num_heads, head_dim] */
     const float *k_cache,         /* [num_blocks, num_kv_heads, head_dim, block_size] */
@@ -205,7 +215,7 @@ int paged_decode_attention_f32(
     const int32_t *context_lens,  /* [num_seqs] */
     float *out,                   /* [num_seqs, num_heads, head_dim] */
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t max_blocks, int64_t block_size, int64_t max_context_len, float scale)
+    int64_t max_blocks, int64_t block_size, int64_t max_context_len, float scale, int64_t window, float softcap)
 {
     const Dims d = {num_heads / num_kv_heads, head_dim, num_kv_heads, num_kv_heads * head_dim, block_size, scale};
     /* One scores row block per thread, allocated (and checked) before the parallel region: a
@@ -219,11 +229,13 @@ int paged_decode_attention_f32(
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < num_seqs * num_kv_heads; task++) {
             const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
-            const int64_t len = context_lens[s];
+            const int64_t context_len = context_lens[s];
+            const int64_t start = window > 0 && context_len > window ? context_len - window : 0;
+            const int64_t first_block = start / block_size, len = context_len - first_block * block_size;
             const int64_t first_head = s * num_heads + h * d.group;
-            const int32_t *table = block_tables + s * max_blocks;
+            const int32_t *table = block_tables + s * max_blocks + first_block;
             qk_scores(q + first_head * head_dim, k_cache, v_cache, table, h, len, &d, scores);
-            softmax_rows(scores, d.group, len);
+            softmax_rows(scores, d.group, len, start - first_block * block_size, softcap);
             weighted_values(scores, v_cache, table, h, len, &d, out + first_head * head_dim);
         }
     }
