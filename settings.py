@@ -218,7 +218,15 @@ class QueueConfig:
     max_waiting_requests: int = setting(256, "Requests waiting per model; more get 503 with Retry-After.")
     max_waiting_tokens: int = setting(1_000_000, "Prompt + max_tokens waiting per model; more get 503.")
     max_wait_s: float = setting(60.0, "A request whose estimated wait is longer gets 503 at once.")
-    aging_s: float = setting(10.0, "Every this many seconds of waiting raises a request's priority by one level.")
+    aging_s: float = setting(
+        10.0,
+        "Every this many seconds of waiting raises a request's priority by one level, so lower tiers are served in "
+        "bounded time. The wait counts across retries: a load refusal (503 queue_full, queue_wait_too_long or "
+        "queue_displaced) starts a record for the API key, and the key's retries rank as if they had waited in line "
+        "since then, until one gets into the engine. A record ends when the key has not been refused for 3 x aging_s; "
+        "4,096 keys are remembered (least recently refused forgotten first); keyless requests of one organisation "
+        "are one key. 0: strict priority, no aging.",
+    )
 
 
 @dataclass(frozen=True, slots=True)

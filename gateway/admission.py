@@ -5,12 +5,15 @@ from the body's size, the key's concurrent-stream cap, and a load refusal when n
 tier has a place), before anyone reads the body, parses, reads the store, tokenizes or
 screens; `route` and `place` follow once the request is sized. A `Pass`
 owns what one request holds (bucket debit, stream slot, queue ticket) and `close()` releases
-each exactly once. Plain values in, `gateway.errors` out: no HTTP here. Chat completions and
-any other endpoint that generates (the Responses API) call this same object.
+each exactly once. A load refusal starts the key's retry age (`gateway.retry_age`): its
+retries rank as if they had waited since, until the key gets a reservation. Plain values in,
+`gateway.errors` out: no HTTP here. Chat completions and any other endpoint that generates
+(the Responses API) call this same object.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
@@ -20,11 +23,13 @@ from gateway.errors import GatewayError, Overloaded, Reason
 from gateway.metrics import Metrics
 from gateway.queue import ModelQueue, QueueTicket
 from gateway.ratelimit import RateLimiter, Reservation, StreamTicket
+from gateway.retry_age import RetryAges
 from gateway.router import Route, TierRouter
 from gateway.waiting_room import Offer
 from settings import Settings, TierConfig
 
 BYTES_PER_TOKEN = 4  # a prompt's size in tokens, estimated from its UTF-8 JSON bytes
+AGING_REASONS = frozenset({Reason.QUEUE_FULL, Reason.WAIT_TOO_LONG, Reason.DISPLACED})  # refusals that age
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +55,7 @@ class Pass:
         request_id: str,
         reservation: Reservation,
         stream: StreamTicket | None,
+        waiting_since_s: float | None = None,
     ):
         self._admission = admission
         self.caller = caller
@@ -59,7 +65,9 @@ class Pass:
         self.route: Route | None = None
         self.ticket: QueueTicket | None = None
         self.num_tokens_used = 0  # prompt + completion tokens actually processed (set by the handler)
+        self.waiting_since_s = waiting_since_s  # the arrival its key's retry age carries; None: fresh
         self.is_closed = False
+        self._is_admission_noted = False
 
     @property
     def is_admitted(self) -> bool:
@@ -69,10 +77,19 @@ class Pass:
         """True once the request holds an engine reservation; raises Overloaded if displaced."""
         assert self.ticket is not None, "place() first"
         try:
-            return await self.ticket.wait(timeout_s)
+            is_admitted = await self.ticket.wait(timeout_s)
         except Overloaded:
             self._admission.count_displaced(self)
             raise
+        if is_admitted:
+            self.note_admitted()
+        return is_admitted
+
+    def note_admitted(self) -> None:
+        """The key got a reservation: its retry age ends (once, so a later refusal's stays)."""
+        if not self._is_admission_noted:
+            self._is_admission_noted = True
+            self._admission.retry_ages.admitted(self.caller.key)
 
     def close(self, *, refund: bool = False) -> None:
         """Release the queue ticket, stream slot and bucket debit, once.
@@ -102,11 +119,18 @@ class Pass:
 
 class Admission:
     def __init__(
-        self, limiter: RateLimiter, router: TierRouter, queues: Mapping[str, ModelQueue], metrics: Metrics | None = None
+        self,
+        limiter: RateLimiter,
+        router: TierRouter,
+        queues: Mapping[str, ModelQueue],
+        metrics: Metrics | None = None,
+        retry_ages: RetryAges | None = None,
     ):
+        """`retry_ages` must read the queues' clock; None: no aging across refusals."""
         self.limiter = limiter
         self.router = router
         self.queues = queues
+        self.retry_ages = RetryAges(0.0, time.monotonic) if retry_ages is None else retry_ages
         self._metrics = metrics
 
     def check(self, caller: Caller, request_id: str, num_body_bytes: int) -> Pass:
@@ -125,23 +149,26 @@ class Admission:
         except GatewayError as exc:
             if stream is not None:
                 stream.release()
-            self._count(caller, "-", exc)
+            self._note_refusal(caller, "-", exc)
             raise
-        grant = Pass(self, caller, request_id, reservation, stream)
+        since_s = self.retry_ages.waiting_since(caller.key)
+        grant = Pass(self, caller, request_id, reservation, stream, since_s)
         try:
-            self.router.precheck(caller.tier_name)
+            self.router.precheck(caller.tier_name, arrival_s=since_s)
         except Overloaded as exc:
             grant.close(refund=True)
-            self._count(caller, caller.tier.models[0] if caller.tier.models else "-", exc)
+            self._note_refusal(caller, caller.tier.models[0] if caller.tier.models else "-", exc)
             raise
         return grant
 
     def route(self, grant: Pass, requested_model: str | None, *, over_budget: bool = False) -> Route:
         """Which model serves; raises NotFound, OverQuota or Overloaded (every candidate full)."""
         try:
-            grant.route = self.router.route(grant.caller.tier_name, requested_model, over_budget=over_budget)
+            grant.route = self.router.route(
+                grant.caller.tier_name, requested_model, over_budget=over_budget, arrival_s=grant.waiting_since_s
+            )
         except GatewayError as exc:
-            self._count(grant.caller, requested_model or "auto", exc)
+            self._note_refusal(grant.caller, requested_model or "auto", exc)
             raise
         return grant.route
 
@@ -161,28 +188,39 @@ class Admission:
             caller.tier.max_concurrent_streams if caller.waits_for_stream else 0,
             self.router.wait_limit_s(caller.tier_name, model),
             num_seqs,
+            grant.waiting_since_s,
         )
         try:
             self.limiter.top_up(grant.reservation, num_tokens_reserved)
             grant.ticket = self.queues[model].enqueue(offer)
         except GatewayError as exc:
-            self._count(caller, model, exc)
+            self._note_refusal(caller, model, exc)
             raise
+        if grant.ticket.admitted_s is not None:
+            grant.note_admitted()
         return grant.ticket
 
     def count_displaced(self, grant: Pass) -> None:
+        """A queued request lost its place: its key ages on from when it joined the line."""
+        assert grant.ticket is not None
+        since_s = grant.ticket.arrival_s if grant.waiting_since_s is None else grant.waiting_since_s
+        self.retry_ages.refused(grant.caller.key, since_s)
         if grant.route is not None and self._metrics is not None:
             self._metrics.count_rejection(grant.caller.tier_name, grant.route.model, Reason.DISPLACED.value, "load")
 
-    def _count(self, caller: Caller, model: str, exc: GatewayError) -> None:
-        """Counters only: a refusal storm must not cost a log line each (a filtered structlog
-        call still binds a logger, about 0.4 ms here)."""
+    def _note_refusal(self, caller: Caller, model: str, exc: GatewayError) -> None:
+        """Counters and the key's retry age only: a refusal storm must not cost a log line
+        each (a filtered structlog call still binds a logger, about 0.4 ms here)."""
+        if exc.reason in AGING_REASONS:
+            self.retry_ages.refused(caller.key)
         if self._metrics is None:
             return
         kind = "load" if isinstance(exc, Overloaded) else "limit"
         self._metrics.count_rejection(caller.tier_name, model, exc.reason.value, kind)
         if isinstance(exc, Overloaded) and exc.num_outranked_waiting:
             self._metrics.count_refused_over_lower_tier(caller.tier_name, model)
+        if isinstance(exc, Overloaded) and exc.num_below_waiting:
+            self._metrics.count_refused_over_lower_priority(caller.tier_name, model)
 
 
 def _always() -> bool:
@@ -205,4 +243,6 @@ def build_admission(settings: Settings, backends: Mapping[str, Backend], metrics
     }
     for name, backend in backends.items():
         metrics.set_stats_source(name, backend.stats, queues[name])
-    return Admission(RateLimiter(), TierRouter(settings.models, settings.tiers, queues), queues, metrics)
+    router = TierRouter(settings.models, settings.tiers, queues)
+    retry_ages = RetryAges(settings.queue.aging_s, time.monotonic)  # the queues' clock
+    return Admission(RateLimiter(), router, queues, metrics, retry_ages)

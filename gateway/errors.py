@@ -95,9 +95,18 @@ class RateLimited(GatewayError):
 class Overloaded(GatewayError):
     """The server's queue cannot take the request now: a 503 with Retry-After."""
 
-    def __init__(self, reason: Reason, message: str, *, retry_after_s: float = 1.0, num_outranked_waiting: int = 0):
+    def __init__(
+        self,
+        reason: Reason,
+        message: str,
+        *,
+        retry_after_s: float = 1.0,
+        num_outranked_waiting: int = 0,
+        num_below_waiting: int = 0,
+    ):
         super().__init__(reason, message, retry_after_s=clamp_retry_after_s(retry_after_s))
         self.num_outranked_waiting = num_outranked_waiting  # lower-tier requests waiting (aged past it)
+        self.num_below_waiting = num_below_waiting  # requests of lower effective priority waiting
 
 
 class OverQuota(GatewayError):

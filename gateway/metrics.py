@@ -95,6 +95,13 @@ class Metrics:
             tm,
             registry=r,
         )
+        self._over_lower_priority = Counter(
+            "chat_refused_over_lower_priority",
+            "Load refusals while a request of lower effective (aged) priority held a queue place (only when "
+            "the refused request's tokens would not fit in the places it could take).",
+            tm,
+            registry=r,
+        )
         self._fallbacks = Counter(
             "chat_fallbacks",
             "Requests served by another model than asked.",
@@ -139,6 +146,9 @@ class Metrics:
 
     def count_refused_over_lower_tier(self, tier: str, model: str) -> None:
         self._over_lower.labels(tier, model).inc()
+
+    def count_refused_over_lower_priority(self, tier: str, model: str) -> None:
+        self._over_lower_priority.labels(tier, model).inc()
 
     def count_fallback(self, tier: str, from_model: str, to_model: str) -> None:
         self._fallbacks.labels(tier, from_model, to_model).inc()

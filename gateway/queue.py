@@ -230,4 +230,5 @@ def refusal(placement: Placement) -> Overloaded:
         message,
         retry_after_s=placement.retry_after_s,
         num_outranked_waiting=placement.num_outranked_waiting,
+        num_below_waiting=placement.num_below_waiting,
     )

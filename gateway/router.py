@@ -7,7 +7,7 @@ assessments; it enqueues nothing. Knows no HTTP: refusals are `gateway.errors` t
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 
@@ -64,11 +64,13 @@ class TierRouter:
         *,
         num_tokens: int = 0,
         over_budget: bool = False,
+        arrival_s: float | None = None,
     ) -> Route:
         """The first candidate whose queue takes the request within the tier's wait target.
 
         The top tier is never refused for waiting: when every candidate is past its target it
-        goes to the first that still has a place for it. Raises NotFound, NotEnabled,
+        goes to the first that still has a place for it. `arrival_s`: a retry's carried
+        arrival (see `Offer.arrival_s`). Raises NotFound, NotEnabled,
         OverQuota (over budget without budget_fallback), or Overloaded from the first
         candidate when none takes the request.
         """
@@ -80,9 +82,12 @@ class TierRouter:
             candidates = [tier.models[-1]]  # the tier's cheapest model
         else:
             candidates = self._candidates(tier, asked)
-        return self._chosen(tier_name, asked, self._first_taker(tier_name, tier, candidates, num_tokens), over_budget)
+        taker = self._first_taker(
+            tier_name, tier, candidates, Offer("", tier.priority, num_tokens, arrival_s=arrival_s)
+        )
+        return self._chosen(tier_name, asked, taker, over_budget)
 
-    def precheck(self, tier_name: str) -> None:
+    def precheck(self, tier_name: str, *, arrival_s: float | None = None) -> None:
         """Raises Overloaded when no model the tier may ask for would take a request now, so
         that a flood is refused before its body is read; `route` then decides for the model asked.
 
@@ -95,7 +100,9 @@ class TierRouter:
         first: Overloaded | None = None
         for asked in tier.models:
             try:
-                self._first_taker(tier_name, tier, self._candidates(tier, asked), 0)
+                self._first_taker(
+                    tier_name, tier, self._candidates(tier, asked), Offer("", tier.priority, 0, arrival_s=arrival_s)
+                )
                 return
             except Overloaded as exc:
                 first = first or exc
@@ -104,18 +111,19 @@ class TierRouter:
         if first is not None:
             raise first
 
-    def _first_taker(self, tier_name: str, tier: TierConfig, candidates: list[str], num_tokens: int) -> str:
-        """The first candidate whose queue takes the request; else the soonest refusal."""
+    def _first_taker(self, tier_name: str, tier: TierConfig, candidates: list[str], offer: Offer) -> str:
+        """The first candidate whose queue takes `offer` (its wait limit set per model) within
+        the tier's target; else the soonest refusal."""
         placements = {}
         for model in candidates:
-            offer = Offer("", tier.priority, num_tokens, wait_limit_s=self._target_s(tier_name, tier, model))
-            placements[model] = self._queues[model].assess(offer)
+            target = replace(offer, wait_limit_s=self._target_s(tier_name, tier, model))
+            placements[model] = self._queues[model].assess(target)
             if placements[model].outcome is not Outcome.REFUSED:
                 return model
         if self._is_top(tier):
             for model in candidates:
-                offer = Offer("", tier.priority, num_tokens, wait_limit_s=self._max_wait_s(model))
-                placements[model] = self._queues[model].assess(offer)  # the refusal to report
+                target = replace(offer, wait_limit_s=self._max_wait_s(model))
+                placements[model] = self._queues[model].assess(target)  # the refusal to report
                 if placements[model].outcome is not Outcome.REFUSED:
                     return model
         if not placements:

@@ -2,9 +2,11 @@
 
 A request either gets one of `capacity` reservations at once (counted the moment it is
 decided, so the engine never holds more than it can run), waits in the bounded line, or is
-refused with a reason. A full line takes a newcomer that would go before its tail and
-displaces the tail: a tier is never refused while someone it outranks holds a place. Time
-comes from the injected clock; no asyncio (`gateway.queue` adds the futures).
+refused with a reason. The order is by effective priority (tier + one level per `aging_s`
+waited, counted from `Offer.arrival_s`, which a retry carries from its key's first refusal).
+A full line takes a newcomer that would go before its tail and displaces the tail: nobody is
+refused while someone of lower effective priority holds a place. Time comes from the
+injected clock; no asyncio (`gateway.queue` adds the futures).
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ class Offer:
     max_running_per_key: int = 0  # wait (never refuse) while the key runs this many; 0: no cap
     wait_limit_s: float = math.inf  # refuse when the estimated wait is longer (load shedding)
     num_seqs: int = 1  # engine sequences it runs at once (n choices): its share of the capacity
+    # When it started asking: a retry after a load refusal carries its key's first refusal
+    # (gateway.retry_age), so it ranks as if it had waited since; None: it arrives now.
+    arrival_s: float | None = None
 
 
 class Outcome(enum.Enum):
@@ -51,6 +56,7 @@ class Placement:
     estimated_wait_s: float = 0.0
     displaced: tuple[str, ...] = ()  # waiting requests that lost their place to this one
     num_outranked_waiting: int = 0  # on refusal: waiting entries of a lower tier (aged past it)
+    num_below_waiting: int = 0  # on refusal: waiting entries it goes before (only a token misfit)
 
 
 class WaitingRoom:
@@ -95,6 +101,10 @@ class WaitingRoom:
     def position(self, request_id: str) -> int | None:
         return self._line.position(request_id)
 
+    def waiting(self) -> list[QueueEntry]:
+        """The waiting entries, head first (their `arrival_s` is the carried one)."""
+        return list(self._line)
+
     def waiting_by_priority(self) -> Counter[int]:
         return Counter(entry.priority for entry in self._line)
 
@@ -117,11 +127,12 @@ class WaitingRoom:
         now = self._clock()
         if self._can_admit_now(engine_has_room, offer):
             return Placement(Outcome.ADMITTED)
-        wait_s = self._estimate_s(offer.priority, now)
+        arrival_s = _arrival_s(offer, now)
+        wait_s = self._estimate_s(offer.priority, now, arrival_s)
         is_too_long = wait_s > offer.wait_limit_s
         # Past its wait limit, a request is shed only if nobody it goes before waits: else the
         # last of those (a lower tier, who would wait even longer) is shed in its place.
-        victims = self._victims(offer, now, min_victims=1 if is_too_long else 0)
+        victims = self._victims(offer, arrival_s, min_victims=1 if is_too_long else 0)
         if victims is None:
             reason, retry_after_s = (
                 (Reason.WAIT_TOO_LONG, wait_s - offer.wait_limit_s)
@@ -134,6 +145,7 @@ class WaitingRoom:
                 max(1.0, retry_after_s),
                 wait_s,
                 num_outranked_waiting=self._num_outranked(offer.priority),
+                num_below_waiting=sum(not self._line.goes_before(e, offer.priority, arrival_s) for e in self._line),
             )
         return Placement(Outcome.QUEUED, estimated_wait_s=wait_s, displaced=tuple(v.request_id for v in victims))
 
@@ -153,7 +165,7 @@ class WaitingRoom:
                 QueueEntry(
                     offer.request_id,
                     offer.priority,
-                    now,
+                    _arrival_s(offer, now),
                     offer.num_tokens,
                     offer.key,
                     offer.max_running_per_key,
@@ -218,9 +230,9 @@ class WaitingRoom:
             return False
         return self._line.first(self._is_eligible) is None  # nobody who could start is waiting
 
-    def _victims(self, offer: Offer, now: float, *, min_victims: int = 0) -> list[QueueEntry] | None:
-        """Tail entries this offer goes before: at least `min_victims`, and enough to make
-        room; None if there are not that many."""
+    def _victims(self, offer: Offer, arrival_s: float, *, min_victims: int = 0) -> list[QueueEntry] | None:
+        """Tail entries this offer (arriving at `arrival_s`) goes before, by effective priority:
+        at least `min_victims`, and enough to make room; None if there are not that many."""
         if offer.num_tokens > self._line.max_waiting_tokens:
             return None
         victims: list[QueueEntry] = []
@@ -232,7 +244,7 @@ class WaitingRoom:
                 and num_tokens + offer.num_tokens <= self._line.max_waiting_tokens
             ):
                 return victims
-            if self._line.goes_before(entry, offer.priority, now):
+            if self._line.goes_before(entry, offer.priority, arrival_s):
                 return None  # everyone left outranks (or has aged past) the newcomer
             victims.append(entry)
             num_requests, num_tokens = num_requests - 1, num_tokens - entry.num_tokens
@@ -257,21 +269,26 @@ class WaitingRoom:
         self._running_by_key[key] += 1
         self.num_admitted += 1
 
-    def _estimate_s(self, priority: int | None, now: float) -> float:
+    def _estimate_s(self, priority: int | None, now: float, arrival_s: float | None = None) -> float:
         """(ahead + 1) admissions, plus one per higher-priority request that will arrive and
-        cut in before this one has aged past its priority (gap * aging_s seconds)."""
+        cut in before this one has aged past its priority (gap * aging_s seconds after
+        `arrival_s`, which a retry carries from its first refusal; None: now)."""
         interval_s = self._service_interval_s(now)
         if priority is None:
             priority = min(self._arrivals, default=0)
-        base_s = (self._line.num_ahead(priority, now) + 1) * interval_s
+        arrival_s = now if arrival_s is None else arrival_s
+        base_s = (self._line.num_ahead(priority, arrival_s) + 1) * interval_s
         cut_ins = [
-            (rate.per_s(now), self._cut_in_window_s(q - priority)) for q, rate in self._arrivals.items() if q > priority
+            (rate.per_s(now), self._cut_in_window_s(q - priority, now - arrival_s))
+            for q, rate in self._arrivals.items()
+            if q > priority
         ]
-        return _wait_with_cut_ins(base_s, interval_s, [c for c in cut_ins if c[0] > 0])
+        return _wait_with_cut_ins(base_s, interval_s, [c for c in cut_ins if c[0] > 0 and c[1] > 0])
 
-    def _cut_in_window_s(self, priority_gap: int) -> float:
+    def _cut_in_window_s(self, priority_gap: int, age_s: float) -> float:
+        """How much longer higher arrivals cut in ahead of a request already `age_s` old."""
         aging_s = self.config.aging_s
-        return priority_gap * aging_s if aging_s > 0 else math.inf
+        return priority_gap * aging_s - age_s if aging_s > 0 else math.inf
 
     def _service_interval_s(self, now: float) -> float:
         """Seconds per admission: the moving average, or longer if admission has stalled."""
@@ -280,6 +297,10 @@ class WaitingRoom:
             return average_s
         stalled_s = now - max(self._last_admit_s or -math.inf, self._backlog_since_s)
         return max(average_s, stalled_s)
+
+
+def _arrival_s(offer: Offer, now: float) -> float:
+    return now if offer.arrival_s is None else min(offer.arrival_s, now)
 
 
 def _wait_with_cut_ins(base_s: float, interval_s: float, cut_ins: list[tuple[float, float]]) -> float:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.admission import Admission, Caller, estimate_tokens
+from gateway.admission import Admission, Caller, Pass, estimate_tokens
 from gateway.errors import Overloaded, RateLimited, Reason
 from gateway.queue import ModelQueue, TicketState
 from gateway.ratelimit import RateLimiter
+from gateway.retry_age import RetryAges
 from gateway.router import TierRouter
 from settings import ModelConfig, QueueConfig, TierConfig
 from tests.gateway.fakes import FakeClock
@@ -22,12 +23,15 @@ TIERS = {
 }
 
 
-def make_admission(capacity: int = 1, **queue_config) -> tuple[Admission, FakeClock]:
+def make_admission(
+    capacity: int = 1, *, tiers: dict[str, TierConfig] = TIERS, retry_ages: bool = True, **queue_config
+) -> tuple[Admission, FakeClock]:
     clock = FakeClock()
     config = QueueConfig(**{"max_waiting_requests": 4, "max_wait_s": 120.0, **queue_config})
     queues = {"mini": ModelQueue("mini", config, lambda: True, clock, capacity=capacity)}
-    router = TierRouter({"mini": ModelConfig()}, TIERS, queues)
-    return Admission(RateLimiter(clock), router, queues), clock
+    router = TierRouter({"mini": ModelConfig()}, tiers, queues)
+    ages = RetryAges(config.aging_s, clock) if retry_ages else None
+    return Admission(RateLimiter(clock), router, queues, retry_ages=ages), clock
 
 
 def caller(tier_name: str, key: str = "k1", *, local: bool = False) -> Caller:
@@ -141,3 +145,128 @@ async def test_the_gateway_knows_nothing_of_http():
         )
     ]
     assert offenders == []
+
+
+async def test_a_key_refused_for_load_retries_with_its_first_refusal_until_it_is_admitted():
+    admission, clock = make_admission(capacity=1, tiers=FLOOD_TIERS, max_waiting_requests=1)
+    enterprise = Caller("e", "enterprise", FLOOD_TIERS["enterprise"])
+    held = [admit(admission, enterprise, "run"), admit(admission, enterprise, "wait")]
+    free = Caller("f1", "free", FLOOD_TIERS["free"])
+    first_s = clock()
+    for i in range(3):
+        with pytest.raises(Overloaded):
+            admission.check(free, f"f{i}", 40)
+        clock.advance(5.0)
+    assert admission.retry_ages.waiting_since("f1") == first_s
+    for grant in held:
+        grant.close()
+    grant = admit(admission, free, "served")
+    assert grant.waiting_since_s == first_s and grant.is_admitted
+    assert admission.retry_ages.waiting_since("f1") is None  # admitted: its next request arrives fresh
+
+
+async def test_a_rate_limited_refusal_does_not_age():
+    admission, _ = make_admission(capacity=8)
+    for i in range(2):
+        admission.check(caller("free"), f"r{i}", 40).close()
+    with pytest.raises(RateLimited):
+        admission.check(caller("free"), "r2", 40)
+    assert admission.retry_ages.waiting_since("k1") is None
+
+
+async def test_a_displaced_request_ages_on_from_when_it_joined_the_line():
+    admission, clock = make_admission(capacity=1, max_waiting_requests=1)
+    admit(admission, caller("enterprise", "e1"), "run")
+    joined_s = clock()
+    free = admit(admission, caller("free", "f1"), "f")
+    clock.advance(4.0)
+    admit(admission, caller("enterprise", "e2"), "e")
+    with pytest.raises(Overloaded) as info:
+        await free.wait(0)
+    assert info.value.reason is Reason.DISPLACED
+    assert admission.retry_ages.waiting_since("f1") == joined_s
+
+
+FLOOD_TIERS = {
+    "free": TierConfig(priority=0, models=["mini"], wait_target_s=20.0, requests_per_minute=100_000),
+    "plus": TierConfig(priority=1, models=["mini"], wait_target_s=10.0, requests_per_minute=100_000),
+    "enterprise": TierConfig(priority=2, models=["mini"], wait_target_s=5.0, requests_per_minute=100_000),
+}
+SERVICE_S = 1.0  # each admitted request runs this long
+STEP_S = 0.25  # clients retry a refusal this much later
+
+
+async def flood(admission: Admission, clock: FakeClock, horizon_s: float = 120.0) -> dict[str, list[float]]:
+    """Issue #15's retry storm in miniature: 8 enterprise clients (4x what a capacity of 2 at
+    1 s per request serves), one plus and one free client, each on its own key, asking again
+    at once after an answer and STEP_S after a refusal. Returns per client key the seconds
+    from its first ask to each admission; checks the engine bound and the refusals on the way."""
+    callers = [Caller(f"e{i}", "enterprise", FLOOD_TIERS["enterprise"]) for i in range(8)]
+    callers += [Caller("p", "plus", FLOOD_TIERS["plus"]), Caller("f", "free", FLOOD_TIERS["free"])]
+    asking_since = {who.key: clock() for who in callers}
+    waits: dict[str, list[float]] = {who.key: [] for who in callers}
+    held: dict[str, tuple[Pass, float | None]] = {}  # key -> (grant, end of service; None: waiting)
+    room = admission.queues["mini"].room
+    for step in range(int(horizon_s / STEP_S)):
+        clock.advance(STEP_S)
+        for key, (grant, end_s) in list(held.items()):
+            if end_s is not None and clock() >= end_s:
+                grant.close()
+                del held[key]
+                asking_since[key] = clock()
+        for key, (grant, end_s) in list(held.items()):
+            if end_s is None:
+                try:
+                    if await grant.wait(0):
+                        held[key] = (grant, clock() + SERVICE_S)
+                        waits[key].append(clock() - asking_since[key])
+                except Overloaded:
+                    grant.close(refund=True)
+                    del held[key]
+        for who in callers:
+            if who.key in held:
+                continue
+            since_s = admission.retry_ages.waiting_since(who.key)
+            try:
+                grant = admission.check(who, f"{who.key}-{step}", 40)  # the cheap refusal first, as served
+            except Overloaded:
+                _check_refusal(room, who, since_s, clock())
+                continue
+            try:
+                admission.route(grant, None)
+                admission.place(grant, 20)
+            except Overloaded:
+                grant.close(refund=True)
+                _check_refusal(room, who, since_s, clock())
+                continue
+            if grant.is_admitted:
+                waits[who.key].append(clock() - asking_since[who.key])
+            held[who.key] = (grant, clock() + SERVICE_S if grant.is_admitted else None)
+        assert room.num_reserved <= room.capacity
+    return waits
+
+
+def _check_refusal(room, who: Caller, since_s: float | None, now: float) -> None:
+    """Nobody waits at a lower effective priority than the refused request (aging_s 10)."""
+    level = who.tier.priority + (now - (now if since_s is None else since_s)) / 10.0
+    assert all(e.priority + (now - e.arrival_s) / 10.0 >= level - 1e-9 for e in room.waiting())
+
+
+async def test_a_free_key_retrying_under_a_sustained_enterprise_flood_is_served_in_bounded_time():
+    admission, clock = make_admission(capacity=2, tiers=FLOOD_TIERS, max_waiting_requests=4, aging_s=10.0)
+    waits = await flood(admission, clock)
+    enterprise = [w for key, ws in waits.items() if key.startswith("e") for w in ws]
+    # A tier n levels down waits at most n x aging_s (and one retry step) longer than the
+    # longest enterprise wait: then its carried age ranks it with the enterprise requests.
+    assert waits["p"] and max(waits["p"]) <= max(enterprise) + 1 * 10.0 + STEP_S
+    assert waits["f"] and max(waits["f"]) <= max(enterprise) + 2 * 10.0 + STEP_S
+    assert max(enterprise) < min(waits["p"]) < min(waits["f"])
+    assert len(enterprise) > 10 * (len(waits["p"]) + len(waits["f"]))  # the top tier keeps most of it
+
+
+async def test_without_retry_ages_the_same_flood_starves_the_lower_tiers():
+    admission, clock = make_admission(
+        capacity=2, tiers=FLOOD_TIERS, retry_ages=False, max_waiting_requests=4, aging_s=10.0
+    )
+    waits = await flood(admission, clock)
+    assert waits["f"] == [] and waits["p"] == []

@@ -4,6 +4,7 @@ shedding and per-key stream caps, on an injected clock (no asyncio)."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -244,3 +245,81 @@ def test_n_choices_reserve_n_sequences_and_the_head_waits_for_all_of_them():
     wide = make_room(capacity=2)
     assert wide.place(offer("n5", num_seqs=5)).outcome is Outcome.ADMITTED  # alone, never stuck
     assert wide.place(offer("next")).outcome is Outcome.QUEUED
+
+
+def test_a_retry_carrying_its_first_refusal_displaces_a_fresh_enterprise_tail():
+    clock = FakeClock()
+    room = make_room(capacity=1, clock=clock, max_waiting_requests=2)
+    for request_id in ("running", "e1", "e2"):
+        room.place(offer(request_id, ENTERPRISE))
+    first_refused_s = clock()
+    assert room.place(offer("fresh-free", FREE)).outcome is Outcome.REFUSED
+    clock.advance(21.0)  # the free key keeps asking for 21 s, just over 2 levels
+    room.release("running")
+    assert room.admit_ready() == ["e1"]
+    room.place(offer("e3", ENTERPRISE))
+    assert room.place(offer("fresh-free-2", FREE)).outcome is Outcome.REFUSED  # without its age: refused
+    placement = room.place(offer("retry", FREE, arrival_s=first_refused_s))
+    assert (placement.outcome, placement.displaced) == (Outcome.QUEUED, ("e3",))
+    assert [e.request_id for e in room.waiting()] == ["e2", "retry"]  # e2 waited 21 s as enterprise
+    room.release("e1")
+    assert room.admit_ready() == ["e2"]
+    room.release("e2")
+    assert room.admit_ready() == ["retry"]
+
+
+def test_an_aged_retry_keeps_its_place_against_a_fresh_enterprise_request():
+    clock = FakeClock()
+    room = make_room(capacity=1, clock=clock, max_waiting_requests=1)
+    room.place(offer("running", ENTERPRISE))
+    room.place(offer("retry", FREE, arrival_s=clock() - 25.0))  # effective priority 2.5
+    placement = room.place(offer("e", ENTERPRISE, wait_limit_s=math.inf))
+    assert (placement.outcome, placement.displaced) == (Outcome.REFUSED, ())
+    assert (placement.num_outranked_waiting, placement.num_below_waiting) == (1, 0)  # a lower tier, aged past it
+    assert room.is_waiting("retry")
+
+
+def test_a_carried_arrival_in_the_future_counts_as_now():
+    clock = FakeClock()
+    room = make_room(capacity=1, clock=clock)
+    room.place(offer("running"))
+    room.place(offer("later", FREE, arrival_s=clock() + 100.0))
+    assert [e.arrival_s for e in room.waiting()] == [clock()]
+
+
+def test_an_aged_retry_expects_no_cut_ins_from_the_tiers_it_has_aged_past():
+    clock = FakeClock()
+    room = make_room(capacity=1, clock=clock, max_waiting_requests=100)
+    room.place(offer("run"))
+    for i in range(5):  # enterprise keeps arriving: fresh free requests expect it to cut in
+        room.place(offer(f"e{i}", ENTERPRISE))
+    clock.advance(1.0)
+    fresh = room.assess(offer("fresh", FREE)).estimated_wait_s
+    aged = room.assess(offer("aged", FREE, arrival_s=clock() - 22.0)).estimated_wait_s
+    assert aged == pytest.approx(1.0)  # first in line (ahead of every enterprise request), nobody cuts in
+    assert fresh > 6.0
+
+
+def test_nobody_is_refused_while_a_request_of_lower_effective_priority_holds_a_place():
+    """Random offers of every tier, some carrying a retry age, against a small line: every
+    refusal is checked against the waiting entries' aged priorities, computed here."""
+    rng = random.Random(15)
+    clock = FakeClock()
+    room = make_room(capacity=2, clock=clock, max_waiting_requests=4)
+    num_refused = 0
+    for i in range(3000):
+        clock.advance(rng.uniform(0.0, 0.5))
+        if rng.random() < 0.3:
+            for request_id in [r for r in (f"r{j}" for j in range(max(0, i - 40), i)) if room.is_reserved(r)][:1]:
+                room.release(request_id)
+            room.admit_ready()
+        priority = rng.choice((FREE, PLUS, ENTERPRISE))
+        arrival_s = clock() - rng.uniform(0.0, 35.0) if rng.random() < 0.5 else None
+        placement = room.place(offer(f"r{i}", priority, arrival_s=arrival_s, wait_limit_s=math.inf))
+        check_invariants(room)
+        if placement.outcome is Outcome.REFUSED:
+            num_refused += 1
+            level = priority + (clock() - (clock() if arrival_s is None else arrival_s)) / 10.0
+            below = [e for e in room.waiting() if e.priority + (clock() - e.arrival_s) / 10.0 < level - 1e-9]
+            assert below == [], f"r{i} refused while {below} waited"
+    assert num_refused > 100  # the line was full often enough to test something
