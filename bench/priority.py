@@ -7,7 +7,8 @@ until served or out of patience; or, with `--clients N` (issue #15's retry storm
 split evenly over the tiers, each on its own key, that ask again as soon as an answer ends
 and `--retry-s` after a refusal, for `--duration-s`. A sampler reads /metrics meanwhile.
 Prints, and with `--write-results` writes to bench/RESULTS.md, per tier: requests, served,
-refused, TTFT and refusal latency, and checks the targets of issue #15.
+refused, TTFT and refusal latency, the wait a user sees (from the first try of an ask to its
+first token, retries included), and checks the targets of issue #15.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.load import Plan, Result, _count_codes, calibrate, create_key, one_request, percentile, prompt
+from settings import QueueConfig
 
 TIERS = ("enterprise", "plus", "free")
 SERVER_SETTINGS = (
@@ -53,7 +55,17 @@ class Run:
     num_clients: dict[str, int] = field(default_factory=dict)
     num_clients_served: dict[str, int] = field(default_factory=dict)
     samples: list[Sample] = field(default_factory=list)
-    over_lower: dict[str, float] = field(default_factory=dict)
+    over_lower: dict[str, float] = field(default_factory=dict)  # server: refused while a lower tier waited
+    over_lower_priority: dict[str, float] = field(default_factory=dict)  # ... a lower effective priority
+    waits: dict[str, list[float]] = field(default_factory=dict)  # per tier: first try to first token, s
+    unserved: dict[str, list[float]] = field(default_factory=dict)  # per tier: age of asks open at the end, s
+    aging_s: float = QueueConfig().aging_s
+
+    def add_wait(self, tier: str, asked_s: float, tried_s: float, result: Result) -> None:
+        """A served ask: from its first try (`asked_s`) to the first token of the try that
+        was served (started at `tried_s`), both time.perf_counter()."""
+        if result.ttft_s is not None:
+            self.waits.setdefault(tier, []).append(tried_s - asked_s + result.ttft_s)
 
 
 def is_refusal(result: Result) -> bool:
@@ -70,13 +82,16 @@ async def client(
     run: Run,
 ) -> None:
     """One user: ask; on a refusal wait retry_s and ask again, until served or out of patience."""
-    give_up = time.perf_counter() + args.patience_s
+    asked_s = time.perf_counter()
+    give_up = asked_s + args.patience_s
     run.num_clients[tier] = run.num_clients.get(tier, 0) + 1
     while True:
+        tried_s = time.perf_counter()
         result = await one_request(session, plan, tier, key, prompt(rng, plan.prompt_words))
         run.results.append(result)
         if result.outcome == "completed":
             run.num_clients_served[tier] = run.num_clients_served.get(tier, 0) + 1
+            run.add_wait(tier, asked_s, tried_s, result)
             return
         if time.perf_counter() + args.retry_s > give_up:
             return
@@ -96,13 +111,17 @@ async def steady_client(
     """One user who keeps asking until `deadline`: at once after an answer, retry_s after a refusal."""
     run.num_clients[tier] = run.num_clients.get(tier, 0) + 1
     is_served = False
-    while time.perf_counter() < deadline:
+    asked_s = time.perf_counter()
+    while (tried_s := time.perf_counter()) < deadline:
         result = await one_request(session, plan, tier, key, prompt(rng, plan.prompt_words))
         run.results.append(result)
         if result.outcome == "completed":
             is_served = True
+            run.add_wait(tier, asked_s, tried_s, result)
+            asked_s = time.perf_counter()
         else:
             await asyncio.sleep(args.retry_s)
+    run.unserved.setdefault(tier, []).append(deadline - asked_s)
     if is_served:
         run.num_clients_served[tier] = run.num_clients_served.get(tier, 0) + 1
 
@@ -125,10 +144,11 @@ async def sample_metrics(session: aiohttp.ClientSession, url: str, run: Run, sto
                 values["chat_requests_reserved"],
             )
         )
-        for tier, value in re.findall(
-            r'^chat_refused_over_lower_tier_total\{[^}]*tier="(\w+)"[^}]*\} (\S+)$', text, re.M
-        ):
-            run.over_lower[tier] = float(value)
+        for counter, name in ((run.over_lower, "tier"), (run.over_lower_priority, "priority")):
+            for tier, value in re.findall(
+                rf'^chat_refused_over_lower_{name}_total\{{[^}}]*tier="(\w+)"[^}}]*\}} (\S+)$', text, re.M
+            ):
+                counter[tier] = float(value)
         await asyncio.sleep(0.1)
 
 
@@ -137,7 +157,7 @@ async def drive(args: argparse.Namespace, url: str, db: Path) -> Run:
     keys = {tier: [create_key(args, db, f"prio-{tier}-{i}", tier) for i in range(per_tier)] for tier in TIERS}
     keys["calibrate"] = [create_key(args, db, "prio-calibrate", "enterprise")]
     plan = Plan(url, {}, keys, args.max_tokens, args.prompt_words, args.timeout_s)
-    run = Run()
+    run = Run(aging_s=_aging_s(args.overrides))
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         capacity = await calibrate(session, plan, args.calibrate_s, 6)
         print(f"capacity {capacity:.2f} req/s", flush=True)
@@ -195,6 +215,11 @@ async def _storm(
     )
 
 
+def _aging_s(overrides: list[str]) -> float:
+    values = [float(o.split("=", 1)[1]) for o in overrides if o.startswith("queue.aging_s=")]
+    return values[-1] if values else QueueConfig().aging_s
+
+
 def summarize(run: Run) -> list[dict]:
     rows = []
     for tier in TIERS:
@@ -224,11 +249,19 @@ def summarize(run: Run) -> list[dict]:
                 "refusal_p50_ms": _ms(percentile(quick, 0.5)),
                 "refusal_p95_ms": _ms(percentile(quick, 0.95)),
                 "refusal_p99_ms": _ms(percentile(quick, 0.99)),
+                "wait_p50_s": _s(percentile(run.waits.get(tier, []), 0.5)),
+                "wait_p99_s": _s(percentile(run.waits.get(tier, []), 0.99)),
+                "wait_max_s": _s(max(run.waits.get(tier, []), default=None)),
+                "unserved_max_s": _s(max(run.unserved.get(tier, []), default=None)),
                 "refused_over_lower_tier": int(run.over_lower.get(tier, 0)),
+                "refused_over_lower_priority": int(run.over_lower_priority.get(tier, 0)),
                 "refusal_codes": _count_codes(refused),
             }
         )
     return rows
+
+
+FREE_SERVED = "free still served, wait p99 <= enterprise's longest wait + 2 x aging_s + 1 s"
 
 
 def targets(rows: list[dict], run: Run) -> list[tuple[str, str, bool]]:
@@ -238,9 +271,20 @@ def targets(rows: list[dict], run: Run) -> list[tuple[str, str, bool]]:
     most_reserved = max((s.reserved for s in run.samples), default=0)
     p99s = [row["refusal_p99_ms"] for row in rows if row["refusal_p99_ms"] is not None]
     shares = [by[t]["served_share"] for t in TIERS]
+    # Free is two levels below enterprise: it ranks with enterprise after 2 x aging_s of
+    # asking, so it should wait at most that much longer than enterprise's longest wait (plus
+    # a retry step and a first token: 1 s).
+    bound_s = (by["enterprise"]["wait_max_s"] or 0.0) + 2 * run.aging_s + 1.0
+    free_wait_s = by["free"]["wait_p99_s"]
     return [
         (
-            "enterprise refused while a lower tier held a queue place",
+            "enterprise refused while a request of lower effective (aged) priority held a queue place",
+            f"{by['enterprise']['refused_over_lower_priority']} (server counter)",
+            by["enterprise"]["refused_over_lower_priority"] == 0,
+        ),
+        (
+            "enterprise refused while a lower tier held a queue place (issue's wording: counts lower-tier "
+            "requests that had aged past enterprise)",
             f"{by['enterprise']['refused_over_lower_tier']} (server counter)",
             by["enterprise"]["refused_over_lower_tier"] == 0,
         ),
@@ -249,7 +293,13 @@ def targets(rows: list[dict], run: Run) -> list[tuple[str, str, bool]]:
             " > ".join(f"{s:.3f}" for s in shares),
             shares[0] > shares[1] > shares[2],
         ),
-        ("free still served", f"{by['free']['served']} requests", by["free"]["served"] > 0),
+        (
+            FREE_SERVED,
+            f"{by['free']['served']} requests, wait p99 "
+            + ("-" if free_wait_s is None else f"{free_wait_s:.1f} s")
+            + f" (bound {bound_s:.1f} s)",
+            by["free"]["served"] > 0 and free_wait_s is not None and free_wait_s <= bound_s,
+        ),
         (
             "never more in the engine than its capacity (2)",
             f"max running {most_running:.0f}, held {most_held:.0f}, reserved {most_reserved:.0f}"
@@ -274,6 +324,9 @@ COLUMNS = [
     "refusal_p50_ms",
     "refusal_p95_ms",
     "refusal_p99_ms",
+    "wait_p50_s",
+    "wait_p99_s",
+    "unserved_max_s",
 ]
 
 
@@ -315,3 +368,7 @@ def cpu_name() -> str:
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000.0, 1)
+
+
+def _s(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 1)

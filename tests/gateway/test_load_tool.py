@@ -40,7 +40,7 @@ def test_the_summary_counts_outcomes_per_tier():
 
 
 def test_the_priority_scenario_counts_displacements_as_refusals_and_checks_its_targets():
-    from bench.priority import Run, Sample, is_refusal, summarize, targets
+    from bench.priority import FREE_SERVED, Run, Sample, is_refusal, summarize, targets
 
     run = Run(
         results=[
@@ -56,13 +56,18 @@ def test_the_priority_scenario_counts_displacements_as_refusals_and_checks_its_t
             Result("free", "rejected", 503, code="queue_displaced", latency_s=0.9),  # waited, then lost its place
         ],
         samples=[Sample(2, 0, 2), Sample(1, 1, 2)],
+        waits={"enterprise": [0.5, 3.0], "free": [18.0, 23.5]},
+        aging_s=10.0,
     )
     assert is_refusal(run.results[6])
     rows = summarize(run)
     assert [(r["served"], r["refused"], r["displaced"]) for r in rows] == [(1, 1, 0), (1, 2, 0), (1, 4, 2)]
     assert rows[2]["refusal_p99_ms"] == 30.0  # the displaced request's wait is not a refusal's latency
+    assert (rows[0]["wait_max_s"], rows[2]["wait_p50_s"]) == (3.0, 20.8)
     checks = {name: ok for name, _, ok in targets(rows, run)}
-    assert checks["served share enterprise > plus > free"] and checks["free still served"]
+    assert checks["served share enterprise > plus > free"] and checks[FREE_SERVED]  # 23.5 <= 3 + 20 + 1
+    run.waits["free"].append(30.0)  # past enterprise's longest wait + 2 x aging_s: not bounded by aging
+    assert not {name: ok for name, _, ok in targets(summarize(run), run)}[FREE_SERVED]
     assert checks["never more in the engine than its capacity (2)"] and checks["refusals p99 < 50 ms"]
     run.samples.append(Sample(2, 1, 2))
     assert not {name: ok for name, _, ok in targets(summarize(run), run)}[
