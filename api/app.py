@@ -19,7 +19,7 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from api import chat, files, resources, responses
+from api import chat, files, resources, responses, responses_background
 from api.connections import CLOSE_AFTER, make_body_deadline_middleware
 from api.errors import ApiError, from_gateway, internal_error, overloaded
 from api.inflight import INFLIGHT, InFlight
@@ -129,7 +129,7 @@ async def _lifecycle(app: web.Application, backend_factory: BackendFactory | Non
     started = []
     purge_task = None
     try:
-        num_orphaned = await store.fail_unfinished_responses(responses.RESTART_ERROR)
+        num_orphaned = await store.fail_unfinished_responses(responses_background.RESTART_ERROR)
         if num_orphaned:  # one server per database: nothing else can be running them
             log.warning("background_responses_failed_at_start", num_responses=num_orphaned)
         for handle in models.values():

@@ -1,0 +1,102 @@
+"""A response's record: what one Responses API call knows about itself (`ResponseContext`), its
+final response object, and its row in the store (inserted once, updated while a background
+response runs). Shared by the foreground path (api/responses.py) and the background one
+(api/responses_background.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import orjson
+import structlog
+
+from api.answer import Answer
+from api.job import Job
+from api.responses_wire import ResponsesRequest, new_id, output_items, response_object, usage_object
+from api.state import AppState
+from engine.types import FinishReason
+from store.responses import StoredResponse
+from store.types import StoreUnavailable
+
+log = structlog.get_logger(__name__)
+_INCOMPLETE = {FinishReason.LENGTH: "max_output_tokens", FinishReason.CONTENT_FILTER: "content_filter"}
+
+
+@dataclass(slots=True)
+class ResponseContext:
+    req: ResponsesRequest
+    response_id: str
+    created: int
+    message_id: str
+    stored: bool = False  # its row exists in the store
+
+
+async def finished(ctx: ResponseContext, state: AppState, job: Job, answer: Answer, finish: FinishReason) -> dict:
+    """The final response object, stored (when asked) before the client sees it."""
+    reason = _INCOMPLETE.get(finish)
+    body = response_object(
+        ctx.response_id,
+        ctx.created,
+        job.model.name,
+        ctx.req,
+        {
+            "status": "incomplete" if reason else "completed",
+            "incomplete_details": {"reason": reason} if reason else None,
+            "output": output_items(answer, ctx.message_id),
+            "usage": usage_object(job.num_prompt_tokens, job.num_cached_tokens, job.num_completion_tokens),
+        },
+    )
+    conversation_id = job.chat.conversation_id
+    if ctx.req.store and conversation_id is not None:
+        org_id = job.principal.org.id
+        conv = await state.store.get_conversation(org_id, conversation_id)
+        num_messages = len(conv.messages) if conv is not None else 0
+        if ctx.stored:  # a background response: its row exists since it was queued
+            await state.store.update_response(
+                org_id, ctx.response_id, status=body["status"], body_json=dumps(body), num_messages=num_messages
+            )
+        else:
+            await insert(ctx, state, job, body, num_messages)
+    return body
+
+
+async def insert(ctx: ResponseContext, state: AppState, job: Job, body: dict, num_messages: int) -> None:
+    items = [{"id": new_id("msg"), **item} for item in ctx.req.input_items]
+    assert job.chat.conversation_id is not None
+    await state.store.insert_response(
+        job.principal.org.id,
+        StoredResponse(
+            ctx.response_id,
+            job.chat.conversation_id,
+            num_messages,
+            dumps(body),
+            dumps(items),
+            time.time(),
+            body["status"],
+        ),
+    )
+    ctx.stored = True
+
+
+async def set_state(ctx: ResponseContext, state: AppState, job: Job, fields: dict) -> None:
+    """Update the stored row of a running background response (no-op once it is final or deleted)."""
+    body = {**response_object(ctx.response_id, ctx.created, job.model.name, ctx.req, fields), **fields}
+    try:
+        await asyncio.shield(
+            state.store.update_response(
+                job.principal.org.id, ctx.response_id, status=body["status"], body_json=dumps(body)
+            )
+        )
+    except StoreUnavailable:  # the store says so in its log; a restart marks it failed
+        log.error("background_response_unsaved", response_id=ctx.response_id, status=body["status"])
+
+
+def usage(job: Job) -> dict:
+    return usage_object(job.num_prompt_tokens, job.num_cached_tokens, job.num_completion_tokens)
+
+
+def dumps(obj: object) -> str:
+    return orjson.dumps(obj).decode()
