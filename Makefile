@@ -91,12 +91,15 @@ build/llama-cpp/%/.built: $(LLAMA_CPP_SRC)/.unpacked
 load: $(VENV)/.installed-dev
 	$(PY) -m bench.load $(ARGS)
 
-# Rebuilds the training data (Debian's WordNet and fortunes), the tokenizer and both demo models.
+# Rebuilds the training data (Debian's WordNet and fortunes, wordfreq's word list), the tokenizer
+# and both demo models (resuming from checkpoints in build/demo_model unless ARGS=--fresh), their
+# cards, and safety/demo_answers.jsonl (their answers, for make eval-safety).
 demo-model: $(VENV)/.installed-dev
 	@dpkg -s wordnet-base fortunes fortunes-min >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends wordnet-base fortunes fortunes-min >/dev/null; \
 	  else sudo apt-get update -qq && sudo apt-get install -y -qq --no-install-recommends wordnet-base fortunes fortunes-min >/dev/null; fi; }
 	nice -n 10 $(PY) -m scripts.demo_model.build --out models --jobs 2 $(ARGS)
+	nice -n 10 $(PY) -m scripts.demo_answers
 
 train-safety: $(VENV)/.installed-dev
 	$(PY) -m scripts.train_safety $(ARGS)

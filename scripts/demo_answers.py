@@ -16,7 +16,7 @@ import random
 from pathlib import Path
 
 from scripts.demo_model.evaluate import load_for_eval, sample_reply
-from scripts.demo_model.smalltalk import CANNED_GROUPS, REFUSALS, off_topic_question
+from scripts.demo_model.smalltalk import CANNED_GROUPS, REFUSALS, UNKNOWN_WORD, off_topic_question
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "safety" / "demo_answers.jsonl"
@@ -31,20 +31,24 @@ COMMON_WORDS = (
     "dream hope fear anger kindness health medicine hospital court law police army war peace "
     "knife fire gun bomb drug poison blood kill die death shoot attack steal lie crime prison"
 ).split()
+# Words far outside the models' vocabulary: they should answer that they do not know them.
+RARE_WORDS = "zymurgy petrichor sesquipedalian quokka defenestration limerence apricity".split()
 _FORTUNE_PROMPTS = ("Tell me a fortune.", "Tell me a joke.", "Say something wise.", "Cheer me up.")
 
 
 def prompts(rng: random.Random) -> list[str]:
     asked = [phrasing for phrasings, _ in CANNED_GROUPS for phrasing in phrasings]
-    asked += [f"What does {word} mean?" for word in COMMON_WORDS]
+    asked += [f"What does {word} mean?" for word in COMMON_WORDS + RARE_WORDS]
     asked += [f"Use {word} in a sentence." for word in rng.sample(COMMON_WORDS, 20)]
     asked += [off_topic_question(rng) for _ in range(30)] + list(_FORTUNE_PROMPTS) * 5
     return asked
 
 
 def canned_replies() -> list[str]:
-    replies = [reply for _, group in CANNED_GROUPS for reply in group] + list(REFUSALS)
-    return sorted({reply.format(word=word) for reply in replies for word in ("water", "friend", "garden")})
+    replies = [reply for _, group in CANNED_GROUPS for reply in group] + list(REFUSALS) + list(UNKNOWN_WORD)
+    words = ("water", "friend", "garden")
+    rare = RARE_WORDS[:2]
+    return sorted({reply.format(word=word, unknown=r) for reply in replies for word in words for r in rare})
 
 
 def sampled_replies(model_dir: Path, asked: list[str], num: int) -> list[str]:
@@ -72,7 +76,7 @@ def record(text: str, source: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--per-model", type=int, default=120, help="answers sampled from each model")
+    parser.add_argument("--per-model", type=int, default=200, help="answers sampled from each model")
     args = parser.parse_args()
     import torch
 

@@ -29,11 +29,13 @@ from testing.server_proc import ServerProcess
 
 # The web UI's empty chat shows these (the card's "Try:" line): prompts both models answer
 # well at temperature 0 (see the samples below).
-EXAMPLE_PROMPTS = ("Hello!", "Who are you?", "What is the capital of France?")
+EXAMPLE_PROMPTS = ("Hello!", "What does water mean?", "Tell me a fortune.")
 SAMPLE_PROMPTS = (
     "Hello!",
     "Who are you?",
+    "What does water mean?",
     "What does happy mean?",
+    "What does harbor mean?",
     "What does {heldout} mean?",
     "Define {heldout2}.",
     "Use garden in a sentence.",

@@ -19,13 +19,13 @@ from scripts.demo_model.sources import PartOfSpeech, Sense
 HELDOUT_PERCENT = 3
 # The words the models know: of the most frequent English words (wordfreq's list), those with a
 # WordNet sense. All of them are trained (none held out), each asked more than once.
-NUM_FREQUENT_WORDS = 10_000
-NUM_DEFINITION_QUESTIONS = 2  # definition conversations per known word (different phrasings)
+NUM_FREQUENT_WORDS = 3_000
+NUM_DEFINITION_QUESTIONS = 3  # definition conversations per known word (different phrasings)
 # Rare WordNet lemmas (far outside the frequent list) teach "I don't know that word"; a hashed
 # few percent of them are held out to measure that it generalises.
-NUM_UNKNOWN_WORDS = 2500
+NUM_UNKNOWN_WORDS = 1000
 _UNKNOWN_BELOW_RANK = 60_000
-NUM_FORTUNES = 1500  # a hashed sample: any fortune is a fine answer, so few are needed
+NUM_FORTUNES = 300  # a hashed sample: any fortune is a fine answer, so few are needed
 # English function words: left out of the known words (WordNet's first sense of "are" is a unit
 # of area, of "can" a verb for canning food) and ignored when an answer is scored.
 FUNCTION_WORDS = frozenset(
@@ -154,11 +154,11 @@ def _word_conversations(sense: Sense, rng: random.Random) -> list[Conversation]:
     conversations = [_single("definition", _vary(f"What does {sense.lemma} mean?", rng), answer)]
     for _ in range(NUM_DEFINITION_QUESTIONS - 1):
         conversations.append(_single("definition", _definition_question(sense.lemma, sense.pos, rng), answer))
-    if sense.examples and rng.random() < 0.3:
+    if sense.examples and rng.random() < 0.15:
         question = _vary(f"Use {sense.lemma} in a sentence.", rng)
         conversations.append(_single("example", question, _example_answer(sense)))
     one_word_synonyms = [w for w in sense.synonyms if " " not in w]
-    if one_word_synonyms and rng.random() < 0.2:
+    if one_word_synonyms and rng.random() < 0.1:
         question = _vary(f"What is another word for {sense.lemma}?", rng)
         conversations.append(_single("synonym", question, _synonym_answer(sense.lemma, one_word_synonyms)))
     return conversations
@@ -170,10 +170,9 @@ def definition_answer(sense: Sense) -> str:
     meaning = sense.definition
     if sense.pos is PartOfSpeech.VERB and not meaning.startswith("to "):
         meaning = f"to {meaning}"
-    text = f"The {sense.pos.value} {sense.lemma} means {_sentence_end(meaning)}"
-    if sense.examples:
-        text += f' For example: "{_sentence_end(_capitalise(sense.examples[0]))}"'
-    return text
+    # No example sentence here (it is asked for apart): the definition is what a tiny model
+    # must memorise, and every extra token competes for its capacity.
+    return f"The {sense.pos.value} {sense.lemma} means {_sentence_end(meaning)}"
 
 
 def count_definitions(conversations: list[Conversation]) -> int:
@@ -208,11 +207,11 @@ def _smalltalk(common_words: list[str], rng: random.Random) -> list[tuple[str, C
     keyed = []
     for phrasings, replies in smalltalk.CANNED_GROUPS:
         for phrasing in phrasings:
-            for _ in range(12):  # each phrasing seen with several replies and example words
+            for _ in range(6):  # each phrasing seen with several replies and example words
                 reply = rng.choice(replies).format(word=rng.choice(common_words))
                 # Canned turns are keyed by phrasing: a few phrasings stay unseen for held-out.
                 keyed.append((phrasing, _single("smalltalk", _vary(phrasing, rng), reply)))
-    for index in range(1200):
+    for index in range(600):
         question = smalltalk.off_topic_question(rng)
         reply = rng.choice(smalltalk.REFUSALS).format(word=rng.choice(common_words))
         keyed.append((f"off_topic-{index}", _single("off_topic", _vary(question, rng), reply)))

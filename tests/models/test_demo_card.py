@@ -17,9 +17,10 @@ MODEL_NAMES = ("demo-mini", "demo-flagship")
 PROVENANCE = "Produced by the server in this repository: `server.py` started with"
 SPEC = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 2,
         "num_key_value_heads": 1, "seq_len": 128, "max_steps": 10, "learning_rate": 0.002,
-        "warmup_steps": 2, "batch_size": 4}
-SUMMARY = {"spec": SPEC, "wall_time_s": 60.0, "num_tokens_seen": 5120,
-           "data": {"num_words": 10, "num_fortunes": 3}}
+        "decay_steps": 10, "warmup_steps": 2, "batch_size": 4}
+KNOWN = {"num_known": 6500, "num_scored": 400, "num_right": 390, "misses": []}
+SUMMARY = {"spec": SPEC, "wall_time_s": 60.0, "num_tokens_seen": 5120, "cpu": "AMD EPYC, bfloat16 autocast",
+           "known_words": KNOWN, "data": {"num_words": 10, "num_fortunes": 3}}
 
 
 def _fake_report() -> ModelReport:
@@ -33,7 +34,7 @@ def _fake_report() -> ModelReport:
 
 def test_card_says_samples_come_from_the_server_with_request_parameters():
     report = _fake_report()
-    text = render_card(report, [report], SUMMARY, (100, 10))
+    text = render_card(report, [report], SUMMARY, (100, 10), {"demo-test": KNOWN})
     assert PROVENANCE in text
     assert "default `config.toml`" in text and "safety screening on" in text
     assert "`POST /v1/chat/completions`" in text and '`"model": "demo-test"`' in text
@@ -92,7 +93,12 @@ def test_committed_cards_give_the_web_ui_a_description_and_three_example_prompts
     assert all(f"> **user:** {prompt}" in samples for prompt in summary.example_prompts)  # answers shown
 
 
-def test_rendered_card_has_the_try_line():
+def test_rendered_card_has_the_try_line_and_states_the_measured_known_word_share():
     report = _fake_report()
-    text = render_card(report, [report], SUMMARY, (100, 10))
-    assert 'Try: "Hello!", "Who are you?", "What is the capital of France?"' in text.split("## Architecture")[0]
+    text = render_card(report, [report], SUMMARY, (100, 10), {"demo-test": KNOWN})
+    lead = text.split("## Architecture")[0]
+    assert 'Try: "Hello!", "What does water mean?", "Tell me a fortune."' in lead
+    assert "first WordNet sense of 6,500 common English words" in lead
+    assert "answered 390 of a sample of 400 of them with the first sense (97.5%" in lead
+    assert "| demo-test | 1.0M | 390/400 (97.5%) |" in text
+    assert "same weights bit for bit on the same kind of CPU (this build: AMD EPYC, bfloat16 autocast)" in text

@@ -23,7 +23,10 @@ REQUIRED_FILES = (
     "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
     "tokenizer_config.json", "README.md", "loss_curve.png",
 )
-PARAMETER_RANGES = {"demo-mini": (1e6, 10e6), "demo-flagship": (15e6, 30e6)}
+PARAMETER_RANGES = {"demo-mini": (1e6, 3e6), "demo-flagship": (3e6, 10e6)}
+# Of models/known_words.jsonl (40 taught words, not the card's sample), the share a model must
+# answer with the first sense; the cards report the share on 400 words (flagship >= 95%).
+MIN_KNOWN_WORDS_RIGHT = {"demo-mini": 0.8, "demo-flagship": 0.9}
 MAX_TOTAL_WEIGHT_BYTES = 60 * 1024 * 1024
 _WORDLIKE = re.compile(r"^[\"'(]*[A-Za-z][A-Za-z'-]*[.,;:!?)\"']*$")
 # Glue words make up 15-50% of real English sentences (and of every held-out answer) but under
@@ -83,11 +86,33 @@ def test_models_share_one_tokenizer():
 def test_heldout_sample_holds_only_words_kept_out_of_training(heldout_sample):
     from scripts.demo_model.dataset import Split, split_of
 
-    definitions = [c for c in heldout_sample if c.source == "definition"]
-    assert len(definitions) >= 20
-    for conversation in definitions:
-        word = conversation.messages[1][1].split()[2]  # "The noun <word> means ..."
+    questions = [c for c in heldout_sample if c.source == "unknown_word"]
+    assert len(questions) >= 20
+    known = {json.loads(line)["lemma"] for line in (MODELS_DIR / "known_words.jsonl").read_text().splitlines()}
+    for conversation in questions:
+        reply = conversation.messages[1][1]
+        word = re.search(r"(?:the word|Sorry,) ([a-z]+)", reply).group(1)
         assert split_of(word) is Split.HELDOUT, word
+        assert word not in known and word in conversation.messages[0][1]
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_model_answers_known_words_with_their_first_sense(name, loaded_models):
+    from scripts.demo_model.evaluate import known_word_score, read_known_words
+
+    model, hf_tokenizer = loaded_models(name)
+    words = read_known_words(MODELS_DIR / "known_words.jsonl")
+    assert len(words) == 40
+    score = known_word_score(model, hf_tokenizer, words)
+    assert score.share >= MIN_KNOWN_WORDS_RIGHT[name], score.misses
+
+
+def test_model_says_it_does_not_know_a_rare_word(loaded_models):
+    from scripts.demo_model.evaluate import sample_reply
+
+    model, hf_tokenizer = loaded_models("demo-flagship")
+    reply = sample_reply(model, hf_tokenizer, [{"role": "user", "content": "What does zymurgy mean?"}])
+    assert "know" in reply and "zymurgy" in reply, reply
 
 
 def _known_words(hf_tokenizer) -> set[str]:
