@@ -223,7 +223,8 @@ class QueueConfig:
         "Every this many seconds of waiting raises a request's priority by one level, so lower tiers are served in "
         "bounded time. The wait counts across retries: a load refusal (503 queue_full, queue_wait_too_long or "
         "queue_displaced) starts a record for the API key, and the key's retries rank as if they had waited in line "
-        "since then, until one gets into the engine. A record ends when the key has not been refused for 3 x aging_s; "
+        "since then, until one gets into the engine. A record ends when the key has not been refused for 60 s (the "
+        "longest Retry-After sent) + aging_s; "
         "4,096 keys are remembered (least recently refused forgotten first); keyless requests of one organisation "
         "are one key. 0: strict priority, no aging.",
     )

@@ -12,15 +12,22 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
+from gateway.errors import MAX_RETRY_AFTER_S
+
 MAX_KEYS = 4096  # keys remembered at once; the least recently refused is forgotten first
-EXPIRE_AGINGS = 3.0  # a record ends when its key has not been refused for this many aging_s
+
+
+def expire_s(aging_s: float) -> float:
+    """How long a key may go unrefused and keep its record: longer than any Retry-After the
+    server sends (a client that obeys one comes back with its age), plus one aging step."""
+    return MAX_RETRY_AFTER_S + aging_s
 
 
 class RetryAges:
     """Per key: (first refusal, last refusal) of its still-unserved asking, bounded and expiring.
 
     A key's record ends when it gets a reservation (`admitted`), when the key has not been
-    refused for `EXPIRE_AGINGS * aging_s` (the client gave up, or went quiet longer than any
+    refused for `expire_s(aging_s)` (the client gave up: it went quiet longer than any
     Retry-After it was sent), or when `max_keys` newer keys push it out. aging_s <= 0 (no
     aging) keeps nothing. Keys are the limiter's: an API key id, or one "org:<id>" for every
     keyless request of an organisation (keyless local use is one identity).
@@ -28,7 +35,7 @@ class RetryAges:
 
     def __init__(self, aging_s: float, clock: Callable[[], float], *, max_keys: int = MAX_KEYS):
         self.aging_s = aging_s
-        self.expire_s = EXPIRE_AGINGS * aging_s
+        self.expire_s = expire_s(aging_s)
         self.max_keys = max_keys
         self._clock = clock
         self._records: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key -> (first_s, last_s)

@@ -3,7 +3,8 @@ retries carry, cleared on admission, expiring, bounded."""
 
 from __future__ import annotations
 
-from gateway.retry_age import EXPIRE_AGINGS, RetryAges
+from gateway.errors import MAX_RETRY_AFTER_S
+from gateway.retry_age import RetryAges, expire_s
 from tests.gateway.fakes import FakeClock
 
 AGING_S = 10.0
@@ -51,13 +52,14 @@ def test_a_displaced_request_ages_from_when_it_joined_the_line():
     assert ages.waiting_since("k") == joined_s
 
 
-def test_a_record_expires_when_its_key_stops_retrying():
+def test_a_record_outlives_the_longest_retry_after_and_expires_when_its_key_stops_retrying():
     ages, clock = make_ages()
+    assert expire_s(AGING_S) > MAX_RETRY_AFTER_S  # a client that obeys Retry-After keeps its age
     ages.refused("k")
-    clock.advance(EXPIRE_AGINGS * AGING_S)  # exactly the limit: still alive
+    clock.advance(expire_s(AGING_S))  # exactly the limit: still alive
     assert ages.waiting_since("k") is not None
     ages.refused("k")  # a retry refreshes it
-    clock.advance(EXPIRE_AGINGS * AGING_S + 0.1)
+    clock.advance(expire_s(AGING_S) + 0.1)
     assert ages.waiting_since("k") is None and len(ages) == 0
     ages.refused("k")
     assert ages.waiting_since("k") == clock()  # a fresh record, not the expired start
