@@ -33,12 +33,9 @@ def test_wordnet_proper_noun_synsets_are_skipped():
     assert _parse_data_line(line, "paris", PartOfSpeech.NOUN, 0) is None
 
 
-def test_definition_answer_names_part_of_speech_and_quotes_example():
+def test_definition_answer_names_part_of_speech_and_leaves_the_example_to_its_own_question():
     sense = _parse_data_line(DOG_LINE, "dog", PartOfSpeech.NOUN, 1)
-    assert definition_answer(sense) == (
-        'The noun dog means a member of the genus Canis that has been domesticated by man. '
-        'For example: "The dog barked all night."'
-    )
+    assert definition_answer(sense) == "The noun dog means a member of the genus Canis that has been domesticated by man."
     verb = Sense("run", PartOfSpeech.VERB, "move fast by using one's feet", (), (), 29)
     assert definition_answer(verb) == "The verb run means to move fast by using one's feet."
 
@@ -122,7 +119,7 @@ def test_known_words_are_all_trained_and_unknown_ones_get_i_do_not_know():
     trained = [m for c in splits[Split.TRAIN] for m in c.messages]
     for lemma in frequent:
         answer = f"The noun {lemma} means the meaning of {lemma}."
-        assert sum(content == answer for _, content in trained) >= 2  # asked two ways, never held out
+        assert sum(content == answer for _, content in trained) >= 3  # asked three ways, never held out
         assert any(role == "user" and content.lower().startswith(f"what does {lemma} mean") for role, content in trained)
     replies = [content for c in splits[Split.TRAIN] + splits[Split.HELDOUT] for role, content in c.messages
                if role == "assistant" and "rare" in content]
@@ -190,3 +187,20 @@ def test_a_run_resumed_from_its_checkpoint_ends_with_the_same_weights(tmp_path):
     assert train_rows == [r for r in resumed_result.log_rows if "train_loss" in r]
     other_data = Checkpointing(checkpoint.path, "data-v2")  # same file, other data: starts over
     assert other_data.restore(spec, resumed, torch.optim.AdamW(resumed.parameters()))[0] == 0
+
+
+def test_training_loss_is_the_models_own_loss_over_labelled_positions():
+    import torch
+
+    from scripts.demo_model.train import SpecialIds, _loss, llama_config
+
+    torch.manual_seed(0)
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(llama_config(MINI, 4096, SpecialIds(eos_token_id=1, pad_token_id=0)))
+    input_ids = torch.randint(0, 4096, (2, 48))
+    labels = input_ids.clone()
+    labels[0, :20] = IGNORE_INDEX
+    labels[1, 30:] = IGNORE_INDEX
+    expected = model(input_ids=input_ids, labels=labels).loss
+    assert torch.allclose(_loss(model, input_ids, labels), expected, atol=1e-5)
