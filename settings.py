@@ -228,6 +228,11 @@ class QueueConfig:
         "4,096 keys are remembered (least recently refused forgotten first); keyless requests of one organisation "
         "are one key. 0: strict priority, no aging.",
     )
+    age_retries: bool = setting(
+        True,
+        "Count a key's wait across its retries after load refusals (see aging_s). false: a refused request never "
+        "ages, and a lower tier gets nothing while higher tiers alone fill the engine.",
+    )
 
 
 @dataclass(frozen=True, slots=True)

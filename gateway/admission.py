@@ -244,5 +244,5 @@ def build_admission(settings: Settings, backends: Mapping[str, Backend], metrics
     for name, backend in backends.items():
         metrics.set_stats_source(name, backend.stats, queues[name])
     router = TierRouter(settings.models, settings.tiers, queues)
-    retry_ages = RetryAges(settings.queue.aging_s, time.monotonic)  # the queues' clock
-    return Admission(RateLimiter(), router, queues, metrics, retry_ages)
+    retry_ages = RetryAges(settings.queue.aging_s, time.monotonic) if settings.queue.age_retries else None
+    return Admission(RateLimiter(), router, queues, metrics, retry_ages)  # ages on the queues' clock

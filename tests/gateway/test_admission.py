@@ -270,3 +270,16 @@ async def test_without_retry_ages_the_same_flood_starves_the_lower_tiers():
     )
     waits = await flood(admission, clock)
     assert waits["f"] == [] and waits["p"] == []
+
+
+@pytest.mark.parametrize("age_retries", [True, False])
+async def test_the_server_counts_waits_across_retries_unless_the_setting_turns_it_off(age_retries):
+    from gateway.admission import build_admission
+    from gateway.metrics import Metrics
+    from settings import load_settings
+    from testing.fake_backend import FakeBackend
+
+    settings = load_settings(None, ["queue.aging_s=10", f"queue.age_retries={str(age_retries).lower()}"])
+    admission = build_admission(settings, {"mini": FakeBackend(words=("a",))}, Metrics())
+    admission.retry_ages.refused("k")
+    assert (admission.retry_ages.waiting_since("k") is not None) is age_retries
