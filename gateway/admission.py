@@ -78,8 +78,9 @@ class Pass:
         assert self.ticket is not None, "place() first"
         try:
             is_admitted = await self.ticket.wait(timeout_s)
-        except Overloaded:
-            self._admission.count_displaced(self)
+        except Overloaded as exc:
+            if exc.reason is Reason.DISPLACED:  # not SHUTTING_DOWN: the queue stopped
+                self._admission.count_displaced(self)
             raise
         if is_admitted:
             self.note_admitted()

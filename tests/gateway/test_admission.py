@@ -187,6 +187,17 @@ async def test_a_displaced_request_ages_on_from_when_it_joined_the_line():
     assert admission.retry_ages.waiting_since("f1") == joined_s
 
 
+async def test_a_request_failed_by_shutdown_is_neither_displaced_nor_aged():
+    admission, _ = make_admission(capacity=1, max_waiting_requests=1)
+    admit(admission, caller("enterprise", "e1"), "run")
+    waiting = admit(admission, caller("free", "f1"), "f")
+    await admission.queues["mini"].stop()
+    with pytest.raises(Overloaded) as info:
+        await waiting.wait(0)
+    assert info.value.reason is Reason.SHUTTING_DOWN
+    assert admission.retry_ages.waiting_since("f1") is None
+
+
 FLOOD_TIERS = {
     "free": TierConfig(priority=0, models=["mini"], wait_target_s=20.0, requests_per_minute=100_000),
     "plus": TierConfig(priority=1, models=["mini"], wait_target_s=10.0, requests_per_minute=100_000),
