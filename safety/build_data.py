@@ -3,7 +3,8 @@ WordNet and fortunes packages. The first records of each file (no `source` field
 by hand directly in JSON and are kept as they are; records with a `source` are regenerated.
 
 An added record is held out when its id (SHA-1 of its text) is 1 mod 4: about a quarter of
-each group, and adding records never moves another one between the splits.
+each group, and adding records never moves another one between the splits; the demo models'
+canned replies are all trained on (they are measured through safety/demo_answers.jsonl).
 Usage: .venv/bin/python -m safety.build_data   (needs: apt-get install wordnet-base fortunes)
 """
 
@@ -170,12 +171,22 @@ def read_fortunes() -> list[dict]:
 def read_demo_replies() -> list[dict]:
     """The demo models' canned replies (greetings, who they are, polite refusals): the text
     they send most often, so a false block there would show on almost every chat."""
-    from scripts.demo_model.smalltalk import CANNED_GROUPS, REFUSALS
+    from scripts.demo_model.smalltalk import CANNED_GROUPS, REFUSALS, UNKNOWN_WORD
 
-    replies = [reply for _, group_replies in CANNED_GROUPS for reply in group_replies] + list(REFUSALS)
+    replies = [reply for _, group_replies in CANNED_GROUPS for reply in group_replies]
+    replies += [*REFUSALS, *UNKNOWN_WORD]
     words = ("harbor", "serendipity", "flow", "appreciate")
-    texts = {reply.format(word=words[i % len(words)]) for i, reply in enumerate(replies)}
+    texts = {reply.format(word=words[i % len(words)], unknown="zymurgy") for i, reply in enumerate(replies)}
+    # The output filter judges an answer while it streams, so it reads these replies' openings
+    # too ("I am a tiny demo model that ships with this" was blocked as malware): train on them.
+    texts |= {prefix for text in list(texts) for prefix in _openings(text)}
     return [_demo_record(t, "demo_smalltalk") for t in sorted(texts)]
+
+
+def _openings(text: str, step: int = 4, min_words: int = 6) -> list[str]:
+    """The text cut after min_words words, then every step words (never the whole text)."""
+    words = text.split()
+    return [" ".join(words[:n]) for n in range(min_words, len(words), step)]
 
 
 def _demo_record(text: str, source: str) -> dict:
@@ -189,6 +200,11 @@ def split(records: list[dict]) -> list[dict]:
     for r in records:
         r["id"] = record_id(r["turns"])
         r["split"] = "heldout" if int(r["id"], 16) % 4 == 1 else "train"
+        if r["source"] == "demo_smalltalk":
+            # The demo models' fixed replies, sent word for word on most chats: all trained on.
+            # How the filter treats the models' answers in general is measured on the answers
+            # sampled from them (demo_answers.jsonl), which are never trained on.
+            r["split"] = "train"
     return records
 
 

@@ -35,7 +35,7 @@ SAMPLE_PROMPTS = (
     "Who are you?",
     "What does water mean?",
     "What does happy mean?",
-    "What does harbor mean?",
+    "What does music mean?",
     "What does {heldout} mean?",
     "Define {heldout2}.",
     "Use garden in a sentence.",
@@ -409,13 +409,16 @@ def _data_section(stats: dict) -> list[str]:
         "## Training data and licences",
         "",
         "Built by `scripts/demo_model/dataset.py` from Debian packages installed with apt "
-        f"({_package_versions()}): for {stats['num_words']:,} English words, the first WordNet 3.0 "
-        'sense as "What does X mean?" (and other phrasings) answered with the definition '
-        'and an example sentence, plus some "use X in a sentence" and "another word for '
-        f'X" turns; {stats["num_fortunes"]:,} short fortunes as answers to "Tell me a fortune."; and '
+        f"({_package_versions()}) and the English word list of the `wordfreq` package: for "
+        f"{stats['num_words']:,} known words (of wordfreq's {NUM_FREQUENT_WORDS:,} most frequent, "
+        "those WordNet defines, function words aside), the first WordNet 3.0 sense, asked three "
+        'ways ("What does X mean?" and two other phrasings) and answered with the definition, plus '
+        'some "use X in a sentence" (WordNet\'s example) and "another word for X" turns; rare '
+        'WordNet words answered with "I don\'t know the word X"; '
+        f'{stats["num_fortunes"]:,} short fortunes as answers to "Tell me a fortune."; and '
         "greeting, identity, help and refusal turns. 15% of conversations are chained into "
-        "2-3 turn chats, 10% carry a system prompt. 3% of the words, fortunes and phrasings "
-        "(chosen by a hash) are held out.",
+        "2-3 turn chats, 10% carry a system prompt. 3% of the rare words, fortunes and phrasings "
+        "(chosen by a hash) are held out; no known word is.",
         "",
         "### WordNet",
         "",

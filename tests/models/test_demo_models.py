@@ -1,6 +1,7 @@
 """The committed demo models: complete Hugging Face folders within the size limits, the
-project's chat template, readable answers to held-out questions, and a flagship that beats
-the mini on held-out perplexity. Runs the real weights with transformers on CPU."""
+project's chat template, the first sense of the words they claim to know, "I don't know" for
+others, and readable answers to held-out questions. Runs the real weights with transformers on
+CPU."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ REQUIRED_FILES = (
     "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
     "tokenizer_config.json", "README.md", "loss_curve.png",
 )
-PARAMETER_RANGES = {"demo-mini": (1e6, 3e6), "demo-flagship": (3e6, 10e6)}
+PARAMETER_RANGES = {"demo-mini": (1e6, 2e6), "demo-flagship": (2e6, 5e6)}
 # Of models/known_words.jsonl (40 taught words, not the card's sample), the share a model must
 # answer with the first sense; the cards report the share on 400 words (flagship >= 95%).
 MIN_KNOWN_WORDS_RIGHT = {"demo-mini": 0.8, "demo-flagship": 0.9}
@@ -144,16 +145,17 @@ def test_model_answers_heldout_what_does_x_mean_with_words_and_punctuation(name,
         _assert_readable(reply, _known_words(hf_tokenizer))
 
 
-def test_flagship_heldout_perplexity_is_lower_than_mini(loaded_models, heldout_sample):
+def test_heldout_perplexity_stays_that_of_language_not_of_noise(loaded_models, heldout_sample):
+    """Held-out text (unknown words, fortunes, phrasings never trained on) stays predictable:
+    memorising the known words must not wreck the rest. (The flagship, which memorises more,
+    is not lower than the mini here; its edge is the known words, carded by both.)"""
     from scripts.demo_model.evaluate import heldout_loss, perplexity
     from scripts.demo_model.tokenizer import encode_conversation
 
-    perplexities = {}
     for name in MODEL_NAMES:
         model, hf_tokenizer = loaded_models(name)
         encoded = [encode_conversation(hf_tokenizer.backend_tokenizer, c) for c in heldout_sample]
-        perplexities[name] = perplexity(heldout_loss(model, encoded))
-    assert perplexities["demo-flagship"] < perplexities["demo-mini"] < 100.0, perplexities
+        assert perplexity(heldout_loss(model, encoded)) < 30.0, name
 
 
 def test_readability_check_rejects_random_token_soup():
