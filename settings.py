@@ -356,7 +356,9 @@ class SafetyConfig:
         "alone.",
     )
     embed_dtype: str = setting(
-        "auto", "Embedder matmul dtype: float32, bfloat16, or auto (bfloat16 only where the CPU has AMX)."
+        "auto",
+        "Embedder matmul weights: float32, bfloat16, int8 (quantized at load, 32 inputs per scale; the same "
+        "verdicts as float32 on the held-out set), or auto (bfloat16 where the CPU has AMX, else int8).",
     )
     embed_cache_entries: int = setting(
         4096, "Per-message classifier features kept, so later turns do not re-embed history."

@@ -11,7 +11,8 @@ measure of the gate's cost needs answers it passes; blocked ones are still count
   message each (the system prompt is in the engine's prefix cache, the user message is new).
 Also `transformers`' static batch of 32 on the same prompts (the issue's table form). Servers
 alternate (off, on, off, on, ...) so slow drift of a shared machine hits both; `--variants`
-adds "on-bf16" (the classifier's matmuls in bfloat16). Prints a table,
+adds "on-f32" (the classifier's weights in float32 instead of
+the default int8) and "on-bf16" (its matmuls in bfloat16). Prints a table,
 the targets (safety on >= 90% of off at 32 streams; warm TTFT on <= 1.3x off) and one JSON line.
 """
 
@@ -50,6 +51,9 @@ SERVER_SETTINGS = {
     "tiers.enterprise.max_concurrent_streams": 1000,  # keyless loopback requests are enterprise
     "tiers.enterprise.requests_per_minute": 100_000,
     "tiers.enterprise.tokens_per_minute": 100_000_000,
+    # The closed loop's 32 streams arrive at once; the queue's wait estimate must not shed them
+    # (it measured 61 s on the first burst): this bench measures the gate, not load shedding.
+    "queue.max_wait_s": 3600,
 }
 
 
@@ -89,7 +93,8 @@ class StreamResult:
 # Server configurations compared: name -> settings over SERVER_SETTINGS.
 VARIANTS = {
     "off": {"safety.enabled": "false"},
-    "on": {"safety.enabled": "true"},  # the default configuration
+    "on": {"safety.enabled": "true"},  # the default configuration (embed_dtype auto: int8 without AMX)
+    "on-f32": {"safety.enabled": "true", "safety.embed_dtype": "float32"},  # the classifier's weights in fp32
     "on-bf16": {"safety.enabled": "true", "safety.embed_dtype": "bfloat16"},  # the classifier's matmuls in bf16
 }
 

@@ -8,13 +8,19 @@ step has hundreds of ops. The native engines therefore share one step thread per
 (engine/native/backend.py), and other code that runs torch on the side (the safety
 classifier) limits its own threads to one with `single_threaded_torch()`, which creates no
 pool at all. `torch.set_num_threads` would not do: it also changes the process-wide default.
+Better still, such code hands its work to the step thread itself (`PoolOwner`), which runs it
+between steps on its own pool: all the cores, one turn at a time.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from functools import cache
 from pathlib import Path
 
@@ -56,3 +62,78 @@ def single_threaded_torch() -> bool:
         return False
     lib.omp_set_num_threads(1)
     return True
+
+
+class PoolOwner:
+    """Work that other code hands to the thread that owns the process's CPU OpenMP pool (the
+    native engines' CPU step thread, engine/native/backend.py), run there between its own
+    steps. Such work gets every core without a second pool, and it takes turns with the engine
+    instead of competing with it: on a machine with as many pool threads as cores, a third
+    runnable thread (a side worker) stalls every parallel region of the engine's step for as
+    long as it shares a core with one of the pool's threads.
+
+    The owner registers itself with `claim`, calls `run_pending` between steps, and `release`s
+    before it exits; `post` sets its wake-up event so that an idle owner runs the work at once.
+    """
+
+    _lock = threading.Lock()
+    _current: PoolOwner | None = None
+
+    def __init__(self, wakeup: threading.Event):
+        self._wakeup = wakeup
+        self._pending: list[tuple[Future, Callable[[], object]]] = []
+
+    @classmethod
+    def claim(cls, owner: PoolOwner) -> None:
+        with cls._lock:
+            cls._current = owner
+
+    def release(self) -> bool:
+        """Stop taking work; False (still the owner) while work is pending: run it, then retry."""
+        with PoolOwner._lock:
+            if self._pending:
+                return False
+            if PoolOwner._current is self:
+                PoolOwner._current = None
+            return True
+
+    @classmethod
+    def post(cls, fn: Callable[[], object]) -> Future | None:
+        """Queue `fn` on the current owner; None when no owner runs (the caller runs it elsewhere)."""
+        with cls._lock:
+            owner = cls._current
+            if owner is None:
+                return None
+            future: Future = Future()
+            owner._pending.append((future, fn))
+        owner._wakeup.set()
+        return future
+
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def run_pending(self) -> None:
+        """Run the work queued so far, in order (blocking; on the owner's thread)."""
+        with PoolOwner._lock:
+            pending, self._pending = self._pending, []
+        for future, fn in pending:
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn()
+            except BaseException as exc:  # handed to the caller, as an executor would
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+
+class PoolOwnerExecutor(Executor):
+    """An Executor that runs each call on the CPU pool's owner when one runs (PoolOwner), else
+    on `fallback()` (for example a single-threaded worker, when no native CPU engine runs)."""
+
+    def __init__(self, fallback: Callable[[], Executor]):
+        self._fallback = fallback
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future = PoolOwner.post(functools.partial(fn, *args, **kwargs))
+        return future if future is not None else self._fallback().submit(fn, *args, **kwargs)

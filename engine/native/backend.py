@@ -24,6 +24,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.native.llm_engine import LLMEngine, RequestOutput
 from engine.native.loader import load_model_args
 from engine.tokenizer import Tokenizer
+from engine.torch_threads import PoolOwner
 from engine.types import (
     EngineError,
     EngineStats,
@@ -343,7 +344,8 @@ class NativeBackend:
 class _StepThread:
     """The thread that builds and steps every native engine of one device, one step each in
     turn, and sleeps when none has work. It exits when its last engine leaves, so that its
-    OpenMP pool goes with it."""
+    OpenMP pool goes with it. The CPU's step thread also runs other code's CPU work between
+    steps (engine/torch_threads.PoolOwner: the safety classifier), on the same pool."""
 
     _registry: ClassVar[dict[str, _StepThread]] = {}
     _registry_lock = threading.Lock()
@@ -353,6 +355,7 @@ class _StepThread:
         self.wakeup = threading.Event()
         self._arrivals: list[tuple[NativeBackend, asyncio.Future]] = []
         self._members: list[NativeBackend] = []
+        self.side_work = PoolOwner(self.wakeup) if key == "cpu" else None
         self.thread = threading.Thread(target=self._run, name=f"native-engine-step-{key}", daemon=True)
 
     @classmethod
@@ -370,6 +373,8 @@ class _StepThread:
         return stepper
 
     def _run(self) -> None:
+        if self.side_work is not None:
+            PoolOwner.claim(self.side_work)
         while True:
             self.wakeup.clear()
             with self._registry_lock:
@@ -384,11 +389,17 @@ class _StepThread:
                     self._members.remove(backend)
                     backend._stopped.set()
                 busy = busy or state is _Tick.BUSY
+            if self.side_work is not None:
+                self.side_work.run_pending()  # one turn for the side work, then the engines again
             if not self._members:
+                if self.side_work is not None and not self.side_work.release():
+                    continue  # work arrived meanwhile: run it before leaving
                 with self._registry_lock:
                     if not self._arrivals:
                         del self._registry[self.key]
                         return
+                if self.side_work is not None:
+                    PoolOwner.claim(self.side_work)  # a new engine arrived: stay the owner
                 continue
             if not busy:
                 self.wakeup.wait()

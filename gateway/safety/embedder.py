@@ -35,17 +35,23 @@ def default_model_dir() -> Path:
     return Path(get_model_path())
 
 
+EMBED_DTYPES = ("float32", "bfloat16", "int8")
+
+
 def resolve_dtype(name: str) -> str:
-    """'auto' -> bfloat16 on CPUs with AMX (about 2x faster there), else float32."""
+    """'auto' -> bfloat16 on CPUs with AMX (about 2x faster there), else int8: the same verdicts
+    as float32 on the held-out set and the demo answers, a quarter of the weight bytes for the
+    short texts whose forward reads the weights more than it computes, and as fast on batches
+    (bench/RESULTS.md #22)."""
     if name != "auto":
-        if name not in ("float32", "bfloat16"):
-            raise ValueError(f"embed_dtype must be float32, bfloat16 or auto, got {name!r}")
+        if name not in EMBED_DTYPES:
+            raise ValueError(f"embed_dtype must be {', '.join(EMBED_DTYPES)} or auto, got {name!r}")
         return name
     try:
         flags = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
-        return "float32"
-    return "bfloat16" if " amx_bf16" in flags else "float32"
+        return "int8"
+    return "bfloat16" if " amx_bf16" in flags else "int8"
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,10 +149,15 @@ class MiniLmEmbedder:
         max_tokens: int = 128,
         adapter: Mapping[str, np.ndarray] | None = None,
         use_kernels: bool = True,
+        kernel_isa: str = "auto",
     ):
         """`adapter`: weight deltas from the trained head file (`encoder.layer.N.<name>.weight`
-        -> [out, in] array), added to the shipped weights before any cast. `use_kernels`: run
-        float32 matmuls on the engine's packed CPU kernels where this CPU has them."""
+        -> [out, in] array), added to the shipped weights before any cast. `dtype`: the matmuls'
+        weights in float32, bfloat16, or int8 (quantized once here, per group of 32 inputs with
+        one scale, as the engine's `engine.quantization = "int8"`; activations stay float32).
+        `use_kernels`: run float32 and int8 matmuls on the engine's packed CPU kernels where
+        this CPU has them; `kernel_isa` forces a lower instruction set, as `engine.kernel_isa`
+        (auto, avx512, avx2, or torch: PyTorch ops on the same rounded weights)."""
         import torch
         from tokenizers import Tokenizer
 
@@ -158,9 +169,10 @@ class MiniLmEmbedder:
                 raise ValueError(f"adapter weight {key} does not fit the encoder")
             w[key] = w[key] + torch.from_numpy(np.asarray(delta, dtype=np.float32))
         self.max_tokens = min(max_tokens, self._shape.max_position_embeddings)
-        self._dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        self.dtype = dtype
+        self._dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32}[dtype]
         self._weights = self._cast(w)
-        self._packed = self._pack() if dtype == "float32" and use_kernels else {}
+        self._packed = self._pack(kernel_isa, w) if dtype in ("float32", "int8") and use_kernels else {}
         self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self._tokenizer.no_padding()  # the shipped file pads to 128; we pad per batch instead
         self._tokenizer.no_truncation()  # we cut texts into windows ourselves
@@ -178,27 +190,38 @@ class MiniLmEmbedder:
         )
 
     def _cast(self, w: dict) -> dict:
-        """Matmul weights and biases in the compute dtype, once; LayerNorms stay float32."""
+        """Matmul weights and biases in the compute dtype, once; LayerNorms stay float32. int8:
+        the matmul weights rounded as the int8 kernels round them, kept as float32 (what PyTorch
+        ops compute with where no kernels run; the kernels pack their own int8 copy)."""
+        from engine.native.quant import fake_quantize
+
         out = dict(w)
         for key in w:
             if key.startswith("encoder.") and "LayerNorm" not in key:
                 out[key] = w[key].to(self._dtype)
+                if self.dtype == "int8" and key.endswith(".weight"):
+                    out[key] = fake_quantize(w[key])
         return out
 
-    def _pack(self) -> dict:
+    def _pack(self, isa: str, w: dict) -> dict:
         """Encoder matmul weights packed once for the engine's CPU kernels (engine/native), which
         are about 3x faster than F.linear on a few rows: a BLAS sgemm re-packs the weight on
-        every call. Empty (F.linear) where the kernels cannot be built or the CPU is not x86."""
+        every call. The kernel mode is the engine's one decision (`resolve_mode`), so the same
+        AVX-512 and AVX2 paths run here. Empty (F.linear) where the kernels cannot be built,
+        the CPU is not x86, or `isa` is "torch"."""
         import torch
 
         from engine.native.kernels import KernelMode, load_kernels, resolve_mode
+        from engine.native.quant import Quantization
 
-        mode = resolve_mode(enabled=True, isa="auto", device=torch.device("cpu"), dtype=torch.float32)
+        mode = resolve_mode(enabled=True, isa=isa, device=torch.device("cpu"), dtype=torch.float32)
         if mode is KernelMode.TORCH:
             return {}
         kernels = load_kernels(mode)
+        quantization = Quantization.INT8 if self.dtype == "int8" else Quantization.NONE
         names = [f"encoder.layer.{i}.{n}" for i in range(self._shape.num_layers) for n in ADAPTABLE]
-        packed = {name: kernels.pack_linear(self._weights[name + ".weight"]) for name in names}
+        # int8 packs from the float32 weights it rounds itself: the same values as _cast's.
+        packed = {name: kernels.pack_linear(w[name + ".weight"], quantization) for name in names}
         for name in names:
             del self._weights[name + ".weight"]  # the packed copy replaces it
         return packed

@@ -1,8 +1,9 @@
 """The safety gate: screens a conversation before the engine and hands out output filters.
 
-Layers run cheapest first: rules, then the classifier. Both run on a worker thread, batched
-across requests (batcher.py: one encoder forward for every prompt and answer window waiting),
-and a conversation's verdict is cached by its text. Every decision is counted and logged without any text. The
+Layers run cheapest first: rules, then the classifier. Both run off the event loop (on the
+native CPU engine's step thread between its steps where one runs, else on a worker thread),
+batched across requests (batcher.py: one encoder forward for every prompt and answer window
+waiting), and a conversation's verdict is cached by its text. Every decision is counted and logged without any text. The
 gate never sees the engine; the server decides what a block means for the request.
 """
 
@@ -14,7 +15,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -28,10 +29,15 @@ from gateway.safety.rules import ALL_CATEGORIES, RuleSet
 from gateway.safety.types import SafetyLayer, Stage, Verdict
 from settings import ConfigError, SafetyConfig
 
-# The classifier's torch work runs on these threads, each limited to one OpenMP thread: a second
-# multi-threaded torch thread would give the process a second OpenMP pool, and with more pool
-# threads than cores every torch op, the engine's included, pays ~80 us to hand work over
-# (engine/torch_threads.py). Two of them let two requests be screened at once.
+# The classifier's batches run on the native CPU engine's step thread, between its steps, on
+# its OpenMP pool (engine/torch_threads.PoolOwner): all the cores, taking turns with the engine.
+# On 2 cores a worker thread of its own made a third runnable thread, which stalled the
+# engine's parallel regions whenever it shared a core with one of them (bench/RESULTS.md #22).
+# Without a native CPU engine (another backend, tests) and for loading, the work runs on these
+# threads, each limited to one OpenMP thread: a second multi-threaded torch thread would give
+# the process a second OpenMP pool, and with more pool threads than cores every torch op, the
+# engine's included, pays ~80 us to hand work over (engine/torch_threads.py). Two of them let
+# two requests be screened at once.
 _TORCH_WORKERS = 2
 _executor: ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
@@ -45,6 +51,13 @@ def _torch_executor() -> ThreadPoolExecutor:
 
             _executor = ThreadPoolExecutor(_TORCH_WORKERS, "safety-torch", initializer=single_threaded_torch)
         return _executor
+
+
+def _batch_executor() -> Executor:
+    """The CPU pool's owner when a native CPU engine runs, else the single-threaded workers."""
+    from engine.torch_threads import PoolOwnerExecutor
+
+    return PoolOwnerExecutor(_torch_executor)
 
 
 async def _off_loop(fn, *args):
@@ -108,7 +121,7 @@ class SafetyGate:
         self._output_rules = RuleSet.merged(config.deny, allow, builtin=False)
         self._classifier = classifier if config.classifier else None
         self._batcher: MicroBatcher[ScoreJob, Verdict] = MicroBatcher(
-            self._run_batch, _torch_executor, weight=lambda job: job.num_chars, max_batch_weight=_MAX_BATCH_CHARS
+            self._run_batch, _batch_executor, weight=lambda job: job.num_chars, max_batch_weight=_MAX_BATCH_CHARS
         )
         # digest of the screened turns -> their verdict
         self._screened: OrderedDict[bytes, Verdict] = OrderedDict()

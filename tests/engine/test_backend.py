@@ -4,12 +4,15 @@ every way a request can end early (aclose, cancellation, abort, shutdown) freein
 from __future__ import annotations
 
 import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from engine.native.backend import NativeBackend
 from engine.native.loader import ModelLoadError
 from engine.tokenizer import Tokenizer
+from engine.torch_threads import PoolOwner, PoolOwnerExecutor
 from engine.types import FinishReason, GenerationRequest, RequestRejected, SamplingParams
 from settings import EngineConfig
 
@@ -238,3 +241,30 @@ async def test_a_start_cancelled_while_loading_leaves_no_engine_in_the_step_thre
     else:
         raise AssertionError("the step thread kept the cancelled engine")
     assert backend._stopped.is_set() or backend.engine is None
+
+
+async def test_side_work_runs_on_the_cpu_step_thread_between_steps_and_elsewhere_after_shutdown(tiny_models):
+    # The safety classifier hands its batches to PoolOwnerExecutor: while a native CPU engine
+    # runs they run on its step thread (its OpenMP pool), also while requests are decoding.
+    model_dir = tiny_models.path(VARIANT)
+    config = EngineConfig(device="cpu", kv_cache_bytes=24 * 8192, max_num_seqs=8, max_num_batched_tokens=64)
+    backend = NativeBackend(model_dir, config, Tokenizer.from_dir(model_dir))
+    await backend.start()
+    loop = asyncio.get_running_loop()
+    with ThreadPoolExecutor(1, "fallback") as fallback:
+        executor = PoolOwnerExecutor(lambda: fallback)
+        try:
+            generating = asyncio.ensure_future(collect(backend, request("r", [5] * 9, max_tokens=32)))
+            names = await asyncio.gather(
+                *(loop.run_in_executor(executor, lambda: threading.current_thread().name) for _ in range(4))
+            )
+            assert set(names) == {"native-engine-step-cpu"}
+            assert len(await generating) == 32
+        finally:
+            await backend.shutdown()
+        for _ in range(500):  # the step thread runs what it still holds, then leaves
+            if not (probe := PoolOwner.post(lambda: None)):
+                break
+            probe.result(timeout=5)
+            await asyncio.sleep(0.01)
+        assert (await loop.run_in_executor(executor, lambda: threading.current_thread().name)).startswith("fallback")

@@ -31,7 +31,7 @@ def test_packed_linear_matches_f_linear(cpu, rows, out_features, in_features):
     torch.testing.assert_close(cpu.packed_linear(x, packed), F.linear(x, w), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 24, 25, 77])
 @pytest.mark.parametrize("out_features,in_features", [(96, 256), (40, 24), (33, 130)])
 def test_int8_packed_linear_computes_with_the_dequantized_weights(cpu, rows, out_features, in_features):
     # in_features 24 and 130: a last group shorter than 32.
@@ -44,6 +44,18 @@ def test_int8_packed_linear_computes_with_the_dequantized_weights(cpu, rows, out
         assert packed.nbytes == w.numel() * 9 // 8
     expected = F.linear(x, dequantize(quantize_int8(w)), b)
     torch.testing.assert_close(cpu.packed_linear(x, packed, b), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_int8_rows_give_the_same_sums_alone_and_in_a_batch(cpu):
+    # From 2 tiles of rows on, the kernel widens each int8 panel to fp32 once instead of in
+    # registers for every tile: the same numbers, so a row's output does not depend on its batch.
+    torch.manual_seed(3)
+    w, b = torch.randn(100, 200), torch.randn(100)
+    x = torch.randn(50, 200)
+    packed = cpu.pack_linear(w, Quantization.INT8)
+    batch = cpu.packed_linear(x, packed, b)
+    alone = torch.cat([cpu.packed_linear(x[i : i + 1], packed, b) for i in range(len(x))])
+    torch.testing.assert_close(batch, alone, atol=1e-6, rtol=1e-6)
 
 
 def test_int8_rounding_error_is_within_half_a_step_of_each_group():
