@@ -264,27 +264,24 @@ class MiniLmEmbedder:
     def _run(self, windows: list[list[int]]) -> list[np.ndarray]:
         """Per window, its last hidden states [len(window), 384]. The windows' tokens travel
         back to back ([num_tokens, hidden]) through the matmuls, so a batch of short and long
-        windows pays for no padding there; only attention pads them to one width."""
-        lengths = [len(w) for w in windows]
-        width = max(lengths)
-        ids = np.fromiter((t for w in windows for t in w), dtype=np.int64, count=sum(lengths))
+        windows pays for no padding there. Attention pads: the windows go longest first, in
+        groups whose width is at most twice their shortest (a window of 10 tokens beside one of
+        128 would pay for 128)."""
+        order = sorted(range(len(windows)), key=lambda i: -len(windows[i]))
+        lengths = [len(windows[i]) for i in order]
+        ids = np.fromiter((t for i in order for t in windows[i]), dtype=np.int64, count=sum(lengths))
         positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
-        mask = np.zeros((len(windows), width), dtype=np.int64)
-        for row, n in enumerate(lengths):
-            mask[row, :n] = 1
         torch = self._torch
         with self._lock, torch.inference_mode():
-            same_length = min(lengths) == width
-            layout = _Layout(
-                rows=torch.from_numpy(np.flatnonzero(mask)),
-                num_windows=len(windows),
-                width=width,
-                attn_mask=None if same_length else attention_mask(torch.from_numpy(mask), self._dtype),
-            )
+            layout = [_Group.of(lengths, first, end, self._dtype) for first, end in _groups(lengths)]
             x = self._hidden(torch.from_numpy(ids), torch.from_numpy(positions), layout).numpy()
-        return np.split(x, np.cumsum(lengths)[:-1])
+        states = np.split(x, np.cumsum(lengths)[:-1])
+        out: list[np.ndarray] = [states[0]] * len(windows)
+        for rank, i in enumerate(order):
+            out[i] = states[rank]
+        return out
 
-    def _hidden(self, ids, positions, layout: _Layout):
+    def _hidden(self, ids, positions, layout: list[_Group]):
         """[num_tokens] ids and positions -> [num_tokens, hidden] float32 last hidden states."""
         import torch.nn.functional as F
 
@@ -298,13 +295,13 @@ class MiniLmEmbedder:
             x = self._layer(x, layout, f"encoder.layer.{i}.")
         return x
 
-    def _layer(self, x, layout: _Layout, p: str):
+    def _layer(self, x, layout: list[_Group], p: str):
         """bert_layer on back-to-back rows: x [num_tokens, hidden] float32, matmuls in the
         compute dtype (packed kernels for float32 where built), residuals and norms in float32."""
         import torch.nn.functional as F
 
         s, w = self._shape, self._weights
-        ctx = layout.attend(self._linear(x, p + "qkv"), s.num_heads)  # [num_tokens, hidden]
+        ctx = _attend(layout, self._linear(x, p + "qkv"), s.num_heads)  # [num_tokens, hidden]
         att = self._linear(ctx, p + "attention.output.dense")
         norm = p + "attention.output.LayerNorm."
         x = F.layer_norm(x + att.float(), (s.hidden_size,), w[norm + "weight"], w[norm + "bias"], s.layer_norm_eps)
@@ -322,17 +319,50 @@ class MiniLmEmbedder:
         return F.linear(x.to(self._dtype), self._weights[name + ".weight"], bias)
 
 
-@dataclass(frozen=True, slots=True)
-class _Layout:
-    """Where each of a batch's back-to-back tokens sits in the padded [num_windows, width]."""
+def _groups(lengths: list[int]) -> list[tuple[int, int]]:
+    """[first, end) window ranges of lengths sorted longest first, each padded to its first
+    window's length at most twice the shortest one's."""
+    groups, first = [], 0
+    for i, n in enumerate(lengths):
+        if 2 * n < lengths[first]:
+            groups.append((first, i))
+            first = i
+    return [*groups, (first, len(lengths))]
 
-    rows: torch.Tensor  # int64 [num_tokens]: flat index into num_windows * width
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    """Windows attended together: their tokens are rows [start, end) of the batch, padded to
+    `width` ([num_windows, width])."""
+
+    start: int
+    end: int
     num_windows: int
     width: int
+    rows: torch.Tensor  # int64 [end - start]: flat index into num_windows * width
     attn_mask: torch.Tensor | None  # additive [num_windows, 1, 1, width]; None when every window is `width` long
 
+    @classmethod
+    def of(cls, lengths: list[int], first: int, end: int, dtype) -> _Group:
+        import torch
+
+        lens = lengths[first:end]
+        width = lens[0]
+        mask = np.zeros((len(lens), width), dtype=np.int64)
+        for row, n in enumerate(lens):
+            mask[row, :n] = 1
+        start = sum(lengths[:first])
+        return cls(
+            start=start,
+            end=start + sum(lens),
+            num_windows=len(lens),
+            width=width,
+            rows=torch.from_numpy(np.flatnonzero(mask)),
+            attn_mask=None if min(lens) == width else attention_mask(torch.from_numpy(mask), dtype),
+        )
+
     def attend(self, qkv, num_heads: int):
-        """qkv [num_tokens, 3 * hidden] -> attention output [num_tokens, hidden], per window."""
+        """qkv [end - start, 3 * hidden] -> attention output [end - start, hidden], per window."""
         import torch.nn.functional as F
 
         hidden = qkv.shape[1] // 3
@@ -346,6 +376,15 @@ class _Layout:
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=self.attn_mask, scale=1.0 / math.sqrt(head_dim))
         ctx = ctx.transpose(1, 2).reshape(self.num_windows * self.width, hidden)
         return ctx if self.attn_mask is None else ctx[self.rows]
+
+
+def _attend(groups: list[_Group], qkv, num_heads: int):
+    """qkv [num_tokens, 3 * hidden] -> attention output [num_tokens, hidden], group by group."""
+    if len(groups) == 1:
+        return groups[0].attend(qkv, num_heads)
+    import torch
+
+    return torch.cat([g.attend(qkv[g.start : g.end], num_heads) for g in groups])
 
 
 def mean_pool(states: np.ndarray) -> np.ndarray:

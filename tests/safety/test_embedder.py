@@ -90,3 +90,16 @@ def test_embed_dtype_names_are_checked():
     assert resolve_dtype("auto") in ("int8", "bfloat16")
     with pytest.raises(ValueError, match="int8"):
         resolve_dtype("int4")
+
+
+def test_a_batch_of_windows_of_many_lengths_equals_each_window_alone(classifier):
+    # Attention pads a batch's windows in groups of similar length (longest first, each at most
+    # twice its shortest); the states come back in the callers' order.
+    embedder = classifier.embedder
+    texts = [" ".join(f"word{j}" for j in range(n)) for n in (1, 90, 3, 40, 7, 20, 300, 12, 60, 2)]
+    together = embedder.encode_windows(texts, max_windows=4)
+    for text, windows in zip(texts, together, strict=True):
+        alone = embedder.encode_windows([text], max_windows=4)[0]
+        assert [len(w) for w in windows] == [len(w) for w in alone]
+        for got, want in zip(windows, alone, strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-4)
