@@ -225,15 +225,30 @@ async def test_engines_on_one_device_share_one_step_thread_which_ends_with_the_l
     assert not thread.is_alive()
 
 
-async def test_a_start_cancelled_while_loading_leaves_no_engine_in_the_step_thread(tiny_models):
-    import threading
+async def test_a_start_cancelled_while_loading_leaves_no_engine_in_the_step_thread(tiny_models, monkeypatch):
+    from engine.native import backend as backend_module
 
+    # The load is held until start() has been cancelled, so the cancel lands mid-load every time
+    # (a short wait_for timeout raced the load and sometimes lost on a quiet machine).
+    entered, release = threading.Event(), threading.Event()
+    real_from_model_dir = backend_module.LLMEngine.from_model_dir
+
+    def held_load(*args, **kwargs):
+        entered.set()
+        release.wait(30)
+        return real_from_model_dir(*args, **kwargs)
+
+    monkeypatch.setattr(backend_module.LLMEngine, "from_model_dir", held_load)
     model_dir = tiny_models.path(VARIANT)
     backend = NativeBackend(
         model_dir, EngineConfig(device="cpu", kv_cache_bytes=24 * 8192), Tokenizer.from_dir(model_dir)
     )
-    with pytest.raises(asyncio.TimeoutError):
-        await asyncio.wait_for(backend.start(), timeout=0.001)
+    starting = asyncio.ensure_future(backend.start())
+    assert await asyncio.to_thread(entered.wait, 30)  # the step thread is loading
+    starting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    release.set()
     for _ in range(100):  # the load finishes, reads the _Stop left for it, and the thread ends
         if not [t for t in threading.enumerate() if t.name.startswith("native-engine-step")]:
             break
