@@ -196,16 +196,6 @@ async def cancel_response(request: web.Request) -> web.Response:
     return web.json_response(text=stored.body_json)
 
 
-async def _stop_background(request: web.Request, response_id: str) -> bool:
-    """Cancel this org's running background response and wait for its final row; False if none ran."""
-    task = request.app[BACKGROUND].get((request[PRINCIPAL].org.id, response_id))
-    if task is None or task.done():
-        return False
-    task.cancel()
-    await asyncio.wait({task}, timeout=30.0)
-    return True
-
-
 async def get_response(request: web.Request) -> web.Response:
     stored = await _stored(request)
     return web.json_response(text=stored.body_json)

@@ -134,18 +134,18 @@ class CpuKernels:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [rows, 2 * dim] -> silu(gate) * up [rows, dim]."""
-        gate_up = gate_up.contiguous()
-        rows, width = gate_up.shape
-        out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
-        self._lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
-        return out
+        return self._gated_mul(self._lib.silu_mul_f32, gate_up)
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [rows, 2 * dim] -> gelu(gate, approximate="tanh") * up [rows, dim]."""
+        return self._gated_mul(self._lib.gelu_tanh_mul_f32, gate_up)
+
+    @staticmethod
+    def _gated_mul(kernel, gate_up: torch.Tensor) -> torch.Tensor:
         gate_up = gate_up.contiguous()
         rows, width = gate_up.shape
         out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
-        self._lib.gelu_tanh_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+        kernel(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
         return out
 
     def rope_and_cache(
