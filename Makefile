@@ -48,6 +48,7 @@ bench: $(VENV)/.installed-dev
 	$(PY) -m bench.bench_engine $(ARGS)
 	$(PY) -m bench.bench_families $(findstring --quick,$(ARGS))
 	$(PY) -m bench.bench_safety
+	$(PY) -m bench.bench_structured
 	$(PY) -m bench.bench_peers
 
 # The engine against llama.cpp (from bench-deps, when built) and transformers at 30M and 390M.

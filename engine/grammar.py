@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -91,23 +92,46 @@ class GrammarCompiler:
                 self._compiled.popitem(last=False)
         else:
             self._compiled.move_to_end(structured)
-        return GrammarMatcher(proto.deep_copy())
+        return GrammarMatcher(proto.deep_copy(), self.vocab_size)
+
+
+# One thread computes every matcher's next-token mask while the step's forward runs (llguidance
+# releases the GIL while it computes), so the step does not wait for masks after the forward.
+_MASK_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
 
 
 class GrammarMatcher:
     """One request's position in its grammar."""
 
-    __slots__ = ("_matcher",)
+    __slots__ = ("_matcher", "_pending", "_words")
 
-    def __init__(self, matcher: llguidance.LLMatcher):
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
         self._matcher = matcher
+        self._words = np.full((vocab_size + 31) // 32, -1, dtype=np.int32)
+        self._pending: Future[None] | None = None  # the mask for the current position, being computed
+
+    def prefetch_mask(self) -> None:
+        """Start computing the mask for the current position on the mask thread (called before
+        the forward); `fill_bitmask` then only waits for it. Idempotent until the next accept."""
+        if self._pending is None:
+            self._pending = _MASK_THREAD.submit(self._compute, self._words)
+
+    def _compute(self, words: np.ndarray) -> None:
+        self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
 
     def fill_bitmask(self, row: np.ndarray) -> None:
         """Write the allowed next tokens into `row` (int32 words, bit i of word j: token 32j+i)."""
-        self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        if self._pending is None:
+            self._compute(row)
+            return
+        self._pending.result()  # raises what the computation raised
+        row[:] = self._words[: row.shape[0]]
 
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token; False if the grammar did not allow it (then it is stuck)."""
+        if self._pending is not None:
+            self._pending.result()  # never move the matcher while its mask is being computed
+            self._pending = None
         if self._matcher.is_stopped():
             return True  # the EOS after a complete answer
         ok = self._matcher.consume_token(token_id)
@@ -128,6 +152,11 @@ def apply_bitmasks(logits: torch.Tensor, rows: list[int], matchers: list[Grammar
     for i, matcher in enumerate(matchers):
         matcher.fill_bitmask(words[i])
     disallowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab] == 0
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        array = logits.numpy()  # numpy keeps the GIL: no hand-over to the event loop mid-step
+        for i, row in enumerate(rows):
+            np.putmask(array[row], disallowed[i], -np.inf)
+        return
     mask = torch.from_numpy(disallowed).to(logits.device)
     for i, row in enumerate(rows):  # in-place on row views (a tensor-indexed assignment is ~1000x slower on CPU)
         logits[row].masked_fill_(mask[i], float("-inf"))

@@ -191,6 +191,9 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Run one step; returns the sampled token per sequence (None: prefill not yet done)."""
         inputs = self.prepare(batch)
+        for row in inputs.sampling_rows:
+            if row.grammar is not None:
+                row.grammar.prefetch_mask()  # computed while the forward runs
         # Vision models: this step's image tokens take their images' embeddings (encoded now, batched).
         image_rows = (
             None if self.vision is None else self.vision.step_embeddings(batch.seqs, batch.num_scheduled_tokens)

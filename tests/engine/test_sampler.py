@@ -139,3 +139,23 @@ def test_seen_tokens_follow_a_growing_sequence_step_by_step():
     tokens += [6, 2, 99]  # an id past the vocabulary (padding heads) is ignored, not an error
     assert seen.update(tokens).nonzero().flatten().tolist() == [1, 2, 6]
     assert seen.num_tokens == 5
+
+
+def test_rows_that_need_no_processing_keep_plain_argmax_beside_rows_that_do():
+    """Free greedy rows stay on the argmax path; the processed rows (penalties, sampling) get the
+    same tokens as in a batch of their own, whatever shares the batch."""
+    torch.manual_seed(1)
+    logits = torch.randn(6, VOCAB)
+    penalized = row([int(logits[1].argmax())], temperature=0.0, repetition_penalty=50.0)
+    seeded = row(temperature=1.0, seed=7)
+    rows = [row(temperature=0.0), penalized, row(temperature=0.0), seeded, row(temperature=0.0), row(temperature=0.0)]
+    tokens = Sampler(VOCAB)(logits, rows)
+    assert [tokens[i] for i in (0, 2, 4, 5)] == [int(logits[i].argmax()) for i in (0, 2, 4, 5)]
+    assert tokens[1] == Sampler(VOCAB)(logits[1:2], [penalized])[0] != int(logits[1].argmax())
+    assert tokens[3] == Sampler(VOCAB)(logits[3:4], [seeded])[0]
+
+
+def test_greedy_ties_go_to_the_first_index_in_float32_and_bfloat16():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0] + [0.0] * (VOCAB - 4)])
+    for dtype in (torch.float32, torch.bfloat16):
+        assert Sampler(VOCAB)(logits.to(dtype), [row(temperature=0.0)]) == [1]

@@ -99,3 +99,29 @@ def test_unsupported_schema_features_are_named():
     bad = StructuredOutput(StructuredKind.JSON_SCHEMA, schema_text({"type": "object", "if": {}, "then": {}}))
     with pytest.raises(GrammarError, match="if"):
         grammar_text(bad)
+
+
+def test_a_mask_computed_ahead_on_the_mask_thread_equals_one_computed_in_place(engine, tiny_models):
+    """The runner starts each constrained row's mask before the forward (GrammarMatcher.prefetch_mask);
+    along a whole answer it must equal the mask computed at sampling time, and accept must wait for it."""
+    import numpy as np
+
+    assert engine.grammar is not None
+    schema = StructuredOutput(StructuredKind.JSON_SCHEMA, schema_text(SCHEMA))
+    ahead, in_place = engine.grammar.matcher(schema), engine.grammar.matcher(schema)
+    words = (engine.grammar.vocab_size + 31) // 32
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        ahead.prefetch_mask()
+        ahead.prefetch_mask()  # idempotent until the next accept
+        a, b = np.zeros(words, np.int32), np.zeros(words, np.int32)
+        ahead.fill_bitmask(a)
+        in_place.fill_bitmask(b)
+        assert (a == b).all()
+        allowed = np.flatnonzero(np.unpackbits(a.view(np.uint8), bitorder="little")[: engine.grammar.vocab_size])
+        token = int(rng.choice(allowed))
+        assert ahead.accept(token) and in_place.accept(token)
+        if ahead.is_finished:
+            break
+    ahead.prefetch_mask()
+    assert ahead.accept(int(rng.integers(engine.grammar.vocab_size))) in (True, False)  # waits, then moves on
