@@ -357,8 +357,10 @@ class SafetyConfig:
     )
     embed_dtype: str = setting(
         "auto",
-        "Embedder matmul weights: float32, bfloat16, int8 (quantized at load, 32 inputs per scale; the same "
-        "verdicts as float32 on the held-out set), or auto (bfloat16 where the CPU has AMX, else int8).",
+        "Embedder matmuls: float32, bfloat16, int8 (weights quantized at load, 32 inputs per scale, float32 "
+        "activations), w8a8 (7-bit weights per output channel and int8 activations per token, int32 sums via "
+        "torch._int_mm: 2-3x faster than float32 on CPUs with VNNI), or auto (bfloat16 with AMX, w8a8 with VNNI, "
+        "else int8). All meet the held-out targets (safety/README.md).",
     )
     embed_cache_entries: int = setting(
         4096, "Per-message classifier features kept, so later turns do not re-embed history."
@@ -370,6 +372,13 @@ class SafetyConfig:
         "answers, 3/40 benign ones and 1/90 demo-model texts (safety/README.md).",
     )
     output_check_chars: int = setting(160, "The answer classifier runs at least every this many new characters.")
+    output_first_unchecked_chars: int = setting(
+        16,
+        "An answer's first characters, up to this many, are sent as soon as the deny rules allow, before the "
+        "classifier reads them (with what follows, at its first check): a word or two it could not judge alone, "
+        "so the first token is not held for a check (~5 ms on 2 cores). A block after them leaves them shown. "
+        "0: nothing is sent before a check.",
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,8 +11,8 @@ measure of the gate's cost needs answers it passes; blocked ones are still count
   message each (the system prompt is in the engine's prefix cache, the user message is new).
 Also `transformers`' static batch of 32 on the same prompts (the issue's table form). Servers
 alternate (off, on, off, on, ...) so slow drift of a shared machine hits both; `--variants`
-adds "on-f32" (the classifier's weights in float32 instead of
-the default int8) and "on-bf16" (its matmuls in bfloat16). Prints a table,
+adds others from VARIANTS below (the classifier in int8, float32 or bfloat16 instead of the
+default, the prompt screen without the answer check, the rules alone). Prints a table,
 the targets (safety on >= 90% of off at 32 streams; warm TTFT on <= 1.3x off) and one JSON line.
 """
 
@@ -93,9 +93,12 @@ class StreamResult:
 # Server configurations compared: name -> settings over SERVER_SETTINGS.
 VARIANTS = {
     "off": {"safety.enabled": "false"},
-    "on": {"safety.enabled": "true"},  # the default configuration (embed_dtype auto: int8 without AMX)
+    "on": {"safety.enabled": "true"},  # the default configuration (embed_dtype auto: w8a8 with VNNI, see embedder)
+    "on-int8": {"safety.enabled": "true", "safety.embed_dtype": "int8"},  # int8 weights, float32 activations
     "on-f32": {"safety.enabled": "true", "safety.embed_dtype": "float32"},  # the classifier's weights in fp32
     "on-bf16": {"safety.enabled": "true", "safety.embed_dtype": "bfloat16"},  # the classifier's matmuls in bf16
+    "on-noout": {"safety.enabled": "true", "safety.output_classifier": "false"},  # prompts screened, answers by rules
+    "on-rules": {"safety.enabled": "true", "safety.classifier": "false"},  # the rules alone
 }
 
 

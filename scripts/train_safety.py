@@ -68,11 +68,11 @@ class Encoder:
     """The frozen encoder split in two: lower layers run once per text (cached); the top
     `num_adapted` layers run with the adapter, with gradients while training."""
 
-    def __init__(self, num_adapted: int, rank: int, alpha: float):
+    def __init__(self, num_adapted: int, rank: int, alpha: float, num_layers: int = 0):
         from tokenizers import Tokenizer
 
         model_dir = default_model_dir()
-        self.shape, self.base = load_bert(model_dir)
+        self.shape, self.base = load_bert(model_dir, num_layers)
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(MAX_TOKENS)
@@ -362,6 +362,7 @@ def save(enc: Encoder, head: TorchHead, path: Path, data_sha256: str, args) -> N
         w2=p["fc2.weight"].T.copy(),
         b2=p["fc2.bias"],
         max_tokens=np.array(MAX_TOKENS),
+        encoder_layers=np.array(enc.shape.num_layers),
         context_turns=np.array(CONTEXT_TURNS),
         train_sha256=np.array(data_sha256),
         hyperparameters=np.array(repr(training_settings(args))),
@@ -373,6 +374,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=DATA_DIR / "classifier.npz")
     ap.add_argument("--adapter-layers", type=int, default=3, help="top encoder layers given an adapter (0: none)")
+    ap.add_argument(
+        "--encoder-layers", type=int, default=0, help="read the output of the encoder's first N layers (0: all 6)"
+    )
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--alpha", type=float, default=16.0)
     ap.add_argument("--adapter-epochs", type=int, default=8)
@@ -417,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     started_s = time.perf_counter()
     records = load_split("train")
     data_sha256 = hashlib.sha256((DATA_DIR / "train.jsonl").read_bytes()).hexdigest()
-    enc = Encoder(args.adapter_layers, args.rank, args.alpha)
+    enc = Encoder(args.adapter_layers, args.rank, args.alpha, args.encoder_layers)
     texts = {t for r in records for t in r.turns} | {text for text, _ in stage1_texts(records)}
     lower = enc.lower_states(sorted(texts))
     print(f"encoded {len(lower)} texts from {len(records)} records in {time.perf_counter() - started_s:.0f} s")

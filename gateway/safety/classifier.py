@@ -47,6 +47,7 @@ class SafetyHead:
     max_tokens: int  # window size the head was trained with
     context_turns: int  # user turns the head was trained to read together
     adapter: dict[str, np.ndarray]  # encoder weight name -> delta [out, in] to add (may be empty)
+    encoder_layers: int = 0  # the encoder's first layers the head reads the output of (0: all)
 
     @property
     def categories(self) -> tuple[str, ...]:
@@ -68,6 +69,7 @@ class SafetyHead:
                 max_tokens=int(z["max_tokens"]),
                 context_turns=int(z["context_turns"]),
                 adapter=_adapter_deltas(z),
+                encoder_layers=int(z["encoder_layers"]) if "encoder_layers" in z else 0,
             )
         num_queries, dim = head.queries.shape
         shapes_ok = head.w1.shape[0] == (num_queries + 1) * dim and head.w2.shape[1] == len(head.classes)

@@ -35,23 +35,31 @@ def default_model_dir() -> Path:
     return Path(get_model_path())
 
 
-EMBED_DTYPES = ("float32", "bfloat16", "int8")
+EMBED_DTYPES = ("float32", "bfloat16", "int8", "w8a8")
+# w8a8 weights: 7-bit values (-63..63) in int8. oneDNN's int8 GEMM on CPUs without VNNI multiplies
+# unsigned 8-bit activations by signed weights in 16-bit pairs, which saturate on full-range
+# weights (wrong sums, seen with ONEDNN_MAX_CPU_ISA=AVX2); with 7-bit weights every path sums
+# exactly, so a w8a8 verdict does not depend on the CPU.
+_W8A8_WEIGHT_MAX = 63
+_ACT_MAX = 127
 
 
 def resolve_dtype(name: str) -> str:
-    """'auto' -> bfloat16 on CPUs with AMX (about 2x faster there), else int8: the same verdicts
-    as float32 on the held-out set and the demo answers, a quarter of the weight bytes for the
-    short texts whose forward reads the weights more than it computes, and as fast on batches
-    (bench/RESULTS.md #22)."""
+    """'auto' -> bfloat16 on CPUs with AMX (about 2x faster there); w8a8 on CPUs with VNNI
+    (int8 dot products: 2-3x faster than float32 on a batch); else int8 (weights only, on the
+    engine's kernels: as fast as float32 on batches, a quarter of the bytes for short texts).
+    All three give the held-out set's verdicts within its targets (bench/RESULTS.md #22)."""
     if name != "auto":
         if name not in EMBED_DTYPES:
             raise ValueError(f"embed_dtype must be {', '.join(EMBED_DTYPES)} or auto, got {name!r}")
         return name
     try:
-        flags = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        flags = set(Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").split())
     except OSError:
         return "int8"
-    return "bfloat16" if " amx_bf16" in flags else "int8"
+    if "amx_bf16" in flags:
+        return "bfloat16"
+    return "w8a8" if flags & {"avx512_vnni", "avx_vnni"} else "int8"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,14 +76,17 @@ class BertShape:
 ADAPTABLE = ("qkv", "attention.output.dense", "intermediate.dense", "output.dense")
 
 
-def load_bert(model_dir: Path) -> tuple[BertShape, dict]:
-    """Shape and float32 torch weights, q/k/v fused per layer into `encoder.layer.N.qkv`."""
+def load_bert(model_dir: Path, num_layers: int = 0) -> tuple[BertShape, dict]:
+    """Shape and float32 torch weights, q/k/v fused per layer into `encoder.layer.N.qkv`;
+    `num_layers` > 0 keeps only the first that many layers (a head trained on them)."""
     import torch
     from safetensors.torch import load_file
 
     cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    if not 0 <= num_layers <= cfg["num_hidden_layers"]:
+        raise ValueError(f"the encoder has {cfg['num_hidden_layers']} layers, not {num_layers}")
     shape = BertShape(
-        num_layers=cfg["num_hidden_layers"],
+        num_layers=num_layers or cfg["num_hidden_layers"],
         num_heads=cfg["num_attention_heads"],
         hidden_size=cfg["hidden_size"],
         layer_norm_eps=cfg["layer_norm_eps"],
@@ -148,11 +159,13 @@ class MiniLmEmbedder:
         dtype: str = "float32",
         max_tokens: int = 128,
         adapter: Mapping[str, np.ndarray] | None = None,
+        num_layers: int = 0,
         use_kernels: bool = True,
         kernel_isa: str = "auto",
     ):
         """`adapter`: weight deltas from the trained head file (`encoder.layer.N.<name>.weight`
-        -> [out, in] array), added to the shipped weights before any cast. `dtype`: the matmuls'
+        -> [out, in] array), added to the shipped weights before any cast. `num_layers`: run
+        only the first that many encoder layers (0: all), as the head was trained. `dtype`: the matmuls'
         weights in float32, bfloat16, or int8 (quantized once here, per group of 32 inputs with
         one scale, as the engine's `engine.quantization = "int8"`; activations stay float32).
         `use_kernels`: run float32 and int8 matmuls on the engine's packed CPU kernels where
@@ -163,16 +176,17 @@ class MiniLmEmbedder:
 
         self._torch = torch
         model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
-        self._shape, w = load_bert(model_dir)
+        self._shape, w = load_bert(model_dir, num_layers)
         for key, delta in (adapter or {}).items():
             if key not in w or tuple(w[key].shape) != delta.shape:
                 raise ValueError(f"adapter weight {key} does not fit the encoder")
             w[key] = w[key] + torch.from_numpy(np.asarray(delta, dtype=np.float32))
         self.max_tokens = min(max_tokens, self._shape.max_position_embeddings)
         self.dtype = dtype
-        self._dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32}[dtype]
+        self._dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
         self._weights = self._cast(w)
         self._packed = self._pack(kernel_isa, w) if dtype in ("float32", "int8") and use_kernels else {}
+        self._w8a8 = self._quantize_w8a8() if dtype == "w8a8" else {}
         self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self._tokenizer.no_padding()  # the shipped file pads to 128; we pad per batch instead
         self._tokenizer.no_truncation()  # we cut texts into windows ourselves
@@ -186,7 +200,10 @@ class MiniLmEmbedder:
             model_dir=str(model_dir),
             dtype=dtype,
             max_tokens=self.max_tokens,
-            kernels=next(iter(self._packed.values())).kernels.mode.value if self._packed else "torch",
+            layers=self._shape.num_layers,
+            kernels=next(iter(self._packed.values())).kernels.mode.value
+            if self._packed
+            else ("torch._int_mm" if self._w8a8 else "torch"),
         )
 
     def _cast(self, w: dict) -> dict:
@@ -201,6 +218,19 @@ class MiniLmEmbedder:
                 out[key] = w[key].to(self._dtype)
                 if self.dtype == "int8" and key.endswith(".weight"):
                     out[key] = fake_quantize(w[key])
+        return out
+
+    def _quantize_w8a8(self) -> dict:
+        """Matmul weights as 7-bit integers per output channel ([in, out] int8, the layout
+        torch._int_mm takes) and their float32 scales [out]; the float copies are dropped."""
+        out = {}
+        for i in range(self._shape.num_layers):
+            for n in ADAPTABLE:
+                name = f"encoder.layer.{i}.{n}"
+                weight = self._weights.pop(name + ".weight")
+                scale = weight.abs().amax(dim=1).clamp_min(1e-12) / _W8A8_WEIGHT_MAX
+                q = (weight / scale[:, None]).round().clamp(-_W8A8_WEIGHT_MAX, _W8A8_WEIGHT_MAX)
+                out[name] = (q.to(self._torch.int8).t().contiguous(), scale)
         return out
 
     def _pack(self, isa: str, w: dict) -> dict:
@@ -311,6 +341,13 @@ class MiniLmEmbedder:
 
     def _linear(self, x, name: str):
         bias = self._weights[name + ".bias"]
+        w8a8 = self._w8a8.get(name)
+        if w8a8 is not None:  # each row's activations as int8 with its own scale, int32 sums
+            torch = self._torch
+            weight, weight_scale = w8a8
+            scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / _ACT_MAX
+            q = (x / scale).round_().to(torch.int8)
+            return torch.addcmul(bias, torch._int_mm(q, weight).float(), scale * weight_scale)
         packed = self._packed.get(name)
         if packed is not None:
             return packed.kernels.packed_linear(x, packed, bias)

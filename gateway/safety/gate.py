@@ -178,6 +178,7 @@ class SafetyGate:
             check_every_chars=cfg.output_check_chars,
             min_check_chars=max(1, cfg.output_check_chars // 4),
             window_chars=_OUTPUT_WINDOW_CHARS,
+            first_unchecked_chars=cfg.output_first_unchecked_chars,
         )
         classify = self._classify_output if (cfg.output_classifier and self._classifier is not None) else None
         return OutputFilter(
@@ -259,6 +260,8 @@ def load_classifier(config: SafetyConfig) -> SafetyClassifier:
         dtype = resolve_dtype(config.embed_dtype)
     except ValueError as exc:
         raise ConfigError(f"safety.embed_dtype: {exc}") from None
-    embedder = MiniLmEmbedder(dtype=dtype, max_tokens=head.max_tokens, adapter=head.adapter)
+    embedder = MiniLmEmbedder(
+        dtype=dtype, max_tokens=head.max_tokens, adapter=head.adapter, num_layers=head.encoder_layers
+    )
     log.info("safety_classifier_loaded", path=str(path), categories=list(head.categories))
     return SafetyClassifier(embedder, head, max_windows=config.max_windows, cache_entries=config.embed_cache_entries)

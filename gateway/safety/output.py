@@ -30,6 +30,7 @@ class OutputPolicy:
     min_check_chars: int  # ...and at a sentence end once this many new characters arrived
     window_chars: int  # how much recent text one classifier check reads
     rescan_chars: int = 256  # released text the rules scan again, for matches longer than the hold-back
+    first_unchecked_chars: int = 0  # the answer's first characters released before a classifier check
 
 
 class OutputFilter:
@@ -72,10 +73,11 @@ class OutputFilter:
         if scan.match is not None:
             return "", self._block(Verdict.block(SafetyLayer.RULES, scan.match.category))
         scheduled = self._check_due(text, end)
-        # The answer's first text is checked at once (a few tokens: a cheap check), so the
-        # first token is not held for the next 40 characters. That check is an extra: the
-        # schedule keeps counting from its own checks, so the later ones read the same windows.
-        if self._classify is not None and (scheduled or (self._checked == 0 and end > 0)):
+        # Without an unchecked start, the answer's first text is checked at once (a few tokens:
+        # a cheap check), so the first token is not held for the next 40 characters. That
+        # check is an extra: the schedule keeps counting from its own checks.
+        first = self._checked == 0 and end > 0 and self._policy.first_unchecked_chars <= 0
+        if self._classify is not None and (scheduled or first):
             verdict = await self._classify(self._window())
             if not verdict.allowed:
                 return "", self._block(verdict)
@@ -86,7 +88,7 @@ class OutputFilter:
         if scan.pending_start is not None:
             cutoff = min(cutoff, self._base + scan.pending_start)
         if self._classify is not None:
-            cutoff = min(cutoff, self._checked)
+            cutoff = min(cutoff, max(self._checked, self._policy.first_unchecked_chars))
         return self._release(cutoff), None
 
     async def finish(self) -> tuple[str, Verdict | None]:

@@ -87,7 +87,7 @@ def test_int8_scores_stay_close_to_float32_and_give_the_same_verdicts(classifier
 
 def test_embed_dtype_names_are_checked():
     assert resolve_dtype("int8") == "int8" and resolve_dtype("float32") == "float32"
-    assert resolve_dtype("auto") in ("int8", "bfloat16")
+    assert resolve_dtype("auto") in ("int8", "w8a8", "bfloat16") and resolve_dtype("w8a8") == "w8a8"
     with pytest.raises(ValueError, match="int8"):
         resolve_dtype("int4")
 
@@ -103,3 +103,69 @@ def test_a_batch_of_windows_of_many_lengths_equals_each_window_alone(classifier)
         assert [len(w) for w in windows] == [len(w) for w in alone]
         for got, want in zip(windows, alone, strict=True):
             np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def w8a8(classifier):
+    return MiniLmEmbedder(dtype="w8a8", adapter=classifier.head.adapter)
+
+
+def test_w8a8_scores_stay_close_to_float32_and_give_the_same_verdicts(classifier, w8a8):
+    # safety.embed_dtype = "w8a8" (auto on CPUs with VNNI): int8 activations per token, 7-bit
+    # weights per channel; the held-out targets are met with it (bench/RESULTS.md #22).
+    assert all(w.dtype == torch.int8 for w, _ in w8a8._w8a8.values())
+    quantized = SafetyClassifier(w8a8, classifier.head, max_windows=4, cache_entries=0)
+    for text in TEXTS:
+        want, got = classifier.score_text(text), quantized.score_text(text)
+        np.testing.assert_allclose(got, want, atol=0.05)
+        assert (got >= 0.5).tolist() == (want >= 0.5).tolist()
+
+
+def _w8a8_sums(embedder) -> np.ndarray:
+    """int32 sums of each layer-0 matmul on the same full-range int8 activations."""
+    rng = np.random.default_rng(0)
+    out = []
+    for name in ("qkv", "intermediate.dense", "output.dense"):
+        weight, _ = embedder._w8a8[f"encoder.layer.0.{name}"]
+        x = torch.from_numpy(rng.integers(-127, 128, (37, weight.shape[0]), dtype=np.int8))
+        out.append(torch._int_mm(x, weight).numpy().ravel())
+    return np.concatenate(out)
+
+
+def test_w8a8_sums_are_exact_on_onednns_avx2_path(w8a8, tmp_path):
+    """oneDNN picks its int8 GEMM by CPU; without VNNI it sums 16-bit pairs that saturate on
+    full-range weights. With 7-bit weights every path sums exactly: the AVX2 path (forced with
+    ONEDNN_MAX_CPU_ISA in a child process) and this CPU's give the exact integer products."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import numpy as np, sys\n"
+        "from gateway.safety.embedder import MiniLmEmbedder\n"
+        "from tests.safety.test_embedder import _w8a8_sums\n"
+        "np.save(sys.argv[1], _w8a8_sums(MiniLmEmbedder(dtype='w8a8')))\n"
+    )
+    out = tmp_path / "avx2.npy"
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ONEDNN_VERBOSE": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", script, str(out)], env=env, capture_output=True, text=True, timeout=300, check=True
+    )
+    assert "gemm" in run.stdout and "avx2" in run.stdout.lower()  # the path that ran
+    plain = MiniLmEmbedder(dtype="w8a8")  # no adapter, as the child's
+    here = _w8a8_sums(plain)
+    np.testing.assert_array_equal(np.load(out), here)
+    # and they are the exact products (no saturation on this CPU's path either)
+    rng = np.random.default_rng(0)
+    weight, _ = plain._w8a8["encoder.layer.0.qkv"]
+    x = rng.integers(-127, 128, (37, weight.shape[0]), dtype=np.int8)
+    np.testing.assert_array_equal(here[: 37 * weight.shape[1]], (x.astype(np.int64) @ weight.numpy()).ravel())
+
+
+def test_the_encoder_can_be_cut_to_its_first_layers():
+    from gateway.safety.embedder import default_model_dir, load_bert
+
+    shape, weights = load_bert(default_model_dir(), 3)
+    assert shape.num_layers == 3 and not any(k.startswith("encoder.layer.3.") for k in weights)
+    with pytest.raises(ValueError, match="layers"):
+        load_bert(default_model_dir(), 7)

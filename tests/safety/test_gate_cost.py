@@ -63,15 +63,18 @@ async def test_concurrent_screens_share_one_batch_and_give_the_verdicts_of_one_a
 
 async def test_output_checks_of_concurrent_streams_share_a_batch(gate):
     filters = [gate.output_filter(tier="free") for _ in range(6)]
-    results = await asyncio.gather(*(f.feed("Banana bread is easy to make. ") for f in filters))
-    assert all(verdict is None and text for text, verdict in results)  # the first text is checked at once
+    text = "Banana bread is easy to make, and it keeps for days. "  # past min_check_chars: one check each
+    results = await asyncio.gather(*(f.feed(text) for f in filters))
+    assert all(verdict is None and released == text for released, verdict in results)
     assert gate._batcher.num_batches == 1
 
 
-async def test_the_first_text_of_an_answer_is_released_after_one_check(gate):
+async def test_the_first_word_of_an_answer_goes_out_before_any_check(gate):
+    # safety.output_first_unchecked_chars (16 by default): the first token is not held for a check
     flt = gate.output_filter(tier="free")
+    before = gate._batcher.num_batches
     text, verdict = await flt.feed("Sure")
-    assert verdict is None and text == "Sure"
+    assert verdict is None and text == "Sure" and gate._batcher.num_batches == before
 
 
 def test_packed_encoder_equals_the_plain_one_and_a_batch_equals_each_text_alone(classifier):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import random
 
 import pytest
@@ -189,3 +191,43 @@ async def test_the_first_text_is_checked_at_once_and_the_later_checks_keep_their
     ends = set(" \t\n.,;:!?")
     second_end = next(i for i in range(POLICY.min_check_chars - 1, len(BENIGN)) if BENIGN[i] in ends) + 1
     assert windows[1] == BENIGN[:second_end]
+
+
+async def test_the_first_unchecked_characters_go_out_at_once_and_the_first_check_reads_them():
+    windows = []
+
+    async def classify(window: str) -> Verdict:
+        windows.append(window)
+        return Verdict.block(SafetyLayer.CLASSIFIER, "hate") if len(windows) == 1 else Verdict.allow()
+
+    policy = dataclasses.replace(POLICY, first_unchecked_chars=6)
+    flt = OutputFilter(RuleSet({}, {}), policy, classify=classify, on_done=lambda v: None)
+    released = []
+    for char in BENIGN:
+        text, verdict = await flt.feed(char)
+        released.append(text)
+        if verdict is not None:
+            break
+    # The first 6 characters went out one by one with no check; the first check read them and
+    # what followed, blocked, and nothing after the first 6 was released.
+    assert "".join(released) == BENIGN[:6] and released[:6] == list(BENIGN[:6])
+    assert len(windows) == 1 and windows[0].startswith(BENIGN[:6]) and len(windows[0]) > 6
+    assert (await flt.finish())[0] == ""
+
+
+async def test_a_short_answer_inside_the_unchecked_start_is_still_checked_at_the_finish():
+    windows = []
+
+    async def classify(window: str) -> Verdict:
+        windows.append(window)
+        return Verdict.allow()
+
+    flt = OutputFilter(
+        RuleSet({}, {}),
+        dataclasses.replace(POLICY, first_unchecked_chars=16),
+        classify=classify,
+        on_done=lambda v: None,
+    )
+    assert (await flt.feed("Hi!"))[0] == "Hi!" and windows == []
+    await flt.finish()
+    assert windows == ["Hi!"]
