@@ -61,12 +61,18 @@ DEMO_TOKENIZER = ROOT / "models" / "demo-flagship"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def build_model(path: Path) -> Path:
-    """REFERENCE's shape with the demo model's tokenizer and vocabulary size, random weights."""
+SHAPES = ("reference", "qwen-390m")
+
+
+def build_model(path: Path, shape: str = "reference") -> Path:
+    """REFERENCE's shape (or, with `shape="qwen-390m"`, bench_peers' 390M model of Qwen2.5-0.5B's
+    shape) with the demo model's tokenizer and vocabulary size, random weights."""
     import shutil
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from bench.bench_peers import QWEN_390M
 
     if (path / "model.safetensors").exists():
         return path
@@ -76,10 +82,15 @@ def build_model(path: Path) -> Path:
     tokenizer = Tokenizer.from_dir(path)
     torch.manual_seed(0)
     eos_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
-    config = LlamaConfig(
-        **{**REFERENCE, "vocab_size": tokenizer.vocab_size}, pad_token_id=0, bos_token_id=None, eos_token_id=eos_id
+    config_cls, model_cls, dims = (
+        (LlamaConfig, LlamaForCausalLM, REFERENCE)
+        if shape == "reference"
+        else (Qwen2Config, Qwen2ForCausalLM, QWEN_390M)
     )
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
+    config = config_cls(
+        **{**dims, "vocab_size": tokenizer.vocab_size}, pad_token_id=0, bos_token_id=None, eos_token_id=eos_id
+    )
+    model_cls(config).to(torch.float32).save_pretrained(path)
     return path
 
 
@@ -265,7 +276,13 @@ def transformers_static(model_dir: Path, tokenizer: Tokenizer, args) -> float:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-dir", type=Path, default=ROOT / "build" / "bench-safety-model")
+    p.add_argument(
+        "--shape",
+        choices=SHAPES,
+        default="reference",
+        help="the engine's model: the 28M reference, or the 390M model of Qwen2.5-0.5B's shape (random weights)",
+    )
+    p.add_argument("--model-dir", type=Path, help="default: build/bench-safety-model[-390m]")
     p.add_argument("--rounds", type=int, default=2, help="how many times each variant's server runs")
     p.add_argument("--variants", default="off,on", help=f"comma-separated, in order, from {', '.join(VARIANTS)}")
     p.add_argument("--concurrency", type=int, default=32)
@@ -281,7 +298,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    model_dir = in_own_thread(build_model, args.model_dir)
+    if args.model_dir is None:
+        suffix = "" if args.shape == "reference" else "-390m"
+        args.model_dir = ROOT / "build" / f"bench-safety-model{suffix}"
+    model_dir = in_own_thread(build_model, args.model_dir, args.shape)
     tokenizer = Tokenizer.from_dir(model_dir)
     reqs = make_chat_requests(tokenizer, args.num_requests, args.prompt_len, args.output_len, seed=32, prefix="s")
     prompts = [r.user_text for r in reqs]
