@@ -347,7 +347,9 @@ class MiniLmEmbedder:
             weight, weight_scale = w8a8
             scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / _ACT_MAX
             q = (x / scale).round_().to(torch.int8)
-            return torch.addcmul(bias, torch._int_mm(q, weight).float(), scale * weight_scale)
+            # Row scale in place, then channel scale and bias in one pass (a [rows, out] outer
+            # product of the two scales, passed to addcmul, was 30x slower).
+            return torch.addcmul(bias, torch._int_mm(q, weight).float().mul_(scale), weight_scale)
         packed = self._packed.get(name)
         if packed is not None:
             return packed.kernels.packed_linear(x, packed, bias)
