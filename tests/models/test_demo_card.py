@@ -8,19 +8,41 @@ from pathlib import Path
 import pytest
 
 from scripts.demo_model.card import (
-    MAX_TOKENS, ModelReport, PromptSample, Reply, ServerSamples, describe_server_settings, render_card,
+    MAX_TOKENS,
+    ModelReport,
+    PromptSample,
+    Reply,
+    ServerSamples,
+    describe_server_settings,
+    render_card,
     server_samples,
 )
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
 MODEL_NAMES = ("demo-mini", "demo-flagship")
 PROVENANCE = "Produced by the server in this repository: `server.py` started with"
-SPEC = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "seq_len": 128, "max_steps": 10, "learning_rate": 0.002,
-        "decay_steps": 10, "warmup_steps": 2, "batch_size": 4}
+SPEC = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "seq_len": 128,
+    "max_steps": 10,
+    "learning_rate": 0.002,
+    "decay_steps": 10,
+    "warmup_steps": 2,
+    "batch_size": 4,
+}
 KNOWN = {"num_known": 6500, "num_scored": 400, "num_right": 390, "misses": []}
-SUMMARY = {"spec": SPEC, "wall_time_s": 60.0, "num_tokens_seen": 5120, "cpu": "AMD EPYC, bfloat16 autocast",
-           "known_words": KNOWN, "data": {"num_words": 10, "num_fortunes": 3}}
+SUMMARY = {
+    "spec": SPEC,
+    "wall_time_s": 60.0,
+    "num_tokens_seen": 5120,
+    "cpu": "AMD EPYC, bfloat16 autocast",
+    "known_words": KNOWN,
+    "data": {"num_words": 10, "num_fortunes": 3},
+}
 
 
 def _fake_report() -> ModelReport:
@@ -78,8 +100,7 @@ def test_server_samples_greedy_replies_equal_transformers(tmp_path, loaded_model
     assert sample.prompts[0].sampled.finish_reason in ("stop", "length") and sample.prompts[0].sampled.text
     (first, first_reply), (second, second_reply) = sample.chats[0]
     assert (first, first_reply) == ("Hello!", sample.prompts[0].greedy)
-    history = [*hello, {"role": "assistant", "content": first_reply.text},
-               {"role": "user", "content": second}]
+    history = [*hello, {"role": "assistant", "content": first_reply.text}, {"role": "user", "content": second}]
     assert second_reply.text == sample_reply(model, tokenizer, history)
 
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from engine.tokenizer import Tokenizer
 from scripts.demo_model.dataset import Conversation, Split, definition_answer, split_of
 from scripts.demo_model.sources import PartOfSpeech, Sense, _normalise_fortune, _parse_data_line
 from scripts.demo_model.tokenizer import IGNORE_INDEX, encode_conversation
 from scripts.demo_model.train import MINI, learning_rate_at, pack_rows
-
-from engine.tokenizer import Tokenizer
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
 DOG_LINE = (
@@ -23,9 +22,14 @@ DOG_LINE = (
 
 def test_wordnet_data_line_parses_into_definition_example_and_synonyms():
     sense = _parse_data_line(DOG_LINE, "dog", PartOfSpeech.NOUN, 1)
-    assert sense == Sense("dog", PartOfSpeech.NOUN, "a member of the genus Canis that has been "
-                          "domesticated by man", ("the dog barked all night",),
-                          ("domestic dog", "Canis familiaris"), 1)
+    assert sense == Sense(
+        "dog",
+        PartOfSpeech.NOUN,
+        "a member of the genus Canis that has been domesticated by man",
+        ("the dog barked all night",),
+        ("domestic dog", "Canis familiaris"),
+        1,
+    )
 
 
 def test_wordnet_proper_noun_synsets_are_skipped():
@@ -35,7 +39,9 @@ def test_wordnet_proper_noun_synsets_are_skipped():
 
 def test_definition_answer_names_part_of_speech_and_leaves_the_example_to_its_own_question():
     sense = _parse_data_line(DOG_LINE, "dog", PartOfSpeech.NOUN, 1)
-    assert definition_answer(sense) == "The noun dog means a member of the genus Canis that has been domesticated by man."
+    assert (
+        definition_answer(sense) == "The noun dog means a member of the genus Canis that has been domesticated by man."
+    )
     verb = Sense("run", PartOfSpeech.VERB, "move fast by using one's feet", (), (), 29)
     assert definition_answer(verb) == "The verb run means to move fast by using one's feet."
 
@@ -57,11 +63,16 @@ def test_heldout_split_is_a_stable_few_percent_of_keys():
 def test_encoding_equals_engine_rendered_template_and_labels_only_assistant_replies():
     tokenizer = Tokenizer.from_dir(MODELS_DIR / "demo-mini")
     raw = tokenizer._tok  # the same `tokenizers` object the build trains and saves
-    conversation = Conversation("multi_turn", (
-        ("system", "Be concise."), ("user", "What does dog mean?"),
-        ("assistant", "The noun dog means a domestic animal."), ("user", "Thanks!"),
-        ("assistant", "You're welcome!"),
-    ))
+    conversation = Conversation(
+        "multi_turn",
+        (
+            ("system", "Be concise."),
+            ("user", "What does dog mean?"),
+            ("assistant", "The noun dog means a domestic animal."),
+            ("user", "Thanks!"),
+            ("assistant", "You're welcome!"),
+        ),
+    )
     encoded = encode_conversation(raw, conversation)
     messages = [{"role": r, "content": c} for r, c in conversation.messages]
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
@@ -72,15 +83,16 @@ def test_encoding_equals_engine_rendered_template_and_labels_only_assistant_repl
 
 def test_pack_rows_fills_rows_with_whole_conversations_and_masks_padding():
     tokenizer = Tokenizer.from_dir(MODELS_DIR / "demo-mini")._tok
-    conversations = [Conversation("smalltalk", (("user", f"Hi {i}"), ("assistant", "Hello! " * (i % 7 + 1))))
-                     for i in range(40)]
+    conversations = [
+        Conversation("smalltalk", (("user", f"Hi {i}"), ("assistant", "Hello! " * (i % 7 + 1)))) for i in range(40)
+    ]
     encoded = [encode_conversation(tokenizer, c) for c in conversations]
     rows = pack_rows(encoded, 64, pad_id=2, rng=random.Random(0))
     assert all(len(ids) == 64 and len(labels) == 64 for ids, labels in rows)
     packed_tokens = sum(sum(1 for t in ids if t != 2) for ids, _ in rows)
     assert packed_tokens == sum(len(e.input_ids) for e in encoded)
     for ids, labels in rows:
-        assert all(label == IGNORE_INDEX for token, label in zip(ids, labels) if token == 2)
+        assert all(label == IGNORE_INDEX for token, label in zip(ids, labels, strict=True) if token == 2)
 
 
 def test_learning_rate_warms_up_then_decays_to_a_tenth_and_depends_on_the_step_alone():
@@ -90,7 +102,9 @@ def test_learning_rate_warms_up_then_decays_to_a_tenth_and_depends_on_the_step_a
     assert learning_rate_at(MINI.warmup_steps, MINI) == MINI.learning_rate
     assert abs(learning_rate_at(MINI.decay_steps, MINI) - MINI.learning_rate / 10) < 1e-9
     longer = dataclasses.replace(MINI, max_steps=MINI.max_steps * 2)  # a run extended later
-    assert [learning_rate_at(s, longer) for s in range(0, 3000, 7)] == [learning_rate_at(s, MINI) for s in range(0, 3000, 7)]
+    assert [learning_rate_at(s, longer) for s in range(0, 3000, 7)] == [
+        learning_rate_at(s, MINI) for s in range(0, 3000, 7)
+    ]
     assert learning_rate_at(MINI.decay_steps + 500, longer) == learning_rate_at(MINI.decay_steps, MINI)
 
 
@@ -101,8 +115,14 @@ def _sense(lemma: str, pos: PartOfSpeech = PartOfSpeech.NOUN, tagged: int = 1) -
 def test_known_words_are_the_frequent_ones_wordnet_defines_without_function_words():
     from scripts.demo_model.dataset import choose_words
 
-    senses = [_sense("water"), _sense("are"), _sense("harbor"), _sense("zymurgy"), _sense("quokka"),
-              _sense("water", PartOfSpeech.VERB, tagged=5)]
+    senses = [
+        _sense("water"),
+        _sense("are"),
+        _sense("harbor"),
+        _sense("zymurgy"),
+        _sense("quokka"),
+        _sense("water", PartOfSpeech.VERB, tagged=5),
+    ]
     frequent = ["the", "are", "water", "harbor", "notinwordnet"]
     known, unknown = choose_words(senses, frequent, random.Random(0))
     assert [s.lemma for s in known] == ["water", "harbor"]  # frequency order; "are" is a function word
@@ -120,9 +140,15 @@ def test_known_words_are_all_trained_and_unknown_ones_get_i_do_not_know():
     for lemma in frequent:
         answer = f"The noun {lemma} means the meaning of {lemma}."
         assert sum(content == answer for _, content in trained) >= 3  # asked three ways, never held out
-        assert any(role == "user" and content.lower().startswith(f"what does {lemma} mean") for role, content in trained)
-    replies = [content for c in splits[Split.TRAIN] + splits[Split.HELDOUT] for role, content in c.messages
-               if role == "assistant" and "rare" in content]
+        assert any(
+            role == "user" and content.lower().startswith(f"what does {lemma} mean") for role, content in trained
+        )
+    replies = [
+        content
+        for c in splits[Split.TRAIN] + splits[Split.HELDOUT]
+        for role, content in c.messages
+        if role == "assistant" and "rare" in content
+    ]
     assert len(replies) == 20 and all("know" in r for r in replies)
 
 
@@ -137,19 +163,32 @@ def test_an_answer_carries_the_sense_when_it_holds_half_its_content_words():
     assert not carries_sense("I don't know the word dog.", sense)
 
 
+def _tiny_training(name: str, num_conversations: int, max_steps: int):
+    """A tiny model spec, its config and encoded chat data (the demo-mini tokenizer): enough for
+    a few training steps in a test."""
+    from scripts.demo_model.train import ModelSpec, SpecialIds, llama_config
+
+    tokenizer = Tokenizer.from_dir(MODELS_DIR / "demo-mini")._tok
+    conversations = [
+        Conversation("smalltalk", (("user", f"What does word{i} mean?"), ("assistant", "A thing. " * (i % 4 + 1))))
+        for i in range(num_conversations)
+    ]
+    encoded = [encode_conversation(tokenizer, c) for c in conversations]
+    spec = ModelSpec(
+        name, 32, 1, 2, 1, 64, max_steps=max_steps, learning_rate=1e-2, decay_steps=max_steps, batch_size=2,
+        seq_len=64, warmup_steps=1,
+    )  # fmt: skip
+    config = llama_config(spec, tokenizer.get_vocab_size(), SpecialIds(eos_token_id=2, pad_token_id=0))
+    return spec, config, encoded
+
+
 def test_training_is_reproducible_from_its_seed():
     """Same seed, same data: the same weights bit for bit (what `make demo-model` relies on)."""
     import torch
 
-    from scripts.demo_model.train import ModelSpec, SpecialIds, llama_config, train
+    from scripts.demo_model.train import train
 
-    tokenizer = Tokenizer.from_dir(MODELS_DIR / "demo-mini")._tok
-    conversations = [Conversation("smalltalk", (("user", f"What does word{i} mean?"), ("assistant", "It means a thing. " * (i % 3 + 1))))
-                     for i in range(24)]
-    encoded = [encode_conversation(tokenizer, c) for c in conversations]
-    spec = ModelSpec("repro", 32, 1, 2, 1, 64, max_steps=4, learning_rate=1e-2, decay_steps=4, batch_size=2,
-                     seq_len=64, warmup_steps=1)
-    config = llama_config(spec, tokenizer.get_vocab_size(), SpecialIds(eos_token_id=2, pad_token_id=0))
+    spec, config, encoded = _tiny_training("repro", 24, max_steps=4)
 
     def weights(seed: int) -> dict:
         model, _ = train(spec, config, (encoded[:20], encoded[20:]), seed)
@@ -167,15 +206,9 @@ def test_a_run_resumed_from_its_checkpoint_ends_with_the_same_weights(tmp_path):
 
     import torch
 
-    from scripts.demo_model.train import Checkpointing, ModelSpec, SpecialIds, llama_config, train
+    from scripts.demo_model.train import Checkpointing, train
 
-    tokenizer = Tokenizer.from_dir(MODELS_DIR / "demo-mini")._tok
-    conversations = [Conversation("smalltalk", (("user", f"What does word{i} mean?"), ("assistant", "A thing. " * (i % 4 + 1))))
-                     for i in range(30)]
-    encoded = [encode_conversation(tokenizer, c) for c in conversations]
-    spec = ModelSpec("resume", 32, 1, 2, 1, 64, max_steps=6, learning_rate=1e-2, decay_steps=6, batch_size=2,
-                     seq_len=64, warmup_steps=1)
-    config = llama_config(spec, tokenizer.get_vocab_size(), SpecialIds(eos_token_id=2, pad_token_id=0))
+    spec, config, encoded = _tiny_training("resume", 30, max_steps=6)
     data = (encoded[:26], encoded[26:])
     straight, straight_result = train(spec, config, data, seed=3)
     checkpoint = Checkpointing(tmp_path / "checkpoint.pt", "data-v1")

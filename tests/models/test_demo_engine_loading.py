@@ -46,8 +46,9 @@ def _engine_greedy(model_dir: Path, prompt_ids: list[int], eos_ids: tuple[int, .
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_native_engine_greedy_reply_equals_transformers(name, loaded_models, heldout_sample):
-    question = next(c.messages[0][1] for c in heldout_sample
-                    if re.fullmatch(r"What does [a-z]+ mean\?", c.messages[0][1]))
+    question = next(
+        c.messages[0][1] for c in heldout_sample if re.fullmatch(r"What does [a-z]+ mean\?", c.messages[0][1])
+    )
     tokenizer = Tokenizer.from_dir(MODELS_DIR / name)
     prompt_ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}]))
     engine_ids, finish = _engine_greedy(MODELS_DIR / name, prompt_ids, tokenizer.eos_token_ids)
@@ -55,6 +56,6 @@ def test_native_engine_greedy_reply_equals_transformers(name, loaded_models, hel
     model, _ = loaded_models(name)
     with torch.no_grad():
         output = model.generate(torch.tensor([prompt_ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
-    reference = output[0, len(prompt_ids):].tolist()
+    reference = output[0, len(prompt_ids) :].tolist()
     assert engine_ids == reference
     assert finish is FinishReason.STOP and engine_ids[-1] in tokenizer.eos_token_ids

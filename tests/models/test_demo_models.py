@@ -21,8 +21,13 @@ PROJECT_CHAT_TEMPLATE = (
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 REQUIRED_FILES = (
-    "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-    "tokenizer_config.json", "README.md", "loss_curve.png",
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "README.md",
+    "loss_curve.png",
 )
 PARAMETER_RANGES = {"demo-mini": (1e6, 2e6), "demo-flagship": (2e6, 5e6)}
 # Of models/known_words.jsonl (40 taught words, not the card's sample), the share a model must
@@ -41,7 +46,7 @@ _FUNCTION_WORDS = frozenset(
 def _parameter_count_and_dtypes(name: str) -> tuple[int, set[str]]:
     count, dtypes = 0, set()
     with safe_open(MODELS_DIR / name / "model.safetensors", framework="pt") as weights:
-        for key in weights.keys():
+        for key in weights.keys():  # noqa: SIM118 (safe_open is not a mapping)
             tensor = weights.get_slice(key)
             shape = tensor.get_shape()
             count += math.prod(shape)
@@ -137,8 +142,9 @@ def test_model_answers_heldout_what_does_x_mean_with_words_and_punctuation(name,
     from scripts.demo_model.evaluate import sample_reply
 
     model, hf_tokenizer = loaded_models(name)
-    questions = [c.messages[0][1] for c in heldout_sample
-                 if re.fullmatch(r"What does [a-z]+ mean\?", c.messages[0][1])][:2]
+    questions = [
+        c.messages[0][1] for c in heldout_sample if re.fullmatch(r"What does [a-z]+ mean\?", c.messages[0][1])
+    ][:2]
     assert questions
     for question in questions:
         reply = sample_reply(model, hf_tokenizer, [{"role": "user", "content": question}], max_new_tokens=64)
