@@ -3,6 +3,8 @@ and its int8 weights compute the same model on every kernel path."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -149,7 +151,13 @@ def test_w8a8_sums_are_exact_on_onednns_avx2_path(w8a8, tmp_path):
     out = tmp_path / "avx2.npy"
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ONEDNN_VERBOSE": "1"}
     run = subprocess.run(
-        [sys.executable, "-c", script, str(out)], env=env, capture_output=True, text=True, timeout=300, check=True
+        [sys.executable, "-c", script, str(out)],
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],  # the repository root: the child imports this module
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     )
     assert "gemm" in run.stdout and "avx2" in run.stdout.lower()  # the path that ran
     plain = MiniLmEmbedder(dtype="w8a8")  # no adapter, as the child's
