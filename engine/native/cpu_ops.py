@@ -54,6 +54,7 @@ class CpuKernels:
         self.mode = mode
         self._lib = lib
         self.panel = int(lib.packed_linear_panel())  # output columns per packed panel
+        self.vector_floats = 16 if mode.value == "avx512" else 8  # floats in one of its vector registers
 
     def pack_linear(self, weight: torch.Tensor, quantization: Quantization = Quantization.NONE) -> PackedLinear:
         """Pack an fp32 CPU weight [out_features, in_features] once, at load time (int8: quantized too)."""
@@ -180,8 +181,121 @@ class CpuKernels:
             block_size,
         )
 
+    def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [rows, cols] fp32 -> (q [rows, cols] int8, scale [rows, 1] fp32), x ~= q * scale:
+        per row, scale = max|x| / 127, values rounded half to even."""
+        x = x.contiguous()
+        rows, cols = x.shape
+        q = torch.empty((rows, cols), dtype=torch.int8)
+        scale = torch.empty((rows, 1), dtype=torch.float32)
+        self._lib.quantize_rows_i8(x.data_ptr(), q.data_ptr(), scale.data_ptr(), rows, cols)
+        return q, scale
+
+    def dequantize(
+        self,
+        acc: torch.Tensor,  # [rows, cols] int32 sums of an int8 matmul
+        row_scale: torch.Tensor,  # [rows, 1] the activations' scales
+        col_scale: torch.Tensor,  # [cols] the weight's scales per output channel
+        bias: torch.Tensor,  # [cols]
+        *,
+        gelu: bool = False,
+        requantize: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """acc * row_scale * col_scale + bias (then exact GELU when `gelu`), fp32 [rows, cols];
+        with `requantize`, that result quantized per row instead, as quantize_rows gives it (the
+        float values never leave the kernel's stack)."""
+        rows, cols = acc.shape
+        _check_glue(acc, row_scale, col_scale, bias)
+        if requantize and cols <= _MAX_STACK_ROW:
+            q = torch.empty((rows, cols), dtype=torch.int8)
+            q_scale = torch.empty((rows, 1), dtype=torch.float32)
+            self._lib.dequant_i32_f32(
+                acc.data_ptr(), row_scale.data_ptr(), col_scale.data_ptr(), bias.data_ptr(),
+                None, q.data_ptr(), q_scale.data_ptr(), rows, cols, int(gelu),
+            )  # fmt: skip
+            return q, q_scale
+        out = torch.empty((rows, cols), dtype=torch.float32)
+        self._lib.dequant_i32_f32(
+            acc.data_ptr(), row_scale.data_ptr(), col_scale.data_ptr(), bias.data_ptr(),
+            out.data_ptr(), None, None, rows, cols, int(gelu),
+        )  # fmt: skip
+        return self.quantize_rows(out) if requantize else out
+
+    def dequantize_add_layer_norm(
+        self,
+        acc: torch.Tensor,  # [rows, cols] int32 sums of an int8 matmul
+        row_scale: torch.Tensor,  # [rows, 1]
+        col_scale: torch.Tensor,  # [cols]
+        bias: torch.Tensor,  # [cols]
+        residual: torch.Tensor,  # [rows, cols] fp32
+        ln_weight: torch.Tensor,
+        ln_bias: torch.Tensor,
+        eps: float,
+        *,
+        requantize: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(F.layer_norm(residual + acc * row_scale * col_scale + bias), and with `requantize` that
+        result quantized per row (q, scale) for the next matmul, else None, None)."""
+        rows, cols = acc.shape
+        _check_glue(acc, row_scale, col_scale, bias)
+        residual = residual.contiguous()
+        if residual.shape != acc.shape or residual.dtype != torch.float32:
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not fit sums {tuple(acc.shape)}")
+        out = torch.empty((rows, cols), dtype=torch.float32)
+        q = torch.empty((rows, cols), dtype=torch.int8) if requantize else None
+        q_scale = torch.empty((rows, 1), dtype=torch.float32) if requantize else None
+        self._lib.dequant_add_layer_norm_f32(
+            acc.data_ptr(), row_scale.data_ptr(), col_scale.data_ptr(), bias.data_ptr(), residual.data_ptr(),
+            ln_weight.contiguous().data_ptr(), ln_bias.contiguous().data_ptr(), out.data_ptr(), _ptr(q),
+            _ptr(q_scale), rows, cols, eps,
+        )  # fmt: skip
+        return out, q, q_scale
+
+    def window_attention(
+        self, qkv: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, num_heads: int
+    ) -> torch.Tensor:
+        """Bidirectional attention within windows of back-to-back tokens (an encoder batch):
+        qkv [tokens, 3 * hidden] (q | k | v), window w is rows [starts[w], starts[w] + lens[w])
+        (int64); returns [tokens, hidden], scale head_dim ** -0.5, no padding and no mask."""
+        qkv = qkv.contiguous()
+        tokens, width = qkv.shape
+        head_dim = width // 3 // num_heads
+        if head_dim % self.vector_floats or head_dim > 256 or starts.dtype != torch.int64 or lens.dtype != torch.int64:
+            raise ValueError(f"window attention takes head_dim a multiple of {self.vector_floats} up to 256")
+        out = torch.empty((tokens, width // 3), dtype=torch.float32)
+        status = self._lib.window_attention_f32(
+            qkv.data_ptr(), starts.data_ptr(), lens.data_ptr(), out.data_ptr(), len(starts), num_heads, head_dim,
+            head_dim**-0.5,
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("window attention could not allocate its scratch memory")
+        return out
+
     def decode_stack(self, layers, kv_caches, specs: tuple[StackLayer, ...], shape: StackShape) -> DecodeStack:
         return DecodeStack(self._lib, layers, kv_caches, specs, shape)
+
+
+_MAX_STACK_ROW = 8192  # int8_glue.c's MAX_STACK_ROW
+
+
+def _check_glue(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, bias: torch.Tensor) -> None:
+    """The C glue reads these as contiguous int32 / fp32 arrays of the sums' shape: anything else
+    would read past them."""
+    rows, cols = acc.shape
+    ok = (
+        acc.dtype == torch.int32
+        and acc.is_contiguous()
+        and row_scale.dtype == col_scale.dtype == bias.dtype == torch.float32
+        and row_scale.is_contiguous()
+        and col_scale.is_contiguous()
+        and bias.is_contiguous()
+        and row_scale.numel() == rows
+        and col_scale.numel() == bias.numel() == cols
+    )
+    if not ok:
+        raise ValueError(
+            "int8 glue takes contiguous int32 sums [rows, cols], fp32 scales [rows] and [cols], bias [cols]"
+        )
 
 
 def _scales_ptr(weight: PackedLinear) -> int:

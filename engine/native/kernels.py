@@ -4,6 +4,8 @@
 - packed_linear.c: the linear layers, from weights packed once into column panels (fp32 or int8).
 - fused_ops.c: RMSNorm (with the residual add), SiLU * up, GELU-tanh * up, RoPE + the KV-cache write.
 - decode_step.c: all the layers of a decode-only step in one call, from the kernels above.
+- int8_glue.c: the float work between int8 matmuls (quantize rows; int32 sums to floats with
+  GELU, or with the residual add and LayerNorm), for the safety encoder's w8a8 layers.
 
 The same sources are built once per KernelMode (AVX-512 or AVX2 + FMA, each with its own -m
 flags, simd.h picks the vector width), so one machine can run, and CI can test, every path its
@@ -60,7 +62,9 @@ _ISA_FLAGS = {
     KernelMode.AVX2: ("-mavx2", "-mfma"),
 }
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = tuple(_CSRC / name for name in ("paged_attention.c", "packed_linear.c", "fused_ops.c", "decode_step.c"))
+_SOURCES = tuple(
+    _CSRC / name for name in ("paged_attention.c", "packed_linear.c", "fused_ops.c", "decode_step.c", "int8_glue.c")
+)
 _HEADERS = (_CSRC / "kernels.h", _CSRC / "simd.h")
 _BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "native"
 # -Bsymbolic: calls between the kernels bind inside their own library, so two modes' libraries
@@ -81,6 +85,10 @@ SIGNATURES: dict[str, tuple[type | None, Sequence[type]]] = {
     "gelu_tanh_mul_f32": (None, [_P] * 2 + [_I] * 2),
     "rope_and_cache_f32": (None, [_P] * 7 + [_I] * 6),
     "decode_layers_f32": (_INT, [_P] * 5 + [_I] * 3 + [_P] + [_I] * 8 + [_F] * 3 + [_P]),
+    "quantize_rows_i8": (None, [_P] * 3 + [_I] * 2),
+    "dequant_i32_f32": (None, [_P] * 7 + [_I] * 3),
+    "dequant_add_layer_norm_f32": (None, [_P] * 10 + [_I] * 2 + [_F]),
+    "window_attention_f32": (_INT, [_P] * 4 + [_I] * 3 + [_F]),
 }
 
 

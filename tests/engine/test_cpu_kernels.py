@@ -159,3 +159,92 @@ def test_the_mode_is_resolved_from_the_settings_and_the_cpu():
         if mode not in kernels.supported_modes():
             with pytest.raises(EngineError, match="supports only"):
                 kernels.resolve_mode(enabled=True, isa=mode.value, device=cpu, dtype=fp32)
+
+
+# The int8 glue (csrc/int8_glue.c): the float work between the safety encoder's w8a8 matmuls.
+
+
+def _quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
+    return (x / scale).round().clamp(-127, 127).to(torch.int8), scale
+
+
+def _assert_same_quantization(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]):
+    (q, scale), (want_q, want_scale) = got, want
+    torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)
+    # A multiply by the reciprocal instead of a division may move a value sitting on a
+    # rounding tie to the next step: rare, and never further.
+    diff = (q.int() - want_q.int()).abs()
+    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 384), (7, 37), (130, 1536)])
+def test_quantize_rows_matches_pytorch(cpu, rows, cols):
+    x = torch.randn(rows, cols) * 3
+    x[0] = 0.0  # an all-zero row: scale at its floor, all zeros
+    q, scale = cpu.quantize_rows(x)
+    _assert_same_quantization((q, scale), _quantize_rows_reference(x))
+    assert not q[0].any()
+    assert cpu.quantize_rows(torch.zeros(0, cols))[0].shape == (0, cols)
+
+
+def _int8_sums(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(rows * 1000 + cols)
+    acc = (torch.randn(rows, cols, generator=gen) * 4000).to(torch.int32)
+    row_scale = torch.rand(rows, 1, generator=gen) * 1e-3 + 1e-4
+    col_scale = torch.rand(cols, generator=gen) + 0.5
+    bias = torch.randn(cols, generator=gen)
+    return acc, row_scale, col_scale, bias
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 8), (5, 1152), (77, 1536)])
+def test_dequantize_with_and_without_gelu_and_requantized(cpu, rows, cols):
+    acc, row_scale, col_scale, bias = _int8_sums(rows, cols)
+    want = acc.float() * row_scale * col_scale + bias
+    torch.testing.assert_close(cpu.dequantize(acc, row_scale, col_scale, bias), want, rtol=1e-5, atol=1e-5)
+    want_gelu = F.gelu(want)  # the exact (erf) GELU, as BERT's
+    got_gelu = cpu.dequantize(acc, row_scale, col_scale, bias, gelu=True)
+    torch.testing.assert_close(got_gelu, want_gelu, rtol=1e-5, atol=2e-6)
+    requantized = cpu.dequantize(acc, row_scale, col_scale, bias, gelu=True, requantize=True)
+    _assert_same_quantization(requantized, _quantize_rows_reference(got_gelu))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 100])
+def test_dequantize_add_layer_norm_matches_pytorch(cpu, rows):
+    cols = 384
+    acc, row_scale, col_scale, bias = _int8_sums(rows, cols)
+    residual, weight, ln_bias = torch.randn(rows, cols), torch.rand(cols) + 0.5, torch.randn(cols)
+    want = F.layer_norm(residual + acc.float() * row_scale * col_scale + bias, (cols,), weight, ln_bias, 1e-12)
+    out, q, q_scale = cpu.dequantize_add_layer_norm(acc, row_scale, col_scale, bias, residual, weight, ln_bias, 1e-12)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    assert q is None and q_scale is None
+    out, q, q_scale = cpu.dequantize_add_layer_norm(
+        acc, row_scale, col_scale, bias, residual, weight, ln_bias, 1e-12, requantize=True
+    )
+    _assert_same_quantization((q, q_scale), _quantize_rows_reference(out))
+
+
+def test_the_glue_refuses_what_it_would_misread(cpu):
+    acc, row_scale, col_scale, bias = _int8_sums(4, 16)
+    with pytest.raises(ValueError, match="int32"):
+        cpu.dequantize(acc.long(), row_scale, col_scale, bias)
+    with pytest.raises(ValueError, match="int32"):
+        cpu.dequantize(acc, row_scale, col_scale[:8], bias)
+    with pytest.raises(ValueError, match="residual"):
+        cpu.dequantize_add_layer_norm(acc, row_scale, col_scale, bias, torch.zeros(4, 8), bias, bias, 1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_window_attention_equals_sdpa_over_each_window_alone(cpu, head_dim):
+    heads, lengths = 3, [1, 5, 17, 128, 2, 40]
+    qkv = torch.randn(sum(lengths), 3 * heads * head_dim)
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    got = cpu.window_attention(qkv, torch.cumsum(lens, 0) - lens, lens, heads)
+    start = 0
+    for n in lengths:
+        q, k, v = qkv[start : start + n].view(n, 3, heads, head_dim).permute(1, 2, 0, 3)
+        want = F.scaled_dot_product_attention(q, k, v).transpose(0, 1).reshape(n, heads * head_dim)
+        torch.testing.assert_close(got[start : start + n], want, rtol=1e-4, atol=1e-5)
+        start += n
+    with pytest.raises(ValueError, match="head_dim"):
+        cpu.window_attention(torch.randn(4, 3 * 2 * 12), torch.tensor([0]), torch.tensor([4]), 2)

@@ -123,6 +123,26 @@ def test_w8a8_scores_stay_close_to_float32_and_give_the_same_verdicts(classifier
         assert (got >= 0.5).tolist() == (want >= 0.5).tolist()
 
 
+@pytest.mark.parametrize("mode", COMPILED_MODES)
+def test_w8a8_compiled_glue_computes_what_the_pytorch_glue_computes(classifier, mode):
+    # Where the kernels build, w8a8's float work between the int8 matmuls (quantize, dequantize,
+    # GELU, residual + LayerNorm) and its attention run compiled (int8_glue.c); elsewhere PyTorch
+    # ops do the same. Rounding may move a few activations one int8 step, so states agree to
+    # quantization noise and the verdicts agree exactly.
+    compiled = MiniLmEmbedder(dtype="w8a8", adapter=classifier.head.adapter, kernel_isa=mode.value)
+    ops = MiniLmEmbedder(dtype="w8a8", adapter=classifier.head.adapter, use_kernels=False)
+    assert compiled._glue is not None and compiled._glue.mode is mode and ops._glue is None
+    for got, want in zip(compiled.encode(TEXTS, max_windows=4), ops.encode(TEXTS, max_windows=4), strict=True):
+        cosine = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+        assert cosine.min() > 0.99 and cosine.mean() > 0.999
+    glued = SafetyClassifier(compiled, classifier.head, max_windows=4, cache_entries=0)
+    plain = SafetyClassifier(ops, classifier.head, max_windows=4, cache_entries=0)
+    for text in TEXTS:
+        want, got = plain.score_text(text), glued.score_text(text)
+        np.testing.assert_allclose(got, want, atol=0.02)
+        assert (got >= 0.5).tolist() == (want >= 0.5).tolist()
+
+
 def _w8a8_sums(embedder) -> np.ndarray:
     """int32 sums of each layer-0 matmul on the same full-range int8 activations."""
     rng = np.random.default_rng(0)

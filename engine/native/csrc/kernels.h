@@ -25,4 +25,13 @@ int decode_layers_f32(float *x, const int64_t *positions, const int64_t *const *
                       int64_t max_context_len, int64_t tokens, const int64_t *layers, int64_t num_layers,
                       int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
                       int64_t block_size, int64_t gelu, float eps, float scale, float softcap, float *scratch);
+void quantize_rows_i8(const float *x, int8_t *q, float *scale, int64_t rows, int64_t cols);
+void dequant_i32_f32(const int32_t *acc, const float *row_scale, const float *col_scale, const float *bias,
+                     float *out, int8_t *q, float *q_scale, int64_t rows, int64_t cols, int64_t gelu);
+void dequant_add_layer_norm_f32(const int32_t *acc, const float *row_scale, const float *col_scale,
+                                const float *bias, const float *residual, const float *ln_weight,
+                                const float *ln_bias, float *out, int8_t *q, float *q_scale, int64_t rows,
+                                int64_t cols, float eps);
+int window_attention_f32(const float *qkv, const int64_t *starts, const int64_t *lens, float *out,
+                         int64_t num_windows, int64_t heads, int64_t head_dim, float scale);
 #endif
