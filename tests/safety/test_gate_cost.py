@@ -4,6 +4,7 @@ cache, batching concurrent classifier work, the packed encoder, the early first 
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -99,6 +100,29 @@ async def test_batcher_caps_a_batch_by_weight_and_keeps_the_order():
         results = await asyncio.gather(*(batcher.submit(j) for j in (4, 4, 4, 20, 1)))
     assert results == [8, 8, 8, 40, 2]
     assert batcher.num_batches == 4  # (4, 4), (4), (20): over the cap but alone, (1)
+
+
+async def test_jobs_that_arrive_while_a_batch_waits_for_the_executor_join_it():
+    # The native engine runs a batch between two of its steps: the jobs that arrive while the
+    # step runs go in that batch, not in the one after it.
+    started, release = threading.Event(), threading.Event()
+    seen: list[list[int]] = []
+
+    def run(jobs: list[int]) -> list[int]:
+        seen.append(list(jobs))
+        return _double(jobs)
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(lambda: (started.set(), release.wait(10)))  # "the engine's step"
+        started.wait(10)
+        batcher = MicroBatcher(run, lambda: pool, weight=lambda j: 1, max_batch_weight=100)
+        first = asyncio.ensure_future(batcher.submit(1))
+        await asyncio.sleep(0.05)  # the batch is with the executor, behind the step
+        later = [asyncio.ensure_future(batcher.submit(j)) for j in (2, 3)]
+        await asyncio.sleep(0.05)
+        release.set()
+        assert await asyncio.gather(first, *later) == [2, 4, 6]
+    assert seen == [[1, 2, 3]] and batcher.num_batches == 1
 
 
 async def test_batcher_fails_every_job_of_a_failed_batch_and_keeps_serving():
