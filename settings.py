@@ -358,9 +358,9 @@ class SafetyConfig:
     embed_dtype: str = setting(
         "auto",
         "Embedder matmuls: float32, bfloat16, int8 (weights quantized at load, 32 inputs per scale, float32 "
-        "activations), w8a8 (7-bit weights per output channel and int8 activations per token, int32 sums via "
-        "torch._int_mm: 2-3x faster than float32 on CPUs with VNNI), or auto (bfloat16 with AMX, w8a8 with VNNI, "
-        "else int8). All meet the held-out targets (safety/README.md).",
+        "activations), w8a8 (7-bit weights per output channel and int8 activations per token, exact int32 sums: "
+        "1.5-2.5x faster than float32, with or without VNNI), or auto (bfloat16 with AMX, else w8a8 where the CPU "
+        "has VNNI or the compiled kernels build, else int8). All meet the held-out targets (safety/README.md).",
     )
     embed_cache_entries: int = setting(
         4096, "Per-message classifier features kept, so later turns do not re-embed history."

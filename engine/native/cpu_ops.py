@@ -21,6 +21,18 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, slots=True)
+class PackedInt8:
+    """An int8 weight [in_features, out_features] (torch._int_mm's layout, values in -63..63),
+    packed once for CpuKernels.int8_gemm."""
+
+    blocks: torch.Tensor  # int8 [out_features / block, in_features / 4, block, 4]
+    colsum128: torch.Tensor  # int32 [out_features]: 128 * each column's sum
+    in_features: int
+    out_features: int
+    kernels: CpuKernels
+
+
+@dataclass(frozen=True, slots=True)
 class PackedLinear:
     """A linear layer's weight [out_features, in_features], packed for CpuKernels.packed_linear.
     The layout depends on the instruction set, so it keeps the kernels that packed it."""
@@ -55,6 +67,7 @@ class CpuKernels:
         self._lib = lib
         self.panel = int(lib.packed_linear_panel())  # output columns per packed panel
         self.vector_floats = 16 if mode.value == "avx512" else 8  # floats in one of its vector registers
+        self.has_vnni = _has_vnni(mode.value)  # int8 dot products in one instruction at this vector width
 
     def pack_linear(self, weight: torch.Tensor, quantization: Quantization = Quantization.NONE) -> PackedLinear:
         """Pack an fp32 CPU weight [out_features, in_features] once, at load time (int8: quantized too)."""
@@ -271,8 +284,47 @@ class CpuKernels:
             raise MemoryError("window attention could not allocate its scratch memory")
         return out
 
+    def pack_int8(self, weight: torch.Tensor) -> PackedInt8 | None:
+        """weight [in_features, out_features] int8 with values in -63..63 -> packed for int8_gemm;
+        None when its shape does not fit the kernel (in_features % 4, out_features % block)."""
+        weight = weight.contiguous()
+        k, n = weight.shape
+        block = int(self._lib.int8_gemm_block())
+        if weight.dtype != torch.int8 or not block:
+            return None
+        blocks = torch.empty((n // block, k // 4, block, 4), dtype=torch.int8)
+        colsum128 = torch.empty(n, dtype=torch.int32)
+        if self._lib.int8_gemm_pack(weight.data_ptr(), blocks.data_ptr(), colsum128.data_ptr(), k, n) != 0:
+            if weight.abs().max() > 63:
+                raise ValueError("int8_gemm takes weights in -63..63 (7 bits)")
+            return None
+        return PackedInt8(blocks, colsum128, k, n, self)
+
+    def int8_gemm(self, x: torch.Tensor, weight: PackedInt8) -> torch.Tensor:
+        """x [rows, in_features] int8 in -127..127 @ the packed weight -> int32 [rows, out_features]:
+        the exact sums, as torch._int_mm gives them."""
+        x = x.contiguous()
+        rows, k = x.shape
+        if x.dtype != torch.int8 or k != weight.in_features or weight.kernels is not self:
+            raise ValueError(f"int8_gemm takes int8 [rows, {weight.in_features}] for a weight packed by this mode")
+        out = torch.empty((rows, weight.out_features), dtype=torch.int32)
+        if rows:
+            status = self._lib.int8_gemm(
+                x.data_ptr(), weight.blocks.data_ptr(), weight.colsum128.data_ptr(), out.data_ptr(), rows,
+                weight.out_features, k, int(self.has_vnni),
+            )  # fmt: skip
+            if status != 0:
+                raise MemoryError("int8_gemm could not allocate its scratch memory")
+        return out
+
     def decode_stack(self, layers, kv_caches, specs: tuple[StackLayer, ...], shape: StackShape) -> DecodeStack:
         return DecodeStack(self._lib, layers, kv_caches, specs, shape)
+
+
+def _has_vnni(mode: str) -> bool:
+    from engine.native.kernels import cpu_flags
+
+    return ("avx512_vnni" if mode == "avx512" else "avx_vnni") in cpu_flags()
 
 
 _MAX_STACK_ROW = 8192  # int8_glue.c's MAX_STACK_ROW

@@ -4,6 +4,7 @@
 - packed_linear.c: the linear layers, from weights packed once into column panels (fp32 or int8).
 - fused_ops.c: RMSNorm (with the residual add), SiLU * up, GELU-tanh * up, RoPE + the KV-cache write.
 - decode_step.c: all the layers of a decode-only step in one call, from the kernels above.
+- int8_gemm.c: int8 x int8 -> int32 matmuls from weights packed once (VNNI where the CPU has it).
 - int8_glue.c: the float work between int8 matmuls (quantize rows; int32 sums to floats with
   GELU, or with the residual add and LayerNorm), for the safety encoder's w8a8 layers.
 
@@ -63,7 +64,8 @@ _ISA_FLAGS = {
 }
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = tuple(
-    _CSRC / name for name in ("paged_attention.c", "packed_linear.c", "fused_ops.c", "decode_step.c", "int8_glue.c")
+    _CSRC / name
+    for name in ("paged_attention.c", "packed_linear.c", "fused_ops.c", "decode_step.c", "int8_glue.c", "int8_gemm.c")
 )
 _HEADERS = (_CSRC / "kernels.h", _CSRC / "simd.h")
 _BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "native"
@@ -89,6 +91,9 @@ SIGNATURES: dict[str, tuple[type | None, Sequence[type]]] = {
     "dequant_i32_f32": (None, [_P] * 7 + [_I] * 3),
     "dequant_add_layer_norm_f32": (None, [_P] * 10 + [_I] * 2 + [_F]),
     "window_attention_f32": (_INT, [_P] * 4 + [_I] * 3 + [_F]),
+    "int8_gemm_block": (_I, []),
+    "int8_gemm_pack": (_INT, [_P] * 3 + [_I] * 2),
+    "int8_gemm": (_INT, [_P] * 4 + [_I] * 4),
 }
 
 

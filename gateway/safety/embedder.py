@@ -45,10 +45,11 @@ _ACT_MAX = 127
 
 
 def resolve_dtype(name: str) -> str:
-    """'auto' -> bfloat16 on CPUs with AMX (about 2x faster there); w8a8 on CPUs with VNNI
-    (int8 dot products: 2-3x faster than float32 on a batch); else int8 (weights only, on the
-    engine's kernels: as fast as float32 on batches, a quarter of the bytes for short texts).
-    All three give the held-out set's verdicts within its targets (bench/RESULTS.md #22)."""
+    """'auto' -> bfloat16 on CPUs with AMX (about 2x faster there); else w8a8 where the CPU has
+    VNNI or the engine's compiled kernels build (int8 matmuls from packed weights, with the
+    float work between them compiled: 1.5-2.5x faster than float32 on batches and 1.5x on a
+    short text, with or without VNNI); else int8 (weights only, on PyTorch ops). All of them give
+    the held-out set's verdicts within its targets (bench/RESULTS.md #22)."""
     if name != "auto":
         if name not in EMBED_DTYPES:
             raise ValueError(f"embed_dtype must be {', '.join(EMBED_DTYPES)} or auto, got {name!r}")
@@ -56,10 +57,22 @@ def resolve_dtype(name: str) -> str:
     try:
         flags = set(Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").split())
     except OSError:
-        return "int8"
+        flags = set()
     if "amx_bf16" in flags:
         return "bfloat16"
-    return "w8a8" if flags & {"avx512_vnni", "avx_vnni"} else "int8"
+    if flags & {"avx512_vnni", "avx_vnni"}:
+        return "w8a8"
+    return "w8a8" if _kernels_build() else "int8"
+
+
+def _kernels_build() -> bool:
+    """Whether the engine's compiled CPU kernels run here (an x86 CPU with AVX2, a C compiler)."""
+    import torch
+
+    from engine.native.kernels import KernelMode, resolve_mode
+
+    mode = resolve_mode(enabled=True, isa="auto", device=torch.device("cpu"), dtype=torch.float32)
+    return mode is not KernelMode.TORCH
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +201,15 @@ class MiniLmEmbedder:
         self._packed = self._pack(kernel_isa, w) if dtype in ("float32", "int8") and use_kernels else {}
         self._w8a8 = self._quantize_w8a8() if dtype == "w8a8" else {}
         self._glue = self._glue_kernels(kernel_isa) if self._w8a8 and use_kernels else None
+        # The same weights packed for our int8 matmul: exact sums as torch._int_mm's, without its
+        # per-call weight reorder (~180 us a call without VNNI, ~10 us with it), so it runs every
+        # batch below _own_gemm_rows rows (bench/RESULTS.md #22).
+        self._int8_packed = (
+            {name: p for name, (weight, _) in self._w8a8.items() if (p := self._glue.pack_int8(weight)) is not None}
+            if self._glue is not None
+            else {}
+        )
+        self._own_gemm_rows = 0 if self._glue is None else (32 if self._glue.has_vnni else 512)
         self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self._tokenizer.no_padding()  # the shipped file pads to 128; we pad per batch instead
         self._tokenizer.no_truncation()  # we cut texts into windows ourselves
@@ -361,33 +383,38 @@ class MiniLmEmbedder:
         matmul's sums go to floats in one pass together with what follows them (GELU, or the
         residual add and LayerNorm) and, where another matmul reads the result, its int8
         quantization. Activations enter each matmul as int8 rows with their own scale."""
-        torch, glue = self._torch, self._glue
+        glue, matmul = self._glue, self._int8_matmul
         s, w, mats = self._shape, self._weights, self._w8a8
         eps = s.layer_norm_eps
         q, q_scale = glue.quantize_rows(x)
         for i in range(s.num_layers):
             p = f"encoder.layer.{i}."
-            weight, w_scale = mats[p + "qkv"]
-            qkv = glue.dequantize(torch._int_mm(q, weight), q_scale, w_scale, w[p + "qkv.bias"])
+            name = p + "qkv"
+            qkv = glue.dequantize(matmul(q, name), q_scale, mats[name][1], w[name + ".bias"])
             q, q_scale = glue.quantize_rows(attend(qkv))
             name, norm = p + "attention.output.dense", p + "attention.output.LayerNorm."
-            weight, w_scale = mats[name]
             x, q, q_scale = glue.dequantize_add_layer_norm(
-                torch._int_mm(q, weight), q_scale, w_scale, w[name + ".bias"], x, w[norm + "weight"],
+                matmul(q, name), q_scale, mats[name][1], w[name + ".bias"], x, w[norm + "weight"],
                 w[norm + "bias"], eps, requantize=True,
             )  # fmt: skip
             name = p + "intermediate.dense"
-            weight, w_scale = mats[name]
             q, q_scale = glue.dequantize(
-                torch._int_mm(q, weight), q_scale, w_scale, w[name + ".bias"], gelu=True, requantize=True
+                matmul(q, name), q_scale, mats[name][1], w[name + ".bias"], gelu=True, requantize=True
             )
             name, norm = p + "output.dense", p + "output.LayerNorm."
-            weight, w_scale = mats[name]
             x, q, q_scale = glue.dequantize_add_layer_norm(
-                torch._int_mm(q, weight), q_scale, w_scale, w[name + ".bias"], x, w[norm + "weight"],
+                matmul(q, name), q_scale, mats[name][1], w[name + ".bias"], x, w[norm + "weight"],
                 w[norm + "bias"], eps, requantize=i + 1 < s.num_layers,
             )  # fmt: skip
         return x
+
+    def _int8_matmul(self, q, name: str):
+        """int32 sums of int8 activations [rows, in] and a w8a8 weight: our packed kernel for
+        batches below _own_gemm_rows rows, torch._int_mm (oneDNN) above; the same exact sums."""
+        packed = self._int8_packed.get(name)
+        if packed is not None and q.shape[0] < self._own_gemm_rows:
+            return self._glue.int8_gemm(q, packed)
+        return self._torch._int_mm(q, self._w8a8[name][0])
 
     def _layer(self, x, attend, p: str):
         """bert_layer on back-to-back rows: x [num_tokens, hidden] float32, matmuls in the

@@ -248,3 +248,32 @@ def test_window_attention_equals_sdpa_over_each_window_alone(cpu, head_dim):
         start += n
     with pytest.raises(ValueError, match="head_dim"):
         cpu.window_attention(torch.randn(4, 3 * 2 * 12), torch.tensor([0]), torch.tensor([4]), 2)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13, 100])
+@pytest.mark.parametrize("in_features,out_features", [(384, 1152), (1536, 384), (8, 32)])
+def test_int8_gemm_gives_torch_int_mms_exact_sums_with_and_without_vnni(cpu, rows, in_features, out_features):
+    gen = torch.Generator().manual_seed(rows + in_features)
+    weight = torch.randint(-63, 64, (in_features, out_features), dtype=torch.int8, generator=gen)
+    x = torch.randint(-127, 128, (rows, in_features), dtype=torch.int8, generator=gen)
+    x[:1] = 127  # the extremes: the widest pair sums of the non-VNNI instructions
+    weight[:, :1] = -63
+    packed = cpu.pack_int8(weight)
+    want = torch._int_mm(x, weight) if rows else torch.zeros(0, out_features, dtype=torch.int32)
+    paths = [False, True] if cpu.has_vnni else [False]  # VNNI only where this CPU has it
+    try:
+        for vnni in paths:
+            cpu.has_vnni = vnni
+            assert torch.equal(cpu.int8_gemm(x, packed), want), f"vnni={vnni}"
+    finally:
+        cpu.has_vnni = paths[-1]
+
+
+def test_int8_gemm_refuses_what_it_cannot_sum_exactly(cpu):
+    assert cpu.pack_int8(torch.zeros(6, 32, dtype=torch.int8)) is None  # in_features not a multiple of 4
+    assert cpu.pack_int8(torch.zeros(8, 24, dtype=torch.int8)) is None  # out_features not a multiple of the block
+    with pytest.raises(ValueError, match=r"-63\.\.63"):
+        cpu.pack_int8(torch.full((8, 32), 64, dtype=torch.int8))
+    packed = cpu.pack_int8(torch.zeros(8, 32, dtype=torch.int8))
+    with pytest.raises(ValueError, match="int8_gemm takes"):
+        cpu.int8_gemm(torch.zeros(2, 12, dtype=torch.int8), packed)

@@ -143,6 +143,20 @@ def test_w8a8_compiled_glue_computes_what_the_pytorch_glue_computes(classifier, 
         assert (got >= 0.5).tolist() == (want >= 0.5).tolist()
 
 
+@pytest.mark.parametrize("mode", COMPILED_MODES)
+def test_w8a8_states_do_not_depend_on_which_int8_matmul_ran(classifier, mode):
+    # Short batches go through our packed int8 matmul, long ones through torch._int_mm: both give
+    # the exact integer sums, so a text's states do not depend on its batch's size.
+    embedder = MiniLmEmbedder(dtype="w8a8", adapter=classifier.head.adapter, kernel_isa=mode.value)
+    assert len(embedder._int8_packed) == 4 * 6  # every matmul of the six layers
+    embedder._own_gemm_rows = 10**9
+    ours = embedder.encode(TEXTS, max_windows=4)
+    embedder._own_gemm_rows = 0
+    onednn = embedder.encode(TEXTS, max_windows=4)
+    for a, b in zip(ours, onednn, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def _w8a8_sums(embedder) -> np.ndarray:
     """int32 sums of each layer-0 matmul on the same full-range int8 activations."""
     rng = np.random.default_rng(0)

@@ -1,0 +1,149 @@
+/* int8 x int8 -> int32 matmul from weights packed once, for the safety encoder's w8a8 layers
+ * (gateway/safety/embedder.py). torch._int_mm (oneDNN) reorders its weight on every call: on
+ * CPUs without VNNI that costs more than the arithmetic for a short text (a 16-token encoder
+ * pass took 10 ms, against 3 ms with float activations), and on every CPU it is ~40 us per call
+ * for a few rows. Here the weight is packed once and a call costs its arithmetic.
+ *
+ * The sums are exact integers, the same as torch._int_mm's: activations are signed int8 (-127..127)
+ * read as unsigned (x + 128, for the u8 x s8 instructions) with 128 * (column sum of the weight)
+ * taken off again; weights must lie in -63..63 (7 bits), so that the 16-bit pair sums of the
+ * instructions without VNNI (vpmaddubsw) never saturate: 2 * 255 * 63 < 32767.
+ *
+ * Packed layout, per block of NB output columns (NB = 2 vectors of int32: 32 with AVX-512, 16 with
+ * AVX2): [k / 4][NB][4] bytes, so that one vector load gives VL columns' weights for 4 inputs.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "simd.h"
+
+#if defined(HAS_SIMD)
+#define NB (2 * VL) /* output columns per packed block */
+#define MR 6        /* rows per register block */
+#define W_MAX 63
+
+int64_t int8_gemm_block(void) { return NB; }
+
+/* w [k, n] int8 (torch._int_mm's layout) -> packed [n / NB][k / 4][NB][4]; colsum128[n] = 128 *
+ * sum_k w[k][c]. Returns 0, or -1 when k % 4, n % NB or a weight outside -63..63 forbid it. */
+int int8_gemm_pack(const int8_t *w, int8_t *packed, int32_t *colsum128, int64_t k, int64_t n)
+{
+    if (k % 4 || n % NB) return -1;
+    for (int64_t i = 0; i < k * n; i++)
+        if (w[i] > W_MAX || w[i] < -W_MAX) return -1;
+    for (int64_t c = 0; c < n; c++) {
+        int32_t sum = 0;
+        for (int64_t i = 0; i < k; i++) sum += w[i * n + c];
+        colsum128[c] = 128 * sum;
+    }
+    for (int64_t b = 0; b < n / NB; b++)
+        for (int64_t g = 0; g < k / 4; g++)
+            for (int64_t c = 0; c < NB; c++)
+                for (int64_t j = 0; j < 4; j++)
+                    packed[((b * (k / 4) + g) * NB + c) * 4 + j] = w[(g * 4 + j) * n + b * NB + c];
+    return 0;
+}
+
+#if defined(__AVX512F__)
+typedef __m512i vi;
+#define vi_zero() _mm512_setzero_si512()
+#define vi_load(p) _mm512_loadu_si512((const void *)(p))
+#define vi_store(p, v) _mm512_storeu_si512((void *)(p), v)
+#define vi_set1(x) _mm512_set1_epi32(x)
+#define vi_sub(a, b) _mm512_sub_epi32(a, b)
+#define vi_dot_u8s8(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1)))
+#define VNNI_TARGET __attribute__((target("avx512vnni")))
+#define vi_dpbusd(acc, a, b) _mm512_dpbusd_epi32(acc, a, b)
+#else
+typedef __m256i vi;
+#define vi_zero() _mm256_setzero_si256()
+#define vi_load(p) _mm256_loadu_si256((const __m256i *)(p))
+#define vi_store(p, v) _mm256_storeu_si256((__m256i *)(p), v)
+#define vi_set1(x) _mm256_set1_epi32(x)
+#define vi_sub(a, b) _mm256_sub_epi32(a, b)
+#define vi_dot_u8s8(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)))
+#define VNNI_TARGET __attribute__((target("avxvnni")))
+#define vi_dpbusd(acc, a, b) _mm256_dpbusd_avx_epi32(acc, a, b)
+#endif
+
+/* One block of NB columns for rows [m0, m0 + rows), rows <= MR. xu: activations as unsigned. */
+#define GEMM_BLOCK(DOT)                                                                                     \
+    do {                                                                                                    \
+        vi acc0[MR], acc1[MR];                                                                              \
+        for (int r = 0; r < MR; r++) acc0[r] = acc1[r] = vi_zero();                                         \
+        const int8_t *wb = packed + b * (k / 4) * NB * 4;                                                   \
+        for (int64_t g = 0; g < k / 4; g++) {                                                               \
+            const vi w0 = vi_load(wb + g * NB * 4), w1 = vi_load(wb + g * NB * 4 + VL * 4);                 \
+            for (int r = 0; r < rows; r++) {                                                                \
+                int32_t four;                                                                               \
+                memcpy(&four, xu + (m0 + r) * k + g * 4, 4);                                                \
+                const vi a = vi_set1(four);                                                                 \
+                acc0[r] = DOT(acc0[r], a, w0);                                                              \
+                acc1[r] = DOT(acc1[r], a, w1);                                                              \
+            }                                                                                               \
+        }                                                                                                   \
+        const vi s0 = vi_load(colsum128 + b * NB), s1 = vi_load(colsum128 + b * NB + VL);                   \
+        for (int r = 0; r < rows; r++) {                                                                    \
+            vi_store(out + (m0 + r) * n + b * NB, vi_sub(acc0[r], s0));                                     \
+            vi_store(out + (m0 + r) * n + b * NB + VL, vi_sub(acc1[r], s1));                                \
+        }                                                                                                   \
+    } while (0)
+
+static void gemm_maddubs(const uint8_t *xu, const int8_t *packed, const int32_t *colsum128, int32_t *out, int64_t m,
+                         int64_t n, int64_t k)
+{
+    const int64_t blocks = n / NB, row_blocks = (m + MR - 1) / MR;
+#pragma omp parallel for schedule(static) collapse(2) if (m * n * k >= 1 << 20)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t rb = 0; rb < row_blocks; rb++) {
+            const int64_t m0 = rb * MR;
+            const int rows = (int)(m - m0 < MR ? m - m0 : MR);
+            GEMM_BLOCK(vi_dot_u8s8);
+        }
+}
+
+VNNI_TARGET static void gemm_vnni(const uint8_t *xu, const int8_t *packed, const int32_t *colsum128, int32_t *out,
+                                  int64_t m, int64_t n, int64_t k)
+{
+    const int64_t blocks = n / NB, row_blocks = (m + MR - 1) / MR;
+#pragma omp parallel for schedule(static) collapse(2) if (m * n * k >= 1 << 20)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t rb = 0; rb < row_blocks; rb++) {
+            const int64_t m0 = rb * MR;
+            const int rows = (int)(m - m0 < MR ? m - m0 : MR);
+            GEMM_BLOCK(vi_dpbusd);
+        }
+}
+
+/* out [m, n] int32 = x [m, k] int8 (-127..127) @ w [k, n], w packed by int8_gemm_pack. vnni: the CPU
+ * has VNNI for this vector width (AVX512-VNNI, or AVX-VNNI in the AVX2 build). Returns 0, or -1
+ * when scratch memory could not be allocated. */
+int int8_gemm(const int8_t *x, const int8_t *packed, const int32_t *colsum128, int32_t *out, int64_t m, int64_t n,
+              int64_t k, int64_t vnni)
+{
+    uint8_t *xu = malloc((size_t)(m * k) + 1);
+    if (!xu) return -1;
+    for (int64_t i = 0; i < m * k; i++) xu[i] = (uint8_t)(x[i] ^ 0x80); /* x + 128 */
+    if (vnni)
+        gemm_vnni(xu, packed, colsum128, out, m, n, k);
+    else
+        gemm_maddubs(xu, packed, colsum128, out, m, n, k);
+    free(xu);
+    return 0;
+}
+#else
+int64_t int8_gemm_block(void) { return 0; }
+int int8_gemm_pack(const int8_t *w, int8_t *packed, int32_t *colsum128, int64_t k, int64_t n)
+{
+    (void)w, (void)packed, (void)colsum128, (void)k, (void)n;
+    return -1;
+}
+int int8_gemm(const int8_t *x, const int8_t *packed, const int32_t *colsum128, int32_t *out, int64_t m, int64_t n,
+              int64_t k, int64_t vnni)
+{
+    (void)x, (void)packed, (void)colsum128, (void)out, (void)m, (void)n, (void)k, (void)vnni;
+    return -1;
+}
+#endif
