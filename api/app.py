@@ -177,7 +177,7 @@ async def _make_state(settings: Settings, store: Store, models) -> AppState:
     if settings.safety.enabled:
         from gateway.safety import SafetyGate
 
-        safety = SafetyGate(settings.safety, registry=metrics.registry)
+        safety = SafetyGate(settings.safety, registry=metrics.registry, kernel_isa=settings.engine.kernel_isa)
     return AppState(
         settings=settings,
         models=models,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -39,7 +40,7 @@ from bench.bench_engine import (  # noqa: E402
     machine_info,
     make_chat_requests,
 )
-from engine.native.kernels import supported_modes  # noqa: E402
+from engine.native.kernels import cpu_flags, supported_modes  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 
 TARGET_THROUGHPUT_RATIO = 0.9  # safety on / off at 32 streams, at least
@@ -196,7 +197,7 @@ async def one_round(model_dir: Path, variant: str, round_no: int, args, prompts:
 
     from testing.server_proc import ServerProcess
 
-    settings = {**SERVER_SETTINGS, **VARIANTS[variant]}
+    settings = {**SERVER_SETTINGS, **dict(kv.split("=", 1) for kv in args.set), **VARIANTS[variant]}
     system, questions = ttft_inputs
     with tempfile.TemporaryDirectory() as tmp:
         argv = ["--model", str(model_dir), "--db", str(Path(tmp) / "bench.db")]
@@ -242,9 +243,20 @@ def summarize(rounds: list[RoundResult]) -> dict:
     return out
 
 
+def path_note(machine: dict) -> str:
+    """Which kernel path the servers ran: settings given with --set, oneDNN's cap, VNNI."""
+    chosen = machine.get("settings", {})
+    return (
+        f"engine.kernel_isa={chosen.get('engine.kernel_isa', 'auto')}, "
+        f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}, "
+        f"VNNI on this CPU: {'yes' if cpu_flags() & {'avx512_vnni', 'avx_vnni'} else 'no'}"
+    )
+
+
 def print_report(rounds: list[RoundResult], summary: dict, hf_tok_s: float | None, machine: dict) -> None:
     isa = ", ".join(m.value for m in supported_modes()) or "no x86 kernels"
     print(f"machine: {machine['cpu']} | kernels this CPU runs: {isa} | {machine['threads']} torch threads")
+    print(f"paths: {path_note(machine)}")
     print(
         f"{'server':8} {'round':>5} {'32 streams tok/s':>17} {'filtered':>9} {'TTFT warm ms':>13} {'TTFT cold ms':>13}"
     )
@@ -293,7 +305,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warm-requests", type=int, default=8)
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--json", type=Path, help="also write the JSON line to this file")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a server setting for every variant, e.g. engine.kernel_isa=avx2 (with ONEDNN_MAX_CPU_ISA=AVX2 in the "
+        "environment: an AVX2-only CPU's paths on an AVX-512 one)",
+    )
+    args = p.parse_args(argv)
+    if bad := [kv for kv in args.set if "=" not in kv]:
+        p.error(f"--set takes KEY=VALUE, got {bad[0]!r}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -319,7 +342,7 @@ def main(argv: list[str] | None = None) -> dict:
             rounds.append(asyncio.run(one_round(model_dir, variant, i, args, prompts, ttft_inputs)))
     hf = None if args.skip_transformers else in_own_thread(transformers_static, model_dir, tokenizer, args)
     summary = summarize(rounds)
-    machine = machine_info(0.0)
+    machine = {**machine_info(0.0), "settings": dict(kv.split("=", 1) for kv in args.set)}
     print_report(rounds, summary, hf, machine)
     record = {
         "machine": machine,

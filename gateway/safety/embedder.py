@@ -44,7 +44,7 @@ _W8A8_WEIGHT_MAX = 63
 _ACT_MAX = 127
 
 
-def resolve_dtype(name: str) -> str:
+def resolve_dtype(name: str, kernel_isa: str = "auto") -> str:
     """'auto' -> bfloat16 on CPUs with AMX (about 2x faster there); else w8a8 where the CPU has
     VNNI or the engine's compiled kernels build (int8 matmuls from packed weights, with the
     float work between them compiled: 1.5-2.5x faster than float32 on batches and 1.5x on a
@@ -62,16 +62,17 @@ def resolve_dtype(name: str) -> str:
         return "bfloat16"
     if flags & {"avx512_vnni", "avx_vnni"}:
         return "w8a8"
-    return "w8a8" if _kernels_build() else "int8"
+    return "w8a8" if _kernels_build(kernel_isa) else "int8"
 
 
-def _kernels_build() -> bool:
-    """Whether the engine's compiled CPU kernels run here (an x86 CPU with AVX2, a C compiler)."""
+def _kernels_build(isa: str) -> bool:
+    """Whether the engine's compiled CPU kernels run here (an x86 CPU with AVX2, a C compiler,
+    `isa` not "torch")."""
     import torch
 
     from engine.native.kernels import KernelMode, resolve_mode
 
-    mode = resolve_mode(enabled=True, isa="auto", device=torch.device("cpu"), dtype=torch.float32)
+    mode = resolve_mode(enabled=True, isa=isa, device=torch.device("cpu"), dtype=torch.float32)
     return mode is not KernelMode.TORCH
 
 

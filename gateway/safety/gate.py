@@ -112,9 +112,13 @@ class SafetyGate:
         *,
         registry: prometheus_client.CollectorRegistry | None = None,
         classifier: SafetyClassifier | None = None,
+        kernel_isa: str = "auto",
     ):
-        """`classifier`: an already loaded one to share (tests, several gates); else start() loads it."""
+        """`classifier`: an already loaded one to share (tests, several gates); else start() loads it.
+        `kernel_isa`: the engine's `engine.kernel_isa`, so the classifier runs the same compiled
+        kernel path as the engine (one decision, kernels.resolve_mode)."""
         self.config = config
+        self._kernel_isa = kernel_isa
         allow = {**config.allow_categories, ALL_CATEGORIES: list(config.allow)}
         self._prompt_rules = RuleSet.merged(config.deny, allow, builtin=config.builtin_rules)
         # The built-in patterns are phrased as requests; answers get the operator's rules only.
@@ -146,7 +150,7 @@ class SafetyGate:
     async def start(self) -> None:
         """Load the embedder and the head, off the event loop. Until then only rules apply."""
         if self.config.classifier and self._classifier is None:
-            self._classifier = await _off_loop(load_classifier, self.config)
+            self._classifier = await _off_loop(load_classifier, self.config, self._kernel_isa)
 
     async def screen_prompt(self, messages: Sequence[dict], *, tier: str) -> Verdict:
         started_s = time.perf_counter()
@@ -240,8 +244,9 @@ class SafetyGate:
             )
 
 
-def load_classifier(config: SafetyConfig) -> SafetyClassifier:
-    """Embedder + head from disk; blocking. Raises ConfigError naming the setting at fault."""
+def load_classifier(config: SafetyConfig, kernel_isa: str = "auto") -> SafetyClassifier:
+    """Embedder + head from disk; blocking. Raises ConfigError naming the setting at fault.
+    `kernel_isa` as `engine.kernel_isa` (auto, avx512, avx2, torch)."""
     from gateway.safety.embedder import MiniLmEmbedder, resolve_dtype
 
     path = resolve_path(config.classifier_path)
@@ -257,11 +262,15 @@ def load_classifier(config: SafetyConfig) -> SafetyClassifier:
     if unknown:
         raise ConfigError(f"safety.thresholds: unknown category {unknown[0]!r}; the head knows {list(head.categories)}")
     try:
-        dtype = resolve_dtype(config.embed_dtype)
+        dtype = resolve_dtype(config.embed_dtype, kernel_isa)
     except ValueError as exc:
         raise ConfigError(f"safety.embed_dtype: {exc}") from None
     embedder = MiniLmEmbedder(
-        dtype=dtype, max_tokens=head.max_tokens, adapter=head.adapter, num_layers=head.encoder_layers
+        dtype=dtype,
+        max_tokens=head.max_tokens,
+        adapter=head.adapter,
+        num_layers=head.encoder_layers,
+        kernel_isa=kernel_isa,
     )
     log.info("safety_classifier_loaded", path=str(path), categories=list(head.categories))
     return SafetyClassifier(embedder, head, max_windows=config.max_windows, cache_entries=config.embed_cache_entries)
