@@ -385,6 +385,7 @@ class MiniLmEmbedder:
         residual add and LayerNorm) and, where another matmul reads the result, its int8
         quantization. Activations enter each matmul as int8 rows with their own scale."""
         glue, matmul = self._glue, self._int8_matmul
+        assert glue is not None  # _hidden calls this only with the kernels loaded
         s, w, mats = self._shape, self._weights, self._w8a8
         eps = s.layer_norm_eps
         q, q_scale = glue.quantize_rows(x)
@@ -414,7 +415,7 @@ class MiniLmEmbedder:
         batches below _own_gemm_rows rows, torch._int_mm (oneDNN) above; the same exact sums."""
         packed = self._int8_packed.get(name)
         if packed is not None and q.shape[0] < self._own_gemm_rows:
-            return self._glue.int8_gemm(q, packed)
+            return packed.kernels.int8_gemm(q, packed)
         return self._torch._int_mm(q, self._w8a8[name][0])
 
     def _layer(self, x, attend, p: str):
