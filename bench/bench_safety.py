@@ -249,7 +249,8 @@ def path_note(machine: dict) -> str:
     return (
         f"engine.kernel_isa={chosen.get('engine.kernel_isa', 'auto')}, "
         f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}, "
-        f"VNNI on this CPU: {'yes' if cpu_flags() & {'avx512_vnni', 'avx_vnni'} else 'no'}"
+        f"CPU flags avx512_vnni: {'avx512_vnni' in cpu_flags()}, avx_vnni: {'avx_vnni' in cpu_flags()} (the gate's "
+        "int8 matmul uses the one of its kernels' width)"
     )
 
 
