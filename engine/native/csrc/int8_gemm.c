@@ -19,9 +19,8 @@
 #include "kernels.h"
 #include "simd.h"
 
-#if defined(HAS_SIMD)
 #define NB (2 * VL) /* output columns per packed block */
-#define MR 6        /* rows per register block */
+#define MR 6 /* rows per register block: 12 accumulators (with AVX2, 4 rows measured slower) */
 #define W_MAX 63
 
 int64_t int8_gemm_block(void) { return NB; }
@@ -133,17 +132,3 @@ int int8_gemm(const int8_t *x, const int8_t *packed, const int32_t *colsum128, i
     free(xu);
     return 0;
 }
-#else
-int64_t int8_gemm_block(void) { return 0; }
-int int8_gemm_pack(const int8_t *w, int8_t *packed, int32_t *colsum128, int64_t k, int64_t n)
-{
-    (void)w, (void)packed, (void)colsum128, (void)k, (void)n;
-    return -1;
-}
-int int8_gemm(const int8_t *x, const int8_t *packed, const int32_t *colsum128, int32_t *out, int64_t m, int64_t n,
-              int64_t k, int64_t vnni)
-{
-    (void)x, (void)packed, (void)colsum128, (void)out, (void)m, (void)n, (void)k, (void)vnni;
-    return -1;
-}
-#endif

@@ -104,7 +104,6 @@ void dequant_add_layer_norm_f32(const int32_t *acc, const float *row_scale, cons
     }
 }
 
-#if defined(HAS_SIMD)
 /* Rows of one query block: each K or V vector loaded is used by this many rows. */
 #define ATT_ROWS 8
 
@@ -188,11 +187,3 @@ int window_attention_f32(const float *qkv, const int64_t *starts, const int64_t 
     }
     return failed ? -1 : 0;
 }
-#else
-int window_attention_f32(const float *qkv, const int64_t *starts, const int64_t *lens, float *out,
-                         int64_t num_windows, int64_t heads, int64_t head_dim, float scale)
-{
-    (void)qkv, (void)starts, (void)lens, (void)out, (void)num_windows, (void)heads, (void)head_dim, (void)scale;
-    return -2; /* built without vectors: the caller attends with PyTorch ops */
-}
-#endif
