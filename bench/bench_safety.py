@@ -254,12 +254,15 @@ def path_note(machine: dict) -> str:
     )
 
 
-def print_report(rounds: list[RoundResult], summary: dict, hf_tok_s: float | None, machine: dict) -> None:
+def print_report(
+    rounds: list[RoundResult], summary: dict, hf_tok_s: float | None, machine: dict, concurrency: int = 32
+) -> None:
     isa = ", ".join(m.value for m in supported_modes()) or "no x86 kernels"
     print(f"machine: {machine['cpu']} | kernels this CPU runs: {isa} | {machine['threads']} torch threads")
     print(f"paths: {path_note(machine)}")
     print(
-        f"{'server':8} {'round':>5} {'32 streams tok/s':>17} {'filtered':>9} {'TTFT warm ms':>13} {'TTFT cold ms':>13}"
+        f"{'server':8} {'round':>5} {f'{concurrency} streams tok/s':>17} {'filtered':>9} {'TTFT warm ms':>13} "
+        f"{'TTFT cold ms':>13}"
     )
     for r in rounds:
         print(
@@ -344,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
     hf = None if args.skip_transformers else in_own_thread(transformers_static, model_dir, tokenizer, args)
     summary = summarize(rounds)
     machine = {**machine_info(0.0), "settings": dict(kv.split("=", 1) for kv in args.set)}
-    print_report(rounds, summary, hf, machine)
+    print_report(rounds, summary, hf, machine, args.concurrency)
     record = {
         "machine": machine,
         "isa": [m.value for m in supported_modes()],
