@@ -62,18 +62,19 @@ def resolve_dtype(name: str, kernel_isa: str = "auto") -> str:
         return "bfloat16"
     if flags & {"avx512_vnni", "avx_vnni"}:
         return "w8a8"
-    return "w8a8" if _kernels_build(kernel_isa) else "int8"
+    return "w8a8" if compiled_kernels(kernel_isa) is not None else "int8"
 
 
-def _kernels_build(isa: str) -> bool:
-    """Whether the engine's compiled CPU kernels run here (an x86 CPU with AVX2, a C compiler,
-    `isa` not "torch")."""
+def compiled_kernels(isa: str):
+    """The engine's compiled CPU kernels (engine/native) in the mode its one decision
+    (`resolve_mode`) gives for `isa`, so the same AVX-512 and AVX2 paths run here; None where
+    they cannot be built, the CPU is not x86, or `isa` is "torch"."""
     import torch
 
-    from engine.native.kernels import KernelMode, resolve_mode
+    from engine.native.kernels import KernelMode, load_kernels, resolve_mode
 
     mode = resolve_mode(enabled=True, isa=isa, device=torch.device("cpu"), dtype=torch.float32)
-    return mode is not KernelMode.TORCH
+    return None if mode is KernelMode.TORCH else load_kernels(mode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,11 +181,14 @@ class MiniLmEmbedder:
         """`adapter`: weight deltas from the trained head file (`encoder.layer.N.<name>.weight`
         -> [out, in] array), added to the shipped weights before any cast. `num_layers`: run
         only the first that many encoder layers (0: all), as the head was trained. `dtype`: the matmuls'
-        weights in float32, bfloat16, or int8 (quantized once here, per group of 32 inputs with
-        one scale, as the engine's `engine.quantization = "int8"`; activations stay float32).
-        `use_kernels`: run float32 and int8 matmuls on the engine's packed CPU kernels where
-        this CPU has them; `kernel_isa` forces a lower instruction set, as `engine.kernel_isa`
-        (auto, avx512, avx2, or torch: PyTorch ops on the same rounded weights)."""
+        weights in float32, bfloat16, int8 (quantized once here, per group of 32 inputs with
+        one scale, as the engine's `engine.quantization = "int8"`; activations stay float32), or
+        w8a8 (7-bit weights per output channel, int8 activations per row).
+        `use_kernels`: run on the engine's compiled CPU kernels where this CPU has them (packed
+        float32 and int8 matmuls, w8a8's int8 matmul and the float work between its matmuls,
+        attention per window); `kernel_isa` forces a lower instruction set, as
+        `engine.kernel_isa` (auto, avx512, avx2, or torch: PyTorch ops on the same rounded
+        weights)."""
         import torch
         from tokenizers import Tokenizer
 
@@ -199,18 +203,19 @@ class MiniLmEmbedder:
         self.dtype = dtype
         self._dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
         self._weights = self._cast(w)
-        self._packed = self._pack(kernel_isa, w) if dtype in ("float32", "int8") and use_kernels else {}
+        self._kernels = compiled_kernels(kernel_isa) if use_kernels else None
+        self._packed = self._pack(self._kernels, w) if dtype in ("float32", "int8") and self._kernels else {}
         self._w8a8 = self._quantize_w8a8() if dtype == "w8a8" else {}
-        self._glue = self._glue_kernels(kernel_isa) if self._w8a8 and use_kernels else None
-        # The same weights packed for our int8 matmul: exact sums as torch._int_mm's, without its
-        # per-call weight reorder (~180 us a call without VNNI, ~10 us with it), so it runs every
-        # batch below _own_gemm_rows rows (bench/RESULTS.md #22).
+        # w8a8's weights also packed for our int8 matmul: the exact sums of torch._int_mm without
+        # its per-call weight reorder (~180 us a call without VNNI, ~10 us with it), so it runs
+        # every batch below _own_gemm_rows rows (bench/RESULTS.md #22).
+        kernels = self._kernels
         self._int8_packed = (
-            {name: p for name, (weight, _) in self._w8a8.items() if (p := self._glue.pack_int8(weight)) is not None}
-            if self._glue is not None
+            {name: p for name, (weight, _) in self._w8a8.items() if (p := kernels.pack_int8(weight)) is not None}
+            if kernels is not None
             else {}
         )
-        self._own_gemm_rows = 0 if self._glue is None else (32 if self._glue.has_vnni else 512)
+        self._own_gemm_rows = 0 if kernels is None else (32 if kernels.has_vnni else 512)
         self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self._tokenizer.no_padding()  # the shipped file pads to 128; we pad per batch instead
         self._tokenizer.no_truncation()  # we cut texts into windows ourselves
@@ -225,11 +230,7 @@ class MiniLmEmbedder:
             dtype=dtype,
             max_tokens=self.max_tokens,
             layers=self._shape.num_layers,
-            kernels=next(iter(self._packed.values())).kernels.mode.value
-            if self._packed
-            else (
-                "torch._int_mm" + (f" + {self._glue.mode.value} glue" if self._glue else "") if self._w8a8 else "torch"
-            ),
+            kernels=self._kernels.mode.value if self._kernels else "torch",
         )
 
     def _cast(self, w: dict) -> dict:
@@ -259,32 +260,12 @@ class MiniLmEmbedder:
                 out[name] = (q.to(self._torch.int8).t().contiguous(), scale)
         return out
 
-    def _glue_kernels(self, isa: str):
-        """The engine's compiled kernels for the float work between w8a8 matmuls (int8_glue.c:
-        one pass per row instead of a dozen PyTorch ops); None (PyTorch ops) where they cannot
-        be built or `isa` is "torch"."""
-        import torch
-
-        from engine.native.kernels import KernelMode, load_kernels, resolve_mode
-
-        mode = resolve_mode(enabled=True, isa=isa, device=torch.device("cpu"), dtype=torch.float32)
-        return None if mode is KernelMode.TORCH else load_kernels(mode)
-
-    def _pack(self, isa: str, w: dict) -> dict:
-        """Encoder matmul weights packed once for the engine's CPU kernels (engine/native), which
+    def _pack(self, kernels, w: dict) -> dict:
+        """float32 or int8 encoder matmul weights packed once for the engine's CPU kernels, which
         are about 3x faster than F.linear on a few rows: a BLAS sgemm re-packs the weight on
-        every call. The kernel mode is the engine's one decision (`resolve_mode`), so the same
-        AVX-512 and AVX2 paths run here. Empty (F.linear) where the kernels cannot be built,
-        the CPU is not x86, or `isa` is "torch"."""
-        import torch
-
-        from engine.native.kernels import KernelMode, load_kernels, resolve_mode
+        every call."""
         from engine.native.quant import Quantization
 
-        mode = resolve_mode(enabled=True, isa=isa, device=torch.device("cpu"), dtype=torch.float32)
-        if mode is KernelMode.TORCH:
-            return {}
-        kernels = load_kernels(mode)
         quantization = Quantization.INT8 if self.dtype == "int8" else Quantization.NONE
         names = [f"encoder.layer.{i}.{n}" for i in range(self._shape.num_layers) for n in ADAPTABLE]
         # int8 packs from the float32 weights it rounds itself: the same values as _cast's.
@@ -354,7 +335,7 @@ class MiniLmEmbedder:
         padded groups."""
         s = self._shape
         head_dim = s.hidden_size // s.num_heads
-        kernels = self._glue or (next(iter(self._packed.values())).kernels if self._packed else None)
+        kernels = self._kernels
         if kernels is not None and head_dim % kernels.vector_floats == 0 and head_dim <= 256:
             torch = self._torch
             lens = torch.tensor(lengths, dtype=torch.int64)
@@ -373,7 +354,7 @@ class MiniLmEmbedder:
         x = F.layer_norm(
             x, (s.hidden_size,), w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], s.layer_norm_eps
         )
-        if self._glue is not None:
+        if self._w8a8 and self._kernels is not None:
             return self._layers_w8a8(x, attend)
         for i in range(s.num_layers):
             x = self._layer(x, attend, f"encoder.layer.{i}.")
@@ -384,7 +365,7 @@ class MiniLmEmbedder:
         matmul's sums go to floats in one pass together with what follows them (GELU, or the
         residual add and LayerNorm) and, where another matmul reads the result, its int8
         quantization. Activations enter each matmul as int8 rows with their own scale."""
-        glue, matmul = self._glue, self._int8_matmul
+        glue, matmul = self._kernels, self._int8_matmul
         assert glue is not None  # _hidden calls this only with the kernels loaded
         s, w, mats = self._shape, self._weights, self._w8a8
         eps = s.layer_norm_eps

@@ -131,7 +131,7 @@ def test_w8a8_compiled_glue_computes_what_the_pytorch_glue_computes(classifier, 
     # quantization noise and the verdicts agree exactly.
     compiled = MiniLmEmbedder(dtype="w8a8", adapter=classifier.head.adapter, kernel_isa=mode.value)
     ops = MiniLmEmbedder(dtype="w8a8", adapter=classifier.head.adapter, use_kernels=False)
-    assert compiled._glue is not None and compiled._glue.mode is mode and ops._glue is None
+    assert compiled._kernels is not None and compiled._kernels.mode is mode and ops._kernels is None
     for got, want in zip(compiled.encode(TEXTS, max_windows=4), ops.encode(TEXTS, max_windows=4), strict=True):
         cosine = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
         assert cosine.min() > 0.99 and cosine.mean() > 0.999
