@@ -254,6 +254,8 @@ class CpuKernels:
         residual = residual.contiguous()
         if residual.shape != acc.shape or residual.dtype != torch.float32:
             raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not fit sums {tuple(acc.shape)}")
+        if not (ln_weight.numel() == ln_bias.numel() == cols and ln_weight.dtype == ln_bias.dtype == torch.float32):
+            raise ValueError(f"LayerNorm takes fp32 weight and bias of {cols} values")
         out = torch.empty((rows, cols), dtype=torch.float32)
         q = torch.empty((rows, cols), dtype=torch.int8) if requantize else None
         q_scale = torch.empty((rows, 1), dtype=torch.float32) if requantize else None
@@ -273,8 +275,12 @@ class CpuKernels:
         qkv = qkv.contiguous()
         tokens, width = qkv.shape
         head_dim = width // 3 // num_heads
-        if head_dim % self.vector_floats or head_dim > 256 or starts.dtype != torch.int64 or lens.dtype != torch.int64:
+        if head_dim % self.vector_floats or head_dim > 256 or width != 3 * num_heads * head_dim:
             raise ValueError(f"window attention takes head_dim a multiple of {self.vector_floats} up to 256")
+        if qkv.dtype != torch.float32 or starts.dtype != torch.int64 or lens.dtype != torch.int64:
+            raise ValueError("window attention takes fp32 qkv and int64 window starts and lengths")
+        if len(starts) and (int((starts + lens).max()) > tokens or int(starts.min()) < 0):
+            raise ValueError("a window lies outside the batch's tokens")
         out = torch.empty((tokens, width // 3), dtype=torch.float32)
         status = self._lib.window_attention_f32(
             qkv.data_ptr(), starts.data_ptr(), lens.data_ptr(), out.data_ptr(), len(starts), num_heads, head_dim,

@@ -248,6 +248,8 @@ def test_window_attention_equals_sdpa_over_each_window_alone(cpu, head_dim):
         start += n
     with pytest.raises(ValueError, match="head_dim"):
         cpu.window_attention(torch.randn(4, 3 * 2 * 12), torch.tensor([0]), torch.tensor([4]), 2)
+    with pytest.raises(ValueError, match="outside"):
+        cpu.window_attention(qkv, torch.tensor([0, 300]), torch.tensor([4, 20]), heads)
 
 
 @pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13, 100])
