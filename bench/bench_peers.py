@@ -193,7 +193,12 @@ def measure_copy_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 5) -> fl
 
 def our_paths() -> list[tuple[str, str]]:
     modes = [m.value for m in kernels.supported_modes()] + ["torch"]
-    return [(mode, q) for mode in modes for q in ("none", "int8") if not (mode == "torch" and q == "int8")]
+    return [(mode, q) for mode in modes for q in ("none", "int8", "int4") if not (mode == "torch" and q != "none")]
+
+
+# Bytes read per matmul weight: fp32; int8 and int4 with one fp32 scale per 32 (ours); llama.cpp's
+# Q8_0 and Q4_0 with one fp16 scale per 32.
+BYTES_PER_WEIGHT = {"none": 4.0, "int8": 1.125, "int4": 0.625, "f32": 4.0, "Q8_0": 34 / 32, "Q4_0": 18 / 32}
 
 
 def bench_workload(
@@ -204,15 +209,9 @@ def bench_workload(
     results, system_info = [], {}
     for mode, quantization in our_paths():
         tps, decode = run_ours(model_dir, w, mode, quantization)
-        per_weight = 1.125 if quantization == "int8" else 4.0
+        label = "fp32" if quantization == "none" else quantization
         results.append(
-            PeerResult(
-                name,
-                f"ours {mode} {'int8' if quantization == 'int8' else 'fp32'}",
-                tps,
-                decode,
-                matmul_bytes(shape, per_weight),
-            )
+            PeerResult(name, f"ours {mode} {label}", tps, decode, matmul_bytes(shape, BYTES_PER_WEIGHT[quantization]))
         )
     tps, decode = run_transformers(model_dir, w)
     results.append(PeerResult(name, "transformers static batch", tps, decode, matmul_bytes(shape, 4.0)))
@@ -220,7 +219,7 @@ def bench_workload(
         for kind, gguf in ggufs.items():
             tps, decode, info = run_llamacpp(build, gguf, w)
             system_info[build] = info
-            per_weight = 34 / 32 if kind == "Q8_0" else 4.0
+            per_weight = BYTES_PER_WEIGHT[kind]
             results.append(PeerResult(name, f"llama.cpp {build} {kind}", tps, decode, matmul_bytes(shape, per_weight)))
     return results, system_info
 
@@ -250,6 +249,10 @@ def ratios(results: list[PeerResult]) -> dict[str, float]:
             ("ours avx512 int8", "llama.cpp native Q8_0"),
             ("ours avx2 fp32", "llama.cpp avx2 f32"),
             ("ours avx2 int8", "llama.cpp avx2 Q8_0"),
+            ("ours avx512 int4", "llama.cpp native Q4_0"),
+            ("ours avx2 int4", "llama.cpp avx2 Q4_0"),
+            ("ours avx512 int4", "ours avx512 int8"),
+            ("ours avx2 int4", "ours avx2 int8"),
             ("ours avx512 fp32", "transformers static batch"),
             ("ours avx2 fp32", "transformers static batch"),
         ):
@@ -263,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--workloads", default=",".join(f"{w.model}x{w.streams}" for w in WORKLOADS))
     p.add_argument("--quick", action="store_true", help="16-token prompts and 4 output tokens: checks the script runs")
     p.add_argument("--skip-linear", action="store_true", help="skip the linear layers against torch's kernels")
-    p.add_argument("--skip-quality", action="store_true", help="skip the int8 quality measurement")
+    p.add_argument("--skip-quality", action="store_true", help="skip the int8 and int4 quality measurements")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     wanted = set(args.workloads.split(","))
@@ -281,10 +284,14 @@ def main(argv: list[str] | None = None) -> dict:
         model_dir = build_model(w.model)
         ggufs = {}
         if builds:
-            from bench.gguf_export import quantize_q8_0, write_f32_gguf
+            from bench.gguf_export import quantize_q4_0, quantize_q8_0, write_f32_gguf
 
             f32 = write_f32_gguf(model_dir, model_dir / "model-f32.gguf")
-            ggufs = {"f32": f32, "Q8_0": _in_llama_process(quantize_q8_0, f32, model_dir / "model-q8_0.gguf")}
+            ggufs = {
+                "f32": f32,
+                "Q8_0": _in_llama_process(quantize_q8_0, f32, model_dir / "model-q8_0.gguf"),
+                "Q4_0": _in_llama_process(quantize_q4_0, f32, model_dir / "model-q4_0.gguf"),
+            }
         rows, info = bench_workload(w, model_dir, ggufs, builds)
         results += rows
         system_info.update(info)
@@ -311,14 +318,17 @@ def main(argv: list[str] | None = None) -> dict:
         record["linear"] = linear_main(QWEN_390M)
     if not args.skip_quality:
         from bench.quant_quality import measure
+        from engine.native.quant import Quantization
 
-        quality = measure()
-        print(
-            f"int8 quality on {quality.model}: held-out perplexity {quality.perplexity_fp32:.3f} fp32 vs "
-            f"{quality.perplexity_int8:.3f} int8; greedy agreement with fp32 {quality.greedy_agreement:.1%} "
-            f"({quality.num_prompts} prompts x {quality.tokens_per_prompt} tokens)"
-        )
-        record["int8_quality"] = asdict(quality)
+        for quantization in (Quantization.INT8, Quantization.INT4):
+            quality = measure(quantization=quantization)
+            print(
+                f"{quality.quantization} quality on {quality.model}: held-out perplexity "
+                f"{quality.perplexity_fp32:.3f} fp32 vs {quality.perplexity_quantized:.3f} {quality.quantization}; "
+                f"greedy agreement with fp32 {quality.greedy_agreement:.1%} "
+                f"({quality.num_prompts} prompts x {quality.tokens_per_prompt} tokens)"
+            )
+            record[f"{quality.quantization}_quality"] = asdict(quality)
     line = json.dumps(record, default=float)
     print(line)
     if args.json:

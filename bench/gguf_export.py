@@ -91,6 +91,15 @@ def write_f32_gguf(model_dir: Path, out: Path) -> Path:
 
 def quantize_q8_0(f32_gguf: Path, out: Path) -> Path:
     """llama.cpp's quantizer: every matrix (the embedding included) to Q8_0, as `llama-quantize ... Q8_0` does."""
+    return _quantize(f32_gguf, out, "LLAMA_FTYPE_MOSTLY_Q8_0")
+
+
+def quantize_q4_0(f32_gguf: Path, out: Path) -> Path:
+    """llama.cpp's quantizer to Q4_0, as `llama-quantize ... Q4_0` does (its output matrix stays wider)."""
+    return _quantize(f32_gguf, out, "LLAMA_FTYPE_MOSTLY_Q4_0")
+
+
+def _quantize(f32_gguf: Path, out: Path, ftype: str) -> Path:
     import ctypes
 
     import llama_cpp
@@ -98,7 +107,7 @@ def quantize_q8_0(f32_gguf: Path, out: Path) -> Path:
     if out.exists():
         return out
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+    params.ftype = getattr(llama_cpp, ftype)
     params.nthread = 2
     scratch = out.with_suffix(".partial")
     if llama_cpp.llama_model_quantize(str(f32_gguf).encode(), str(scratch).encode(), ctypes.byref(params)) != 0:

@@ -1,11 +1,11 @@
-"""What int8 weights cost in quality, on the bundled demo model (printed by `make bench`, checked
-loosely by tests/engine/test_int8.py).
+"""What int8 or int4 weights cost in quality, on the bundled demo model (printed by `make bench`,
+checked loosely by tests/engine/test_int8.py). `python -m bench.quant_quality [int8|int4]`.
 
 - Held-out perplexity: transformers on models/heldout.jsonl, fp32 weights against the same
-  weights rounded as the int8 kernels compute with them (the kernels equal F.linear on the
+  weights rounded as the quantized kernels compute with them (the kernels equal F.linear on the
   dequantized weights: tests/engine/test_cpu_kernels.py).
-- Greedy agreement: the engine itself, fp32 against int8, on the held-out questions: the share of
-  generated tokens that match before the first difference.
+- Greedy agreement: the engine itself, fp32 against the quantized weights, on the held-out
+  questions: the share of generated tokens that match before the first difference.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.native.quant import fake_quantize
+from engine.native.quant import Quantization, fake_quantize
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = ROOT / "models" / "demo-flagship"
@@ -24,36 +24,42 @@ HELDOUT = ROOT / "models" / "heldout.jsonl"
 
 
 @dataclass(frozen=True, slots=True)
-class Int8Quality:
+class QuantQuality:
     model: str
+    quantization: str  # int8 or int4
     perplexity_fp32: float
-    perplexity_int8: float
-    greedy_agreement: float  # share of fp32's greedy tokens that int8 reproduces before diverging
+    perplexity_quantized: float
+    greedy_agreement: float  # share of fp32's greedy tokens that the quantized model reproduces before diverging
     num_prompts: int
     tokens_per_prompt: int
 
 
 @torch.no_grad()
-def rounded_like_int8(model):
-    """A copy of a transformers causal LM whose decoder linears and lm_head hold int8-rounded
-    weights (a tied lm_head gets its own rounded copy; the embedding lookup stays fp32, as in the engine)."""
+def rounded_like(model, quantization: Quantization = Quantization.INT8):
+    """A copy of a transformers causal LM whose decoder linears and lm_head hold weights rounded
+    as the engine's `engine.quantization` rounds them (int4 keeps the lm_head at int8, as the
+    engine does; a tied lm_head gets its own rounded copy; the embedding lookup stays fp32)."""
+    head = Quantization.INT8 if quantization is Quantization.INT4 else quantization
     model = copy.deepcopy(model)
     for layer in model.model.layers:
         for module in layer.modules():
             if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(fake_quantize(module.weight))
-    model.lm_head.weight = torch.nn.Parameter(fake_quantize(model.lm_head.weight))
+                module.weight.copy_(fake_quantize(module.weight, quantization))
+    model.lm_head.weight = torch.nn.Parameter(fake_quantize(model.lm_head.weight, head))
     return model
 
 
-def heldout_perplexities(model_dir: Path = DEMO_MODEL) -> tuple[float, float]:
+def heldout_perplexities(
+    model_dir: Path = DEMO_MODEL, quantization: Quantization = Quantization.INT8
+) -> tuple[float, float]:
     from scripts.demo_model.dataset import read_jsonl
     from scripts.demo_model.evaluate import heldout_loss, load_for_eval, perplexity
     from scripts.demo_model.tokenizer import encode_conversation
 
     model, tokenizer = load_for_eval(model_dir)
     encoded = [encode_conversation(tokenizer.backend_tokenizer, c) for c in read_jsonl(HELDOUT)]
-    return perplexity(heldout_loss(model, encoded)), perplexity(heldout_loss(rounded_like_int8(model), encoded))
+    rounded = rounded_like(model, quantization)
+    return perplexity(heldout_loss(model, encoded)), perplexity(heldout_loss(rounded, encoded))
 
 
 def _engine_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int, quantization: str, kernel_isa: str):
@@ -85,20 +91,44 @@ def heldout_prompts(model_dir: Path = DEMO_MODEL, limit: int = 16) -> list[list[
 
 
 def greedy_agreement(
-    model_dir: Path = DEMO_MODEL, *, max_tokens: int = 32, kernel_isa: str = "auto", limit: int = 16
+    model_dir: Path = DEMO_MODEL,
+    *,
+    max_tokens: int = 32,
+    kernel_isa: str = "auto",
+    limit: int = 16,
+    quantization: Quantization = Quantization.INT8,
 ) -> float:
     prompts = heldout_prompts(model_dir, limit)
     fp32 = _engine_greedy(model_dir, prompts, max_tokens, "none", kernel_isa)
-    int8 = _engine_greedy(model_dir, prompts, max_tokens, "int8", kernel_isa)
+    quantized = _engine_greedy(model_dir, prompts, max_tokens, quantization.value, kernel_isa)
     agreed = 0
-    for a, b in zip(fp32, int8, strict=True):
+    for a, b in zip(fp32, quantized, strict=True):
         agreed += next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))  # may stop apart
     return agreed / (max_tokens * len(prompts))
 
 
 def measure(
-    model_dir: Path = DEMO_MODEL, *, kernel_isa: str = "auto", limit: int = 16, max_tokens: int = 32
-) -> Int8Quality:
-    ppl_fp32, ppl_int8 = heldout_perplexities(model_dir)
-    agreement = greedy_agreement(model_dir, max_tokens=max_tokens, kernel_isa=kernel_isa, limit=limit)
-    return Int8Quality(model_dir.name, ppl_fp32, ppl_int8, agreement, limit, max_tokens)
+    model_dir: Path = DEMO_MODEL,
+    *,
+    kernel_isa: str = "auto",
+    limit: int = 16,
+    max_tokens: int = 32,
+    quantization: Quantization = Quantization.INT8,
+) -> QuantQuality:
+    ppl_fp32, ppl_quantized = heldout_perplexities(model_dir, quantization)
+    agreement = greedy_agreement(
+        model_dir, max_tokens=max_tokens, kernel_isa=kernel_isa, limit=limit, quantization=quantization
+    )
+    return QuantQuality(model_dir.name, quantization.value, ppl_fp32, ppl_quantized, agreement, limit, max_tokens)
+
+
+if __name__ == "__main__":
+    import sys
+
+    for name in sys.argv[1:] or ["int8", "int4"]:
+        q = measure(quantization=Quantization(name))
+        print(
+            f"{q.model} {q.quantization}: held-out perplexity {q.perplexity_fp32:.4f} fp32, "
+            f"{q.perplexity_quantized:.4f} {q.quantization} ({q.perplexity_quantized / q.perplexity_fp32 - 1:+.2%}); "
+            f"greedy agreement with fp32 {q.greedy_agreement:.1%} ({q.num_prompts} x {q.tokens_per_prompt} tokens)"
+        )

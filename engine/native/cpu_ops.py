@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.native.quant import Quantization, quantize_int8
+from engine.native.quant import Quantization, quantize
 
 if TYPE_CHECKING:
     from engine.native.attention import AttentionMetadata
@@ -37,11 +37,13 @@ class PackedLinear:
     """A linear layer's weight [out_features, in_features], packed for CpuKernels.packed_linear.
     The layout depends on the instruction set, so it keeps the kernels that packed it."""
 
-    panels: torch.Tensor  # [ceil(out_features / panel), in_features, panel] fp32 or int8
-    scales: torch.Tensor | None  # int8: [ceil(out_features / panel), ceil(in_features / 32), panel] fp32
+    panels: torch.Tensor  # [ceil(out_features / panel), in_features, panel] fp32 or int8;
+    # int4: uint8 [.., ceil(in_features / 2), panel], k = 2j in the low nibble, 2j + 1 in the high, as q + 8
+    scales: torch.Tensor | None  # quantized: [ceil(out_features / panel), ceil(in_features / 32), panel] fp32
     out_features: int
     in_features: int
     kernels: CpuKernels
+    bits: int = 32  # 32: fp32 panels; 8: int8; 4: int4
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -70,15 +72,20 @@ class CpuKernels:
         self.has_vnni = _has_vnni(mode.value)  # int8 dot products in one instruction at this vector width
 
     def pack_linear(self, weight: torch.Tensor, quantization: Quantization = Quantization.NONE) -> PackedLinear:
-        """Pack an fp32 CPU weight [out_features, in_features] once, at load time (int8: quantized too)."""
+        """Pack an fp32 CPU weight [out_features, in_features] once, at load time (int8, int4:
+        quantized too)."""
         weight = weight.detach().to(torch.float32)
         n, k = weight.shape
-        if quantization is Quantization.INT8:
-            quantized = quantize_int8(weight)
-            return PackedLinear(
-                _to_panels(quantized.q, self.panel), _to_panels(quantized.scales, self.panel), n, k, self
-            )
-        return PackedLinear(_to_panels(weight, self.panel), None, n, k, self)
+        if quantization is Quantization.NONE:
+            return PackedLinear(_to_panels(weight, self.panel), None, n, k, self)
+        quantized = quantize(weight, quantization)
+        q = quantized.q
+        if quantization is Quantization.INT4:  # two k a byte, each as q + 8
+            nibbles = torch.zeros((n, k + k % 2), dtype=torch.uint8)
+            nibbles[:, :k] = (q.to(torch.int16) + 8).to(torch.uint8)
+            q = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+        scales = _to_panels(quantized.scales, self.panel)
+        return PackedLinear(_to_panels(q, self.panel), scales, n, k, self, quantization.bits)
 
     def packed_linear(self, x: torch.Tensor, weight: PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear(x, W, bias) for x [rows, in_features] and W packed by pack_linear."""
@@ -93,8 +100,9 @@ class CpuKernels:
             scales = None if weight.scales is None else weight.scales.data_ptr()
             bias_ptr = None if bias is None else bias.contiguous().data_ptr()
             self._lib.packed_linear(
-                x.data_ptr(), weight.panels.data_ptr(), scales, bias_ptr, out.data_ptr(), rows, weight.out_features, k
-            )
+                x.data_ptr(), weight.panels.data_ptr(), scales, bias_ptr, out.data_ptr(), rows, weight.out_features, k,
+                weight.bits,
+            )  # fmt: skip
         return out
 
     def paged_decode_attention(
@@ -423,6 +431,7 @@ class DecodeStack:
                     _ptr(layer.mlp_out_norm),
                     spec.sliding_window or 0,
                     spec.kv_group,
+                    layer.qkv.bits,
                 ]
             )
         self._lib = lib

@@ -81,7 +81,7 @@ _P, _I, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURES: dict[str, tuple[type | None, Sequence[type]]] = {
     "paged_decode_attention_f32": (_INT, [_P] * 6 + [_I] * 7 + [_F, _I, _F]),
     "packed_linear_panel": (_I, []),
-    "packed_linear": (None, [_P] * 5 + [_I] * 3),
+    "packed_linear": (None, [_P] * 5 + [_I] * 4),
     "rms_norm_f32": (None, [_P] * 4 + [_I] * 2 + [_F]),
     "silu_mul_f32": (None, [_P] * 2 + [_I] * 2),
     "gelu_tanh_mul_f32": (None, [_P] * 2 + [_I] * 2),

@@ -37,8 +37,8 @@ def prepare_linear_layers(
     weights: ModelWeights, cpu: CpuKernels | None, quantization: Quantization, args: ModelArgs
 ) -> ModelWeights:
     """Every matmul weight packed for the compiled kernels (cpu given; the originals are released),
-    and quantized as asked. Without kernels, int8 weights are rounded and kept as floats, so every
-    path computes the same model.
+    and quantized as asked. Without kernels, int8 or int4 weights are rounded and kept as floats,
+    so every path computes the same model.
 
     The embedding table stays as it is (a lookup, not a matmul); a tied lm_head gets its own
     packed copy of it. For the fused path (Llama-like layers with kernels), the residual
@@ -48,12 +48,14 @@ def prepare_linear_layers(
         weights = _fold_residual_multiplier(weights, args.residual_multiplier)
     if cpu is None and quantization is Quantization.NONE:
         return weights
-    if cpu is None:
-        prepare = fake_quantize
-    else:
+    # int4 keeps the lm_head at int8, as llama.cpp's Q4_0 files keep their output matrix wider:
+    # the logits are where 4-bit rounding costs the most.
+    head_quantization = Quantization.INT8 if quantization is Quantization.INT4 else quantization
 
-        def prepare(weight):
-            return cpu.pack_linear(weight, quantization)
+    def prepare(weight, quantization=quantization):
+        if cpu is None:
+            return weight if quantization is Quantization.NONE else fake_quantize(weight, quantization)
+        return cpu.pack_linear(weight, quantization)
 
     layers = tuple(
         dataclasses.replace(
@@ -65,7 +67,7 @@ def prepare_linear_layers(
         )
         for layer in weights.layers
     )
-    return dataclasses.replace(weights, layers=layers, lm_head=prepare(weights.lm_head))
+    return dataclasses.replace(weights, layers=layers, lm_head=prepare(weights.lm_head, head_quantization))
 
 
 def _fold_residual_multiplier(weights: ModelWeights, multiplier: float) -> ModelWeights:

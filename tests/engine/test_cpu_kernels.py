@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from engine.native import kernels
 from engine.native.kernels import KernelMode
-from engine.native.quant import GROUP_SIZE, Quantization, dequantize, quantize_int8
+from engine.native.quant import GROUP_SIZE, Quantization, dequantize, quantize_int4, quantize_int8
 from engine.types import EngineError
 from kernel_modes import COMPILED_MODES, cpu_kernels
 
@@ -44,6 +44,34 @@ def test_int8_packed_linear_computes_with_the_dequantized_weights(cpu, rows, out
         assert packed.nbytes == w.numel() * 9 // 8
     expected = F.linear(x, dequantize(quantize_int8(w)), b)
     torch.testing.assert_close(cpu.packed_linear(x, packed, b), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 13, 24, 25, 77])
+@pytest.mark.parametrize("out_features,in_features", [(96, 256), (40, 24), (33, 131), (17, 3)])
+def test_int4_packed_linear_computes_with_the_dequantized_weights(cpu, rows, out_features, in_features):
+    # Two weights a byte; in_features 131 and 3: an odd k (the last byte's high nibble is padding)
+    # and a last group shorter than 32. From 2 tiles of rows on, panels are widened once.
+    torch.manual_seed(rows + out_features)
+    w, b = torch.randn(out_features, in_features), torch.randn(out_features)
+    x = torch.randn(rows, in_features)
+    packed = cpu.pack_linear(w, Quantization.INT4)
+    assert packed.bits == 4 and packed.panels.dtype == torch.uint8
+    if out_features % cpu.panel == 0 and in_features % GROUP_SIZE == 0:  # no padding: 0.625 bytes a weight
+        assert packed.nbytes == w.numel() * 5 // 8
+    expected = F.linear(x, dequantize(quantize_int4(w)), b)
+    torch.testing.assert_close(cpu.packed_linear(x, packed, b), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_int4_rounds_like_q4_0():
+    # Per group of 32: the weight of largest magnitude maps to -8 exactly, the rest to -8..7.
+    torch.manual_seed(5)
+    w = torch.randn(6, 64)
+    w[0, 3] = 5.0  # a positive extreme: its scale is negative
+    quantized = quantize_int4(w)
+    assert int(quantized.q.min()) >= -8 and int(quantized.q.max()) <= 7 and quantized.q[0, 3] == -8
+    error = (dequantize(quantized) - w).abs()
+    step = quantized.scales.abs().repeat_interleave(GROUP_SIZE, dim=1)
+    assert bool((error <= step * 1.000001).all())  # within one step (7 steps on the extreme's other side)
 
 
 def test_int8_rows_give_the_same_sums_alone_and_in_a_batch(cpu):

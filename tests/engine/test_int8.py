@@ -1,6 +1,7 @@
-"""int8 weights (engine.quantization = "int8"): the engine computes the rounded model exactly
-(greedy output equal to transformers running the same rounded weights, on every kernel path this
-CPU can run), and the rounding costs little against fp32 on the bundled demo model."""
+"""int8 and int4 weights (engine.quantization = "int8" / "int4"): the engine computes the rounded
+model exactly (greedy output equal to transformers running the same rounded weights, on every
+kernel path this CPU can run), and the rounding costs little (int8) or some (int4) quality
+against fp32 on the bundled demo model."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import random
 import pytest
 import torch
 
-from bench.quant_quality import measure, rounded_like_int8
+from bench.quant_quality import measure, rounded_like
 from engine.native.kernels import KernelMode
 from engine.native.loader import load_model_args
 from engine.native.quant import Quantization
@@ -31,15 +32,19 @@ def transformers_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+@pytest.mark.parametrize("quantization", [Quantization.INT8, Quantization.INT4], ids=["int8", "int4"])
 @pytest.mark.parametrize("mode", ALL_MODES)
 @pytest.mark.parametrize("variant", ["tied-gqa-parameters", "qwen2-qkv-bias"])
-def test_int8_engine_matches_transformers_on_the_rounded_weights_token_for_token(tiny_models, variant, mode):
+def test_quantized_engine_matches_transformers_on_the_rounded_weights_token_for_token(
+    tiny_models, variant, mode, quantization
+):
     model_dir = tiny_models.path(variant)
-    reference = rounded_like_int8(tiny_models.reference(variant))
-    engine = engine_for(model_dir, num_blocks=48, kernel_isa=mode.value, quantization="int8")
-    assert engine.runner.kernel_mode is mode and engine.runner.quantization is Quantization.INT8
+    reference = rounded_like(tiny_models.reference(variant), quantization)
+    engine = engine_for(model_dir, num_blocks=48, kernel_isa=mode.value, quantization=quantization.value)
+    assert engine.runner.kernel_mode is mode and engine.runner.quantization is quantization
     if mode is not KernelMode.TORCH:
-        assert engine.runner.model.weights.layers[0].qkv.panels.dtype == torch.int8
+        qkv = engine.runner.model.weights.layers[0].qkv
+        assert qkv.bits == quantization.bits and qkv.panels.dtype == (torch.int8 if qkv.bits == 8 else torch.uint8)
     rng = random.Random(7)
     vocab_size = load_model_args(model_dir).vocab_size
     prompts = [[rng.randrange(3, vocab_size) for _ in range(n)] for n in (1, 9, 40, 70)]
@@ -52,5 +57,5 @@ def test_int8_engine_matches_transformers_on_the_rounded_weights_token_for_token
 def test_int8_costs_little_quality_on_the_demo_model():
     # Loose bounds: measured 2026-11-23 (bench/RESULTS.md), perplexity within 1% and most greedy tokens equal.
     quality = measure(limit=4, max_tokens=16)
-    assert quality.perplexity_int8 < 1.05 * quality.perplexity_fp32, quality
+    assert quality.perplexity_quantized < 1.05 * quality.perplexity_fp32, quality
     assert quality.greedy_agreement >= 0.5, quality

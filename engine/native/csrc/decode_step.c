@@ -37,6 +37,7 @@ enum {
     F_MLP_OUT_NORM,   /* RMSNorm on the MLP's output, before the residual add (Gemma, OLMo 2) */
     F_WINDOW,         /* sliding window (0: the whole context) */
     F_KV_GROUP,       /* 1: the sliding KV group's block tables and slots (hybrid models); 0: the global */
+    F_BITS,           /* the quantized weights' bits (8: int8, 4: int4; unused for fp32) */
     FIELDS
 };
 
@@ -93,7 +94,7 @@ int decode_layers_f32(float *x, const int64_t *positions, const int64_t *const *
             in = x;
         }
         packed_linear(in, (const void *)w[F_QKV], (const float *)w[F_QKV_SCALES], (const float *)w[F_QKV_BIAS], qkv,
-                      tokens, qkv_width, hidden);
+                      tokens, qkv_width, hidden, w[F_BITS]);
         if (w[F_Q_NORM]) qk_norm(qkv, w, tokens, heads, kv_heads, head_dim, eps);
         rope_and_cache_f32(qkv, positions, (const float *)w[F_COS], (const float *)w[F_SIN], k_cache, v_cache,
                            slots[group], tokens, heads, kv_heads, head_dim, w[F_ROTARY_DIM], block_size);
@@ -103,7 +104,7 @@ int decode_layers_f32(float *x, const int64_t *positions, const int64_t *const *
                                        w[F_WINDOW], softcap))
             return -1;
         packed_linear(attn, (const void *)w[F_O_PROJ], (const float *)w[F_O_SCALES], 0, attn_proj, tokens, hidden,
-                      q_width);
+                      q_width, w[F_BITS]);
         if (attn_out_norm) rms_norm_f32(attn_proj, 0, attn_out_norm, attn_proj, tokens, hidden, eps);
         in = h;
         if (post_norm)
@@ -113,13 +114,13 @@ int decode_layers_f32(float *x, const int64_t *positions, const int64_t *const *
             in = x;
         }
         packed_linear(in, (const void *)w[F_GATE_UP], (const float *)w[F_GATE_UP_SCALES], 0, gate_up, tokens,
-                      2 * intermediate, hidden);
+                      2 * intermediate, hidden, w[F_BITS]);
         if (gelu)
             gelu_tanh_mul_f32(gate_up, act, tokens, intermediate);
         else
             silu_mul_f32(gate_up, act, tokens, intermediate);
         packed_linear(act, (const void *)w[F_DOWN], (const float *)w[F_DOWN_SCALES], 0, delta, tokens, hidden,
-                      intermediate);
+                      intermediate, w[F_BITS]);
         if (mlp_out_norm) rms_norm_f32(delta, 0, mlp_out_norm, delta, tokens, hidden, eps);
     }
     if (num_layers) add_rows(x, delta, tokens * hidden);
