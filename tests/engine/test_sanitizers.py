@@ -17,7 +17,7 @@ from engine.native import kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 # The kernel tests, and the engine tests whose decode steps run the one-call layer stack
-# (decode_layers_f32) on every compiled mode: Llama's layer (int8), and the families whose
+# (decode_layers_f32) on every compiled mode: Llama's layer (int8, int4), and the families whose
 # layers use the stack's other fields (hybrid windows and per-layer RoPE, soft-caps, post norms,
 # partial RoPE).
 _FAMILY_TEST = "tests/engine/test_families.py::test_family_matches_transformers_greedy_token_for_token"
@@ -25,7 +25,7 @@ KERNEL_TESTS = [
     "tests/engine/test_cpu_kernels.py",
     "tests/engine/test_attention.py",
     "tests/engine/test_kernel_header.py",
-    "tests/engine/test_int8.py::test_int8_engine_matches_transformers_on_the_rounded_weights_token_for_token",
+    "tests/engine/test_int8.py::test_quantized_engine_matches_transformers_on_the_rounded_weights_token_for_token",
     *(
         f"{_FAMILY_TEST}[{family}-{mode}]"
         for family in ("gemma3", "gemma2", "olmo2", "phi3")
