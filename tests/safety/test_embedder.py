@@ -58,6 +58,18 @@ TEXTS = [
 ]
 
 
+def assert_same_verdicts(want: SafetyClassifier, got: SafetyClassifier, atol: float) -> None:
+    """On every text of TEXTS: scores within atol, and the same categories over 0.5."""
+    for text in TEXTS:
+        expected, scores = want.score_text(text), got.score_text(text)
+        np.testing.assert_allclose(scores, expected, atol=atol)
+        assert (scores >= 0.5).tolist() == (expected >= 0.5).tolist()
+
+
+def encoder_of(classifier: SafetyClassifier, embedder: MiniLmEmbedder) -> SafetyClassifier:
+    return SafetyClassifier(embedder, classifier.head, max_windows=4, cache_entries=0)
+
+
 @pytest.fixture(scope="module")
 def int8_on_torch_ops(classifier):
     return MiniLmEmbedder(dtype="int8", adapter=classifier.head.adapter, kernel_isa="torch")
@@ -79,11 +91,7 @@ def test_int8_kernels_compute_the_model_that_torch_ops_compute_on_the_rounded_we
 
 def test_int8_scores_stay_close_to_float32_and_give_the_same_verdicts(classifier, int8_on_torch_ops):
     # The held-out set and the demo answers gave the same verdicts as float32 (bench/RESULTS.md #22).
-    int8 = SafetyClassifier(int8_on_torch_ops, classifier.head, max_windows=4, cache_entries=0)
-    for text in TEXTS:
-        want, got = classifier.score_text(text), int8.score_text(text)
-        np.testing.assert_allclose(got, want, atol=0.05)
-        assert (got >= 0.5).tolist() == (want >= 0.5).tolist()
+    assert_same_verdicts(classifier, encoder_of(classifier, int8_on_torch_ops), atol=0.05)
     assert (classifier.score_text(TEXTS[2]) >= 0.5).any()  # the harmful one is blocked by both
 
 
@@ -116,11 +124,7 @@ def test_w8a8_scores_stay_close_to_float32_and_give_the_same_verdicts(classifier
     # safety.embed_dtype = "w8a8" (auto on CPUs with VNNI): int8 activations per token, 7-bit
     # weights per channel; the held-out targets are met with it (bench/RESULTS.md #22).
     assert all(w.dtype == torch.int8 for w, _ in w8a8._w8a8.values())
-    quantized = SafetyClassifier(w8a8, classifier.head, max_windows=4, cache_entries=0)
-    for text in TEXTS:
-        want, got = classifier.score_text(text), quantized.score_text(text)
-        np.testing.assert_allclose(got, want, atol=0.05)
-        assert (got >= 0.5).tolist() == (want >= 0.5).tolist()
+    assert_same_verdicts(classifier, encoder_of(classifier, w8a8), atol=0.05)
 
 
 @pytest.mark.parametrize("mode", COMPILED_MODES)
@@ -135,12 +139,7 @@ def test_w8a8_compiled_glue_computes_what_the_pytorch_glue_computes(classifier, 
     for got, want in zip(compiled.encode(TEXTS, max_windows=4), ops.encode(TEXTS, max_windows=4), strict=True):
         cosine = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
         assert cosine.min() > 0.99 and cosine.mean() > 0.999
-    glued = SafetyClassifier(compiled, classifier.head, max_windows=4, cache_entries=0)
-    plain = SafetyClassifier(ops, classifier.head, max_windows=4, cache_entries=0)
-    for text in TEXTS:
-        want, got = plain.score_text(text), glued.score_text(text)
-        np.testing.assert_allclose(got, want, atol=0.02)
-        assert (got >= 0.5).tolist() == (want >= 0.5).tolist()
+    assert_same_verdicts(encoder_of(classifier, ops), encoder_of(classifier, compiled), atol=0.02)
 
 
 @pytest.mark.parametrize("mode", COMPILED_MODES)

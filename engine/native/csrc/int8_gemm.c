@@ -90,31 +90,22 @@ typedef __m256i vi;
         }                                                                                                   \
     } while (0)
 
-static void gemm_maddubs(const uint8_t *xu, const int8_t *packed, const int32_t *colsum128, int32_t *out, int64_t m,
-                         int64_t n, int64_t k)
-{
-    const int64_t blocks = n / NB, row_blocks = (m + MR - 1) / MR;
-#pragma omp parallel for schedule(static) collapse(2) if (m * n * k >= 1 << 20)
-    for (int64_t b = 0; b < blocks; b++)
-        for (int64_t rb = 0; rb < row_blocks; rb++) {
-            const int64_t m0 = rb * MR;
-            const int rows = (int)(m - m0 < MR ? m - m0 : MR);
-            GEMM_BLOCK(vi_dot_u8s8);
-        }
-}
-
-VNNI_TARGET static void gemm_vnni(const uint8_t *xu, const int8_t *packed, const int32_t *colsum128, int32_t *out,
-                                  int64_t m, int64_t n, int64_t k)
-{
-    const int64_t blocks = n / NB, row_blocks = (m + MR - 1) / MR;
-#pragma omp parallel for schedule(static) collapse(2) if (m * n * k >= 1 << 20)
-    for (int64_t b = 0; b < blocks; b++)
-        for (int64_t rb = 0; rb < row_blocks; rb++) {
-            const int64_t m0 = rb * MR;
-            const int rows = (int)(m - m0 < MR ? m - m0 : MR);
-            GEMM_BLOCK(vi_dpbusd);
-        }
-}
+/* Every block of NB columns and MR rows, split over the threads; DOT is the instruction sequence. */
+#define GEMM_FN(NAME, DOT, ATTRIBUTES)                                                                      \
+    ATTRIBUTES static void NAME(const uint8_t *xu, const int8_t *packed, const int32_t *colsum128,          \
+                                int32_t *out, int64_t m, int64_t n, int64_t k)                              \
+    {                                                                                                       \
+        const int64_t blocks = n / NB, row_blocks = (m + MR - 1) / MR;                                      \
+        _Pragma("omp parallel for schedule(static) collapse(2) if (m * n * k >= 1 << 20)")                 \
+        for (int64_t b = 0; b < blocks; b++)                                                                \
+            for (int64_t rb = 0; rb < row_blocks; rb++) {                                                   \
+                const int64_t m0 = rb * MR;                                                                 \
+                const int rows = (int)(m - m0 < MR ? m - m0 : MR);                                          \
+                GEMM_BLOCK(DOT);                                                                            \
+            }                                                                                               \
+    }
+GEMM_FN(gemm_maddubs, vi_dot_u8s8, )
+GEMM_FN(gemm_vnni, vi_dpbusd, VNNI_TARGET)
 
 /* out [m, n] int32 = x [m, k] int8 (-127..127) @ w [k, n], w packed by int8_gemm_pack. vnni: the CPU
  * has VNNI for this vector width (AVX512-VNNI, or AVX-VNNI in the AVX2 build). Returns 0, or -1
