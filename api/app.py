@@ -177,7 +177,9 @@ async def _make_state(settings: Settings, store: Store, models) -> AppState:
     if settings.safety.enabled:
         from gateway.safety import SafetyGate
 
-        safety = SafetyGate(settings.safety, registry=metrics.registry, kernel_isa=settings.engine.kernel_isa)
+        # The gate's encoder takes the engine's kernel choice: engine.native_kernels = false means PyTorch ops for both.
+        kernel_isa = settings.engine.kernel_isa if settings.engine.native_kernels else "torch"
+        safety = SafetyGate(settings.safety, registry=metrics.registry, kernel_isa=kernel_isa)
     return AppState(
         settings=settings,
         models=models,

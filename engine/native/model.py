@@ -53,9 +53,7 @@ def prepare_linear_layers(
     head_quantization = Quantization.INT8 if quantization is Quantization.INT4 else quantization
 
     def prepare(weight, quantization=quantization):
-        if cpu is None:
-            return weight if quantization is Quantization.NONE else fake_quantize(weight, quantization)
-        return cpu.pack_linear(weight, quantization)
+        return fake_quantize(weight, quantization) if cpu is None else cpu.pack_linear(weight, quantization)
 
     layers = tuple(
         dataclasses.replace(
