@@ -93,7 +93,7 @@ SIGNATURES: dict[str, tuple[type | None, Sequence[type]]] = {
     "window_attention_f32": (_INT, [_P] * 4 + [_I] * 3 + [_F]),
     "int8_gemm_block": (_I, []),
     "int8_gemm_pack": (_INT, [_P] * 3 + [_I] * 2),
-    "int8_gemm": (_INT, [_P] * 4 + [_I] * 4),
+    "int8_gemm": (None, [_P] * 4 + [_I] * 4),
 }
 
 

@@ -207,15 +207,16 @@ class MiniLmEmbedder:
         self._packed = self._pack(self._kernels, w) if dtype in ("float32", "int8") and self._kernels else {}
         self._w8a8 = self._quantize_w8a8() if dtype == "w8a8" else {}
         # w8a8's weights also packed for our int8 matmul: the exact sums of torch._int_mm without
-        # its per-call weight reorder (~180 us a call without VNNI, ~10 us with it), so it runs
-        # every batch below _own_gemm_rows rows (bench/RESULTS.md #22).
+        # its per-call weight reorder (~180 us a call without VNNI, ~10 us with it). It runs
+        # batches below 256 rows with VNNI and below 512 without; oneDNN is as fast above
+        # (bench/RESULTS.md #22).
         kernels = self._kernels
         self._int8_packed = (
             {name: p for name, (weight, _) in self._w8a8.items() if (p := kernels.pack_int8(weight)) is not None}
             if kernels is not None
             else {}
         )
-        self._own_gemm_rows = 0 if kernels is None else (32 if kernels.has_vnni else 512)
+        self._own_gemm_rows = 0 if kernels is None else (256 if kernels.has_vnni else 512)
         self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self._tokenizer.no_padding()  # the shipped file pads to 128; we pad per batch instead
         self._tokenizer.no_truncation()  # we cut texts into windows ourselves

@@ -13,7 +13,6 @@
  * AVX2): [k / 4][NB][4] bytes, so that one vector load gives VL columns' weights for 4 inputs.
  */
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
@@ -52,6 +51,7 @@ typedef __m512i vi;
 #define vi_store(p, v) _mm512_storeu_si512((void *)(p), v)
 #define vi_set1(x) _mm512_set1_epi32(x)
 #define vi_sub(a, b) _mm512_sub_epi32(a, b)
+#define vi_xor(a, b) _mm512_xor_si512(a, b)
 #define vi_dot_u8s8(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1)))
 #define VNNI_TARGET __attribute__((target("avx512vnni")))
 #define vi_dpbusd(acc, a, b) _mm512_dpbusd_epi32(acc, a, b)
@@ -62,37 +62,50 @@ typedef __m256i vi;
 #define vi_store(p, v) _mm256_storeu_si256((__m256i *)(p), v)
 #define vi_set1(x) _mm256_set1_epi32(x)
 #define vi_sub(a, b) _mm256_sub_epi32(a, b)
+#define vi_xor(a, b) _mm256_xor_si256(a, b)
 #define vi_dot_u8s8(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)))
 #define VNNI_TARGET __attribute__((target("avxvnni")))
 #define vi_dpbusd(acc, a, b) _mm256_dpbusd_avx_epi32(acc, a, b)
 #endif
 
-/* One block of NB columns for rows [m0, m0 + rows), rows <= MR. xu: activations as unsigned. */
-#define GEMM_BLOCK(DOT)                                                                                     \
-    do {                                                                                                    \
+/* One block of NB columns for `rows` rows (rows <= MR) from x (row stride k) into out (row stride
+ * n); each 4 activations are read as unsigned on the way (x + 128: a XOR of the broadcast). */
+#define GEMM_BLOCK_FN(NAME, DOT, ATTRIBUTES)                                                                \
+    ATTRIBUTES static inline __attribute__((always_inline)) void NAME(                                       \
+        const int8_t *x, const int8_t *wb, const int32_t *colsum128, int32_t *out, int64_t n, int64_t k,    \
+        const int rows)                                                                                     \
+    {                                                                                                       \
         vi acc0[MR], acc1[MR];                                                                              \
+        const vi flip = vi_set1((int32_t)0x80808080);                                                       \
         for (int r = 0; r < MR; r++) acc0[r] = acc1[r] = vi_zero();                                         \
-        const int8_t *wb = packed + b * (k / 4) * NB * 4;                                                   \
         for (int64_t g = 0; g < k / 4; g++) {                                                               \
             const vi w0 = vi_load(wb + g * NB * 4), w1 = vi_load(wb + g * NB * 4 + VL * 4);                 \
-            for (int r = 0; r < rows; r++) {                                                                \
+            for (int r = 0; r < MR; r++) {                                                                  \
+                if (r >= rows) break;                                                                       \
                 int32_t four;                                                                               \
-                memcpy(&four, xu + (m0 + r) * k + g * 4, 4);                                                \
-                const vi a = vi_set1(four);                                                                 \
+                memcpy(&four, x + r * k + g * 4, 4);                                                        \
+                const vi a = vi_xor(vi_set1(four), flip); /* x + 128: four unsigned bytes */                \
                 acc0[r] = DOT(acc0[r], a, w0);                                                              \
                 acc1[r] = DOT(acc1[r], a, w1);                                                              \
             }                                                                                               \
         }                                                                                                   \
-        const vi s0 = vi_load(colsum128 + b * NB), s1 = vi_load(colsum128 + b * NB + VL);                   \
-        for (int r = 0; r < rows; r++) {                                                                    \
-            vi_store(out + (m0 + r) * n + b * NB, vi_sub(acc0[r], s0));                                     \
-            vi_store(out + (m0 + r) * n + b * NB + VL, vi_sub(acc1[r], s1));                                \
+        const vi s0 = vi_load(colsum128), s1 = vi_load(colsum128 + VL);                                     \
+        for (int r = 0; r < MR; r++) {                                                                      \
+            if (r >= rows) break;                                                                           \
+            vi_store(out + r * n, vi_sub(acc0[r], s0));                                                     \
+            vi_store(out + r * n + VL, vi_sub(acc1[r], s1));                                                \
         }                                                                                                   \
-    } while (0)
+    }
+GEMM_BLOCK_FN(block_maddubs, vi_dot_u8s8, )
+GEMM_BLOCK_FN(block_vnni, vi_dpbusd, VNNI_TARGET)
 
-/* Every block of NB columns and MR rows, split over the threads; DOT is the instruction sequence. */
-#define GEMM_FN(NAME, DOT, ATTRIBUTES)                                                                      \
-    ATTRIBUTES static void NAME(const uint8_t *xu, const int8_t *packed, const int32_t *colsum128,          \
+/* Every block of NB columns and MR rows, split over the threads. SPECIALIZE: full blocks inline the
+ * block with rows = MR, so its row loops have constant bounds and the 12 accumulators stay in
+ * registers: the VNNI kernel 1.25-1.3x faster than with a bound known only at run time. The
+ * vpmaddubsw sequence keeps the run-time bound: unrolled, its temporaries do not fit beside the
+ * accumulators in AVX2's 16 registers (10% slower, measured). */
+#define GEMM_FN(NAME, BLOCK, ATTRIBUTES, SPECIALIZE)                                                        \
+    ATTRIBUTES static void NAME(const int8_t *x, const int8_t *packed, const int32_t *colsum128,            \
                                 int32_t *out, int64_t m, int64_t n, int64_t k)                              \
     {                                                                                                       \
         const int64_t blocks = n / NB, row_blocks = (m + MR - 1) / MR;                                      \
@@ -100,26 +113,25 @@ typedef __m256i vi;
         for (int64_t b = 0; b < blocks; b++)                                                                \
             for (int64_t rb = 0; rb < row_blocks; rb++) {                                                   \
                 const int64_t m0 = rb * MR;                                                                 \
-                const int rows = (int)(m - m0 < MR ? m - m0 : MR);                                          \
-                GEMM_BLOCK(DOT);                                                                            \
+                const int8_t *wb = packed + b * (k / 4) * NB * 4;                                           \
+                const int8_t *x0 = x + m0 * k;                                                              \
+                int32_t *o = out + m0 * n + b * NB;                                                         \
+                if (SPECIALIZE && m - m0 >= MR)                                                             \
+                    BLOCK(x0, wb, colsum128 + b * NB, o, n, k, MR);                                         \
+                else                                                                                        \
+                    BLOCK(x0, wb, colsum128 + b * NB, o, n, k, (int)(m - m0 < MR ? m - m0 : MR));           \
             }                                                                                               \
     }
-GEMM_FN(gemm_maddubs, vi_dot_u8s8, )
-GEMM_FN(gemm_vnni, vi_dpbusd, VNNI_TARGET)
+GEMM_FN(gemm_maddubs, block_maddubs, , 0)
+GEMM_FN(gemm_vnni, block_vnni, VNNI_TARGET, 1)
 
 /* out [m, n] int32 = x [m, k] int8 (-127..127) @ w [k, n], w packed by int8_gemm_pack. vnni: the CPU
- * has VNNI for this vector width (AVX512-VNNI, or AVX-VNNI in the AVX2 build). Returns 0, or -1
- * when scratch memory could not be allocated. */
-int int8_gemm(const int8_t *x, const int8_t *packed, const int32_t *colsum128, int32_t *out, int64_t m, int64_t n,
-              int64_t k, int64_t vnni)
+ * has VNNI for this vector width (AVX512-VNNI, or AVX-VNNI in the AVX2 build). */
+void int8_gemm(const int8_t *x, const int8_t *packed, const int32_t *colsum128, int32_t *out, int64_t m, int64_t n,
+               int64_t k, int64_t vnni)
 {
-    uint8_t *xu = malloc((size_t)(m * k) + 1);
-    if (!xu) return -1;
-    for (int64_t i = 0; i < m * k; i++) xu[i] = (uint8_t)(x[i] ^ 0x80); /* x + 128 */
     if (vnni)
-        gemm_vnni(xu, packed, colsum128, out, m, n, k);
+        gemm_vnni(x, packed, colsum128, out, m, n, k);
     else
-        gemm_maddubs(xu, packed, colsum128, out, m, n, k);
-    free(xu);
-    return 0;
+        gemm_maddubs(x, packed, colsum128, out, m, n, k);
 }

@@ -36,6 +36,6 @@ int window_attention_f32(const float *qkv, const int64_t *starts, const int64_t 
                          int64_t num_windows, int64_t heads, int64_t head_dim, float scale);
 int64_t int8_gemm_block(void);
 int int8_gemm_pack(const int8_t *w, int8_t *packed, int32_t *colsum128, int64_t k, int64_t n);
-int int8_gemm(const int8_t *x, const int8_t *packed, const int32_t *colsum128, int32_t *out, int64_t m, int64_t n,
-              int64_t k, int64_t vnni);
+void int8_gemm(const int8_t *x, const int8_t *packed, const int32_t *colsum128, int32_t *out, int64_t m, int64_t n,
+               int64_t k, int64_t vnni);
 #endif
