@@ -3,7 +3,7 @@ checked loosely by tests/engine/test_int8.py). `python -m bench.quant_quality [i
 
 - Held-out perplexity: transformers on models/heldout.jsonl, fp32 weights against the same
   weights rounded as the quantized kernels compute with them (the kernels equal F.linear on the
-  dequantized weights: tests/engine/test_cpu_kernels.py).
+  dequantized weights, int4's on inputs rounded per group of 32: tests/engine/test_cpu_kernels.py).
 - Greedy agreement: the engine itself, fp32 against the quantized weights, on the held-out
   questions: the share of generated tokens that match before the first difference.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.native.quant import Quantization, fake_quantize
+from engine.native.quant import Quantization, fake_quantize, quantize_activations
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = ROOT / "models" / "demo-flagship"
@@ -38,15 +38,22 @@ class QuantQuality:
 def rounded_like(model, quantization: Quantization = Quantization.INT8):
     """A copy of a transformers causal LM whose decoder linears and lm_head hold weights rounded
     as the engine's `engine.quantization` rounds them (int4 keeps the lm_head at int8, as the
-    engine does; a tied lm_head gets its own rounded copy; the embedding lookup stays fp32)."""
+    engine does; a tied lm_head gets its own rounded copy; the embedding lookup stays fp32). int4's
+    decoder linears also round their inputs as the engine's w4a8 kernels do."""
     head = Quantization.INT8 if quantization is Quantization.INT4 else quantization
     model = copy.deepcopy(model)
     for layer in model.model.layers:
         for module in layer.modules():
             if isinstance(module, torch.nn.Linear):
                 module.weight.copy_(fake_quantize(module.weight, quantization))
+                if quantization is Quantization.INT4:
+                    module.register_forward_pre_hook(_round_inputs)
     model.lm_head.weight = torch.nn.Parameter(fake_quantize(model.lm_head.weight, head))
     return model
+
+
+def _round_inputs(module, args):
+    return (quantize_activations(args[0]), *args[1:])
 
 
 def heldout_perplexities(

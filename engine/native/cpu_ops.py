@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.native.quant import Quantization, quantize
+from engine.native.quant import GROUP_SIZE, Quantization, quantize
 
 if TYPE_CHECKING:
     from engine.native.attention import AttentionMetadata
@@ -38,7 +38,7 @@ class PackedLinear:
     The layout depends on the instruction set, so it keeps the kernels that packed it."""
 
     panels: torch.Tensor  # [ceil(out_features / panel), in_features, panel] fp32 or int8;
-    # int4: uint8 [.., ceil(in_features / 2), panel], k = 2j in the low nibble, 2j + 1 in the high, as q + 8
+    # int4: uint8 [.., in_features padded to 32 / 8, panel, 4] (_int4_panels)
     scales: torch.Tensor | None  # quantized: [ceil(out_features / panel), ceil(in_features / 32), panel] fp32
     out_features: int
     in_features: int
@@ -63,13 +63,37 @@ def _to_panels(matrix: torch.Tensor, panel: int) -> torch.Tensor:
     return padded.view(num_panels, panel, cols).transpose(1, 2).contiguous()
 
 
+def _int4_panels(q: torch.Tensor, panel: int) -> torch.Tensor:
+    """int4 values [rows, cols] (-8..7) -> uint8 [ceil(rows / panel), cols_pad / 8, panel, 4], cols
+    padded to a multiple of GROUP_SIZE with zeros: in each block of 8 columns, byte i of a row's 4
+    holds column 8b + i in the low nibble and 8b + 4 + i in the high one, each as q + 8
+    (csrc/packed_linear.c, the w4a8 layout)."""
+    rows, cols = q.shape
+    cols_pad = -(-cols // GROUP_SIZE) * GROUP_SIZE
+    nibbles = torch.full((rows, cols_pad), 8, dtype=torch.uint8)
+    nibbles[:, :cols] = (q.to(torch.int16) + 8).to(torch.uint8)
+    blocks = nibbles.view(rows, cols_pad // 8, 2, 4)  # [rows, block, low/high half, i]
+    packed = blocks[:, :, 0] | (blocks[:, :, 1] << 4)  # [rows, block, 4]
+    num_panels = -(-rows // panel)
+    padded = torch.full((num_panels * panel, cols_pad // 8, 4), 0x88, dtype=torch.uint8)
+    padded[:rows] = packed
+    return padded.view(num_panels, panel, cols_pad // 8, 4).transpose(1, 2).contiguous()
+
+
 class CpuKernels:
     def __init__(self, mode: KernelMode, lib: ctypes.CDLL):
         self.mode = mode
         self._lib = lib
         self.panel = int(lib.packed_linear_panel())  # output columns per packed panel
         self.vector_floats = 16 if mode.value == "avx512" else 8  # floats in one of its vector registers
-        self.has_vnni = _has_vnni(mode.value)  # int8 dot products in one instruction at this vector width
+        self.has_vnni = False  # int8 dot products in one instruction at this vector width (use_vnni)
+        self.use_vnni(_has_vnni(mode.value))
+
+    def use_vnni(self, on: bool) -> None:
+        """Whether the int8 dot products (int8_gemm, int4 packed_linear) use VNNI: what the CPU
+        has, at load; tests turn it off to run the other instruction sequence too."""
+        self.has_vnni = on
+        self._lib.packed_linear_use_vnni(int(on))
 
     def pack_linear(self, weight: torch.Tensor, quantization: Quantization = Quantization.NONE) -> PackedLinear:
         """Pack an fp32 CPU weight [out_features, in_features] once, at load time (int8, int4:
@@ -79,13 +103,10 @@ class CpuKernels:
         if quantization is Quantization.NONE:
             return PackedLinear(_to_panels(weight, self.panel), None, n, k, self)
         quantized = quantize(weight, quantization)
-        q = quantized.q
-        if quantization is Quantization.INT4:  # two k a byte, each as q + 8
-            nibbles = torch.zeros((n, k + k % 2), dtype=torch.uint8)
-            nibbles[:, :k] = (q.to(torch.int16) + 8).to(torch.uint8)
-            q = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
         scales = _to_panels(quantized.scales, self.panel)
-        return PackedLinear(_to_panels(q, self.panel), scales, n, k, self, quantization.bits)
+        if quantization is Quantization.INT4:
+            return PackedLinear(_int4_panels(quantized.q, self.panel), scales, n, k, self, quantization.bits)
+        return PackedLinear(_to_panels(quantized.q, self.panel), scales, n, k, self, quantization.bits)
 
     def packed_linear(self, x: torch.Tensor, weight: PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear(x, W, bias) for x [rows, in_features] and W packed by pack_linear."""
@@ -99,10 +120,12 @@ class CpuKernels:
         if rows:
             scales = None if weight.scales is None else weight.scales.data_ptr()
             bias_ptr = None if bias is None else bias.contiguous().data_ptr()
-            self._lib.packed_linear(
+            status = self._lib.packed_linear(
                 x.data_ptr(), weight.panels.data_ptr(), scales, bias_ptr, out.data_ptr(), rows, weight.out_features, k,
                 weight.bits,
             )  # fmt: skip
+            if status != 0:
+                raise MemoryError("packed_linear could not allocate its scratch memory")
         return out
 
     def paged_decode_attention(

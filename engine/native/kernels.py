@@ -1,7 +1,7 @@
 """The compiled CPU kernels (csrc/*.c): which instruction set, build, load, call.
 
 - paged_attention.c: decode attention straight from the paged KV cache.
-- packed_linear.c: the linear layers, from weights packed once into column panels (fp32 or int8).
+- packed_linear.c: the linear layers, from weights packed once into column panels (fp32, int8 or int4).
 - fused_ops.c: RMSNorm (with the residual add), SiLU * up, GELU-tanh * up, RoPE + the KV-cache write.
 - decode_step.c: all the layers of a decode-only step in one call, from the kernels above.
 - int8_gemm.c: int8 x int8 -> int32 matmuls from weights packed once (VNNI where the CPU has it).
@@ -81,7 +81,8 @@ _P, _I, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURES: dict[str, tuple[type | None, Sequence[type]]] = {
     "paged_decode_attention_f32": (_INT, [_P] * 6 + [_I] * 7 + [_F, _I, _F]),
     "packed_linear_panel": (_I, []),
-    "packed_linear": (None, [_P] * 5 + [_I] * 4),
+    "packed_linear_use_vnni": (None, [_I]),
+    "packed_linear": (_INT, [_P] * 5 + [_I] * 4),
     "rms_norm_f32": (None, [_P] * 4 + [_I] * 2 + [_F]),
     "silu_mul_f32": (None, [_P] * 2 + [_I] * 2),
     "gelu_tanh_mul_f32": (None, [_P] * 2 + [_I] * 2),

@@ -22,14 +22,18 @@ from engine.native.attention import AttentionMetadata, AttentionSpec, paged_atte
 from engine.native.cpu_ops import CpuKernels, DecodeStack, PackedLinear, StackLayer, StackShape
 from engine.native.families import Activation, ModelArgs, QKNorm
 from engine.native.loader import ModelWeights
-from engine.native.quant import Quantization, fake_quantize
+from engine.native.quant import Quantization, W4A8Weight, fake_quantize, quantize_activations
 
 log = structlog.get_logger(__name__)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | PackedLinear | W4A8Weight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     if isinstance(weight, PackedLinear):
         return weight.kernels.packed_linear(x, weight, bias)
+    if isinstance(weight, W4A8Weight):  # int4 without the kernels: the same rounding of the inputs
+        return F.linear(quantize_activations(x), weight.weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -37,8 +41,8 @@ def prepare_linear_layers(
     weights: ModelWeights, cpu: CpuKernels | None, quantization: Quantization, args: ModelArgs
 ) -> ModelWeights:
     """Every matmul weight packed for the compiled kernels (cpu given; the originals are released),
-    and quantized as asked. Without kernels, int8 or int4 weights are rounded and kept as floats,
-    so every path computes the same model.
+    and quantized as asked. Without kernels, int8 or int4 weights are rounded and kept as floats
+    (int4: with its inputs rounded as the kernels round them), so every path computes the same model.
 
     The embedding table stays as it is (a lookup, not a matmul); a tied lm_head gets its own
     packed copy of it. For the fused path (Llama-like layers with kernels), the residual
@@ -53,7 +57,10 @@ def prepare_linear_layers(
     head_quantization = Quantization.INT8 if quantization is Quantization.INT4 else quantization
 
     def prepare(weight, quantization=quantization):
-        return fake_quantize(weight, quantization) if cpu is None else cpu.pack_linear(weight, quantization)
+        if cpu is not None:
+            return cpu.pack_linear(weight, quantization)
+        rounded = fake_quantize(weight, quantization)
+        return W4A8Weight(rounded) if quantization is Quantization.INT4 else rounded
 
     layers = tuple(
         dataclasses.replace(

@@ -5,8 +5,11 @@ a group stores small integers and one fp32 scale, so w ~ q * scale:
 - int8 (Q8_0-like): q in -127..127, scale = max |w| / 127;
 - int4 (Q4_0-like): q in -8..7, scale = (the group's weight of largest magnitude) / -8, so that
   weight maps to -8 exactly and the other end keeps 7 steps (Q4_0's choice).
-Activations stay fp32: the kernels widen q in registers (csrc/packed_linear.c). Owns only the
-arithmetic; the panel layout (int4: two weights a byte) belongs to cpu_ops.py.
+int8 keeps activations fp32: the kernels widen q in registers. int4 quantizes the activations too
+(w4a8, llama.cpp's Q4_0 x Q8_0): per row and group of 32 inputs, int8 with scale max |x| / 127,
+so that the kernels sum integer products (csrc/packed_linear.c); `quantize_activations` is that
+rounding for paths without those kernels. Owns only the arithmetic; the panel layouts belong to
+cpu_ops.py.
 """
 
 from __future__ import annotations
@@ -83,3 +86,24 @@ def fake_quantize(weight: torch.Tensor, quantization: Quantization = Quantizatio
     """The weight rounded as the quantized kernels round it, kept in its dtype: the same numbers
     on paths without those kernels (PyTorch ops, CUDA), so every path computes the same model."""
     return dequantize(quantize(weight, quantization)).to(weight.dtype)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [..., k] rounded as the int4 kernels round their inputs, kept in its dtype: per group of
+    32 along the last dimension, to int8 with scale max |x| / 127 (half to even)."""
+    k = x.shape[-1]
+    groups = -(-k // GROUP_SIZE)
+    padded = torch.zeros((*x.shape[:-1], groups * GROUP_SIZE), dtype=torch.float32, device=x.device)
+    padded[..., :k] = x.to(torch.float32)
+    grouped = padded.view(*x.shape[:-1], groups, GROUP_SIZE)
+    scale = grouped.abs().amax(dim=-1, keepdim=True) / 127.0
+    q = torch.where(scale > 0, torch.round(grouped / scale), torch.zeros_like(grouped))
+    return (q * scale).view(*x.shape[:-1], groups * GROUP_SIZE)[..., :k].to(x.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class W4A8Weight:
+    """An int4 layer on paths without the kernels (PyTorch ops, CUDA): the weight rounded to 4 bits
+    and kept as floats; its inputs are rounded with `quantize_activations` before the matmul."""
+
+    weight: torch.Tensor  # [out_features, in_features], fake_quantize(..., INT4)

@@ -9,7 +9,14 @@ import torch.nn.functional as F
 
 from engine.native import kernels
 from engine.native.kernels import KernelMode
-from engine.native.quant import GROUP_SIZE, Quantization, dequantize, quantize_int4, quantize_int8
+from engine.native.quant import (
+    GROUP_SIZE,
+    Quantization,
+    dequantize,
+    quantize_activations,
+    quantize_int4,
+    quantize_int8,
+)
 from engine.types import EngineError
 from kernel_modes import COMPILED_MODES, cpu_kernels
 
@@ -46,20 +53,62 @@ def test_int8_packed_linear_computes_with_the_dequantized_weights(cpu, rows, out
     torch.testing.assert_close(cpu.packed_linear(x, packed, b), expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 13, 24, 25, 77])
+def vnni_paths(cpu) -> list[bool]:
+    """The int8 dot-product instruction sequences this CPU runs: vpmaddubsw always, VNNI where it has it."""
+    return [False, True] if cpu.has_vnni else [False]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 13, 24, 25, 77])
 @pytest.mark.parametrize("out_features,in_features", [(96, 256), (40, 24), (33, 131), (17, 3)])
-def test_int4_packed_linear_computes_with_the_dequantized_weights(cpu, rows, out_features, in_features):
-    # Two weights a byte; in_features 131 and 3: an odd k (the last byte's high nibble is padding)
-    # and a last group shorter than 32. From 2 tiles of rows on, panels are widened once.
+def test_int4_packed_linear_computes_with_the_dequantized_weights_on_rounded_inputs(
+    cpu, rows, out_features, in_features
+):
+    # w4a8: the inputs are rounded per group of 32 (quantize_activations) and the products summed
+    # as integers. in_features 131 and 3: a last group shorter than 32 (padded with zeros); row
+    # counts around both tiles (2 rows with AVX2, 4 with AVX-512).
     torch.manual_seed(rows + out_features)
     w, b = torch.randn(out_features, in_features), torch.randn(out_features)
     x = torch.randn(rows, in_features)
+    x[0, :4] = 0.0  # a group's largest inputs zero...
+    x[-1, : min(32, in_features)] = 0.0  # ...and a whole group of zeros (scale 0)
     packed = cpu.pack_linear(w, Quantization.INT4)
     assert packed.bits == 4 and packed.panels.dtype == torch.uint8
     if out_features % cpu.panel == 0 and in_features % GROUP_SIZE == 0:  # no padding: 0.625 bytes a weight
         assert packed.nbytes == w.numel() * 5 // 8
-    expected = F.linear(x, dequantize(quantize_int4(w)), b)
-    torch.testing.assert_close(cpu.packed_linear(x, packed, b), expected, atol=1e-4, rtol=1e-4)
+    expected = F.linear(quantize_activations(x), dequantize(quantize_int4(w)), b)
+    paths = vnni_paths(cpu)
+    try:
+        results = []
+        for vnni in paths:
+            cpu.use_vnni(vnni)
+            results.append(cpu.packed_linear(x, packed, b))
+            torch.testing.assert_close(results[-1], expected, atol=1e-4, rtol=1e-4, msg=f"vnni={vnni}")
+    finally:
+        cpu.use_vnni(paths[-1])
+    assert all(torch.equal(r, results[0]) for r in results)  # exact integer sums: the same on both
+
+
+def test_int4_rows_give_the_same_sums_alone_and_in_a_batch(cpu):
+    # Each row's inputs are rounded on their own and the sums are exact integers, so a row's
+    # output does not depend on its batch.
+    torch.manual_seed(4)
+    w, b = torch.randn(100, 200), torch.randn(100)
+    x = torch.randn(50, 200)
+    packed = cpu.pack_linear(w, Quantization.INT4)
+    alone = torch.cat([cpu.packed_linear(x[i : i + 1], packed, b) for i in range(len(x))])
+    assert torch.equal(cpu.packed_linear(x, packed, b), alone)
+
+
+def test_activations_round_like_q8_0():
+    torch.manual_seed(6)
+    x = torch.randn(3, 70) * torch.logspace(-2, 2, 70)
+    x[1, 32:64] = 0.0
+    rounded = quantize_activations(x)
+    assert torch.equal(rounded[1, 32:64], torch.zeros(32))
+    for g in range(3):
+        part, got = x[:, g * 32 : (g + 1) * 32], rounded[:, g * 32 : (g + 1) * 32]
+        step = part.abs().amax(dim=1, keepdim=True) / 127
+        assert bool(((got - part).abs() <= step / 2 * 1.0001 + 1e-12).all())
 
 
 def test_int4_rounds_like_q4_0():
@@ -290,13 +339,13 @@ def test_int8_gemm_gives_torch_int_mms_exact_sums_with_and_without_vnni(cpu, row
     weight[:, :1] = -63
     packed = cpu.pack_int8(weight)
     want = torch._int_mm(x, weight) if rows else torch.zeros(0, out_features, dtype=torch.int32)
-    paths = [False, True] if cpu.has_vnni else [False]  # VNNI only where this CPU has it
+    paths = vnni_paths(cpu)
     try:
         for vnni in paths:
-            cpu.has_vnni = vnni
+            cpu.use_vnni(vnni)
             assert torch.equal(cpu.int8_gemm(x, packed), want), f"vnni={vnni}"
     finally:
-        cpu.has_vnni = paths[-1]
+        cpu.use_vnni(paths[-1])
 
 
 def test_int8_gemm_refuses_what_it_cannot_sum_exactly(cpu):

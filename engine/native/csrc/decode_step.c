@@ -93,8 +93,9 @@ int decode_layers_f32(float *x, const int64_t *positions, const int64_t *const *
             if (l) add_rows(x, delta, tokens * hidden);
             in = x;
         }
-        packed_linear(in, (const void *)w[F_QKV], (const float *)w[F_QKV_SCALES], (const float *)w[F_QKV_BIAS], qkv,
-                      tokens, qkv_width, hidden, w[F_BITS]);
+        if (packed_linear(in, (const void *)w[F_QKV], (const float *)w[F_QKV_SCALES], (const float *)w[F_QKV_BIAS],
+                          qkv, tokens, qkv_width, hidden, w[F_BITS]))
+            return -1;
         if (w[F_Q_NORM]) qk_norm(qkv, w, tokens, heads, kv_heads, head_dim, eps);
         rope_and_cache_f32(qkv, positions, (const float *)w[F_COS], (const float *)w[F_SIN], k_cache, v_cache,
                            slots[group], tokens, heads, kv_heads, head_dim, w[F_ROTARY_DIM], block_size);
@@ -103,8 +104,9 @@ int decode_layers_f32(float *x, const int64_t *positions, const int64_t *const *
                                        kv_heads, head_dim, max_blocks, block_size, max_context_len, scale,
                                        w[F_WINDOW], softcap))
             return -1;
-        packed_linear(attn, (const void *)w[F_O_PROJ], (const float *)w[F_O_SCALES], 0, attn_proj, tokens, hidden,
-                      q_width, w[F_BITS]);
+        if (packed_linear(attn, (const void *)w[F_O_PROJ], (const float *)w[F_O_SCALES], 0, attn_proj, tokens, hidden,
+                          q_width, w[F_BITS]))
+            return -1;
         if (attn_out_norm) rms_norm_f32(attn_proj, 0, attn_out_norm, attn_proj, tokens, hidden, eps);
         in = h;
         if (post_norm)
@@ -113,14 +115,16 @@ int decode_layers_f32(float *x, const int64_t *positions, const int64_t *const *
             add_rows(x, attn_proj, tokens * hidden);
             in = x;
         }
-        packed_linear(in, (const void *)w[F_GATE_UP], (const float *)w[F_GATE_UP_SCALES], 0, gate_up, tokens,
-                      2 * intermediate, hidden, w[F_BITS]);
+        if (packed_linear(in, (const void *)w[F_GATE_UP], (const float *)w[F_GATE_UP_SCALES], 0, gate_up, tokens,
+                          2 * intermediate, hidden, w[F_BITS]))
+            return -1;
         if (gelu)
             gelu_tanh_mul_f32(gate_up, act, tokens, intermediate);
         else
             silu_mul_f32(gate_up, act, tokens, intermediate);
-        packed_linear(act, (const void *)w[F_DOWN], (const float *)w[F_DOWN_SCALES], 0, delta, tokens, hidden,
-                      intermediate, w[F_BITS]);
+        if (packed_linear(act, (const void *)w[F_DOWN], (const float *)w[F_DOWN_SCALES], 0, delta, tokens, hidden,
+                          intermediate, w[F_BITS]))
+            return -1;
         if (mlp_out_norm) rms_norm_f32(delta, 0, mlp_out_norm, delta, tokens, hidden, eps);
     }
     if (num_layers) add_rows(x, delta, tokens * hidden);

@@ -11,8 +11,9 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
                                 int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks, int64_t block_size,
                                 int64_t max_context_len, float scale, int64_t window, float softcap);
 int64_t packed_linear_panel(void);
-void packed_linear(const float *x, const void *wp, const float *scales, const float *bias, float *out, int64_t m,
-                   int64_t n, int64_t k, int64_t bits);
+void packed_linear_use_vnni(int64_t on);
+int packed_linear(const float *x, const void *wp, const float *scales, const float *bias, float *out, int64_t m,
+                  int64_t n, int64_t k, int64_t bits);
 void rms_norm_f32(float *x, const float *residual, const float *weight, float *out, int64_t rows, int64_t dim,
                   float eps);
 void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t dim);

@@ -10,15 +10,24 @@
  * Layout (kernels.py packs): W [N, K] becomes [ceil(N / PANEL)][K][PANEL], PANEL = two vectors
  * (32 columns with AVX-512, 16 with AVX2), zero-padded past N. int8 panels hold the quantized
  * weights in the same order and, beside them, scales [ceil(N / PANEL)][ceil(K / 32)][PANEL]:
- * w = q * scale of its column's group of 32 k. int4 panels hold two k a byte: [..][ceil(K / 2)]
- * [PANEL], k = 2j in the low nibble and 2j + 1 in the high one, each as q + 8 (0..15), with the
- * same scales. Work is split over panels with OpenMP; each panel
+ * w = q * scale of its column's group of 32 k. Work is split over panels with OpenMP; each panel
  * is read from memory once and reused from cache for every block of ROWS input rows. int8
  * weights are widened to fp32 in registers (activations stay fp32): a quarter of the bytes
  * read, the same arithmetic as fp32 on the dequantized weights.
+ *
+ * int4 (w4a8, as llama.cpp's Q4_0 x Q8_0 on CPUs): the activations are quantized too, per row and
+ * group of 32 k (int8, scale max|x| / 127), and each group's products are summed as integers
+ * (vpdpbusd with VNNI, vpmaddubsw without), then scaled by both scales in fp32. Widening 4-bit
+ * weights to fp32 cost more than reading them (int4 ran no faster than int8); integer dot
+ * products do 4 products an instruction a lane. Panels: K padded to a multiple of 32 (with q = 0),
+ * [ceil(N / PANEL)][K / 8][PANEL][4] bytes: column c's 4 bytes of a block of 8 k hold k + i in the
+ * low nibble and k + 4 + i in the high one (i = 0..3), each as q + 8 (0..15), so one vector load
+ * and two masks give VL columns' weights for 4 k each, the layout vpdpbusd reads. Same scales.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kernels.h"
 #include "simd.h"
@@ -34,37 +43,11 @@
 
 int64_t packed_linear_panel(void) { return PANEL; }
 
-/* One byte row of an int4 panel (PANEL columns, two k) -> the weights of k (b0, b1: columns
- * 0..VL-1 and VL..PANEL-1) and of k + 1 (c0, c1), each (nibble - 8) * scale. */
-static inline void widen_u4(const uint8_t *row, vf s0, vf s1, vf *b0, vf *b1, vf *c0, vf *c1)
-{
-    const vf m0 = vmul(s0, vset1(-8.0f)), m1 = vmul(s1, vset1(-8.0f)); /* (n - 8) s = n s - 8 s */
-#if VL == 16
-    const __m256i bytes = _mm256_loadu_si256((const __m256i *)row), low4 = _mm256_set1_epi8(0x0F);
-    const __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-#define U8_TO_F(x) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x))
-    *b0 = vfma(U8_TO_F(_mm256_castsi256_si128(lo)), s0, m0);
-    *b1 = vfma(U8_TO_F(_mm256_extracti128_si256(lo, 1)), s1, m1);
-    *c0 = vfma(U8_TO_F(_mm256_castsi256_si128(hi)), s0, m0);
-    *c1 = vfma(U8_TO_F(_mm256_extracti128_si256(hi, 1)), s1, m1);
-#else
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)row), low4 = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-#define U8_TO_F(x) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x))
-    *b0 = vfma(U8_TO_F(lo), s0, m0);
-    *b1 = vfma(U8_TO_F(_mm_srli_si128(lo, 8)), s1, m1);
-    *c0 = vfma(U8_TO_F(hi), s0, m0);
-    *c1 = vfma(U8_TO_F(_mm_srli_si128(hi, 8)), s1, m1);
-#endif
-#undef U8_TO_F
-}
-
 /* out[r, 0:PANEL] = x[r, :] . panel for r < MR; one k row of the panel feeds 2 * MR FMAs. The
  * compiler unrolls the r loops for each constant MR, keeping the accumulators in registers.
- * scales == 0: fp32 panel; else an int8 (bits 8) or int4 (bits 4) panel whose rows are widened
- * and scaled per group. */
+ * scales == 0: fp32 panel; else an int8 panel whose rows are widened and scaled per group. */
 #define MICRO_KERNEL(MR)                                                                                             \
-    static void micro_##MR(const float *x, int64_t k, const void *panel, const float *scales, int64_t bits,         \
+    static void micro_##MR(const float *x, int64_t k, const void *panel, const float *scales,                      \
                            const float *bias, float *out, int64_t n, vmask m0, vmask m1)                            \
     {                                                                                                                \
         vf lo[MR], hi[MR];                                                                                           \
@@ -80,30 +63,6 @@ static inline void widen_u4(const uint8_t *row, vf s0, vf s1, vf *b0, vf *b1, vf
                     const vf a = vset1(x[r * k + kk]);                                                               \
                     lo[r] = vfma(a, b0, lo[r]);                                                                      \
                     hi[r] = vfma(a, b1, hi[r]);                                                                      \
-                }                                                                                                    \
-            }                                                                                                        \
-        } else if (bits == 4) {                                                                                      \
-            const uint8_t *qp = (const uint8_t *)panel;                                                              \
-            for (int64_t k0 = 0; k0 < k; k0 += GROUP) {                                                              \
-                const float *s = scales + (k0 / GROUP) * PANEL;                                                      \
-                const vf s0 = vload(s), s1 = vload(s + VL);                                                          \
-                const int64_t end = k - k0 < GROUP ? k : k0 + GROUP;                                                 \
-                for (int64_t kk = k0; kk < end; kk += 2) {                                                           \
-                    const uint8_t *row = qp + (kk / 2) * PANEL;                                                      \
-                    _mm_prefetch((const char *)row + PREFETCH_BYTES, _MM_HINT_T1);                                   \
-                    vf b0, b1, c0, c1;                                                                               \
-                    widen_u4(row, s0, s1, &b0, &b1, &c0, &c1);                                                       \
-                    const int pair = kk + 1 < end;                                                                   \
-                    for (int r = 0; r < MR; r++) {                                                                   \
-                        const vf a = vset1(x[r * k + kk]);                                                           \
-                        lo[r] = vfma(a, b0, lo[r]);                                                                  \
-                        hi[r] = vfma(a, b1, hi[r]);                                                                  \
-                        if (pair) {                                                                                  \
-                            const vf a2 = vset1(x[r * k + kk + 1]);                                                  \
-                            lo[r] = vfma(a2, c0, lo[r]);                                                             \
-                            hi[r] = vfma(a2, c1, hi[r]);                                                             \
-                        }                                                                                            \
-                    }                                                                                                \
                 }                                                                                                    \
             }                                                                                                        \
         } else {                                                                                                     \
@@ -136,8 +95,8 @@ MICRO_KERNEL(1) MICRO_KERNEL(2) MICRO_KERNEL(3) MICRO_KERNEL(4) MICRO_KERNEL(5) 
 MICRO_KERNEL(7) MICRO_KERNEL(8) MICRO_KERNEL(9) MICRO_KERNEL(10) MICRO_KERNEL(11) MICRO_KERNEL(12)
 #endif
 
-typedef void (*MicroKernel)(const float *, int64_t, const void *, const float *, int64_t, const float *, float *,
-                            int64_t, vmask, vmask);
+typedef void (*MicroKernel)(const float *, int64_t, const void *, const float *, const float *, float *, int64_t,
+                            vmask, vmask);
 static const MicroKernel MICRO[ROWS + 1] = {
     0, micro_1, micro_2, micro_3, micro_4, micro_5, micro_6,
 #if ROWS == 12
@@ -145,29 +104,14 @@ static const MicroKernel MICRO[ROWS + 1] = {
 #endif
 };
 
-/* A quantized panel widened to fp32 once: exactly the values the quantized micro-kernel
- * computes in registers (q * its group's scale), so the fp32 micro-kernel on them gives the
- * same sums. */
-static void widen_panel(const void *panel, const float *scales, int64_t bits, int64_t k, float *out)
+/* An int8 panel widened to fp32 once: exactly the values the int8 micro-kernel computes in
+ * registers (q * its group's scale), so the fp32 micro-kernel on them gives the same sums. */
+static void widen_panel(const int8_t *qp, const float *scales, int64_t k, float *out)
 {
-    const int8_t *qp = (const int8_t *)panel;
     for (int64_t k0 = 0; k0 < k; k0 += GROUP) {
         const float *s = scales + (k0 / GROUP) * PANEL;
         const vf s0 = vload(s), s1 = vload(s + VL);
         const int64_t end = k - k0 < GROUP ? k : k0 + GROUP;
-        if (bits == 4) {
-            for (int64_t kk = k0; kk < end; kk += 2) {
-                vf b0, b1, c0, c1;
-                widen_u4((const uint8_t *)panel + (kk / 2) * PANEL, s0, s1, &b0, &b1, &c0, &c1);
-                vstore(out + kk * PANEL, b0);
-                vstore(out + kk * PANEL + VL, b1);
-                if (kk + 1 < end) {
-                    vstore(out + (kk + 1) * PANEL, c0);
-                    vstore(out + (kk + 1) * PANEL + VL, c1);
-                }
-            }
-            continue;
-        }
         for (int64_t kk = k0; kk < end; kk++) {
             vstore(out + kk * PANEL, vmul(vload_i8(qp + kk * PANEL), s0));
             vstore(out + kk * PANEL + VL, vmul(vload_i8(qp + kk * PANEL + VL), s1));
@@ -175,18 +119,178 @@ static void widen_panel(const void *panel, const float *scales, int64_t bits, in
     }
 }
 
+/* ---- int4 weights x int8 activations (w4a8) ---- */
+#if VL == 16
+#define W4_ROWS 4 /* 4 int and 4 float accumulators a row: 16 of 32 registers */
+typedef __m512i vi;
+#define vi_zero() _mm512_setzero_si512()
+#define vi_load(p) _mm512_loadu_si512((const void *)(p))
+#define vi_set1(x) _mm512_set1_epi32(x)
+#define vi_set1_8(x) _mm512_set1_epi8(x)
+#define vi_and(a, b) _mm512_and_si512(a, b)
+#define vi_srli16(a, n) _mm512_srli_epi16(a, n)
+#define vi_sub(a, b) _mm512_sub_epi32(a, b)
+#define vi_to_f(a) _mm512_cvtepi32_ps(a)
+#define vi_dot16_u8s8(acc, a, b) _mm512_add_epi16(acc, _mm512_maddubs_epi16(a, b))
+#define vi_widen16(acc) _mm512_madd_epi16(acc, _mm512_set1_epi16(1))
+#define W4_VNNI_TARGET __attribute__((target("avx512vnni")))
+#define vi_dpbusd(acc, a, b) _mm512_dpbusd_epi32(acc, a, b)
+#else
+#define W4_ROWS 2 /* 8 accumulators beside the 4 weight vectors and constants: AVX2's 16 registers */
+typedef __m256i vi;
+#define vi_zero() _mm256_setzero_si256()
+#define vi_load(p) _mm256_loadu_si256((const __m256i *)(p))
+#define vi_set1(x) _mm256_set1_epi32(x)
+#define vi_set1_8(x) _mm256_set1_epi8(x)
+#define vi_and(a, b) _mm256_and_si256(a, b)
+#define vi_srli16(a, n) _mm256_srli_epi16(a, n)
+#define vi_sub(a, b) _mm256_sub_epi32(a, b)
+#define vi_to_f(a) _mm256_cvtepi32_ps(a)
+#define vi_dot16_u8s8(acc, a, b) _mm256_add_epi16(acc, _mm256_maddubs_epi16(a, b))
+#define vi_widen16(acc) _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
+#define W4_VNNI_TARGET __attribute__((target("avxvnni")))
+#define vi_dpbusd(acc, a, b) _mm256_dpbusd_avx_epi32(acc, a, b)
+#endif
+#define KB 8 /* k per 4-byte column block of an int4 panel */
+#define vi_same(acc) (acc)
+
+/* x [k] -> q [kpad] int8 (zero past k), per group of 32: scale sa[g] = max|x| / 127 and the sum
+ * of the group's q (asum[g], for the weights' +8 offset). Rounds half to even, as torch.round. */
+static void quantize_act_groups(const float *x, int64_t k, int64_t groups, int8_t *q, float *sa, int32_t *asum)
+{
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t k0 = g * GROUP, end = k - k0 < GROUP ? k : k0 + GROUP;
+        float peak = 0.0f;
+        for (int64_t i = k0; i < end; i++) peak = fmaxf(peak, fabsf(x[i]));
+        const float scale = peak / 127.0f;
+        int32_t sum = 0;
+        for (int64_t i = k0; i < k0 + GROUP; i++) {
+            const int8_t v = i < end && peak > 0.0f ? (int8_t)nearbyintf(x[i] / scale) : 0;
+            q[i] = v;
+            sum += v;
+        }
+        sa[g] = scale;
+        asum[g] = sum;
+    }
+}
+
+/* out[r, 0:PANEL] for r < MR from the rows' quantized activations (xq [MR][kpad], sa and asum
+ * [MR][groups]) and one int4 panel: per group, the integer sums of q_w * q_a (the weights read as
+ * q + 8, so 8 * asum comes off), then times the weight's and the row's scales in fp32. DOT adds
+ * the products of 4 bytes a lane to an accumulator and FINISH makes it 32-bit sums: vpdpbusd and
+ * nothing, or (no VNNI) vpmaddubsw into 16-bit pair sums, added up over the group and widened
+ * once: 16 products of (q + 8) <= 15 and |q_a| <= 127 sum to at most 30,480, so they never wrap. */
+#define W4_MICRO(NAME, DOT, FINISH, ATTRIBUTES, MR)                                                                    \
+    ATTRIBUTES static void NAME##_##MR(const int8_t *xq, const float *sa, const int32_t *asum, int64_t kpad,        \
+                                       const uint8_t *panel, const float *scales, const float *bias, float *out,    \
+                                       int64_t n, vmask m0, vmask m1)                                               \
+    {                                                                                                                \
+        const int64_t groups = kpad / GROUP;                                                                         \
+        const vi low4 = vi_set1_8(0x0F);                                                                             \
+        vf f0[MR], f1[MR];                                                                                           \
+        for (int r = 0; r < MR; r++) f0[r] = f1[r] = vzero();                                                        \
+        for (int64_t g = 0; g < groups; g++) {                                                                       \
+            vi i0[MR], i1[MR];                                                                                       \
+            for (int r = 0; r < MR; r++) i0[r] = i1[r] = vi_zero();                                                  \
+            for (int64_t b = 0; b < GROUP / KB; b++) {                                                               \
+                const uint8_t *wp = panel + (g * (GROUP / KB) + b) * PANEL * 4;                                      \
+                _mm_prefetch((const char *)wp + PREFETCH_BYTES, _MM_HINT_T1);                                        \
+                const vi w0 = vi_load(wp), w1 = vi_load(wp + VL * 4);                                                \
+                const vi l0 = vi_and(w0, low4), h0 = vi_and(vi_srli16(w0, 4), low4);                                 \
+                const vi l1 = vi_and(w1, low4), h1 = vi_and(vi_srli16(w1, 4), low4);                                 \
+                for (int r = 0; r < MR; r++) {                                                                       \
+                    int32_t lo4, hi4;                                                                                \
+                    memcpy(&lo4, xq + r * kpad + g * GROUP + b * KB, 4);                                             \
+                    memcpy(&hi4, xq + r * kpad + g * GROUP + b * KB + 4, 4);                                         \
+                    const vi a = vi_set1(lo4), c = vi_set1(hi4);                                                     \
+                    i0[r] = DOT(DOT(i0[r], l0, a), h0, c);                                                           \
+                    i1[r] = DOT(DOT(i1[r], l1, a), h1, c);                                                           \
+                }                                                                                                    \
+            }                                                                                                        \
+            const vf s0 = vload(scales + g * PANEL), s1 = vload(scales + g * PANEL + VL);                            \
+            for (int r = 0; r < MR; r++) {                                                                           \
+                const vi off = vi_set1(8 * asum[r * groups + g]);                                                    \
+                const vf row_scale = vset1(sa[r * groups + g]);                                                      \
+                f0[r] = vfma(vi_to_f(vi_sub(FINISH(i0[r]), off)), vmul(s0, row_scale), f0[r]);                       \
+                f1[r] = vfma(vi_to_f(vi_sub(FINISH(i1[r]), off)), vmul(s1, row_scale), f1[r]);                       \
+            }                                                                                                        \
+        }                                                                                                            \
+        const vf bias0 = bias ? vload_masked(m0, bias) : vzero();                                                    \
+        const vf bias1 = bias ? vload_masked(m1, bias + VL) : vzero();                                               \
+        for (int r = 0; r < MR; r++) {                                                                               \
+            vstore_masked(out + r * n, m0, vadd(f0[r], bias0));                                                      \
+            vstore_masked(out + r * n + VL, m1, vadd(f1[r], bias1));                                                 \
+        }                                                                                                            \
+    }
+typedef void (*W4Micro)(const int8_t *, const float *, const int32_t *, int64_t, const uint8_t *, const float *,
+                        const float *, float *, int64_t, vmask, vmask);
+W4_MICRO(w4_maddubs, vi_dot16_u8s8, vi_widen16, , 1) W4_MICRO(w4_maddubs, vi_dot16_u8s8, vi_widen16, , 2)
+W4_MICRO(w4_vnni, vi_dpbusd, vi_same, W4_VNNI_TARGET, 1) W4_MICRO(w4_vnni, vi_dpbusd, vi_same, W4_VNNI_TARGET, 2)
+#if W4_ROWS == 4
+W4_MICRO(w4_maddubs, vi_dot16_u8s8, vi_widen16, , 3) W4_MICRO(w4_maddubs, vi_dot16_u8s8, vi_widen16, , 4)
+W4_MICRO(w4_vnni, vi_dpbusd, vi_same, W4_VNNI_TARGET, 3) W4_MICRO(w4_vnni, vi_dpbusd, vi_same, W4_VNNI_TARGET, 4)
+static const W4Micro W4_MADDUBS[W4_ROWS + 1] = {0, w4_maddubs_1, w4_maddubs_2, w4_maddubs_3, w4_maddubs_4};
+static const W4Micro W4_VNNI[W4_ROWS + 1] = {0, w4_vnni_1, w4_vnni_2, w4_vnni_3, w4_vnni_4};
+#else
+static const W4Micro W4_MADDUBS[W4_ROWS + 1] = {0, w4_maddubs_1, w4_maddubs_2};
+static const W4Micro W4_VNNI[W4_ROWS + 1] = {0, w4_vnni_1, w4_vnni_2};
+#endif
+
+/* packed_linear for int4 panels: the rows' activations quantized once (every thread reads all of
+ * them), then the panels split over the threads. Returns -1 when scratch memory could not be
+ * allocated (nothing written), else 0. */
+static int w4_vnni; /* set by the loader (packed_linear_use_vnni): VNNI at this build's vector width */
+
+void packed_linear_use_vnni(int64_t on) { w4_vnni = on != 0; }
+
+static int packed_linear_w4a8(const float *x, const uint8_t *wp, const float *scales, const float *bias, float *out,
+                              int64_t m, int64_t n, int64_t k)
+{
+    const W4Micro *micro = w4_vnni ? W4_VNNI : W4_MADDUBS;
+    const int64_t panels = (n + PANEL - 1) / PANEL, groups = (k + GROUP - 1) / GROUP, kpad = groups * GROUP;
+    const int64_t panel_bytes = kpad / 2 * PANEL;
+    char *scratch = malloc((size_t)(m * kpad + m * groups * (int64_t)(sizeof(float) + sizeof(int32_t))));
+    if (!scratch) return -1;
+    int8_t *xq = (int8_t *)scratch;
+    float *sa = (float *)(scratch + m * kpad); /* kpad is a multiple of 32: aligned for floats */
+    int32_t *asum = (int32_t *)(sa + m * groups);
+#pragma omp parallel if (m * n * k >= 1 << 18)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++)
+            quantize_act_groups(x + r * k, k, groups, xq + r * kpad, sa + r * groups, asum + r * groups);
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            const int64_t cols = n - p * PANEL;
+            const vmask m0 = vmask_first(cols), m1 = vmask_first(cols - VL);
+            const uint8_t *panel = wp + p * panel_bytes;
+            const float *panel_scales = scales + p * groups * PANEL;
+            const float *panel_bias = bias ? bias + p * PANEL : 0;
+            for (int64_t i = 0; i < m; i += W4_ROWS) {
+                const int64_t rows = m - i < W4_ROWS ? m - i : W4_ROWS;
+                micro[rows](xq + i * kpad, sa + i * groups, asum + i * groups, kpad, panel, panel_scales, panel_bias,
+                            out + i * n + p * PANEL, n, m0, m1);
+            }
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
 /* out[m, n] = x[m, k] . W^T + bias (bias may be NULL). scales NULL: wp holds fp32 panels; else
  * int8 (bits 8) or int4 (bits 4) panels with their scales (see the layout above). With int8 panels and at least
  * WIDEN_ONCE_ROWS rows, each thread widens a panel into its own fp32 buffer once and runs the
  * fp32 micro-kernels on it, instead of widening it again for every block of ROWS rows: a batch
  * then runs at the fp32 kernel's speed (the widening costs about as much as the FMAs it feeds),
- * while one or a few rows still read a quarter of the bytes. The sums are the same either way. */
+ * while one or a few rows still read a quarter of the bytes. The sums are the same either way.
+ * Returns 0, or -1 when an int4 call could not allocate its scratch memory (nothing written). */
 #define WIDEN_ONCE_ROWS (2 * ROWS)
-void packed_linear(const float *x, const void *wp, const float *scales, const float *bias, float *out, int64_t m,
-                   int64_t n, int64_t k, int64_t bits)
+int packed_linear(const float *x, const void *wp, const float *scales, const float *bias, float *out, int64_t m,
+                  int64_t n, int64_t k, int64_t bits)
 {
+    if (scales && bits == 4) return packed_linear_w4a8(x, (const uint8_t *)wp, scales, bias, out, m, n, k);
     const int64_t panels = (n + PANEL - 1) / PANEL, groups = (k + GROUP - 1) / GROUP;
-    const int64_t panel_bytes = !scales ? k * PANEL * (int64_t)sizeof(float) : bits == 4 ? (k + 1) / 2 * PANEL : k * PANEL;
+    const int64_t panel_bytes = !scales ? k * PANEL * (int64_t)sizeof(float) : k * PANEL;
     const int widen_once = scales && m >= WIDEN_ONCE_ROWS;
 #pragma omp parallel
     {
@@ -200,15 +304,16 @@ void packed_linear(const float *x, const void *wp, const float *scales, const fl
             const float *panel_scales = scales ? scales + p * groups * PANEL : 0;
             const float *panel_bias = bias ? bias + p * PANEL : 0;
             if (widened) {
-                widen_panel(panel, panel_scales, bits, k, widened);
+                widen_panel((const int8_t *)panel, panel_scales, k, widened);
                 panel = widened;
                 panel_scales = 0;
             }
             for (int64_t i = 0; i < m; i += ROWS) {
                 const int64_t rows = m - i < ROWS ? m - i : ROWS;
-                MICRO[rows](x + i * k, k, panel, panel_scales, bits, panel_bias, out + i * n + p * PANEL, n, m0, m1);
+                MICRO[rows](x + i * k, k, panel, panel_scales, panel_bias, out + i * n + p * PANEL, n, m0, m1);
             }
         }
         free(widened);
     }
+    return 0;
 }
