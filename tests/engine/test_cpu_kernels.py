@@ -99,6 +99,15 @@ def test_int4_rows_give_the_same_sums_alone_and_in_a_batch(cpu):
     assert torch.equal(cpu.packed_linear(x, packed, b), alone)
 
 
+def test_int4_a_row_with_nan_or_inf_leaves_the_other_rows_alone(cpu):
+    torch.manual_seed(8)
+    w, x = torch.randn(40, 70), torch.randn(3, 70)
+    packed = cpu.pack_linear(w, Quantization.INT4)
+    clean = cpu.packed_linear(x[2:], packed)
+    x[0, 5], x[1, 40] = float("nan"), float("inf")
+    assert torch.equal(cpu.packed_linear(x, packed)[2:], clean)
+
+
 def test_activations_round_like_q8_0():
     torch.manual_seed(6)
     x = torch.randn(3, 70) * torch.logspace(-2, 2, 70)

@@ -165,7 +165,9 @@ static void quantize_act_groups(const float *x, int64_t k, int64_t groups, int8_
         const float scale = peak / 127.0f;
         int32_t sum = 0;
         for (int64_t i = k0; i < k0 + GROUP; i++) {
-            const int8_t v = i < end && peak > 0.0f ? (int8_t)nearbyintf(x[i] / scale) : 0;
+            /* clamped before the cast: a NaN or inf input gives +-127, not undefined behaviour */
+            const float r = i < end && peak > 0.0f ? nearbyintf(x[i] / scale) : 0.0f;
+            const int8_t v = (int8_t)fminf(fmaxf(r, -127.0f), 127.0f);
             q[i] = v;
             sum += v;
         }
