@@ -496,5 +496,5 @@ class DecodeStack:
             scratch.data_ptr(),
         )
         if status != 0:
-            raise MemoryError("decode attention could not allocate its scores buffer")
+            raise MemoryError("the decode step could not allocate scratch memory (attention scores, int4 inputs)")
         return x
