@@ -44,29 +44,7 @@ int int8_gemm_pack(const int8_t *w, int8_t *packed, int32_t *colsum128, int64_t 
     return 0;
 }
 
-#if defined(__AVX512F__)
-typedef __m512i vi;
-#define vi_zero() _mm512_setzero_si512()
-#define vi_load(p) _mm512_loadu_si512((const void *)(p))
-#define vi_store(p, v) _mm512_storeu_si512((void *)(p), v)
-#define vi_set1(x) _mm512_set1_epi32(x)
-#define vi_sub(a, b) _mm512_sub_epi32(a, b)
-#define vi_xor(a, b) _mm512_xor_si512(a, b)
-#define vi_dot_u8s8(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1)))
-#define VNNI_TARGET __attribute__((target("avx512vnni")))
-#define vi_dpbusd(acc, a, b) _mm512_dpbusd_epi32(acc, a, b)
-#else
-typedef __m256i vi;
-#define vi_zero() _mm256_setzero_si256()
-#define vi_load(p) _mm256_loadu_si256((const __m256i *)(p))
-#define vi_store(p, v) _mm256_storeu_si256((__m256i *)(p), v)
-#define vi_set1(x) _mm256_set1_epi32(x)
-#define vi_sub(a, b) _mm256_sub_epi32(a, b)
-#define vi_xor(a, b) _mm256_xor_si256(a, b)
-#define vi_dot_u8s8(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)))
-#define VNNI_TARGET __attribute__((target("avxvnni")))
-#define vi_dpbusd(acc, a, b) _mm256_dpbusd_avx_epi32(acc, a, b)
-#endif
+#define vi_dot_u8s8(acc, a, b) vi_add(acc, vi_widen16(vi_maddubs(a, b)))
 
 /* One block of NB columns for `rows` rows (rows <= MR) from x (row stride k) into out (row stride
  * n); each 4 activations are read as unsigned on the way (x + 128: a XOR of the broadcast). */

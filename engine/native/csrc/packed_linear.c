@@ -122,35 +122,10 @@ static void widen_panel(const int8_t *qp, const float *scales, int64_t k, float 
 /* ---- int4 weights x int8 activations (w4a8) ---- */
 #if VL == 16
 #define W4_ROWS 4 /* 4 int and 4 float accumulators a row: 16 of 32 registers */
-typedef __m512i vi;
-#define vi_zero() _mm512_setzero_si512()
-#define vi_load(p) _mm512_loadu_si512((const void *)(p))
-#define vi_set1(x) _mm512_set1_epi32(x)
-#define vi_set1_8(x) _mm512_set1_epi8(x)
-#define vi_and(a, b) _mm512_and_si512(a, b)
-#define vi_srli16(a, n) _mm512_srli_epi16(a, n)
-#define vi_sub(a, b) _mm512_sub_epi32(a, b)
-#define vi_to_f(a) _mm512_cvtepi32_ps(a)
-#define vi_dot16_u8s8(acc, a, b) _mm512_add_epi16(acc, _mm512_maddubs_epi16(a, b))
-#define vi_widen16(acc) _mm512_madd_epi16(acc, _mm512_set1_epi16(1))
-#define W4_VNNI_TARGET __attribute__((target("avx512vnni")))
-#define vi_dpbusd(acc, a, b) _mm512_dpbusd_epi32(acc, a, b)
 #else
 #define W4_ROWS 2 /* 8 accumulators beside the 4 weight vectors and constants: AVX2's 16 registers */
-typedef __m256i vi;
-#define vi_zero() _mm256_setzero_si256()
-#define vi_load(p) _mm256_loadu_si256((const __m256i *)(p))
-#define vi_set1(x) _mm256_set1_epi32(x)
-#define vi_set1_8(x) _mm256_set1_epi8(x)
-#define vi_and(a, b) _mm256_and_si256(a, b)
-#define vi_srli16(a, n) _mm256_srli_epi16(a, n)
-#define vi_sub(a, b) _mm256_sub_epi32(a, b)
-#define vi_to_f(a) _mm256_cvtepi32_ps(a)
-#define vi_dot16_u8s8(acc, a, b) _mm256_add_epi16(acc, _mm256_maddubs_epi16(a, b))
-#define vi_widen16(acc) _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
-#define W4_VNNI_TARGET __attribute__((target("avxvnni")))
-#define vi_dpbusd(acc, a, b) _mm256_dpbusd_avx_epi32(acc, a, b)
 #endif
+#define vi_dot16_u8s8(acc, a, b) vi_add16(acc, vi_maddubs(a, b))
 #define KB 8 /* k per 4-byte column block of an int4 panel */
 #define vi_same(acc) (acc)
 
@@ -227,10 +202,10 @@ static void quantize_act_groups(const float *x, int64_t k, int64_t groups, int8_
 typedef void (*W4Micro)(const int8_t *, const float *, const int32_t *, int64_t, const uint8_t *, const float *,
                         const float *, float *, int64_t, vmask, vmask);
 W4_MICRO(w4_maddubs, vi_dot16_u8s8, vi_widen16, , 1) W4_MICRO(w4_maddubs, vi_dot16_u8s8, vi_widen16, , 2)
-W4_MICRO(w4_vnni, vi_dpbusd, vi_same, W4_VNNI_TARGET, 1) W4_MICRO(w4_vnni, vi_dpbusd, vi_same, W4_VNNI_TARGET, 2)
+W4_MICRO(w4_vnni, vi_dpbusd, vi_same, VNNI_TARGET, 1) W4_MICRO(w4_vnni, vi_dpbusd, vi_same, VNNI_TARGET, 2)
 #if W4_ROWS == 4
 W4_MICRO(w4_maddubs, vi_dot16_u8s8, vi_widen16, , 3) W4_MICRO(w4_maddubs, vi_dot16_u8s8, vi_widen16, , 4)
-W4_MICRO(w4_vnni, vi_dpbusd, vi_same, W4_VNNI_TARGET, 3) W4_MICRO(w4_vnni, vi_dpbusd, vi_same, W4_VNNI_TARGET, 4)
+W4_MICRO(w4_vnni, vi_dpbusd, vi_same, VNNI_TARGET, 3) W4_MICRO(w4_vnni, vi_dpbusd, vi_same, VNNI_TARGET, 4)
 static const W4Micro W4_MADDUBS[W4_ROWS + 1] = {0, w4_maddubs_1, w4_maddubs_2, w4_maddubs_3, w4_maddubs_4};
 static const W4Micro W4_VNNI[W4_ROWS + 1] = {0, w4_vnni_1, w4_vnni_2, w4_vnni_3, w4_vnni_4};
 #else
