@@ -16,28 +16,11 @@ import re
 import sys
 from pathlib import Path
 
+# The Debian sources and fortune files the demo models were trained on.
+from scripts.demo_model.sources import FORTUNE_FILES, FORTUNES_DIR, WORDNET_DIR
+
 DATA_DIR = Path(__file__).resolve().parent
 SOURCES_DIR = DATA_DIR / "sources"
-WORDNET_DIR = Path("/usr/share/wordnet")
-FORTUNES_DIR = Path("/usr/share/games/fortunes")
-# The fortune files the demo models were trained on (scripts/demo_model/sources.py).
-FORTUNE_FILES = (
-    "fortunes",
-    "wisdom",
-    "platitudes",
-    "science",
-    "literature",
-    "humorists",
-    "work",
-    "food",
-    "pets",
-    "kids",
-    "education",
-    "art",
-    "love",
-    "tao",
-    "computers",
-)
 NUM_FORTUNES = 160
 NUM_DEFINITIONS = 200
 # Dictionary words whose definitions mention violence, drugs or crime: the demo models answer
