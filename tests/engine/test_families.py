@@ -18,7 +18,7 @@ from engine.types import GenerationRequest, SamplingParams
 from family_variants import FAMILY_VARIANTS
 from kernel_modes import ALL_MODES
 from native_harness import check_invariants
-from test_greedy_equality import engine_for, run_with_arrivals
+from test_greedy_equality import engine_for, greedy_arrivals, run_with_arrivals
 
 
 def family_workload(tiny_models, variant: str, vocab_size: int, min_len: int) -> tuple[list, dict[str, list[int]]]:
@@ -36,17 +36,7 @@ def family_workload(tiny_models, variant: str, vocab_size: int, min_len: int) ->
         (3, system + tokens(9), 16, False),  # shares system's cached blocks
         (5, tokens(20 + min_len), 16, False),
     ]
-    arrivals, expected = [], {}
-    for i, (step, prompt, max_tokens, stops) in enumerate(specs):
-        ref = tiny_models.greedy(variant, prompt, max_tokens, None)
-        stop_ids: tuple[int, ...] = ()
-        if stops:
-            stop_ids = (ref[len(ref) // 2],)
-            ref = tiny_models.greedy(variant, prompt, max_tokens, stop_ids[0])
-        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop_token_ids=stop_ids)
-        arrivals.append((step, GenerationRequest(f"r{i}", tuple(prompt), sampling)))
-        expected[f"r{i}"] = ref
-    return arrivals, expected
+    return greedy_arrivals(tiny_models, variant, specs)
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)

@@ -57,6 +57,23 @@ def run_with_arrivals(engine: LLMEngine, arrivals: list[tuple[int, GenerationReq
     return outputs
 
 
+def greedy_arrivals(tiny_models, variant: str, specs: list) -> tuple[list, dict[str, list[int]]]:
+    """specs: (arrival step, prompt, max_tokens, stops on a token) -> the requests by arrival step,
+    and each one's greedy tokens from transformers (a request that stops on a token stops on its
+    reference answer's middle token)."""
+    arrivals, expected = [], {}
+    for i, (step, prompt, max_tokens, stops) in enumerate(specs):
+        ref = tiny_models.greedy(variant, prompt, max_tokens, None)
+        stop_ids: tuple[int, ...] = ()
+        if stops:
+            stop_ids = (ref[len(ref) // 2],)
+            ref = tiny_models.greedy(variant, prompt, max_tokens, stop_ids[0])
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop_token_ids=stop_ids)
+        arrivals.append((step, GenerationRequest(f"r{i}", tuple(prompt), sampling)))
+        expected[f"r{i}"] = ref
+    return arrivals, expected
+
+
 def mixed_workload(tiny_models, variant: str, vocab_size: int, seed: int = 0) -> tuple[list, dict[str, list[int]]]:
     rng = random.Random(zlib.crc32(variant.encode()) + seed)
     system = [rng.randrange(3, vocab_size) for _ in range(40)]
@@ -77,17 +94,7 @@ def mixed_workload(tiny_models, variant: str, vocab_size: int, seed: int = 0) ->
         (15, tokens(31), 20, False),
         (20, system[:32], 24, False),
     ]
-    arrivals, expected = [], {}
-    for i, (step, prompt, max_tokens, stops) in enumerate(specs):
-        ref = tiny_models.greedy(variant, prompt, max_tokens, None)
-        stop_ids: tuple[int, ...] = ()
-        if stops:
-            stop_ids = (ref[len(ref) // 2],)
-            ref = tiny_models.greedy(variant, prompt, max_tokens, stop_ids[0])
-        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop_token_ids=stop_ids)
-        arrivals.append((step, GenerationRequest(f"r{i}", tuple(prompt), sampling)))
-        expected[f"r{i}"] = ref
-    return arrivals, expected
+    return greedy_arrivals(tiny_models, variant, specs)
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
