@@ -75,6 +75,12 @@ class LoadResult:
     itl_ms_p99: float
     compute_fraction: float = 0.0  # of the fp32 matmul peak, prompt and generated tokens counted
 
+    @classmethod
+    def throughput_only(cls, name: str, concurrency: int, num_requests: int, wall_s: float, num_out: int) -> LoadResult:
+        """A peer's run that reports no per-token timings (NaN latencies)."""
+        nan = float("nan")
+        return cls(name, concurrency, num_requests, wall_s, 0, num_out, num_out / wall_s, nan, nan, nan, nan)
+
 
 def train_bench_tokenizer(vocab_size: int):
     """A byte-level BPE tokenizer in which every one of the `vocab_size` ids but the specials
@@ -338,19 +344,8 @@ def hf_static_batch(model, requests: list[BenchRequest], batch_size: int) -> Loa
         )
         num_out += out[:, ids.shape[1] :].numel()
     wall = time.perf_counter() - start
-    nan = float("nan")
-    return LoadResult(
-        f"transformers static batch {batch_size}",
-        batch_size,
-        len(requests),
-        wall,
-        0,
-        num_out,
-        num_out / wall,
-        nan,
-        nan,
-        nan,
-        nan,
+    return LoadResult.throughput_only(
+        f"transformers static batch {batch_size}", batch_size, len(requests), wall, num_out
     )
 
 
@@ -366,20 +361,7 @@ def hf_generate_batch(model, requests: list[BenchRequest]) -> LoadResult | None:
     )
     wall = time.perf_counter() - start
     num_out = sum(len(o.generated_tokens) for o in outputs.values())
-    nan = float("nan")
-    return LoadResult(
-        "transformers generate_batch",
-        len(requests),
-        len(requests),
-        wall,
-        0,
-        num_out,
-        num_out / wall,
-        nan,
-        nan,
-        nan,
-        nan,
-    )
+    return LoadResult.throughput_only("transformers generate_batch", len(requests), len(requests), wall, num_out)
 
 
 # -- mechanism tests -------------------------------------------------------------------------
