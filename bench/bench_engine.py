@@ -2,8 +2,9 @@
 
 Reference model: Llama, vocab 8192, hidden 512, 8 layers, 8 heads, 2 KV heads, intermediate
 1408, tied embeddings, random weights (seed 0), fp32. Prints one table and one JSON line:
-throughput, TTFT and inter-token latency per concurrency; transformers baselines; the fraction
-of the measured fp32 matmul peak; the chunked-prefill ITL test and the prefix-cache TTFT test.
+throughput, TTFT and inter-token latency per concurrency; transformers baselines (on the
+engine's device, in its dtype: `--device cuda` runs both on a GPU); the fraction of the
+measured matmul peak; the chunked-prefill ITL test and the prefix-cache TTFT test.
 Other paths (the HTTP server) plug in through `run_load(generate, requests, concurrency)`.
 """
 
@@ -31,6 +32,7 @@ sys.path.insert(0, str(ROOT))  # `python bench/bench_engine.py` as well as `pyth
 
 from bench.bench_structured import print_structured, structured_overhead  # noqa: E402
 from engine.native.backend import NativeBackend  # noqa: E402
+from engine.native.runner import resolve_device, resolve_dtype  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 from engine.types import GenerationRequest, SamplingParams  # noqa: E402
 from settings import EngineConfig  # noqa: E402
@@ -73,7 +75,7 @@ class LoadResult:
     ttft_ms_p99: float
     itl_ms_p50: float
     itl_ms_p99: float
-    compute_fraction: float = 0.0  # of the fp32 matmul peak, prompt and generated tokens counted
+    compute_fraction: float = 0.0  # of the measured matmul peak, prompt and generated tokens counted
 
     @classmethod
     def throughput_only(cls, name: str, concurrency: int, num_requests: int, wall_s: float, num_out: int) -> LoadResult:
@@ -270,13 +272,26 @@ def in_own_thread(fn, *args):
     return result[0]
 
 
-def measure_matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously), so a timer reads its end."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_matmul_peak_gflops(
+    n: int = 2048, repeats: int = 5, device: torch.device | None = None, dtype: torch.dtype = torch.float32
+) -> float:
+    """The best square matmul rate in this dtype on this device (8192 on a GPU, where 2048 is too small to fill it)."""
+    device = device or torch.device("cpu")
+    n = 8192 if device.type == "cuda" else n
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     torch.mm(a, b)
     best = float("inf")
     for _ in range(repeats):
+        synchronize(device)
         start = time.perf_counter()
         torch.mm(a, b)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best / 1e9
 
@@ -308,14 +323,16 @@ def hf_one_at_a_time(model, requests: list[BenchRequest]) -> LoadResult:
     ttfts, num_out = [], 0
     start = time.perf_counter()
     for req in requests:
-        ids = torch.tensor([req.prompt_token_ids])
+        ids = torch.tensor([req.prompt_token_ids], device=model.device)
         t0 = time.perf_counter()
         model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=_hf_config(model, 1))
+        synchronize(model.device)
         ttfts.append((time.perf_counter() - t0) * 1e3)
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), generation_config=_hf_config(model, req.max_tokens)
         )
         num_out += out.shape[1] - ids.shape[1]
+    synchronize(model.device)
     # TTFT runs are separate prefills; subtract them from the wall time of the generation runs.
     wall = time.perf_counter() - start - sum(ttfts) / 1e3
     return LoadResult(
@@ -338,11 +355,13 @@ def hf_static_batch(model, requests: list[BenchRequest], batch_size: int) -> Loa
     num_out = 0
     start = time.perf_counter()
     for i in range(0, len(requests), batch_size):
-        ids = torch.tensor([r.prompt_token_ids for r in requests[i : i + batch_size]])  # equal lengths: no padding
+        # Equal lengths: no padding.
+        ids = torch.tensor([r.prompt_token_ids for r in requests[i : i + batch_size]], device=model.device)
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), generation_config=_hf_config(model, requests[i].max_tokens)
         )
         num_out += out[:, ids.shape[1] :].numel()
+    synchronize(model.device)
     wall = time.perf_counter() - start
     return LoadResult.throughput_only(
         f"transformers static batch {batch_size}", batch_size, len(requests), wall, num_out
@@ -470,6 +489,7 @@ SECTIONS = ("engine", "http", "transformers", "chunked", "prefix", "structured")
 def engine_config(args) -> EngineConfig:
     return EngineConfig(
         device=args.device,
+        dtype=args.dtype,
         kv_cache_bytes=args.kv_cache_mb << 20,
         max_num_seqs=64,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -535,6 +555,7 @@ async def bench_http(model_dir: Path, plan: Plan, args, peak_gflops: float) -> l
     overrides = {
         "safety.enabled": "false",  # the engine comparison; the gate's cost: bench/bench_safety.py
         "engine.device": cfg.device,
+        "engine.dtype": cfg.dtype,
         "engine.kv_cache_bytes": cfg.kv_cache_bytes,
         "engine.max_num_seqs": cfg.max_num_seqs,
         "engine.max_num_batched_tokens": cfg.max_num_batched_tokens,
@@ -565,10 +586,13 @@ def _with_fraction(r: LoadResult, flops: float, peak_gflops: float) -> LoadResul
     return LoadResult(**{**asdict(r), "compute_fraction": flops / r.wall_s / (peak_gflops * 1e9)})
 
 
-def bench_transformers(model_dir: Path, plan: Plan, peak_gflops: float, skip_generate_batch: bool) -> list[LoadResult]:
+def bench_transformers(
+    model_dir: Path, plan: Plan, peak_gflops: float, skip_generate_batch: bool, device: torch.device, dtype: torch.dtype
+) -> list[LoadResult]:
+    """transformers on the engine's device, in the engine's dtype."""
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     tokenizer = Tokenizer.from_dir(model_dir)
     reqs = make_chat_requests(
         tokenizer, max(plan.hf_static_requests, 32), plan.prompt_len, plan.output_len, seed=32, prefix="hf"
@@ -620,8 +644,9 @@ def checks(
 
 
 def print_report(rows: list[LoadResult], itl: dict | None, prefix: dict | None, summary: dict, machine: dict) -> None:
-    peak = f"fp32 matmul peak {machine['peak_gflops']:.0f} GFLOP/s"
-    print(f"machine: {machine['cpu']} | {machine['threads']} threads | {peak}")
+    peak = f"{machine['dtype']} matmul peak {machine['peak_gflops']:.0f} GFLOP/s"
+    where = f"{machine['gpu']} ({machine['device']})" if "gpu" in machine else f"{machine['threads']} threads"
+    print(f"machine: {machine['cpu']} | {where} | {peak}")
     header = (
         f"{'path':34} {'conc':>5} {'reqs':>5} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
         f"{'ITL p50':>8} {'ITL p99':>8} {'compute':>8}"
@@ -654,7 +679,7 @@ def print_report(rows: list[LoadResult], itl: dict | None, prefix: dict | None, 
         print(f"  {'PASS' if ok else 'FAIL'} {name}")
 
 
-def machine_info(peak: float) -> dict:
+def machine_info(peak: float, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> dict:
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -663,7 +688,10 @@ def machine_info(peak: float) -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "peak_gflops": peak}
+    info = {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "peak_gflops": peak}
+    if device is not None and device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return {**info, "device": str(device or "cpu"), "dtype": str(dtype).removeprefix("torch.")}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -672,7 +700,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--model-dir", type=Path, default=ROOT / "build" / "bench-model-v2", help="where the reference model lives"
     )
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="engine.device: auto, cpu or cuda; transformers runs there too")
+    p.add_argument("--dtype", default="auto", help="engine.dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--kv-cache-mb", type=int, default=1024)
     p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig().max_num_batched_tokens)
     p.add_argument(
@@ -700,14 +729,20 @@ def main(argv: list[str] | None = None) -> dict:
     if args.engine_only:
         sections -= {"transformers", "http"}
     model_dir = in_own_thread(build_reference_model, args.model_dir)
-    peak = in_own_thread(measure_matmul_peak_gflops)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device, torch.float32)
+    peak = in_own_thread(lambda: measure_matmul_peak_gflops(device=device, dtype=dtype))
     direct = asyncio.run(bench_engine(model_dir, plan, args, peak, sections))
     engine = direct.get("engine", [])
     http = asyncio.run(bench_http(model_dir, plan, args, peak)) if "http" in sections else []
-    hf = bench_transformers(model_dir, plan, peak, args.skip_generate_batch) if "transformers" in sections else []
+    hf = (
+        bench_transformers(model_dir, plan, peak, args.skip_generate_batch, device, dtype)
+        if "transformers" in sections
+        else []
+    )
     itl, prefix = direct.get("chunked_prefill"), direct.get("prefix_cache")
     summary = checks(engine, http, hf, itl, prefix)
-    machine = machine_info(peak)
+    machine = machine_info(peak, device, dtype)
     print_report(engine + http + hf, itl, prefix, summary, machine)
     if direct.get("structured") is not None:
         print_structured(direct["structured"])

@@ -8,6 +8,8 @@ random prompts greedily, every figure in one run: the engine on each kernel path
 (the same weights as GGUF), built natively and, on AVX-512 machines, for AVX2 only. Also printed:
 decode at one stream as a share of the measured memory bandwidth, the linear layers of one step
 against torch's library kernels (bench/linear_bench.py), and int8 quality (bench/quant_quality.py).
+`--device cuda`: the engine against transformers on the GPU, both in bfloat16 (`--dtype`), decode
+at one stream as a share of the GPU memory's copy bandwidth.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_engine import REFERENCE, machine_info  # noqa: E402
+from bench.bench_engine import REFERENCE, machine_info, synchronize  # noqa: E402
 from bench.llamacpp_peer import make_prompts  # noqa: E402
 from engine.native import kernels  # noqa: E402
+from engine.native.runner import resolve_device, resolve_dtype  # noqa: E402
 
 QWEN_390M = dict(
     vocab_size=32000,
@@ -94,13 +97,20 @@ def matmul_bytes(shape: dict, bytes_per_weight: float) -> int:
     return int((layers * per_layer + shape["vocab_size"] * h) * bytes_per_weight)
 
 
-def run_ours(model_dir: Path, w: Workload, kernel_isa: str, quantization: str) -> tuple[float, float]:
+def run_ours(
+    model_dir: Path, w: Workload, kernel_isa: str, quantization: str, device: str = "cpu", dtype: str = "auto"
+) -> tuple[float, float]:
     from engine.native.llm_engine import LLMEngine
     from engine.types import GenerationRequest, SamplingParams
     from settings import EngineConfig
 
     config = EngineConfig(
-        device="cpu", kv_cache_bytes=512 << 20, max_num_seqs=64, kernel_isa=kernel_isa, quantization=quantization
+        device=device,
+        dtype=dtype,
+        kv_cache_bytes=512 << 20,
+        max_num_seqs=64,
+        kernel_isa=kernel_isa,
+        quantization=quantization,
     )
     engine = LLMEngine.from_model_dir(model_dir, config, eos_token_ids=())
     prompts = make_prompts(w.streams, w.prompt_len, MODELS[w.model][1]["vocab_size"], seed=w.streams)
@@ -125,20 +135,26 @@ def run_ours(model_dir: Path, w: Workload, kernel_isa: str, quantization: str) -
 
 
 @torch.inference_mode()
-def run_transformers(model_dir: Path, w: Workload) -> tuple[float, float]:
+def run_transformers(
+    model_dir: Path, w: Workload, device: torch.device | None = None, dtype: torch.dtype = torch.float32
+) -> tuple[float, float]:
     import copy
 
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor(make_prompts(w.streams, w.prompt_len, MODELS[w.model][1]["vocab_size"], seed=w.streams))
+    device = device or torch.device("cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    prompts = make_prompts(w.streams, w.prompt_len, MODELS[w.model][1]["vocab_size"], seed=w.streams)
+    ids = torch.tensor(prompts, device=device)
 
     def generate(max_tokens: int) -> float:
         config = copy.deepcopy(model.generation_config)
         config.max_new_tokens, config.min_new_tokens, config.do_sample = max_tokens, max_tokens, False
         config.eos_token_id, config.pad_token_id = 10**9, 0
+        synchronize(device)
         start = time.perf_counter()
         model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        synchronize(device)
         return time.perf_counter() - start
 
     generate(2)
@@ -178,15 +194,19 @@ def llama_builds() -> list[str]:
     return [b for b, path in LLAMA_BUILDS.items() if (path / "llama_cpp").is_dir()]
 
 
-def measure_copy_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes read + written per second by a large tensor copy (torch's threads), the memory's practical limit."""
-    src = torch.ones(num_bytes // 4)
+def measure_copy_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 5, device: torch.device | None = None) -> float:
+    """Bytes read + written per second by a large tensor copy (torch's threads, or the GPU's memory),
+    the memory's practical limit."""
+    device = device or torch.device("cpu")
+    src = torch.ones(num_bytes // 4, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
     best = float("inf")
     for _ in range(repeats):
+        synchronize(device)
         start = time.perf_counter()
         dst.copy_(src)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * num_bytes / best / 1e9
 
@@ -199,6 +219,17 @@ def our_paths() -> list[tuple[str, str]]:
 # Bytes read per matmul weight: fp32; int8 and int4 with one fp32 scale per 32 (ours); llama.cpp's
 # Q8_0 and Q4_0 with one fp16 scale per 32.
 BYTES_PER_WEIGHT = {"none": 4.0, "int8": 1.125, "int4": 0.625, "f32": 4.0, "Q8_0": 34 / 32, "Q4_0": 18 / 32}
+
+
+def bench_on_gpu(w: Workload, model_dir: Path, device: torch.device, dtype: torch.dtype) -> list[PeerResult]:
+    """On a GPU: the engine (PyTorch ops) against transformers, both on `device` in `dtype`."""
+    shape, name = MODELS[w.model][1], f"{w.model} x{w.streams}"
+    label = str(dtype).removeprefix("torch.")  # also the engine.dtype name
+    weight_bytes = matmul_bytes(shape, dtype.itemsize)
+    tps, decode = run_ours(model_dir, w, "torch", "none", device=str(device), dtype=label)
+    results = [PeerResult(name, f"ours {device.type} {label}", tps, decode, weight_bytes)]
+    tps, decode = run_transformers(model_dir, w, device, dtype)
+    return [*results, PeerResult(name, f"transformers {device.type} {label}", tps, decode, weight_bytes)]
 
 
 def bench_workload(
@@ -255,6 +286,8 @@ def ratios(results: list[PeerResult]) -> dict[str, float]:
             ("ours avx2 int4", "ours avx2 int8"),
             ("ours avx512 fp32", "transformers static batch"),
             ("ours avx2 fp32", "transformers static batch"),
+            ("ours cuda bfloat16", "transformers cuda bfloat16"),
+            ("ours cuda float32", "transformers cuda float32"),
         ):
             if (workload, ours) in by and (workload, peer) in by:
                 out[f"{workload}: {ours} / {peer}"] = by[(workload, ours)] / by[(workload, peer)]
@@ -267,13 +300,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quick", action="store_true", help="16-token prompts and 4 output tokens: checks the script runs")
     p.add_argument("--skip-linear", action="store_true", help="skip the linear layers against torch's kernels")
     p.add_argument("--skip-quality", action="store_true", help="skip the int8 and int4 quality measurements")
+    p.add_argument("--device", default="cpu", help="cuda: the engine against transformers on the GPU (no llama.cpp)")
+    p.add_argument("--dtype", default="auto", help="with --device cuda: engine.dtype (auto: bfloat16)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     wanted = set(args.workloads.split(","))
-    machine = {**machine_info(float("nan")), "isa_modes": [m.value for m in kernels.supported_modes()]}
-    bandwidth = measure_copy_bandwidth_gbs()
-    builds = llama_builds()
-    if not builds:
+    device = resolve_device(args.device)
+    gpu_dtype = resolve_dtype(args.dtype, device, torch.float32) if device.type != "cpu" else None
+    machine = {**machine_info(float("nan"), device, gpu_dtype or torch.float32)}
+    machine["isa_modes"] = [m.value for m in kernels.supported_modes()]
+    bandwidth = measure_copy_bandwidth_gbs(device=device)
+    builds = llama_builds() if gpu_dtype is None else []
+    if gpu_dtype is not None:
+        args.skip_linear = args.skip_quality = True  # CPU measurements
+    elif not builds:
         print("llama.cpp is not built: run `make bench-deps` (about 15-30 minutes) to compare with it")
     results, system_info = [], {}
     for w in WORKLOADS:
@@ -292,11 +332,15 @@ def main(argv: list[str] | None = None) -> dict:
                 "Q8_0": _in_llama_process(quantize_q8_0, f32, model_dir / "model-q8_0.gguf"),
                 "Q4_0": _in_llama_process(quantize_q4_0, f32, model_dir / "model-q4_0.gguf"),
             }
+        if gpu_dtype is not None:
+            results += bench_on_gpu(w, model_dir, device, gpu_dtype)
+            continue
         rows, info = bench_workload(w, model_dir, ggufs, builds)
         results += rows
         system_info.update(info)
+    where = f"{machine['gpu']}" if "gpu" in machine else f"{machine['threads']} threads"
     print(
-        f"machine: {machine['cpu']} | {machine['threads']} threads | kernel ISAs {machine['isa_modes']} | "
+        f"machine: {machine['cpu']} | {where} | kernel ISAs {machine['isa_modes']} | "
         f"copy bandwidth {bandwidth:.1f} GB/s (read + write)"
     )
     for build, info in system_info.items():

@@ -124,7 +124,7 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self.sampler = Sampler(a.vocab_size)
+        self.sampler = Sampler(a.vocab_size, device=self.device)
         self.batch_inputs = BatchInputBuilder(
             KVLayout(
                 self.block_size,

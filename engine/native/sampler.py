@@ -58,9 +58,10 @@ class SeenTokens:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, *, seed: int | None = None):
+    def __init__(self, vocab_size: int, *, seed: int | None = None, device: torch.device | None = None):
         self.vocab_size = vocab_size
-        self._generator = torch.Generator()
+        # Unseeded draws come from this generator, on the logits' device (a CUDA tensor takes only a CUDA one).
+        self._generator = torch.Generator(device=device or torch.device("cpu"))
         if seed is not None:
             self._generator.manual_seed(seed)
         else:

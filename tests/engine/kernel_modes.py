@@ -7,16 +7,23 @@ import pytest
 
 from engine.native import kernels
 from engine.native.kernels import KernelMode
+from native_harness import TEST_DEVICE
 
-COMPILED_MODES = [
-    pytest.param(
-        mode,
-        id=mode.value,
-        marks=pytest.mark.skipif(mode not in kernels.supported_modes(), reason=f"this CPU lacks {mode.value}"),
-    )
-    for mode in (KernelMode.AVX512, KernelMode.AVX2)
+
+def _compiled(mode: KernelMode, *, whole_engine: bool):
+    marks = [pytest.mark.skipif(mode not in kernels.supported_modes(), reason=f"this CPU lacks {mode.value}")]
+    if whole_engine:  # on CUDA (ENGINE_TEST_DEVICE) the engine has only the PyTorch-ops path
+        marks.append(pytest.mark.skipif(TEST_DEVICE != "cpu", reason=f"the engine runs on {TEST_DEVICE}"))
+    return pytest.param(mode, id=mode.value, marks=marks)
+
+
+COMPILED = (KernelMode.AVX512, KernelMode.AVX2)
+COMPILED_MODES = [_compiled(mode, whole_engine=False) for mode in COMPILED]
+# For tests that run the whole engine, on TEST_DEVICE.
+ALL_MODES = [
+    *(_compiled(mode, whole_engine=True) for mode in COMPILED),
+    pytest.param(KernelMode.TORCH, id="torch" if TEST_DEVICE == "cpu" else f"torch-{TEST_DEVICE}"),
 ]
-ALL_MODES = [*COMPILED_MODES, pytest.param(KernelMode.TORCH, id="torch")]
 
 
 def cpu_kernels(mode: KernelMode):

@@ -6,6 +6,7 @@ place of a model, so bookkeeping tests are fast and still exercise every code pa
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Callable, Iterable
 
@@ -13,6 +14,12 @@ from engine.native.block_manager import BlockManager, cdiv
 from engine.native.scheduler import Scheduler
 from engine.native.sequence import Sequence, SequenceStatus
 from engine.types import GenerationRequest, SamplingParams
+
+# Where the engine-level tests run the engine: "cpu" (CI), or "cuda" on a GPU host
+# (`ENGINE_TEST_DEVICE=cuda pytest tests/engine`, scripts/cuda_check.sh). fp32 on either, so its
+# greedy output can equal transformers' fp32 reference token for token.
+TEST_DEVICE = os.environ.get("ENGINE_TEST_DEVICE", "cpu")
+ON_DEVICE = dict(device=TEST_DEVICE, dtype="float32")
 
 
 def check_invariants(bm, live: Iterable[Sequence], retired: Iterable[Sequence] = ()) -> None:

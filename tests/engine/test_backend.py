@@ -14,6 +14,7 @@ from engine.native.loader import ModelLoadError
 from engine.tokenizer import Tokenizer
 from engine.torch_threads import PoolOwner, PoolOwnerExecutor
 from engine.types import FinishReason, GenerationRequest, RequestRejected, SamplingParams
+from native_harness import ON_DEVICE
 from settings import EngineConfig
 
 VARIANT = "tied-gqa-parameters"
@@ -22,7 +23,7 @@ VARIANT = "tied-gqa-parameters"
 @pytest.fixture
 async def backend(tiny_models):
     model_dir = tiny_models.path(VARIANT)
-    config = EngineConfig(device="cpu", kv_cache_bytes=24 * 8192, max_num_seqs=8, max_num_batched_tokens=64)
+    config = EngineConfig(**ON_DEVICE, kv_cache_bytes=24 * 8192, max_num_seqs=8, max_num_batched_tokens=64)
     backend = NativeBackend(model_dir, config, Tokenizer.from_dir(model_dir))
     await backend.start()
     yield backend
@@ -141,9 +142,7 @@ async def test_has_room_until_batch_slots_are_taken(backend):
 
 async def test_shutdown_ends_in_flight_streams_with_abort(tiny_models):
     model_dir = tiny_models.path(VARIANT)
-    backend = NativeBackend(
-        model_dir, EngineConfig(device="cpu", kv_cache_bytes=1 << 20), Tokenizer.from_dir(model_dir)
-    )
+    backend = NativeBackend(model_dir, EngineConfig(**ON_DEVICE, kv_cache_bytes=1 << 20), Tokenizer.from_dir(model_dir))
     await backend.start()
     stream = backend.generate(request("inflight", [3, 4, 5], max_tokens=300))
     await stream.__anext__()
@@ -196,7 +195,7 @@ async def test_a_model_that_fails_to_load_fails_start_and_leaves_no_thread(tmp_p
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (broken / name).write_bytes((model_dir / name).read_bytes())
     (broken / "model.safetensors").write_bytes(b"not safetensors")
-    backend = NativeBackend(broken, EngineConfig(device="cpu", kv_cache_bytes=24 * 8192), Tokenizer.from_dir(model_dir))
+    backend = NativeBackend(broken, EngineConfig(**ON_DEVICE, kv_cache_bytes=24 * 8192), Tokenizer.from_dir(model_dir))
     with pytest.raises(ModelLoadError, match="cannot read safetensors"):
         await backend.start()
     assert backend._stepper is None and backend.engine is None and not backend.has_room()
@@ -207,7 +206,7 @@ async def test_a_model_that_fails_to_load_fails_start_and_leaves_no_thread(tmp_p
 
 async def test_engines_on_one_device_share_one_step_thread_which_ends_with_the_last(tiny_models):
     model_dir = tiny_models.path(VARIANT)
-    config = EngineConfig(device="cpu", kv_cache_bytes=24 * 8192, max_num_seqs=8, max_num_batched_tokens=64)
+    config = EngineConfig(**ON_DEVICE, kv_cache_bytes=24 * 8192, max_num_seqs=8, max_num_batched_tokens=64)
     first, second = (NativeBackend(model_dir, config, Tokenizer.from_dir(model_dir)) for _ in range(2))
     await first.start()
     await second.start()
@@ -241,7 +240,7 @@ async def test_a_start_cancelled_while_loading_leaves_no_engine_in_the_step_thre
     monkeypatch.setattr(backend_module.LLMEngine, "from_model_dir", held_load)
     model_dir = tiny_models.path(VARIANT)
     backend = NativeBackend(
-        model_dir, EngineConfig(device="cpu", kv_cache_bytes=24 * 8192), Tokenizer.from_dir(model_dir)
+        model_dir, EngineConfig(**ON_DEVICE, kv_cache_bytes=24 * 8192), Tokenizer.from_dir(model_dir)
     )
     starting = asyncio.ensure_future(backend.start())
     assert await asyncio.to_thread(entered.wait, 30)  # the step thread is loading
@@ -262,7 +261,7 @@ async def test_side_work_runs_on_the_cpu_step_thread_between_steps_and_elsewhere
     # The safety classifier hands its batches to PoolOwnerExecutor: while a native CPU engine
     # runs they run on its step thread (its OpenMP pool), also while requests are decoding.
     model_dir = tiny_models.path(VARIANT)
-    config = EngineConfig(device="cpu", kv_cache_bytes=24 * 8192, max_num_seqs=8, max_num_batched_tokens=64)
+    config = EngineConfig(**ON_DEVICE, kv_cache_bytes=24 * 8192, max_num_seqs=8, max_num_batched_tokens=64)
     backend = NativeBackend(model_dir, config, Tokenizer.from_dir(model_dir))
     await backend.start()
     loop = asyncio.get_running_loop()

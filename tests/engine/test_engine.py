@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from engine.native.llm_engine import LLMEngine
+from engine.native.loader import load_model_args
 from engine.native.sequence import SequenceStatus
 from engine.types import FinishReason, GenerationRequest, RequestRejected, SamplingParams
-from native_harness import check_invariants
+from native_harness import ON_DEVICE, check_invariants
 from settings import EngineConfig
 
 VARIANT = "tied-gqa-parameters"
@@ -16,7 +17,7 @@ BLOCK_BYTES = 8192  # 2 layers x K,V x 16 tokens x 2 KV heads x 16 dims x 4 byte
 
 def make_engine(tiny_models, num_blocks: int = 16, **overrides) -> LLMEngine:
     config = EngineConfig(
-        device="cpu",
+        **ON_DEVICE,
         kv_cache_bytes=num_blocks * BLOCK_BYTES,
         **{"max_num_batched_tokens": 32, "max_num_seqs": 4, **overrides},
     )
@@ -134,3 +135,22 @@ def test_eos_stops_unless_ignored_and_min_tokens_holds_it_back(tiny_models):
     out = run(engine)
     assert out["stops"] == tokens[: first_eos + 1]
     assert len(out["held"]) >= first_eos + 2 and eos not in out["held"][: first_eos + 1]
+
+
+def test_sampled_requests_draw_on_the_engines_device_and_a_seed_repeats(tiny_models):
+    # Unseeded draws use the sampler's own generator, seeded ones one per request: both must live
+    # on the device of the logits (TEST_DEVICE), or the draw fails there.
+    engine = make_engine(tiny_models)
+    prompt = [5, 6, 7, 8]
+
+    def sampled(request_id: str, seed: int | None) -> GenerationRequest:
+        params = SamplingParams(max_tokens=12, temperature=1.5, ignore_eos=True, seed=seed)
+        return GenerationRequest(request_id, tuple(prompt), params)
+
+    for r in (sampled("free-a", None), sampled("free-b", None), sampled("seed-a", 7), sampled("seed-b", 7)):
+        engine.add_request(r)
+    out = run(engine)
+    assert all(len(tokens) == 12 for tokens in out.values())
+    assert out["seed-a"] == out["seed-b"]
+    vocab = load_model_args(tiny_models.path(VARIANT)).vocab_size
+    assert all(0 <= t < vocab for tokens in out.values() for t in tokens)

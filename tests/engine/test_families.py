@@ -17,7 +17,7 @@ from engine.native.loader import load_model_args
 from engine.types import GenerationRequest, SamplingParams
 from family_variants import FAMILY_VARIANTS
 from kernel_modes import ALL_MODES
-from native_harness import check_invariants
+from native_harness import ON_DEVICE, check_invariants
 from test_greedy_equality import engine_for, greedy_arrivals, run_with_arrivals
 
 
@@ -154,7 +154,7 @@ def test_a_mixed_models_sliding_pool_is_window_sized_and_the_global_pool_gets_th
     args = load_model_args(model_dir)
     layer_block_bytes = 2 * 16 * args.num_kv_heads * args.head_dim * 4
     config = EngineConfig(
-        device="cpu",
+        **ON_DEVICE,
         block_size=16,
         kv_cache_bytes=100 * 3 * layer_block_bytes,
         max_num_seqs=2,

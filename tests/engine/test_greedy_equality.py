@@ -13,7 +13,7 @@ from engine.native.llm_engine import LLMEngine
 from engine.native.loader import load_model_args
 from engine.types import FinishReason, GenerationRequest, SamplingParams
 from kernel_modes import ALL_MODES
-from native_harness import check_invariants
+from native_harness import ON_DEVICE, check_invariants
 from settings import EngineConfig
 
 BLOCK_SIZE = 16
@@ -23,7 +23,7 @@ def engine_for(model_dir, *, num_blocks: int, native_kernels: bool = True, **ove
     args = load_model_args(model_dir)
     block_bytes = args.num_layers * 2 * BLOCK_SIZE * args.num_kv_heads * args.head_dim * 4
     config = EngineConfig(
-        device="cpu",
+        **ON_DEVICE,
         block_size=BLOCK_SIZE,
         kv_cache_bytes=num_blocks * block_bytes,
         native_kernels=native_kernels,

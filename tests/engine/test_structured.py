@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 from engine.grammar import GrammarError, grammar_text, schema_text
 from engine.native.llm_engine import LLMEngine
 from engine.types import GenerationRequest, SamplingParams, StructuredKind, StructuredOutput
+from native_harness import ON_DEVICE
 from settings import EngineConfig
 
 VARIANT = "tied-gqa-parameters"
@@ -32,7 +33,7 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def engine(tiny_models) -> LLMEngine:
-    config = EngineConfig(device="cpu", kv_cache_bytes=64 * 8192, max_num_batched_tokens=64, max_num_seqs=4)
+    config = EngineConfig(**ON_DEVICE, kv_cache_bytes=64 * 8192, max_num_batched_tokens=64, max_num_seqs=4)
     eos = Tokenizer.from_file(str(tiny_models.path(VARIANT) / "tokenizer.json")).token_to_id("<|im_end|>")
     return LLMEngine.from_model_dir(tiny_models.path(VARIANT), config, eos_token_ids=(eos,))
 

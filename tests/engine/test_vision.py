@@ -16,7 +16,7 @@ from engine.native.image_processor import ClipImageProcessor
 from engine.native.llm_engine import LLMEngine
 from engine.native.loader import load_model_args
 from engine.types import GenerationRequest, ImageInput, SamplingParams
-from native_harness import check_invariants
+from native_harness import ON_DEVICE, check_invariants
 from settings import EngineConfig
 from testing.tiny_llava import IMAGE_TOKEN, build_tiny_llava
 
@@ -81,7 +81,7 @@ def make_engine(llava_dir, *, native_kernels: bool, max_num_batched_tokens: int 
     args = load_model_args(llava_dir)
     block_bytes = args.num_layers * 2 * BLOCK_SIZE * args.num_kv_heads * args.head_dim * 4
     config = EngineConfig(
-        device="cpu",
+        **ON_DEVICE,
         block_size=BLOCK_SIZE,
         kv_cache_bytes=64 * block_bytes,
         native_kernels=native_kernels,

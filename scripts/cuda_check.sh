@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The native engine on an NVIDIA GPU, in one short run: the engine tests with the engine on CUDA
+# (greedy output equal to transformers' fp32 reference, token for token), then the benches with
+# the engine and transformers on the same GPU in bfloat16. bench/RESULTS.md ("On a GPU") holds
+# the figures of the runs made so far.
+#
+#   bash scripts/cuda_check.sh            # python3 with a CUDA torch and requirements-dev.txt
+#   OUT=some/dir bash scripts/cuda_check.sh   # where the logs and JSON go (default artifacts/cuda)
+#   DEVICE=cpu TEST_LIMIT=60 bash scripts/cuda_check.sh   # a dry run of the script itself on a CPU host
+#
+# Each step has a time limit and the next one runs whatever the last one did, so one run says
+# everything it can. The logs name the GPU, the driver, torch and transformers.
+set -u
+OUT=${OUT:-artifacts/cuda}
+PY=${PY:-python3}
+DEVICE=${DEVICE:-cuda}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, note how it ended
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (limit ${limit}s): $*"
+    local start=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: rc=$rc after $((SECONDS - start))s"
+    tail -n "${TAIL:-40}" "$OUT/$name.log"
+}
+
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    lscpu | grep -m1 "Model name"
+    $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'transformers', transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
+} 2>&1 | tee "$OUT/machine.txt"
+
+# The engine-level tests run the engine on CUDA (tests/engine/native_harness.py, TEST_DEVICE);
+# the kernel tests still run the C kernels on this host's CPU. The sanitizer build is CPU-only.
+ENGINE_TEST_DEVICE=$DEVICE TAIL=25 step tests "${TEST_LIMIT:-240}" $PY -m pytest tests/engine -q -rs -p no:cacheprovider \
+    --ignore=tests/engine/test_sanitizers.py ${PYTEST_ARGS:-}
+# 390M (Qwen2.5-0.5B's shape) at 1 and 8 streams and the 30M reference at 32: ours vs transformers.
+step peers "${PEERS_LIMIT:-150}" $PY -m bench.bench_peers --device "$DEVICE" --json "$OUT/bench_peers.json"
+# The 30M reference at 1-64 streams, the chunked-prefill and prefix-cache checks, transformers alike.
+step engine "${ENGINE_LIMIT:-200}" $PY -m bench.bench_engine --device "$DEVICE" --skip-generate-batch \
+    --sections engine,transformers,chunked,prefix --json "$OUT/bench_engine.json"
+if [ -n "${WITH_HTTP:-}" ]; then
+    step http "${HTTP_LIMIT:-150}" $PY -m bench.bench_engine --device "$DEVICE" --sections http --json "$OUT/bench_http.json"
+fi
