@@ -260,8 +260,9 @@ async def test_a_start_cancelled_while_loading_leaves_no_engine_in_the_step_thre
 async def test_side_work_runs_on_the_cpu_step_thread_between_steps_and_elsewhere_after_shutdown(tiny_models):
     # The safety classifier hands its batches to PoolOwnerExecutor: while a native CPU engine
     # runs they run on its step thread (its OpenMP pool), also while requests are decoding.
+    # A CPU engine whatever TEST_DEVICE is: an engine on CUDA owns no CPU pool.
     model_dir = tiny_models.path(VARIANT)
-    config = EngineConfig(**ON_DEVICE, kv_cache_bytes=24 * 8192, max_num_seqs=8, max_num_batched_tokens=64)
+    config = EngineConfig(device="cpu", kv_cache_bytes=24 * 8192, max_num_seqs=8, max_num_batched_tokens=64)
     backend = NativeBackend(model_dir, config, Tokenizer.from_dir(model_dir))
     await backend.start()
     loop = asyncio.get_running_loop()
