@@ -7,6 +7,8 @@ The 30M reference of bench_engine, N streams of 128-token prompts decoding 128 t
    streams), at each of the given GIL switch intervals: the median `LLMEngine.step` inside the
    step thread and the inter-token latency the streams saw.
 The gap between 1 and 2 is what the event loop and the step thread cost each other.
+`--sdpa-check` (CUDA): decode-shaped attention over a context growing by one, as the engine's
+steps run it, on the cuDNN backend and on the others (runner.use_cuda_attention_backends).
 """
 
 from __future__ import annotations
@@ -113,6 +115,35 @@ async def behind_backend(model_dir: Path, args, requests, switch_interval: float
     }
 
 
+def sdpa_check(device: str, lengths: range, batch: int = 32) -> dict[str, float]:
+    """ms per call of a decode step's SDPA (bf16, GQA 8/2 heads of 64, a bool mask) as the
+    context grows by one per call: with only cuDNN allowed, and with flash/efficient/math."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out = {}
+    for name, backends in (
+        ("cudnn", [SDPBackend.CUDNN_ATTENTION]),
+        ("others", [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]),
+    ):
+        with sdpa_kernel(backends):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            try:
+                for n in lengths:
+                    q = torch.randn(batch, 8, 1, 64, device=device, dtype=torch.bfloat16)
+                    kv = torch.randn(batch, 2, n, 64, device=device, dtype=torch.bfloat16)
+                    mask = torch.ones(batch, 1, 1, n, device=device, dtype=torch.bool)
+                    F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, enable_gqa=True)
+                torch.cuda.synchronize()
+            except RuntimeError as exc:  # this backend cannot take these inputs
+                print(f"SDPA {name}: {str(exc).splitlines()[0]}")
+                continue
+            out[name] = (time.perf_counter() - start) * 1e3 / len(lengths)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="auto")
@@ -123,7 +154,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--switch-intervals", default="0.005,0.0005", help="GIL switch intervals (s) to try")
     p.add_argument("--top", type=int, default=25, help="profile rows printed")
     p.add_argument("--model-dir", type=Path, default=ROOT / "build" / "bench-model-v2")
+    p.add_argument("--sdpa-check", action="store_true", help="only time SDPA's CUDA backends on growing contexts")
     args = p.parse_args(argv)
+    if args.sdpa_check:
+        for name, ms in sdpa_check(args.device, range(129, 193)).items():
+            print(f"SDPA, 32 decode rows, context 129..192 growing by one per call: {name} {ms:.2f} ms per call")
+        return
     model_dir = in_own_thread(build_reference_model, args.model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
     requests = make_chat_requests(tokenizer, 2 * args.streams, 128, args.output_len, seed=5, prefix="p")

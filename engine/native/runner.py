@@ -55,6 +55,17 @@ def resolve_dtype(name: str, device: torch.device, saved: torch.dtype | None = N
     return _DTYPES[name]
 
 
+def use_cuda_attention_backends() -> None:
+    """Keep SDPA off its cuDNN backend (process-wide), leaving flash, memory-efficient and math.
+
+    cuDNN builds an execution graph for every new shape, and the engine's shapes change every
+    step (the context grows by one; batches and prefill chunks vary), so each step would pay
+    for graph builds (measured in bench/RESULTS.md, "On a GPU")."""
+    if torch.backends.cuda.cudnn_sdp_enabled():
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        log.info("cuda_sdpa_backends", cudnn=False, flash=True, mem_efficient=True, math=True)
+
+
 def free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -87,6 +98,8 @@ class ModelRunner:
     def __init__(self, model_dir: Path | str, config: EngineConfig, *, max_model_len: int | None = None):
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            use_cuda_attention_backends()
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         self.args: ModelArgs = load_model_args(Path(model_dir))
