@@ -1,6 +1,6 @@
 # make run   - install into .venv and serve the bundled demo models on http://127.0.0.1:8000
 # make test  - install test dependencies and run the whole suite (slow end-to-end tests included)
-# Other targets: lint, test-fast, bench, bench-peers, bench-deps, load, demo-model, train-safety, eval-safety, gpu-smoke, help.
+# Other targets: lint, test-fast, bench, bench-peers, bench-deps, load, demo-model, train-safety, eval-safety, cuda-check, gpu-smoke, help.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 ARGS   ?=
 
-.PHONY: help run lint test test-fast bench bench-peers bench-deps load demo-model train-safety eval-safety gpu-smoke browser clean
+.PHONY: help run lint test test-fast bench bench-peers bench-deps load demo-model train-safety eval-safety cuda-check gpu-smoke browser clean
 
 help:
 	@sed -n '1,3p' Makefile
@@ -107,6 +107,11 @@ train-safety: $(VENV)/.installed-dev
 
 eval-safety: $(VENV)/.installed-dev
 	$(PY) -m scripts.eval_safety $(ARGS)
+
+# On an NVIDIA GPU host (a CUDA build of torch in the venv): the engine tests with the engine on
+# CUDA, then the benches against transformers on the same GPU; logs in artifacts/cuda.
+cuda-check: $(VENV)/.installed-dev
+	PY=$(PY) bash scripts/cuda_check.sh
 
 # On a GPU host with TensorRT-LLM installed in its own environment (see docs/trtllm.md):
 #   make gpu-smoke MODEL=/path/to/hf-model [SMOKE_ARGS="--tensor-parallel-size 2"] [TRT_PYTHON=python]

@@ -59,8 +59,10 @@ def use_cuda_attention_backends() -> None:
     """Keep SDPA off its cuDNN backend (process-wide), leaving flash, memory-efficient and math.
 
     cuDNN builds an execution graph for every new shape, and the engine's shapes change every
-    step (the context grows by one; batches and prefill chunks vary), so each step would pay
-    for graph builds (measured in bench/RESULTS.md, "On a GPU")."""
+    step (the context grows by one; batches and prefill chunks vary). On an H200 (torch 2.11)
+    a decode-shaped call on a context growing by one took 86 ms on cuDNN and 4 ms on the others,
+    and turning it off took 32-stream decode of the 30M reference from 904 to 3,928 tok/s
+    (bench/RESULTS.md, "On a GPU")."""
     if torch.backends.cuda.cudnn_sdp_enabled():
         torch.backends.cuda.enable_cudnn_sdp(False)
         log.info("cuda_sdpa_backends", cudnn=False, flash=True, mem_efficient=True, math=True)
