@@ -169,3 +169,18 @@ def test_an_unsupported_activation_is_refused_by_name(model_copy):
     (model_copy / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="hidden_act 'relu2' is not supported"):
         load_model_args(model_copy)
+
+
+def test_an_engine_on_cuda_keeps_sdpa_off_cudnn_and_the_switch_exists_in_this_torch():
+    # The switch is process-wide; the runner flips it when it loads on CUDA (this checks the
+    # torch API it uses exists at the pinned version, where no GPU is needed to set the flag).
+    from engine.native.runner import use_cuda_attention_backends
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        use_cuda_attention_backends()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
