@@ -675,6 +675,8 @@ def print_report(rows: list[LoadResult], itl: dict | None, prefix: dict | None, 
         )
     for name, value in summary["ratios"].items():
         print(f"  {name}: {value:.3f}")
+    if summary["pass"] and machine.get("device", "cpu") != "cpu":
+        print("  (the targets below were set for the 2-core CPU; on a GPU they only describe the run)")
     for name, ok in summary["pass"].items():
         print(f"  {'PASS' if ok else 'FAIL'} {name}")
 
