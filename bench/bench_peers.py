@@ -307,8 +307,8 @@ def main(argv: list[str] | None = None) -> dict:
     wanted = set(args.workloads.split(","))
     device = resolve_device(args.device)
     gpu_dtype = resolve_dtype(args.dtype, device, torch.float32) if device.type != "cpu" else None
-    machine = {**machine_info(float("nan"), device, gpu_dtype or torch.float32)}
-    machine["isa_modes"] = [m.value for m in kernels.supported_modes()]
+    isa_modes = [m.value for m in kernels.supported_modes()]
+    machine = {**machine_info(float("nan"), device, gpu_dtype or torch.float32), "isa_modes": isa_modes}
     bandwidth = measure_copy_bandwidth_gbs(device=device)
     builds = llama_builds() if gpu_dtype is None else []
     if gpu_dtype is not None:
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows, info = bench_workload(w, model_dir, ggufs, builds)
         results += rows
         system_info.update(info)
-    where = f"{machine['gpu']}" if "gpu" in machine else f"{machine['threads']} threads"
+    where = machine["gpu"] if "gpu" in machine else f"{machine['threads']} threads"
     print(
         f"machine: {machine['cpu']} | {where} | kernel ISAs {machine['isa_modes']} | "
         f"copy bandwidth {bandwidth:.1f} GB/s (read + write)"
