@@ -8,7 +8,6 @@ shows what users get. Reads models, never changes their weights.
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import tempfile
 import urllib.request
@@ -21,8 +20,18 @@ matplotlib.use("Agg")  # headless: write PNG files, never open a window
 import matplotlib.pyplot as plt
 
 from scripts.demo_model import licences, sources
-from scripts.demo_model.dataset import NUM_FREQUENT_WORDS, Conversation, read_jsonl
-from scripts.demo_model.evaluate import heldout_loss, load_for_eval, perplexity
+from scripts.demo_model.dataset import NUM_FREQUENT_WORDS, Conversation, read_jsonl, unknown_words
+from scripts.demo_model.evaluate import (
+    NUM_GREETED_WORDS,
+    GreetedProbe,
+    GreetedScore,
+    greeted_probes,
+    greeted_score,
+    heldout_loss,
+    load_for_eval,
+    perplexity,
+    read_known_words,
+)
 from scripts.demo_model.tokenizer import encode_conversation
 from scripts.demo_model.train import CHECKPOINT_EVERY, SPECS
 from testing.server_proc import ServerProcess
@@ -84,17 +93,18 @@ class ModelReport:
     num_parameters: int
     weights_bytes: int
     samples: ServerSamples
+    greeted: GreetedScore | None = None  # first messages that open with a greeting
 
 
 def write_cards(out: Path, build_dir: Path, heldout: list[Conversation]) -> None:
     repo_sample = read_jsonl(out / "heldout.jsonl")
-    questions = [c.messages[0][1] for c in repo_sample]
-    words = [q.split()[2] for q in questions if re.fullmatch(r"What does [a-z]+ mean\?", q)]
+    words = unknown_words(repo_sample)
     prompts = [p.format(heldout=words[0], heldout2=words[1]) for p in SAMPLE_PROMPTS]
     chats = [[p.format(heldout=words[0]) for p in chat] for chat in SAMPLE_CHATS]
     names = [name for name in SPECS if (out / name).is_dir()]
     samples = server_samples(names, prompts, chats)
-    reports = [_report(out / name, heldout, repo_sample, samples[name]) for name in names]
+    probes = greeted_probes(read_known_words(build_dir / "data" / "known_words.jsonl"))
+    reports = [_report(out / name, heldout, repo_sample, samples[name], probes) for name in names]
     data_stats = _read_json(build_dir / "data" / "stats.json")
     summaries = {r.name: _read_json(build_dir / r.name / "summary.json") | {"data": data_stats} for r in reports}
     known = {name: summary["known_words"] for name, summary in summaries.items()}
@@ -187,7 +197,11 @@ def chat_completion(base_url: str, model: str, messages: list[dict], **params) -
 
 
 def _report(
-    model_dir: Path, heldout: list[Conversation], repo_sample: list[Conversation], samples: ServerSamples
+    model_dir: Path,
+    heldout: list[Conversation],
+    repo_sample: list[Conversation],
+    samples: ServerSamples,
+    probes: list[GreetedProbe],
 ) -> ModelReport:
     model, hf_tokenizer = load_for_eval(model_dir)
     tokenizer = hf_tokenizer.backend_tokenizer  # the raw `tokenizers` object, as in training
@@ -200,6 +214,7 @@ def _report(
         sum(p.numel() for p in model.parameters()),
         (model_dir / "model.safetensors").stat().st_size,
         samples,
+        greeted_score(model, hf_tokenizer, probes),
     )
 
 
@@ -304,9 +319,10 @@ def _evaluation_section(
     for r in all_reports:
         k = known[r.name]
         share = k["num_right"] / max(1, k["num_scored"])
+        greeted = f"{r.greeted.num_right}/{r.greeted.num_probes} ({r.greeted.share:.1%})" if r.greeted else "not run"
         rows.append(
             f"| {r.name} | {r.num_parameters / 1e6:.1f}M | {k['num_right']}/{k['num_scored']} ({share:.1%}) "
-            f"| {r.perplexity_heldout:.2f} | {r.perplexity_repo_sample:.2f} |"
+            f"| {greeted} | {r.perplexity_heldout:.2f} | {r.perplexity_repo_sample:.2f} |"
         )
     return [
         "## Evaluation",
@@ -314,13 +330,20 @@ def _evaluation_section(
         "Known words: a seeded sample of the words the model was taught, each asked "
         '"What does X mean?" alone at temperature 0 (the saved bfloat16 weights, run in fp32 by '
         "`transformers`); an answer is right when it carries at least half of the content words "
-        "of the word's first WordNet sense. Printed by `make demo-model`. Perplexity is over the "
+        "of the word's first WordNet sense. Printed by `make demo-model`. Greeted first messages: "
+        'questions that open with a greeting, as many first messages do ("Hi, who are you?", '
+        '"Hello! What does water mean?"): every canned identity, help, how-are-you and thanks '
+        f"question, {NUM_GREETED_WORDS} known words, a few off-topic questions and fortune requests, each after a "
+        "seeded greeting (`scripts/demo_model/evaluate.py`), at temperature 0; a reply is right "
+        "when it is the kind the question asks for (that group's canned reply, the word's first "
+        "sense, a polite refusal, a fortune). Perplexity is over the "
         "assistant tokens of held-out conversations (unknown words, fortunes and phrasings never "
         f"seen in training): all {num_heldout} of the held-out split, and the {num_repo_sample} in "
         "`models/heldout.jsonl` that the tests use.",
         "",
-        "| model | parameters | known words right | held-out perplexity | `models/heldout.jsonl` perplexity |",
-        "|---|---|---|---|---|",
+        "| model | parameters | known words right | greeted first messages right | held-out perplexity "
+        "| `models/heldout.jsonl` perplexity |",
+        "|---|---|---|---|---|---|",
         *rows,
         "",
     ]

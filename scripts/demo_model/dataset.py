@@ -72,6 +72,15 @@ _FORTUNE_PROMPTS = (
     "Cheer me up.",
     "Tell me a joke.",
 )
+# People often open a chat with a greeting and their question in one message ("Hi, who are
+# you?"). The canned questions are each asked this many more times after a greeting, and this
+# share of the word, fortune and off-topic questions once more; the greetings come from their
+# own seeded generator, so the rest of the data is drawn as before.
+SMALLTALK_COPIES = 6  # each canned phrasing is trained this often, with several replies and example words
+GREETED_PER_PHRASING = 3
+GREETED_SHARE = 0.1
+_GREETING_SEPARATORS = (", ", "! ", ". ", " ")
+_GREETED_GROUPS = (smalltalk.IDENTITY, smalltalk.HELP, smalltalk.HOW_ARE_YOU, smalltalk.THANKS)
 _DEFINITION_RE = re.compile(r"The (noun|verb|adjective|adverb) [a-z]+ means ")
 
 
@@ -93,6 +102,19 @@ class Conversation:
     def from_json(line: str) -> Conversation:
         row = json.loads(line)
         return Conversation(row["source"], tuple((m["role"], m["content"]) for m in row["messages"]))
+
+
+_UNKNOWN_REPLY_RE = re.compile(r"(?:I don't know the word |Sorry, )([a-z]+)(?:\.| is not)")
+
+
+def unknown_words(conversations: list[Conversation]) -> list[str]:
+    """The rare words that single-turn unknown_word conversations ask about, in order, read
+    from their replies (the questions come in many phrasings): words never taught."""
+    words = []
+    for c in conversations:
+        if c.source == "unknown_word" and len(c.messages) == 2 and (m := _UNKNOWN_REPLY_RE.match(c.messages[1][1])):
+            words.append(m.group(1))
+    return words
 
 
 def split_of(key: str) -> Split:
@@ -141,6 +163,9 @@ def build_conversations(
     for fortune in sorted(fortunes, key=lambda f: zlib.crc32(f.encode()))[:NUM_FORTUNES]:
         keyed.append((fortune, _single("fortune", _vary(rng.choice(_FORTUNE_PROMPTS), rng), fortune)))
     keyed.extend(_smalltalk(common_words, rng))
+    greet_rng = random.Random(seed * 31 + 7)
+    train_only += _greeted_copies(train_only, greet_rng)
+    keyed += [(key, copy) for key, conversation in keyed for copy in _greeted_copies([conversation], greet_rng)]
     splits: dict[Split, list[Conversation]] = {Split.TRAIN: list(train_only), Split.HELDOUT: []}
     for key, conversation in keyed:
         splits[split_of(key)].append(conversation)
@@ -207,7 +232,7 @@ def _smalltalk(common_words: list[str], rng: random.Random) -> list[tuple[str, C
     keyed = []
     for phrasings, replies in smalltalk.CANNED_GROUPS:
         for phrasing in phrasings:
-            for _ in range(6):  # each phrasing seen with several replies and example words
+            for _ in range(SMALLTALK_COPIES):
                 reply = rng.choice(replies).format(word=rng.choice(common_words))
                 # Canned turns are keyed by phrasing: a few phrasings stay unseen for held-out.
                 keyed.append((phrasing, _single("smalltalk", _vary(phrasing, rng), reply)))
@@ -216,6 +241,33 @@ def _smalltalk(common_words: list[str], rng: random.Random) -> list[tuple[str, C
         reply = rng.choice(smalltalk.REFUSALS).format(word=rng.choice(common_words))
         keyed.append((f"off_topic-{index}", _single("off_topic", _vary(question, rng), reply)))
     return keyed
+
+
+def _greeted_copies(conversations: list[Conversation], rng: random.Random) -> list[Conversation]:
+    """Copies of some single-turn conversations with a greeting before the question: about
+    GREETED_PER_PHRASING of each canned question of _GREETED_GROUPS, GREETED_SHARE of others
+    (greetings and goodbyes are not greeted)."""
+    greeted_phrasings = {p.lower().rstrip(".?!") for phrasings, _ in _GREETED_GROUPS for p in phrasings}
+    copies = []
+    for conversation in conversations:
+        (_, question), (_, answer) = conversation.messages
+        if conversation.source != "smalltalk":
+            share = GREETED_SHARE
+        elif question.lower().rstrip(".?!") in greeted_phrasings:
+            share = GREETED_PER_PHRASING / SMALLTALK_COPIES
+        else:
+            share = 0.0
+        if rng.random() < share:
+            copies.append(_single(conversation.source, greeted(question, rng), answer))
+    return copies
+
+
+def greeted(question: str, rng: random.Random) -> str:
+    """The question after a greeting, as a chat's first message often is: "Hi, who are you?"."""
+    greeting = rng.choice(smalltalk.GREETING[0]).rstrip("!")
+    if rng.random() < 0.5:
+        question = question[:1].lower() + question[1:]
+    return _vary(f"{greeting}{rng.choice(_GREETING_SEPARATORS)}{question}", rng)
 
 
 def _chain_and_prompt(items: list[Conversation], rng: random.Random) -> list[Conversation]:

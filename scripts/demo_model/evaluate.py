@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from scripts.demo_model import smalltalk
 from scripts.demo_model.dataset import FUNCTION_WORDS
 from scripts.demo_model.sources import PartOfSpeech, Sense
 from scripts.demo_model.tokenizer import IGNORE_INDEX, EncodedConversation
@@ -133,3 +134,100 @@ def known_word_score(model: PreTrainedModel, tokenizer: AutoTokenizer, words: li
         if not carries_sense(answer, sense):
             misses.append((sense.lemma, answer))
     return KnownWordScore(len(words), len(words) - len(misses), tuple(misses))
+
+
+# Greeted first messages ("Hi, who are you?"): openers and questions the card and a test ask.
+_PROBE_GREETINGS = ("Hi", "Hello", "Hey", "Hi there", "Good morning", "Hey there", "hello")
+_PROBE_SEPARATORS = (", ", "! ", ". ", " ")
+_PROBE_OFF_TOPIC = ("What is the capital of Peru?", "Write a poem about the sea.", "What is 12 plus 30?")
+_PROBE_FORTUNES = ("Tell me a fortune.", "Give me a fortune cookie.", "Say something wise.")
+NUM_GREETED_WORDS = 12
+PROBE_SEED = 7
+
+
+@dataclass(frozen=True, slots=True)
+class GreetedProbe:
+    message: str  # a greeting, then the question
+    expected: str  # a reply_kind() value
+    sense: Sense | None = None  # for "definition": the sense the answer must carry
+
+
+def greeted_probes(known: list[Sense], seed: int = PROBE_SEED) -> list[GreetedProbe]:
+    """Seeded first messages that open with a greeting: every canned identity, help, how-are-you
+    and thanks question, NUM_GREETED_WORDS known words, off-topic questions and fortune
+    requests. Few of these exact strings are trained (training greets a sample of the same
+    questions with its own generator)."""
+    rng = random.Random(seed)
+
+    def greet(question: str) -> str:
+        if rng.random() < 0.5:
+            question = question[:1].lower() + question[1:]
+        return f"{rng.choice(_PROBE_GREETINGS)}{rng.choice(_PROBE_SEPARATORS)}{question}"
+
+    probes = []
+    for name, (phrasings, _) in _CANNED.items():
+        if name in ("identity", "help", "how_are_you", "thanks"):
+            probes += [GreetedProbe(greet(p), name) for p in phrasings]
+    for sense in rng.sample(known, min(NUM_GREETED_WORDS, len(known))):
+        probes.append(GreetedProbe(greet(f"What does {sense.lemma} mean?"), "definition", sense))
+    probes += [GreetedProbe(greet(q), "refusal") for q in _PROBE_OFF_TOPIC]
+    probes += [GreetedProbe(greet(q), "fortune") for q in _PROBE_FORTUNES]
+    return probes
+
+
+_CANNED = {
+    "greeting": smalltalk.GREETING,
+    "identity": smalltalk.IDENTITY,
+    "help": smalltalk.HELP,
+    "thanks": smalltalk.THANKS,
+    "how_are_you": smalltalk.HOW_ARE_YOU,
+    "goodbye": smalltalk.GOODBYE,
+}
+
+
+def _template_re(templates: tuple[str, ...]) -> re.Pattern:
+    """One pattern for a group of reply templates: their {word} and {unknown} match any text."""
+    alternatives = [re.escape(t).replace(r"\{word\}", ".+?").replace(r"\{unknown\}", ".+?") for t in templates]
+    return re.compile("|".join(f"(?:{a})" for a in alternatives))
+
+
+_KIND_PATTERNS = (
+    *((name, _template_re(replies)) for name, (_, replies) in _CANNED.items()),
+    ("unknown_word", _template_re(smalltalk.UNKNOWN_WORD)),
+    ("refusal", _template_re(smalltalk.REFUSALS)),
+    ("definition", re.compile(r"The (?:noun|verb|adjective|adverb) [A-Za-z'-]+ means .+")),
+)
+
+
+def reply_kind(reply: str) -> str:
+    """Which kind of trained reply this is: a canned group's name, unknown_word, refusal,
+    definition, or fortune (anything else: what the models answer a fortune request with)."""
+    for name, pattern in _KIND_PATTERNS:
+        if pattern.fullmatch(reply.strip()):
+            return name
+    return "fortune"
+
+
+@dataclass(frozen=True, slots=True)
+class GreetedScore:
+    num_probes: int
+    num_right: int
+    misses: tuple[tuple[str, str], ...]  # (message, greedy reply) for the wrong ones
+
+    @property
+    def share(self) -> float:
+        return self.num_right / max(1, self.num_probes)
+
+
+def greeted_score(model: PreTrainedModel, tokenizer: AutoTokenizer, probes: list[GreetedProbe]) -> GreetedScore:
+    """Greedy replies to greeted first messages; right when the reply is of the expected kind
+    (and a definition carries the word's sense)."""
+    misses = []
+    for probe in probes:
+        reply = sample_reply(model, tokenizer, [{"role": "user", "content": probe.message}], max_new_tokens=64)
+        right = reply_kind(reply) == probe.expected
+        if right and probe.sense is not None:
+            right = carries_sense(reply, probe.sense)
+        if not right:
+            misses.append((probe.message, reply))
+    return GreetedScore(len(probes), len(probes) - len(misses), tuple(misses))

@@ -17,6 +17,7 @@ from scripts.demo_model.card import (
     render_card,
     server_samples,
 )
+from scripts.demo_model.evaluate import GreetedScore
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
 MODEL_NAMES = ("demo-mini", "demo-flagship")
@@ -51,7 +52,8 @@ def _fake_report() -> ModelReport:
         chats=((("Hello!", Reply("Hi there.", "stop")), ("Use it in a sentence.", Reply("No.", "content_filter"))),),
         server_settings=describe_server_settings(),
     )
-    return ModelReport("demo-test", 30.0, 31.0, 1_000_000, 2_000_000, samples)
+    greeted = GreetedScore(55, 50, (("Hi, who are you?", "The noun who means ..."),))
+    return ModelReport("demo-test", 30.0, 31.0, 1_000_000, 2_000_000, samples, greeted)
 
 
 def test_card_says_samples_come_from_the_server_with_request_parameters():
@@ -121,5 +123,6 @@ def test_rendered_card_has_the_try_line_and_states_the_measured_known_word_share
     assert 'Try: "Hello!", "What does water mean?", "Tell me a fortune."' in lead
     assert "first WordNet sense of 6,500 common English words" in lead
     assert "answered 390 of a sample of 400 of them with the first sense (97.5%" in lead
-    assert "| demo-test | 1.0M | 390/400 (97.5%) |" in text
+    assert "| demo-test | 1.0M | 390/400 (97.5%) | 50/55 (90.9%) | 30.00 | 31.00 |" in text
+    assert "Greeted first messages:" in text
     assert "same weights bit for bit on the same kind of CPU (this build: AMD EPYC, bfloat16 autocast)" in text

@@ -5,6 +5,7 @@ row packing. Needs neither the Debian packages nor training."""
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 from engine.tokenizer import Tokenizer
@@ -149,7 +150,67 @@ def test_known_words_are_all_trained_and_unknown_ones_get_i_do_not_know():
         for role, content in c.messages
         if role == "assistant" and "rare" in content
     ]
-    assert len(replies) == 20 and all("know" in r for r in replies)
+    # Each rare word is asked once, some again after a greeting; every answer says "I don't know".
+    assert {w for r in replies for w in re.findall(r"\brare[a-t]\b", r)} == {f"rare{c}" for c in "abcdefghijklmnopqrst"}
+    assert 20 <= len(replies) <= 26 and all("know" in r for r in replies)
+
+
+def test_some_questions_are_also_asked_after_a_greeting_with_the_same_answer():
+    from scripts.demo_model import smalltalk
+    from scripts.demo_model.dataset import GREETED_PER_PHRASING, SMALLTALK_COPIES, _greeted_copies
+
+    greetings = tuple(g.lower().rstrip("!") for g in smalltalk.GREETING[0])
+    identity = [
+        Conversation("smalltalk", (("user", p), ("assistant", "I am a demo.")))
+        for p in smalltalk.IDENTITY[0]
+        for _ in range(SMALLTALK_COPIES)
+    ]
+    hellos = [Conversation("smalltalk", (("user", p), ("assistant", "Hello!"))) for p in smalltalk.GREETING[0] * 6]
+    words = [
+        Conversation("definition", (("user", f"What does w{i} mean?"), ("assistant", f"w{i} means {i}.")))
+        for i in range(2000)
+    ]
+    copies = _greeted_copies(identity + hellos + words, random.Random(3))
+    by_source = {src: [c for c in copies if c.source == src] for src in ("smalltalk", "definition")}
+    expected = GREETED_PER_PHRASING * len(smalltalk.IDENTITY[0])
+    assert 0.6 * expected <= len(by_source["smalltalk"]) <= 1.4 * expected  # greetings themselves never greeted
+    assert all(c.messages[1][1] == "I am a demo." for c in by_source["smalltalk"])
+    assert 150 <= len(by_source["definition"]) <= 250  # GREETED_SHARE of 2000
+    for c in copies:
+        question = c.messages[0][1].lower()
+        assert question.startswith(greetings), question
+        word = re.search(r"w\d+", question)
+        assert word is None or c.messages[1][1].startswith(word.group(0) + " means")
+
+
+def test_reply_kind_names_each_trained_reply_and_greeted_probes_cover_every_kind():
+    from scripts.demo_model import smalltalk
+    from scripts.demo_model.evaluate import greeted_probes, reply_kind
+
+    assert reply_kind(smalltalk.IDENTITY[1][1]) == "identity"
+    assert reply_kind(smalltalk.HELP[1][0].format(word="river")) == "help"
+    assert reply_kind(smalltalk.HOW_ARE_YOU[1][1]) == "how_are_you"
+    assert reply_kind(smalltalk.THANKS[1][2]) == "thanks"
+    assert reply_kind(smalltalk.UNKNOWN_WORD[0].format(unknown="zymurgy", word="dog")) == "unknown_word"
+    assert reply_kind(smalltalk.REFUSALS[1].format(word="dog")) == "refusal"
+    assert reply_kind("The noun dog means a member of the genus Canis.") == "definition"
+    assert reply_kind("A witty saying proves nothing.\n-- Voltaire") == "fortune"
+    assert reply_kind("The verb try to give a substitute for.") == "fortune"  # not a definition's form
+    senses = [_sense(f"word{c}") for c in "abcdefghijklmnop"]
+    probes = greeted_probes(senses)
+    assert probes == greeted_probes(senses)  # seeded
+    assert {p.expected for p in probes} == {
+        "identity",
+        "help",
+        "how_are_you",
+        "thanks",
+        "definition",
+        "refusal",
+        "fortune",
+    }
+    greetings = ("hi", "hello", "hey", "good morning")
+    assert all(p.message.lower().startswith(greetings) for p in probes)
+    assert all((p.sense is not None) == (p.expected == "definition") for p in probes)
 
 
 def test_an_answer_carries_the_sense_when_it_holds_half_its_content_words():

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from scripts.demo_model.dataset import unknown_words
+
 MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
 MODEL_NAMES = ("demo-mini", "demo-flagship")
 PROJECT_CHAT_TEMPLATE = (
@@ -33,6 +35,9 @@ PARAMETER_RANGES = {"demo-mini": (1e6, 2e6), "demo-flagship": (2e6, 5e6)}
 # Of models/known_words.jsonl (40 taught words, not the card's sample), the share a model must
 # answer with the first sense; the cards report the share on 400 words (flagship >= 95%).
 MIN_KNOWN_WORDS_RIGHT = {"demo-mini": 0.8, "demo-flagship": 0.9}
+# Of the greeted first messages ("Hi, who are you?", evaluate.greeted_probes over the 40 words
+# above), the share a model must answer with the kind of reply asked for; the cards report it.
+MIN_GREETED_RIGHT = {"demo-mini": 0.8, "demo-flagship": 0.8}
 MAX_TOTAL_WEIGHT_BYTES = 60 * 1024 * 1024
 _WORDLIKE = re.compile(r"^[\"'(]*[A-Za-z][A-Za-z'-]*[.,;:!?)\"']*$")
 # Glue words make up 15-50% of real English sentences (and of every held-out answer) but under
@@ -113,12 +118,25 @@ def test_model_answers_known_words_with_their_first_sense(name, loaded_models):
     assert score.share >= MIN_KNOWN_WORDS_RIGHT[name], score.misses
 
 
-def test_model_says_it_does_not_know_a_rare_word(loaded_models):
-    from scripts.demo_model.evaluate import sample_reply
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_model_answers_questions_that_open_with_a_greeting(name, loaded_models):
+    from scripts.demo_model.evaluate import greeted_probes, greeted_score, read_known_words
+
+    model, hf_tokenizer = loaded_models(name)
+    score = greeted_score(model, hf_tokenizer, greeted_probes(read_known_words(MODELS_DIR / "known_words.jsonl")))
+    assert score.num_probes >= 50
+    assert score.share >= MIN_GREETED_RIGHT[name], score.misses
+
+
+def test_model_says_it_does_not_know_rare_words(loaded_models):
+    """The trained "I don't know the word X" reply (the models often garble X when they repeat
+    it: a 4,096-token vocabulary splits rare words into pieces a tiny model copies badly)."""
+    from scripts.demo_model.evaluate import reply_kind, sample_reply
 
     model, hf_tokenizer = loaded_models("demo-flagship")
-    reply = sample_reply(model, hf_tokenizer, [{"role": "user", "content": "What does zymurgy mean?"}])
-    assert "know" in reply and "zymurgy" in reply, reply
+    for word in ("zymurgy", "quokka", "perspicacious", "lugubrious"):
+        reply = sample_reply(model, hf_tokenizer, [{"role": "user", "content": f"What does {word} mean?"}])
+        assert reply_kind(reply) == "unknown_word", reply
 
 
 def _known_words(hf_tokenizer) -> set[str]:
@@ -142,9 +160,7 @@ def test_model_answers_heldout_what_does_x_mean_with_words_and_punctuation(name,
     from scripts.demo_model.evaluate import sample_reply
 
     model, hf_tokenizer = loaded_models(name)
-    questions = [
-        c.messages[0][1] for c in heldout_sample if re.fullmatch(r"What does [a-z]+ mean\?", c.messages[0][1])
-    ][:2]
+    questions = [f"What does {word} mean?" for word in unknown_words(heldout_sample)][:2]
     assert questions
     for question in questions:
         reply = sample_reply(model, hf_tokenizer, [{"role": "user", "content": question}], max_new_tokens=64)
