@@ -68,6 +68,17 @@ HELP = (
         "What are you good at?",
         "Show me what you can do.",
         "How does this work?",
+        # What people type to see whether a new chat answers at all.
+        "test",
+        "testing",
+        "Test 123",
+        "ok",
+        "okay",
+        "lol",
+        "hmm",
+        "Are you there?",
+        "Tell me more.",
+        "What now?",
     ),
     (
         'I can explain English words. Ask me "What does {word} mean?", ask me to use a word in '
@@ -154,8 +165,25 @@ _OFF_TOPIC_TEMPLATES = (
     "Is it going to rain tomorrow?",
     "What is the meaning of life?",
     "Write an email to my boss.",
+    "{a}+{b}",
+    "{a} + {b} =",
+    "Can you {ability}?",
+    "Do you speak {language}?",
+    "What is {acronym}?",
 )
 _FILLERS = {
+    "ability": (
+        "write code",
+        "browse the internet",
+        "see images",
+        "remember our chat",
+        "play music",
+        "send an email",
+        "set an alarm",
+        "do math",
+    ),
+    "language": ("French", "Spanish", "German", "Chinese", "Japanese", "Italian"),
+    "acronym": ("AI", "NASA", "an API", "a GPU", "the EU", "HTML", "a CPU", "DNA"),
     "place": (
         "France",
         "Japan",

@@ -128,6 +128,31 @@ def test_model_answers_questions_that_open_with_a_greeting(name, loaded_models):
     assert score.share >= MIN_GREETED_RIGHT[name], score.misses
 
 
+# What people type first to see whether a new chat works, and the kind of reply each must get
+# (evaluate.reply_kind). "1+1" and "What is AI?" are not trained strings: off-topic templates
+# ("{a}+{b}" with a, b from 2 to 99; "What is {acronym}?") are.
+FIRST_MESSAGES = {
+    "test": "help",
+    "ok": "help",
+    "Hello!": "greeting",
+    "Who are you?": "identity",
+    "1+1": "refusal",
+    "What is AI?": "refusal",
+    "Can you write code?": "refusal",
+    "What does water mean?": "definition",
+}
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_model_answers_what_people_type_first(name, loaded_models):
+    from scripts.demo_model.evaluate import reply_kind, sample_reply
+
+    model, hf_tokenizer = loaded_models(name)
+    replies = {m: sample_reply(model, hf_tokenizer, [{"role": "user", "content": m}]) for m in FIRST_MESSAGES}
+    wrong = {m: r for m, r in replies.items() if reply_kind(r) != FIRST_MESSAGES[m]}
+    assert not wrong, wrong
+
+
 def test_model_says_it_does_not_know_rare_words(loaded_models):
     """The trained "I don't know the word X" reply (the models often garble X when they repeat
     it: a 4,096-token vocabulary splits rare words into pieces a tiny model copies badly)."""
