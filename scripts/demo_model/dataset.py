@@ -80,7 +80,6 @@ SMALLTALK_COPIES = 6  # each canned phrasing is trained this often, with several
 GREETED_PER_PHRASING = 3
 GREETED_SHARE = 0.1
 _GREETING_SEPARATORS = (", ", "! ", ". ", " ")
-_GREETED_GROUPS = (smalltalk.IDENTITY, smalltalk.HELP, smalltalk.HOW_ARE_YOU, smalltalk.THANKS)
 _DEFINITION_RE = re.compile(r"The (noun|verb|adjective|adverb) [a-z]+ means ")
 
 
@@ -245,9 +244,11 @@ def _smalltalk(common_words: list[str], rng: random.Random) -> list[tuple[str, C
 
 def _greeted_copies(conversations: list[Conversation], rng: random.Random) -> list[Conversation]:
     """Copies of some single-turn conversations with a greeting before the question: about
-    GREETED_PER_PHRASING of each canned question of _GREETED_GROUPS, GREETED_SHARE of others
-    (greetings and goodbyes are not greeted)."""
-    greeted_phrasings = {p.lower().rstrip(".?!") for phrasings, _ in _GREETED_GROUPS for p in phrasings}
+    GREETED_PER_PHRASING of each canned question of smalltalk.ASKED_AFTER_GREETING,
+    GREETED_SHARE of others (greetings and goodbyes are not greeted)."""
+    greeted_phrasings = {
+        p.lower().rstrip(".?!") for name in smalltalk.ASKED_AFTER_GREETING for p in smalltalk.CANNED[name][0]
+    }
     copies = []
     for conversation in conversations:
         (_, question), (_, answer) = conversation.messages

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from scripts.demo_model import smalltalk
-from scripts.demo_model.dataset import FUNCTION_WORDS
+from scripts.demo_model.dataset import FUNCTION_WORDS, greeted
 from scripts.demo_model.sources import PartOfSpeech, Sense
 from scripts.demo_model.tokenizer import IGNORE_INDEX, EncodedConversation
 
@@ -137,8 +137,6 @@ def known_word_score(model: PreTrainedModel, tokenizer: AutoTokenizer, words: li
 
 
 # Greeted first messages ("Hi, who are you?"): openers and questions the card and a test ask.
-_PROBE_GREETINGS = ("Hi", "Hello", "Hey", "Hi there", "Good morning", "Hey there", "hello")
-_PROBE_SEPARATORS = (", ", "! ", ". ", " ")
 _PROBE_OFF_TOPIC = ("What is the capital of Peru?", "Write a poem about the sea.", "What is 12 plus 30?")
 _PROBE_FORTUNES = ("Tell me a fortune.", "Give me a fortune cookie.", "Say something wise.")
 NUM_GREETED_WORDS = 12
@@ -156,33 +154,16 @@ def greeted_probes(known: list[Sense], seed: int = PROBE_SEED) -> list[GreetedPr
     """Seeded first messages that open with a greeting: every canned identity, help, how-are-you
     and thanks question, NUM_GREETED_WORDS known words, off-topic questions and fortune
     requests. Few of these exact strings are trained (training greets a sample of the same
-    questions with its own generator)."""
+    questions with another seed)."""
     rng = random.Random(seed)
-
-    def greet(question: str) -> str:
-        if rng.random() < 0.5:
-            question = question[:1].lower() + question[1:]
-        return f"{rng.choice(_PROBE_GREETINGS)}{rng.choice(_PROBE_SEPARATORS)}{question}"
-
     probes = []
-    for name, (phrasings, _) in _CANNED.items():
-        if name in ("identity", "help", "how_are_you", "thanks"):
-            probes += [GreetedProbe(greet(p), name) for p in phrasings]
+    for name in smalltalk.ASKED_AFTER_GREETING:
+        probes += [GreetedProbe(greeted(p, rng), name) for p in smalltalk.CANNED[name][0]]
     for sense in rng.sample(known, min(NUM_GREETED_WORDS, len(known))):
-        probes.append(GreetedProbe(greet(f"What does {sense.lemma} mean?"), "definition", sense))
-    probes += [GreetedProbe(greet(q), "refusal") for q in _PROBE_OFF_TOPIC]
-    probes += [GreetedProbe(greet(q), "fortune") for q in _PROBE_FORTUNES]
+        probes.append(GreetedProbe(greeted(f"What does {sense.lemma} mean?", rng), "definition", sense))
+    probes += [GreetedProbe(greeted(q, rng), "refusal") for q in _PROBE_OFF_TOPIC]
+    probes += [GreetedProbe(greeted(q, rng), "fortune") for q in _PROBE_FORTUNES]
     return probes
-
-
-_CANNED = {
-    "greeting": smalltalk.GREETING,
-    "identity": smalltalk.IDENTITY,
-    "help": smalltalk.HELP,
-    "thanks": smalltalk.THANKS,
-    "how_are_you": smalltalk.HOW_ARE_YOU,
-    "goodbye": smalltalk.GOODBYE,
-}
 
 
 def _template_re(templates: tuple[str, ...]) -> re.Pattern:
@@ -192,7 +173,7 @@ def _template_re(templates: tuple[str, ...]) -> re.Pattern:
 
 
 _KIND_PATTERNS = (
-    *((name, _template_re(replies)) for name, (_, replies) in _CANNED.items()),
+    *((name, _template_re(replies)) for name, (_, replies) in smalltalk.CANNED.items()),
     ("unknown_word", _template_re(smalltalk.UNKNOWN_WORD)),
     ("refusal", _template_re(smalltalk.REFUSALS)),
     ("definition", re.compile(r"The (?:noun|verb|adjective|adverb) [A-Za-z'-]+ means .+")),

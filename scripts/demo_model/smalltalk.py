@@ -123,7 +123,17 @@ GOODBYE = (
         "Bye! Thanks for trying this small demo model.",
     ),
 )
-CANNED_GROUPS = (GREETING, IDENTITY, HELP, THANKS, HOW_ARE_YOU, GOODBYE)
+CANNED = {
+    "greeting": GREETING,
+    "identity": IDENTITY,
+    "help": HELP,
+    "thanks": THANKS,
+    "how_are_you": HOW_ARE_YOU,
+    "goodbye": GOODBYE,
+}
+CANNED_GROUPS = tuple(CANNED.values())
+# The groups whose questions people also ask right after a greeting ("Hi, who are you?").
+ASKED_AFTER_GREETING = ("identity", "help", "how_are_you", "thanks")
 
 REFUSALS = (
     "I am only a small demo model, so I cannot answer that. I do know what many English words "
