@@ -1,7 +1,8 @@
 """The bundled demo models' ordinary answers, for the safety gate's false-block measurement
 (`make eval-safety` reads safety/demo_answers.jsonl; never trained on): their canned replies
-as written, and answers sampled from the models in models/ (temperature 0.7, top-p 0.9, a
-fixed seed per prompt, as the server samples) to everyday prompts: greetings, questions about
+as written, and answers sampled from the models in models/ (at each model's default sampling,
+generation_config.json, which the web UI gets; top-k off and a fixed seed per prompt, as the
+server samples) to everyday prompts: greetings, questions about
 common words, fortunes, and questions they should decline.
 
     python -m scripts.demo_answers [--per-model 120]

@@ -25,13 +25,17 @@ from scripts.demo_model.evaluate import (
     NUM_GREETED_WORDS,
     GreetedProbe,
     GreetedScore,
+    KnownWordScore,
     greeted_probes,
     greeted_score,
     heldout_loss,
+    known_word_score,
     load_for_eval,
     perplexity,
     read_known_words,
+    scored_sample,
 )
+from scripts.demo_model.sources import Sense
 from scripts.demo_model.tokenizer import encode_conversation
 from scripts.demo_model.train import CHECKPOINT_EVERY, SPECS
 from testing.server_proc import ServerProcess
@@ -59,7 +63,11 @@ SAMPLE_CHATS = (
     ("Who are you?", "What does garden mean?", "Use it in a sentence."),
 )
 MAX_TOKENS = 96
-SAMPLED = {"temperature": 0.7, "top_p": 0.9}  # plus "seed": the prompt's index
+# The card's sampled measures: at the model's defaults (generation_config.json, what a request
+# that sets no temperature gets) and at OpenAI's default, temperature 1 with top-p 1.
+OPENAI_DEFAULT_SAMPLING = {"temperature": 1.0, "top_p": 1.0}
+NUM_SAMPLED_WORDS = 100  # a seeded sample of the known words, asked with sampled replies
+SAMPLING_SEED = 1000
 _SMOOTH_STEPS = 25
 _REQUEST_TIMEOUT_S = 300.0
 
@@ -86,6 +94,13 @@ class ServerSamples:
 
 
 @dataclass(frozen=True, slots=True)
+class SampledScores:
+    label: str  # how the replies were drawn, for the card
+    known: KnownWordScore
+    greeted: GreetedScore
+
+
+@dataclass(frozen=True, slots=True)
 class ModelReport:
     name: str
     perplexity_heldout: float  # all held-out conversations (build/.../heldout.jsonl)
@@ -94,6 +109,7 @@ class ModelReport:
     weights_bytes: int
     samples: ServerSamples
     greeted: GreetedScore | None = None  # first messages that open with a greeting
+    sampled: tuple[SampledScores, ...] = ()  # the same measures with sampled replies
 
 
 def write_cards(out: Path, build_dir: Path, heldout: list[Conversation]) -> None:
@@ -103,8 +119,10 @@ def write_cards(out: Path, build_dir: Path, heldout: list[Conversation]) -> None
     chats = [[p.format(heldout=words[0]) for p in chat] for chat in SAMPLE_CHATS]
     names = [name for name in SPECS if (out / name).is_dir()]
     samples = server_samples(names, prompts, chats)
-    probes = greeted_probes(read_known_words(build_dir / "data" / "known_words.jsonl"))
-    reports = [_report(out / name, heldout, repo_sample, samples[name], probes) for name in names]
+    known_words = read_known_words(build_dir / "data" / "known_words.jsonl")
+    probes = greeted_probes(known_words)
+    words = scored_sample(known_words, SAMPLING_SEED)[:NUM_SAMPLED_WORDS]
+    reports = [_report(out / name, heldout, repo_sample, samples[name], probes, words) for name in names]
     data_stats = _read_json(build_dir / "data" / "stats.json")
     summaries = {r.name: _read_json(build_dir / r.name / "summary.json") | {"data": data_stats} for r in reports}
     known = {name: summary["known_words"] for name, summary in summaries.items()}
@@ -164,7 +182,7 @@ def _ask_server(base_url: str, name: str, prompts: list[str], chats: list[list[s
     for seed, prompt in enumerate(prompts):
         messages = [{"role": "user", "content": prompt}]
         greedy = chat_completion(base_url, name, messages, temperature=0.0)
-        sampled = chat_completion(base_url, name, messages, **SAMPLED, seed=seed)
+        sampled = chat_completion(base_url, name, messages, seed=seed)  # the model's default sampling
         singles.append(PromptSample(prompt, greedy, sampled, seed))
     conversations = []
     for chat in chats:
@@ -202,6 +220,7 @@ def _report(
     repo_sample: list[Conversation],
     samples: ServerSamples,
     probes: list[GreetedProbe],
+    words: list[Sense],
 ) -> ModelReport:
     model, hf_tokenizer = load_for_eval(model_dir)
     tokenizer = hf_tokenizer.backend_tokenizer  # the raw `tokenizers` object, as in training
@@ -215,7 +234,25 @@ def _report(
         (model_dir / "model.safetensors").stat().st_size,
         samples,
         greeted_score(model, hf_tokenizer, probes),
+        tuple(
+            SampledScores(
+                label,
+                known_word_score(model, hf_tokenizer, words, SAMPLING_SEED, sampling),
+                greeted_score(model, hf_tokenizer, probes, SAMPLING_SEED, sampling),
+            )
+            for label, sampling in _sampling_settings(model_dir)
+        ),
     )
+
+
+def _sampling_settings(model_dir: Path) -> list[tuple[str, dict | None]]:
+    """(label, sample_reply's sampling) for the model's defaults and OpenAI's."""
+    config = _read_json(model_dir / "generation_config.json")
+    defaults = ", ".join(f"{k.replace('_', '-')} {config[k]}" for k in ("temperature", "top_p") if k in config)
+    return [
+        (f"the model's default ({defaults or 'none set: temperature 1'})", None),
+        ("OpenAI's default (temperature 1, top-p 1)", OPENAI_DEFAULT_SAMPLING),
+    ]
 
 
 def plot_loss_curve(rows: list[dict], name: str, path: Path) -> None:
@@ -336,7 +373,8 @@ def _evaluation_section(
         f"question, {NUM_GREETED_WORDS} known words, a few off-topic questions and fortune requests, each after a "
         "seeded greeting (`scripts/demo_model/evaluate.py`), at temperature 0; a reply is right "
         "when it is the kind the question asks for (that group's canned reply, the word's first "
-        "sense, a polite refusal, a fortune). Perplexity is over the "
+        "sense, a polite refusal, a fortune), and an example word it offers is one the models "
+        "are taught to suggest (`smalltalk.EXAMPLE_WORDS`), not a made-up one. Perplexity is over the "
         "assistant tokens of held-out conversations (unknown words, fortunes and phrasings never "
         f"seen in training): all {num_heldout} of the held-out split, and the {num_repo_sample} in "
         "`models/heldout.jsonl` that the tests use.",
@@ -344,6 +382,32 @@ def _evaluation_section(
         "| model | parameters | known words right | greeted first messages right | held-out perplexity "
         "| `models/heldout.jsonl` perplexity |",
         "|---|---|---|---|---|---|",
+        *rows,
+        "",
+        *_sampling_section(all_reports),
+    ]
+
+
+def _sampling_section(all_reports: list[ModelReport]) -> list[str]:
+    rows = [
+        f"| {r.name} | {s.label} | {s.known.num_right}/{s.known.num_words} ({s.known.share:.0%}) "
+        f"| {s.greeted.num_right}/{s.greeted.num_probes} ({s.greeted.share:.0%}) |"
+        for r in all_reports
+        for s in r.sampled
+    ]
+    if not rows:
+        return []
+    return [
+        "### Sampling defaults",
+        "",
+        "A request that sets no `temperature` or `top_p` (the web UI sends none) gets the "
+        "model's defaults from its `generation_config.json`, as in vLLM. These models set a "
+        "lower temperature than OpenAI's default of 1, where they misspell words and blend "
+        "replies. The same measures as above with sampled replies (seeded, top-k off, as the "
+        f"server samples), with {NUM_SAMPLED_WORDS} known words of another seeded sample:",
+        "",
+        "| model | sampling | known words right | greeted first messages right |",
+        "|---|---|---|---|",
         *rows,
         "",
     ]
@@ -387,9 +451,9 @@ def _samples_section(report: ModelReport) -> list[str]:
         f'to a non-streaming `POST /v1/chat/completions` with `"model": "{name}"` and '
         f'`"max_tokens": {MAX_TOKENS}`, which the native engine generated from the prompt '
         "rendered with this model's chat template (`tokenizer_config.json`). Each prompt was sent "
-        'twice: greedy (`"temperature": 0`) and sampled (`"temperature": '
-        f'{SAMPLED["temperature"]}, "top_p": {SAMPLED["top_p"]}` and the `"seed"` shown, so '
-        "the same request gives the same reply). Rebuilt by `python -m scripts.demo_model.build "
+        'twice: greedy (`"temperature": 0`) and sampled (no `temperature` or `top_p`: the '
+        'model\'s defaults, see "Sampling defaults" above; the `"seed"` shown, so the same '
+        "request gives the same reply). Rebuilt by `python -m scripts.demo_model.build "
         "--cards-only`.",
         "",
         "### Single questions",

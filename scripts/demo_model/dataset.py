@@ -143,25 +143,32 @@ def choose_words(senses: list[Sense], frequent: list[str], rng: random.Random) -
 
 
 def build_conversations(
-    senses: list[Sense], fortunes: list[str], frequent: list[str], seed: int
+    senses: list[Sense],
+    fortunes: list[str],
+    frequent: list[str],
+    seed: int,
+    example_words: tuple[str, ...] = smalltalk.EXAMPLE_WORDS,
 ) -> dict[Split, list[Conversation]]:
     """Every item is first built single-turn with its split key (known words have none: all
     are trained); some are then chained into multi-turn chats within the same split, and some
-    get a system prompt."""
+    get a system prompt. Replies that offer an example word offer one of example_words, each
+    of which must be a known word."""
     rng = random.Random(seed)
     known, unknown = choose_words(senses, frequent, rng)
-    common_words = [s.lemma for s in known[:2000]]
+    taught = {s.lemma for s in known}
+    if missing := [w for w in example_words if w not in taught]:
+        raise ValueError(f"example words the models are not taught: {missing}")
     train_only: list[Conversation] = []
     for sense in known:
         train_only += _word_conversations(sense, rng)
     keyed: list[tuple[str, Conversation]] = []  # (split key, conversation)
     for sense in unknown:
         question = _definition_question(sense.lemma, sense.pos, rng)
-        reply = rng.choice(smalltalk.UNKNOWN_WORD).format(unknown=sense.lemma, word=rng.choice(common_words))
+        reply = rng.choice(smalltalk.UNKNOWN_WORD).format(unknown=sense.lemma, word=rng.choice(example_words))
         keyed.append((sense.lemma, _single("unknown_word", question, reply)))
     for fortune in sorted(fortunes, key=lambda f: zlib.crc32(f.encode()))[:NUM_FORTUNES]:
         keyed.append((fortune, _single("fortune", _vary(rng.choice(_FORTUNE_PROMPTS), rng), fortune)))
-    keyed.extend(_smalltalk(common_words, rng))
+    keyed.extend(_smalltalk(example_words, rng))
     greet_rng = random.Random(seed * 31 + 7)
     train_only += _greeted_copies(train_only, greet_rng)
     keyed += [(key, copy) for key, conversation in keyed for copy in _greeted_copies([conversation], greet_rng)]
@@ -227,17 +234,17 @@ def _synonym_answer(lemma: str, synonyms: list[str]) -> str:
     return f"Some other words for {lemma} are {', '.join(synonyms[:3])}."
 
 
-def _smalltalk(common_words: list[str], rng: random.Random) -> list[tuple[str, Conversation]]:
+def _smalltalk(example_words: tuple[str, ...], rng: random.Random) -> list[tuple[str, Conversation]]:
     keyed = []
     for phrasings, replies in smalltalk.CANNED_GROUPS:
         for phrasing in phrasings:
             for _ in range(SMALLTALK_COPIES):
-                reply = rng.choice(replies).format(word=rng.choice(common_words))
+                reply = rng.choice(replies).format(word=rng.choice(example_words))
                 # Canned turns are keyed by phrasing: a few phrasings stay unseen for held-out.
                 keyed.append((phrasing, _single("smalltalk", _vary(phrasing, rng), reply)))
     for index in range(600):
         question = smalltalk.off_topic_question(rng)
-        reply = rng.choice(smalltalk.REFUSALS).format(word=rng.choice(common_words))
+        reply = rng.choice(smalltalk.REFUSALS).format(word=rng.choice(example_words))
         keyed.append((f"off_topic-{index}", _single("off_topic", _vary(question, rng), reply)))
     return keyed
 

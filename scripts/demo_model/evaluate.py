@@ -77,8 +77,11 @@ def sample_reply(
     messages: list[dict],
     seed: int | None = None,
     max_new_tokens: int = 96,
+    sampling: dict | None = None,
 ) -> str:
-    """Greedy when seed is None, else temperature 0.7 / top-p 0.9 sampling with that seed."""
+    """Greedy when seed is None, else sampled with that seed: at the model's defaults
+    (generation_config.json, what the server gives a request that sets no temperature; top-k
+    off, as the server's default), or with the temperature / top_p given in sampling."""
     rendered = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
     )
@@ -86,7 +89,7 @@ def sample_reply(
     options: dict = {"do_sample": False}
     if seed is not None:
         torch.manual_seed(seed)
-        options = {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 0}
+        options = {"do_sample": True, "top_k": 0, **(sampling or {})}
     output = model.generate(prompt_ids, max_new_tokens=max_new_tokens, **options)
     return tokenizer.decode(output[0, prompt_ids.shape[1] :], skip_special_tokens=True).strip()
 
@@ -95,7 +98,7 @@ def sample_reply(
 class KnownWordScore:
     num_words: int  # words asked (a sample of the known ones)
     num_right: int
-    misses: tuple[tuple[str, str], ...]  # (word, greedy answer) for the wrong ones
+    misses: tuple[tuple[str, str], ...]  # (word, answer) for the wrong ones
 
     @property
     def share(self) -> float:
@@ -125,12 +128,20 @@ def scored_sample(known: list[Sense], seed: int) -> list[Sense]:
     return random.Random(seed).sample(known, min(NUM_SCORED_WORDS, len(known)))
 
 
-def known_word_score(model: PreTrainedModel, tokenizer: AutoTokenizer, words: list[Sense]) -> KnownWordScore:
-    """Ask "What does X mean?" greedily for each word; count answers that carry the sense."""
+def known_word_score(
+    model: PreTrainedModel,
+    tokenizer: AutoTokenizer,
+    words: list[Sense],
+    seed: int | None = None,
+    sampling: dict | None = None,
+) -> KnownWordScore:
+    """Ask "What does X mean?" for each word (greedy, or sampled as sample_reply with seed +
+    the word's index); count answers that carry the sense."""
     misses = []
-    for sense in words:
+    for index, sense in enumerate(words):
         messages = [{"role": "user", "content": f"What does {sense.lemma} mean?"}]
-        answer = sample_reply(model, tokenizer, messages, max_new_tokens=64)
+        item_seed = None if seed is None else seed + index
+        answer = sample_reply(model, tokenizer, messages, item_seed, max_new_tokens=64, sampling=sampling)
         if not carries_sense(answer, sense):
             misses.append((sense.lemma, answer))
     return KnownWordScore(len(words), len(words) - len(misses), tuple(misses))
@@ -166,49 +177,78 @@ def greeted_probes(known: list[Sense], seed: int = PROBE_SEED) -> list[GreetedPr
     return probes
 
 
-def _template_re(templates: tuple[str, ...]) -> re.Pattern:
-    """One pattern for a group of reply templates: their {word} and {unknown} match any text."""
-    alternatives = [re.escape(t).replace(r"\{word\}", ".+?").replace(r"\{unknown\}", ".+?") for t in templates]
-    return re.compile("|".join(f"(?:{a})" for a in alternatives))
+def _template_re(template: str) -> re.Pattern:
+    """A reply template as a pattern: {unknown} matches any text, {word} too (as the group
+    "word"; a second {word} must repeat the first, as str.format writes it)."""
+    pattern = re.escape(template).replace(r"\{unknown\}", ".+?")
+    pattern = pattern.replace(r"\{word\}", "(?P<word>.+?)", 1).replace(r"\{word\}", "(?P=word)")
+    return re.compile(pattern)
 
 
 _KIND_PATTERNS = (
-    *((name, _template_re(replies)) for name, (_, replies) in smalltalk.CANNED.items()),
-    ("unknown_word", _template_re(smalltalk.UNKNOWN_WORD)),
-    ("refusal", _template_re(smalltalk.REFUSALS)),
+    *((name, _template_re(t)) for name, (_, replies) in smalltalk.CANNED.items() for t in replies),
+    *(("unknown_word", _template_re(t)) for t in smalltalk.UNKNOWN_WORD),
+    *(("refusal", _template_re(t)) for t in smalltalk.REFUSALS),
     ("definition", re.compile(r"The (?:noun|verb|adjective|adverb) [A-Za-z'-]+ means .+")),
 )
+
+
+def _kind_match(reply: str) -> tuple[str, re.Match | None]:
+    for name, pattern in _KIND_PATTERNS:
+        if match := pattern.fullmatch(reply.strip()):
+            return name, match
+    return "fortune", None
 
 
 def reply_kind(reply: str) -> str:
     """Which kind of trained reply this is: a canned group's name, unknown_word, refusal,
     definition, or fortune (anything else: what the models answer a fortune request with)."""
-    for name, pattern in _KIND_PATTERNS:
-        if pattern.fullmatch(reply.strip()):
-            return name
-    return "fortune"
+    return _kind_match(reply)[0]
+
+
+def example_word(reply: str) -> str | None:
+    """The word a canned reply offers as an example ('ask me what "water" means'), if any."""
+    match = _kind_match(reply)[1]
+    return match.groupdict().get("word") if match is not None else None
+
+
+def is_sound_reply(reply: str, expected: str, sense: Sense | None = None) -> bool:
+    """The reply is of the expected kind, a definition carries the sense, and an example word
+    offered is one of smalltalk.EXAMPLE_WORDS (not a made-up one: "sview")."""
+    if reply_kind(reply) != expected:
+        return False
+    if sense is not None and not carries_sense(reply, sense):
+        return False
+    offered = example_word(reply)
+    return offered is None or offered in smalltalk.EXAMPLE_WORDS
 
 
 @dataclass(frozen=True, slots=True)
 class GreetedScore:
     num_probes: int
     num_right: int
-    misses: tuple[tuple[str, str], ...]  # (message, greedy reply) for the wrong ones
+    misses: tuple[tuple[str, str], ...]  # (message, reply) for the wrong ones
 
     @property
     def share(self) -> float:
         return self.num_right / max(1, self.num_probes)
 
 
-def greeted_score(model: PreTrainedModel, tokenizer: AutoTokenizer, probes: list[GreetedProbe]) -> GreetedScore:
-    """Greedy replies to greeted first messages; right when the reply is of the expected kind
-    (and a definition carries the word's sense)."""
+def greeted_score(
+    model: PreTrainedModel,
+    tokenizer: AutoTokenizer,
+    probes: list[GreetedProbe],
+    seed: int | None = None,
+    sampling: dict | None = None,
+) -> GreetedScore:
+    """Replies to greeted first messages (greedy, or sampled as sample_reply with seed + the
+    probe's index); right when is_sound_reply."""
     misses = []
-    for probe in probes:
-        reply = sample_reply(model, tokenizer, [{"role": "user", "content": probe.message}], max_new_tokens=64)
-        right = reply_kind(reply) == probe.expected
-        if right and probe.sense is not None:
-            right = carries_sense(reply, probe.sense)
+    for index, probe in enumerate(probes):
+        messages = [{"role": "user", "content": probe.message}]
+        item_seed = None if seed is None else seed + index
+        reply = sample_reply(model, tokenizer, messages, item_seed, max_new_tokens=64, sampling=sampling)
+        right = is_sound_reply(reply, probe.expected, probe.sense)
         if not right:
             misses.append((probe.message, reply))
     return GreetedScore(len(probes), len(probes) - len(misses), tuple(misses))

@@ -135,6 +135,15 @@ CANNED_GROUPS = tuple(CANNED.values())
 # The groups whose questions people also ask right after a greeting ("Hi, who are you?").
 ASKED_AFTER_GREETING = ("identity", "help", "how_are_you", "thanks")
 
+# The words replies offer as examples ("Ask me what \"{word}\" means."): a short fixed list, so
+# that the models learn to write these few words rather than any of 2,000 (sampled at
+# temperature 1, drawing from 2,000 made them spell words that do not exist: "sview",
+# "brop"). Every one must be a known word (dataset.build_conversations checks).
+EXAMPLE_WORDS = (
+    "water", "music", "friend", "garden", "river", "bread", "light", "travel", "happy", "window",
+    "teacher", "mountain", "color", "kitchen", "money", "dream", "letter", "horse", "summer", "ocean",
+    "story", "library", "coffee", "island", "forest", "market", "smile", "winter", "animal",
+)  # fmt: skip
 REFUSALS = (
     "I am only a small demo model, so I cannot answer that. I do know what many English words "
     'mean: try asking "What does {word} mean?"',

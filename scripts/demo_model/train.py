@@ -261,6 +261,12 @@ def _loss(model: LlamaForCausalLM, input_ids: torch.Tensor, labels: torch.Tensor
     return torch.nn.functional.cross_entropy(logits.float(), targets[keep])
 
 
+# The sampling a request gets when it sets none (the server applies generation_config.json's
+# defaults, as vLLM does; the UI sends none). At OpenAI's default, temperature 1, these small
+# models misspell words and blend replies (measured: the cards, "Sampling defaults").
+SAMPLING_DEFAULTS = {"temperature": 0.6, "top_p": 0.9}
+
+
 def save_model(model: LlamaForCausalLM, ids: SpecialIds, model_dir: Path) -> None:
     """config.json, generation_config.json and bf16 model.safetensors (the engine upcasts)."""
     model_dir.mkdir(parents=True, exist_ok=True)
@@ -269,6 +275,8 @@ def save_model(model: LlamaForCausalLM, ids: SpecialIds, model_dir: Path) -> Non
         eos_token_id=[ids.eos_token_id],
         pad_token_id=ids.pad_token_id,
         bos_token_id=None,
+        do_sample=True,
+        **SAMPLING_DEFAULTS,
     )
     model.save_pretrained(model_dir, safe_serialization=True)
 

@@ -12,12 +12,13 @@ from scripts.demo_model.card import (
     ModelReport,
     PromptSample,
     Reply,
+    SampledScores,
     ServerSamples,
     describe_server_settings,
     render_card,
     server_samples,
 )
-from scripts.demo_model.evaluate import GreetedScore
+from scripts.demo_model.evaluate import GreetedScore, KnownWordScore
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
 MODEL_NAMES = ("demo-mini", "demo-flagship")
@@ -53,7 +54,13 @@ def _fake_report() -> ModelReport:
         server_settings=describe_server_settings(),
     )
     greeted = GreetedScore(55, 50, (("Hi, who are you?", "The noun who means ..."),))
-    return ModelReport("demo-test", 30.0, 31.0, 1_000_000, 2_000_000, samples, greeted)
+    sampled = (
+        SampledScores("the model's default (temperature 0.6, top-p 0.9)", KnownWordScore(100, 98, ()), greeted),
+        SampledScores(
+            "OpenAI's default (temperature 1, top-p 1)", KnownWordScore(100, 91, ()), GreetedScore(55, 40, ())
+        ),
+    )
+    return ModelReport("demo-test", 30.0, 31.0, 1_000_000, 2_000_000, samples, greeted, sampled)
 
 
 def test_card_says_samples_come_from_the_server_with_request_parameters():
@@ -63,13 +70,20 @@ def test_card_says_samples_come_from_the_server_with_request_parameters():
     assert "default `config.toml`" in text and "safety screening on" in text
     assert "`POST /v1/chat/completions`" in text and '`"model": "demo-test"`' in text
     assert f'`"max_tokens": {MAX_TOKENS}`' in text and '`"temperature": 0`' in text
-    assert '`"temperature": 0.7, "top_p": 0.9`' in text and "chat template" in text
+    assert "sampled (no `temperature` or `top_p`: the model's defaults" in text and "chat template" in text
     assert "transformers" not in text.split("## Sample conversations")[1]
     assert "> **demo-test (greedy):** Hi there." in text
     assert f"> **demo-test (sampled, seed 0):** Quote\\\n> -- Someone *(cut off at {MAX_TOKENS} tokens)*" in text
     chat = text.split("### Multi-turn chats")[1]
     assert "> **user:** Hello!\n>\n> **demo-test:** Hi there.\n>\n> **user:** Use it in a sentence." in chat
     assert "> **demo-test:** No. *(finish_reason: content_filter)*" in chat
+
+
+def test_card_shows_the_scores_at_the_default_sampling_and_at_openais():
+    report = _fake_report()
+    section = render_card(report, [report], SUMMARY, (100, 10), {"demo-test": KNOWN}).split("### Sampling defaults")[1]
+    assert "| demo-test | the model's default (temperature 0.6, top-p 0.9) | 98/100 (98%) | 50/55 (91%) |" in section
+    assert "| demo-test | OpenAI's default (temperature 1, top-p 1) | 91/100 (91%) | 40/55 (73%) |" in section
 
 
 def test_settings_description_names_overrides_and_safety_off():

@@ -8,6 +8,8 @@ import random
 import re
 from pathlib import Path
 
+import pytest
+
 from engine.tokenizer import Tokenizer
 from scripts.demo_model.dataset import Conversation, Split, definition_answer, split_of
 from scripts.demo_model.sources import PartOfSpeech, Sense, _normalise_fortune, _parse_data_line
@@ -136,7 +138,7 @@ def test_known_words_are_all_trained_and_unknown_ones_get_i_do_not_know():
 
     senses = [_sense(f"word{c}") for c in "abcdefghij"] + [_sense(f"rare{c}") for c in "abcdefghijklmnopqrst"]
     frequent = [f"word{c}" for c in "abcdefghij"]
-    splits = build_conversations(senses, ["A fortune for you today."], frequent, seed=1)
+    splits = build_conversations(senses, ["A fortune for you today."], frequent, seed=1, example_words=("worda",))
     trained = [m for c in splits[Split.TRAIN] for m in c.messages]
     for lemma in frequent:
         answer = f"The noun {lemma} means the meaning of {lemma}."
@@ -153,6 +155,20 @@ def test_known_words_are_all_trained_and_unknown_ones_get_i_do_not_know():
     # Each rare word is asked once, some again after a greeting; every answer says "I don't know".
     assert {w for r in replies for w in re.findall(r"\brare[a-t]\b", r)} == {f"rare{c}" for c in "abcdefghijklmnopqrst"}
     assert 20 <= len(replies) <= 26 and all("know" in r for r in replies)
+
+
+def test_replies_offer_only_the_example_words_and_those_must_be_taught():
+    from scripts.demo_model.dataset import build_conversations
+    from scripts.demo_model.evaluate import example_word
+
+    senses = [_sense(f"word{c}") for c in "abcdefghij"] + [_sense(f"rare{c}") for c in "abcdefghij"]
+    frequent = [f"word{c}" for c in "abcdefghij"]
+    splits = build_conversations(senses, ["A fortune."], frequent, seed=2, example_words=("wordb", "wordc"))
+    replies = [content for c in splits[Split.TRAIN] for role, content in c.messages if role == "assistant"]
+    offered = [word for reply in replies if (word := example_word(reply)) is not None]
+    assert len(offered) > 100 and set(offered) == {"wordb", "wordc"}
+    with pytest.raises(ValueError, match="not taught: \\['rarea'\\]"):
+        build_conversations(senses, ["A fortune."], frequent, seed=2, example_words=("wordb", "rarea"))
 
 
 def test_some_questions_are_also_asked_after_a_greeting_with_the_same_answer():

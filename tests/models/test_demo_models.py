@@ -153,15 +153,28 @@ def test_model_answers_what_people_type_first(name, loaded_models):
     assert not wrong, wrong
 
 
-def test_model_says_it_does_not_know_rare_words(loaded_models):
-    """The trained "I don't know the word X" reply (the models often garble X when they repeat
+# Rare English words (none among the models' known words): asked "What does X mean?", a model
+# should say it does not know them rather than make a definition up.
+RARE_WORDS = (
+    "zymurgy quokka perspicacious lugubrious sesquipedalian obsequious defenestration petrichor syzygy "
+    "callipygian flibbertigibbet kerfuffle bumfuzzle cattywampus gobbledygook lollygag snollygoster "
+    "widdershins xylograph quixotic"
+).split()
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_model_says_it_does_not_know_rare_words(name, loaded_models):
+    """The trained "I don't know the word X" reply for at least 85% of 20 rare words (each
+    build misses one or two, not always the same; the models often garble X when they repeat
     it: a 4,096-token vocabulary splits rare words into pieces a tiny model copies badly)."""
     from scripts.demo_model.evaluate import reply_kind, sample_reply
 
-    model, hf_tokenizer = loaded_models("demo-flagship")
-    for word in ("zymurgy", "quokka", "perspicacious", "lugubrious"):
-        reply = sample_reply(model, hf_tokenizer, [{"role": "user", "content": f"What does {word} mean?"}])
-        assert reply_kind(reply) == "unknown_word", reply
+    model, hf_tokenizer = loaded_models(name)
+    replies = {
+        w: sample_reply(model, hf_tokenizer, [{"role": "user", "content": f"What does {w} mean?"}]) for w in RARE_WORDS
+    }
+    made_up = {w: r for w, r in replies.items() if reply_kind(r) != "unknown_word"}
+    assert len(made_up) <= 0.15 * len(RARE_WORDS), made_up
 
 
 def _known_words(hf_tokenizer) -> set[str]:
