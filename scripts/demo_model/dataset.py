@@ -26,6 +26,7 @@ NUM_DEFINITION_QUESTIONS = 3  # definition conversations per known word (differe
 NUM_UNKNOWN_WORDS = 1000
 _UNKNOWN_BELOW_RANK = 60_000
 NUM_FORTUNES = 300  # a hashed sample: any fortune is a fine answer, so few are needed
+NUM_OFF_TOPIC = 800  # questions the models should decline (smalltalk.off_topic_question)
 # English function words: left out of the known words (WordNet's first sense of "are" is a unit
 # of area, of "can" a verb for canning food) and ignored when an answer is scored.
 FUNCTION_WORDS = frozenset(
@@ -49,6 +50,7 @@ _QUESTIONS = (  # weights: the canonical phrasing dominates so the small model l
     ("What does {w} mean?", 8),
     ("What does the word {w} mean?", 2),
     ('What does "{w}" mean?', 2),
+    ("What does '{w}' mean?", 1),
     ("What is the meaning of {w}?", 2),
     ("Define {w}.", 2),
     ("define {w}", 1),
@@ -59,6 +61,8 @@ _QUESTIONS = (  # weights: the canonical phrasing dominates so the small model l
     ("{w}?", 1),
     ("I don't know what {w} means.", 1),
 )
+_SYNONYM_QUESTIONS = ("What is another word for {w}?", "synonym for {w}", "What is a synonym for {w}?")
+_SYNONYM_WEIGHTS = (4, 1, 1)
 _FORTUNE_PROMPTS = (
     "Tell me a fortune.",
     "Give me a fortune.",
@@ -190,7 +194,8 @@ def _word_conversations(sense: Sense, rng: random.Random) -> list[Conversation]:
         conversations.append(_single("example", question, _example_answer(sense)))
     one_word_synonyms = [w for w in sense.synonyms if " " not in w]
     if one_word_synonyms and rng.random() < 0.1:
-        question = _vary(f"What is another word for {sense.lemma}?", rng)
+        template = rng.choices(_SYNONYM_QUESTIONS, weights=_SYNONYM_WEIGHTS)[0]
+        question = _vary(template.format(w=sense.lemma), rng)
         conversations.append(_single("synonym", question, _synonym_answer(sense.lemma, one_word_synonyms)))
     return conversations
 
@@ -242,7 +247,7 @@ def _smalltalk(example_words: tuple[str, ...], rng: random.Random) -> list[tuple
                 reply = rng.choice(replies).format(word=rng.choice(example_words))
                 # Canned turns are keyed by phrasing: a few phrasings stay unseen for held-out.
                 keyed.append((phrasing, _single("smalltalk", _vary(phrasing, rng), reply)))
-    for index in range(600):
+    for index in range(NUM_OFF_TOPIC):
         question = smalltalk.off_topic_question(rng)
         reply = rng.choice(smalltalk.REFUSALS).format(word=rng.choice(example_words))
         keyed.append((f"off_topic-{index}", _single("off_topic", _vary(question, rng), reply)))

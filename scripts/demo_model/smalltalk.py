@@ -44,6 +44,9 @@ IDENTITY = (
         "What model are you?",
         "Are you smart?",
         "Can I trust your answers?",
+        "You are stupid.",
+        "That is wrong.",
+        "That makes no sense.",
     ),
     (
         "I am a small demo language model, trained from scratch on a two-core computer with word "
@@ -79,6 +82,10 @@ HELP = (
         "Are you there?",
         "Tell me more.",
         "What now?",
+        "?",
+        "Why?",
+        "What?",
+        "Huh?",
     ),
     (
         'I can explain English words. Ask me "What does {word} mean?", ask me to use a word in '
@@ -110,7 +117,15 @@ THANKS = (
     ),
 )
 HOW_ARE_YOU = (
-    ("How are you?", "How are you doing?", "How's it going?", "What's up?", "Are you ok?"),
+    (
+        "How are you?",
+        "How are you doing?",
+        "How's it going?",
+        "What's up?",
+        "Whats up",
+        "Are you ok?",
+        "How is your day?",
+    ),
     (
         "I am fine, thank you! I am a small demo model, ready to explain a word or two.",
         "Doing well, thanks for asking. Which word would you like me to explain?",
@@ -189,6 +204,15 @@ _OFF_TOPIC_TEMPLATES = (
     "Can you {ability}?",
     "Do you speak {language}?",
     "What is {acronym}?",
+    "What's the weather today?",
+    "Tell me a story.",
+    # Messages in other languages, emoji and keyboard mashing: the models know only English
+    # words, so they say so rather than guess (three and two entries: more samples of each).
+    "{foreign}",
+    "{foreign}",
+    "{foreign}",
+    "{mash}",
+    "{mash}",
 )
 _FILLERS = {
     "ability": (
@@ -202,6 +226,48 @@ _FILLERS = {
         "do math",
     ),
     "language": ("French", "Spanish", "German", "Chinese", "Japanese", "Italian"),
+    "foreign": (
+        "Bonjour",
+        "Bonjour, comment ça va ?",
+        "Hola",
+        "Hola, ¿cómo estás?",
+        "¿Qué significa agua?",
+        "Guten Tag",
+        "Wie geht es dir?",
+        "Ciao, come stai?",
+        "Olá, tudo bem?",
+        "Hallo, wie heet je?",
+        "Hej! Hur mår du?",
+        "Merhaba",
+        "你好",
+        "你好，你是谁？",  # noqa: RUF001 (the text as typed)
+        "こんにちは",
+        "元気ですか？",  # noqa: RUF001
+        "Привет",
+        "Привет, как дела?",
+        "안녕하세요",
+        "مرحبا",
+        "नमस्ते",
+        "Γεια σου",  # noqa: RUF001
+        "Xin chào",
+        "Cześć, co słychać?",
+    ),
+    "mash": (
+        "asdfgh",
+        "qwerty",
+        "jkjkjk",
+        "aaaaaa",
+        "sdfsdf",
+        "...",
+        "!!!",
+        "12345",
+        "😀",
+        "👍",
+        "🤔🤔",
+        "❤️",
+        ":)",
+        "xyz",
+    ),
     "acronym": ("AI", "NASA", "an API", "a GPU", "the EU", "HTML", "a CPU", "DNA"),
     "place": (
         "France",

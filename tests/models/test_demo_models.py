@@ -140,7 +140,25 @@ FIRST_MESSAGES = {
     "What is AI?": "refusal",
     "Can you write code?": "refusal",
     "What does water mean?": "definition",
+    "What does 'water' mean?": "definition",
+    "Why?": "help",
+    "Bonjour": "refusal",
+    "😀": "refusal",
 }
+# Other languages, emoji and mashed keys that training never showed (it shows others: the
+# off-topic "{foreign}" and "{mash}" fillers): most should get the polite refusal too.
+UNTRAINED_NOT_ENGLISH = (
+    "Hola, ¿qué tal?",
+    "Salut !",
+    "Hallo",
+    "Buongiorno",
+    "Доброе утро",
+    "谢谢",
+    "おはよう",
+    "🙂",
+    "lkjhg",
+    "??!",
+)
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
@@ -151,6 +169,16 @@ def test_model_answers_what_people_type_first(name, loaded_models):
     replies = {m: sample_reply(model, hf_tokenizer, [{"role": "user", "content": m}]) for m in FIRST_MESSAGES}
     wrong = {m: r for m, r in replies.items() if reply_kind(r) != FIRST_MESSAGES[m]}
     assert not wrong, wrong
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_model_declines_most_untrained_messages_in_other_languages(name, loaded_models):
+    from scripts.demo_model.evaluate import reply_kind, sample_reply
+
+    model, hf_tokenizer = loaded_models(name)
+    replies = {m: sample_reply(model, hf_tokenizer, [{"role": "user", "content": m}]) for m in UNTRAINED_NOT_ENGLISH}
+    wrong = {m: r for m, r in replies.items() if reply_kind(r) != "refusal"}
+    assert len(wrong) <= 0.3 * len(UNTRAINED_NOT_ENGLISH), wrong
 
 
 # Rare English words (none among the models' known words): asked "What does X mean?", a model
