@@ -4,6 +4,7 @@
 
 import { api, getKey, isAbort, streamChat } from "./api.js";
 import { Attachments, textOf } from "./attachments.js";
+import { icon } from "./icons.js";
 import { describe, hideBanner, initKeyDialog, showBanner, showError } from "./notices.js";
 import { Sidebar, displayTitle } from "./sidebar.js";
 import { formatCost, plural, editInPlace, renderMessages, scrollToBottom, setBusy, streamingTarget } from "./view.js";
@@ -16,6 +17,7 @@ const el = {
   newChat: $("new-chat"), sidebar: $("sidebar"), openSidebar: $("open-sidebar"),
   closeSidebar: $("close-sidebar"), backdrop: $("sidebar-backdrop"),
 };
+$("attach").replaceChildren(icon("paperclip"));
 const attachments = new Attachments({
   button: $("attach"), input: $("attach-input"), list: $("attachments"), dropZone: document.querySelector(".main"),
   onChange: () => { el.send.disabled = attachments.isUploading; },

@@ -3,12 +3,14 @@
 // the conversation, so they show again after a reload.
 
 import { api } from "./api.js";
+import { icon } from "./icons.js";
 
+// label: the button's text, or an element (an icon) to show instead.
 function toggle(label, ariaLabel, isPressed, onClick) {
   const button = document.createElement("button");
   button.type = "button";
   button.className = "btn btn-small btn-ghost feedback-button";
-  button.textContent = label;
+  button.append(label);
   button.setAttribute("aria-label", ariaLabel);
   button.setAttribute("aria-pressed", isPressed ? "true" : "false");
   button.addEventListener("click", onClick);
@@ -53,8 +55,8 @@ export function feedbackControls({ conversationId, message, onSaved, onError }) 
   };
   const rate = (value) => save({ rating: current.rating === value ? null : value });
   wrap.append(
-    toggle("\u{1F44D}", "Good answer", current.rating === 1, () => rate(1)),
-    toggle("\u{1F44E}", "Bad answer", current.rating === -1, () => rate(-1)),
+    toggle(icon("thumb-up"), "Good answer", current.rating === 1, () => rate(1)),
+    toggle(icon("thumb-down"), "Bad answer", current.rating === -1, () => rate(-1)),
   );
   const commentButton = toggle(current.comment ? "Comment \u2713" : "Comment", "Comment on this answer",
                                Boolean(current.comment), () => {

@@ -139,6 +139,10 @@ def test_thumbs_comment_and_regenerate_are_stored_and_shown_after_a_reload(page,
     wait_for_answer_done(page)
     cid = conversation_id(page)
     answer = last_answer(page)
+    # Icons are inline SVG, not emoji (an emoji glyph is an empty box where no emoji font is).
+    for button in (answer.get_by_role("button", name="Good answer"), page.get_by_role("button", name="Attach")):
+        expect(button.locator("svg path")).to_have_count(1)
+        assert button.inner_text().strip() == ""
     answer.get_by_role("button", name="Bad answer").click()
     expect(answer.get_by_role("button", name="Bad answer")).to_have_attribute("aria-pressed", "true")
     last_answer(page).get_by_role("button", name="Comment on this answer").click()
