@@ -128,6 +128,22 @@ def scored_sample(known: list[Sense], seed: int) -> list[Sense]:
     return random.Random(seed).sample(known, min(NUM_SCORED_WORDS, len(known)))
 
 
+def replies_to(
+    model: PreTrainedModel,
+    tokenizer: AutoTokenizer,
+    questions: list[str],
+    seed: int | None = None,
+    sampling: dict | None = None,
+) -> list[str]:
+    """One reply (up to 64 tokens) to each question asked alone: greedy, or sampled as
+    sample_reply with seed + the question's index."""
+    seeds = [None if seed is None else seed + index for index in range(len(questions))]
+    return [
+        sample_reply(model, tokenizer, [{"role": "user", "content": q}], s, max_new_tokens=64, sampling=sampling)
+        for q, s in zip(questions, seeds, strict=True)
+    ]
+
+
 def known_word_score(
     model: PreTrainedModel,
     tokenizer: AutoTokenizer,
@@ -135,16 +151,10 @@ def known_word_score(
     seed: int | None = None,
     sampling: dict | None = None,
 ) -> KnownWordScore:
-    """Ask "What does X mean?" for each word (greedy, or sampled as sample_reply with seed +
-    the word's index); count answers that carry the sense."""
-    misses = []
-    for index, sense in enumerate(words):
-        messages = [{"role": "user", "content": f"What does {sense.lemma} mean?"}]
-        item_seed = None if seed is None else seed + index
-        answer = sample_reply(model, tokenizer, messages, item_seed, max_new_tokens=64, sampling=sampling)
-        if not carries_sense(answer, sense):
-            misses.append((sense.lemma, answer))
-    return KnownWordScore(len(words), len(words) - len(misses), tuple(misses))
+    """Ask "What does X mean?" for each word (replies_to); count answers that carry the sense."""
+    answers = replies_to(model, tokenizer, [f"What does {s.lemma} mean?" for s in words], seed, sampling)
+    misses = tuple((s.lemma, a) for s, a in zip(words, answers, strict=True) if not carries_sense(a, s))
+    return KnownWordScore(len(words), len(words) - len(misses), misses)
 
 
 # Greeted first messages ("Hi, who are you?"): openers and questions the card and a test ask.
@@ -241,14 +251,9 @@ def greeted_score(
     seed: int | None = None,
     sampling: dict | None = None,
 ) -> GreetedScore:
-    """Replies to greeted first messages (greedy, or sampled as sample_reply with seed + the
-    probe's index); right when is_sound_reply."""
-    misses = []
-    for index, probe in enumerate(probes):
-        messages = [{"role": "user", "content": probe.message}]
-        item_seed = None if seed is None else seed + index
-        reply = sample_reply(model, tokenizer, messages, item_seed, max_new_tokens=64, sampling=sampling)
-        right = is_sound_reply(reply, probe.expected, probe.sense)
-        if not right:
-            misses.append((probe.message, reply))
-    return GreetedScore(len(probes), len(probes) - len(misses), tuple(misses))
+    """Replies to greeted first messages (replies_to); right when is_sound_reply."""
+    replies = replies_to(model, tokenizer, [p.message for p in probes], seed, sampling)
+    misses = tuple(
+        (p.message, r) for p, r in zip(probes, replies, strict=True) if not is_sound_reply(r, p.expected, p.sense)
+    )
+    return GreetedScore(len(probes), len(probes) - len(misses), misses)
