@@ -27,13 +27,6 @@ CARRIED_SHARE = 0.5  # an answer is right if it carries half of the sense's cont
 _WORD_RE = re.compile(r"[a-z]+")
 
 
-@dataclass(frozen=True, slots=True)
-class SampleReply:
-    prompt: str
-    reply: str
-    is_sampled: bool  # False: greedy decoding
-
-
 @torch.no_grad()
 def heldout_loss(model: PreTrainedModel, encoded: list[EncodedConversation]) -> float:
     """Mean negative log-likelihood (nats) per assistant token, each conversation on its own
@@ -216,20 +209,22 @@ def reply_kind(reply: str) -> str:
     return _kind_match(reply)[0]
 
 
+def _offered_word(match: re.Match | None) -> str | None:
+    return match.groupdict().get("word") if match is not None else None
+
+
 def example_word(reply: str) -> str | None:
     """The word a canned reply offers as an example ('ask me what "water" means'), if any."""
-    match = _kind_match(reply)[1]
-    return match.groupdict().get("word") if match is not None else None
+    return _offered_word(_kind_match(reply)[1])
 
 
 def is_sound_reply(reply: str, expected: str, sense: Sense | None = None) -> bool:
     """The reply is of the expected kind, a definition carries the sense, and an example word
     offered is one of smalltalk.EXAMPLE_WORDS (not a made-up one: "sview")."""
-    if reply_kind(reply) != expected:
+    kind, match = _kind_match(reply)
+    if kind != expected or (sense is not None and not carries_sense(reply, sense)):
         return False
-    if sense is not None and not carries_sense(reply, sense):
-        return False
-    offered = example_word(reply)
+    offered = _offered_word(match)
     return offered is None or offered in smalltalk.EXAMPLE_WORDS
 
 
