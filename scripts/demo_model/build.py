@@ -37,6 +37,7 @@ VOCAB_SIZE = 4096
 NUM_IN_TRAINING_EVAL = 256  # held-out conversations scored during training (the curve)
 NUM_REPO_HELDOUT = 40  # small held-out sample committed as models/heldout.jsonl for tests
 NUM_REPO_KNOWN = 40  # known words (with their first sense) committed as models/known_words.jsonl
+NUM_UNFAMILIAR_PROBES = 100  # held-out words of each unfamiliar band asked after training
 _FREQUENCY_LIST_LENGTH = 60_000  # read this far down wordfreq's list (rare words lie beyond)
 
 
@@ -84,8 +85,10 @@ def build_data(data_dir: Path, out: Path) -> None:
     frequent = sources.read_frequent_words(_FREQUENCY_LIST_LENGTH)
     splits = dataset.build_conversations(senses, fortunes, frequent, SEED)
     known, _ = dataset.choose_words(senses, frequent, random.Random(SEED))
+    probes = dataset.unfamiliar_probes(dataset.first_senses(senses), frequent, NUM_UNFAMILIAR_PROBES, SEED)
+    (data_dir / "unfamiliar_probes.json").parent.mkdir(parents=True, exist_ok=True)
+    (data_dir / "unfamiliar_probes.json").write_text(json.dumps(probes, indent=1) + "\n", encoding="utf-8")
     rows = [{"lemma": s.lemma, "pos": s.pos.value, "definition": s.definition} for s in known]
-    (data_dir / "known_words.jsonl").parent.mkdir(parents=True, exist_ok=True)
     (data_dir / "known_words.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     repo_known = random.Random(SEED + 1).sample(rows, NUM_REPO_KNOWN)  # not the carded sample
     (out / "known_words.jsonl").write_text("".join(json.dumps(r) + "\n" for r in repo_known), encoding="utf-8")
@@ -140,7 +143,7 @@ def train_one(spec: train.ModelSpec, out: Path, build_dir: Path, fresh: bool = F
     summary = {k: v for k, v in dataclasses.asdict(result).items() if k != "log_rows"}
     summary["spec"] = dataclasses.asdict(spec)
     summary["cpu"] = describe_cpu()
-    summary["known_words"] = score_known_words(model_dir, build_dir / "data")
+    summary |= score_words(model_dir, build_dir / "data")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     log.info("trained", model=spec.name, **{k: v for k, v in summary.items() if k != "spec"})
 
@@ -156,10 +159,13 @@ def describe_cpu() -> str:
     return f"{model_name}, {'bfloat16 autocast' if bf16 else 'fp32, no bfloat16 support'}"
 
 
-def score_known_words(model_dir: Path, data_dir: Path) -> dict:
-    """Greedy answers (from the saved 16-bit weights) to "What does X mean?" for a seeded
-    sample of the known words: the share that carries the first sense; printed and carded."""
+def score_words(model_dir: Path, data_dir: Path) -> dict:
+    """Greedy answers (from the saved 16-bit weights) to "What does X mean?": for a seeded
+    sample of the known words, how many carry the first sense; for held-out words of each
+    unfamiliar band (dataset.unfamiliar_probes), how many get "I don't know the word". Printed
+    and carded."""
     known = evaluate.read_known_words(data_dir / "known_words.jsonl")
+    probes = json.loads((data_dir / "unfamiliar_probes.json").read_text(encoding="utf-8"))
     model, hf_tokenizer = evaluate.load_for_eval(model_dir)
     score = evaluate.known_word_score(model, hf_tokenizer, evaluate.scored_sample(known, SEED))
     print(
@@ -167,12 +173,16 @@ def score_known_words(model_dir: Path, data_dir: Path) -> dict:
         f"first sense ({score.share:.1%}; {len(known)} known words)",
         flush=True,
     )
-    return {
-        "num_known": len(known),
-        "num_scored": score.num_words,
-        "num_right": score.num_right,
-        "misses": [list(m) for m in score.misses[:20]],
-    }
+    result = {"known_words": {"num_known": len(known), **_score_row(score)}, "unfamiliar_words": {}}
+    for band, words in probes.items():
+        score = evaluate.unknown_word_score(model, hf_tokenizer, words)
+        print(f"{model_dir.name}: {score.num_right}/{score.num_words} {band} words (never taught) admitted", flush=True)
+        result["unfamiliar_words"][band] = _score_row(score)
+    return result
+
+
+def _score_row(score: evaluate.WordScore) -> dict:
+    return {"num_scored": score.num_words, "num_right": score.num_right, "misses": [list(m) for m in score.misses[:20]]}
 
 
 if __name__ == "__main__":

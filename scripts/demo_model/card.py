@@ -20,12 +20,19 @@ matplotlib.use("Agg")  # headless: write PNG files, never open a window
 import matplotlib.pyplot as plt
 
 from scripts.demo_model import licences, sources
-from scripts.demo_model.dataset import NUM_FREQUENT_WORDS, Conversation, read_jsonl, unknown_words
+from scripts.demo_model.dataset import (
+    NUM_FREQUENT_WORDS,
+    RARE_FROM_RANK,
+    UNFAMILIAR_FROM_RANK,
+    Conversation,
+    read_jsonl,
+    unknown_words,
+)
 from scripts.demo_model.evaluate import (
     NUM_GREETED_WORDS,
     GreetedProbe,
     GreetedScore,
-    KnownWordScore,
+    WordScore,
     greeted_probes,
     greeted_score,
     heldout_loss,
@@ -96,7 +103,7 @@ class ServerSamples:
 @dataclass(frozen=True, slots=True)
 class SampledScores:
     label: str  # how the replies were drawn, for the card
-    known: KnownWordScore
+    known: WordScore
     greeted: GreetedScore
 
 
@@ -125,13 +132,12 @@ def write_cards(out: Path, build_dir: Path, heldout: list[Conversation]) -> None
     reports = [_report(out / name, heldout, repo_sample, samples[name], probes, words) for name in names]
     data_stats = _read_json(build_dir / "data" / "stats.json")
     summaries = {r.name: _read_json(build_dir / r.name / "summary.json") | {"data": data_stats} for r in reports}
-    known = {name: summary["known_words"] for name, summary in summaries.items()}
     for report in reports:
         run_dir = build_dir / report.name
         summary = summaries[report.name]
         rows = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
         plot_loss_curve(rows, report.name, out / report.name / "loss_curve.png")
-        text = render_card(report, reports, summary, (len(heldout), len(repo_sample)), known)
+        text = render_card(report, reports, summary, (len(heldout), len(repo_sample)), summaries)
         (out / report.name / "README.md").write_text(text, encoding="utf-8")
 
 
@@ -291,9 +297,10 @@ def render_card(
     all_reports: list[ModelReport],
     summary: dict,
     heldout_sizes: tuple[int, int],
-    known: dict[str, dict],
+    summaries: dict[str, dict],
 ) -> str:
-    """heldout_sizes: (conversations in the full held-out split, in models/heldout.jsonl)."""
+    """heldout_sizes: (conversations in the full held-out split, in models/heldout.jsonl);
+    summaries: every model's summary.json by name (summary is this model's)."""
     lines = [
         f"# {report.name}",
         "",
@@ -309,7 +316,7 @@ def render_card(
         "Try: " + ", ".join(f'"{prompt}"' for prompt in EXAMPLE_PROMPTS),
         "",
         *_architecture_section(report, summary["spec"]),
-        *_evaluation_section(all_reports, heldout_sizes, known),
+        *_evaluation_section(all_reports, heldout_sizes, summaries),
         *_training_section(summary),
         *_samples_section(report),
         *_data_section(summary["data"]),
@@ -349,17 +356,22 @@ def _architecture_section(report: ModelReport, spec: dict) -> list[str]:
 
 
 def _evaluation_section(
-    all_reports: list[ModelReport], heldout_sizes: tuple[int, int], known: dict[str, dict]
+    all_reports: list[ModelReport], heldout_sizes: tuple[int, int], summaries: dict[str, dict]
 ) -> list[str]:
     num_heldout, num_repo_sample = heldout_sizes
     rows = []
     for r in all_reports:
-        k = known[r.name]
+        k = summaries[r.name]["known_words"]
         share = k["num_right"] / max(1, k["num_scored"])
         greeted = f"{r.greeted.num_right}/{r.greeted.num_probes} ({r.greeted.share:.1%})" if r.greeted else "not run"
+        unfamiliar = summaries[r.name].get("unfamiliar_words", {})
+        admitted = " | ".join(
+            f"{u['num_right']}/{u['num_scored']}" if (u := unfamiliar.get(band)) else "not run"
+            for band in ("less_common", "rare")
+        )
         rows.append(
             f"| {r.name} | {r.num_parameters / 1e6:.1f}M | {k['num_right']}/{k['num_scored']} ({share:.1%}) "
-            f"| {greeted} | {r.perplexity_heldout:.2f} | {r.perplexity_repo_sample:.2f} |"
+            f"| {greeted} | {admitted} | {r.perplexity_heldout:.2f} | {r.perplexity_repo_sample:.2f} |"
         )
     return [
         "## Evaluation",
@@ -374,14 +386,19 @@ def _evaluation_section(
         "seeded greeting (`scripts/demo_model/evaluate.py`), at temperature 0; a reply is right "
         "when it is the kind the question asks for (that group's canned reply, the word's first "
         "sense, a polite refusal, a fortune), and an example word it offers is one the models "
-        "are taught to suggest (`smalltalk.EXAMPLE_WORDS`), not a made-up one. Perplexity is over the "
+        "are taught to suggest (`smalltalk.EXAMPLE_WORDS`), not a made-up one. Words not taught: "
+        '"What does X mean?" at temperature 0 for held-out words (never in training) of two bands, '
+        f"less common words (frequency ranks {UNFAMILIAR_FROM_RANK:,} to {RARE_FROM_RANK:,}) and rarer "
+        'ones; a reply is right when it is the trained "I don\'t know the word" (the model often '
+        "garbles the word as it repeats it). Perplexity is over the "
         "assistant tokens of held-out conversations (unknown words, fortunes and phrasings never "
         f"seen in training): all {num_heldout} of the held-out split, and the {num_repo_sample} in "
         "`models/heldout.jsonl` that the tests use.",
         "",
-        "| model | parameters | known words right | greeted first messages right | held-out perplexity "
+        "| model | parameters | known words right | greeted first messages right "
+        '| less common words: "I don\'t know" | rarer words: "I don\'t know" | held-out perplexity '
         "| `models/heldout.jsonl` perplexity |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         *_sampling_section(all_reports),

@@ -88,8 +88,8 @@ def sample_reply(
 
 
 @dataclass(frozen=True, slots=True)
-class KnownWordScore:
-    num_words: int  # words asked (a sample of the known ones)
+class WordScore:
+    num_words: int  # words asked (a sample of the known ones, or of unfamiliar ones)
     num_right: int
     misses: tuple[tuple[str, str], ...]  # (word, answer) for the wrong ones
 
@@ -143,11 +143,19 @@ def known_word_score(
     words: list[Sense],
     seed: int | None = None,
     sampling: dict | None = None,
-) -> KnownWordScore:
+) -> WordScore:
     """Ask "What does X mean?" for each word (replies_to); count answers that carry the sense."""
     answers = replies_to(model, tokenizer, [f"What does {s.lemma} mean?" for s in words], seed, sampling)
     misses = tuple((s.lemma, a) for s, a in zip(words, answers, strict=True) if not carries_sense(a, s))
-    return KnownWordScore(len(words), len(words) - len(misses), misses)
+    return WordScore(len(words), len(words) - len(misses), misses)
+
+
+def unknown_word_score(model: PreTrainedModel, tokenizer: AutoTokenizer, words: list[str]) -> WordScore:
+    """Ask "What does X mean?" (greedy) for words the model was never taught
+    (dataset.unfamiliar_probes); right when the reply is the trained "I don't know the word"."""
+    answers = replies_to(model, tokenizer, [f"What does {w} mean?" for w in words])
+    misses = tuple((w, a) for w, a in zip(words, answers, strict=True) if reply_kind(a) != "unknown_word")
+    return WordScore(len(words), len(words) - len(misses), misses)
 
 
 # Greeted first messages ("Hi, who are you?"): openers and questions the card and a test ask.

@@ -18,7 +18,7 @@ from scripts.demo_model.card import (
     render_card,
     server_samples,
 )
-from scripts.demo_model.evaluate import GreetedScore, KnownWordScore
+from scripts.demo_model.evaluate import GreetedScore, WordScore
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
 MODEL_NAMES = ("demo-mini", "demo-flagship")
@@ -43,6 +43,10 @@ SUMMARY = {
     "num_tokens_seen": 5120,
     "cpu": "AMD EPYC, bfloat16 autocast",
     "known_words": KNOWN,
+    "unfamiliar_words": {
+        "less_common": {"num_scored": 100, "num_right": 63, "misses": []},
+        "rare": {"num_scored": 100, "num_right": 81, "misses": []},
+    },
     "data": {"num_words": 10, "num_fortunes": 3},
 }
 
@@ -55,17 +59,15 @@ def _fake_report() -> ModelReport:
     )
     greeted = GreetedScore(55, 50, (("Hi, who are you?", "The noun who means ..."),))
     sampled = (
-        SampledScores("the model's default (temperature 0.6, top-p 0.9)", KnownWordScore(100, 98, ()), greeted),
-        SampledScores(
-            "OpenAI's default (temperature 1, top-p 1)", KnownWordScore(100, 91, ()), GreetedScore(55, 40, ())
-        ),
+        SampledScores("the model's default (temperature 0.6, top-p 0.9)", WordScore(100, 98, ()), greeted),
+        SampledScores("OpenAI's default (temperature 1, top-p 1)", WordScore(100, 91, ()), GreetedScore(55, 40, ())),
     )
     return ModelReport("demo-test", 30.0, 31.0, 1_000_000, 2_000_000, samples, greeted, sampled)
 
 
 def test_card_says_samples_come_from_the_server_with_request_parameters():
     report = _fake_report()
-    text = render_card(report, [report], SUMMARY, (100, 10), {"demo-test": KNOWN})
+    text = render_card(report, [report], SUMMARY, (100, 10), {"demo-test": SUMMARY})
     assert PROVENANCE in text
     assert "default `config.toml`" in text and "safety screening on" in text
     assert "`POST /v1/chat/completions`" in text and '`"model": "demo-test"`' in text
@@ -81,7 +83,9 @@ def test_card_says_samples_come_from_the_server_with_request_parameters():
 
 def test_card_shows_the_scores_at_the_default_sampling_and_at_openais():
     report = _fake_report()
-    section = render_card(report, [report], SUMMARY, (100, 10), {"demo-test": KNOWN}).split("### Sampling defaults")[1]
+    section = render_card(report, [report], SUMMARY, (100, 10), {"demo-test": SUMMARY}).split("### Sampling defaults")[
+        1
+    ]
     assert "| demo-test | the model's default (temperature 0.6, top-p 0.9) | 98/100 (98%) | 50/55 (91%) |" in section
     assert "| demo-test | OpenAI's default (temperature 1, top-p 1) | 91/100 (91%) | 40/55 (73%) |" in section
 
@@ -132,11 +136,12 @@ def test_committed_cards_give_the_web_ui_a_description_and_three_example_prompts
 
 def test_rendered_card_has_the_try_line_and_states_the_measured_known_word_share():
     report = _fake_report()
-    text = render_card(report, [report], SUMMARY, (100, 10), {"demo-test": KNOWN})
+    text = render_card(report, [report], SUMMARY, (100, 10), {"demo-test": SUMMARY})
     lead = text.split("## Architecture")[0]
     assert 'Try: "Hello!", "What does water mean?", "Tell me a fortune."' in lead
     assert "first WordNet sense of 6,500 common English words" in lead
     assert "answered 390 of a sample of 400 of them with the first sense (97.5%" in lead
-    assert "| demo-test | 1.0M | 390/400 (97.5%) | 50/55 (90.9%) | 30.00 | 31.00 |" in text
+    assert "| demo-test | 1.0M | 390/400 (97.5%) | 50/55 (90.9%) | 63/100 | 81/100 | 30.00 | 31.00 |" in text
+    assert "frequency ranks 4,000 to 60,000" in text
     assert "Greeted first messages:" in text
     assert "same weights bit for bit on the same kind of CPU (this build: AMD EPYC, bfloat16 autocast)" in text

@@ -133,6 +133,33 @@ def test_known_words_are_the_frequent_ones_wordnet_defines_without_function_word
     assert sorted(s.lemma for s in unknown) == ["quokka", "zymurgy"]  # never a frequent word
 
 
+def test_unknown_words_can_come_from_the_less_common_band(monkeypatch):
+    """Users ask about less common words ("yowl") more than rare ones: NUM_LESS_COMMON_UNKNOWN
+    of the "I don't know" words come from the frequency band between the two; the probes
+    asked after training are held-out words of each band, which no build trains on."""
+    from scripts.demo_model import dataset
+
+    monkeypatch.setattr(dataset, "NUM_FREQUENT_WORDS", 4)
+    monkeypatch.setattr(dataset, "UNFAMILIAR_FROM_RANK", 6)
+    monkeypatch.setattr(dataset, "RARE_FROM_RANK", 206)
+    monkeypatch.setattr(dataset, "NUM_UNKNOWN_WORDS", 40)
+    monkeypatch.setattr(dataset, "NUM_LESS_COMMON_UNKNOWN", 20)
+    frequent = [f"common{i}" for i in range(6)] + [f"band{i}" for i in range(200)] + ["beyond"]
+    senses = [_sense(w) for w in frequent] + [_sense(f"rare{i}") for i in range(100)]
+    known, unknown = dataset.choose_words(senses, frequent, random.Random(0))
+    assert [s.lemma for s in known] == [f"common{i}" for i in range(4)]
+    lemmas = [s.lemma for s in unknown]
+    assert sum(w.startswith("band") for w in lemmas) == 20
+    assert sum(w.startswith("rare") or w == "beyond" for w in lemmas) == 20
+    assert not {"common4", "common5"} & set(lemmas)  # between the known words and the band
+    probes = dataset.unfamiliar_probes(dataset.first_senses(senses), frequent, 3, seed=0)
+    assert all(w.startswith("band") for w in probes["less_common"]) and probes["less_common"]
+    assert all(dataset.split_of(w) is Split.HELDOUT for band in probes.values() for w in band)
+    splits = dataset.build_conversations(senses, ["A fortune."], frequent, seed=1, example_words=("common0",))
+    trained = " ".join(content for c in splits[Split.TRAIN] for _, content in c.messages)
+    assert not any(f" {w}." in trained or f" {w} " in trained for band in probes.values() for w in band)
+
+
 def test_known_words_are_all_trained_and_unknown_ones_get_i_do_not_know():
     from scripts.demo_model.dataset import build_conversations
 
