@@ -30,6 +30,7 @@ from scripts.demo_model.dataset import (
 )
 from scripts.demo_model.evaluate import (
     NUM_GREETED_WORDS,
+    QUOTED_PROBES,
     GreetedProbe,
     GreetedScore,
     WordScore,
@@ -116,6 +117,7 @@ class ModelReport:
     weights_bytes: int
     samples: ServerSamples
     greeted: GreetedScore | None = None  # first messages that open with a greeting
+    quoted: WordScore | None = None  # known words asked about in quotes ('What does "water" mean?')
     sampled: tuple[SampledScores, ...] = ()  # the same measures with sampled replies
 
 
@@ -240,6 +242,7 @@ def _report(
         (model_dir / "model.safetensors").stat().st_size,
         samples,
         greeted_score(model, hf_tokenizer, probes),
+        known_word_score(model, hf_tokenizer, words, questions=QUOTED_PROBES),
         tuple(
             SampledScores(
                 label,
@@ -364,6 +367,7 @@ def _evaluation_section(
         k = summaries[r.name]["known_words"]
         share = k["num_right"] / max(1, k["num_scored"])
         greeted = f"{r.greeted.num_right}/{r.greeted.num_probes} ({r.greeted.share:.1%})" if r.greeted else "not run"
+        quoted = f"{r.quoted.num_right}/{r.quoted.num_words}" if r.quoted else "not run"
         unfamiliar = summaries[r.name].get("unfamiliar_words", {})
         admitted = " | ".join(
             f"{u['num_right']}/{u['num_scored']}" if (u := unfamiliar.get(band)) else "not run"
@@ -371,7 +375,7 @@ def _evaluation_section(
         )
         rows.append(
             f"| {r.name} | {r.num_parameters / 1e6:.1f}M | {k['num_right']}/{k['num_scored']} ({share:.1%}) "
-            f"| {greeted} | {admitted} | {r.perplexity_heldout:.2f} | {r.perplexity_repo_sample:.2f} |"
+            f"| {quoted} | {greeted} | {admitted} | {r.perplexity_heldout:.2f} | {r.perplexity_repo_sample:.2f} |"
         )
     return [
         "## Evaluation",
@@ -379,7 +383,11 @@ def _evaluation_section(
         "Known words: a seeded sample of the words the model was taught, each asked "
         '"What does X mean?" alone at temperature 0 (the saved bfloat16 weights, run in fp32 by '
         "`transformers`); an answer is right when it carries at least half of the content words "
-        "of the word's first WordNet sense. Printed by `make demo-model`. Greeted first messages: "
+        "of the word's first WordNet sense. Printed by `make demo-model`. In quotes: "
+        f"{NUM_SAMPLED_WORDS} other known words asked the same way with the word in quotes, "
+        + ", ".join(f"`{q}`" for q in QUOTED_PROBES)
+        + " in turn (a quoted word is another token; each word is trained once in quotes, in "
+        "one of these or a few other phrasings). Greeted first messages: "
         'questions that open with a greeting, as many first messages do ("Hi, who are you?", '
         '"Hello! What does water mean?"): every canned identity, help, how-are-you and thanks '
         f"question, {NUM_GREETED_WORDS} known words, a few off-topic questions and fortune requests, each after a "
@@ -395,10 +403,10 @@ def _evaluation_section(
         f"seen in training): all {num_heldout} of the held-out split, and the {num_repo_sample} in "
         "`models/heldout.jsonl` that the tests use.",
         "",
-        "| model | parameters | known words right | greeted first messages right "
+        "| model | parameters | known words right | known words in quotes right | greeted first messages right "
         '| less common words: "I don\'t know" | rarer words: "I don\'t know" | held-out perplexity '
         "| `models/heldout.jsonl` perplexity |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         *_sampling_section(all_reports),

@@ -17,13 +17,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from scripts.demo_model import smalltalk
-from scripts.demo_model.dataset import FUNCTION_WORDS, greeted
+from scripts.demo_model.dataset import FUNCTION_WORDS, QUOTED_QUESTIONS, greeted
 from scripts.demo_model.sources import PartOfSpeech, Sense
 from scripts.demo_model.tokenizer import IGNORE_INDEX, EncodedConversation
 
 _EVAL_BATCH_SIZE = 16
 NUM_SCORED_WORDS = 400  # a seeded sample of the known words, asked one by one
 CARRIED_SHARE = 0.5  # an answer is right if it carries half of the sense's content words
+QUOTED_PROBES = QUOTED_QUESTIONS[:3]  # "What does 'X' mean?" with straight and curly quotes
 _WORD_RE = re.compile(r"[a-z]+")
 
 
@@ -143,9 +144,12 @@ def known_word_score(
     words: list[Sense],
     seed: int | None = None,
     sampling: dict | None = None,
+    questions: tuple[str, ...] = ("What does {w} mean?",),
 ) -> WordScore:
-    """Ask "What does X mean?" for each word (replies_to); count answers that carry the sense."""
-    answers = replies_to(model, tokenizer, [f"What does {s.lemma} mean?" for s in words], seed, sampling)
+    """Ask about each word (replies_to), in turn with each of questions (templates of {w});
+    count answers that carry the sense."""
+    asked = [questions[i % len(questions)].format(w=s.lemma) for i, s in enumerate(words)]
+    answers = replies_to(model, tokenizer, asked, seed, sampling)
     misses = tuple((s.lemma, a) for s, a in zip(words, answers, strict=True) if not carries_sense(a, s))
     return WordScore(len(words), len(words) - len(misses), misses)
 

@@ -62,7 +62,8 @@ def _fake_report() -> ModelReport:
         SampledScores("the model's default (temperature 0.6, top-p 0.9)", WordScore(100, 98, ()), greeted),
         SampledScores("OpenAI's default (temperature 1, top-p 1)", WordScore(100, 91, ()), GreetedScore(55, 40, ())),
     )
-    return ModelReport("demo-test", 30.0, 31.0, 1_000_000, 2_000_000, samples, greeted, sampled)
+    quoted = WordScore(100, 88, ())
+    return ModelReport("demo-test", 30.0, 31.0, 1_000_000, 2_000_000, samples, greeted, quoted, sampled)
 
 
 def test_card_says_samples_come_from_the_server_with_request_parameters():
@@ -141,7 +142,7 @@ def test_rendered_card_has_the_try_line_and_states_the_measured_known_word_share
     assert 'Try: "Hello!", "What does water mean?", "Tell me a fortune."' in lead
     assert "first WordNet sense of 6,500 common English words" in lead
     assert "answered 390 of a sample of 400 of them with the first sense (97.5%" in lead
-    assert "| demo-test | 1.0M | 390/400 (97.5%) | 50/55 (90.9%) | 63/100 | 81/100 | 30.00 | 31.00 |" in text
+    assert "| demo-test | 1.0M | 390/400 (97.5%) | 88/100 | 50/55 (90.9%) | 63/100 | 81/100 | 30.00 | 31.00 |" in text
     assert "frequency ranks 4,000 to 60,000" in text
     assert "Greeted first messages:" in text
     assert "same weights bit for bit on the same kind of CPU (this build: AMD EPYC, bfloat16 autocast)" in text

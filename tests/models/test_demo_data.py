@@ -160,6 +160,20 @@ def test_unknown_words_can_come_from_the_less_common_band(monkeypatch):
     assert not any(f" {w}." in trained or f" {w} " in trained for band in probes.values() for w in band)
 
 
+def test_quoted_questions_when_turned_on_ask_every_known_word_in_quotes(monkeypatch):
+    from scripts.demo_model import dataset
+
+    senses = [_sense(f"word{c}") for c in "abcdefghij"] + [_sense(f"rare{c}") for c in "abcdefghij"]
+    frequent = [f"word{c}" for c in "abcdefghij"]
+    off = dataset.build_conversations(senses, ["A fortune."], frequent, seed=1, example_words=("worda",))
+    monkeypatch.setattr(dataset, "QUOTED_DEFINITION_QUESTIONS", 1)
+    on = dataset.build_conversations(senses, ["A fortune."], frequent, seed=1, example_words=("worda",))
+    asked = " ".join(text for c in on[Split.TRAIN] for role, text in c.messages if role == "user")
+    for lemma in frequent:
+        assert any(q in asked for q in (f'"{lemma}"', f"'{lemma}'", f"\u201c{lemma}\u201d")), lemma
+    assert len(on[Split.TRAIN]) > len(off[Split.TRAIN])
+
+
 def test_known_words_are_all_trained_and_unknown_ones_get_i_do_not_know():
     from scripts.demo_model.dataset import build_conversations
 
