@@ -386,8 +386,8 @@ def _evaluation_section(
         "of the word's first WordNet sense. Printed by `make demo-model`. In quotes: "
         f"{NUM_SAMPLED_WORDS} other known words asked the same way with the word in quotes, "
         + ", ".join(f"`{q}`" for q in QUOTED_PROBES)
-        + " in turn (a quoted word is another token; each word is trained once in quotes, in "
-        "one of these or a few other phrasings). Greeted first messages: "
+        + " in turn (a quoted word is another token than the bare one; how often training asks "
+        "in quotes: `dataset.QUOTED_DEFINITION_QUESTIONS`). Greeted first messages: "
         'questions that open with a greeting, as many first messages do ("Hi, who are you?", '
         '"Hello! What does water mean?"): every canned identity, help, how-are-you and thanks '
         f"question, {NUM_GREETED_WORDS} known words, a few off-topic questions and fortune requests, each after a "
