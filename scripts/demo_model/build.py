@@ -104,7 +104,7 @@ def build_data(data_dir: Path, out: Path) -> None:
     (data_dir / "stats.json").write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
     log.info("data", **stats)
     tokenizer = train_tokenizer(conversation_texts(splits[dataset.Split.TRAIN]), VOCAB_SIZE)
-    save_tokenizer_files(tokenizer, data_dir.parent / "tokenizer", train.MINI.seq_len)
+    save_tokenizer_files(tokenizer, data_dir.parent / "tokenizer", train.MINI.seq_len, served=False)
 
 
 def repo_heldout(heldout: list[dataset.Conversation]) -> list[dataset.Conversation]:

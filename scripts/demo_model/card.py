@@ -351,7 +351,8 @@ def _architecture_section(report: ModelReport, spec: dict) -> list[str]:
         f"| attention heads / KV heads | {spec['num_attention_heads']} / "
         f"{spec['num_key_value_heads']} (grouped-query) |",
         f"| context window | {spec['seq_len']} tokens (`max_position_embeddings`) |",
-        "| vocabulary | 4,096 byte-level BPE tokens, shared by demo-mini and demo-flagship |",
+        "| vocabulary | 4,096 byte-level BPE tokens, shared by demo-mini and demo-flagship; quote marks "
+        'around words are removed before encoding (`"friend"` reads as `friend`) |',
         f"| weights | `model.safetensors`, bfloat16, {report.weights_bytes / 1e6:.1f} MB |",
         "| chat format | ChatML-style template in `tokenizer_config.json`; `<|im_end|>` is EOS |",
         "",
@@ -386,8 +387,9 @@ def _evaluation_section(
         "of the word's first WordNet sense. Printed by `make demo-model`. In quotes: "
         f"{NUM_SAMPLED_WORDS} other known words asked the same way with the word in quotes, "
         + ", ".join(f"`{q}`" for q in QUOTED_PROBES)
-        + " in turn (a quoted word is another token than the bare one; how often training asks "
-        "in quotes: `dataset.QUOTED_DEFINITION_QUESTIONS`). Greeted first messages: "
+        + " in turn (training asks about words without quotes; the tokenizer the model is served "
+        "with removes quote marks around words before the model reads the text, "
+        "`tokenizer.quote_normalizer`). Greeted first messages: "
         'questions that open with a greeting, as many first messages do ("Hi, who are you?", '
         '"Hello! What does water mean?"): every canned identity, help, how-are-you and thanks '
         f"question, {NUM_GREETED_WORDS} known words, a few off-topic questions and fortune requests, each after a "

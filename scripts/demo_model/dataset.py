@@ -21,21 +21,6 @@ HELDOUT_PERCENT = 3
 # WordNet sense. All of them are trained (none held out), each asked more than once.
 NUM_FREQUENT_WORDS = 3_000
 NUM_DEFINITION_QUESTIONS = 3  # definition conversations per known word (different phrasings)
-# A quoted word is another token ("'water'" reads as ' + water + ', where "What does water
-# mean?" has " water"), which a tiny model learns for a word only from examples of that word:
-# the committed models answer 13-14 of 100 known words asked in quotes right (the cards). A
-# build with QUOTED_DEFINITION_QUESTIONS = 1 and QUOTED_UNKNOWN_SHARE = 0.25 (2026-11-26) got
-# 32-36 of 40 right (5-7 before) but lost elsewhere (first messages, rare words) in the builds
-# tried; both are 0 here, so the committed models' data is reproduced.
-QUOTED_QUESTIONS = (
-    'What does "{w}" mean?',
-    "What does '{w}' mean?",
-    "What does \u201c{w}\u201d mean?",  # curly quotes, as phones and word processors type them
-    'What is the meaning of "{w}"?',
-    "Define '{w}'.",
-)
-QUOTED_DEFINITION_QUESTIONS = 0  # per known word, beside the NUM_DEFINITION_QUESTIONS
-QUOTED_UNKNOWN_SHARE = 0.0  # share of unknown words asked about in quotes
 # Words outside the known list teach "I don't know that word": NUM_LESS_COMMON_UNKNOWN less
 # common words (frequency ranks UNFAMILIAR_FROM_RANK to RARE_FROM_RANK, such as "yowl") and
 # rare WordNet lemmas beyond them for the rest. A hashed few percent of each band are held out,
@@ -211,10 +196,7 @@ def build_conversations(
         train_only += _word_conversations(sense, rng)
     keyed: list[tuple[str, Conversation]] = []  # (split key, conversation)
     for sense in unknown:
-        if QUOTED_UNKNOWN_SHARE and rng.random() < QUOTED_UNKNOWN_SHARE:
-            question = _vary(rng.choice(QUOTED_QUESTIONS).format(w=sense.lemma), rng)
-        else:
-            question = _definition_question(sense.lemma, sense.pos, rng)
+        question = _definition_question(sense.lemma, sense.pos, rng)
         reply = rng.choice(smalltalk.UNKNOWN_WORD).format(unknown=sense.lemma, word=rng.choice(example_words))
         keyed.append((sense.lemma, _single("unknown_word", question, reply)))
     for fortune in sorted(fortunes, key=lambda f: zlib.crc32(f.encode()))[:NUM_FORTUNES]:
@@ -236,9 +218,6 @@ def _word_conversations(sense: Sense, rng: random.Random) -> list[Conversation]:
     conversations = [_single("definition", _vary(f"What does {sense.lemma} mean?", rng), answer)]
     for _ in range(NUM_DEFINITION_QUESTIONS - 1):
         conversations.append(_single("definition", _definition_question(sense.lemma, sense.pos, rng), answer))
-    for _ in range(QUOTED_DEFINITION_QUESTIONS):
-        quoted = rng.choice(QUOTED_QUESTIONS).format(w=sense.lemma)
-        conversations.append(_single("definition", _vary(quoted, rng), answer))
     if sense.examples and rng.random() < 0.15:
         question = _vary(f"Use {sense.lemma} in a sentence.", rng)
         conversations.append(_single("example", question, _example_answer(sense)))

@@ -17,14 +17,20 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from scripts.demo_model import smalltalk
-from scripts.demo_model.dataset import FUNCTION_WORDS, QUOTED_QUESTIONS, greeted
+from scripts.demo_model.dataset import FUNCTION_WORDS, greeted
 from scripts.demo_model.sources import PartOfSpeech, Sense
 from scripts.demo_model.tokenizer import IGNORE_INDEX, EncodedConversation
 
 _EVAL_BATCH_SIZE = 16
 NUM_SCORED_WORDS = 400  # a seeded sample of the known words, asked one by one
 CARRIED_SHARE = 0.5  # an answer is right if it carries half of the sense's content words
-QUOTED_PROBES = QUOTED_QUESTIONS[:3]  # "What does 'X' mean?" with straight and curly quotes
+# Known words asked in quotes, as people often type them: the served tokenizer removes the marks
+# (tokenizer.quote_normalizer), so these read as the bare question.
+QUOTED_PROBES = (
+    'What does "{w}" mean?',
+    "What does '{w}' mean?",
+    "What does \u201c{w}\u201d mean?",  # curly quotes, as phones and word processors type them
+)
 _WORD_RE = re.compile(r"[a-z]+")
 
 

@@ -13,7 +13,7 @@ import pytest
 from engine.tokenizer import Tokenizer
 from scripts.demo_model.dataset import Conversation, Split, definition_answer, split_of
 from scripts.demo_model.sources import PartOfSpeech, Sense, _normalise_fortune, _parse_data_line
-from scripts.demo_model.tokenizer import IGNORE_INDEX, encode_conversation
+from scripts.demo_model.tokenizer import IGNORE_INDEX, encode_conversation, quote_normalizer, save_tokenizer_files
 from scripts.demo_model.train import MINI, learning_rate_at, pack_rows
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
@@ -160,18 +160,47 @@ def test_unknown_words_can_come_from_the_less_common_band(monkeypatch):
     assert not any(f" {w}." in trained or f" {w} " in trained for band in probes.values() for w in band)
 
 
-def test_quoted_questions_when_turned_on_ask_every_known_word_in_quotes(monkeypatch):
-    from scripts.demo_model import dataset
+@pytest.mark.parametrize(
+    ("typed", "read"),
+    [
+        ('What does "friend" mean?', "What does friend mean?"),
+        ("What does 'friend' mean?", "What does friend mean?"),
+        ("What does \u201cfriend\u201d mean?", "What does friend mean?"),
+        ("What is \u2018ice cream\u2019?", "What is ice cream?"),
+        ('"friend"', "friend"),
+        ('("word")', "(word)"),
+        ('He said "go home" and left.', "He said go home and left."),
+        ("don't, it\u2019s, I'm", "don't, it\u2019s, I'm"),  # apostrophes inside words stay
+        ('a 5" screen', 'a 5" screen'),  # inches: no letter before the mark
+        ("user\n'hi'", "user\nhi"),  # at a line start
+    ],
+)
+def test_quote_normalizer_removes_quote_marks_around_words_only(typed, read):
+    assert quote_normalizer().normalize_str(typed) == read
 
-    senses = [_sense(f"word{c}") for c in "abcdefghij"] + [_sense(f"rare{c}") for c in "abcdefghij"]
-    frequent = [f"word{c}" for c in "abcdefghij"]
-    off = dataset.build_conversations(senses, ["A fortune."], frequent, seed=1, example_words=("worda",))
-    monkeypatch.setattr(dataset, "QUOTED_DEFINITION_QUESTIONS", 1)
-    on = dataset.build_conversations(senses, ["A fortune."], frequent, seed=1, example_words=("worda",))
-    asked = " ".join(text for c in on[Split.TRAIN] for role, text in c.messages if role == "user")
-    for lemma in frequent:
-        assert any(q in asked for q in (f'"{lemma}"', f"'{lemma}'", f"\u201c{lemma}\u201d")), lemma
-    assert len(on[Split.TRAIN]) > len(off[Split.TRAIN])
+
+def test_served_tokenizer_reads_a_quoted_word_as_the_bare_word_and_training_keeps_quotes(tmp_path):
+    from tokenizers import Tokenizer as RawTokenizer
+
+    committed = MODELS_DIR / "demo-mini" / "tokenizer.json"
+    raw = RawTokenizer.from_file(str(committed))
+    save_tokenizer_files(raw, tmp_path / "served", MINI.seq_len)
+    save_tokenizer_files(raw, tmp_path / "training", MINI.seq_len, served=False)
+    assert (tmp_path / "served" / "tokenizer.json").read_bytes() == committed.read_bytes()  # the build's file
+    assert RawTokenizer.from_file(str(tmp_path / "training" / "tokenizer.json")).normalizer is None
+
+    served = Tokenizer.from_dir(MODELS_DIR / "demo-mini")  # as the engine loads it
+    asked = [
+        served.encode_chat([{"role": "user", "content": q}])
+        for q in ('What does "friend" mean?', "What does \u201cfriend\u201d mean?")
+    ]
+    assert asked == [served.encode_chat([{"role": "user", "content": "What does friend mean?"}])] * 2
+    # Losses are measured on the training encoding: a reply's quote marks stay there.
+    reply = 'Ask me what "water" means.'
+    encoded = encode_conversation(served._tok, Conversation("smalltalk", (("user", "Hi"), ("assistant", reply))))
+    trained = served.decode([t for t in encoded.labels if t != IGNORE_INDEX])
+    assert trained == reply
+    assert served._tok.normalizer is not None  # restored after encoding
 
 
 def test_known_words_are_all_trained_and_unknown_ones_get_i_do_not_know():

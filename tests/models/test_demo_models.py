@@ -107,14 +107,18 @@ def test_heldout_sample_holds_only_words_kept_out_of_training(heldout_sample):
         assert word not in known and word in conversation.messages[0][1]
 
 
+@pytest.mark.parametrize("quoted", [False, True], ids=["bare", "in-quotes"])
 @pytest.mark.parametrize("name", MODEL_NAMES)
-def test_model_answers_known_words_with_their_first_sense(name, loaded_models):
-    from scripts.demo_model.evaluate import known_word_score, read_known_words
+def test_model_answers_known_words_with_their_first_sense(name, quoted, loaded_models):
+    """'What does X mean?', and the same with X in straight or curly quotes, as people type it
+    (the served tokenizer removes the marks: 13-14 of 100 such questions were right before)."""
+    from scripts.demo_model.evaluate import QUOTED_PROBES, known_word_score, read_known_words
 
     model, hf_tokenizer = loaded_models(name)
     words = read_known_words(MODELS_DIR / "known_words.jsonl")
     assert len(words) == 40
-    score = known_word_score(model, hf_tokenizer, words)
+    questions = QUOTED_PROBES if quoted else ("What does {w} mean?",)
+    score = known_word_score(model, hf_tokenizer, words, questions=questions)
     assert score.share >= MIN_KNOWN_WORDS_RIGHT[name], score.misses
 
 
@@ -141,6 +145,8 @@ FIRST_MESSAGES = {
     "Can you write code?": "refusal",
     "What does water mean?": "definition",
     "What does 'water' mean?": "definition",
+    'What does "friend" mean?': "definition",
+    "What does \u201cfriend\u201d mean?": "definition",
     "Why?": "help",
     "Bonjour": "refusal",
     "😀": "refusal",
