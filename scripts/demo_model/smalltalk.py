@@ -207,11 +207,13 @@ _OFF_TOPIC_TEMPLATES = (
     "What's the weather today?",
     "Tell me a story.",
     # Messages in other languages, emoji and keyboard mashing: the models know only English
-    # words, so they say so rather than guess (three and two entries: more samples of each).
+    # words, so they say so rather than guess (four and three entries: more samples of each).
     "{foreign}",
     "{foreign}",
     "{foreign}",
     "{mash}",
+    "{mash}",
+    "{foreign}",
     "{mash}",
 )
 _FILLERS = {
@@ -251,6 +253,22 @@ _FILLERS = {
         "Γεια σου",  # noqa: RUF001
         "Xin chào",
         "Cześć, co słychać?",
+        "Merci beaucoup",
+        "Bonsoir",
+        "Gracias",
+        "Buenas noches",
+        "Grazie mille",
+        "Guten Morgen",
+        "Danke schön",
+        "Tschüss",
+        "Obrigado",
+        "Спасибо",
+        "再见",
+        "ありがとう",
+        "감사합니다",
+        "Dziękuję",
+        "Kiitos",
+        "Tack så mycket",
     ),
     "mash": (
         "asdfgh",
@@ -267,6 +285,14 @@ _FILLERS = {
         "❤️",
         ":)",
         "xyz",
+        "zxcvb",
+        "hjkl",
+        "mnbvcx",
+        "???",
+        "?!?",
+        "!?",
+        "🤷",
+        "😂😂",
     ),
     "acronym": ("AI", "NASA", "an API", "a GPU", "the EU", "HTML", "a CPU", "DNA"),
     "place": (
