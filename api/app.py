@@ -19,7 +19,7 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from api import chat, files, resources, responses, responses_background
+from api import chat, completions, files, resources, responses, responses_background
 from api.connections import CLOSE_AFTER, make_body_deadline_middleware
 from api.errors import ApiError, from_gateway, internal_error, overloaded
 from api.inflight import INFLIGHT, InFlight
@@ -218,4 +218,5 @@ def init(settings: Settings, *, backend_factory: BackendFactory | None = None) -
     app.on_response_prepare.append(_stamp_headers)
     resources.add_routes(app, chat.chat_completions)
     responses.add_routes(app)
+    completions.add_routes(app)
     return app

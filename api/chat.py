@@ -148,7 +148,7 @@ async def _serve_stream(request: web.Request, state: AppState, job: Job, grant: 
     created = protocol.now_s()
 
     def chunk(delta: dict, finish: str | None = None) -> dict:
-        usage = _usage(state, job) if job.chat.continuous_usage else None
+        usage = usage_of(state, job) if job.chat.continuous_usage else None
         return protocol.chunk_body(
             job.completion_id, job.model.name, created, delta, finish, job.chat.include_usage, usage
         )
@@ -181,7 +181,9 @@ async def _serve_stream(request: web.Request, state: AppState, job: Job, grant: 
             body["choices"][0]["index"] = i
             await writer.data(body)
         if job.chat.include_usage:
-            await writer.data(protocol.usage_chunk_body(job.completion_id, job.model.name, created, _usage(state, job)))
+            await writer.data(
+                protocol.usage_chunk_body(job.completion_id, job.model.name, created, usage_of(state, job))
+            )
         await writer.done()
 
     return await stream_job(request, state, job, grant, stream, run)
@@ -196,21 +198,21 @@ async def _serve_unary(request: web.Request, state: AppState, job: Job, grant: P
         protocol.now_s(),
         "".join(job.text_parts),
         answers[0].finish_reason(finishes[0]),
-        _usage(state, job),
+        usage_of(state, job),
         _extra_fields(job),
     )
     body["choices"] = [
         {"index": i, "message": a.message(), "logprobs": a.logprobs_obj(), "finish_reason": a.finish_reason(f)}
         for i, (a, f) in enumerate(zip(answers, finishes, strict=True))
     ]
-    return web.json_response(body, headers=state.response_headers(job), dumps=_dumps)
+    return web.json_response(body, headers=state.response_headers(job), dumps=json_dumps)
 
 
-def _dumps(obj: object) -> str:
+def json_dumps(obj: object) -> str:
     return orjson.dumps(obj).decode()
 
 
-def _usage(state: AppState, job: Job) -> dict:
+def usage_of(state: AppState, job: Job) -> dict:
     return protocol.usage_dict(
         job.num_prompt_tokens, job.num_cached_tokens, job.num_completion_tokens, state.cost_usd(job)
     )
@@ -219,29 +221,14 @@ def _usage(state: AppState, job: Job) -> dict:
 async def _refuse(request: web.Request, state: AppState, job: Job, verdict) -> web.StreamResponse:
     """A prompt blocked before the engine: a refusal answer (or a 400 in error mode). The
     refusal is stored as the assistant message, with finish_reason content_filter."""
-    cfg = state.settings.safety
-    assert state.safety is not None  # only the safety gate blocks a prompt
-    refusal = state.safety.refusal_text(verdict)  # the category's text (self-harm: where to get help)
-    is_error = cfg.block_mode == "error"  # then no answer at all: a 400, nothing stored
-    job.text_parts = [] if is_error else [refusal]
-    await finish_job(
-        state, job, RequestStatus.FILTERED, FinishReason.CONTENT_FILTER, prompt_billed=False, store_answer=not is_error
-    )
-    if is_error:
-        raise ApiError(
-            400,
-            "The prompt was blocked by the content policy.",
-            "invalid_request_error",
-            "content_policy_violation",
-            "messages",
-        )
+    refusal = await record_refusal(state, job, verdict)
     usage = protocol.usage_dict(0, 0, 0, 0.0)
     created = protocol.now_s()
     if not job.chat.stream:
         body = protocol.completion_body(
             job.completion_id, job.model.name, created, refusal, "content_filter", usage, _extra_fields(job)
         )
-        return web.json_response(body, headers=state.response_headers(job), dumps=_dumps)
+        return web.json_response(body, headers=state.response_headers(job), dumps=json_dumps)
     writer = await SSEWriter.open(request, state.response_headers(job))
     mk = protocol.chunk_body
     await writer.data(
@@ -262,3 +249,25 @@ async def _refuse(request: web.Request, state: AppState, job: Job, verdict) -> w
         await writer.data(protocol.usage_chunk_body(job.completion_id, job.model.name, created, usage))
     await writer.done()
     return writer._response
+
+
+async def record_refusal(state: AppState, job: Job, verdict) -> str:
+    """The one finish path of a prompt the safety gate blocked: its ledger row (prompt not
+    billed) and, unless the gate answers with errors, the refusal stored as the answer. Returns
+    the refusal text; in error mode raises the 400 instead (nothing stored)."""
+    assert state.safety is not None  # only the safety gate blocks a prompt
+    refusal = state.safety.refusal_text(verdict)  # the category's text (self-harm: where to get help)
+    is_error = state.settings.safety.block_mode == "error"  # then no answer at all: a 400, nothing stored
+    job.text_parts = [] if is_error else [refusal]
+    await finish_job(
+        state, job, RequestStatus.FILTERED, FinishReason.CONTENT_FILTER, prompt_billed=False, store_answer=not is_error
+    )
+    if is_error:
+        raise ApiError(
+            400,
+            "The prompt was blocked by the content policy.",
+            "invalid_request_error",
+            "content_policy_violation",
+            "prompt" if job.chat.raw_prompt is not None else "messages",
+        )
+    return refusal

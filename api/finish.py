@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
 
 import structlog
 from aiohttp import web
 
-from api.answer import Answer
 from api.errors import ApiError, from_gateway, overloaded
 from api.generation import Emit, generate_choices
 from api.inflight import INFLIGHT
@@ -130,8 +130,16 @@ async def finish_quietly(state: AppState, job: Job, status: RequestStatus, finis
         pass
 
 
+class Collector(Protocol):
+    """What `generate_unary` feeds each choice's text into: a chat `Answer`, or a raw completion's text."""
+
+    def feed(self, text: str, logprobs: tuple[TokenLogprob, ...]) -> object: ...
+
+    def close(self) -> object: ...
+
+
 async def generate_unary(
-    request: web.Request, state: AppState, job: Job, grant: Pass, answers: list[Answer]
+    request: web.Request, state: AppState, job: Job, grant: Pass, answers: Sequence[Collector]
 ) -> list[FinishReason]:
     """A non-streaming job run to its end, one `Answer` per choice, the durable write done before it
     returns (StoreUnavailable: 503, nothing acknowledged). Chat completions and Responses both call it,

@@ -20,6 +20,7 @@ from api.protocol import ChatMessage, ChatRequest, wire_options
 from api.reasoning import prompt_opens_thinking
 from api.tools import ChoiceMode, Tool, detect_format, forced_call_grammar, template_takes_tools, tools_system_prompt
 from engine.registry import ModelHandle
+from engine.tokenizer import Tokenizer
 from engine.types import ChatPrompt, GenerationRequest, RequestRejected, SamplingParams, UsageSource
 from settings import TierConfig
 from store.types import Principal
@@ -238,7 +239,9 @@ def make_job(inp: JobInputs) -> Job:
     model, chat, tier = inp.model, inp.chat, inp.tier
     limit = min(model.max_model_len, tier.max_context_tokens)
     dropped = 0
-    if inp.history is not None:
+    if chat.raw_prompt is not None:  # a legacy completion: no template, no history
+        ids, context = encode_raw_prompt(model, chat.raw_prompt)
+    elif inp.history is not None:
         reserve = chat.max_tokens if chat.max_tokens is not None else min(tier.max_tokens, 64)
         ids, context, dropped = trim_history(
             model, list(inp.history), chat.messages, limit - reserve, prompt_tools(chat), chat.chat_template_kwargs
@@ -256,7 +259,7 @@ def make_job(inp: JobInputs) -> Job:
         priority=tier.priority,
         cache_salt=inp.cache_salt,
         arrival_s=now,
-        chat=chat_prompt(chat, context),
+        chat=None if chat.raw_prompt is not None else chat_prompt(chat, context),
     )
     try:
         model.backend.check_request(gen)
@@ -276,8 +279,36 @@ def make_job(inp: JobInputs) -> Job:
         created_at=time.time(),
         history_messages_dropped=dropped,
         new_messages=tuple((m.role, m.content) for m in chat.messages),
-        reasoning_opened=_reasoning_opened(model, ids),
+        reasoning_opened=None if chat.raw_prompt is not None else _reasoning_opened(model, ids),
     )
+
+
+def encode_raw_prompt(model: ModelHandle, prompt: str | tuple[int, ...]) -> tuple[list[int], list[ChatMessage]]:
+    """A legacy completion's prompt (POST /v1/completions): its token ids as the model reads them
+    (no chat template), and its text as one user message for the safety gate. Token ids are
+    checked against the vocabulary; an upstream model (a chat relay) cannot take a raw prompt."""
+    tokenizer = model.tokenizer
+    if not isinstance(tokenizer, Tokenizer):
+        raise bad_request(
+            f"The model `{model.name}` is relayed to another server through chat completions; "
+            "/v1/completions serves only the models this server runs itself.",
+            param="model",
+            code="unsupported_value",
+        )
+    if isinstance(prompt, str):
+        ids, text = tokenizer.encode_prompt(prompt), prompt
+    else:
+        outside = next((t for t in prompt if not 0 <= t < tokenizer.vocab_size), None)
+        if outside is not None:
+            raise bad_request(
+                f"'prompt' holds the token id {outside}, outside this model's vocabulary "
+                f"(0 to {tokenizer.vocab_size - 1}).",
+                param="prompt",
+            )
+        ids, text = list(prompt), tokenizer.decode(prompt, skip_special_tokens=False)
+    if not ids:
+        raise bad_request("'prompt' is empty, and this model's tokenizer adds no start token.", param="prompt")
+    return ids, [ChatMessage("user", text)]
 
 
 def _reasoning_opened(model: ModelHandle, ids: list[int]) -> bool | None:

@@ -135,12 +135,15 @@ class ChatRequest:
     repetition_penalty: float = 1.0  # vLLM's extension (transformers' semantics); 1: off
     # Sampling fields the client sent; the others may take the model's generation_config defaults.
     sampling_fields_set: frozenset[str] = frozenset()
+    # POST /v1/completions: the prompt as text or token ids, given to the model as it is (no chat
+    # template); `messages` then holds its text as one user message, which the safety gate reads.
+    raw_prompt: str | tuple[int, ...] | None = None
 
 
 def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int, max_n: int = 1) -> ChatRequest:
     """Validate a decoded JSON body; raise ApiError(400) naming the field on any problem."""
     if not isinstance(raw, dict):
-        raise bad_request(f"The request body must be a JSON object, got {_kind(raw)}.", param=None)
+        raise bad_request(f"The request body must be a JSON object, got {kind_of(raw)}.", param=None)
     _reject_unsupported(raw)
     stream = _opt_bool(raw, "stream", False)
     stream_options = raw.get("stream_options")
@@ -204,7 +207,7 @@ def _chat_template_kwargs(value: Any) -> dict[str, Any] | None:
         return None
     if not isinstance(value, dict):
         raise bad_request(
-            f"'chat_template_kwargs' must be an object, got {_kind(value)}.", param="chat_template_kwargs"
+            f"'chat_template_kwargs' must be an object, got {kind_of(value)}.", param="chat_template_kwargs"
         )
     for key in value:
         if key in _TEMPLATE_RESERVED:
@@ -282,7 +285,7 @@ def _logprobs(raw: dict[str, Any]) -> int | None:
     return (top or 0) if wanted else None
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
     names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
     return names.get(type(value), "a number")
 
@@ -304,7 +307,7 @@ def _messages(value: Any, max_messages: int, max_prompt_chars: int) -> tuple[Cha
             "Missing required parameter: 'messages'.", param="messages", code="missing_required_parameter"
         )
     if not isinstance(value, list):
-        raise bad_request(f"'messages' must be an array, got {_kind(value)}.", param="messages")
+        raise bad_request(f"'messages' must be an array, got {kind_of(value)}.", param="messages")
     if not value:
         raise bad_request("'messages' must contain at least one message.", param="messages")
     if len(value) > max_messages:
@@ -323,7 +326,7 @@ def _messages(value: Any, max_messages: int, max_prompt_chars: int) -> tuple[Cha
 def _message(value: Any, index: int) -> ChatMessage:
     where = f"messages[{index}]"
     if not isinstance(value, dict):
-        raise bad_request(f"'{where}' must be an object, got {_kind(value)}.", param=where)
+        raise bad_request(f"'{where}' must be an object, got {kind_of(value)}.", param=where)
     role = value.get("role")
     if role not in ROLES:
         raise bad_request(
@@ -356,7 +359,9 @@ def _content(value: Any, where: str) -> tuple[str, tuple[Part, ...]]:
     if isinstance(value, str):
         return value, ()
     if not isinstance(value, list):
-        raise bad_request(f"'{where}' must be a string or an array of content parts, got {_kind(value)}.", param=where)
+        raise bad_request(
+            f"'{where}' must be a string or an array of content parts, got {kind_of(value)}.", param=where
+        )
     parts = parse_parts(value, where)
     return text_of(parts), parts if has_attachments(parts) else ()
 
@@ -364,7 +369,7 @@ def _content(value: Any, where: str) -> tuple[str, tuple[Part, ...]]:
 def _opt_str(raw: dict[str, Any], key: str) -> str | None:
     value = raw.get(key)
     if value is not None and not isinstance(value, str):
-        raise bad_request(f"'{key}' must be a string, got {_kind(value)}.", param=key)
+        raise bad_request(f"'{key}' must be a string, got {kind_of(value)}.", param=key)
     return value
 
 
@@ -373,7 +378,7 @@ def _opt_bool(raw: dict[str, Any], key: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad_request(f"'{key}' must be a boolean, got {_kind(value)}.", param=key)
+        raise bad_request(f"'{key}' must be a boolean, got {kind_of(value)}.", param=key)
     return value
 
 
@@ -443,7 +448,7 @@ def _stream_options(value: Any, stream: bool) -> tuple[bool, bool]:
     if not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
     if not isinstance(value, dict):
-        raise bad_request(f"'stream_options' must be an object, got {_kind(value)}.", param="stream_options")
+        raise bad_request(f"'stream_options' must be an object, got {kind_of(value)}.", param="stream_options")
     include = value.get("include_usage", False)
     if not isinstance(include, bool):
         raise bad_request("'stream_options.include_usage' must be a boolean.", param="stream_options.include_usage")

@@ -163,6 +163,12 @@ class Tokenizer:
         # Rendered chat text already holds its special tokens: add none.
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt (a legacy completion's) as the model reads it without a chat template: with
+        the special tokens the tokenizer's post-processor adds (a BOS for Llama or Gemma, none for
+        Qwen), as transformers' `tokenizer(text)` does; special-token text in it stays special."""
+        return self._tok.encode(text, add_special_tokens=True).ids
+
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 

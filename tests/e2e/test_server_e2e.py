@@ -55,24 +55,29 @@ def create_key(db) -> str:
 
 
 def hf_greedy(model_dir, messages, max_new_tokens: int) -> tuple[str, int]:
+    tok = Tokenizer.from_dir(model_dir)
+    ids = tok.encode(tok.apply_chat_template(messages))
+    new = hf_continue(model_dir, ids, max_new_tokens, list(tok.eos_token_ids))
+    if new and new[-1] in tok.eos_token_ids:
+        new = new[:-1]
+    return tok.decode(new), len(new)
+
+
+def hf_continue(model_dir, ids: list[int], max_new_tokens: int, eos_token_ids: list[int]) -> list[int]:
+    """transformers' greedy continuation of token ids (an id past the vocabulary: never stops)."""
     import torch
     from transformers import LlamaForCausalLM
 
-    tok = Tokenizer.from_dir(model_dir)
-    ids = tok.encode(tok.apply_chat_template(messages))
     model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         out = model.generate(
             torch.tensor([ids]),
             max_new_tokens=max_new_tokens,
             do_sample=False,
-            eos_token_id=list(tok.eos_token_ids),
+            eos_token_id=eos_token_ids,
             pad_token_id=0,
         )
-    new = out[0, len(ids) :].tolist()
-    if new and new[-1] in tok.eos_token_ids:
-        new = new[:-1]
-    return tok.decode(new), len(new)
+    return out[0, len(ids) :].tolist()
 
 
 def client_for(server):
@@ -111,6 +116,24 @@ def test_openai_sdk_streaming_joins_to_the_same_text(server, tiny_model_dir):
     expected, _ = hf_greedy(tiny_model_dir, QUESTION, 24)
     assert "".join(parts) == expected
     assert finish in ("stop", "length") and usage.completion_tokens > 0
+
+
+def test_openai_sdk_legacy_completions_continue_the_raw_prompt(server, tiny_model_dir):
+    """`client.completions.create`: the prompt without a chat template, streamed or not, as
+    transformers continues its tokens."""
+    client = client_for(server)
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    prompt = "The old mill by the river"
+    ids = tok.encode_prompt(prompt)
+    expected = tok.decode(hf_continue(tiny_model_dir, ids, 12, [10**9]))
+    extra = {"extra_body": {"ignore_eos": True}}
+    resp = client.completions.create(model=tiny_model_dir.name, prompt=prompt, temperature=0, max_tokens=12, **extra)
+    assert resp.choices[0].text == expected and resp.object == "text_completion"
+    assert resp.usage.prompt_tokens == len(ids) and resp.usage.completion_tokens == 12
+    stream = client.completions.create(
+        model=tiny_model_dir.name, prompt=prompt, temperature=0, max_tokens=12, stream=True, **extra
+    )
+    assert "".join(c.choices[0].text for c in stream if c.choices) == expected
 
 
 def test_openai_sdk_sees_api_errors_as_exceptions(server, tiny_model_dir):
