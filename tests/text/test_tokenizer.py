@@ -109,3 +109,27 @@ def test_special_tokens_typed_by_a_user_stay_plain_text(tiny_model_dir):
 def test_plain_chats_tokenize_exactly_as_before(tiny_model_dir):
     tok = Tokenizer.from_dir(tiny_model_dir)
     assert tok.encode_chat(CHAT) == tok.encode(tok.apply_chat_template(CHAT))
+
+
+def test_a_raw_prompt_gets_the_start_token_the_tokenizer_adds_as_transformers_does(tiny_model_dir, tmp_path):
+    """encode_prompt (POST /v1/completions) = transformers' tokenizer(text): a Llama-style
+    post-processor's BOS is added, and special-token text in a raw prompt stays special."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    text = "<|im_start|>user\nHello café<|im_end|>"
+    plain = Tokenizer.from_dir(tiny_model_dir)
+    theirs = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert plain.encode_prompt(text) == theirs(text)["input_ids"] == plain.encode(text)  # no post-processor
+
+    model_dir = tmp_path / "with-bos"
+    shutil.copytree(tiny_model_dir, model_dir)
+    hf = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+    bos = hf.token_to_id("<|endoftext|>")
+    hf.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+    hf.save(str(model_dir / "tokenizer.json"))
+    ours, theirs = Tokenizer.from_dir(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    ids = ours.encode_prompt(text)
+    assert ids == theirs(text)["input_ids"] == [bos, *plain.encode(text)]
+    assert ours.token_to_id("<|im_start|>") in ids  # typed markup is the control token here, as in vLLM
