@@ -163,17 +163,18 @@ def resolve_max_tokens(chat: ChatRequest, tier: TierConfig, tier_name: str, room
     return chat.max_tokens if chat.max_tokens is not None else min(tier.max_tokens, room)
 
 
-def check_fits(num_prompt: int, max_tokens: int, limit: int, model_name: str) -> None:
+def check_fits(num_prompt: int, max_tokens: int, limit: int, model_name: str, where: str = "messages") -> None:
+    """`where`: the field that holds the prompt (`messages`, or a legacy completion's `prompt`)."""
     if num_prompt + max_tokens <= limit and num_prompt < limit:
         return
     raise ApiError(
         400,
         f"This model's maximum context length is {limit} tokens. However, you requested "
-        f"{num_prompt + max_tokens} tokens ({num_prompt} in the messages, {max_tokens} in the "
-        f"completion). Please reduce the length of the messages or completion. (model: {model_name})",
+        f"{num_prompt + max_tokens} tokens ({num_prompt} in the {where}, {max_tokens} in the "
+        f"completion). Please reduce the length of the {where} or completion. (model: {model_name})",
         "invalid_request_error",
         "context_length_exceeded",
-        "messages",
+        where,
     )
 
 
@@ -250,7 +251,7 @@ def make_job(inp: JobInputs) -> Job:
         context = build_context([], chat.messages)
         ids = encode_chat(model, context, prompt_tools(chat), chat.chat_template_kwargs)
     max_tokens = resolve_max_tokens(chat, tier, inp.tier_name, max(limit - len(ids), 0))
-    check_fits(len(ids), max(max_tokens, 1), limit, model.name)
+    check_fits(len(ids), max(max_tokens, 1), limit, model.name, "prompt" if chat.raw_prompt is not None else "messages")
     now = time.monotonic()
     gen = GenerationRequest(
         request_id=inp.request_id,

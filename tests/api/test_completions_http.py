@@ -189,6 +189,14 @@ async def test_bad_requests_get_a_400_naming_the_field(make_client, fields, para
     assert state_of(client).models["echo"].backend.requests == []
 
 
+async def test_a_prompt_past_the_context_is_a_400_naming_the_prompt(make_client):
+    client = await make_client()
+    words = " ".join(["river"] * 500)  # past the enterprise tier's 400-token context
+    resp = await client.post("/v1/completions", json={"model": "echo", "prompt": words})
+    error = await assert_error(resp, 400, code="context_length_exceeded", param="prompt")
+    assert "in the prompt" in error["message"]
+
+
 async def test_an_empty_prompt_without_a_start_token_is_refused(make_client):
     client = await make_client()
     await assert_error(await client.post("/v1/completions", json={"model": "echo", "prompt": ""}), 400, param="prompt")
