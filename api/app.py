@@ -19,7 +19,7 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from api import chat, completions, files, resources, responses, responses_background
+from api import chat, completions, files, messages, resources, responses, responses_background
 from api.connections import CLOSE_AFTER, make_body_deadline_middleware
 from api.errors import ApiError, from_gateway, internal_error, overloaded
 from api.inflight import INFLIGHT, InFlight
@@ -109,8 +109,10 @@ def _from_http_exception(exc: web.HTTPException) -> ApiError:
 
 
 def error_response(request: web.Request, error: ApiError) -> web.Response:
+    """OpenAI's error envelope; Anthropic's on its Messages API, whose clients read that one."""
     headers = {"X-Request-Id": request.get(REQUEST_ID, ""), **error.headers}
-    return web.json_response(error.body(), status=error.status, headers=headers)
+    body = messages.error_body(error) if messages.is_messages_path(request.path) else error.body()
+    return web.json_response(body, status=error.status, headers=headers)
 
 
 async def _lifecycle(app: web.Application, backend_factory: BackendFactory | None) -> AsyncIterator[None]:
@@ -219,4 +221,5 @@ def init(settings: Settings, *, backend_factory: BackendFactory | None = None) -
     resources.add_routes(app, chat.chat_completions)
     responses.add_routes(app)
     completions.add_routes(app)
+    messages.add_routes(app)
     return app

@@ -125,6 +125,9 @@ async def _key_principal(request: web.Request):
     """The principal of the presented key; None when no key was sent. Invalid keys raise 401."""
     header = request.headers.get("Authorization", "")
     if not header:
+        anthropic_key = request.headers.get("x-api-key", "").strip()  # Anthropic's SDK sends its key so
+        header = f"Bearer {anthropic_key}" if anthropic_key else ""
+    if not header:
         return None
     scheme, _, secret = header.partition(" ")
     if scheme.lower() != "bearer" or not secret.strip():

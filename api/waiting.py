@@ -43,9 +43,12 @@ async def wait_admitted(
 class LazyStream:
     """An SSE response that sends its headers on the first write (or `open()`)."""
 
-    def __init__(self, request: web.Request, headers: Callable[[], dict[str, str]]):
+    def __init__(
+        self, request: web.Request, headers: Callable[[], dict[str, str]], writer_class: type[SSEWriter] = SSEWriter
+    ):
         self._request = request
         self._headers = headers
+        self._writer_class = writer_class  # Anthropic's Messages API names its events
         self._writer: SSEWriter | None = None
 
     @property
@@ -54,7 +57,7 @@ class LazyStream:
 
     async def open(self) -> SSEWriter:
         if self._writer is None:
-            self._writer = await SSEWriter.open(self._request, self._headers())
+            self._writer = await self._writer_class.open(self._request, self._headers())
         return self._writer
 
     async def comment(self, text: str) -> None:

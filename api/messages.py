@@ -1,0 +1,454 @@
+"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API, for Claude Code and
+the `anthropic` SDK on the models this server runs.
+
+The request (`system`, `messages` of text, image, `tool_use` and `tool_result` blocks, `tools`
+with `input_schema`, `tool_choice`) becomes the same validated chat request as chat completions
+(assistant `tool_use` blocks become earlier tool calls, `tool_result` blocks tool messages) and
+takes their request path (`chat.serve_job`: limits, routing, budget, safety gate, queue,
+generation, usage ledger); only parsing and rendering differ. The answer is a `message` with
+`text` and `tool_use` content blocks; streamed, the named events Anthropic's SDK reads
+(`message_start`, `content_block_start`/`_delta`/`_stop`, `message_delta`, `message_stop`, with
+`error` events on failure). Errors use Anthropic's envelope (`api/app.py`). A key may come as
+`x-api-key` or as `Authorization: Bearer` (api/security.py).
+
+Left out: a reasoning model's thinking is not sent (its tokens are billed as output), and
+`stop_reason` says `end_turn` when a stop sequence ended the answer (the engine does not say
+which stop it met). Fields this server does not use (`metadata`, `thinking`, `service_tier`,
+`cache_control` on blocks, ...) are accepted and ignored, as Anthropic's newer fields appear often.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from api import protocol
+from api.answer import Answer
+from api.chat import Outlet, json_dumps, read_json, record_refusal, serve_job
+from api.connections import read_body, reads_body_itself
+from api.errors import ApiError, bad_request, not_found, overloaded
+from api.finish import STATUS, finish_job, generate_unary, stream_job
+from api.generation import generate_choices, make_answer
+from api.job import Job, encode_chat, prompt_tools
+from api.sse import SSEWriter
+from api.state import PRINCIPAL, REQUEST_ID, STATE, AppState
+from api.tools import ToolCall
+from api.waiting import LazyStream, wait_admitted
+from engine.types import FinishReason, TokenLogprob
+from gateway.admission import Pass
+
+MAX_STOP_SEQUENCES = protocol.MAX_STOP_STRINGS
+
+# Our finish reasons as Anthropic's stop_reason (tool calls: "tool_use", set where they are seen).
+_STOP_REASON = {
+    FinishReason.STOP: "end_turn",
+    FinishReason.LENGTH: "max_tokens",
+    FinishReason.CONTENT_FILTER: "refusal",
+    FinishReason.ABORT: "end_turn",
+}
+
+# Anthropic's error types by HTTP status (their API reference, "Errors").
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def error_body(error: ApiError) -> dict:
+    """An ApiError in Anthropic's envelope: {"type": "error", "error": {"type", "message"}}."""
+    kind = ERROR_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
+    message = error.message if error.param is None else f"{error.message} (param: {error.param})"
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def is_messages_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+# -- the request --------------------------------------------------------------------------
+
+
+def parse_messages_request(raw: Any, *, max_messages: int, max_prompt_chars: int, count_only: bool = False):
+    """Validate an Anthropic Messages body into a ChatRequest; ApiError(400) naming the field."""
+    if not isinstance(raw, dict):
+        raise bad_request(f"The request body must be a JSON object, got {protocol.kind_of(raw)}.", param=None)
+    if not isinstance(raw.get("model"), str) or not raw["model"]:
+        raise bad_request("'model' is required: the name of a model this server serves.", param="model")
+    max_tokens = raw.get("max_tokens")
+    if not count_only and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+        raise bad_request(f"'max_tokens' is required and must be at least 1, got {max_tokens!r}.", param="max_tokens")
+    chat: dict[str, Any] = {"model": raw["model"], "messages": _messages(raw), "stream": raw.get("stream", False)}
+    if not count_only:
+        chat["max_tokens"] = max_tokens
+    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k")):
+        if raw.get(theirs) is not None:
+            chat[ours] = raw[theirs]
+    stops = raw.get("stop_sequences")
+    if stops is not None:
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise bad_request("'stop_sequences' must be an array of strings.", param="stop_sequences")
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise bad_request(
+                f"'stop_sequences' may hold at most {MAX_STOP_SEQUENCES} strings on this server, got {len(stops)}.",
+                param="stop_sequences",
+            )
+        chat["stop"] = stops
+    if raw.get("tools"):
+        chat["tools"] = _tools(raw["tools"])
+    choice = raw.get("tool_choice")
+    if choice is not None:
+        chat.update(_tool_choice(choice))
+    if chat["stream"] is True:
+        chat["stream_options"] = {"include_usage": True}
+    return protocol.parse_chat_request(chat, max_messages=max_messages + 1, max_prompt_chars=max_prompt_chars)
+
+
+def _messages(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    system = raw.get("system")
+    if system is not None:
+        out.append({"role": "system", "content": _text_of(system, "system")})
+    messages = raw.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty array of messages.", param="messages")
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise bad_request(f"'{where}.role' must be user or assistant.", param=f"{where}.role")
+        content = message.get("content")
+        if isinstance(content, str):
+            out.append({"role": message["role"], "content": content})
+        elif isinstance(content, list):
+            out.extend(_blocks(message["role"], content, f"{where}.content"))
+        else:
+            raise bad_request(f"'{where}.content' must be a string or an array of content blocks.", param=where)
+    return out
+
+
+def _blocks(role: str, blocks: list, where: str) -> list[dict[str, Any]]:
+    """One Anthropic message's blocks as chat messages: tool results first (as tool messages),
+    then the message with its text and image parts (and, from the assistant, its tool calls)."""
+    results: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(blocks):
+        at = f"{where}[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and role == "user":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), at)}})
+        elif kind == "tool_use" and role == "assistant":
+            if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+                raise bad_request(f"'{at}' needs an 'id' and a 'name'.", param=at)
+            arguments = orjson.dumps(block.get("input") or {}).decode()
+            calls.append(
+                {"id": block["id"], "type": "function", "function": {"name": block["name"], "arguments": arguments}}
+            )
+        elif kind == "tool_result" and role == "user":
+            if not isinstance(block.get("tool_use_id"), str):
+                raise bad_request(f"'{at}.tool_use_id' is required.", param=f"{at}.tool_use_id")
+            text = _text_of(block.get("content") or "", f"{at}.content")
+            if block.get("is_error"):
+                text = f"Error: {text}"
+            results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue  # earlier reasoning is not sent back to the model
+        else:
+            raise bad_request(f"'{at}': a {kind!r} block is not supported in a {role} message here.", param=at)
+    out = list(results)
+    if role == "assistant":
+        text = "".join(p["text"] for p in parts)
+        out.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
+    elif parts or not results:
+        only_text = all(p["type"] == "text" for p in parts)
+        content: Any = "\n\n".join(p["text"] for p in parts) if only_text else parts
+        out.append({"role": "user", "content": content})
+    return out
+
+
+def _image_url(source: Any, where: str) -> str:
+    if isinstance(source, dict) and source.get("type") == "base64":
+        media, data = source.get("media_type"), source.get("data")
+        if isinstance(media, str) and isinstance(data, str):
+            return f"data:{media};base64,{data}"
+    if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise bad_request(f"'{where}.source' must be a base64 image (type, media_type, data) or a url.", param=where)
+
+
+def _text_of(value: Any, where: str) -> str:
+    """A string, or text blocks joined (system prompts and tool results)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for block in value:
+            if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+                raise bad_request(f"'{where}' may hold only text blocks here.", param=where)
+            texts.append(block["text"])
+        return "\n\n".join(texts)
+    raise bad_request(f"'{where}' must be a string or an array of text blocks.", param=where)
+
+
+def _tools(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise bad_request("'tools' must be an array of tools.", param="tools")
+    out = []
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or "input_schema" not in tool:
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise bad_request(
+                f"'tools[{i}]' must be a client tool (name, input_schema); {kind!r} tools are not supported here.",
+                param=f"tools[{i}]",
+            )
+        fn = {"name": tool["name"], "parameters": tool["input_schema"]}
+        if isinstance(tool.get("description"), str):
+            fn["description"] = tool["description"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(value: Any) -> dict[str, Any]:
+    kind = value.get("type") if isinstance(value, dict) else None
+    out: dict[str, Any] = {}
+    if kind in ("auto", "any", "none"):
+        out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
+    elif kind == "tool" and isinstance(value.get("name"), str):
+        out["tool_choice"] = {"type": "function", "function": {"name": value["name"]}}
+    else:
+        raise bad_request("'tool_choice' must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name': ...}.")
+    if value.get("disable_parallel_tool_use"):
+        out["parallel_tool_calls"] = False
+    return out
+
+
+# -- the answer ---------------------------------------------------------------------------
+
+
+def message_id(job: Job) -> str:
+    return "msg_" + job.request_id.removeprefix("req_")
+
+
+def _usage(job: Job, *, billed: bool = True) -> dict[str, int]:
+    """Anthropic counts cache reads apart from input_tokens."""
+    cached = job.num_cached_tokens if billed else 0
+    return {
+        "input_tokens": (job.num_prompt_tokens - cached) if billed else 0,
+        "output_tokens": job.num_completion_tokens if billed else 0,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def _tool_block(call: ToolCall) -> dict[str, Any]:
+    try:
+        arguments = orjson.loads(call.arguments)
+    except orjson.JSONDecodeError:
+        arguments = None
+    return {
+        "type": "tool_use",
+        "id": call.id,
+        "name": call.name,
+        "input": arguments if isinstance(arguments, dict) else {},
+    }
+
+
+def _stop_reason(answer: Answer, finish: FinishReason) -> str:
+    return "tool_use" if answer.tool_calls and finish is FinishReason.STOP else _STOP_REASON[finish]
+
+
+def _message(job: Job, content: list[dict], stop_reason: str | None, usage: dict) -> dict[str, Any]:
+    return {
+        "id": message_id(job),
+        "type": "message",
+        "role": "assistant",
+        "model": job.model.name,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": None,
+        "usage": usage,
+    }
+
+
+class AnthropicSSE(SSEWriter):
+    """Anthropic's SSE: each frame named by its payload's type (`event: message_start`), errors
+    as `error` events, and no `[DONE]` at the end."""
+
+    async def data(self, payload: dict) -> None:
+        if "type" not in payload and "error" in payload:  # the shared failure path's OpenAI-shaped error
+            err = payload["error"]
+            payload = {"type": "error", "error": {"type": _error_type(err), "message": err.get("message", "")}}
+        kind = str(payload.get("type", "message"))
+        await self._write(b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n")
+
+    async def done(self) -> None:
+        await self.end()
+
+
+def _error_type(err: dict) -> str:
+    code, kind = err.get("code"), err.get("type")
+    if code in ("server_shutting_down", "store_unavailable", "model_unavailable"):
+        return "overloaded_error"
+    return "invalid_request_error" if kind == "invalid_request_error" else "api_error"
+
+
+class _Blocks:
+    """The streamed content blocks of one answer: text opens a text block, each tool call is a
+    tool_use block of its own (its whole input in one input_json_delta)."""
+
+    def __init__(self, writer: SSEWriter):
+        self._writer = writer
+        self._index = itertools.count()
+        self._open: tuple[int, str] | None = None  # (index, "text") while a text block is open
+
+    async def feed(self, deltas: list[dict]) -> None:
+        for d in deltas:
+            delta = d["delta"]
+            if delta.get("content"):
+                await self._text(delta["content"])
+            for call in delta.get("tool_calls") or ():
+                await self._tool(call)
+
+    async def _text(self, text: str) -> None:
+        if self._open is None:
+            self._open = (next(self._index), "text")
+            block = {"type": "text", "text": ""}
+            await self._writer.data({"type": "content_block_start", "index": self._open[0], "content_block": block})
+        delta = {"type": "text_delta", "text": text}
+        await self._writer.data({"type": "content_block_delta", "index": self._open[0], "delta": delta})
+
+    async def _tool(self, call: dict) -> None:
+        await self.close()
+        index = next(self._index)
+        fn = call["function"]
+        block = {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": {}}
+        await self._writer.data({"type": "content_block_start", "index": index, "content_block": block})
+        delta = {"type": "input_json_delta", "partial_json": fn["arguments"]}
+        await self._writer.data({"type": "content_block_delta", "index": index, "delta": delta})
+        await self._writer.data({"type": "content_block_stop", "index": index})
+
+    async def close(self) -> None:
+        if self._open is not None:
+            await self._writer.data({"type": "content_block_stop", "index": self._open[0]})
+            self._open = None
+
+
+async def _serve(request: web.Request, state: AppState, job: Job, grant: Pass) -> web.StreamResponse:
+    answer = make_answer(job)
+    if job.chat.stream:
+        return await _serve_stream(request, state, job, grant, answer)
+    (finish,) = await generate_unary(request, state, job, grant, [answer])
+    content: list[dict] = []
+    text = "".join(answer.content_parts)
+    if text:
+        content.append({"type": "text", "text": text})
+    content.extend(_tool_block(call) for call in answer.tool_calls)
+    body = _message(job, content, _stop_reason(answer, finish), _usage(job))
+    return web.json_response(body, headers=state.response_headers(job), dumps=json_dumps)
+
+
+async def _serve_stream(
+    request: web.Request, state: AppState, job: Job, grant: Pass, answer: Answer
+) -> web.StreamResponse:
+    stream = LazyStream(request, lambda: state.response_headers(job), AnthropicSSE)
+    blocks: _Blocks | None = None
+
+    async def emit(text: str, logprobs: tuple[TokenLogprob, ...]) -> None:
+        assert blocks is not None  # tokens flow only once the stream is open
+        await blocks.feed(answer.feed(text, logprobs))
+
+    async def run() -> None:
+        nonlocal blocks
+        await wait_admitted(state, grant, job, stream.comment)
+        writer = await stream.open()
+        blocks = _Blocks(writer)
+        start_usage = {**_usage(job), "output_tokens": 0}
+        await writer.data({"type": "message_start", "message": _message(job, [], None, start_usage)})
+        (finish,) = await generate_choices(state, job, [emit], writer.comment)
+        await blocks.feed(answer.close())
+        await blocks.close()
+        await finish_job(state, job, STATUS[finish], finish)  # durable before the client sees the end
+        delta = {"stop_reason": _stop_reason(answer, finish), "stop_sequence": None}
+        await writer.data({"type": "message_delta", "delta": delta, "usage": _usage(job)})
+        await writer.data({"type": "message_stop"})
+        await writer.done()
+
+    return await stream_job(request, state, job, grant, stream, run)
+
+
+async def _refuse(request: web.Request, state: AppState, job: Job, verdict) -> web.StreamResponse:
+    """A prompt the safety gate blocked: the refusal as the answer's text, stop_reason refusal
+    (a 400 in the gate's error mode), as chat completions do."""
+    refusal = await record_refusal(state, job, verdict)
+    usage = _usage(job, billed=False)
+    content = [{"type": "text", "text": refusal}]
+    if not job.chat.stream:
+        body = _message(job, content, "refusal", usage)
+        return web.json_response(body, headers=state.response_headers(job), dumps=json_dumps)
+    writer = await AnthropicSSE.open(request, state.response_headers(job))
+    await writer.data({"type": "message_start", "message": _message(job, [], None, usage)})
+    await writer.data({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
+    delta = {"type": "text_delta", "text": refusal}
+    await writer.data({"type": "content_block_delta", "index": 0, "delta": delta})
+    await writer.data({"type": "content_block_stop", "index": 0})
+    await writer.data(
+        {"type": "message_delta", "delta": {"stop_reason": "refusal", "stop_sequence": None}, "usage": usage}
+    )
+    await writer.data({"type": "message_stop"})
+    await writer.done()
+    return writer._response
+
+
+# -- the routes ---------------------------------------------------------------------------
+
+
+@reads_body_itself
+async def create_message(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    if state.draining:
+        raise overloaded("The server is shutting down.", retry_after_s=5, code="server_shutting_down")
+    caller = state.caller(request[PRINCIPAL])
+    cfg = state.settings.server
+    num_bytes = request.content_length
+    if num_bytes is None:
+        num_bytes = len(await read_body(request, cfg.body_timeout_s))
+    with state.admission.check(caller, request[REQUEST_ID], num_bytes) as grant:  # the cheap refusals first, as chat
+        chat = parse_messages_request(
+            await read_json(request), max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars
+        )
+        return await serve_job(request, state, grant, chat, Outlet(serve=_serve, refuse=_refuse))
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """{"input_tokens": N}: the request's prompt as this server renders it for the model (no
+    generation, nothing billed)."""
+    state = request.app[STATE]
+    cfg = state.settings.server
+    chat = parse_messages_request(
+        await read_json(request), max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars, count_only=True
+    )
+    tier_name, _ = state.tier_of(request[PRINCIPAL])
+    if chat.model not in state.admission.router.models_for_tier(tier_name):
+        raise not_found(
+            f"The model '{chat.model}' does not exist or you do not have access to it.", code="model_not_found"
+        )
+    model = state.models[chat.model]
+    ids = encode_chat(model, list(chat.messages), prompt_tools(chat), chat.chat_template_kwargs)
+    return web.json_response({"input_tokens": len(ids)}, dumps=json_dumps)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/messages", create_message)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
