@@ -155,6 +155,8 @@ def prompt_tools(chat: ChatRequest) -> tuple[Tool, ...]:
 
 def resolve_max_tokens(chat: ChatRequest, tier: TierConfig, tier_name: str, room: int) -> int:
     """The completion budget: asked for (within the tier's limit) or all the room left."""
+    if chat.max_tokens is not None and chat.max_tokens_is_cap:
+        return max(min(chat.max_tokens, tier.max_tokens, room), 1)  # no room at all: check_fits says so
     if chat.max_tokens is not None and chat.max_tokens > tier.max_tokens:
         raise bad_request(
             f"max_tokens is {chat.max_tokens}, but the '{tier_name}' tier allows at most {tier.max_tokens}.",

@@ -15,11 +15,14 @@ Left out: a reasoning model's thinking is not sent (its tokens are billed as out
 `stop_reason` says `end_turn` when a stop sequence ended the answer (the engine does not say
 which stop it met). Fields this server does not use (`metadata`, `thinking`, `service_tier`,
 `cache_control` on blocks, ...) are accepted and ignored, as Anthropic's newer fields appear often.
+`max_tokens` is a cap, not a reservation: the answer gets at most what the tier's `max_tokens`
+and the context leave (Claude Code asks for 32,000 whatever the model).
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -111,7 +114,8 @@ def parse_messages_request(raw: Any, *, max_messages: int, max_prompt_chars: int
         chat.update(_tool_choice(choice))
     if chat["stream"] is True:
         chat["stream_options"] = {"include_usage": True}
-    return protocol.parse_chat_request(chat, max_messages=max_messages + 1, max_prompt_chars=max_prompt_chars)
+    parsed = protocol.parse_chat_request(chat, max_messages=max_messages + 1, max_prompt_chars=max_prompt_chars)
+    return replace(parsed, max_tokens_is_cap=True)
 
 
 def _messages(raw: dict[str, Any]) -> list[dict[str, Any]]:

@@ -138,6 +138,9 @@ class ChatRequest:
     # POST /v1/completions: the prompt as text or token ids, given to the model as it is (no chat
     # template); `messages` then holds its text as one user message, which the safety gate reads.
     raw_prompt: str | tuple[int, ...] | None = None
+    # Anthropic's Messages API: max_tokens is a cap (Claude Code asks for 32,000), so the answer
+    # gets at most what the tier and the context leave instead of a 400.
+    max_tokens_is_cap: bool = False
 
 
 def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int, max_n: int = 1) -> ChatRequest:

@@ -179,6 +179,17 @@ async def test_a_message_is_billed_in_the_usage_ledger(native):
     assert usage["total"]["completion_tokens"] == msg.usage.output_tokens
 
 
+async def test_max_tokens_is_a_cap_so_a_large_ask_gets_the_room_left(make_client):
+    client = await make_client()  # enterprise: max_tokens 64, context 400
+    body = {"model": "echo", "max_tokens": 32000, "messages": [{"role": "user", "content": "hello there"}]}
+    resp = await client.post("/v1/messages", json=body)
+    assert resp.status == 200, await resp.text()
+    (request,) = state_of(client).models["echo"].backend.requests
+    assert request.sampling.max_tokens == 64
+    chat = {"model": "echo", "max_tokens": 32000, "messages": body["messages"]}
+    assert (await client.post("/v1/chat/completions", json=chat)).status == 400  # chat completions: strict
+
+
 # -- the fake backend: errors, keys, refusals ---------------------------------------------
 
 
