@@ -11,9 +11,11 @@ generation, usage ledger); only parsing and rendering differ. The answer is a `m
 `error` events on failure). Errors use Anthropic's envelope (`api/app.py`). A key may come as
 `x-api-key` or as `Authorization: Bearer` (api/security.py).
 
-Left out: a reasoning model's thinking is not sent (its tokens are billed as output), and
-`stop_reason` says `end_turn` when a stop sequence ended the answer (the engine does not say
-which stop it met). Fields this server does not use (`metadata`, `thinking`, `service_tier`,
+A reasoning model (one whose template knows <think>) thinks only when the request's `thinking`
+is enabled, as Anthropic's models do: its template gets `enable_thinking`, and the thinking comes
+back as a `thinking` block (with an empty `signature`: nothing is signed here). `stop_reason`
+says `end_turn` when a stop sequence ended the answer (the engine does not say which stop it
+met). Fields this server does not use (`metadata`, `service_tier`,
 `cache_control` on blocks, ...) are accepted and ignored, as Anthropic's newer fields appear often.
 `max_tokens` is a cap, not a reservation: the answer gets at most what the tier's `max_tokens`
 and the context leave (Claude Code asks for 32,000 whatever the model).
@@ -112,10 +114,22 @@ def parse_messages_request(raw: Any, *, max_messages: int, max_prompt_chars: int
     choice = raw.get("tool_choice")
     if choice is not None:
         chat.update(_tool_choice(choice))
+    # Anthropic's models think only when asked: a reasoning model's template is told the same
+    # (Qwen3's enable_thinking; templates without the variable ignore it).
+    chat["chat_template_kwargs"] = {"enable_thinking": _thinking_enabled(raw.get("thinking"))}
     if chat["stream"] is True:
         chat["stream_options"] = {"include_usage": True}
     parsed = protocol.parse_chat_request(chat, max_messages=max_messages + 1, max_prompt_chars=max_prompt_chars)
     return replace(parsed, max_tokens_is_cap=True)
+
+
+def _thinking_enabled(value: Any) -> bool:
+    if value is None:
+        return False
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise bad_request("'thinking' must be {'type': 'enabled' | 'disabled' | 'adaptive', ...}.", param="thinking")
+    return kind != "disabled"
 
 
 def _messages(raw: dict[str, Any]) -> list[dict[str, Any]]:
@@ -320,17 +334,26 @@ class _Blocks:
     async def feed(self, deltas: list[dict]) -> None:
         for d in deltas:
             delta = d["delta"]
+            if delta.get("reasoning_content"):
+                await self._piece("thinking", delta["reasoning_content"])
             if delta.get("content"):
-                await self._text(delta["content"])
+                await self._piece("text", delta["content"])
             for call in delta.get("tool_calls") or ():
                 await self._tool(call)
 
-    async def _text(self, text: str) -> None:
+    async def _piece(self, kind: str, text: str) -> None:
+        """Text or thinking into the open block of its kind (a new block when the kind changes)."""
+        if self._open is not None and self._open[1] != kind:
+            await self.close()
         if self._open is None:
-            self._open = (next(self._index), "text")
-            block = {"type": "text", "text": ""}
+            self._open = (next(self._index), kind)
+            block = (
+                {"type": "text", "text": ""}
+                if kind == "text"
+                else {"type": "thinking", "thinking": "", "signature": ""}
+            )
             await self._writer.data({"type": "content_block_start", "index": self._open[0], "content_block": block})
-        delta = {"type": "text_delta", "text": text}
+        delta = {"type": "text_delta", "text": text} if kind == "text" else {"type": "thinking_delta", "thinking": text}
         await self._writer.data({"type": "content_block_delta", "index": self._open[0], "delta": delta})
 
     async def _tool(self, call: dict) -> None:
@@ -345,6 +368,9 @@ class _Blocks:
 
     async def close(self) -> None:
         if self._open is not None:
+            if self._open[1] == "thinking":  # no signature: this server signs nothing
+                delta = {"type": "signature_delta", "signature": ""}
+                await self._writer.data({"type": "content_block_delta", "index": self._open[0], "delta": delta})
             await self._writer.data({"type": "content_block_stop", "index": self._open[0]})
             self._open = None
 
@@ -355,6 +381,9 @@ async def _serve(request: web.Request, state: AppState, job: Job, grant: Pass) -
         return await _serve_stream(request, state, job, grant, answer)
     (finish,) = await generate_unary(request, state, job, grant, [answer])
     content: list[dict] = []
+    thinking = "".join(answer.reasoning_parts)
+    if thinking:
+        content.append({"type": "thinking", "thinking": thinking, "signature": ""})
     text = "".join(answer.content_parts)
     if text:
         content.append({"type": "text", "text": text})

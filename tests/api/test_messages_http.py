@@ -11,6 +11,9 @@ an `error` event, and the safety gate's refusal.
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import anthropic
 import jsonschema
 import orjson
@@ -18,8 +21,9 @@ import pytest
 
 from api.app import init
 from settings import SafetyConfig, load_settings
-from testing.fake_backend import FakeBehaviour
-from tests.api.helpers import state_of
+from testing.fake_backend import FakeBehaviour, fake_backends
+from tests.api.helpers import echo_settings, state_of
+from tests.api.test_reasoning_http import THINKING_TEMPLATE, THINKS
 
 WEATHER_SCHEMA = {
     "type": "object",
@@ -281,3 +285,36 @@ async def test_a_blocked_prompt_gets_the_refusal_with_stop_reason_refusal(make_c
     assert msg.stop_reason == "refusal" and msg.content[0].text == SafetyConfig().refusal_messages["self_harm"]
     assert msg.usage.input_tokens == 0  # a refused prompt is not billed
     assert state_of(client).models["echo"].backend.requests == []
+
+
+# -- a reasoning model --------------------------------------------------------------------
+
+
+@pytest.fixture
+async def thinker(aiohttp_client, tmp_path, tiny_model_dir):
+    target = tmp_path / "thinking"
+    shutil.copytree(tiny_model_dir, target)
+    cfg = json.loads((target / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = THINKING_TEMPLATE
+    (target / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return await aiohttp_client(init(echo_settings(tmp_path, target), backend_factory=fake_backends()))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_reasoning_model_thinks_only_when_asked_and_its_thinking_is_a_thinking_block(thinker, stream):
+    key = await _key(thinker)
+    async with anthropic.AsyncAnthropic(base_url=str(thinker.make_url("")), api_key=key, max_retries=0) as sdk:
+        fields = {"model": "echo", "max_tokens": 40, "messages": THINKS}
+        thinking = {"type": "enabled", "budget_tokens": 1024}
+        if stream:
+            async with sdk.messages.stream(**fields, thinking=thinking) as s:
+                msg = await s.get_final_message()
+        else:
+            msg = await sdk.messages.create(**fields, thinking=thinking)
+        assert [b.type for b in msg.content] == ["thinking", "text"]
+        assert msg.content[0].thinking == "Count the words.\n" and msg.content[1].text == "Three words here."
+        # Without `thinking` the template is told enable_thinking=false: it closes an empty
+        # <think></think> in the prompt (more prompt tokens), as Anthropic's models do not think unasked.
+        counted_off = await sdk.messages.count_tokens(model="echo", messages=THINKS)
+        counted_on = await sdk.messages.count_tokens(model="echo", messages=THINKS, thinking=thinking)
+        assert counted_off.input_tokens > counted_on.input_tokens
