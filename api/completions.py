@@ -5,6 +5,8 @@ continues it: what evaluation harnesses, code-completion plugins and base models
 the chat completions' request path (`chat.serve_job`: admission, routing, budget, safety gate,
 priority queue, generation, billing in the usage ledger) with a `ChatRequest` whose
 `raw_prompt` is set; only parsing and rendering differ. Nothing is stored as a conversation.
+A model relayed to another server (backend "openai") gets a text prompt at that server's
+/completions (engine/upstream/wire.py); token ids only go to models served here.
 Not supported, each a 400 naming the field: several prompts in one request, `suffix`,
 `best_of` other than `n`, `echo` together with `logprobs` (the prompt's own log-probabilities).
 """
@@ -30,6 +32,7 @@ from api.state import PRINCIPAL, REQUEST_ID, STATE, AppState
 from api.waiting import LazyStream, wait_admitted
 from engine.tokenizer import Tokenizer
 from engine.types import FinishReason, TokenLogprob, TokenText
+from engine.upstream.counting import Counter
 from gateway.admission import Pass
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint (vLLM's too)
@@ -156,7 +159,7 @@ class TextChoice:
     """One choice as text: the filtered text deltas, and OpenAI's legacy logprobs for the tokens
     behind them (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`)."""
 
-    def __init__(self, tokenizer: Tokenizer, wants_logprobs: bool, prefix: str):
+    def __init__(self, tokenizer: Tokenizer | Counter, wants_logprobs: bool, prefix: str):
         self._tokenizer = tokenizer
         self._wants_logprobs = wants_logprobs
         self._offset = len(prefix)  # text_offset counts from the start of the choice's text
@@ -226,7 +229,6 @@ def _echo_text(job: Job, echo: bool) -> str:
 
 
 async def _serve(echo: bool, request: web.Request, state: AppState, job: Job, grant: Pass) -> web.StreamResponse:
-    assert isinstance(job.model.tokenizer, Tokenizer)  # encode_raw_prompt refused any other model
     choices = [
         TextChoice(job.model.tokenizer, job.chat.logprobs is not None, _echo_text(job, echo)) for _ in range(job.chat.n)
     ]

@@ -187,6 +187,15 @@ def chat_prompt(chat: ChatRequest, context: list[ChatMessage]) -> ChatPrompt:
     return ChatPrompt(messages, wire_options(chat))
 
 
+def raw_chat_prompt(chat: ChatRequest) -> ChatPrompt | None:
+    """A legacy completion's text prompt for backends that relay it (its response_format the
+    one option that applies); None for token ids, which only models served here take."""
+    if not isinstance(chat.raw_prompt, str):
+        return None
+    options = {k: v for k, v in wire_options(chat).items() if k == "response_format"}
+    return ChatPrompt((), options, prompt=chat.raw_prompt)
+
+
 def _sampling_defaults(chat: ChatRequest, model: ModelHandle | None) -> dict:
     """temperature, top_p, top_k and repetition_penalty: as sent, else the model's
     generation_config.json, else OpenAI's (repetition_penalty: 1, off)."""
@@ -262,7 +271,7 @@ def make_job(inp: JobInputs) -> Job:
         priority=tier.priority,
         cache_salt=inp.cache_salt,
         arrival_s=now,
-        chat=None if chat.raw_prompt is not None else chat_prompt(chat, context),
+        chat=raw_chat_prompt(chat) if chat.raw_prompt is not None else chat_prompt(chat, context),
     )
     try:
         model.backend.check_request(gen)
@@ -289,15 +298,17 @@ def make_job(inp: JobInputs) -> Job:
 def encode_raw_prompt(model: ModelHandle, prompt: str | tuple[int, ...]) -> tuple[list[int], list[ChatMessage]]:
     """A legacy completion's prompt (POST /v1/completions): its token ids as the model reads them
     (no chat template), and its text as one user message for the safety gate. Token ids are
-    checked against the vocabulary; an upstream model (a chat relay) cannot take a raw prompt."""
+    checked against the vocabulary; a relayed model (backend "openai") takes text only, counted
+    with its token counter."""
     tokenizer = model.tokenizer
     if not isinstance(tokenizer, Tokenizer):
-        raise bad_request(
-            f"The model `{model.name}` is relayed to another server through chat completions; "
-            "/v1/completions serves only the models this server runs itself.",
-            param="model",
-            code="unsupported_value",
-        )
+        if not isinstance(prompt, str):
+            raise bad_request(
+                f"The model `{model.name}` is relayed to another server: send the prompt as text, not token ids.",
+                param="prompt",
+                code="unsupported_value",
+            )
+        return tokenizer.encode(prompt), [ChatMessage("user", prompt)]
     if isinstance(prompt, str):
         ids, text = tokenizer.encode_prompt(prompt), prompt
     else:

@@ -111,6 +111,9 @@ class ChatPrompt:
 
     messages: tuple[Mapping[str, Any], ...]
     options: Mapping[str, Any] = field(default_factory=dict)
+    # A legacy completion's raw prompt (POST /v1/completions): relayed to the other server's
+    # /completions as it is; `messages` is then empty.
+    prompt: str | None = None
 
 
 # Marks an image's place in a message's text for a vision model's tokenizer (a private-use

@@ -45,6 +45,7 @@ from engine.upstream.wire import (
     classify_http_error,
     parse_chunk,
     request_body,
+    request_path,
     tool_calls_text,
     unsupported_reason,
 )
@@ -287,7 +288,7 @@ class UpstreamBackend:
                 sock_read=max(self._config.first_token_timeout_s, self._config.idle_timeout_s),
             )
             async with self._session.post(
-                replica.base_url + "/chat/completions",
+                replica.base_url + request_path(request),
                 json=body,
                 timeout=timeout,
                 headers=self._headers(request.request_id),

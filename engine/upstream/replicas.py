@@ -13,6 +13,7 @@ import itertools
 import urllib.parse
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import orjson
 
@@ -98,7 +99,7 @@ def affinity_key(request: GenerationRequest) -> bytes | None:
     """
     if request.chat is None:
         return None
-    head = []
+    head: list[Any] = [request.chat.prompt] if request.chat.prompt is not None else []
     for message in request.chat.messages:
         head.append({"role": message.get("role"), "content": message.get("content")})
         if message.get("role") == "user":

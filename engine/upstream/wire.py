@@ -76,15 +76,22 @@ class UpstreamError:
         return RequestRejected(self.message, param=self.param, code=self.code)
 
 
+def request_path(request: GenerationRequest) -> str:
+    """Where the request goes on the upstream: its chat completions, or its legacy completions
+    for a raw prompt."""
+    return "/completions" if request.chat is not None and request.chat.prompt is not None else "/chat/completions"
+
+
 def request_body(request: GenerationRequest, upstream_model: str) -> dict[str, Any]:
-    """The streaming chat request for the upstream; usage is always asked for."""
+    """The streaming chat (or legacy completion) request for the upstream; usage is always asked for."""
     if request.chat is None:
         raise ValueError("an upstream request needs the chat messages (GenerationRequest.chat)")
     s = request.sampling
+    prompt = request.chat.prompt
     body: dict[str, Any] = {
         **request.chat.options,
         "model": upstream_model,
-        "messages": [dict(m) for m in request.chat.messages],
+        **({"prompt": prompt} if prompt is not None else {"messages": [dict(m) for m in request.chat.messages]}),
         "stream": True,
         "stream_options": {"include_usage": True},
         "max_tokens": s.max_tokens,
@@ -104,6 +111,8 @@ def request_body(request: GenerationRequest, upstream_model: str) -> dict[str, A
         "logprobs": True if s.logprobs is not None else None,
         "top_logprobs": s.logprobs,
     }
+    if prompt is not None and s.logprobs is not None:  # the legacy shape: how many alternatives
+        optional.update(logprobs=s.logprobs, top_logprobs=None)
     body.update({k: v for k, v in optional.items() if v is not None})
     return body
 
@@ -133,7 +142,9 @@ def parse_chunk(payload: dict[str, Any]) -> Chunk | UpstreamError:
         if not isinstance(choice, dict) or choice.get("index", 0) != 0:
             continue  # n > 1 is fanned out by the API: one upstream request per choice
         delta = choice.get("delta") or {}
-        if isinstance(delta, dict):
+        if isinstance(choice.get("text"), str):  # a legacy completion's chunk
+            text = choice["text"]
+        elif isinstance(delta, dict):
             content = delta.get("content")
             text = content if isinstance(content, str) else ""
             calls = _tool_call_deltas(delta.get("tool_calls"))
@@ -146,7 +157,10 @@ def parse_chunk(payload: dict[str, Any]) -> Chunk | UpstreamError:
 
 
 def parse_logprobs(raw: Any) -> tuple[TokenLogprob, ...]:
-    """A choice's `{"content": [{token, logprob, bytes, top_logprobs}, ...]}`; malformed entries are skipped."""
+    """A choice's `{"content": [{token, logprob, bytes, top_logprobs}, ...]}`, or a legacy
+    completion's `{"tokens", "token_logprobs", "top_logprobs"}`; malformed entries are skipped."""
+    if isinstance(raw, dict) and isinstance(raw.get("tokens"), list):
+        return _legacy_logprobs(raw)
     content = raw.get("content") if isinstance(raw, dict) else None
     if not isinstance(content, list):
         return ()
@@ -158,6 +172,28 @@ def parse_logprobs(raw: Any) -> tuple[TokenLogprob, ...]:
         top = entry.get("top_logprobs")
         alternatives = (_text_token(t) for t in (top if isinstance(top, list) else ()))
         out.append(TokenLogprob(None, chosen[1], tuple(a for a in alternatives if a is not None), chosen[0]))
+    return tuple(out)
+
+
+def _legacy_logprobs(raw: dict[str, Any]) -> tuple[TokenLogprob, ...]:
+    tokens, values, tops = raw.get("tokens"), raw.get("token_logprobs"), raw.get("top_logprobs")
+    if not isinstance(values, list) or not isinstance(tokens, list) or len(values) != len(tokens):
+        return ()
+    tops = tops if isinstance(tops, list) and len(tops) == len(tokens) else [None] * len(tokens)
+    out = []
+    for token, value, top in zip(tokens, values, tops, strict=True):
+        if not isinstance(token, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        alternatives = (
+            tuple(
+                (TokenText(t), float(v))
+                for t, v in top.items()
+                if isinstance(t, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+            )
+            if isinstance(top, dict)
+            else ()
+        )
+        out.append(TokenLogprob(None, float(value), alternatives, TokenText(token)))
     return tuple(out)
 
 

@@ -156,7 +156,7 @@ async def test_the_prompt_reaches_the_backend_without_a_template(make_client):
     (request,) = state_of(client).models["echo"].backend.requests
     tokenizer = state_of(client).models["echo"].tokenizer
     assert list(request.prompt_token_ids) == tokenizer.encode_prompt(prompt)
-    assert request.chat is None  # no messages: a chat relay cannot serve it
+    assert request.chat is not None and request.chat.prompt == prompt and request.chat.messages == ()  # for relays
 
 
 @pytest.mark.parametrize(
@@ -202,11 +202,13 @@ async def test_an_empty_prompt_without_a_start_token_is_refused(make_client):
     await assert_error(await client.post("/v1/completions", json={"model": "echo", "prompt": ""}), 400, param="prompt")
 
 
-def test_an_upstream_model_cannot_take_a_raw_prompt():
+def test_a_relayed_model_takes_a_text_prompt_but_not_token_ids():
     model = SimpleNamespace(name="relay", tokenizer=EstimatingCounter())
+    ids, context = encode_raw_prompt(model, "hello there")  # type: ignore[arg-type]
+    assert len(ids) == EstimatingCounter().count("hello there") and context[0].content == "hello there"
     with pytest.raises(ApiError) as err:
-        encode_raw_prompt(model, "hello")  # type: ignore[arg-type]
-    assert err.value.status == 400 and err.value.param == "model" and "/v1/completions" in err.value.message
+        encode_raw_prompt(model, (1, 2, 3))  # type: ignore[arg-type]
+    assert err.value.status == 400 and err.value.param == "prompt" and "as text" in err.value.message
 
 
 @pytest.mark.parametrize("stream", [False, True])

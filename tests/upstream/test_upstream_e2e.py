@@ -166,10 +166,12 @@ def create_key(config: str, db: Path) -> str:
 
 
 # -- helpers ------------------------------------------------------------------------------
-def post(base_url: str, body: dict, timeout_s: float = 60, key: str | None = None) -> tuple[int, dict, dict]:
+def post(
+    base_url: str, body: dict, timeout_s: float = 60, key: str | None = None, path: str = "/v1/chat/completions"
+) -> tuple[int, dict, dict]:
     auth = {"Authorization": f"Bearer {key}"} if key else {}
     req = urllib.request.Request(
-        base_url + "/v1/chat/completions",
+        base_url + path,
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json", **auth},
     )
@@ -180,11 +182,11 @@ def post(base_url: str, body: dict, timeout_s: float = 60, key: str | None = Non
         return exc.code, dict(exc.headers), json.loads(exc.read())
 
 
-def stream(base_url: str, body: dict, key: str | None = None) -> list[dict | str]:
+def stream(base_url: str, body: dict, key: str | None = None, path: str = "/v1/chat/completions") -> list[dict | str]:
     """Every `data:` payload of a stream, decoded; '[DONE]' as a string."""
     auth = {"Authorization": f"Bearer {key}"} if key else {}
     req = urllib.request.Request(
-        base_url + "/v1/chat/completions",
+        base_url + path,
         data=json.dumps({**body, "stream": True}).encode(),
         headers={"Content-Type": "application/json", **auth},
     )
@@ -260,6 +262,28 @@ def test_streaming_is_relayed_with_exact_text_and_usage(cluster):
     )
     assert num_content_chunks > 1  # chunk by chunk, not one block at the end
     assert metric(front.base_url, "chat_upstream_time_to_first_token_seconds_count", model="tiny") >= 1
+
+
+def test_a_legacy_completion_is_relayed_to_the_upstreams_completions(cluster):
+    front, up = cluster["front"], cluster["ups"][0]
+    body = {"prompt": "The river runs past the old mill and", "temperature": 0, "max_tokens": 12, "logprobs": 2}
+    status, _, own = post(up.base_url, {**body, "model": UPSTREAM_NAME}, key=cluster["key"], path="/v1/completions")
+    assert status == 200, own
+    for model in ("tiny", "tiny-est"):  # a local tokenizer, or none: the upstream's usage is billed either way
+        status, headers, relayed = post(front.base_url, {**body, "model": model}, path="/v1/completions")
+        assert status == 200, relayed
+        assert relayed["object"] == "text_completion" and relayed["id"] == "cmpl-" + headers["X-Request-Id"][4:]
+        assert relayed["choices"][0]["text"] == own["choices"][0]["text"] != ""
+        assert relayed["choices"][0]["logprobs"]["tokens"] == own["choices"][0]["logprobs"]["tokens"]
+        own_values = own["choices"][0]["logprobs"]["token_logprobs"]  # the upstream ran it again: equal to 1e-3
+        assert relayed["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(own_values, abs=1e-3)
+        assert relayed["usage"]["prompt_tokens"] == own["usage"]["prompt_tokens"]
+        assert relayed["usage"]["completion_tokens"] == own["usage"]["completion_tokens"]
+    frames = stream(front.base_url, {**body, "model": "tiny"}, path="/v1/completions")
+    assert frames[-1] == "[DONE]"
+    assert "".join(c["text"] for f in frames[:-1] for c in f["choices"]) == own["choices"][0]["text"]
+    status, _, error = post(front.base_url, {**body, "model": "tiny", "prompt": [1, 2, 3]}, path="/v1/completions")
+    assert status == 400 and error["error"]["param"] == "prompt"  # token ids: only for models served here
 
 
 def ledger_row(cluster, request_id: str) -> tuple | None:

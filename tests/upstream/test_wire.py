@@ -5,7 +5,15 @@ from __future__ import annotations
 from engine.tokenizer import Tokenizer
 from engine.types import ChatPrompt, FinishReason, GenerationRequest, RequestRejected, SamplingParams, UsageSource
 from engine.upstream.counting import EstimatingCounter, TokenizerCounter
-from engine.upstream.wire import Chunk, ErrorKind, UpstreamError, classify_http_error, parse_chunk, request_body
+from engine.upstream.wire import (
+    Chunk,
+    ErrorKind,
+    UpstreamError,
+    classify_http_error,
+    parse_chunk,
+    request_body,
+    request_path,
+)
 
 
 def make_request(sampling: SamplingParams, **options) -> GenerationRequest:
@@ -220,3 +228,44 @@ def test_logprobs_are_asked_for_and_the_upstreams_text_tokens_are_read_with_thei
         ),
     )
     assert parse_chunk({"choices": [{"index": 0, "delta": {"content": "x"}, "logprobs": None}]}).logprobs == ()
+
+
+def test_a_raw_prompt_goes_to_the_upstreams_completions_with_legacy_logprobs():
+    chat = ChatPrompt((), {"response_format": {"type": "json_object"}}, prompt="Once upon a time")
+    request = GenerationRequest("req_1", (1, 2), SamplingParams(max_tokens=8, logprobs=3), chat=chat)
+    assert request_path(request) == "/completions"
+    assert request_body(request, "m") == {
+        "model": "m",
+        "prompt": "Once upon a time",
+        "response_format": {"type": "json_object"},
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "logprobs": 3,
+    }
+    assert request_path(make_request(SamplingParams(max_tokens=8))) == "/chat/completions"
+
+
+def test_a_legacy_completion_chunk_gives_its_text_and_logprobs():
+    payload = {
+        "choices": [
+            {
+                "index": 0,
+                "text": " there",
+                "logprobs": {
+                    "tokens": [" there"],
+                    "token_logprobs": [-0.25],
+                    "top_logprobs": [{" there": -0.25, " here": -1.5}],
+                    "text_offset": [5],
+                },
+                "finish_reason": "length",
+            }
+        ]
+    }
+    chunk = parse_chunk(payload)
+    assert isinstance(chunk, Chunk) and chunk.text == " there" and chunk.finish_reason is FinishReason.LENGTH
+    (lp,) = chunk.logprobs
+    assert lp.token.text == " there" and lp.logprob == -0.25
+    assert [(t.text, v) for t, v in lp.top_logprobs] == [(" there", -0.25), (" here", -1.5)]
