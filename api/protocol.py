@@ -32,7 +32,6 @@ _IGNORED_DEFAULTS: dict[str, tuple[Any, ...] | None] = {
     "service_tier": None,
     "modalities": (None, ["text"]),
     "prediction": (None,),
-    "reasoning_effort": None,
     "web_search_options": (None,),
 }
 _KNOWN = {
@@ -63,7 +62,9 @@ _KNOWN = {
     "tool_choice",
     "parallel_tool_calls",
     "repetition_penalty",
+    "reasoning_effort",
 }
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +193,9 @@ def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int, ma
         tools=tools,
         tool_choice=tool_choice,
         parallel_tool_calls=_opt_bool(raw, "parallel_tool_calls", True),
-        chat_template_kwargs=_chat_template_kwargs(raw.get("chat_template_kwargs")),
+        chat_template_kwargs=with_reasoning_effort(
+            _chat_template_kwargs(raw.get("chat_template_kwargs")), raw.get("reasoning_effort"), "reasoning_effort"
+        ),
         repetition_penalty=_repetition_penalty(raw),
         sampling_fields_set=frozenset(k for k in _DEFAULTABLE_SAMPLING_FIELDS if raw.get(k) is not None),
     )
@@ -219,6 +222,20 @@ def _chat_template_kwargs(value: Any) -> dict[str, Any] | None:
                 param=f"chat_template_kwargs.{key}",
             )
     return dict(value)
+
+
+def with_reasoning_effort(kwargs: dict[str, Any] | None, effort: Any, param: str) -> dict[str, Any] | None:
+    """OpenAI's reasoning effort as template variables: `reasoning_effort` itself (gpt-oss's
+    template reads it), and for "none" or "minimal" `enable_thinking=false` (Qwen3's and the like:
+    no thinking). Variables the request sets in chat_template_kwargs win."""
+    if effort is None:
+        return kwargs
+    if effort not in REASONING_EFFORTS:
+        raise bad_request(f"'{param}' must be one of {', '.join(REASONING_EFFORTS)}; got {effort!r}.", param=param)
+    derived: dict[str, Any] = {"reasoning_effort": effort}
+    if effort in ("none", "minimal"):
+        derived["enable_thinking"] = False
+    return {**derived, **(kwargs or {})}
 
 
 def wire_options(chat: ChatRequest) -> dict[str, Any]:

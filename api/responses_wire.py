@@ -38,6 +38,7 @@ _KNOWN = {
     "include",
     "top_logprobs",
     "repetition_penalty",  # vLLM's extension, as on chat completions
+    "reasoning",
 }
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
 _INCLUDABLE = (INCLUDE_LOGPROBS,)  # what `include` may ask for here; anything else is a 400 naming it
@@ -104,12 +105,25 @@ def parse_responses_request(raw: Any, *, max_messages: int, max_prompt_chars: in
         max_messages=max_messages,
         max_prompt_chars=max_prompt_chars,
     )
-    chat = replace(chat, response_format=_text_format(raw.get("text")))
+    chat = replace(
+        chat,
+        response_format=_text_format(raw.get("text")),
+        chat_template_kwargs=protocol.with_reasoning_effort(None, _effort(raw.get("reasoning")), "reasoning.effort"),
+    )
     echo = {
         k: raw.get(k)
         for k in ("instructions", "max_output_tokens", "metadata", "tools", "tool_choice", "text", "top_logprobs")
     }
     return ResponsesRequest(chat, store, previous, instructions, items, echo, background)
+
+
+def _effort(value: Any) -> Any:
+    """`reasoning: {"effort": ..., "summary": ...}`: the effort (the summary is not produced here)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request('\'reasoning\' must be an object, e.g. {"effort": "low"}.', param="reasoning")
+    return value.get("effort")
 
 
 def _background(raw: dict, store: bool) -> bool:

@@ -72,3 +72,40 @@ async def test_chat_template_kwargs_reach_the_template(client):
 )
 async def test_bad_chat_template_kwargs_are_a_400_naming_the_field(client, kwargs, param):
     await assert_error(await chat(client, stream=True, chat_template_kwargs=kwargs), 400, param=param)
+
+
+async def test_reasoning_effort_none_turns_thinking_off_unless_the_template_kwargs_say_otherwise(client):
+    async def prompt_tokens(**body) -> int:
+        resp = await chat(client, **body)
+        assert resp.status == 200, await resp.text()
+        return (await resp.json())["usage"]["prompt_tokens"]
+
+    plain = await prompt_tokens()
+    off = await prompt_tokens(chat_template_kwargs={"enable_thinking": False})
+    assert off > plain
+    assert await prompt_tokens(reasoning_effort="none") == await prompt_tokens(reasoning_effort="minimal") == off
+    assert await prompt_tokens(reasoning_effort="high") == await prompt_tokens(reasoning_effort="low") == plain
+    both = {"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}}
+    assert await prompt_tokens(**both) == plain  # the explicit variable wins
+
+
+async def test_the_responses_api_takes_reasoning_effort_the_same_way(client):
+    async def input_tokens(**body) -> int:
+        resp = await client.post("/v1/responses", json={"model": "echo", "input": THINKS[0]["content"], **body})
+        assert resp.status == 200, await resp.text()
+        return (await resp.json())["usage"]["input_tokens"]
+
+    assert await input_tokens(reasoning={"effort": "none"}) > await input_tokens(reasoning={"effort": "medium"})
+    assert await input_tokens(reasoning={"effort": "medium"}) == await input_tokens()
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/chat/completions", {"messages": THINKS, "reasoning_effort": "extreme"}, "reasoning_effort"),
+        ("/v1/responses", {"input": "hi", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+        ("/v1/responses", {"input": "hi", "reasoning": "low"}, "reasoning"),
+    ],
+)
+async def test_an_unknown_reasoning_effort_is_a_400_naming_the_field(client, path, body, param):
+    await assert_error(await client.post(path, json={"model": "echo", **body}), 400, param=param)
