@@ -31,6 +31,7 @@ from api.state import PRINCIPAL, REQUEST_ID, SETTINGS, STATE, AppState
 from api.waiting import LazyStream, wait_admitted
 from engine.types import FinishReason, TokenLogprob
 from gateway.admission import Pass
+from settings import ServerConfig
 from store.types import RequestStatus
 
 
@@ -49,6 +50,31 @@ async def read_json(request: web.Request) -> object:
 
 @reads_body_itself
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    def parse(raw: object, cfg: ServerConfig) -> tuple[protocol.ChatRequest, Outlet | None]:
+        chat = protocol.parse_chat_request(
+            raw, max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars, max_n=cfg.max_n
+        )
+        return chat, None
+
+    return await admit_and_serve(request, parse)
+
+
+@dataclass(frozen=True, slots=True)
+class Outlet:
+    """How a job's answer reaches the client when it is not a chat completion (Responses, legacy
+    completions, Anthropic's messages)."""
+
+    serve: Callable[[web.Request, AppState, Job, Pass], Awaitable[web.StreamResponse]]
+    refuse: Callable[[web.Request, AppState, Job, Any], Awaitable[web.StreamResponse]]
+
+
+Parse = Callable[[object, ServerConfig], tuple[protocol.ChatRequest, Outlet | None]]
+
+
+async def admit_and_serve(request: web.Request, parse: Parse) -> web.StreamResponse:
+    """The front of every generating endpoint marked `reads_body_itself`: the cheap refusals
+    (buckets, stream cap, load) before the body is read or parsed, then `parse` (the decoded
+    JSON body into a chat request, and how its answer is rendered) and `serve_job`."""
     state = request.app[STATE]
     if state.draining:
         raise overloaded("The server is shutting down.", retry_after_s=5, code="server_shutting_down")
@@ -57,25 +83,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     num_bytes = request.content_length  # above max_body_bytes it was a 413 already
     if num_bytes is None:  # chunked: no size before reading it
         num_bytes = len(await read_body(request, cfg.body_timeout_s))
-    # The cheap refusals (buckets, stream cap, load) come before the body is read or parsed.
     with state.admission.check(caller, request[REQUEST_ID], num_bytes) as grant:
-        return await _admit_and_serve(request, state, grant)
-
-
-@dataclass(frozen=True, slots=True)
-class Outlet:
-    """How a job's answer reaches the client when it is not a chat completion (the Responses API)."""
-
-    serve: Callable[[web.Request, AppState, Job, Pass], Awaitable[web.StreamResponse]]
-    refuse: Callable[[web.Request, AppState, Job, Any], Awaitable[web.StreamResponse]]
-
-
-async def _admit_and_serve(request: web.Request, state: AppState, grant: Pass) -> web.StreamResponse:
-    cfg = state.settings.server
-    chat = protocol.parse_chat_request(
-        await read_json(request), max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars, max_n=cfg.max_n
-    )
-    return await serve_job(request, state, grant, chat, None)
+        chat, outlet = parse(await read_json(request), cfg)
+        return await serve_job(request, state, grant, chat, outlet)
 
 
 async def serve_job(

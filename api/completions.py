@@ -21,19 +21,20 @@ from typing import Any
 from aiohttp import web
 
 from api import protocol
-from api.chat import Outlet, json_dumps, read_json, record_refusal, serve_job, usage_of
-from api.connections import read_body, reads_body_itself
-from api.errors import bad_request, overloaded
+from api.chat import Outlet, admit_and_serve, json_dumps, record_refusal, usage_of
+from api.connections import reads_body_itself
+from api.errors import bad_request
 from api.finish import STATUS, finish_job, generate_unary, stream_job
 from api.generation import generate_choices
 from api.job import Job
 from api.sse import SSEWriter
-from api.state import PRINCIPAL, REQUEST_ID, STATE, AppState
+from api.state import AppState
 from api.waiting import LazyStream, wait_admitted
 from engine.tokenizer import Tokenizer
 from engine.types import FinishReason, TokenLogprob, TokenText
 from engine.upstream.counting import Counter
 from gateway.admission import Pass
+from settings import ServerConfig
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint (vLLM's too)
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI allows 5; vLLM and this engine go to 20)
@@ -141,18 +142,11 @@ def _logprobs(value: Any) -> int | None:
 
 @reads_body_itself
 async def completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    if state.draining:
-        raise overloaded("The server is shutting down.", retry_after_s=5, code="server_shutting_down")
-    caller = state.caller(request[PRINCIPAL])
-    cfg = state.settings.server
-    num_bytes = request.content_length
-    if num_bytes is None:
-        num_bytes = len(await read_body(request, cfg.body_timeout_s))
-    with state.admission.check(caller, request[REQUEST_ID], num_bytes) as grant:  # the cheap refusals first, as chat
-        req = parse_completion_request(await read_json(request), max_prompt_chars=cfg.max_prompt_chars, max_n=cfg.max_n)
-        outlet = Outlet(serve=functools.partial(_serve, req.echo), refuse=_refuse)
-        return await serve_job(request, state, grant, req.chat, outlet)
+    def parse(raw: object, cfg: ServerConfig) -> tuple[protocol.ChatRequest, Outlet]:
+        req = parse_completion_request(raw, max_prompt_chars=cfg.max_prompt_chars, max_n=cfg.max_n)
+        return req.chat, Outlet(serve=functools.partial(_serve, req.echo), refuse=_refuse)
+
+    return await admit_and_serve(request, parse)
 
 
 class TextChoice:

@@ -32,18 +32,19 @@ from aiohttp import web
 
 from api import protocol
 from api.answer import Answer
-from api.chat import Outlet, json_dumps, read_json, record_refusal, serve_job
-from api.connections import read_body, reads_body_itself
-from api.errors import ApiError, bad_request, not_found, overloaded
+from api.chat import Outlet, admit_and_serve, json_dumps, read_json, record_refusal
+from api.connections import reads_body_itself
+from api.errors import ApiError, bad_request, not_found
 from api.finish import STATUS, finish_job, generate_unary, stream_job
 from api.generation import generate_choices, make_answer
 from api.job import Job, encode_chat, prompt_tools
 from api.sse import SSEWriter
-from api.state import PRINCIPAL, REQUEST_ID, STATE, AppState
+from api.state import PRINCIPAL, STATE, AppState
 from api.tools import ToolCall
 from api.waiting import LazyStream, wait_admitted
 from engine.types import FinishReason, TokenLogprob
 from gateway.admission import Pass
+from settings import ServerConfig
 
 MAX_STOP_SEQUENCES = protocol.MAX_STOP_STRINGS
 
@@ -449,19 +450,11 @@ async def _refuse(request: web.Request, state: AppState, job: Job, verdict) -> w
 
 @reads_body_itself
 async def create_message(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    if state.draining:
-        raise overloaded("The server is shutting down.", retry_after_s=5, code="server_shutting_down")
-    caller = state.caller(request[PRINCIPAL])
-    cfg = state.settings.server
-    num_bytes = request.content_length
-    if num_bytes is None:
-        num_bytes = len(await read_body(request, cfg.body_timeout_s))
-    with state.admission.check(caller, request[REQUEST_ID], num_bytes) as grant:  # the cheap refusals first, as chat
-        chat = parse_messages_request(
-            await read_json(request), max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars
-        )
-        return await serve_job(request, state, grant, chat, Outlet(serve=_serve, refuse=_refuse))
+    def parse(raw: object, cfg: ServerConfig) -> tuple[protocol.ChatRequest, Outlet]:
+        chat = parse_messages_request(raw, max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars)
+        return chat, Outlet(serve=_serve, refuse=_refuse)
+
+    return await admit_and_serve(request, parse)
 
 
 async def count_tokens(request: web.Request) -> web.Response:

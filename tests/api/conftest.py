@@ -8,7 +8,7 @@ import pytest
 
 from api.app import init
 from testing.fake_backend import FakeBehaviour, fake_backends
-from tests.api.helpers import echo_settings
+from tests.api.helpers import echo_settings, native_settings
 
 
 @pytest.fixture
@@ -26,3 +26,11 @@ def make_client(aiohttp_client, tmp_path, tiny_model_dir) -> Callable:
         return await aiohttp_client(app, server_kwargs={"handler_cancellation": True})
 
     return make
+
+
+@pytest.fixture
+async def native_client(aiohttp_client, tmp_path, tiny_model_dir):
+    """The real app over the native engine on the tiny model (`tiny`), safety off."""
+    return await aiohttp_client(
+        init(native_settings(tmp_path, tiny_model_dir)), server_kwargs={"handler_cancellation": True}
+    )

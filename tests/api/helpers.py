@@ -27,6 +27,21 @@ def echo_settings(tmp_path, model_dir, extra: tuple[str, ...] = ()) -> Settings:
     return load_settings(None, [*base, *extra])
 
 
+def native_settings(tmp_path, model_dir, name: str = "tiny", extra: tuple[str, ...] = ()) -> Settings:
+    """One model on the real native engine (CPU, a small KV cache) for the enterprise and free
+    tiers, safety off: for HTTP tests that check what the engine really answers."""
+    base = [
+        f'models.{name}.path="{model_dir}"',
+        f'tiers.enterprise.models=["{name}"]',
+        f'tiers.free.models=["{name}"]',
+        f'store.path="{tmp_path / "chat.db"}"',
+        "safety.enabled=false",
+        "engine.kv_cache_bytes=4000000",
+        'engine.device="cpu"',
+    ]
+    return load_settings(None, [*base, *extra])
+
+
 def state_of(client):
     return client.server.app[STATE]
 

@@ -14,33 +14,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from api.app import init
 from api.completions import DEFAULT_MAX_TOKENS
 from api.errors import ApiError
 from api.job import encode_raw_prompt
 from engine.tokenizer import Tokenizer
 from engine.upstream.counting import EstimatingCounter
-from settings import SafetyConfig, load_settings
+from settings import SafetyConfig
 from tests.api.helpers import assert_error, sse_events, state_of
 
 PROMPT = "The river runs past the old mill and"
 
 
 @pytest.fixture
-async def native(aiohttp_client, tmp_path, tiny_model_dir):
-    settings = load_settings(
-        None,
-        [
-            f'models.tiny.path="{tiny_model_dir}"',
-            'tiers.enterprise.models=["tiny"]',
-            'tiers.free.models=["tiny"]',
-            f'store.path="{tmp_path / "chat.db"}"',
-            "safety.enabled=false",
-            "engine.kv_cache_bytes=4000000",
-            'engine.device="cpu"',
-        ],
-    )
-    return await aiohttp_client(init(settings), server_kwargs={"handler_cancellation": True})
+def native(native_client):
+    return native_client
 
 
 def _transformers_greedy(model_dir, ids: list[int], max_tokens: int) -> list[int]:

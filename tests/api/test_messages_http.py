@@ -20,7 +20,7 @@ import orjson
 import pytest
 
 from api.app import init
-from settings import SafetyConfig, load_settings
+from settings import SafetyConfig
 from testing.fake_backend import FakeBehaviour, fake_backends
 from tests.api.helpers import echo_settings, state_of
 from tests.api.test_reasoning_http import THINKING_TEMPLATE, THINKS
@@ -38,19 +38,8 @@ GREEDY = {"temperature": 0}  # the SDK no longer takes temperature as an argumen
 
 
 @pytest.fixture
-async def native(aiohttp_client, tmp_path, tiny_model_dir):
-    settings = load_settings(
-        None,
-        [
-            f'models.tiny.path="{tiny_model_dir}"',
-            'tiers.enterprise.models=["tiny"]',
-            f'store.path="{tmp_path / "chat.db"}"',
-            "safety.enabled=false",
-            "engine.kv_cache_bytes=4000000",
-            'engine.device="cpu"',
-        ],
-    )
-    return await aiohttp_client(init(settings), server_kwargs={"handler_cancellation": True})
+def native(native_client):
+    return native_client
 
 
 async def _key(client) -> str:

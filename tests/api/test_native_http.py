@@ -8,28 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from api.app import init
-from settings import load_settings
 from tests.api.helpers import state_of
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. " * 8}
 
 
 @pytest.fixture
-async def client(aiohttp_client, tmp_path, tiny_model_dir):
-    settings = load_settings(
-        None,
-        [
-            f'models.tiny.path="{tiny_model_dir}"',
-            'tiers.enterprise.models=["tiny"]',
-            'tiers.free.models=["tiny"]',
-            f'store.path="{tmp_path / "chat.db"}"',
-            "safety.enabled=false",
-            "engine.kv_cache_bytes=4000000",
-            'engine.device="cpu"',
-        ],
-    )
-    return await aiohttp_client(init(settings), server_kwargs={"handler_cancellation": True})
+def client(native_client):
+    return native_client
 
 
 async def ask(client, messages, headers=None, **extra):

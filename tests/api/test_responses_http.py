@@ -14,8 +14,7 @@ import openai
 import pytest
 
 from api.app import init
-from settings import load_settings
-from tests.api.helpers import state_of
+from tests.api.helpers import native_settings, state_of
 
 SCHEMA = {
     "type": "object",
@@ -30,18 +29,7 @@ LONG = "You are a helpful assistant who answers about rivers and the sea. " * 3
 @pytest.fixture
 def make_sdk(aiohttp_client, tmp_path, tiny_model_dir):
     async def make():
-        settings = load_settings(
-            None,
-            [
-                f'models.tiny.path="{tiny_model_dir}"',
-                'tiers.enterprise.models=["tiny"]',
-                'tiers.free.models=["tiny"]',
-                f'store.path="{tmp_path / "chat.db"}"',
-                "safety.enabled=false",
-                "engine.kv_cache_bytes=4000000",
-                'engine.device="cpu"',
-            ],
-        )
+        settings = native_settings(tmp_path, tiny_model_dir)
         client = await aiohttp_client(init(settings), server_kwargs={"handler_cancellation": True})
         store = state_of(client).store
         keys = {}

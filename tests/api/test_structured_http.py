@@ -12,8 +12,6 @@ import jsonschema
 import openai
 import pytest
 
-from api.app import init
-from settings import load_settings
 from tests.api.helpers import state_of
 
 PERSON = {
@@ -44,19 +42,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture
-async def sdk_client(aiohttp_client, tmp_path, tiny_model_dir):
-    settings = load_settings(
-        None,
-        [
-            f'models.tiny.path="{tiny_model_dir}"',
-            'tiers.enterprise.models=["tiny"]',
-            f'store.path="{tmp_path / "chat.db"}"',
-            "safety.enabled=false",
-            "engine.kv_cache_bytes=4000000",
-            'engine.device="cpu"',
-        ],
-    )
-    return await aiohttp_client(init(settings), server_kwargs={"handler_cancellation": True})
+def sdk_client(native_client):
+    return native_client
 
 
 @pytest.fixture

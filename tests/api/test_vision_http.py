@@ -8,9 +8,8 @@ import pytest
 
 from api.app import init
 from engine.types import IMAGE_PLACEHOLDER
-from settings import load_settings
 from testing.tiny_llava import build_tiny_llava
-from tests.api.helpers import state_of
+from tests.api.helpers import native_settings, state_of
 from tests.api.test_images_http import data_url, png_bytes
 
 NUM_IMAGE_TOKENS = 16
@@ -23,17 +22,7 @@ def llava_dir(tmp_path_factory):
 
 @pytest.fixture
 async def client(aiohttp_client, tmp_path, llava_dir):
-    settings = load_settings(
-        None,
-        [
-            f'models.llava.path="{llava_dir}"',
-            'tiers.enterprise.models=["llava"]',
-            f'store.path="{tmp_path / "chat.db"}"',
-            "safety.enabled=false",
-            "engine.kv_cache_bytes=4000000",
-            'engine.device="cpu"',
-        ],
-    )
+    settings = native_settings(tmp_path, llava_dir, "llava")
     return await aiohttp_client(init(settings), server_kwargs={"handler_cancellation": True})
 
 
