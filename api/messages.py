@@ -97,9 +97,9 @@ def parse_messages_request(raw: Any, *, max_messages: int, max_prompt_chars: int
     chat: dict[str, Any] = {"model": raw["model"], "messages": _messages(raw), "stream": raw.get("stream", False)}
     if not count_only:
         chat["max_tokens"] = max_tokens
-    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k")):
-        if raw.get(theirs) is not None:
-            chat[ours] = raw[theirs]
+    for key in ("temperature", "top_p", "top_k"):  # the same names and meaning as chat completions'
+        if raw.get(key) is not None:
+            chat[key] = raw[key]
     stops = raw.get("stop_sequences")
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
