@@ -7,8 +7,10 @@ priority queue, generation, billing in the usage ledger) with a `ChatRequest` wh
 `raw_prompt` is set; only parsing and rendering differ. Nothing is stored as a conversation.
 A model relayed to another server (backend "openai") gets a text prompt at that server's
 /completions (engine/upstream/wire.py); token ids only go to models served here.
-Not supported, each a 400 naming the field: several prompts in one request, `suffix`,
-`best_of` other than `n`, `echo` together with `logprobs` (the prompt's own log-probabilities).
+`echo` with `logprobs` gives the prompt's own tokens and log-probabilities first (the native
+engine computes them, skipping the prefix cache for that request): what evaluation harnesses
+such as lm-evaluation-harness score. Not supported, each a 400 naming the field: several
+prompts in one request, `suffix`, `best_of` other than `n`, `echo` with `logprobs` streamed.
 """
 
 from __future__ import annotations
@@ -82,10 +84,10 @@ def parse_completion_request(raw: Any, *, max_prompt_chars: int, max_n: int) -> 
     echo = raw.get("echo", False)
     if not isinstance(echo, bool) and echo is not None:
         raise bad_request(f"'echo' must be a boolean, got {protocol.kind_of(echo)}.", param="echo")
-    if echo and logprobs is not None:
+    if echo and logprobs is not None and raw.get("stream"):
         raise bad_request(
-            "'echo' with 'logprobs' would need the prompt's log-probabilities, which this server does not compute.",
-            param="echo",
+            "'echo' with 'logprobs' is answered unstreamed only on this server.",
+            param="stream",
             code="unsupported_value",
         )
     max_tokens = raw.get("max_tokens")
@@ -102,7 +104,8 @@ def parse_completion_request(raw: Any, *, max_prompt_chars: int, max_n: int) -> 
             param="best_of",
             code="unsupported_value",
         )
-    return CompletionRequest(replace(chat, raw_prompt=prompt), bool(echo))
+    prompt_logprobs = logprobs if echo else None  # what evaluation harnesses score (lm-eval's loglikelihood)
+    return CompletionRequest(replace(chat, raw_prompt=prompt, prompt_logprobs=prompt_logprobs), bool(echo))
 
 
 def _prompt(value: Any, max_chars: int) -> str | tuple[int, ...]:
@@ -185,6 +188,23 @@ class TextChoice:
             token.text if isinstance(token, TokenText) else self._tokenizer.decode([token], skip_special_tokens=False)
         )
 
+    def prepend_prompt(self, logprobs: tuple[TokenLogprob | None, ...], token_ids: tuple[int, ...]) -> None:
+        """Echo with logprobs: the prompt's tokens before the answer's, each with its logprob given
+        the ones before it (the first has none: null, as OpenAI's)."""
+        piece: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        for token_id, lp in zip(token_ids, logprobs, strict=True):
+            token = self._text(token_id)
+            piece["tokens"].append(token)
+            piece["token_logprobs"].append(None if lp is None else max(lp.logprob, -9999.0))
+            piece["top_logprobs"].append(
+                None if lp is None else {self._text(t): max(v, -9999.0) for t, v in lp.top_logprobs}
+            )
+            piece["text_offset"].append(offset)
+            offset += len(token)
+        for key, values in piece.items():
+            self.logprobs[key][:0] = values
+
     def close(self) -> None:
         """Nothing is held back (no tool calls or reasoning to parse in a raw completion)."""
 
@@ -229,6 +249,9 @@ async def _serve(echo: bool, request: web.Request, state: AppState, job: Job, gr
     if job.chat.stream:
         return await _serve_stream(request, state, job, grant, choices)
     finishes = await generate_unary(request, state, job, grant, choices)
+    if job.prompt_logprobs:  # echo with logprobs: the prompt's tokens come first
+        for choice in choices:
+            choice.prepend_prompt(job.prompt_logprobs, job.gen.prompt_token_ids)
     body = _body(
         job,
         protocol.now_s(),

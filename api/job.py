@@ -21,7 +21,7 @@ from api.reasoning import prompt_opens_thinking
 from api.tools import ChoiceMode, Tool, detect_format, forced_call_grammar, template_takes_tools, tools_system_prompt
 from engine.registry import ModelHandle
 from engine.tokenizer import Tokenizer
-from engine.types import ChatPrompt, GenerationRequest, RequestRejected, SamplingParams, UsageSource
+from engine.types import ChatPrompt, GenerationRequest, RequestRejected, SamplingParams, TokenLogprob, UsageSource
 from settings import TierConfig
 from store.types import Principal
 
@@ -58,6 +58,7 @@ class Job:
     recorded: bool = False  # set by the one finish path; a second call is a no-op
     reported_prompt_tokens: int | None = None  # a backend's own count (an upstream's usage), if it reported one
     usage_source: UsageSource = UsageSource.ENGINE
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()  # when the request asked (a legacy completion's echo)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -222,6 +223,7 @@ def sampling_from(chat: ChatRequest, max_tokens: int, model: ModelHandle | None 
     return SamplingParams(
         structured=structured,
         logprobs=chat.logprobs,
+        prompt_logprobs=chat.prompt_logprobs,
         max_tokens=max_tokens,
         **_sampling_defaults(chat, model),
         seed=chat.seed,

@@ -142,6 +142,7 @@ class ChatRequest:
     # Anthropic's Messages API: max_tokens is a cap (Claude Code asks for 32,000), so the answer
     # gets at most what the tier and the context leave instead of a 400.
     max_tokens_is_cap: bool = False
+    prompt_logprobs: int | None = None  # a legacy completion's echo with logprobs: the prompt's own, top k
 
 
 def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int, max_n: int = 1) -> ChatRequest:

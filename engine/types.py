@@ -85,6 +85,9 @@ class SamplingParams:
     ignore_eos: bool = False
     structured: StructuredOutput | None = None  # None: free text
     logprobs: int | None = None  # None: none; k: the chosen token's logprob and the top k (0-20)
+    # None: none; k: each prompt token's logprob given the tokens before it, and the top k
+    # (a legacy completion's echo with logprobs: what evaluation harnesses score). The native engine only.
+    prompt_logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -161,6 +164,8 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     usage_source: UsageSource = UsageSource.ENGINE
     logprobs: tuple[TokenLogprob, ...] = ()  # one per generated token (of token_ids, where ids exist), when asked
+    # When sampling.prompt_logprobs asked: one per prompt token (None for the first), on the first event only.
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,6 +83,7 @@ class _Stream:
             out.num_completion_tokens,
             reason,
             logprobs=out.logprobs,
+            prompt_logprobs=out.prompt_logprobs,
         )
         self.done = reason is not None
         return self.last

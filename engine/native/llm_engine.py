@@ -43,6 +43,7 @@ class RequestOutput:
     num_completion_tokens: int
     finish_reason: FinishReason | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # for new_token_ids, when the request asked
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()  # with the first token, when the request asked
 
 
 # On CPU a step's time grows with its tokens, so a step that decodes running streams takes
@@ -204,6 +205,8 @@ class LLMEngine:
     @staticmethod
     def _output(seq: Sequence, new_token_ids: tuple[int, ...]) -> RequestOutput:
         logprobs = tuple(seq.logprobs[-len(new_token_ids) :]) if new_token_ids and seq.logprobs else ()
+        first = bool(new_token_ids) and seq.num_completion_tokens == len(new_token_ids)
+        prompt = tuple(seq.prompt_logprobs) if first and seq.prompt_logprobs is not None else ()
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_token_ids,
@@ -212,4 +215,5 @@ class LLMEngine:
             num_completion_tokens=seq.num_completion_tokens,
             finish_reason=seq.finish_reason,
             logprobs=logprobs,
+            prompt_logprobs=prompt,
         )

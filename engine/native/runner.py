@@ -22,7 +22,7 @@ from engine.native.kernels import KernelMode
 from engine.native.loader import checkpoint_dtype, load_model_args, load_model_weights
 from engine.native.model import Model, prepare_linear_layers
 from engine.native.quant import Quantization
-from engine.native.sampler import Sampler, SamplingRow, SeenTokens
+from engine.native.sampler import Sampler, SamplingRow, SeenTokens, prompt_logprobs
 from engine.native.scheduler import ScheduledBatch
 from engine.native.vision import VisionTower, is_llava
 from engine.types import EngineError
@@ -94,6 +94,9 @@ class StepInputs:
     logit_rows: torch.Tensor  # [num_sampled] rows of the flat batch whose logits are needed
     sampled_batch_indices: tuple[int, ...]  # for each logit row, its index in the batch
     sampling_rows: list[SamplingRow]
+    # (batch index, first row, number of rows): prompt positions this step whose next prompt
+    # token's logprob was asked for (sampling.prompt_logprobs); empty for nearly every step.
+    prompt_rows: tuple[tuple[int, int, int], ...] = ()
 
 
 class ModelRunner:
@@ -220,11 +223,21 @@ class ModelRunner:
             tokens = self.sampler(logits, inputs.sampling_rows)
             for batch_index, token in zip(inputs.sampled_batch_indices, tokens, strict=True):
                 sampled[batch_index] = token
+        for batch_index, first_row, num_rows in inputs.prompt_rows:
+            seq = batch.seqs[batch_index]
+            assert seq.prompt_logprobs is not None and seq.sampling.prompt_logprobs is not None
+            start = seq.num_computed_tokens  # this step's first position (counts advance after the step)
+            logits = self.model.compute_logits(hidden[first_row : first_row + num_rows])
+            targets = seq.token_ids[start + 1 : start + 1 + num_rows]
+            seq.prompt_logprobs[start + 1 : start + 1 + num_rows] = prompt_logprobs(
+                logits, targets, seq.sampling.prompt_logprobs
+            )
         return sampled
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         inputs = self.batch_inputs.build(batch)
         rows, batch_indices, sampling_rows = self._sampling_rows(batch, inputs)
+        asks_prompt_logprobs = any(seq.prompt_logprobs is not None for seq in batch.seqs)
         return StepInputs(
             input_ids=inputs.input_ids,
             positions=inputs.positions,
@@ -232,7 +245,28 @@ class ModelRunner:
             logit_rows=torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self.device, non_blocking=True),
             sampled_batch_indices=tuple(batch_indices),
             sampling_rows=sampling_rows,
+            prompt_rows=self._prompt_rows(batch, inputs) if asks_prompt_logprobs else (),
         )
+
+    @staticmethod
+    def _prompt_rows(batch: ScheduledBatch, inputs: BatchInputs) -> tuple[tuple[int, int, int], ...]:
+        """For sequences asking for prompt logprobs: this step's rows whose next token is still
+        in the prompt (a one-token chunk sits among the decode rows)."""
+        spans = [(i, row, 1) for row, i in enumerate(inputs.decodes)]
+        spans += [
+            (i, end - batch.num_scheduled_tokens[i], batch.num_scheduled_tokens[i])
+            for i, end in zip(inputs.prefills, inputs.chunk_ends, strict=True)
+        ]
+        out = []
+        for i, first_row, num_rows in spans:
+            seq = batch.seqs[i]
+            if seq.prompt_logprobs is None:
+                continue
+            start = seq.num_computed_tokens
+            num = min(start + num_rows, seq.num_prompt_tokens - 1) - start
+            if num > 0:
+                out.append((i, first_row, num))
+        return tuple(out)
 
     def _sampling_rows(
         self, batch: ScheduledBatch, inputs: BatchInputs

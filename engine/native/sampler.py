@@ -145,6 +145,19 @@ def _record_logprobs(logits: torch.Tensor, rows: list[SamplingRow], tokens: list
         sink.append(TokenLogprob(tokens[i], chosen_l[j], top))
 
 
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
+    """Each row's logprob of the prompt token that follows it, and the top k, of the model's own
+    distribution (no temperature): `logits` [n, vocab] for positions p..p+n-1, `targets` the tokens at p+1..p+n."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor(targets, device=logits.device)[:, None])[:, 0].tolist()
+    top_values, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+    top_v, top_i = top_values.tolist(), top_ids.tolist()
+    return [
+        TokenLogprob(target, value, tuple(zip(top_i[j], top_v[j], strict=True)))
+        for j, (target, value) in enumerate(zip(targets, chosen, strict=True))
+    ]
+
+
 def _argmax(x: torch.Tensor) -> torch.Tensor:
     """Index of each row's first largest value, as torch.argmax. On CPU through numpy, whose
     vectorised argmax is ~10x faster than torch's max(dim)/argmax for a step's rows (2-core AMD

@@ -160,7 +160,7 @@ class Scheduler(Generic[EntryT]):
         bm = self.block_manager
         while self.waiting and (budget := min(self._budget_left(scheduled), prefill_budget)) > 0:
             seq = self.waiting[0]
-            prefix_block_ids = bm.find_cached_prefix(seq)
+            prefix_block_ids = bm.find_cached_prefix(seq) if seq.prompt_logprobs is None else []
             num_new = min(seq.num_tokens - len(prefix_block_ids) * bm.block_size, budget)
             fits = len(self.running) < self.config.max_num_seqs and bm.can_allocate(seq, num_new, prefix_block_ids)
             if not fits:

@@ -86,6 +86,7 @@ class Sequence:
         "max_num_tokens",
         "grammar",
         "logprobs",
+        "prompt_logprobs",
         "images",
         "seen_tokens",
     )
@@ -109,6 +110,10 @@ class Sequence:
         self.max_num_tokens = min(max_model_len, self.num_prompt_tokens + self.sampling.max_tokens)
         self.grammar: GrammarMatcher | None = None  # set by the engine for structured outputs
         self.logprobs: list[TokenLogprob] = []  # one per completion token, filled by the sampler when asked
+        # Per prompt position (the first has none), filled by the runner as the prompt is computed;
+        # a sequence asking for them never takes prefix-cache blocks (every position is computed).
+        asked = self.sampling.prompt_logprobs is not None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = [None] * self.num_prompt_tokens if asked else None
         self.images = request.images  # vision models: which prompt tokens take image embeddings
         self.seen_tokens: SeenTokens | None = None  # the sampler's SeenTokens (repetition penalty), made by the runner
 

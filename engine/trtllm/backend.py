@@ -178,6 +178,12 @@ class TrtllmBackend:
     # -- admission ------------------------------------------------------------------------
     def check_request(self, request: GenerationRequest) -> None:
         check_fits_context(request, self._max_model_len)
+        if request.sampling.prompt_logprobs is not None:
+            raise RequestRejected(
+                "the prompt's log-probabilities (echo with logprobs) come from the native engine only",
+                param="echo",
+                code="unsupported_value",
+            )
         num_prompt = len(request.prompt_token_ids)
         if not self._config.enable_chunked_prefill and num_prompt > self._config.max_num_tokens:
             raise RequestRejected(

@@ -124,6 +124,8 @@ def unsupported_reason(request: GenerationRequest) -> tuple[str, str] | None:
     are answered upstream; the grammar the front built for them (`sampling.structured`) is not sent.
     """
     options = request.chat.options if request.chat is not None else {}
+    if getattr(request.sampling, "prompt_logprobs", None) is not None:
+        return "The prompt's log-probabilities (echo with logprobs) come from models served here only.", "echo"
     structured = getattr(request.sampling, "structured", None)
     if structured is not None and "response_format" not in options and "tool_choice" not in options:
         return "This kind of constrained output is not relayed to upstream servers.", "response_format"

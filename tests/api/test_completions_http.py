@@ -117,6 +117,27 @@ async def test_echo_puts_the_prompt_before_the_answer_and_n_gives_each_choice(na
     assert body["usage"]["completion_tokens"] == 16
 
 
+async def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(native, tiny_model_dir):
+    """lm-evaluation-harness's loglikelihood request: token ids, echo, logprobs 1, max_tokens 1."""
+    from transformers import AutoModelForCausalLM
+
+    ids = Tokenizer.from_dir(tiny_model_dir).encode_prompt(PROMPT)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    expected = [logp[p - 1, ids[p]].item() for p in range(1, len(ids))]
+    for _ in range(2):  # the second time the prompt's blocks are cached: its logprobs are still computed
+        body = await _complete(native, prompt=[ids], echo=True, logprobs=1, max_tokens=1)
+        (choice,) = body["choices"]
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) + 1 and choice["text"].startswith(PROMPT)
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][1 : len(ids)] == pytest.approx(expected, abs=1e-4)
+        assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+        assert "".join(lp["tokens"]) == choice["text"]
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
 async def test_completions_are_billed_in_the_usage_ledger(native):
     body = await _complete(native, prompt=PROMPT)
     usage = await (await native.get("/v1/usage")).json()
@@ -158,7 +179,7 @@ async def test_the_prompt_reaches_the_backend_without_a_template(make_client):
         ({"prompt": "x" * 2000}, "prompt", "string_above_max_length"),
         ({"prompt": "hi", "suffix": "bye"}, "suffix", None),
         ({"prompt": "hi", "best_of": 3}, "best_of", "unsupported_value"),
-        ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo", "unsupported_value"),
+        ({"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, "stream", "unsupported_value"),
         ({"prompt": "hi", "logprobs": 21}, "logprobs", None),
         ({"prompt": "hi", "logprobs": True}, "logprobs", None),
         ({"prompt": "hi", "echo": "yes"}, "echo", None),

@@ -10,6 +10,7 @@ import asyncio
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -161,6 +162,15 @@ async def test_a_dead_executor_fails_requests_with_engine_error_and_turns_health
         await collect(backend, make_request(ids(backend), max_tokens=3))
     assert not backend.health() and backend.state is BackendState.FAILED
     assert backend.stats().num_running == 0
+
+
+async def test_the_prompts_logprobs_are_refused_naming_echo(start_trtllm):
+    backend = await start_trtllm()
+    request = make_request(ids(backend)[:6], max_tokens=1)
+    request = replace(request, sampling=replace(request.sampling, prompt_logprobs=1))
+    with pytest.raises(RequestRejected, match="native engine only") as exc:
+        backend.check_request(request)
+    assert exc.value.param == "echo"
 
 
 async def test_a_prompt_trtllm_refuses_is_rejected_and_the_backend_keeps_serving(start_trtllm):

@@ -154,3 +154,38 @@ def test_sampled_requests_draw_on_the_engines_device_and_a_seed_repeats(tiny_mod
     assert out["seed-a"] == out["seed-b"]
     vocab = load_model_args(tiny_models.path(VARIANT)).vocab_size
     assert all(0 <= t < vocab for tokens in out.values() for t in tokens)
+
+
+def _transformers_prompt_logprobs(tiny_models, prompt: list[int]) -> list[float]:
+    """log p(prompt[p] | prompt[:p]) for p >= 1, from transformers' logits."""
+    import torch
+
+    with torch.inference_mode():
+        logits = tiny_models.reference(VARIANT)(torch.tensor([prompt])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return [logp[p - 1, prompt[p]].item() for p in range(1, len(prompt))]
+
+
+@pytest.mark.parametrize("chunk", [32, 7])  # the whole prompt in one step, or in chunks
+def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(tiny_models, chunk):
+    engine = make_engine(tiny_models, num_blocks=16, max_num_batched_tokens=chunk)
+    prompt = [(7 * i + 3) % 200 + 3 for i in range(29)]  # 29 = 4 x 7 + 1: the last chunk is one token
+    expected = _transformers_prompt_logprobs(tiny_models, prompt)
+    for round_ in range(2):  # the second time its blocks are cached: still every position is computed
+        sampling = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+        engine.add_request(GenerationRequest(f"r{round_}", tuple(prompt), sampling))
+        first = None
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                first = first or o
+        assert first is not None and first.num_cached_tokens == 0
+        got = first.prompt_logprobs
+        assert len(got) == len(prompt) and got[0] is None
+        assert [lp.token_id for lp in got[1:]] == prompt[1:]
+        assert [lp.logprob for lp in got[1:]] == pytest.approx(expected, abs=1e-4)
+        for lp in got[1:]:
+            assert len(lp.top_logprobs) == 3 and lp.top_logprobs[0][1] >= lp.logprob - 1e-6
+    # A request that does not ask hits the cache as before.
+    engine.add_request(req("plain", prompt, max_tokens=2))
+    outs = [o for _ in range(4) for o in engine.step()]
+    assert outs[0].num_cached_tokens > 0 and outs[0].prompt_logprobs == ()

@@ -137,6 +137,8 @@ def test_what_cannot_be_relayed_is_refused_naming_the_field():
         sampling=SimpleNamespace(structured="grammar", logprobs=None),
     )
     assert unsupported_reason(forced) is None  # the upstream forces the call itself
+    echo = SimpleNamespace(chat=ChatPrompt((), prompt="hi"), sampling=SamplingParams(max_tokens=1, prompt_logprobs=1))
+    assert unsupported_reason(echo)[1] == "echo"  # the prompt's logprobs: the native engine only
     assert (
         unsupported_reason(make_request(SamplingParams(max_tokens=4), response_format={"type": "json_object"})) is None
     )
