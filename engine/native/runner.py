@@ -24,6 +24,7 @@ from engine.native.model import Model, prepare_linear_layers
 from engine.native.quant import Quantization
 from engine.native.sampler import Sampler, SamplingRow, SeenTokens, prompt_logprobs
 from engine.native.scheduler import ScheduledBatch
+from engine.native.sequence import Sequence
 from engine.native.vision import VisionTower, is_llava
 from engine.types import EngineError
 from settings import EngineConfig
@@ -31,6 +32,7 @@ from settings import EngineConfig
 log = structlog.get_logger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_PROMPT_LOGPROB_ROWS = 64  # prompt positions scored at once: 39 MB of logits with Qwen's 152k vocabulary
 
 
 def resolve_device(name: str) -> torch.device:
@@ -224,15 +226,21 @@ class ModelRunner:
             for batch_index, token in zip(inputs.sampled_batch_indices, tokens, strict=True):
                 sampled[batch_index] = token
         for batch_index, first_row, num_rows in inputs.prompt_rows:
-            seq = batch.seqs[batch_index]
-            assert seq.prompt_logprobs is not None and seq.sampling.prompt_logprobs is not None
-            start = seq.num_computed_tokens  # this step's first position (counts advance after the step)
-            logits = self.model.compute_logits(hidden[first_row : first_row + num_rows])
-            targets = seq.token_ids[start + 1 : start + 1 + num_rows]
-            seq.prompt_logprobs[start + 1 : start + 1 + num_rows] = prompt_logprobs(
-                logits, targets, seq.sampling.prompt_logprobs
-            )
+            self._record_prompt_logprobs(batch.seqs[batch_index], hidden, first_row, num_rows)
         return sampled
+
+    def _record_prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, first_row: int, num_rows: int) -> None:
+        """Fill the prompt logprobs of this step's positions, in slices of rows so that the
+        logits ([rows, vocab], float32) stay small with a 150k vocabulary."""
+        assert seq.prompt_logprobs is not None and seq.sampling.prompt_logprobs is not None
+        start = seq.num_computed_tokens  # this step's first position (counts advance after the step)
+        for offset in range(0, num_rows, _PROMPT_LOGPROB_ROWS):
+            n = min(_PROMPT_LOGPROB_ROWS, num_rows - offset)
+            logits = self.model.compute_logits(hidden[first_row + offset : first_row + offset + n])
+            first = start + offset + 1  # the prompt position whose token row `first_row + offset` predicts
+            seq.prompt_logprobs[first : first + n] = prompt_logprobs(
+                logits, seq.token_ids[first : first + n], seq.sampling.prompt_logprobs
+            )
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         inputs = self.batch_inputs.build(batch)

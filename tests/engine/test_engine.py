@@ -166,10 +166,11 @@ def _transformers_prompt_logprobs(tiny_models, prompt: list[int]) -> list[float]
     return [logp[p - 1, prompt[p]].item() for p in range(1, len(prompt))]
 
 
-@pytest.mark.parametrize("chunk", [32, 7])  # the whole prompt in one step, or in chunks
-def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(tiny_models, chunk):
+# The whole prompt in one step; in chunks (the last of one token); past a slice of scored rows (64).
+@pytest.mark.parametrize(("chunk", "length"), [(32, 29), (7, 29), (160, 150)])
+def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(tiny_models, chunk, length):
     engine = make_engine(tiny_models, num_blocks=16, max_num_batched_tokens=chunk)
-    prompt = [(7 * i + 3) % 200 + 3 for i in range(29)]  # 29 = 4 x 7 + 1: the last chunk is one token
+    prompt = [(7 * i + 3) % 200 + 3 for i in range(length)]
     expected = _transformers_prompt_logprobs(tiny_models, prompt)
     for round_ in range(2):  # the second time its blocks are cached: still every position is computed
         sampling = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
