@@ -459,9 +459,13 @@ async def create_message(request: web.Request) -> web.StreamResponse:
 
 async def count_tokens(request: web.Request) -> web.Response:
     """{"input_tokens": N}: the request's prompt as this server renders it for the model (no
-    generation, nothing billed)."""
+    generation, nothing billed). It counts as a request against the caller's per-minute limit
+    (no tokens), so it cannot be called without bound."""
     state = request.app[STATE]
     cfg = state.settings.server
+    caller = state.caller(request[PRINCIPAL])
+    limiter = state.admission.limiter
+    limiter.settle(limiter.acquire(caller.key, caller.tier_name, caller.tier, 0, caller.overrides), 0)
     chat = parse_messages_request(
         await read_json(request), max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars, count_only=True
     )

@@ -246,6 +246,17 @@ async def test_a_key_is_read_from_x_api_key_and_a_wrong_one_is_an_authentication
     )
 
 
+async def test_count_tokens_counts_against_the_request_limit(make_client):
+    client = await make_client("tiers.enterprise.requests_per_minute=2")
+    body = {"model": "echo", "messages": [{"role": "user", "content": "hello there"}]}
+    for _ in range(2):
+        resp = await client.post("/v1/messages/count_tokens", json=body)
+        assert resp.status == 200 and (await resp.json())["input_tokens"] > 0
+    resp = await client.post("/v1/messages/count_tokens", json=body)
+    await _error(resp, 429, "rate_limit_error")
+    assert "Retry-After" in resp.headers
+
+
 async def test_a_failure_mid_stream_is_an_error_event(make_client):
     client = await make_client(behaviour=FakeBehaviour(fail_after=2))
     body = {
