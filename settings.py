@@ -63,6 +63,12 @@ class ServerConfig:
     metrics_token: str = setting(
         "", "Bearer token for /metrics (an API key works too); needed when the server is not loopback-only."
     )
+    tls_cert_file: str = setting(
+        "",
+        "PEM certificate chain to serve HTTPS directly, without a reverse proxy (with tls_key_file; both or "
+        "neither). Empty: plain HTTP.",
+    )
+    tls_key_file: str = setting("", "PEM private key of tls_cert_file.")
     header_timeout_s: float = setting(
         10.0,
         "A request's headers must arrive within this many seconds of the connection (or the previous answer); else "

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from api.connections import ConnectionGuard, ConnectionLimits, make_protocol_factory
 from api.inflight import INFLIGHT
+from api.security import tls_context
 from api.state import STATE
 from settings import Settings
 
@@ -45,14 +46,28 @@ async def run(app: web.Application, settings: Settings, sock: socket.socket | No
         loop = asyncio.get_running_loop()
         assert runner.server is not None  # made by setup()
         factory = make_protocol_factory(runner.server, guard)
+        # HTTPS: a handshake must end within the header deadline (a connection is guarded once it has).
+        context = tls_context(settings)
+        handshake_s = cfg.header_timeout_s if context is not None else None
         if sock is not None:
-            listener = await loop.create_server(factory, sock=sock, backlog=cfg.backlog)
+            listener = await loop.create_server(
+                factory, sock=sock, backlog=cfg.backlog, ssl=context, ssl_handshake_timeout=handshake_s
+            )
         else:
-            listener = await loop.create_server(factory, cfg.host, cfg.port, reuse_address=True, backlog=cfg.backlog)
+            listener = await loop.create_server(
+                factory,
+                cfg.host,
+                cfg.port,
+                reuse_address=True,
+                backlog=cfg.backlog,
+                ssl=context,
+                ssl_handshake_timeout=handshake_s,
+            )
         log.info(
             "listening",
             host=cfg.host,
             port=cfg.port,
+            tls=context is not None,
             max_connections=guard.limits.max_connections,
             max_connections_per_client=guard.limits.max_per_client,
         )

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import os
+import ssl
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -47,8 +49,32 @@ def is_loopback_only(settings: Settings) -> bool:
     return is_loopback(settings.server.host) and not settings.server.trusted_proxies
 
 
+def tls_context(settings: Settings) -> ssl.SSLContext | None:
+    """The server's TLS context from server.tls_cert_file and tls_key_file (TLS 1.2 or later), or
+    None for plain HTTP; ConfigError naming the setting when they cannot be used."""
+    cfg = settings.server
+    if not cfg.tls_cert_file and not cfg.tls_key_file:
+        return None
+    if not cfg.tls_cert_file or not cfg.tls_key_file:
+        raise ConfigError("server.tls_cert_file and server.tls_key_file go together: set both (HTTPS) or neither")
+    for name, path in (("tls_cert_file", cfg.tls_cert_file), ("tls_key_file", cfg.tls_key_file)):
+        if not os.path.isfile(path):
+            raise ConfigError(f"server.{name}: {path}: no such file")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(
+            f"server.tls_cert_file / tls_key_file: cannot load {cfg.tls_cert_file} with {cfg.tls_key_file} "
+            f"(PEM certificate chain and its private key): {exc}"
+        ) from None
+    return context
+
+
 def check_startup(settings: Settings) -> None:
     """Refuse configurations that would open a door without saying so."""
+    tls_context(settings)  # an unusable certificate stops the start here, before models load
     if settings.server.trusted_proxies and keyless_allowed(settings):
         raise ConfigError(
             "server.trusted_proxies is set, so every client arrives from the proxy's address and would be "

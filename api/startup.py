@@ -71,7 +71,8 @@ def ready_text(settings: Settings, *, is_keyless: bool) -> str:
     shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     if ":" in shown_host:
         shown_host = f"[{shown_host}]"
-    url = f"http://{shown_host}:{settings.server.port}"
+    scheme = "https" if settings.server.tls_cert_file else "http"
+    url = f"{scheme}://{shown_host}:{settings.server.port}"
     lines = [f"Ready. Open {url} in a browser (OpenAI-compatible API: {url}/v1)."]
     for name in settings.models:
         tiers = [tier for tier, cfg in settings.tiers.items() if name in cfg.models]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -39,8 +40,10 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         log_path: Path | None = None,
         preexec_fn=None,
+        cafile: Path | None = None,
     ):
         self.port = free_port()
+        self.cafile = cafile  # the server speaks HTTPS with a certificate this CA file verifies
         self.args = args
         self.fake = fake  # serve the native models with the fake backend (`--fake NAME` in args: only those)
         self.env = {**os.environ, **(env or {})}
@@ -50,7 +53,12 @@ class ServerProcess:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.cafile else 'http'}://127.0.0.1:{self.port}"
+
+    def urlopen(self, url: str, timeout: float = 10):
+        """urllib's urlopen, trusting `cafile` when the server speaks HTTPS."""
+        context = ssl.create_default_context(cafile=str(self.cafile)) if self.cafile else None
+        return urllib.request.urlopen(url, timeout=timeout, context=context)
 
     def start(self, timeout_s: float = 120.0) -> ServerProcess:
         cmd = [sys.executable, str(ROOT / "server.py")]
@@ -75,7 +83,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}")
             try:
-                with urllib.request.urlopen(self.base_url + "/ready", timeout=1) as resp:
+                with self.urlopen(self.base_url + "/ready", timeout=1) as resp:
                     if resp.status == 200:
                         return self
             except (urllib.error.URLError, ConnectionError, TimeoutError):
