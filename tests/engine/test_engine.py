@@ -179,6 +179,7 @@ def test_prompt_logprobs_equal_transformers_and_skip_the_prefix_cache(tiny_model
         while engine.has_unfinished_requests():
             for o in engine.step():
                 first = first or o
+            check_invariants(engine.block_manager, engine.scheduler.running + engine.scheduler.waiting)
         assert first is not None and first.num_cached_tokens == 0
         got = first.prompt_logprobs
         assert len(got) == len(prompt) and got[0] is None
