@@ -16,7 +16,7 @@ prompts in one request, `suffix`, `best_of` other than `n`, `echo` with `logprob
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -171,17 +171,27 @@ class TextChoice:
         return {"text": text, "logprobs": rendered}
 
     def _render(self, logprobs: tuple[TokenLogprob, ...]) -> dict[str, list]:
-        piece: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for lp in logprobs:
-            token = self._text(lp.token)
-            piece["tokens"].append(token)
-            piece["token_logprobs"].append(max(lp.logprob, -9999.0))  # OpenAI's floor; JSON has no -inf
-            piece["top_logprobs"].append({self._text(t): max(v, -9999.0) for t, v in lp.top_logprobs})
-            piece["text_offset"].append(self._offset)
-            self._offset += len(token)
+        piece, self._offset = self._piece([lp.token for lp in logprobs], logprobs, self._offset)
         for key, values in piece.items():
             self.logprobs[key].extend(values)
         return piece
+
+    def _piece(
+        self, tokens: Sequence[int | TokenText], logprobs: Sequence[TokenLogprob | None], offset: int
+    ) -> tuple[dict[str, list], int]:
+        """These tokens in the legacy shape, their text offsets from `offset` (a None logprob, the
+        prompt's first token's, is null as OpenAI's); and the offset after them."""
+        piece: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for ref, lp in zip(tokens, logprobs, strict=True):
+            token = self._text(ref)
+            piece["tokens"].append(token)
+            piece["token_logprobs"].append(None if lp is None else max(lp.logprob, -9999.0))  # JSON has no -inf
+            piece["top_logprobs"].append(
+                None if lp is None else {self._text(t): max(v, -9999.0) for t, v in lp.top_logprobs}
+            )
+            piece["text_offset"].append(offset)
+            offset += len(token)
+        return piece, offset
 
     def _text(self, token: int | TokenText) -> str:
         return (
@@ -190,18 +200,8 @@ class TextChoice:
 
     def prepend_prompt(self, logprobs: tuple[TokenLogprob | None, ...], token_ids: tuple[int, ...]) -> None:
         """Echo with logprobs: the prompt's tokens before the answer's, each with its logprob given
-        the ones before it (the first has none: null, as OpenAI's)."""
-        piece: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = 0
-        for token_id, lp in zip(token_ids, logprobs, strict=True):
-            token = self._text(token_id)
-            piece["tokens"].append(token)
-            piece["token_logprobs"].append(None if lp is None else max(lp.logprob, -9999.0))
-            piece["top_logprobs"].append(
-                None if lp is None else {self._text(t): max(v, -9999.0) for t, v in lp.top_logprobs}
-            )
-            piece["text_offset"].append(offset)
-            offset += len(token)
+        the ones before it."""
+        piece, _ = self._piece(token_ids, logprobs, 0)
         for key, values in piece.items():
             self.logprobs[key][:0] = values
 

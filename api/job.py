@@ -310,8 +310,8 @@ def encode_raw_prompt(model: ModelHandle, prompt: str | tuple[int, ...]) -> tupl
                 param="prompt",
                 code="unsupported_value",
             )
-        return tokenizer.encode(prompt), [ChatMessage("user", prompt)]
-    if isinstance(prompt, str):
+        ids, text = tokenizer.encode(prompt), prompt
+    elif isinstance(prompt, str):
         ids, text = tokenizer.encode_prompt(prompt), prompt
     else:
         outside = next((t for t in prompt if not 0 <= t < tokenizer.vocab_size), None)
@@ -323,7 +323,7 @@ def encode_raw_prompt(model: ModelHandle, prompt: str | tuple[int, ...]) -> tupl
             )
         ids, text = list(prompt), tokenizer.decode(prompt, skip_special_tokens=False)
     if not ids:
-        raise bad_request("'prompt' is empty, and this model's tokenizer adds no start token.", param="prompt")
+        raise bad_request("'prompt' is empty (and this model's tokenizer adds no start token).", param="prompt")
     return ids, [ChatMessage("user", text)]
 
 

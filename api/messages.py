@@ -18,7 +18,8 @@ says `end_turn` when a stop sequence ended the answer (the engine does not say w
 met). Fields this server does not use (`metadata`, `service_tier`,
 `cache_control` on blocks, ...) are accepted and ignored, as Anthropic's newer fields appear often.
 `max_tokens` is a cap, not a reservation: the answer gets at most what the tier's `max_tokens`
-and the context leave (Claude Code asks for 32,000 whatever the model).
+and the context leave (Anthropic clients such as Claude Code ask for far more than a local model's
+context).
 """
 
 from __future__ import annotations

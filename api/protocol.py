@@ -139,7 +139,7 @@ class ChatRequest:
     # POST /v1/completions: the prompt as text or token ids, given to the model as it is (no chat
     # template); `messages` then holds its text as one user message, which the safety gate reads.
     raw_prompt: str | tuple[int, ...] | None = None
-    # Anthropic's Messages API: max_tokens is a cap (Claude Code asks for 32,000), so the answer
+    # Anthropic's Messages API: max_tokens is a cap (its clients ask for far more than a local context), so the answer
     # gets at most what the tier and the context leave instead of a 400.
     max_tokens_is_cap: bool = False
     prompt_logprobs: int | None = None  # a legacy completion's echo with logprobs: the prompt's own, top k

@@ -150,14 +150,14 @@ def _check_origin(request: web.Request, settings: Settings) -> None:
 async def _key_principal(request: web.Request):
     """The principal of the presented key; None when no key was sent. Invalid keys raise 401."""
     header = request.headers.get("Authorization", "")
-    if not header:
-        anthropic_key = request.headers.get("x-api-key", "").strip()  # Anthropic's SDK sends its key so
-        header = f"Bearer {anthropic_key}" if anthropic_key else ""
-    if not header:
+    if header:
+        scheme, _, secret = header.partition(" ")
+        if scheme.lower() != "bearer" or not secret.strip():
+            raise unauthorized("Malformed Authorization header; expected 'Bearer <API key>'.")
+    else:
+        secret = request.headers.get("x-api-key", "")  # how Anthropic's SDK sends its key
+    if not secret.strip():
         return None
-    scheme, _, secret = header.partition(" ")
-    if scheme.lower() != "bearer" or not secret.strip():
-        raise unauthorized("Malformed Authorization header; expected 'Bearer <API key>'.")
     principal = await request.app[STATE].store.authenticate(secret.strip())
     if principal is None:
         raise unauthorized(

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable
 
 import pytest
 
 from api.app import init
 from testing.fake_backend import FakeBehaviour, fake_backends
-from tests.api.helpers import echo_settings, native_settings
+from tests.api.helpers import THINKING_TEMPLATE, echo_settings, native_settings
 
 
 @pytest.fixture
@@ -34,3 +36,14 @@ async def native_client(aiohttp_client, tmp_path, tiny_model_dir):
     return await aiohttp_client(
         init(native_settings(tmp_path, tiny_model_dir)), server_kwargs={"handler_cancellation": True}
     )
+
+
+@pytest.fixture
+def thinking_model_dir(tiny_model_dir, tmp_path):
+    """The tiny model with a reasoning template (THINKING_TEMPLATE)."""
+    target = tmp_path / "thinking"
+    shutil.copytree(tiny_model_dir, target)
+    cfg = json.loads((target / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = THINKING_TEMPLATE
+    (target / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return target

@@ -6,6 +6,7 @@ import orjson
 
 from api.state import STATE
 from settings import Settings, load_settings
+from testing.tiny_model import CHAT_TEMPLATE
 
 
 def echo_settings(tmp_path, model_dir, extra: tuple[str, ...] = ()) -> Settings:
@@ -77,3 +78,14 @@ async def assert_error(resp, status: int, *, code: str | None = None, param: str
     if param is not None:
         assert err["param"] == param, err
     return err
+
+
+# A reasoning model's template: the tiny model's, closing an empty <think></think> when enable_thinking
+# is false (as Qwen3's does).
+THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
+    "<|im_start|>assistant\n{% endif %}",
+    "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}",
+)
+# The echo backend answers with the last user message: this one plays a reasoning model.
+THINKS = [{"role": "user", "content": "<think>\nCount the words.\n</think>\n\nThree words here."}]

@@ -217,6 +217,9 @@ def test_a_relayed_model_takes_a_text_prompt_but_not_token_ids():
     with pytest.raises(ApiError) as err:
         encode_raw_prompt(model, (1, 2, 3))  # type: ignore[arg-type]
     assert err.value.status == 400 and err.value.param == "prompt" and "as text" in err.value.message
+    with pytest.raises(ApiError, match="empty") as err:
+        encode_raw_prompt(model, "")  # type: ignore[arg-type]
+    assert err.value.param == "prompt"
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -11,9 +11,6 @@ an `error` event, and the safety gate's refusal.
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import anthropic
 import jsonschema
 import orjson
@@ -22,8 +19,7 @@ import pytest
 from api.app import init
 from settings import SafetyConfig
 from testing.fake_backend import FakeBehaviour, fake_backends
-from tests.api.helpers import echo_settings, state_of
-from tests.api.test_reasoning_http import THINKING_TEMPLATE, THINKS
+from tests.api.helpers import THINKS, echo_settings, state_of
 
 WEATHER_SCHEMA = {
     "type": "object",
@@ -291,13 +287,8 @@ async def test_a_blocked_prompt_gets_the_refusal_with_stop_reason_refusal(make_c
 
 
 @pytest.fixture
-async def thinker(aiohttp_client, tmp_path, tiny_model_dir):
-    target = tmp_path / "thinking"
-    shutil.copytree(tiny_model_dir, target)
-    cfg = json.loads((target / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = THINKING_TEMPLATE
-    (target / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return await aiohttp_client(init(echo_settings(tmp_path, target), backend_factory=fake_backends()))
+async def thinker(aiohttp_client, tmp_path, thinking_model_dir):
+    return await aiohttp_client(init(echo_settings(tmp_path, thinking_model_dir), backend_factory=fake_backends()))
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -3,33 +3,11 @@ chat_template_kwargs reaching the template (enable_thinking), validated before a
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 
 from api.app import init
 from testing.fake_backend import fake_backends
-from testing.tiny_model import CHAT_TEMPLATE
-from tests.api.helpers import assert_error, echo_settings, sse_events
-
-THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
-    "<|im_start|>assistant\n{% endif %}",
-    "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
-    "<think>\n\n</think>\n\n{% endif %}{% endif %}",
-)
-# The echo backend answers with the last user message: this one plays a reasoning model.
-THINKS = [{"role": "user", "content": "<think>\nCount the words.\n</think>\n\nThree words here."}]
-
-
-@pytest.fixture
-def thinking_model_dir(tiny_model_dir, tmp_path):
-    target = tmp_path / "thinking"
-    shutil.copytree(tiny_model_dir, target)
-    cfg = json.loads((target / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = THINKING_TEMPLATE
-    (target / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return target
+from tests.api.helpers import THINKS, assert_error, echo_settings, sse_events
 
 
 @pytest.fixture
