@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from tests.api.test_reasoning_http import THINKING_TEMPLATE
+from tests.api.helpers import THINKING_TEMPLATE
 from tests.ui.helpers import last_answer, open_page, start_ui_server, type_and_send, wait_for_answer_done
 
 pytestmark = pytest.mark.slow
