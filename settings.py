@@ -139,6 +139,14 @@ class EngineConfig:
         'Which C kernels: "auto" (the widest the CPU reports), "avx512", "avx2" (to test or measure the AVX2 path on '
         'an AVX-512 CPU), "torch" (PyTorch ops). One the CPU lacks is an error at start.',
     )
+    cuda_graphs: str = setting(
+        "auto",
+        '"auto": on CUDA, decode-only steps replay CUDA graphs, one captured per padded shape the first time it '
+        "is needed (batch rounded up to 1, 2, 4, 8, 16, 24, ...; context to a power of two), so a step costs one "
+        'launch instead of one per operation; "off": every step runs operation by operation; "eager": the same '
+        "padded steps without capturing, to tell a padding fault from a capture fault (on the CPU it needs "
+        'kernel_isa = "torch"). On the CPU, auto is off.',
+    )
     quantization: str = setting(
         "none",
         "\"int8\": the linear layers' weights quantized once at load, one scale per 32 weights like llama.cpp's Q8_0 "

@@ -497,6 +497,7 @@ def engine_config(args) -> EngineConfig:
         native_kernels=not args.no_kernel,
         kernel_isa=args.kernel_isa,
         quantization=args.quantization,
+        cuda_graphs=args.cuda_graphs,
     )
 
 
@@ -563,6 +564,7 @@ async def bench_http(model_dir: Path, plan: Plan, args, peak_gflops: float) -> l
         "engine.native_kernels": str(cfg.native_kernels).lower(),
         "engine.kernel_isa": cfg.kernel_isa,
         "engine.quantization": cfg.quantization,
+        "engine.cuda_graphs": cfg.cuda_graphs,
         "server.log_level": "warning",
         "tiers.enterprise.max_concurrent_streams": 1000,  # keyless loopback requests are enterprise
         "tiers.enterprise.requests_per_minute": 100_000,
@@ -715,6 +717,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-kernel", action="store_true", help="PyTorch ops only (engine.native_kernels = false)")
     p.add_argument("--kernel-isa", default="auto", help="engine.kernel_isa: auto, avx512, avx2 or torch")
     p.add_argument("--quantization", default="none", help="engine.quantization: none or int8")
+    p.add_argument("--cuda-graphs", default="auto", help="engine.cuda_graphs: auto, off or eager")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     p.add_argument("--engine-only", action="store_true", help="skip the transformers baselines and the HTTP path")
     p.add_argument("--skip-generate-batch", action="store_true", help="skip transformers' generate_batch")
@@ -762,6 +765,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "native_kernels",
                 "kernel_isa",
                 "quantization",
+                "cuda_graphs",
             )
         },
         "engine": [asdict(r) for r in engine],

@@ -98,7 +98,13 @@ def matmul_bytes(shape: dict, bytes_per_weight: float) -> int:
 
 
 def run_ours(
-    model_dir: Path, w: Workload, kernel_isa: str, quantization: str, device: str = "cpu", dtype: str = "auto"
+    model_dir: Path,
+    w: Workload,
+    kernel_isa: str,
+    quantization: str,
+    device: str = "cpu",
+    dtype: str = "auto",
+    cuda_graphs: str = "auto",
 ) -> tuple[float, float]:
     from engine.native.llm_engine import LLMEngine
     from engine.types import GenerationRequest, SamplingParams
@@ -111,6 +117,7 @@ def run_ours(
         max_num_seqs=64,
         kernel_isa=kernel_isa,
         quantization=quantization,
+        cuda_graphs=cuda_graphs,
     )
     engine = LLMEngine.from_model_dir(model_dir, config, eos_token_ids=())
     prompts = make_prompts(w.streams, w.prompt_len, MODELS[w.model][1]["vocab_size"], seed=w.streams)
@@ -222,12 +229,15 @@ BYTES_PER_WEIGHT = {"none": 4.0, "int8": 1.125, "int4": 0.625, "f32": 4.0, "Q8_0
 
 
 def bench_on_gpu(w: Workload, model_dir: Path, device: torch.device, dtype: torch.dtype) -> list[PeerResult]:
-    """On a GPU: the engine (PyTorch ops) against transformers, both on `device` in `dtype`."""
+    """On a GPU: the engine (PyTorch ops; decode steps from CUDA graphs, and without them) against
+    transformers, all on `device` in `dtype`. The warm-up pass captures the graphs."""
     shape, name = MODELS[w.model][1], f"{w.model} x{w.streams}"
     label = str(dtype).removeprefix("torch.")  # also the engine.dtype name
     weight_bytes = matmul_bytes(shape, dtype.itemsize)
-    tps, decode = run_ours(model_dir, w, "torch", "none", device=str(device), dtype=label)
-    results = [PeerResult(name, f"ours {device.type} {label}", tps, decode, weight_bytes)]
+    results = []
+    for graphs, suffix in (("auto", ""), ("off", " no graphs")):
+        tps, decode = run_ours(model_dir, w, "torch", "none", device=str(device), dtype=label, cuda_graphs=graphs)
+        results.append(PeerResult(name, f"ours {device.type} {label}{suffix}", tps, decode, weight_bytes))
     tps, decode = run_transformers(model_dir, w, device, dtype)
     return [*results, PeerResult(name, f"transformers {device.type} {label}", tps, decode, weight_bytes)]
 
@@ -287,6 +297,8 @@ def ratios(results: list[PeerResult]) -> dict[str, float]:
             ("ours avx512 fp32", "transformers static batch"),
             ("ours avx2 fp32", "transformers static batch"),
             ("ours cuda bfloat16", "transformers cuda bfloat16"),
+            ("ours cuda bfloat16 no graphs", "transformers cuda bfloat16"),
+            ("ours cuda bfloat16", "ours cuda bfloat16 no graphs"),
             ("ours cuda float32", "transformers cuda float32"),
         ):
             if (workload, ours) in by and (workload, peer) in by:

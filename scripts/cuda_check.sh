@@ -39,11 +39,15 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
 # the kernel tests still run the C kernels on this host's CPU. The sanitizer build is CPU-only.
 ENGINE_TEST_DEVICE=$DEVICE TAIL=25 step tests "${TEST_LIMIT:-240}" $PY -m pytest tests/engine -q -rs -p no:cacheprovider \
     --ignore=tests/engine/test_sanitizers.py ${PYTEST_ARGS:-}
-# 390M (Qwen2.5-0.5B's shape) at 1 and 8 streams and the 30M reference at 32: ours vs transformers.
-step peers "${PEERS_LIMIT:-150}" $PY -m bench.bench_peers --device "$DEVICE" --json "$OUT/bench_peers.json"
+# 390M (Qwen2.5-0.5B's shape) at 1 and 8 streams and the 30M reference at 32: ours (decode steps
+# from CUDA graphs, and without them) vs transformers.
+step peers "${PEERS_LIMIT:-180}" $PY -m bench.bench_peers --device "$DEVICE" --json "$OUT/bench_peers.json"
 # The 30M reference at 1-64 streams, the chunked-prefill and prefix-cache checks, transformers alike.
-step engine "${ENGINE_LIMIT:-200}" $PY -m bench.bench_engine --device "$DEVICE" --skip-generate-batch \
+step engine "${ENGINE_LIMIT:-150}" $PY -m bench.bench_engine --device "$DEVICE" --skip-generate-batch \
     --sections engine,transformers,chunked,prefix --json "$OUT/bench_engine.json"
+# The same engine section without CUDA graphs (engine.cuda_graphs = "off"), in the same run.
+step engine-nographs "${NOGRAPHS_LIMIT:-100}" $PY -m bench.bench_engine --device "$DEVICE" --cuda-graphs off \
+    --sections engine --engine-only --json "$OUT/bench_engine_nographs.json"
 if [ -n "${WITH_HTTP:-}" ]; then
     step http "${HTTP_LIMIT:-150}" $PY -m bench.bench_engine --device "$DEVICE" --sections http --json "$OUT/bench_http.json"
 fi

@@ -39,13 +39,28 @@ class KVLayout:
     group_windows: tuple[int | None, ...]  # per KV group, the window of its layers (None: global)
     device: torch.device
     decode_kernel: Callable | None  # CpuKernels.paged_decode_attention; None: PyTorch decode only
+    # Per KV group, a block no sequence is given (the pool's last): padding rows of a decode step
+    # padded to a fixed shape (cuda_graphs.py) write and read only there. None: no padding.
+    scratch_blocks: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeShape:
+    """A decode-only step padded to `rows` rows over `length` context positions (cuda_graphs.py)."""
+
+    rows: int
+    length: int
 
 
 class BatchInputBuilder:
     def __init__(self, layout: KVLayout):
         self.layout = layout
 
-    def build(self, batch: ScheduledBatch) -> BatchInputs:
+    def build(self, batch: ScheduledBatch, padded: DecodeShape | None = None) -> BatchInputs:
+        """padded (a decode-only batch of at most padded.rows sequences, none longer than
+        padded.length): rows past the batch's are padding, a token 0 at position 0 whose K/V
+        goes to the scratch block and which attends to that alone; every row's context is laid
+        out over padded.length positions, masked past its own."""
         decodes = tuple(i for i, n in enumerate(batch.num_scheduled_tokens) if n == 1)
         prefills = tuple(i for i, n in enumerate(batch.num_scheduled_tokens) if n > 1)
         decode_seqs = [batch.seqs[i] for i in decodes]
@@ -59,7 +74,15 @@ class BatchInputBuilder:
             chunks.append((seq, n, len(input_ids)))
             input_ids.extend(seq.token_ids[start : start + n])
             position_arrays.append(np.arange(start, start + n, dtype=np.int64))
-        metas = [self._group_metadata(g, decode_seqs, positions, chunks) for g in range(len(self.layout.group_windows))]
+        if padded is not None:
+            assert not chunks and len(decode_seqs) <= padded.rows and self.layout.scratch_blocks is not None
+            num_padding = padded.rows - len(decode_seqs)
+            input_ids.extend([0] * num_padding)
+            position_arrays.append(np.zeros(num_padding, dtype=np.int64))
+        metas = [
+            self._group_metadata(g, decode_seqs, positions, chunks, padded)
+            for g in range(len(self.layout.group_windows))
+        ]
         meta = metas[0] if len(metas) == 1 else dataclasses.replace(metas[0], window_group=metas[1])
         return BatchInputs(
             input_ids=self._to_device(np.asarray(input_ids, dtype=np.int64)),
@@ -74,13 +97,21 @@ class BatchInputBuilder:
         return torch.from_numpy(array).to(self.layout.device, non_blocking=True)
 
     def _group_metadata(
-        self, group: int, decode_seqs: list[Sequence], positions: list[int], chunks: list[tuple[Sequence, int, int]]
+        self,
+        group: int,
+        decode_seqs: list[Sequence],
+        positions: list[int],
+        chunks: list[tuple[Sequence, int, int]],
+        padded: DecodeShape | None,
     ) -> AttentionMetadata:
         bs = self.layout.block_size
         slots = [
             seq.block_tables[group].block_ids[p // bs] * bs + p % bs
             for seq, p in zip(decode_seqs, positions, strict=True)
         ]
+        if padded is not None:
+            assert self.layout.scratch_blocks is not None
+            slots.extend([self.layout.scratch_blocks[group] * bs] * (padded.rows - len(decode_seqs)))
         slot_arrays = [np.asarray(slots, dtype=np.int64)]
         prefill_chunks = []
         for seq, n, row in chunks:
@@ -92,13 +123,15 @@ class BatchInputBuilder:
             slot_mapping=self._to_device(slot_mapping),
             slot_blocks=self._to_device(slot_mapping // bs),
             slot_offsets=self._to_device(slot_mapping % bs),
-            num_decode_tokens=len(decode_seqs),
+            num_decode_tokens=len(decode_seqs) if padded is None else padded.rows,
             prefills=tuple(prefill_chunks),
             block_size=bs,
-            **self._decode_metadata(group, decode_seqs, positions),
+            **self._decode_metadata(group, decode_seqs, positions, padded),
         )
 
-    def _decode_metadata(self, group: int, seqs: list[Sequence], positions: list[int]) -> dict[str, Any]:
+    def _decode_metadata(
+        self, group: int, seqs: list[Sequence], positions: list[int], padded: DecodeShape | None
+    ) -> dict[str, Any]:
         meta: dict[str, Any] = dict(
             decode_block_tables=None,
             decode_context_lens=None,
@@ -107,17 +140,22 @@ class BatchInputBuilder:
             decode_mask=None,
             decode_window_mask=None,
         )
-        if not seqs:
+        if not seqs and padded is None:
             return meta
         bs, window, kernel = self.layout.block_size, self.layout.group_windows[group], self.layout.decode_kernel
-        context_lens = np.asarray(positions, dtype=np.int32) + 1
-        max_len = int(context_lens.max())
+        num_rows = len(seqs) if padded is None else padded.rows
+        context_lens = np.ones(num_rows, dtype=np.int32)  # a padding row: its one scratch slot
+        context_lens[: len(seqs)] += np.asarray(positions, dtype=np.int32)
+        max_len = int(context_lens.max()) if padded is None else padded.length
         max_blocks = -(-max_len // bs)
-        tables = np.empty((len(seqs), max_blocks), dtype=np.int32)
-        for row, seq in zip(tables, seqs, strict=True):
+        tables = np.empty((num_rows, max_blocks), dtype=np.int32)
+        for row, seq in zip(tables, seqs, strict=False):
             table = seq.block_tables[group].live_block_ids()[:max_blocks]
             row[: len(table)] = table
             row[len(table) :] = table[0]  # padding points at written slots: finite, masked out
+        if padded is not None:
+            assert kernel is None and self.layout.scratch_blocks is not None  # padded for PyTorch ops
+            tables[len(seqs) :] = self.layout.scratch_blocks[group]
         meta["decode_max_context_len"] = max_len
         if kernel is not None:
             meta.update(
@@ -125,14 +163,13 @@ class BatchInputBuilder:
                 decode_context_lens=torch.from_numpy(context_lens),
                 decode_kernel=kernel,
             )
-        else:
-            meta["decode_block_tables"] = self._to_device(tables)
         # The kernel attends within windows and soft-caps itself; without it, the gather path.
         if kernel is None:
-            slot_grid = (tables[:, :, None] * bs + np.arange(bs, dtype=np.int32)).reshape(len(seqs), -1)[:, :max_len]
+            slot_grid = (tables[:, :, None] * bs + np.arange(bs, dtype=np.int32)).reshape(num_rows, -1)[:, :max_len]
             index = np.arange(max_len)[None, :]
             # Released positions (outside every window, masked) read the first live slot: written, finite.
-            first_live = np.asarray([seq.block_tables[group].num_released * bs for seq in seqs])[:, None]
+            first_live = np.zeros((num_rows, 1), dtype=np.int64)
+            first_live[: len(seqs), 0] = [seq.block_tables[group].num_released * bs for seq in seqs]
             slot_grid = np.where(index < first_live, tables[:, :1] * bs, slot_grid)
             valid = index < context_lens[:, None]
             meta["decode_slots"] = self._to_device(np.where(valid, slot_grid, slot_grid[:, :1]).astype(np.int64))

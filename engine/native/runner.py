@@ -16,7 +16,8 @@ import torch
 
 from engine.native import kernels
 from engine.native.attention import AttentionMetadata, allocate_kv_cache
-from engine.native.batch_inputs import BatchInputBuilder, BatchInputs, KVLayout
+from engine.native.batch_inputs import BatchInputBuilder, BatchInputs, DecodeShape, KVLayout
+from engine.native.cuda_graphs import DecodeGraphs
 from engine.native.families import ModelArgs
 from engine.native.kernels import KernelMode
 from engine.native.loader import checkpoint_dtype, load_model_args, load_model_weights
@@ -79,6 +80,17 @@ def free_memory_bytes(device: torch.device) -> int:
     raise EngineError("cannot read MemAvailable from /proc/meminfo; set engine.kv_cache_bytes")
 
 
+def _cuda_graphs_mode(name: str, device: torch.device, compiled_kernels: bool) -> str:
+    """engine.cuda_graphs -> "capture", "eager" (padded, not captured) or "off"."""
+    if name not in ("auto", "off", "eager"):
+        raise EngineError(f"engine.cuda_graphs {name!r} is not one of auto, off, eager")
+    if name == "eager" and compiled_kernels:
+        raise EngineError('engine.cuda_graphs = "eager" runs PyTorch ops: on the CPU set engine.kernel_isa = "torch"')
+    if name == "auto":
+        return "capture" if device.type == "cuda" else "off"
+    return name
+
+
 def _quantization(name: str) -> Quantization:
     try:
         return Quantization(name)
@@ -134,10 +146,14 @@ class ModelRunner:
         self.group_windows = (None, self.sliding_window) if self.is_hybrid else (self.sliding_window,)
         self.group_num_blocks = self._num_kv_blocks()
         self.num_kv_blocks = self.group_num_blocks[0]
+        graphs = _cuda_graphs_mode(config.cuda_graphs, self.device, self.use_kernel)
+        # Padded decode steps (cuda_graphs.py) need a scratch block per KV group: the pool's last,
+        # which the block managers (sized by group_num_blocks) never hand out.
+        scratch = 1 if graphs != "off" else 0
         a = self.args
         self.kv_pool, self.kv_caches = allocate_kv_cache(
             self.layer_groups,
-            self.group_num_blocks,
+            tuple(n + scratch for n in self.group_num_blocks),
             self.block_size,
             a.num_kv_heads,
             a.head_dim,
@@ -151,6 +167,18 @@ class ModelRunner:
                 self.group_windows,
                 self.device,
                 self.cpu.paged_decode_attention if self.cpu is not None else None,
+                scratch_blocks=self.group_num_blocks if scratch else None,
+            )
+        )
+        self.decode_graphs = (
+            None
+            if graphs == "off"
+            else DecodeGraphs(
+                lambda ids, positions, meta: self.model.forward(ids, positions, self.kv_caches, meta),
+                self.batch_inputs,
+                max_rows=config.max_num_seqs,
+                max_len=self.max_model_len,
+                capture=graphs == "capture",
             )
         )
         log.info(
@@ -168,6 +196,7 @@ class ModelRunner:
             quantization=self.quantization.value,
             fused_layer_kernels=self.model.fused_cpu_ops,
             one_call_decode_step=self.model.uses_decode_stack,
+            cuda_graphs=graphs,
         )
 
     @property
@@ -210,15 +239,20 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Run one step; returns the sampled token per sequence (None: prefill not yet done)."""
-        inputs = self.prepare(batch)
-        for row in inputs.sampling_rows:
-            if row.grammar is not None:
-                row.grammar.prefetch_mask()  # computed while the forward runs
         # Vision models: this step's image tokens take their images' embeddings (encoded now, batched).
         image_rows = (
             None if self.vision is None else self.vision.step_embeddings(batch.seqs, batch.num_scheduled_tokens)
         )
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, image_rows)
+        graphs = self.decode_graphs if image_rows is None else None
+        shape = graphs.shape_for(batch) if graphs is not None else None
+        inputs = self.prepare(batch, shape)
+        for row in inputs.sampling_rows:
+            if row.grammar is not None:
+                row.grammar.prefetch_mask()  # computed while the forward runs
+        if graphs is not None and shape is not None:
+            hidden = graphs.forward(shape, len(batch.seqs), inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, image_rows)
         sampled: list[int | None] = [None] * len(batch.seqs)
         if inputs.sampled_batch_indices:
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))
@@ -242,8 +276,8 @@ class ModelRunner:
                 logits, seq.token_ids[first : first + n], seq.sampling.prompt_logprobs
             )
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        inputs = self.batch_inputs.build(batch)
+    def prepare(self, batch: ScheduledBatch, padded: DecodeShape | None = None) -> StepInputs:
+        inputs = self.batch_inputs.build(batch, padded)
         rows, batch_indices, sampling_rows = self._sampling_rows(batch, inputs)
         asks_prompt_logprobs = any(seq.prompt_logprobs is not None for seq in batch.seqs)
         return StepInputs(
