@@ -486,6 +486,11 @@ QUICK = Plan(16, 128, 32, (1, 8, 16), 2, 16, 4, 1024, 1024)
 SECTIONS = ("engine", "http", "transformers", "chunked", "prefix", "structured")
 
 
+def captures_graphs(args) -> bool:
+    """Whether the engine replays CUDA graphs (captured the first time a shape is needed)."""
+    return args.cuda_graphs == "auto" and resolve_device(args.device).type == "cuda"
+
+
 def engine_config(args) -> EngineConfig:
     return EngineConfig(
         device=args.device,
@@ -509,12 +514,17 @@ def load_requests(tokenizer: Tokenizer, plan: Plan, concurrency: int) -> list[Be
 
 
 async def run_loads(
-    name: str, generate: GenerateFn, tokenizer: Tokenizer, plan: Plan, peak_gflops: float
+    name: str, generate: GenerateFn, tokenizer: Tokenizer, plan: Plan, peak_gflops: float, *, warm_each: bool = False
 ) -> list[LoadResult]:
+    """warm_each (CUDA graphs): before each concurrency, `c` requests of the load's shape, so the
+    decode graphs its batch sizes and context lengths need are captured outside the timing."""
     await run_load("warmup", generate, make_chat_requests(tokenizer, 8, plan.prompt_len, 8, seed=1, prefix="w"), 8)
     flops = workload_flops(plan.prompt_len, plan.output_len, plan.num_requests)
     results = []
     for c in plan.concurrencies:
+        if warm_each:
+            warm = make_chat_requests(tokenizer, c, plan.prompt_len, plan.output_len, seed=1000 + c, prefix=f"w{c}-")
+            await run_load("warmup", generate, warm, c)
         results.append(
             _with_fraction(await run_load(name, generate, load_requests(tokenizer, plan, c), c), flops, peak_gflops)
         )
@@ -529,7 +539,9 @@ async def bench_engine(model_dir: Path, plan: Plan, args, peak_gflops: float, se
     try:
         generate = backend_generate(backend)
         if "engine" in sections:
-            out["engine"] = await run_loads("native engine", generate, tokenizer, plan, peak_gflops)
+            out["engine"] = await run_loads(
+                "native engine", generate, tokenizer, plan, peak_gflops, warm_each=captures_graphs(args)
+            )
         if "chunked" in sections:
             out["chunked_prefill"] = await chunked_prefill_itl(
                 backend, num_streams=16, long_prompt_len=plan.long_prompt_len
@@ -580,7 +592,12 @@ async def bench_http(model_dir: Path, plan: Plan, args, peak_gflops: float) -> l
                     model = (await resp.json())["data"][0]["id"]
                 generate = http_generate(session, server.base_url, model)
                 return await run_loads(
-                    "HTTP server (streaming client)", generate, Tokenizer.from_dir(model_dir), plan, peak_gflops
+                    "HTTP server (streaming client)",
+                    generate,
+                    Tokenizer.from_dir(model_dir),
+                    plan,
+                    peak_gflops,
+                    warm_each=captures_graphs(args),
                 )
 
 

@@ -42,7 +42,12 @@ from settings import EngineConfig  # noqa: E402
 
 def config(args) -> EngineConfig:
     return EngineConfig(
-        device=args.device, dtype=args.dtype, kernel_isa=args.kernel_isa, kv_cache_bytes=512 << 20, max_num_seqs=64
+        device=args.device,
+        dtype=args.dtype,
+        kernel_isa=args.kernel_isa,
+        kv_cache_bytes=512 << 20,
+        max_num_seqs=64,
+        cuda_graphs=args.cuda_graphs,
     )
 
 
@@ -149,9 +154,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kernel-isa", default="auto", help="engine.kernel_isa on a CPU (torch: PyTorch ops, as on CUDA)")
+    p.add_argument("--cuda-graphs", default="auto", help="engine.cuda_graphs: auto, off or eager")
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--switch-intervals", default="0.005,0.0005", help="GIL switch intervals (s) to try")
+    p.add_argument(
+        "--switch-intervals", default="0.005,0.0005", help="GIL switch intervals (s) to try; empty: the direct run only"
+    )
     p.add_argument("--top", type=int, default=25, help="profile rows printed")
     p.add_argument("--model-dir", type=Path, default=ROOT / "build" / "bench-model-v2")
     p.add_argument("--sdpa-check", action="store_true", help="only time SDPA's CUDA backends on growing contexts")
@@ -167,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     median, n = d["step_ms_median"], d["decode_steps"]
     print(f"direct: {args.streams} streams, median decode step {median:.2f} ms ({n} steps)")
     print(d["profile"])
-    for interval in (float(x) for x in args.switch_intervals.split(",")):
+    for interval in (float(x) for x in args.switch_intervals.split(",") if x):
         b = asyncio.run(behind_backend(model_dir, args, requests, interval))
         print(
             f"behind NativeBackend, switch interval {b['switch_interval_ms']:.1f} ms: engine step median "

@@ -48,6 +48,10 @@ step engine "${ENGINE_LIMIT:-150}" $PY -m bench.bench_engine --device "$DEVICE" 
 # The same engine section without CUDA graphs (engine.cuda_graphs = "off"), in the same run.
 step engine-nographs "${NOGRAPHS_LIMIT:-100}" $PY -m bench.bench_engine --device "$DEVICE" --cuda-graphs off \
     --sections engine --engine-only --json "$OUT/bench_engine_nographs.json"
+# A 32-stream decode step stepped directly (median, and a profile of its Python), with and without graphs.
+step profile "${PROFILE_LIMIT:-50}" $PY -m bench.step_profile --device "$DEVICE" --switch-intervals 0.005 --top 12
+step profile-nographs "${PROFILE_LIMIT:-50}" $PY -m bench.step_profile --device "$DEVICE" --cuda-graphs off \
+    --switch-intervals 0.005 --top 12
 if [ -n "${WITH_HTTP:-}" ]; then
     step http "${HTTP_LIMIT:-150}" $PY -m bench.bench_engine --device "$DEVICE" --sections http --json "$OUT/bench_http.json"
 fi
