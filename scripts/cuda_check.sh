@@ -7,6 +7,7 @@
 #   bash scripts/cuda_check.sh            # python3 with a CUDA torch and requirements-dev.txt
 #   OUT=some/dir bash scripts/cuda_check.sh   # where the logs and JSON go (default artifacts/cuda)
 #   DEVICE=cpu TEST_LIMIT=60 bash scripts/cuda_check.sh   # a dry run of the script itself on a CPU host
+#   STEPS="tests http" bash scripts/cuda_check.sh   # only these steps (default: all but http; WITH_HTTP=1 adds it)
 #
 # Each step has a time limit and the next one runs whatever the last one did, so one run says
 # everything it can. The logs name the GPU, the driver, torch and transformers.
@@ -20,6 +21,9 @@ export PYTHONUNBUFFERED=1
 step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, note how it ended
     local name=$1 limit=$2
     shift 2
+    if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then
+        return
+    fi
     echo "== $name (limit ${limit}s): $*"
     local start=$SECONDS
     timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
@@ -46,12 +50,12 @@ step peers "${PEERS_LIMIT:-180}" $PY -m bench.bench_peers --device "$DEVICE" --j
 step engine "${ENGINE_LIMIT:-150}" $PY -m bench.bench_engine --device "$DEVICE" --skip-generate-batch \
     --sections engine,transformers,chunked,prefix --json "$OUT/bench_engine.json"
 # The same engine section without CUDA graphs (engine.cuda_graphs = "off"), in the same run.
-step engine-nographs "${NOGRAPHS_LIMIT:-100}" $PY -m bench.bench_engine --device "$DEVICE" --cuda-graphs off \
+step engine-nographs "${NOGRAPHS_LIMIT:-150}" $PY -m bench.bench_engine --device "$DEVICE" --cuda-graphs off \
     --sections engine --engine-only --json "$OUT/bench_engine_nographs.json"
 # A 32-stream decode step stepped directly (median, and a profile of its Python), with and without graphs.
 step profile "${PROFILE_LIMIT:-50}" $PY -m bench.step_profile --device "$DEVICE" --switch-intervals 0.005 --top 12
 step profile-nographs "${PROFILE_LIMIT:-50}" $PY -m bench.step_profile --device "$DEVICE" --cuda-graphs off \
     --switch-intervals 0.005 --top 12
-if [ -n "${WITH_HTTP:-}" ]; then
+if [ -n "${WITH_HTTP:-}" ] || [[ " ${STEPS:-} " == *" http "* ]]; then
     step http "${HTTP_LIMIT:-150}" $PY -m bench.bench_engine --device "$DEVICE" --sections http --json "$OUT/bench_http.json"
 fi

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import gc
 import time
 from collections.abc import Callable
 
@@ -151,7 +152,8 @@ class DecodeGraphs:
         for name, tensor in _inputs(padding).items():  # the capture runs on padding: it writes only the scratch block
             views[name].copy_(tensor)
         meta = _with_views(padding.meta, views)
-        graph = _Graph(views, lambda: self.forward_pass(views["input_ids"], views["positions"], meta))
+        forward = self.forward_pass  # not self: a graph must not keep its owner alive (a cycle)
+        graph = _Graph(views, lambda: forward(views["input_ids"], views["positions"], meta))
         if self.capture:
             # Lazy initialisations (cuBLAS workspaces, SDPA's choice of kernel) run outside the capture.
             side = torch.cuda.Stream()
@@ -160,8 +162,16 @@ class DecodeGraphs:
                 graph.run()
             torch.cuda.current_stream().wait_stream(side)
             graph.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph.graph, pool=self.pool, capture_error_mode="thread_local"):
-                graph.output = graph.run()
+            # No garbage collection during the capture: an unreachable CUDA graph freed then (another
+            # engine's, say) makes a CUDA call that invalidates it (seen on an H100).
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                with torch.cuda.graph(graph.graph, pool=self.pool, capture_error_mode="thread_local"):
+                    graph.output = graph.run()
+            finally:
+                if collecting:
+                    gc.enable()
         self.graphs[shape] = graph
         elapsed = time.perf_counter() - start
         self.capture_seconds += elapsed

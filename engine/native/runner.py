@@ -170,11 +170,12 @@ class ModelRunner:
                 scratch_blocks=self.group_num_blocks if scratch else None,
             )
         )
+        model, kv_caches = self.model, self.kv_caches  # not self: no cycle through the runner
         self.decode_graphs = (
             None
             if graphs == "off"
             else DecodeGraphs(
-                lambda ids, positions, meta: self.model.forward(ids, positions, self.kv_caches, meta),
+                lambda ids, positions, meta: model.forward(ids, positions, kv_caches, meta),
                 self.batch_inputs,
                 max_rows=config.max_num_seqs,
                 max_len=self.max_model_len,

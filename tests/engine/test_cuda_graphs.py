@@ -16,7 +16,7 @@ from engine.native.cuda_graphs import length_buckets, row_buckets
 from engine.native.loader import load_model_args
 from engine.native.scheduler import ScheduledBatch
 from engine.types import EngineError
-from native_harness import TEST_DEVICE
+from native_harness import TEST_DEVICE, make_request
 from test_families import family_workload
 from test_greedy_equality import engine_for, mixed_workload, run_with_arrivals
 
@@ -100,7 +100,6 @@ def test_buckets_and_which_steps_are_padded(tiny_models):
     engine = graphs_engine(tiny_models.path("tied-gqa-parameters"), "eager", num_blocks=24, max_num_seqs=6)
     graphs = engine.runner.decode_graphs
     assert graphs.length_buckets[-1] == engine.runner.max_model_len
-    from native_harness import make_request
 
     for i in range(5):
         engine.add_request(make_request(f"r{i}", [5 + i] * (3 + 40 * i), max_tokens=4))
@@ -133,3 +132,23 @@ def test_bad_modes_are_refused_naming_the_setting(tiny_models):
         engine = engine_for(model_dir, num_blocks=24)
         assert engine.runner.decode_graphs is not None and engine.runner.decode_graphs.capture
         assert torch.cuda.is_available()
+
+
+def test_an_engine_with_padded_decode_steps_is_freed_without_the_cycle_collector(tiny_models):
+    # Its KV pool (GPU memory on CUDA) goes when the engine does, not at some later collection
+    # (which, during another engine's capture, would also break that capture).
+    import gc
+    import weakref
+
+    engine = graphs_engine(tiny_models.path("tied-gqa-parameters"), "eager", num_blocks=24)
+    engine.add_request(make_request("r", [5, 6, 7], max_tokens=3))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.runner.decode_graphs.graphs
+    pool = weakref.ref(engine.runner.kv_pool)
+    gc.disable()
+    try:
+        del engine
+        assert pool() is None
+    finally:
+        gc.enable()
