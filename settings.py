@@ -451,6 +451,22 @@ class UpstreamConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TelemetryConfig:
+    """OpenTelemetry traces: one span per generating request (api/telemetry.py), exported by OTLP over
+    HTTP. Off unless an endpoint is set; no prompt or answer text is ever recorded."""
+
+    otlp_traces_endpoint: str = setting(
+        "",
+        "Where spans go, e.g. http://localhost:4318/v1/traces (an OpenTelemetry Collector, Jaeger, Tempo, Phoenix); "
+        "empty: no tracing. Headers such as an auth token come from OTEL_EXPORTER_OTLP_TRACES_HEADERS.",
+    )
+    service_name: str = setting("selfhosted-chat", "The spans' service.name.")
+    export_timeout_s: float = setting(
+        10.0, "Longest one export may take; at shutdown, the longest the server waits for the last spans to leave."
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     server: ServerConfig = field(default_factory=ServerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -461,6 +477,7 @@ class Settings:
     safety: SafetyConfig = field(default_factory=SafetyConfig)
     trtllm: TrtllmConfig = field(default_factory=TrtllmConfig)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     models: dict[str, ModelConfig] = field(default_factory=dict)
     tiers: dict[str, TierConfig] = field(default_factory=dict)
 

@@ -157,6 +157,8 @@ async def _lifecycle(app: web.Application, backend_factory: BackendFactory | Non
                 await queue.stop()
         for handle in reversed(started):
             await handle.backend.shutdown()
+        if STATE in app and app[STATE].tracing is not None:  # the last spans leave (bounded by its timeout)
+            await asyncio.to_thread(app[STATE].tracing.shutdown)
         await store.close()
         lock.release()
 
@@ -182,6 +184,11 @@ async def _make_state(settings: Settings, store: Store, models) -> AppState:
         # The gate's encoder takes the engine's kernel choice: engine.native_kernels = false means PyTorch ops for both.
         kernel_isa = settings.engine.kernel_isa if settings.engine.native_kernels else "torch"
         safety = SafetyGate(settings.safety, registry=metrics.registry, kernel_isa=kernel_isa)
+    tracing = None
+    if settings.telemetry.otlp_traces_endpoint:
+        from api.telemetry import Tracing
+
+        tracing = Tracing(settings.telemetry)
     return AppState(
         settings=settings,
         models=models,
@@ -190,6 +197,7 @@ async def _make_state(settings: Settings, store: Store, models) -> AppState:
         metrics=metrics,
         safety=safety,
         local_principal=local,
+        tracing=tracing,
     )
 
 

@@ -98,6 +98,8 @@ async def serve_job(
     if await state.over_budget(principal):
         state.admission.route(grant, chat.model, over_budget=True)
     job = await _prepare(state, principal, grant, chat, request.app[BLOBS])
+    if state.tracing is not None:
+        job.trace_parent = state.tracing.parent_of(request.headers)
     verdict = await state.screen_prompt(job)
     if verdict is not None:
         return await (_refuse if outlet is None else outlet.refuse)(request, state, job, verdict)

@@ -75,6 +75,10 @@ def tls_context(settings: Settings) -> ssl.SSLContext | None:
 def check_startup(settings: Settings) -> None:
     """Refuse configurations that would open a door without saying so."""
     tls_context(settings)  # an unusable certificate stops the start here, before models load
+    if settings.telemetry.otlp_traces_endpoint:
+        from api.telemetry import check_config
+
+        check_config(settings.telemetry)
     if settings.server.trusted_proxies and keyless_allowed(settings):
         raise ConfigError(
             "server.trusted_proxies is set, so every client arrives from the proxy's address and would be "

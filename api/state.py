@@ -28,6 +28,7 @@ from store.store import Store
 from store.types import Principal, RequestRecord, StoreUnavailable
 
 if TYPE_CHECKING:
+    from api.telemetry import Tracing
     from gateway.safety import SafetyGate
 
 log = structlog.get_logger(__name__)
@@ -45,6 +46,7 @@ class AppState:
     metrics: Metrics
     coalescer: Coalescer = field(default_factory=Coalescer)
     safety: SafetyGate | None = None  # when enabled
+    tracing: Tracing | None = None  # telemetry.otlp_traces_endpoint set
     local_principal: Principal | None = None
     draining: bool = False
 
@@ -136,6 +138,11 @@ class AppState:
             log.error("ledger_write_failed", request_id=record.request_id, error=str(exc))
             failure = exc
         self.metrics.observe_request(record, finish)
+        if self.tracing is not None:
+            try:
+                self.tracing.record(job, record, finish)
+            except Exception:  # a tracing fault never fails a request
+                log.exception("trace_record_failed", request_id=record.request_id)
         log.info(
             "request_finished",
             request_id=record.request_id,
