@@ -145,7 +145,8 @@ class EngineConfig:
         "is needed (batch rounded up to 1, 2, 4, 8, 16, 24, ...; context to a power of two), so a step costs one "
         'launch instead of one per operation; "off": every step runs operation by operation; "eager": the same '
         "padded steps without capturing, to tell a padding fault from a capture fault (on the CPU it needs "
-        'kernel_isa = "torch"). On the CPU, auto is off.',
+        'kernel_isa = "torch"). On the CPU, auto is off. Padded steps keep one KV block per layer beyond '
+        "kv_cache_bytes for their padding rows.",
     )
     quantization: str = setting(
         "none",

@@ -107,7 +107,6 @@ class DecodeGraphs:
         self.buffers: dict[str, torch.Tensor] | None = None
         self.num_padded_steps = 0  # steps run from the padded buffers (replayed, or eager mode)
         self.num_padding_rows = 0  # rows those steps computed for no sequence
-        self.capture_seconds = 0.0
 
     def shape_for(self, batch: ScheduledBatch) -> DecodeShape | None:
         """The padded shape of a decode-only step; None: run it as it is."""
@@ -174,7 +173,6 @@ class DecodeGraphs:
                     gc.enable()
         self.graphs[shape] = graph
         elapsed = time.perf_counter() - start
-        self.capture_seconds += elapsed
         log.info(
             "decode_graph_ready",
             rows=shape.rows,
