@@ -157,8 +157,9 @@ async def _lifecycle(app: web.Application, backend_factory: BackendFactory | Non
                 await queue.stop()
         for handle in reversed(started):
             await handle.backend.shutdown()
-        if STATE in app and app[STATE].tracing is not None:  # the last spans leave (bounded by its timeout)
-            await asyncio.to_thread(app[STATE].tracing.shutdown)
+        tracing = app[STATE].tracing if STATE in app else None
+        if tracing is not None:  # the last spans leave (bounded by its timeout)
+            await asyncio.to_thread(tracing.shutdown)
         await store.close()
         lock.release()
 

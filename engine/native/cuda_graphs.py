@@ -28,6 +28,7 @@ import dataclasses
 import gc
 import time
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 import torch
@@ -72,11 +73,9 @@ def _inputs(inputs: BatchInputs) -> dict[str, torch.Tensor]:
 
 def _with_views(meta: AttentionMetadata, views: dict[str, torch.Tensor], prefix: str = "") -> AttentionMetadata:
     group = meta.window_group
-    return dataclasses.replace(
-        meta,
-        **{name: views[prefix + name] for name in _META_TENSORS if prefix + name in views},
-        window_group=None if group is None else _with_views(group, views, prefix + "window."),
-    )
+    fields: dict[str, Any] = {name: views[prefix + name] for name in _META_TENSORS if prefix + name in views}
+    fields["window_group"] = None if group is None else _with_views(group, views, prefix + "window.")
+    return dataclasses.replace(meta, **fields)
 
 
 @dataclasses.dataclass(slots=True)

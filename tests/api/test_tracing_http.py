@@ -128,7 +128,12 @@ async def test_streams_and_completions_are_traced_and_requests_without_a_tracepa
     )
     assert resp.status == 200
     await sse_events(resp)
-    resp = await client.post("/v1/completions", json={"model": "echo", "prompt": "once upon", "max_tokens": 3})
+    # A malformed traceparent is ignored (W3C: start a new trace), never an error.
+    resp = await client.post(
+        "/v1/completions",
+        json={"model": "echo", "prompt": "once upon", "max_tokens": 3},
+        headers={"traceparent": "00-not-a-trace-id-01"},
+    )
     assert resp.status == 200
     await flush(client)
     spans = {span.name: span for _, span in receiver.spans()}
