@@ -452,6 +452,26 @@ class UpstreamConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class EmbeddingsConfig:
+    """POST /v1/embeddings with the bundled all-MiniLM-L6-v2 sentence encoder (api/embeddings.py)."""
+
+    enabled: bool = setting(True, "Serve POST /v1/embeddings (the encoder loads on the first request, ~90 MB).")
+    model: str = setting("all-minilm-l6-v2", "The name requests give as `model` (384-dimensional embeddings).")
+    dtype: str = setting(
+        "float32",
+        '"float32": the same vectors as sentence-transformers (to about 1e-6); "w8a8": int8 matmuls, faster on '
+        "large batches, cosine similarity to float32's vectors 0.994 or more on the tests' sentences.",
+    )
+    truncate: bool = setting(
+        True,
+        "Cut inputs longer than 256 tokens to their first 256 ([CLS] and [SEP] included), as sentence-transformers "
+        "does; false: such an input is a 400 naming its index.",
+    )
+    max_inputs: int = setting(512, "Most inputs in one request.")
+    price_input_per_mtok: float = setting(0.0, "USD per million input tokens, for the usage ledger.")
+
+
+@dataclass(frozen=True, slots=True)
 class TelemetryConfig:
     """OpenTelemetry traces: one span per generating request (api/telemetry.py), exported by OTLP over
     HTTP. Off unless an endpoint is set; no prompt or answer text is ever recorded."""
@@ -478,6 +498,7 @@ class Settings:
     safety: SafetyConfig = field(default_factory=SafetyConfig)
     trtllm: TrtllmConfig = field(default_factory=TrtllmConfig)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
+    embeddings: EmbeddingsConfig = field(default_factory=EmbeddingsConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     models: dict[str, ModelConfig] = field(default_factory=dict)
     tiers: dict[str, TierConfig] = field(default_factory=dict)

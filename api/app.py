@@ -19,7 +19,7 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from api import chat, completions, files, messages, resources, responses, responses_background
+from api import chat, completions, embeddings, files, messages, resources, responses, responses_background
 from api.connections import CLOSE_AFTER, make_body_deadline_middleware
 from api.errors import ApiError, from_gateway, internal_error, overloaded
 from api.inflight import INFLIGHT, InFlight
@@ -178,13 +178,17 @@ async def _make_state(settings: Settings, store: Store, models) -> AppState:
         from store.types import Principal
 
         local = Principal(key_id=None, org=org)
+    # The encoders (safety gate, embeddings) take the engine's kernel choice: engine.native_kernels = false
+    # means PyTorch ops for all of them.
+    kernel_isa = settings.engine.kernel_isa if settings.engine.native_kernels else "torch"
     safety = None
     if settings.safety.enabled:
         from gateway.safety import SafetyGate
 
-        # The gate's encoder takes the engine's kernel choice: engine.native_kernels = false means PyTorch ops for both.
-        kernel_isa = settings.engine.kernel_isa if settings.engine.native_kernels else "torch"
         safety = SafetyGate(settings.safety, registry=metrics.registry, kernel_isa=kernel_isa)
+    embedding_service = None
+    if settings.embeddings.enabled:
+        embedding_service = embeddings.EmbeddingsService(settings.embeddings, kernel_isa)
     tracing = None
     if settings.telemetry.otlp_traces_endpoint:
         from api.telemetry import Tracing
@@ -199,6 +203,7 @@ async def _make_state(settings: Settings, store: Store, models) -> AppState:
         safety=safety,
         local_principal=local,
         tracing=tracing,
+        embeddings=embedding_service,
     )
 
 
@@ -231,4 +236,5 @@ def init(settings: Settings, *, backend_factory: BackendFactory | None = None) -
     responses.add_routes(app)
     completions.add_routes(app)
     messages.add_routes(app)
+    embeddings.add_routes(app)
     return app

@@ -28,6 +28,7 @@ from store.store import Store
 from store.types import Principal, RequestRecord, StoreUnavailable
 
 if TYPE_CHECKING:
+    from api.embeddings import EmbeddingsService
     from api.telemetry import Tracing
     from gateway.safety import SafetyGate
 
@@ -47,6 +48,7 @@ class AppState:
     coalescer: Coalescer = field(default_factory=Coalescer)
     safety: SafetyGate | None = None  # when enabled
     tracing: Tracing | None = None  # telemetry.otlp_traces_endpoint set
+    embeddings: EmbeddingsService | None = None  # embeddings.enabled
     local_principal: Principal | None = None
     draining: bool = False
 
@@ -96,11 +98,14 @@ class AppState:
             )
         )
 
-    def response_headers(self, job: Job) -> dict[str, str]:
-        caller = self.caller(job.principal)
-        headers = ratelimit_headers(
+    def limit_headers(self, caller: Caller) -> dict[str, str]:
+        """OpenAI's x-ratelimit-* headers for the caller's buckets as they are now."""
+        return ratelimit_headers(
             self.admission.limiter.buckets(caller.key, caller.tier_name, caller.tier, caller.overrides)
         )
+
+    def response_headers(self, job: Job) -> dict[str, str]:
+        headers = self.limit_headers(self.caller(job.principal))
         if job.fallback_from is not None:
             headers["x-fallback-from"] = job.fallback_from
         if job.chat.conversation_id is not None:
@@ -126,8 +131,9 @@ class AppState:
     def generate(self, job: Job, choice: int = 0) -> AsyncGenerator[TokenEvent, None]:
         return self.coalescer.generate(job.model.backend, job.gen_for(choice))
 
-    async def record(self, job: Job, record: RequestRecord, finish: FinishReason | None) -> None:
-        """Write the ledger row + messages (shielded from cancellation), then log and count.
+    async def record(self, job: Job | None, record: RequestRecord, finish: FinishReason | None) -> None:
+        """Write the ledger row + messages (shielded from cancellation), then log, count and
+        trace (job None: a request with no generation, such as embeddings; not traced).
 
         Raises StoreUnavailable when the write failed: the caller must not acknowledge the answer.
         """
@@ -138,7 +144,7 @@ class AppState:
             log.error("ledger_write_failed", request_id=record.request_id, error=str(exc))
             failure = exc
         self.metrics.observe_request(record, finish)
-        if self.tracing is not None:
+        if self.tracing is not None and job is not None:
             try:
                 self.tracing.record(job, record, finish)
             except Exception:  # a tracing fault never fails a request

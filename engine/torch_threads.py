@@ -20,7 +20,7 @@ import glob
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
@@ -137,3 +137,26 @@ class PoolOwnerExecutor(Executor):
     def submit(self, fn, /, *args, **kwargs) -> Future:
         future = PoolOwner.post(functools.partial(fn, *args, **kwargs))
         return future if future is not None else self._fallback().submit(fn, *args, **kwargs)
+
+
+# Side work (the safety classifier, the embeddings endpoint) runs on the CPU pool's owner when a
+# native CPU engine runs; without one (another backend, tests) and for loading, on these
+# threads, each limited to one OpenMP thread: a second multi-threaded torch thread would give
+# the process a second OpenMP pool (see above). Two of them let two texts be encoded at once.
+_SIDE_WORKERS = 2
+_side_executor: ThreadPoolExecutor | None = None
+_side_executor_lock = threading.Lock()
+
+
+def side_executor() -> ThreadPoolExecutor:
+    """The single-threaded torch workers shared by side work (created on first use)."""
+    global _side_executor
+    with _side_executor_lock:
+        if _side_executor is None:
+            _side_executor = ThreadPoolExecutor(_SIDE_WORKERS, "side-torch", initializer=single_threaded_torch)
+        return _side_executor
+
+
+def pool_or_side_executor() -> Executor:
+    """The CPU pool's owner when a native CPU engine runs, else the single-threaded workers."""
+    return PoolOwnerExecutor(side_executor)

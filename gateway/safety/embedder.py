@@ -299,6 +299,25 @@ class MiniLmEmbedder:
             out[owner].append(state)
         return out
 
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size()
+
+    def token_ids(self, text: str) -> list[int]:
+        """The text's token ids, without [CLS] and [SEP]."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def sentence_embeddings(self, id_lists: Sequence[Sequence[int]]) -> np.ndarray:
+        """[len(id_lists), 384] float32, each text's (token ids without [CLS] and [SEP], at most
+        max_tokens - 2 of them) sentence embedding, as sentence-transformers computes it: the
+        mean of the last hidden states over [CLS], the text and [SEP], L2-normalised. One
+        forward pass serves all of them."""
+        body = self.max_tokens - 2
+        if any(len(ids) > body for ids in id_lists):
+            raise ValueError(f"a text has more than {body} tokens")
+        states = self._run([[self._cls_id, *ids, self._sep_id] for ids in id_lists])
+        return np.stack([mean_pool(s) for s in states]).astype(np.float32)
+
     def _windows(self, text: str, max_windows: int) -> list[list[int]]:
         body = self.max_tokens - 2  # room for [CLS] and [SEP]
         cap_chars = 8 * body * max_windows  # tokenize a bounded head and tail of huge texts

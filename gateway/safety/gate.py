@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import prometheus_client
 import structlog
 
+from engine.torch_threads import pool_or_side_executor, side_executor
 from gateway.safety.batcher import MicroBatcher
 from gateway.safety.classifier import JobKind, SafetyClassifier, SafetyHead, ScoreJob
 from gateway.safety.output import OutputFilter, OutputPolicy
@@ -33,35 +32,12 @@ from settings import ConfigError, SafetyConfig
 # its OpenMP pool (engine/torch_threads.PoolOwner): all the cores, taking turns with the engine.
 # On 2 cores a worker thread of its own made a third runnable thread, which stalled the
 # engine's parallel regions whenever it shared a core with one of them (bench/RESULTS.md #22).
-# Without a native CPU engine (another backend, tests) and for loading, the work runs on these
-# threads, each limited to one OpenMP thread: a second multi-threaded torch thread would give
-# the process a second OpenMP pool, and with more pool threads than cores every torch op, the
-# engine's included, pays ~80 us to hand work over (engine/torch_threads.py). Two of them let
-# two requests be screened at once.
-_TORCH_WORKERS = 2
-_executor: ThreadPoolExecutor | None = None
-_executor_lock = threading.Lock()
-
-
-def _torch_executor() -> ThreadPoolExecutor:
-    global _executor
-    with _executor_lock:
-        if _executor is None:
-            from engine.torch_threads import single_threaded_torch
-
-            _executor = ThreadPoolExecutor(_TORCH_WORKERS, "safety-torch", initializer=single_threaded_torch)
-        return _executor
-
-
-def _batch_executor() -> Executor:
-    """The CPU pool's owner when a native CPU engine runs, else the single-threaded workers."""
-    from engine.torch_threads import PoolOwnerExecutor
-
-    return PoolOwnerExecutor(_torch_executor)
+# Without a native CPU engine (another backend, tests) and for loading, the work runs on
+# single-threaded side workers (torch_threads.side_executor).
 
 
 async def _off_loop(fn, *args):
-    return await asyncio.get_running_loop().run_in_executor(_torch_executor(), fn, *args)
+    return await asyncio.get_running_loop().run_in_executor(side_executor(), fn, *args)
 
 
 log = structlog.get_logger(__name__)
@@ -125,7 +101,7 @@ class SafetyGate:
         self._output_rules = RuleSet.merged(config.deny, allow, builtin=False)
         self._classifier = classifier if config.classifier else None
         self._batcher: MicroBatcher[ScoreJob, Verdict] = MicroBatcher(
-            self._run_batch, _batch_executor, weight=lambda job: job.num_chars, max_batch_weight=_MAX_BATCH_CHARS
+            self._run_batch, pool_or_side_executor, weight=lambda job: job.num_chars, max_batch_weight=_MAX_BATCH_CHARS
         )
         # digest of the screened turns -> their verdict
         self._screened: OrderedDict[bytes, Verdict] = OrderedDict()
