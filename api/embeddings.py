@@ -47,6 +47,7 @@ log = structlog.get_logger(__name__)
 MAX_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length in sentence-transformers, [CLS] and [SEP] included
 DIMENSIONS = 384
 _TURN_TOKENS = 4096  # tokens encoded in one turn between engine steps
+_HEAD_CHARS = 128 * MAX_TOKENS  # characters of a text tokenized: more than its first 256 tokens can span
 _KNOWN = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
 
 
@@ -135,7 +136,9 @@ class EmbeddingsService:
         out = []
         for i, item in enumerate(inputs):
             if isinstance(item, str):
-                ids = embedder.token_ids(item)
+                # A wordpiece covers at most 100 characters (longer words are [UNK]): this head
+                # holds every token the encoder could read, and more than enough to refuse.
+                ids = embedder.token_ids(item[:_HEAD_CHARS])
             else:
                 if not all(0 <= t < vocab for t in item):
                     raise bad_request(
@@ -144,8 +147,9 @@ class EmbeddingsService:
                     )
                 ids = list(item)
             if len(ids) > body and not self.cfg.truncate:
+                more = " or more" if isinstance(item, str) and len(item) > _HEAD_CHARS else ""
                 raise bad_request(
-                    f"'input[{i}]' has {len(ids) + 2} tokens; {self.cfg.model} reads at most {MAX_TOKENS} "
+                    f"'input[{i}]' has {len(ids) + 2}{more} tokens; {self.cfg.model} reads at most {MAX_TOKENS} "
                     "([CLS] and [SEP] included). Split it into shorter texts.",
                     param="input",
                     code="context_length_exceeded",
@@ -198,7 +202,8 @@ async def create_embeddings(request: web.Request) -> web.Response:
                 "The usage ledger cannot be written; try again later.", retry_after_s=30, code="store_unavailable"
             )
         embedder = await service.embedder()
-        id_lists = service.token_ids(embedder, req.inputs)
+        loop = asyncio.get_running_loop()  # a megabyte of text takes tens of ms to tokenize: off the loop
+        id_lists = await loop.run_in_executor(side_executor(), service.token_ids, embedder, req.inputs)
         num_tokens = sum(len(ids) + 2 for ids in id_lists)
         limiter.top_up(reservation, num_tokens)  # 429 when the token buckets cannot take them
         vectors = await service.embed(embedder, id_lists)
