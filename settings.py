@@ -139,6 +139,13 @@ class EngineConfig:
         'Which C kernels: "auto" (the widest the CPU reports), "avx512", "avx2" (to test or measure the AVX2 path on '
         'an AVX-512 CPU), "torch" (PyTorch ops). One the CPU lacks is an error at start.',
     )
+    speculative_tokens: int = setting(
+        0,
+        "Prompt-lookup speculation: while one greedy request runs alone, each step also feeds up to this many "
+        "draft tokens copied from its own prompt or answer (what followed the last earlier occurrence of its "
+        "latest 3 or 2 tokens) and keeps those the model agrees with, so a step can yield several tokens of the "
+        "same greedy output (bench/RESULTS.md); 0: off.",
+    )
     cuda_graphs: str = setting(
         "auto",
         '"auto": on CUDA, decode-only steps replay CUDA graphs, one captured per padded shape the first time it '

@@ -88,6 +88,7 @@ class LLMEngine:
                 config.max_num_seqs,
                 config.max_num_batched_tokens,
                 _prefill_cap(config, runner.device.type),
+                speculative_tokens=0 if runner.vision is not None else config.speculative_tokens,
             ),
             self.block_manager,
         )
@@ -95,6 +96,8 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.num_prompt_tokens_processed = 0
         self.num_generation_tokens = 0
+        self.num_draft_tokens = 0  # fed by speculation (speculation.py)
+        self.num_accepted_draft_tokens = 0  # of those, kept
         self.num_steps = 0
 
     @classmethod
@@ -173,19 +176,28 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        sampled = self.runner.execute(batch)
+        try:
+            sampled = self.runner.execute(batch)
+        except BaseException:
+            self.scheduler.discard_drafts(batch)
+            raise
         self.num_steps += 1
         for seq, n in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
+            if seq.num_draft_tokens:  # a decode token and drafts
+                self.num_draft_tokens += seq.num_draft_tokens
             # Everything but a decode token is prefill work (recompute after preemption included).
-            if seq.num_completion_tokens == 0 or seq.num_uncomputed_tokens > 1:
+            elif seq.num_completion_tokens == 0 or seq.num_uncomputed_tokens > 1:
                 self.num_prompt_tokens_processed += n
+        drafted = {seq: seq.num_draft_tokens for seq in batch.seqs if seq.num_draft_tokens}
         updated = self.scheduler.postprocess(batch, sampled)
         outputs = []
         for seq in updated:
-            self.num_generation_tokens += 1
+            self.num_generation_tokens += seq.num_new_tokens
+            if seq in drafted:
+                self.num_accepted_draft_tokens += seq.num_new_tokens - 1
             if seq.is_finished:
                 del self._seqs[seq.request_id]
-            outputs.append(self._output(seq, (seq.token_ids[-1],)))
+            outputs.append(self._output(seq, tuple(seq.token_ids[-seq.num_new_tokens :])))
         return outputs
 
     def stats(self) -> EngineStats:

@@ -111,6 +111,9 @@ class StepInputs:
     # (batch index, first row, number of rows): prompt positions this step whose next prompt
     # token's logprob was asked for (sampling.prompt_logprobs); empty for nearly every step.
     prompt_rows: tuple[tuple[int, int, int], ...] = ()
+    # (batch index, first row, number of rows): a sequence feeding draft tokens (speculation.py),
+    # whose every row's argmax is returned.
+    draft_rows: tuple[tuple[int, int, int], ...] = ()
 
 
 class ModelRunner:
@@ -238,8 +241,9 @@ class ModelRunner:
         return (int(num_full), int(num_window))
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[int | None]:
-        """Run one step; returns the sampled token per sequence (None: prefill not yet done)."""
+    def execute(self, batch: ScheduledBatch) -> list[int | list[int] | None]:
+        """Run one step; returns the sampled token per sequence (None: prefill not yet done; a
+        sequence with draft tokens: the argmax after each of its rows)."""
         # Vision models: this step's image tokens take their images' embeddings (encoded now, batched).
         image_rows = (
             None if self.vision is None else self.vision.step_embeddings(batch.seqs, batch.num_scheduled_tokens)
@@ -254,12 +258,15 @@ class ModelRunner:
             hidden = graphs.forward(shape, len(batch.seqs), inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, image_rows)
-        sampled: list[int | None] = [None] * len(batch.seqs)
+        sampled: list[int | list[int] | None] = [None] * len(batch.seqs)
         if inputs.sampled_batch_indices:
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))
             tokens = self.sampler(logits, inputs.sampling_rows)
             for batch_index, token in zip(inputs.sampled_batch_indices, tokens, strict=True):
                 sampled[batch_index] = token
+        for batch_index, first_row, num_rows in inputs.draft_rows:  # greedy and nothing else (speculation.eligible)
+            logits = self.model.compute_logits(hidden[first_row : first_row + num_rows])
+            sampled[batch_index] = logits.argmax(-1).tolist()
         for batch_index, first_row, num_rows in inputs.prompt_rows:
             self._record_prompt_logprobs(batch.seqs[batch_index], hidden, first_row, num_rows)
         return sampled
@@ -281,6 +288,11 @@ class ModelRunner:
         inputs = self.batch_inputs.build(batch, padded)
         rows, batch_indices, sampling_rows = self._sampling_rows(batch, inputs)
         asks_prompt_logprobs = any(seq.prompt_logprobs is not None for seq in batch.seqs)
+        draft_rows = tuple(
+            (i, end - batch.num_scheduled_tokens[i], batch.num_scheduled_tokens[i])
+            for i, end in zip(inputs.prefills, inputs.chunk_ends, strict=True)
+            if batch.seqs[i].num_draft_tokens
+        )
         return StepInputs(
             input_ids=inputs.input_ids,
             positions=inputs.positions,
@@ -289,6 +301,7 @@ class ModelRunner:
             sampled_batch_indices=tuple(batch_indices),
             sampling_rows=sampling_rows,
             prompt_rows=self._prompt_rows(batch, inputs) if asks_prompt_logprobs else (),
+            draft_rows=draft_rows,
         )
 
     @staticmethod
@@ -319,8 +332,8 @@ class ModelRunner:
         candidates += [(i, end - 1) for i, end in zip(inputs.prefills, inputs.chunk_ends, strict=True)]
         for i, row in candidates:
             seq = batch.seqs[i]
-            if seq.num_computed_tokens + batch.num_scheduled_tokens[i] < seq.num_tokens:
-                continue  # mid-prompt chunk: no token yet
+            if seq.num_computed_tokens + batch.num_scheduled_tokens[i] < seq.num_tokens or seq.num_draft_tokens:
+                continue  # mid-prompt chunk: no token yet; drafts: every row's argmax instead (draft_rows)
             rows.append(row)
             batch_indices.append(i)
             sink = seq.logprobs if seq.sampling.logprobs is not None else None

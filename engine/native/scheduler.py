@@ -12,6 +12,7 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from engine.native import speculation
 from engine.native.sequence import Sequence, SequenceStatus
 from engine.types import FinishReason
 
@@ -25,6 +26,7 @@ class SchedulerConfig:
     # Prompt tokens allowed in a step that also carries decode tokens: a long prompt is fed in
     # small chunks while streams are running, so their inter-token latency stays flat.
     max_prefill_tokens_while_decoding: int | None = None  # None: only max_num_batched_tokens
+    speculative_tokens: int = 0  # draft tokens a lone greedy sequence verifies per step (speculation.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,22 +107,82 @@ class Scheduler(Generic[EntryT]):
         # Admitting new work while evicting running work would only thrash.
         if self.num_preemptions == num_preemptions_before:
             self._admit_waiting(scheduled, prefill_budget)
+        if self.config.speculative_tokens and len(scheduled) == 1 and len(self.running) == 1 and not self.waiting:
+            self._add_drafts(self.running[0], scheduled)
         return ScheduledBatch(tuple(scheduled), tuple(scheduled.values()))
 
-    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: SequenceOf[int | None]) -> list[Sequence]:
-        """Advance the batch's sequences; returns those that received a token (maybe finishing)."""
+    def _add_drafts(self, seq: Sequence, scheduled: dict[Sequence, int]) -> None:
+        """A lone decoding sequence also feeds draft tokens this step, if it has some and they fit."""
+        if scheduled.get(seq) != 1 or seq.num_uncomputed_tokens != 1 or not speculation.eligible(seq):
+            return
+        room = min(
+            self.config.speculative_tokens,
+            seq.max_num_tokens - seq.num_tokens - 1,  # the step also adds one token of the model's own
+            self._budget_left(scheduled),
+        )
+        drafts = speculation.propose(seq.token_ids, room)
+        if not drafts or not self.block_manager.can_allocate(seq, 1 + len(drafts)):
+            return
+        self.block_manager.allocate(seq, 1 + len(drafts))
+        seq.token_ids.extend(drafts)
+        seq.num_draft_tokens = len(drafts)
+        scheduled[seq] = 1 + len(drafts)
+
+    def discard_drafts(self, batch: ScheduledBatch) -> None:
+        """Take back the drafts of a step that failed before postprocess (they are not tokens)."""
+        for seq in batch.seqs:
+            if seq.num_draft_tokens:
+                del seq.token_ids[-seq.num_draft_tokens :]
+                seq.num_draft_tokens = 0
+
+    def postprocess(
+        self, batch: ScheduledBatch, sampled_token_ids: SequenceOf[int | list[int] | None]
+    ) -> list[Sequence]:
+        """Advance the batch's sequences; returns those that received tokens (maybe finishing).
+        A sequence with drafts gets, instead of one token, the argmax after each of its rows."""
         updated: list[Sequence] = []
-        for seq, num_tokens, token_id in zip(batch.seqs, batch.num_scheduled_tokens, sampled_token_ids, strict=True):
+        for seq, num_tokens, sampled in zip(batch.seqs, batch.num_scheduled_tokens, sampled_token_ids, strict=True):
+            if seq.num_draft_tokens:
+                assert isinstance(sampled, list)
+                self._advance_verified(seq, sampled)
+                updated.append(seq)
+                continue
             seq.num_computed_tokens += num_tokens
             self.block_manager.cache_full_blocks(seq)
             self.block_manager.release_outside_window(seq)
-            if token_id is None:  # a prefill chunk that did not reach the end of the prompt
+            if sampled is None:  # a prefill chunk that did not reach the end of the prompt
                 continue
-            reason = seq.append_token(token_id)
+            assert isinstance(sampled, int)
+            seq.num_new_tokens = 1
+            reason = seq.append_token(sampled)
             if reason is not None:
                 self.finish(seq, reason)
             updated.append(seq)
         return updated
+
+    def _advance_verified(self, seq: Sequence, argmax: list[int]) -> None:
+        """The drafts come off; the verified tokens go on, one at a time (each may finish the
+        sequence). The fed token and the kept drafts have their K/V written; the rejected
+        drafts' slots lie past the computed count and are written over later."""
+        drafts = seq.token_ids[-seq.num_draft_tokens :]
+        del seq.token_ids[-seq.num_draft_tokens :]
+        seq.num_draft_tokens = 0
+        new_tokens = speculation.verify(drafts, argmax)
+        seq.num_drafted += len(drafts)
+        seq.num_kept += len(new_tokens) - 1
+        computed = seq.num_computed_tokens + len(new_tokens)  # the fed token and the kept drafts
+        reason = None
+        seq.num_new_tokens = 0
+        for token in new_tokens:
+            seq.num_new_tokens += 1
+            reason = seq.append_token(token)
+            if reason is not None:
+                break
+        seq.num_computed_tokens = min(computed, seq.num_tokens)
+        self.block_manager.cache_full_blocks(seq)
+        self.block_manager.release_outside_window(seq)
+        if reason is not None:
+            self.finish(seq, reason)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Retire a sequence (done or aborted) wherever it is; frees its blocks."""

@@ -89,6 +89,10 @@ class Sequence:
         "prompt_logprobs",
         "images",
         "seen_tokens",
+        "num_draft_tokens",
+        "num_new_tokens",
+        "num_drafted",
+        "num_kept",
     )
 
     def __init__(self, seq_id: int, request: GenerationRequest, *, eos_token_ids: tuple[int, ...], max_model_len: int):
@@ -116,6 +120,11 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprob | None] | None = [None] * self.num_prompt_tokens if asked else None
         self.images = request.images  # vision models: which prompt tokens take image embeddings
         self.seen_tokens: SeenTokens | None = None  # the sampler's SeenTokens (repetition penalty), made by the runner
+        # Speculation (speculation.py): draft tokens at the end of token_ids during the step that
+        # verifies them (0 otherwise), and the tokens the last step appended (1, or up to k + 1).
+        self.num_draft_tokens = 0
+        self.num_new_tokens = 0
+        self.num_drafted = self.num_kept = 0  # drafts fed and kept over the sequence's life
 
     def __repr__(self) -> str:
         return (

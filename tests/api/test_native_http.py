@@ -67,3 +67,32 @@ async def test_engine_is_empty_after_requests_and_a_disconnect(client):
     stats = state_of(client).models["tiny"].backend.stats()
     assert stats.num_running == 0 and stats.num_waiting == 0
     assert stats.num_kv_blocks_free == stats.num_kv_blocks_total  # cached blocks stay reusable, none owned
+
+
+async def test_speculation_over_http_gives_the_same_answers_streamed_and_not(aiohttp_client, tmp_path, tiny_model_dir):
+    # engine.speculative_tokens: a step may yield several tokens; the answers, streamed or not,
+    # and their usage are those of the engine without it.
+    from api.app import init
+    from tests.api.helpers import native_settings, sse_events
+
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "one two three one two three one two three"}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    answers = {}
+    for k in (0, 4):
+        app = init(native_settings(tmp_path / f"k{k}", tiny_model_dir, extra=(f"engine.speculative_tokens={k}",)))
+        client = await aiohttp_client(app, server_kwargs={"handler_cancellation": True})
+        unary = await (await client.post("/v1/chat/completions", json=body)).json()
+        events, _ = await sse_events(await client.post("/v1/chat/completions", json={**body, "stream": True}))
+        streamed = "".join(
+            e["choices"][0]["delta"].get("content") or "" for e in events if isinstance(e, dict) and e["choices"]
+        )
+        engine = state_of(client).models["tiny"].backend.engine
+        answers[k] = (unary["choices"][0]["message"]["content"], streamed, unary["usage"], engine.num_draft_tokens)
+    assert answers[4][:3] == answers[0][:3]
+    assert answers[4][0] == answers[4][1]
+    assert answers[0][3] == 0 and answers[4][3] > 0, "the speculating server never drafted"
