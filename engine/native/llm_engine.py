@@ -188,13 +188,13 @@ class LLMEngine:
             # Everything but a decode token is prefill work (recompute after preemption included).
             elif seq.num_completion_tokens == 0 or seq.num_uncomputed_tokens > 1:
                 self.num_prompt_tokens_processed += n
-        drafted = {seq: seq.num_draft_tokens for seq in batch.seqs if seq.num_draft_tokens}
+        kept_before = sum(seq.num_kept for seq in batch.seqs) if self.scheduler.config.speculative_tokens else 0
         updated = self.scheduler.postprocess(batch, sampled)
+        if self.scheduler.config.speculative_tokens:
+            self.num_accepted_draft_tokens += sum(seq.num_kept for seq in batch.seqs) - kept_before
         outputs = []
         for seq in updated:
             self.num_generation_tokens += seq.num_new_tokens
-            if seq in drafted:
-                self.num_accepted_draft_tokens += seq.num_new_tokens - 1
             if seq.is_finished:
                 del self._seqs[seq.request_id]
             outputs.append(self._output(seq, tuple(seq.token_ids[-seq.num_new_tokens :])))

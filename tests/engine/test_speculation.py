@@ -14,7 +14,7 @@ from engine.native.loader import load_model_args
 from engine.types import GenerationRequest, SamplingParams
 from kernel_modes import ALL_MODES
 from native_harness import check_invariants
-from test_greedy_equality import engine_for, run_with_arrivals
+from test_greedy_equality import engine_for, greedy_arrivals, run_with_arrivals
 
 K = 4
 
@@ -56,15 +56,9 @@ def repetitive_requests(vocab_size: int, seed: str) -> list[tuple[list[int], int
 
 def run_one_at_a_time(tiny_models, variant: str, engine, requests) -> None:
     """Each request alone (so it speculates), its output against transformers' greedy one."""
-    for i, (prompt, max_tokens, stops) in enumerate(requests):
-        expected = tiny_models.greedy(variant, prompt, max_tokens, None)
-        stop_ids: tuple[int, ...] = ()
-        if stops:
-            stop_ids = (expected[len(expected) // 2],)
-            expected = tiny_models.greedy(variant, prompt, max_tokens, stop_ids[0])
-        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop_token_ids=stop_ids)
-        outputs = run_with_arrivals(engine, [(0, GenerationRequest(f"r{i}", tuple(prompt), sampling))])
-        assert outputs[f"r{i}"] == expected, (i, outputs[f"r{i}"], expected)
+    arrivals, expected = greedy_arrivals(tiny_models, variant, [(0, *request) for request in requests])
+    for (_, request), (request_id, reference) in zip(arrivals, expected.items(), strict=True):
+        assert run_with_arrivals(engine, [(0, request)])[request_id] == reference, request_id
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
