@@ -181,6 +181,8 @@ class EngineStats:
     num_preemptions: int = 0
     num_prompt_tokens_processed: int = 0  # prefill tokens actually computed
     num_generation_tokens: int = 0
+    num_draft_tokens: int = 0  # speculation (engine.speculative_tokens): draft tokens fed
+    num_accepted_draft_tokens: int = 0  # of those, kept
 
     @property
     def kv_usage(self) -> float:

@@ -192,6 +192,12 @@ class _SourceCollector(Collector):
             ),
         }
         preemptions = CounterMetricFamily("chat_preemptions", "Sequences preempted by the engine.", labels=["model"])
+        drafts = CounterMetricFamily(
+            "chat_spec_draft_tokens", "Draft tokens fed by speculation (engine.speculative_tokens).", labels=["model"]
+        )
+        accepted = CounterMetricFamily(
+            "chat_spec_accepted_tokens", "Draft tokens speculation kept (the model agreed).", labels=["model"]
+        )
         for model, sources in list(self._sources.items()):
             num_waiting = sources.queue.num_waiting if sources.queue is not None else 0
             if sources.queue is not None:
@@ -203,11 +209,15 @@ class _SourceCollector(Collector):
                 queries = stats.prefix_cache_queries
                 gauges["hit_rate"].add_metric([model], stats.prefix_cache_hits / queries if queries else 0.0)
                 preemptions.add_metric([model], stats.num_preemptions)
+                drafts.add_metric([model], stats.num_draft_tokens)
+                accepted.add_metric([model], stats.num_accepted_draft_tokens)
                 num_waiting += stats.num_waiting
                 gauges["engine_waiting"].add_metric([model], stats.num_waiting)
             gauges["waiting"].add_metric([model], num_waiting)
         yield from gauges.values()
         yield preemptions
+        yield drafts
+        yield accepted
 
 
 def _read(model: str, source: Callable[[], EngineStats]) -> EngineStats | None:

@@ -212,6 +212,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens_processed=self.num_prompt_tokens_processed,
             num_generation_tokens=self.num_generation_tokens,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_draft_tokens=self.num_accepted_draft_tokens,
         )
 
     @staticmethod

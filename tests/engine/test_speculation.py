@@ -71,6 +71,12 @@ def test_speculation_gives_transformers_greedy_output_on_every_path(tiny_models,
     assert engine.num_draft_tokens > 0, "no step carried drafts"
     # Random tiny models repeat themselves, so some drafts are kept (each one a step saved).
     assert engine.num_accepted_draft_tokens > 0
+    stats = engine.stats()  # what /metrics reads
+    assert (stats.num_draft_tokens, stats.num_accepted_draft_tokens) == (
+        engine.num_draft_tokens,
+        engine.num_accepted_draft_tokens,
+    )
+    assert stats.num_accepted_draft_tokens <= stats.num_draft_tokens
 
 
 def test_a_cached_prefix_after_speculation_holds_the_right_tokens(tiny_models):

@@ -63,6 +63,8 @@ def test_engine_gauges_are_read_from_the_stats_source_at_scrape_time():
             prefix_cache_queries=200,
             prefix_cache_hits=50,
             num_preemptions=4,
+            num_draft_tokens=40,
+            num_accepted_draft_tokens=30,
         )
     }
     metrics.set_stats_source("mini", lambda: stats["value"], WaitingQueue(5, num_reserved=3))
@@ -74,6 +76,8 @@ def test_engine_gauges_are_read_from_the_stats_source_at_scrape_time():
     assert got[("chat_kv_cache_usage_ratio", model)] == 0.75
     assert got[("chat_prefix_cache_hit_rate", model)] == 0.25
     assert got[("chat_preemptions_total", model)] == 4
+    assert got[("chat_spec_draft_tokens_total", model)] == 40
+    assert got[("chat_spec_accepted_tokens_total", model)] == 30
     stats["value"] = EngineStats(num_running=0)
     assert samples(metrics)[("chat_requests_running", model)] == 0
 
