@@ -164,3 +164,15 @@ async def test_beside_the_native_engine_embeddings_take_turns_with_its_steps(nat
     assert "[DONE]" in stream
     assert resp.status == 200
     np.testing.assert_allclose(vectors(await resp.json()), reference(TEXTS * 4), atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "torch"])
+async def test_every_kernel_path_gives_sentence_transformers_vectors(make_client, reference, isa):
+    # The encoder takes the engine's kernel choice (engine.kernel_isa): each path this CPU has.
+    from engine.native import kernels
+
+    if isa != "torch" and isa not in {m.value for m in kernels.supported_modes()}:
+        pytest.skip(f"this CPU lacks {isa}")
+    client = await make_client(f'engine.kernel_isa="{isa}"')
+    got = vectors(await (await embed(client, input=[*TEXTS, LONG])).json())
+    np.testing.assert_allclose(got, reference([*TEXTS, LONG]), atol=1e-5)
