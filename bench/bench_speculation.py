@@ -85,7 +85,7 @@ def compare(model_dir: Path, prompts, eos, k: int, max_tokens: int, rounds: int)
         if r:
             for spec in (0, k):
                 times[spec].append(elapsed[spec])
-    on = engines[k]
+    on = engines[k].stats()
     return {
         "tok_s_off": tokens[0] / statistics.median(times[0]),
         "tok_s_on": tokens[k] / statistics.median(times[k]),

@@ -96,8 +96,6 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.num_prompt_tokens_processed = 0
         self.num_generation_tokens = 0
-        self.num_draft_tokens = 0  # fed by speculation (speculation.py)
-        self.num_accepted_draft_tokens = 0  # of those, kept
         self.num_steps = 0
 
     @classmethod
@@ -183,15 +181,10 @@ class LLMEngine:
             raise
         self.num_steps += 1
         for seq, n in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
-            if seq.num_draft_tokens:  # a decode token and drafts
-                self.num_draft_tokens += seq.num_draft_tokens
-            # Everything but a decode token is prefill work (recompute after preemption included).
-            elif seq.num_completion_tokens == 0 or seq.num_uncomputed_tokens > 1:
+            # Everything but a decode token (and its drafts) is prefill work (recompute after preemption included).
+            if not seq.num_draft_tokens and (seq.num_completion_tokens == 0 or seq.num_uncomputed_tokens > 1):
                 self.num_prompt_tokens_processed += n
-        kept_before = sum(seq.num_kept for seq in batch.seqs) if self.scheduler.config.speculative_tokens else 0
         updated = self.scheduler.postprocess(batch, sampled)
-        if self.scheduler.config.speculative_tokens:
-            self.num_accepted_draft_tokens += sum(seq.num_kept for seq in batch.seqs) - kept_before
         outputs = []
         for seq in updated:
             self.num_generation_tokens += seq.num_new_tokens
@@ -212,8 +205,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens_processed=self.num_prompt_tokens_processed,
             num_generation_tokens=self.num_generation_tokens,
-            num_draft_tokens=self.num_draft_tokens,
-            num_accepted_draft_tokens=self.num_accepted_draft_tokens,
+            num_draft_tokens=self.scheduler.num_draft_tokens,
+            num_accepted_draft_tokens=self.scheduler.num_accepted_draft_tokens,
         )
 
     @staticmethod

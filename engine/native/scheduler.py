@@ -75,6 +75,8 @@ class Scheduler(Generic[EntryT]):
         self.waiting: list[Sequence] = []  # kept in _order
         self.running: list[Sequence] = []  # kept in _order
         self.num_preemptions = 0
+        self.num_draft_tokens = 0  # fed by speculation (speculation.py)
+        self.num_accepted_draft_tokens = 0  # of those, kept
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -170,6 +172,8 @@ class Scheduler(Generic[EntryT]):
         new_tokens = speculation.verify(drafts, argmax)
         seq.num_drafted += len(drafts)
         seq.num_kept += len(new_tokens) - 1
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_draft_tokens += len(new_tokens) - 1
         computed = seq.num_computed_tokens + len(new_tokens)  # the fed token and the kept drafts
         reason = None
         seq.num_new_tokens = 0

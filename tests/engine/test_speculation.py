@@ -68,15 +68,10 @@ def test_speculation_gives_transformers_greedy_output_on_every_path(tiny_models,
     engine = engine_for(model_dir, num_blocks=24, kernel_isa=mode.value, speculative_tokens=K)
     requests = repetitive_requests(load_model_args(model_dir).vocab_size, variant)
     run_one_at_a_time(tiny_models, variant, engine, requests)
-    assert engine.num_draft_tokens > 0, "no step carried drafts"
-    # Random tiny models repeat themselves, so some drafts are kept (each one a step saved).
-    assert engine.num_accepted_draft_tokens > 0
     stats = engine.stats()  # what /metrics reads
-    assert (stats.num_draft_tokens, stats.num_accepted_draft_tokens) == (
-        engine.num_draft_tokens,
-        engine.num_accepted_draft_tokens,
-    )
-    assert stats.num_accepted_draft_tokens <= stats.num_draft_tokens
+    assert stats.num_draft_tokens > 0, "no step carried drafts"
+    # Random tiny models repeat themselves, so some drafts are kept (each one a step saved).
+    assert 0 < stats.num_accepted_draft_tokens <= stats.num_draft_tokens
 
 
 def test_a_cached_prefix_after_speculation_holds_the_right_tokens(tiny_models):
@@ -115,7 +110,7 @@ def test_only_plain_greedy_requests_speculate(tiny_models, sampling):
     engine = engine_for(model_dir, num_blocks=24, speculative_tokens=K)
     prompt = repetitive_requests(load_model_args(model_dir).vocab_size, "x")[0][0]
     run_with_arrivals(engine, [(0, GenerationRequest("r", tuple(prompt), sampling))])
-    assert engine.num_draft_tokens == 0
+    assert engine.stats().num_draft_tokens == 0
 
 
 def test_two_running_sequences_do_not_speculate(tiny_models):
@@ -126,7 +121,7 @@ def test_two_running_sequences_do_not_speculate(tiny_models):
     requests = [(0, GenerationRequest(f"r{i}", tuple(prompt), sampling)) for i in range(2)]
     outputs = run_with_arrivals(engine, requests)
     assert outputs["r0"] == outputs["r1"]
-    assert engine.num_draft_tokens == 0
+    assert engine.stats().num_draft_tokens == 0
 
 
 def test_a_failed_step_takes_its_drafts_back(tiny_models, monkeypatch):
@@ -159,7 +154,7 @@ def test_a_sequence_whose_drafts_are_mostly_wrong_stops_drafting(tiny_models):
     assert speculation.eligible(seq)
     seq.num_drafted, seq.num_kept = 16, 3  # fewer than a quarter kept
     assert not speculation.eligible(seq)
-    drafted = engine.num_draft_tokens
+    drafted = engine.stats().num_draft_tokens
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.num_draft_tokens == drafted
+    assert engine.stats().num_draft_tokens == drafted
