@@ -191,6 +191,17 @@ class ModelConfig:
         "How the model writes tool calls: auto (picked from the chat template), hermes (<tool_call> JSON, as Qwen "
         "and Hermes), llama3_json (a bare JSON object, as Llama 3.1+) or mistral ([TOOL_CALLS]).",
     )
+    thinking_budget: int = setting(
+        -1,
+        "native: most tokens a reasoning model (one that thinks in <think> tags, as Qwen3) may think per answer; "
+        "then the server closes its thinking (thinking_budget_message, then </think>) and it answers. -1: no limit. "
+        "A request's thinking_token_budget (Messages API: thinking.budget_tokens) replaces it.",
+    )
+    thinking_budget_message: str = setting(
+        "\n\nI have to stop thinking here and give my answer now.\n",
+        "native: text put into the thinking, before </think>, when a thinking budget runs out (so that the model "
+        "answers from what it has); empty: </think> alone.",
+    )
     # backend = "openai" only (docs/scale-out.md):
     urls: list[str] = setting(
         [], 'openai: base URLs of the upstream replicas, e.g. ["http://gpu-a:8000/v1", "http://gpu-b:8000/v1"].'

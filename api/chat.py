@@ -226,7 +226,11 @@ def json_dumps(obj: object) -> str:
 
 def usage_of(state: AppState, job: Job) -> dict:
     return protocol.usage_dict(
-        job.num_prompt_tokens, job.num_cached_tokens, job.num_completion_tokens, state.cost_usd(job)
+        job.num_prompt_tokens,
+        job.num_cached_tokens,
+        job.num_completion_tokens,
+        state.cost_usd(job),
+        job.num_reasoning_tokens,
     )
 
 

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from api.answer import Answer
 from api.job import Job
-from api.reasoning import ReasoningSplitter
+from api.reasoning import ReasoningSplitter, ThinkingCounter
 from api.state import AppState
 from api.toolparse import ToolCallParser
 from api.tools import ChoiceMode, detect_format
@@ -40,6 +40,7 @@ async def generate_choices(
     """Generate the n choices; each finish reason. Choices after the first start once the first
     has its first token, so that they find the prompt's KV blocks in the prefix cache."""
     job.completion_tokens_by_choice = [0] * len(emits)
+    job.reasoning_tokens_by_choice = [0] * len(emits)
     first = asyncio.ensure_future(_generate_choice(state, job, emits[0], on_idle))
     tasks = [first]
     try:
@@ -65,8 +66,12 @@ async def _generate_choice(
     out_filter = state.output_filter(job)
     events = state.generate(job, choice)
     finish = FinishReason.STOP
+    thinking = None if job.reasoning_opened is None else ThinkingCounter(in_thinking=job.reasoning_opened)
     try:
         while (event := await _next_event(events, job, state, on_idle)) is not None:
+            if thinking is not None:  # the tokens before the output filter holds any text back
+                thinking.feed(event.text, event.num_completion_tokens - job.completion_tokens_by_choice[choice])
+                job.reasoning_tokens_by_choice[choice] = thinking.num_tokens
             _count(job, event, choice)
             text = event.text
             if out_filter is not None:

@@ -21,7 +21,15 @@ from api.reasoning import prompt_opens_thinking
 from api.tools import ChoiceMode, Tool, detect_format, forced_call_grammar, template_takes_tools, tools_system_prompt
 from engine.registry import ModelHandle
 from engine.tokenizer import Tokenizer
-from engine.types import ChatPrompt, GenerationRequest, RequestRejected, SamplingParams, TokenLogprob, UsageSource
+from engine.types import (
+    ChatPrompt,
+    GenerationRequest,
+    RequestRejected,
+    SamplingParams,
+    ThinkingBudget,
+    TokenLogprob,
+    UsageSource,
+)
 from settings import TierConfig
 from store.types import Principal
 
@@ -53,6 +61,7 @@ class Job:
     num_completion_tokens: int = 0
     text_parts: list[str] = field(default_factory=list)  # choice 0's text (stored, safety-checked)
     completion_tokens_by_choice: list[int] = field(default_factory=list)  # n > 1: each choice's count
+    reasoning_tokens_by_choice: list[int] = field(default_factory=list)  # of those, thinking (a reasoning model)
     # None: the model does not reason in <think> tags; else whether the prompt opened <think>
     reasoning_opened: bool | None = None
     recorded: bool = False  # set by the one finish path; a second call is a no-op
@@ -66,6 +75,10 @@ class Job:
         if self.reported_prompt_tokens is not None:
             return self.reported_prompt_tokens
         return len(self.gen.prompt_token_ids)
+
+    @property
+    def num_reasoning_tokens(self) -> int:
+        return sum(self.reasoning_tokens_by_choice)
 
     @property
     def num_tokens_reserved(self) -> int:
@@ -216,7 +229,9 @@ def _sampling_defaults(chat: ChatRequest, model: ModelHandle | None) -> dict:
     return values
 
 
-def sampling_from(chat: ChatRequest, max_tokens: int, model: ModelHandle | None = None) -> SamplingParams:
+def sampling_from(
+    chat: ChatRequest, max_tokens: int, model: ModelHandle | None = None, thinking: ThinkingBudget | None = None
+) -> SamplingParams:
     structured = chat.response_format
     if chat.tool_choice.mode in (ChoiceMode.REQUIRED, ChoiceMode.NAMED) and model is not None:
         fmt = detect_format(getattr(model.tokenizer, "chat_template", None), model.config.tool_parser)
@@ -233,7 +248,37 @@ def sampling_from(chat: ChatRequest, max_tokens: int, model: ModelHandle | None 
         frequency_penalty=chat.frequency_penalty,
         min_tokens=min(chat.min_tokens, max_tokens),
         ignore_eos=chat.ignore_eos,
+        thinking=thinking,
     )
+
+
+def thinking_budget(chat: ChatRequest, model: ModelHandle, opened: bool | None) -> ThinkingBudget | None:
+    """The request's thinking budget, else the model's (thinking_budget), for a model that thinks
+    in <think> tags (`opened` is None for one that does not: there is nothing to cap). A relayed
+    model's upstream gets the request's field instead (wire_options)."""
+    budget = chat.thinking_token_budget
+    if budget is None and model.config.thinking_budget >= 0:
+        budget = model.config.thinking_budget
+    tokenizer = model.tokenizer
+    if budget is None or opened is None or not isinstance(tokenizer, Tokenizer):
+        return None
+    tags = tokenizer.thinking_tag_ids()
+    reason = None
+    if model.config.backend == "trtllm":
+        reason = "is served by TensorRT-LLM, which this server cannot make close a model's thinking"
+    elif tags is None:
+        reason = "does not write <think> and </think> as single tokens, so this server cannot follow its thinking"
+    if reason is not None or tags is None:
+        if not chat.thinking_budget_strict:  # the Messages API: budget_tokens is a ceiling, not a demand
+            return None
+        raise bad_request(
+            f"The model `{model.name}` {reason}: a thinking budget cannot be applied to it.",
+            param="thinking_token_budget",
+            code="unsupported_value",
+        )
+    message = model.config.thinking_budget_message
+    forced = (*tokenizer.encode(message), tags[1]) if message else (tags[1],)
+    return ThinkingBudget(budget, open_id=tags[0], close_id=tags[1], forced_ids=forced, opened=opened)
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,10 +312,11 @@ def make_job(inp: JobInputs) -> Job:
     max_tokens = resolve_max_tokens(chat, tier, inp.tier_name, max(limit - len(ids), 0))
     check_fits(len(ids), max(max_tokens, 1), limit, model.name, "prompt" if chat.raw_prompt is not None else "messages")
     now = time.monotonic()
+    opened = None if chat.raw_prompt is not None else _reasoning_opened(model, ids)
     gen = GenerationRequest(
         request_id=inp.request_id,
         prompt_token_ids=tuple(ids),
-        sampling=sampling_from(chat, max_tokens, model),
+        sampling=sampling_from(chat, max_tokens, model, thinking_budget(chat, model, opened)),
         priority=tier.priority,
         cache_salt=inp.cache_salt,
         arrival_s=now,
@@ -294,7 +340,7 @@ def make_job(inp: JobInputs) -> Job:
         created_at=time.time(),
         history_messages_dropped=dropped,
         new_messages=tuple((m.role, m.content) for m in chat.messages),
-        reasoning_opened=None if chat.raw_prompt is not None else _reasoning_opened(model, ids),
+        reasoning_opened=opened,
     )
 
 

@@ -13,9 +13,10 @@ generation, usage ledger); only parsing and rendering differ. The answer is a `m
 
 A reasoning model (one whose template knows <think>) thinks only when the request's `thinking`
 is enabled, as Anthropic's models do: its template gets `enable_thinking`, and the thinking comes
-back as a `thinking` block (with an empty `signature`: nothing is signed here). `stop_reason`
-says `end_turn` when a stop sequence ended the answer (the engine does not say which stop it
-met). Fields this server does not use (`metadata`, `service_tier`,
+back as a `thinking` block (with an empty `signature`: nothing is signed here); its
+`budget_tokens` caps the thinking where the model allows it (api/job.thinking_budget).
+`stop_reason` says `end_turn` when a stop sequence ended the answer (the engine does not say
+which stop it met). Fields this server does not use (`metadata`, `service_tier`,
 `cache_control` on blocks, ...) are accepted and ignored, as Anthropic's newer fields appear often.
 `max_tokens` is a cap, not a reservation: the answer gets at most what the tier's `max_tokens`
 and the context leave (Anthropic clients such as Claude Code ask for far more than a local model's
@@ -122,7 +123,12 @@ def parse_messages_request(raw: Any, *, max_messages: int, max_prompt_chars: int
     if chat["stream"] is True:
         chat["stream_options"] = {"include_usage": True}
     parsed = protocol.parse_chat_request(chat, max_messages=max_messages + 1, max_prompt_chars=max_prompt_chars)
-    return replace(parsed, max_tokens_is_cap=True)
+    return replace(
+        parsed,
+        max_tokens_is_cap=True,
+        thinking_token_budget=_thinking_budget(raw.get("thinking")),
+        thinking_budget_strict=False,
+    )
 
 
 def _thinking_enabled(value: Any) -> bool:
@@ -132,6 +138,19 @@ def _thinking_enabled(value: Any) -> bool:
     if kind not in ("enabled", "disabled", "adaptive"):
         raise bad_request("'thinking' must be {'type': 'enabled' | 'disabled' | 'adaptive', ...}.", param="thinking")
     return kind != "disabled"
+
+
+def _thinking_budget(value: Any) -> int | None:
+    """`thinking.budget_tokens` of enabled thinking: the most tokens the model may think (the
+    server closes its thinking there, as chat completions' thinking_token_budget)."""
+    if not isinstance(value, dict) or value.get("type") != "enabled" or value.get("budget_tokens") is None:
+        return None
+    budget = value["budget_tokens"]
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise bad_request(
+            f"'thinking.budget_tokens' must be a non-negative integer, got {budget!r}.", param="thinking.budget_tokens"
+        )
+    return budget
 
 
 def _messages(raw: dict[str, Any]) -> list[dict[str, Any]]:

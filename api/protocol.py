@@ -63,6 +63,7 @@ _KNOWN = {
     "parallel_tool_calls",
     "repetition_penalty",
     "reasoning_effort",
+    "thinking_token_budget",
 }
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 
@@ -143,6 +144,12 @@ class ChatRequest:
     # gets at most what the tier and the context leave instead of a 400.
     max_tokens_is_cap: bool = False
     prompt_logprobs: int | None = None  # a legacy completion's echo with logprobs: the prompt's own, top k
+    # vLLM's extension: most tokens a reasoning model may think before its thinking is closed for
+    # it (None: the model's configured thinking_budget, if any).
+    thinking_token_budget: int | None = None
+    # False (the Messages API, whose budget_tokens comes with every enabled thinking): a model
+    # whose thinking cannot be capped here ignores the budget instead of a 400.
+    thinking_budget_strict: bool = True
 
 
 def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int, max_n: int = 1) -> ChatRequest:
@@ -198,6 +205,7 @@ def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int, ma
             _chat_template_kwargs(raw.get("chat_template_kwargs")), raw.get("reasoning_effort"), "reasoning_effort"
         ),
         repetition_penalty=_repetition_penalty(raw),
+        thinking_token_budget=_opt_int(raw, "thinking_token_budget", 0),
         sampling_fields_set=frozenset(k for k in _DEFAULTABLE_SAMPLING_FIELDS if raw.get(k) is not None),
     )
 
@@ -263,6 +271,8 @@ def wire_options(chat: ChatRequest) -> dict[str, Any]:
         out["top_logprobs"] = chat.logprobs
     if chat.chat_template_kwargs:  # vLLM and SGLang take it (e.g. enable_thinking)
         out["chat_template_kwargs"] = chat.chat_template_kwargs
+    if chat.thinking_token_budget is not None:  # vLLM's name for it
+        out["thinking_token_budget"] = chat.thinking_token_budget
     return out  # n > 1 is fanned out here (api/generation.py), one upstream request per choice
 
 
@@ -484,13 +494,15 @@ def _stream_options(value: Any, stream: bool) -> tuple[bool, bool]:
 # ---- rendering -------------------------------------------------------------------------
 
 
-def usage_dict(prompt_tokens: int, cached_tokens: int, completion_tokens: int, cost_usd: float | None) -> dict:
+def usage_dict(
+    prompt_tokens: int, cached_tokens: int, completion_tokens: int, cost_usd: float | None, reasoning_tokens: int = 0
+) -> dict:
     usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},  # of completion_tokens, thinking
     }
     if cost_usd is not None:
         usage["cost_usd"] = round(cost_usd, 9)  # extension: cost from the server's price table (nano-dollars)

@@ -41,6 +41,15 @@ class ReasoningSplitter:
             pass
         return "".join(reasoning), "".join(content)
 
+    @property
+    def is_thinking(self) -> bool:
+        return self._state in (_State.THINKING_START, _State.THINKING)
+
+    @property
+    def is_undecided(self) -> bool:
+        """Nothing but whitespace or the start of <think> seen yet."""
+        return self._state is _State.START
+
     def finish(self) -> tuple[str, str]:
         """What is still held back when generation ends."""
         held, self._held = self._held, ""
@@ -78,6 +87,27 @@ class ReasoningSplitter:
         content.append(held)
         self._held = ""
         return False
+
+
+class ThinkingCounter:
+    """Counts the generated tokens that are thinking (usage's reasoning_tokens): those whose text
+    arrives while the answer is inside its thinking block, the tags' own tokens included."""
+
+    def __init__(self, *, in_thinking: bool):
+        self._splitter = ReasoningSplitter(in_thinking=in_thinking)
+        self.num_tokens = 0
+        self._undecided = 0  # tokens before the answer showed whether it opens with <think>
+
+    def feed(self, text: str, num_tokens: int) -> None:
+        before = self._splitter.is_thinking
+        self._splitter.feed(text)
+        if before or self._splitter.is_thinking:
+            self.num_tokens += num_tokens + self._undecided
+            self._undecided = 0
+        elif self._splitter.is_undecided:
+            self._undecided += num_tokens
+        else:
+            self._undecided = 0
 
 
 def _partial_tag_length(text: str, tag: str) -> int:

@@ -183,6 +183,7 @@ async def _refuse(ctx: ResponseContext, request: web.Request, state: AppState, j
 def replace_usage(job: Job) -> Job:
     """A refused prompt is not billed: its response reports zero tokens."""
     job.reported_prompt_tokens, job.num_cached_tokens, job.num_completion_tokens = 0, 0, 0
+    job.reasoning_tokens_by_choice = []
     return job
 
 

@@ -46,7 +46,9 @@ async def finished(ctx: ResponseContext, state: AppState, job: Job, answer: Answ
             "status": "incomplete" if reason else "completed",
             "incomplete_details": {"reason": reason} if reason else None,
             "output": output_items(answer, ctx.message_id),
-            "usage": usage_object(job.num_prompt_tokens, job.num_cached_tokens, job.num_completion_tokens),
+            "usage": usage_object(
+                job.num_prompt_tokens, job.num_cached_tokens, job.num_completion_tokens, job.num_reasoning_tokens
+            ),
         },
     )
     conversation_id = job.chat.conversation_id
@@ -95,7 +97,9 @@ async def set_state(ctx: ResponseContext, state: AppState, job: Job, fields: dic
 
 
 def usage(job: Job) -> dict:
-    return usage_object(job.num_prompt_tokens, job.num_cached_tokens, job.num_completion_tokens)
+    return usage_object(
+        job.num_prompt_tokens, job.num_cached_tokens, job.num_completion_tokens, job.num_reasoning_tokens
+    )
 
 
 def dumps(obj: object) -> str:

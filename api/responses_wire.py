@@ -39,6 +39,7 @@ _KNOWN = {
     "top_logprobs",
     "repetition_penalty",  # vLLM's extension, as on chat completions
     "reasoning",
+    "thinking_token_budget",  # the extension chat completions take
 }
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
 _INCLUDABLE = (INCLUDE_LOGPROBS,)  # what `include` may ask for here; anything else is a 400 naming it
@@ -93,6 +94,7 @@ def parse_responses_request(raw: Any, *, max_messages: int, max_prompt_chars: in
         "temperature": raw.get("temperature"),
         "top_p": raw.get("top_p"),
         "repetition_penalty": raw.get("repetition_penalty"),
+        "thinking_token_budget": raw.get("thinking_token_budget"),
         "user": raw.get("user"),
         "seed": raw.get("seed"),
         "parallel_tool_calls": raw.get("parallel_tool_calls"),
@@ -356,11 +358,11 @@ def response_object(response_id: str, created: int, model: str, req: ResponsesRe
     }
 
 
-def usage_object(prompt: int, cached: int, completion: int) -> dict:
+def usage_object(prompt: int, cached: int, completion: int, reasoning: int = 0) -> dict:
     return {
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": cached},
         "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": prompt + completion,
     }

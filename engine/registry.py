@@ -67,6 +67,15 @@ def build_model(
         raise ConfigError(
             f"models.{name}.tool_parser: expected one of {', '.join(TOOL_PARSERS)}, got {config.tool_parser!r}"
         )
+    if config.thinking_budget < -1:
+        raise ConfigError(
+            f"models.{name}.thinking_budget: expected -1 (no limit) or more, got {config.thinking_budget}"
+        )
+    if config.thinking_budget >= 0 and config.backend != "native":
+        raise ConfigError(
+            f"models.{name}.thinking_budget: only the native engine caps thinking (an upstream server takes a "
+            "request's thinking_token_budget as it is; set its own default there)"
+        )
     if config.backend == "openai":
         from engine.upstream.build import build_upstream_model
 
@@ -82,6 +91,10 @@ def build_model(
     if tokenizer.chat_template is None:
         raise ConfigError(
             f"models.{name}: {model_dir} has no chat template (tokenizer_config.json or chat_template.jinja)"
+        )
+    if config.thinking_budget >= 0 and tokenizer.thinking_tag_ids() is None:
+        raise ConfigError(
+            f"models.{name}.thinking_budget: {model_dir} does not think in <think> tags written as single tokens"
         )
     max_len = _config_max_len(model_dir, config.max_model_len)
     stand_in = backend_factory(name, tokenizer, max_len) if backend_factory and config.backend == "native" else None

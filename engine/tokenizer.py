@@ -115,6 +115,14 @@ class Tokenizer:
         """Whether the chat template knows <think>...</think> reasoning (Qwen3, R1 distills, ...)."""
         return self.chat_template is not None and "</think>" in self.chat_template
 
+    def thinking_tag_ids(self) -> tuple[int, int] | None:
+        """The ids of <think> and </think> when each is one token of this vocabulary (as in Qwen3,
+        the R1 distills, SmolLM3: what a thinking budget needs to follow the model); else None."""
+        ids = [self.encode(tag) for tag in ("<think>", "</think>")]
+        if not self.thinks or any(len(tag_ids) != 1 for tag_ids in ids):
+            return None
+        return ids[0][0], ids[1][0]
+
     def encode_chat(
         self,
         messages: list[dict[str, Any]],

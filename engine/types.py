@@ -66,6 +66,20 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class ThinkingBudget:
+    """A cap on the tokens a reasoning model spends thinking (between its opening and closing
+    tags, each one token). Once `max_tokens` thinking tokens were generated, the next tokens are
+    `forced_ids` (a short message, then the closing tag) whatever the model would pick; then it
+    answers. The cap counts every thinking block of the answer together."""
+
+    max_tokens: int  # 0: the block is closed at once
+    open_id: int
+    close_id: int
+    forced_ids: tuple[int, ...]  # ends with close_id
+    opened: bool = False  # the prompt itself ends inside a thinking block (the template opened it)
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Validated sampling settings. `temperature == 0` means greedy."""
 
@@ -88,6 +102,7 @@ class SamplingParams:
     # None: none; k: each prompt token's logprob given the tokens before it, and the top k
     # (a legacy completion's echo with logprobs: what evaluation harnesses score). The native engine only.
     prompt_logprobs: int | None = None
+    thinking: ThinkingBudget | None = None  # None: the model thinks as long as it likes
 
     @property
     def is_greedy(self) -> bool:

@@ -46,10 +46,14 @@ class TinyModelSpec:
     seed: int = 0
     rope_layout: str = "parameters"  # "parameters" (newer transformers) or "theta" (older)
     architecture: str = "llama"  # or "qwen2": the same layers plus biases on q, k and v
+    thinking_tags: bool = False  # <think> and </think> as single tokens (not special: they decode), as Qwen3's
 
 
-def train_tokenizer(vocab_size: int, text: str = _CORPUS):
-    """A byte-level BPE tokenizer with the chat special tokens."""
+THINKING_TAGS = ("<think>", "</think>")
+
+
+def train_tokenizer(vocab_size: int, text: str = _CORPUS, extra_tokens: tuple[str, ...] = ()):
+    """A byte-level BPE tokenizer with the chat special tokens (and `extra_tokens`, as added tokens)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -57,11 +61,19 @@ def train_tokenizer(vocab_size: int, text: str = _CORPUS):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=[*SPECIAL_TOKENS, *extra_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator([text] * 4, trainer=trainer)
+    if extra_tokens:  # the trainer makes them special; as Qwen3's tags they are not (decoding keeps them)
+        from tokenizers import Tokenizer as _Tokenizer
+
+        data = json.loads(tok.to_str())
+        for added in data["added_tokens"]:
+            if added["content"] in extra_tokens:
+                added["special"] = False
+        tok = _Tokenizer.from_str(json.dumps(data))
     return tok
 
 
@@ -90,7 +102,7 @@ def build_tiny_llama(path: Path | str, spec: TinyModelSpec | None = None, **over
         spec = TinyModelSpec(**{**_asdict(spec), **overrides})
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(spec.vocab_size)
+    tok = train_tokenizer(spec.vocab_size, extra_tokens=THINKING_TAGS if spec.thinking_tags else ())
     eos_id = write_tokenizer_files(path, tok)
     config_class, model_class = {
         "llama": (LlamaConfig, LlamaForCausalLM),

@@ -120,6 +120,12 @@ class LLMEngine:
     def check_request(self, request: GenerationRequest) -> None:
         """Reject what could never run: too long for the context window or the whole KV pool."""
         check_fits_context(request, self.max_model_len)
+        thinking, vocab_size = request.sampling.thinking, self.runner.args.vocab_size
+        if thinking is not None and max(thinking.open_id, thinking.close_id, *thinking.forced_ids) >= vocab_size:
+            raise RequestRejected(
+                f"the thinking budget's tags or message hold a token id outside the model's {vocab_size} logits",
+                param="thinking_token_budget",
+            )
         num_prompt = len(request.prompt_token_ids)
         total = num_prompt + request.sampling.max_tokens
         # The last sampled token's K/V is never computed, so a sequence holds at most total - 1.

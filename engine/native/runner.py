@@ -348,6 +348,7 @@ class ModelRunner:
                     seq.grammar,
                     sink,
                     seq.seen_tokens,
+                    None if seq.thinking is None else seq.thinking.forced_token(),
                 )
             )
         return rows, batch_indices, sampling_rows

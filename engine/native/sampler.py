@@ -1,11 +1,12 @@
 """Turns one step's logits into next tokens, one row per sequence, honouring SamplingParams.
 
 Order: repetition penalty, presence/frequency penalties, min_tokens (stop ids masked), the grammar's token mask
-(structured outputs), then greedy argmax or temperature, top-k, top-p and a draw. A seeded
-request draws from a generator seeded by (seed, position), so its output does not depend on
-what else shares the batch or on preemption. Logprobs, when asked for, are those of the
-distribution sampled from after temperature (and penalties and grammar mask), before top-k/top-p;
-greedy rows report the unscaled distribution.
+(structured outputs), a forced token (a spent thinking budget: every other token masked), then
+greedy argmax or temperature, top-k, top-p and a draw. A seeded request draws from a generator
+seeded by (seed, position), so its output does not depend on what else shares the batch or on
+preemption. Logprobs, when asked for, are those of the distribution sampled from after
+temperature (and penalties and masks), before top-k/top-p; greedy rows report the unscaled
+distribution (a forced token's logprob is 0).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class SamplingRow:
     grammar: GrammarMatcher | None = None  # structured output: only its allowed tokens may be drawn
     logprobs_sink: list[TokenLogprob] | None = None  # the sequence's logprobs, appended to when asked
     seen: SeenTokens | None = None  # which ids token_ids holds; needed when repetition_penalty != 1
+    forced: int | None = None  # the token this row must take (a spent thinking budget's closing tokens)
 
     @property
     def num_completion_tokens(self) -> int:
@@ -96,6 +98,7 @@ class Sampler:
             from engine.grammar import apply_bitmasks
 
             apply_bitmasks(logits, [i for i, _ in constrained], [g for _, g in constrained])
+        _force_tokens(logits, rows)
         greedy = _argmax(logits)
         sampled_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if sampled_rows:
@@ -177,6 +180,7 @@ def _needs_processing(row: SamplingRow) -> bool:
         or (p.min_tokens > row.num_completion_tokens and bool(row.stop_token_ids))
         or row.grammar is not None
         or p.logprobs is not None
+        or row.forced is not None
     )
 
 
@@ -214,6 +218,15 @@ def _mask_stop_tokens_before_min(logits: torch.Tensor, rows: list[SamplingRow]) 
         if r.params.min_tokens > r.num_completion_tokens and r.stop_token_ids:
             ids = [t for t in r.stop_token_ids if t < logits.shape[1]]
             logits[i, ids] = float("-inf")
+
+
+def _force_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """A forced row keeps one finite logit: greedy and a draw both take it (its logprob is 0)."""
+    for i, r in enumerate(rows):
+        if r.forced is not None:
+            kept = logits[i, r.forced].clone()
+            logits[i] = float("-inf")
+            logits[i, r.forced] = kept
 
 
 def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

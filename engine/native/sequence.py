@@ -12,6 +12,7 @@ import hashlib
 from array import array
 from typing import TYPE_CHECKING
 
+from engine.native.thinking import ThinkingState
 from engine.types import FinishReason, GenerationRequest, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
@@ -93,6 +94,7 @@ class Sequence:
         "num_new_tokens",
         "num_drafted",
         "num_kept",
+        "thinking",
     )
 
     def __init__(self, seq_id: int, request: GenerationRequest, *, eos_token_ids: tuple[int, ...], max_model_len: int):
@@ -125,6 +127,9 @@ class Sequence:
         self.num_draft_tokens = 0
         self.num_new_tokens = 0
         self.num_drafted = self.num_kept = 0  # drafts fed and kept over the sequence's life
+        # A thinking budget (thinking.py); none under a grammar, which decides every token itself.
+        budget = self.sampling.thinking
+        self.thinking = ThinkingState(budget) if budget is not None and self.sampling.structured is None else None
 
     def __repr__(self) -> str:
         return (
@@ -188,6 +193,8 @@ class Sequence:
     def append_token(self, token_id: int) -> FinishReason | None:
         """Add a sampled token; returns why the sequence is now finished, if it is."""
         self.token_ids.append(token_id)
+        if self.thinking is not None:
+            self.thinking.observe(token_id)
         if self.grammar is not None and (not self.grammar.accept(token_id) or self.grammar.is_finished):
             return FinishReason.STOP  # the structured answer is complete (or its grammar is stuck)
         if token_id in self.stop_token_ids and self.num_completion_tokens >= self.sampling.min_tokens:

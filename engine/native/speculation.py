@@ -10,9 +10,9 @@ the greedy output without speculation; a step produces 1 to k + 1 tokens.
 
 Torch-free: the scheduler proposes, the runner returns each row's argmax, and `verify` keeps
 what the model agreed with. Only plain greedy requests speculate (no sampling, penalties,
-logprobs, grammar, stop strings or pending min_tokens), only while their sequence is the only
-one running and none waits (with more, the step is no longer bound by reading weights), and
-only while at least a quarter of their drafts were kept (after 16).
+logprobs, grammar, stop strings, pending min_tokens or thinking budget), only while their
+sequence is the only one running and none waits (with more, the step is no longer bound by
+reading weights), and only while at least a quarter of their drafts were kept (after 16).
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ def eligible(seq: Sequence) -> bool:
         and seq.num_completion_tokens >= s.min_tokens
         and seq.prompt_logprobs is None
         and not seq.images
+        and seq.thinking is None
         and (seq.num_drafted < _TRIAL_DRAFTS or seq.num_kept >= _MIN_KEPT_SHARE * seq.num_drafted)
     )
 

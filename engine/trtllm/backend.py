@@ -184,6 +184,13 @@ class TrtllmBackend:
                 param="echo",
                 code="unsupported_value",
             )
+        if request.sampling.thinking is not None:
+            raise RequestRejected(
+                "a thinking budget (thinking_token_budget; the Messages API's thinking.budget_tokens) is applied by "
+                "the native engine only",
+                param="thinking_token_budget",
+                code="unsupported_value",
+            )
         num_prompt = len(request.prompt_token_ids)
         if not self._config.enable_chunked_prefill and num_prompt > self._config.max_num_tokens:
             raise RequestRejected(

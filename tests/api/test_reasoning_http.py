@@ -7,7 +7,7 @@ import pytest
 
 from api.app import init
 from testing.fake_backend import fake_backends
-from tests.api.helpers import THINKS, assert_error, echo_settings, sse_events
+from tests.api.helpers import THINKS, assert_error, echo_settings, sse_events, state_of
 
 
 @pytest.fixture
@@ -22,9 +22,16 @@ async def chat(client, **body):
 async def test_unary_answer_carries_the_thinking_in_reasoning_content(client):
     resp = await chat(client)
     assert resp.status == 200, await resp.text()
-    message = (await resp.json())["choices"][0]["message"]
+    body = await resp.json()
+    message = body["choices"][0]["message"]
     assert message["reasoning_content"] == "Count the words.\n"
     assert message["content"] == "Three words here."
+    # usage counts the thinking's tokens (the tags' included) among the completion's
+    tokenizer = state_of(client).models["echo"].tokenizer
+    thinking = len(tokenizer.encode("<think>\nCount the words.\n</think>"))
+    usage = body["usage"]
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == thinking
+    assert usage["completion_tokens"] == len(tokenizer.encode(THINKS[0]["content"]))
 
 
 async def test_stream_sends_reasoning_deltas_then_content_deltas(client):

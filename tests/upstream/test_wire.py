@@ -189,6 +189,17 @@ def test_chat_template_kwargs_are_sent_upstream_in_wire_form():
     assert wire_options(chat)["chat_template_kwargs"] == {"enable_thinking": False}
 
 
+def test_a_thinking_budget_is_sent_upstream_under_vllms_name():
+    from api.protocol import parse_chat_request, wire_options
+
+    def options(**extra) -> dict:
+        raw = {"messages": [{"role": "user", "content": "hi"}], **extra}
+        return wire_options(parse_chat_request(raw, max_messages=10, max_prompt_chars=1000))
+
+    assert options(thinking_token_budget=0)["thinking_token_budget"] == 0
+    assert "thinking_token_budget" not in options()
+
+
 def test_logprobs_are_asked_for_and_the_upstreams_text_tokens_are_read_with_their_bytes():
     from engine.types import TokenLogprob, TokenText
 
