@@ -127,6 +127,16 @@ class EngineConfig:
     prefix_cache_scope: str = setting(
         "org", '"org": each organisation has its own cache (no timing leak across tenants); "shared".'
     )
+    prefix_cache_dir: str = setting(
+        "auto",
+        "Where the prefix cache is kept across restarts: at a clean stop each model writes its most recently used "
+        "cached blocks here (one file per model folder) and reads them back at the next start, so conversations and "
+        'long system prompts are warm again. "auto": a prefix-cache folder beside the database (store.path); '
+        "empty: not kept.",
+    )
+    prefix_cache_save_bytes: int = setting(
+        268_435_456, "Most bytes of KV written per model at a stop (the most recently used blocks first)."
+    )
     native_kernels: bool = setting(
         True,
         "On CPU with fp32, compile (once, with the system C compiler) and use the C kernels built for the CPU's "

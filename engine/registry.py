@@ -105,7 +105,9 @@ def build_model(
         from engine.native.backend import NativeBackend
         from engine.native.vision import is_llava
 
-        backend = NativeBackend(model_dir, settings.engine, tokenizer, max_model_len=max_len)
+        backend = NativeBackend(
+            model_dir, settings.engine, tokenizer, max_model_len=max_len, prefix_cache_dir=_prefix_cache_dir(settings)
+        )
         if is_llava(model_dir):  # a vision model: the API places images through its tokenizer
             from engine.native.image_prompt import ImageTokenizer
 
@@ -115,6 +117,14 @@ def build_model(
 
         backend = TrtllmBackend(model_dir, settings.trtllm, tokenizer, max_model_len=max_len)
     return ModelHandle(name, config, backend, tokenizer)
+
+
+def _prefix_cache_dir(settings: Settings) -> Path | None:
+    """engine.prefix_cache_dir resolved: "auto" is a folder beside the database."""
+    configured = settings.engine.prefix_cache_dir
+    if configured == "auto":
+        return Path(settings.store.path).parent / "prefix-cache"
+    return Path(configured) if configured else None
 
 
 def build_models(settings: Settings, backend_factory: BackendFactory | None = None) -> dict[str, ModelHandle]:

@@ -21,6 +21,7 @@ from typing import ClassVar
 import structlog
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.native import prefix_store
 from engine.native.llm_engine import LLMEngine, RequestOutput
 from engine.native.loader import load_model_args
 from engine.tokenizer import Tokenizer
@@ -104,9 +105,16 @@ class _Tick(Enum):
 
 class NativeBackend:
     def __init__(
-        self, model_dir: Path | str, config: EngineConfig, tokenizer: Tokenizer, *, max_model_len: int | None = None
+        self,
+        model_dir: Path | str,
+        config: EngineConfig,
+        tokenizer: Tokenizer,
+        *,
+        max_model_len: int | None = None,
+        prefix_cache_dir: Path | None = None,  # the prefix cache kept across restarts (prefix_store.py); None: not
     ):
         self._model_dir = Path(model_dir)
+        self._prefix_cache_dir = prefix_cache_dir
         self._config = config
         self._tokenizer = tokenizer
         self._max_model_len = max_model_len or load_model_args(self._model_dir).max_position_embeddings
@@ -280,8 +288,33 @@ class NativeBackend:
             loop.call_soon_threadsafe(settle, exc)
             return None
         self._engine = engine
+        self._restore_prefix_cache(engine)
         loop.call_soon_threadsafe(settle, engine.stats())
         return engine
+
+    def _prefix_cache_file(self, engine: LLMEngine) -> Path | None:
+        directory = self._prefix_cache_dir
+        return None if directory is None else prefix_store.file_for(directory, engine, self._model_dir)
+
+    def _restore_prefix_cache(self, engine: LLMEngine) -> None:
+        """Warm the prefix cache from the last clean stop (engine/native/prefix_store.py)."""
+        try:
+            path = self._prefix_cache_file(engine)
+            if path is not None:
+                num = prefix_store.restore(engine, self._model_dir, path)
+                if num:
+                    log.info("prefix_cache_restored", blocks=num, path=str(path))
+        except Exception:  # warmth only: a failure here must not stop the model from serving
+            log.exception("prefix_cache_restore_failed")
+
+    def _save_prefix_cache(self, engine: LLMEngine) -> None:
+        try:
+            path = self._prefix_cache_file(engine)
+            if path is not None:
+                num = prefix_store.save(engine, self._model_dir, path, self._config.prefix_cache_save_bytes)
+                log.info("prefix_cache_saved", blocks=num, path=str(path))
+        except Exception:
+            log.exception("prefix_cache_save_failed")
 
     def _tick(self) -> _Tick:
         """One turn of the step thread for this engine: take in requests and aborts, run one
@@ -301,6 +334,8 @@ class NativeBackend:
         self._stats = engine.stats()
         if items and not self._publish(items):
             return _Tick.DONE
+        if stop and not self._dead:  # a clean stop: every sequence was aborted, its blocks freed
+            self._save_prefix_cache(engine)
         if stop or self._dead:
             return _Tick.DONE
         return _Tick.BUSY if engine.has_unfinished_requests() else _Tick.IDLE

@@ -185,6 +185,26 @@ class BlockManager:
             self.hash_to_block_id[block.hash] = block.block_id
         table.num_hashed = num_full
 
+    def recent_cached_blocks(self) -> list[Block]:
+        """The free blocks that hold cached prefixes, the most recently used first (what a
+        restart should keep: engine/native/prefix_store.py)."""
+        return [self.blocks[b] for b in reversed(self.free_block_ids) if self.blocks[b].hash is not None]
+
+    def restore_cached_block(self, block_hash: bytes, token_ids: tuple[object, ...]) -> int | None:
+        """Register a block read back from disk: a free block that holds no prefix takes it, as
+        the most recently used cached block. Its K/V are the caller's to write. None when no
+        such block is left or the hash is known already."""
+        if block_hash in self.hash_to_block_id or not self.free_block_ids:
+            return None
+        block_id = next(iter(self.free_block_ids))  # never-cached blocks are at the front
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            return None
+        block.hash, block.token_ids = block_hash, token_ids
+        self.hash_to_block_id[block_hash] = block_id
+        self.free_block_ids.move_to_end(block_id)
+        return block_id
+
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:

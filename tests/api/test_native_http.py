@@ -101,3 +101,24 @@ async def test_speculation_over_http_gives_the_same_answers_streamed_and_not(aio
     assert answers[4][:3] == answers[0][:3]
     assert answers[4][0] == answers[4][1]
     assert answers[0][3] == 0 and answers[4][3] > 0, "the speculating server never drafted"
+
+
+async def test_a_restarted_server_finds_the_prefix_cache_of_the_last_one(aiohttp_client, tmp_path, tiny_model_dir):
+    # engine.prefix_cache_dir ("auto": beside the database): a clean stop writes the cached
+    # blocks, the next start reads them back, and the same prompt is warm at once.
+    from api.app import init
+    from tests.api.helpers import native_settings
+
+    messages = [SYSTEM, {"role": "user", "content": "What does river mean?"}]
+    first = await aiohttp_client(init(native_settings(tmp_path, tiny_model_dir)))
+    cold = await ask(first, messages)
+    await first.close()  # a clean stop
+    assert list((tmp_path / "prefix-cache").glob("*.safetensors"))
+    second = await aiohttp_client(init(native_settings(tmp_path, tiny_model_dir)))
+    warm = await ask(second, messages)
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == (cold["usage"]["prompt_tokens"] - 1) // 16 * 16
+    assert warm["choices"][0]["message"] == cold["choices"][0]["message"]  # the same K/V, the same answer
+    await second.close()
+    off = await aiohttp_client(init(native_settings(tmp_path, tiny_model_dir, extra=('engine.prefix_cache_dir=""',))))
+    assert (await ask(off, messages))["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
