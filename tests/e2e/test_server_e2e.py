@@ -257,3 +257,33 @@ def test_sigterm_cuts_a_stream_longer_than_the_grace_with_an_error_event_and_bil
             "SELECT status, completion_tokens FROM usage WHERE request_id = ?", (result["request_id"],)
         ).fetchall()
     assert rows and rows[0][0] == "aborted" and rows[0][1] >= num_streamed > 0  # billed for what was generated
+
+
+def test_after_sigterm_and_a_restart_the_first_request_is_warm(tiny_model_dir, tmp_path):
+    import urllib.request
+
+    # engine.prefix_cache_dir ("auto": prefix-cache/ beside the database): written at the
+    # graceful stop that SIGTERM starts, read back by the next process before it serves.
+    argv = ["--model", str(tiny_model_dir), "--db", str(tmp_path / "chat.db"), "--set", "safety.enabled=false"]
+    argv += ["--set", "engine.kv_cache_bytes=8000000"]
+    body = {"model": "tiny-llama", "messages": [{"role": "system", "content": "Be brief. " * 20}, *QUESTION]}
+    body.update(max_tokens=4, temperature=0)
+
+    def cached_tokens(proc: ServerProcess) -> tuple[int, int]:
+        req = urllib.request.Request(
+            proc.base_url + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            usage = json.loads(resp.read())["usage"]
+        return usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]
+
+    first = ServerProcess(argv, log_path=tmp_path / "first.log").start()
+    cold, num_prompt = cached_tokens(first)
+    assert first.terminate(timeout_s=40) == 0
+    assert list((tmp_path / "prefix-cache").glob("*.safetensors"))
+    with ServerProcess(argv, log_path=tmp_path / "second.log") as second:
+        warm, _ = cached_tokens(second)
+    assert cold == 0 and warm == (num_prompt - 1) // 16 * 16
+    assert "prefix_cache_restored" in (tmp_path / "second.log").read_text()
