@@ -102,6 +102,7 @@ def save(engine: LLMEngine, model_dir: Path, path: Path, max_bytes: int) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp), metadata=fingerprint(engine, model_dir))
+    os.chmod(tmp, 0o600)  # it holds what the prompts held: the server's user only
     os.replace(tmp, path)
     return len(blocks)
 

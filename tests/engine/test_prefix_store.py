@@ -36,6 +36,7 @@ def test_a_fresh_engine_reads_the_saved_blocks_back_and_the_same_prompt_hits_the
     assert ask(first, prompt) == tiny_models.greedy(VARIANT, prompt, 6, None)
     path = tmp_path / "cache.safetensors"
     num_saved = prefix_store.save(first, model_dir, path, 1 << 30)
+    assert path.stat().st_mode & 0o777 == 0o600
     assert num_saved == (len(prompt) + 6 - 1) // BLOCK_SIZE  # every full computed block
 
     second = engine_for(model_dir, num_blocks=24)  # its pool starts as NaN: a block not restored would show
