@@ -465,6 +465,57 @@ async def prefix_cache_ttft(backend: NativeBackend, *, system_len: int, repeats:
     }
 
 
+async def restart_ttft(model_dir: Path, config: EngineConfig, *, system_len: int, repeats: int) -> dict:
+    """TTFT of the first request after a restart, behind a system prompt the last process saw:
+    with the prefix cache kept across restarts (engine.prefix_cache_dir) and without it, each
+    against the same prompt arriving cold; and the seconds the stop spent writing the cache."""
+    import tempfile
+
+    tokenizer = Tokenizer.from_dir(model_dir)
+    system = make_requests(1, system_len, 1, seed=300, prefix="sys")[0].prompt_token_ids
+
+    async def first_ttft(backend: NativeBackend, request_id: str, user_seed: int) -> float:
+        user = make_requests(1, 32, 1, seed=user_seed)[0].prompt_token_ids
+        start = time.perf_counter()
+        async for _ in backend_generate(backend)(BenchRequest(request_id, system + user, 1)):
+            return (time.perf_counter() - start) * 1e3
+        raise RuntimeError("no token")
+
+    out: dict = {"system_prompt_tokens": system_len}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kept in (True, False):
+            cold, after, save_s = [], [], []
+            for i in range(repeats):
+                directory = Path(tmp) / f"{kept}-{i}" if kept else None
+                backend = NativeBackend(model_dir, config, tokenizer, prefix_cache_dir=directory)
+                await backend.start()
+                cold.append(await first_ttft(backend, "cold", 400 + i))
+                stop_start = time.perf_counter()
+                await backend.shutdown()
+                save_s.append(time.perf_counter() - stop_start)
+                backend = NativeBackend(model_dir, config, tokenizer, prefix_cache_dir=directory)
+                await backend.start()
+                after.append(await first_ttft(backend, "after", 500 + i))
+                await backend.shutdown()
+            name = "kept" if kept else "not_kept"
+            out[f"ttft_ms_cold_{name}"] = statistics.median(cold)
+            out[f"ttft_ms_after_restart_{name}"] = statistics.median(after)
+            out[f"stop_s_{name}"] = statistics.median(save_s)
+    out["ratio_after_restart_kept_vs_not"] = out["ttft_ms_after_restart_kept"] / out["ttft_ms_after_restart_not_kept"]
+    return out
+
+
+def print_restart(r: dict) -> None:
+    print(
+        f"\nfirst request after a restart, behind a {r['system_prompt_tokens']}-token system prompt the last "
+        f"process saw (medians):\n  prefix cache kept: TTFT {r['ttft_ms_after_restart_kept']:.0f} ms "
+        f"(cold {r['ttft_ms_cold_kept']:.0f} ms; the stop took {r['stop_s_kept']:.2f} s)\n"
+        f"  not kept:          TTFT {r['ttft_ms_after_restart_not_kept']:.0f} ms "
+        f"(cold {r['ttft_ms_cold_not_kept']:.0f} ms; the stop took {r['stop_s_not_kept']:.2f} s)\n"
+        f"  ratio kept / not kept: {r['ratio_after_restart_kept_vs_not']:.2f}"
+    )
+
+
 # -- driver ----------------------------------------------------------------------------------
 
 
@@ -483,7 +534,7 @@ class Plan:
 
 FULL = Plan(64, 128, 128, (1, 8, 32, 64), 6, 64, 8, 2048, 1024)
 QUICK = Plan(16, 128, 32, (1, 8, 16), 2, 16, 4, 1024, 1024)
-SECTIONS = ("engine", "http", "transformers", "chunked", "prefix", "structured")
+SECTIONS = ("engine", "http", "transformers", "chunked", "prefix", "restart", "structured")
 
 
 def captures_graphs(args) -> bool:
@@ -756,6 +807,13 @@ def main(argv: list[str] | None = None) -> dict:
     peak = in_own_thread(lambda: measure_matmul_peak_gflops(device=device, dtype=dtype))
     direct = asyncio.run(bench_engine(model_dir, plan, args, peak, sections))
     engine = direct.get("engine", [])
+    restart = (
+        asyncio.run(restart_ttft(model_dir, engine_config(args), system_len=plan.system_prompt_len, repeats=2))
+        if "restart" in sections
+        else None
+    )
+    if restart is not None:
+        print_restart(restart)
     http = asyncio.run(bench_http(model_dir, plan, args, peak)) if "http" in sections else []
     hf = (
         bench_transformers(model_dir, plan, peak, args.skip_generate_batch, device, dtype)
@@ -790,6 +848,7 @@ def main(argv: list[str] | None = None) -> dict:
         "baselines": [asdict(r) for r in hf],
         "chunked_prefill": itl,
         "prefix_cache": prefix,
+        "prefix_cache_restart": restart,
         "structured": direct.get("structured"),
         "summary": summary,
     }
