@@ -11,8 +11,9 @@ computed it, as before the restart.
 The file records what made its K/V: the model's files (names, sizes, modification times),
 dtype, quantization, block size and KV layout. A file written by anything else is ignored (and
 replaced at the next stop); so is a file that cannot be read. A crash writes nothing: the cache
-is only warmth, never state. Not kept: models that mix sliding and global layers (two KV
-groups), and blocks that hold image tokens. Called from the step thread.
+is only warmth, never state. A model that mixes sliding and global layers keeps both KV
+groups' blocks (each group's most recent). Not kept: blocks that hold image tokens. Called from
+the step thread.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import structlog
 import torch
 
 from engine.native.block_manager import BlockManager
+from engine.native.hybrid_blocks import HybridBlockManager
 
 if TYPE_CHECKING:
     from engine.native.llm_engine import LLMEngine
@@ -57,61 +59,72 @@ def fingerprint(engine: LLMEngine, model_dir: Path) -> dict[str, str]:
         "model_files": files.hexdigest(),
         "dtype": str(runner.dtype),
         "quantization": runner.quantization.value,
-        "block_size": str(engine.block_manager.block_size),
+        "block_size": str(_groups(engine)[0].block_size),
         "kv_layout": f"{args.num_layers}x{args.num_kv_heads}x{args.head_dim}",
+        "kv_groups": "".join(str(g) for g in runner.layer_groups),
     }
 
 
-def _pool_blocks(engine: LLMEngine) -> torch.Tensor:
-    """The KV pool as [layers, 2 (K, V), blocks, block elements] (a scratch block included)."""
-    args, bm = engine.runner.args, engine.block_manager
-    block_numel = bm.block_size * args.num_kv_heads * args.head_dim
-    pool = engine.runner.kv_pool
-    return pool.view(args.num_layers, 2, pool.numel() // (args.num_layers * 2 * block_numel), block_numel)
-
-
-def _keepable(engine: LLMEngine) -> BlockManager | None:
+def _groups(engine: LLMEngine) -> tuple[BlockManager, ...]:
+    """The block manager of each KV group (two for a model that mixes sliding and global layers)."""
     bm = engine.block_manager
-    if not isinstance(bm, BlockManager) or not bm.enable_prefix_caching:
-        return None  # a model with two KV groups (hybrid_blocks.py), or no prefix cache at all
-    return bm
+    return bm.groups if isinstance(bm, HybridBlockManager) else (bm,)
+
+
+def _group_pools(engine: LLMEngine) -> list[torch.Tensor]:
+    """Each KV group's pool as [its layers, 2 (K, V), blocks, block elements], cut from the one
+    buffer as attention.allocate_kv_cache lays it out (a CUDA-graph scratch block included)."""
+    runner, args = engine.runner, engine.runner.args
+    block_numel = runner.block_size * args.num_kv_heads * args.head_dim
+    num_layers = [runner.layer_groups.count(g) for g in range(len(runner.group_num_blocks))]
+    managed = sum(n * b for n, b in zip(num_layers, runner.group_num_blocks, strict=True))
+    scratch = (runner.kv_pool.numel() // (2 * block_numel) - managed) // sum(num_layers)
+    blocks = [b + scratch for b in runner.group_num_blocks]
+    sizes = [n * 2 * b * block_numel for n, b in zip(num_layers, blocks, strict=True)]
+    return [
+        part.view(n, 2, b, block_numel)
+        for part, n, b in zip(runner.kv_pool.split(sizes), num_layers, blocks, strict=True)
+    ]
 
 
 def save(engine: LLMEngine, model_dir: Path, path: Path, max_bytes: int) -> int:
-    """Write the most recently used cached blocks that fit in `max_bytes`; returns how many.
-    Written to a temporary file and renamed, so a stop cut short leaves the old file whole."""
-    bm = _keepable(engine)
-    if bm is None:
+    """Write the most recently used cached blocks that fit in `max_bytes` (the same number from
+    each KV group); returns how many (of the first group). Written to a temporary file and
+    renamed, so a stop cut short leaves the old file whole."""
+    groups = _groups(engine)
+    if not groups[0].enable_prefix_caching:
         return 0
-    pool = _pool_blocks(engine)
-    block_bytes = pool.shape[0] * 2 * pool.shape[3] * pool.element_size()
-    blocks = [b for b in bm.recent_cached_blocks() if all(isinstance(t, int) for t in b.token_ids or ())]
-    blocks = blocks[: max(max_bytes, 0) // block_bytes][::-1]  # oldest first: restored in this order
-    if not blocks:
-        return 0
+    pools = _group_pools(engine)
+    bytes_per_block = sum(pool.shape[0] * 2 * pool.shape[3] * pool.element_size() for pool in pools)
+    num = max(max_bytes, 0) // bytes_per_block
+    tensors: dict[str, torch.Tensor] = {}
+    for g, (bm, pool) in enumerate(zip(groups, pools, strict=True)):
+        blocks = [b for b in bm.recent_cached_blocks() if all(isinstance(t, int) for t in b.token_ids or ())]
+        blocks = blocks[:num][::-1]  # oldest first: restored in this order
+        if g == 0 and not blocks:
+            return 0  # nothing worth a file (an existing one stays)
+        ids = torch.tensor([b.block_id for b in blocks], dtype=torch.long, device=pool.device)
+        tensors[f"kv.{g}"] = pool.index_select(2, ids).cpu().contiguous()
+        hashes = list(b"".join(b.hash or b"" for b in blocks))
+        tensors[f"hashes.{g}"] = torch.tensor(hashes, dtype=torch.uint8).view(len(blocks), _HASH_BYTES)
+        token_ids = [t for b in blocks for t in b.token_ids or ()]
+        tensors[f"token_ids.{g}"] = torch.tensor(token_ids, dtype=torch.int64).view(len(blocks), bm.block_size)
     from safetensors.torch import save_file
 
-    ids = torch.tensor([b.block_id for b in blocks], device=pool.device)
-    tensors = {
-        "kv": pool.index_select(2, ids).cpu().contiguous(),
-        "hashes": torch.frombuffer(bytearray(b"".join(b.hash or b"" for b in blocks)), dtype=torch.uint8).view(
-            len(blocks), _HASH_BYTES
-        ),
-        "token_ids": torch.tensor([list(b.token_ids or ()) for b in blocks], dtype=torch.int64),
-    }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp), metadata=fingerprint(engine, model_dir))
     os.chmod(tmp, 0o600)  # it holds what the prompts held: the server's user only
     os.replace(tmp, path)
-    return len(blocks)
+    return tensors["hashes.0"].shape[0]
 
 
 def restore(engine: LLMEngine, model_dir: Path, path: Path) -> int:
-    """Read a saved file back into free blocks; returns how many blocks were restored (0 when
-    there is no file, or it is another model's or configuration's, or it cannot be read)."""
-    bm = _keepable(engine)
-    if bm is None or not path.is_file():
+    """Read a saved file back into free blocks; returns how many blocks (of the first KV group)
+    were restored: 0 when there is no file, or it is another model's or setup's, or it cannot
+    be read."""
+    groups = _groups(engine)
+    if not groups[0].enable_prefix_caching or not path.is_file():
         return 0
     from safetensors import safe_open
 
@@ -121,22 +134,39 @@ def restore(engine: LLMEngine, model_dir: Path, path: Path) -> int:
             if f.metadata() != expected:
                 log.info("prefix_cache_file_not_used", path=str(path), reason="written for another model or setup")
                 return 0
-            kv, hashes, token_ids = f.get_tensor("kv"), f.get_tensor("hashes"), f.get_tensor("token_ids")
+            saved = [
+                (f.get_tensor(f"kv.{g}"), f.get_tensor(f"hashes.{g}"), f.get_tensor(f"token_ids.{g}"))
+                for g in range(len(groups))
+            ]
     except Exception as exc:  # a truncated or foreign file: start cold, never fail the start
         log.warning("prefix_cache_file_unreadable", path=str(path), error=str(exc))
         return 0
-    pool = _pool_blocks(engine)
-    num = kv.shape[2] if kv.dim() == 4 else -1
-    if (
-        num < 0
-        or kv.shape[:2] != pool.shape[:2]
-        or kv.shape[3] != pool.shape[3]
-        or kv.dtype != pool.dtype
-        or tuple(hashes.shape) != (num, _HASH_BYTES)
-        or tuple(token_ids.shape) != (num, bm.block_size)
-    ):
+    pools = _group_pools(engine)
+    if not all(_fits(*t, pool, bm) for t, pool, bm in zip(saved, pools, groups, strict=True)):
         log.warning("prefix_cache_file_unreadable", path=str(path), error="tensor shapes do not match the pool")
         return 0
+    restored = [_restore_group(bm, pool, *t) for bm, pool, t in zip(groups, pools, saved, strict=True)]
+    return restored[0]
+
+
+def _fits(
+    kv: torch.Tensor, hashes: torch.Tensor, token_ids: torch.Tensor, pool: torch.Tensor, bm: BlockManager
+) -> bool:
+    num = kv.shape[2] if kv.dim() == 4 else -1
+    return (
+        num >= 0
+        and kv.shape[:2] == pool.shape[:2]
+        and kv.shape[3] == pool.shape[3]
+        and kv.dtype == pool.dtype
+        and tuple(hashes.shape) == (num, _HASH_BYTES)
+        and tuple(token_ids.shape) == (num, bm.block_size)
+    )
+
+
+def _restore_group(
+    bm: BlockManager, pool: torch.Tensor, kv: torch.Tensor, hashes: torch.Tensor, token_ids: torch.Tensor
+) -> int:
+    num = kv.shape[2]
     rows, block_ids = [], []
     num_fresh = sum(1 for b in bm.free_block_ids if bm.blocks[b].hash is None)  # all of them at a start
     for i in range(max(0, num - num_fresh), num):  # the most recent ones, if not all fit

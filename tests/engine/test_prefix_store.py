@@ -104,10 +104,17 @@ def test_a_smaller_pool_takes_the_most_recent_blocks_it_can_hold(tiny_models, tm
     assert small.stats().prefix_cache_hits - hits == 2 * BLOCK_SIZE
 
 
-@pytest.mark.parametrize("variant", ["gemma3"])
-def test_a_model_with_two_kv_groups_is_not_kept(tiny_models, tmp_path, variant):
+@pytest.mark.parametrize("variant", ["gemma3", "mistral-sliding"])
+def test_sliding_window_models_keep_their_blocks_too(tiny_models, tmp_path, variant):
+    # Gemma 3 mixes sliding and global layers (two KV groups, both kept); Mistral slides on every layer.
     model_dir = tiny_models.path(variant)
-    engine = engine_for(model_dir, num_blocks=24)
-    ask(engine, prompt_for(model_dir))
-    assert prefix_store.save(engine, model_dir, tmp_path / "cache.safetensors", 1 << 30) == 0
-    assert not (tmp_path / "cache.safetensors").exists()
+    prompt = prompt_for(model_dir, 70)
+    expected = tiny_models.greedy(variant, prompt, 6, None)
+    first = engine_for(model_dir, num_blocks=24)
+    assert ask(first, prompt) == expected
+    path = tmp_path / "cache.safetensors"
+    assert prefix_store.save(first, model_dir, path, 1 << 30) > 0
+    second = engine_for(model_dir, num_blocks=24)
+    assert prefix_store.restore(second, model_dir, path) > 0
+    assert ask(second, prompt) == expected
+    assert second.stats().prefix_cache_hits > 0
