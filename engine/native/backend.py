@@ -312,7 +312,8 @@ class NativeBackend:
             path = self._prefix_cache_file(engine)
             if path is not None:
                 num = prefix_store.save(engine, self._model_dir, path, self._config.prefix_cache_save_bytes)
-                log.info("prefix_cache_saved", blocks=num, path=str(path))
+                if num:  # else nothing was written (a file from an earlier stop stays)
+                    log.info("prefix_cache_saved", blocks=num, path=str(path))
         except Exception:
             log.exception("prefix_cache_save_failed")
 
