@@ -21,6 +21,8 @@ from api.chat import read_json
 from api.errors import ApiError, bad_request, not_found
 from api.model_info import model_extras
 from api.state import PRINCIPAL, SETTINGS, STATE
+from engine.registry import ModelHandle
+from engine.tokenizer import Tokenizer
 from store import money
 from store.types import Conversation, Message, NotFound
 
@@ -58,7 +60,20 @@ def _model_obj(name: str, state=None) -> dict:
     handle = state.models.get(name) if state is not None else None
     if handle is not None:  # extensions: context length, the card's description and examples
         obj.update(model_extras(handle.config.path, handle.max_model_len))
+        reasoning = _reasoning(handle)
+        if reasoning is not None:
+            obj["reasoning"] = reasoning
     return obj
+
+
+def _reasoning(handle: ModelHandle) -> dict | None:
+    """Extension: for a model served here that thinks in <think> tags, whether this server can
+    cap its thinking (thinking_token_budget); the web UI offers its thinking choices from it."""
+    tokenizer = handle.tokenizer
+    if not isinstance(tokenizer, Tokenizer) or not tokenizer.thinks:
+        return None
+    can_cap = handle.config.backend == "native" and tokenizer.thinking_tag_ids() is not None
+    return {"thinking_token_budget": can_cap}
 
 
 async def list_models(request: web.Request) -> web.Response:

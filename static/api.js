@@ -158,8 +158,10 @@ function applyChunk(result, chunk, onDelta, onReasoning) {
 // onComment(text) per SSE comment (queue position, heartbeat). Resolves with
 // {model, fallbackFrom, finishReason, usage, historyDropped}; rejects with an AbortError when `signal`
 // aborts (the server then aborts the generation) or an ApiFailure.
-export async function streamChat({ model, content, conversationId, signal, onDelta, onReasoning, onComment }) {
+export async function streamChat({ model, content, conversationId, signal, onDelta, onReasoning, onComment,
+                                   options }) {
   const body = {
+    ...options,  // further request fields (a reasoning model's thinking choice)
     messages: [{ role: "user", content }],
     stream: true,
     stream_options: { include_usage: true },

@@ -14,6 +14,7 @@ const $ = (id) => document.getElementById(id);
 const el = {
   input: $("composer-input"), form: $("composer"), send: $("send"), stop: $("stop"), status: $("status"),
   title: $("chat-title"), model: $("model-select"), usage: $("usage-summary"), openKey: $("open-key"),
+  thinking: $("thinking-select"), thinkingPicker: $("thinking-picker"),
   newChat: $("new-chat"), sidebar: $("sidebar"), openSidebar: $("open-sidebar"),
   closeSidebar: $("close-sidebar"), backdrop: $("sidebar-backdrop"),
 };
@@ -23,6 +24,8 @@ const attachments = new Attachments({
   onChange: () => { el.send.disabled = attachments.isUploading; },
 });
 const MODEL_STORAGE = "chat.model";
+const THINKING_STORAGE = "chat.thinking";
+const BRIEF_THINKING_TOKENS = 256;  // "Thinks briefly": the server closes the thinking after this many tokens
 const SYNC_ATTEMPTS = 5;
 const SYNC_RETRY_MS = 300;
 
@@ -68,9 +71,30 @@ async function loadModels() {
 
 function showWelcome() {
   paintWelcome(state.models.get(el.model.value), (text) => send(text));
+  showThinkingChoice();
+}
+
+// A reasoning model (/v1/models says `reasoning`) gets a thinking choice; "briefly" only where
+// the server can cap its thinking.
+function showThinkingChoice() {
+  const model = state.models.get(el.model.value);
+  const reasoning = model && model.reasoning;
+  el.thinkingPicker.hidden = !reasoning;
+  const brief = el.thinking.querySelector('option[value="brief"]');
+  brief.hidden = brief.disabled = !(reasoning && reasoning.thinking_token_budget);
+  const saved = loadSetting(THINKING_STORAGE) || "";
+  el.thinking.value = saved === "brief" && brief.disabled ? "" : saved;
+}
+
+function thinkingOptions() {
+  if (el.thinkingPicker.hidden) return {};
+  if (el.thinking.value === "off") return { reasoning_effort: "none" };
+  if (el.thinking.value === "brief") return { thinking_token_budget: BRIEF_THINKING_TOKENS };
+  return {};
 }
 
 el.model.addEventListener("change", () => { saveSetting(MODEL_STORAGE, el.model.value); showWelcome(); });
+el.thinking.addEventListener("change", () => saveSetting(THINKING_STORAGE, el.thinking.value));
 
 function usageLine(row) {
   const tokens = (row.prompt_tokens || 0) + (row.completion_tokens || 0);
@@ -205,7 +229,7 @@ function setStreaming(isStreaming) {
   el.send.hidden = isStreaming;
   el.stop.hidden = !isStreaming;
   el.stop.disabled = false;
-  el.model.disabled = isStreaming;
+  el.model.disabled = el.thinking.disabled = isStreaming;
   el.newChat.disabled = isStreaming;
   setBusy(isStreaming);
   if (!isStreaming) el.status.textContent = "";
@@ -283,6 +307,7 @@ async function streamAnswer(conversationId, content, keep, controller) {
   try {
     const result = await streamChat({
       model: el.model.value || null, content, conversationId, signal: controller.signal, onComment,
+      options: thinkingOptions(),
       onDelta: (text) => { el.status.textContent = ""; answer.content += text; target.append(text); },
       onReasoning: (text) => {
         el.status.textContent = "Thinking\u2026";

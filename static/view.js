@@ -51,8 +51,9 @@ export function metaText(msg) {
   const usage = msg.usage;
   if (usage) {
     const cached = usage.prompt_tokens_details ? usage.prompt_tokens_details.cached_tokens : 0;
+    const thinking = usage.completion_tokens_details ? usage.completion_tokens_details.reasoning_tokens : 0;
     parts.push(`${formatInt(usage.prompt_tokens)} in${cached ? ` (${formatInt(cached)} cached)` : ""}`
-      + ` \u00b7 ${formatInt(usage.completion_tokens)} out`);
+      + ` \u00b7 ${formatInt(usage.completion_tokens)} out${thinking ? ` (${formatInt(thinking)} thinking)` : ""}`);
     const cost = formatCost(usage.cost_usd);
     if (cost) parts.push(cost);
   } else if (msg.tokens != null) {

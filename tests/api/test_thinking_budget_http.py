@@ -223,3 +223,17 @@ def test_a_trtllm_model_refuses_a_budget_and_the_messages_api_then_ignores_it(re
     assert native is not None and native.opened and native.max_tokens == 5
     assert native.forced_ids == (*tokenizer.encode(MESSAGE), tokenizer.encode("</think>")[0])
     assert thinking_budget(chat, model("native"), None) is None  # a model that does not think
+
+
+async def test_models_say_which_models_think_and_whether_their_thinking_can_be_capped(
+    client, aiohttp_client, tmp_path, thinking_model_dir
+):
+    from testing.fake_backend import fake_backends
+
+    entries = (await (await client.get("/v1/models")).json())["data"]
+    assert entries[0]["reasoning"] == {"thinking_token_budget": True}
+    echo = await aiohttp_client(
+        init(echo_settings(tmp_path / "echo", thinking_model_dir), backend_factory=fake_backends())
+    )
+    by_id = {m["id"]: m for m in (await (await echo.get("/v1/models")).json())["data"]}
+    assert by_id["echo"]["reasoning"] == {"thinking_token_budget": False}  # tags of several tokens
