@@ -262,15 +262,16 @@ def thinking_budget(chat: ChatRequest, model: ModelHandle, opened: bool | None) 
     tokenizer = model.tokenizer
     if budget is None or opened is None or not isinstance(tokenizer, Tokenizer):
         return None
-    tags = tokenizer.thinking_tag_ids()
-    reason = None
-    if model.config.backend == "trtllm":
-        reason = "is served by TensorRT-LLM, which this server cannot make close a model's thinking"
-    elif tags is None:
-        reason = "does not write <think> and </think> as single tokens, so this server cannot follow its thinking"
-    if reason is not None or tags is None:
+    is_trtllm = model.config.backend == "trtllm"
+    tags = None if is_trtllm else tokenizer.thinking_tag_ids()
+    if tags is None:
         if not chat.thinking_budget_strict:  # the Messages API: budget_tokens is a ceiling, not a demand
             return None
+        reason = (
+            "is served by TensorRT-LLM, which this server cannot make close a model's thinking"
+            if is_trtllm
+            else "does not write <think> and </think> as single tokens, so this server cannot follow its thinking"
+        )
         raise bad_request(
             f"The model `{model.name}` {reason}: a thinking budget cannot be applied to it.",
             param="thinking_token_budget",

@@ -72,9 +72,10 @@ def allocate_kv_cache(
     head_dim: int,
     dtype,
     device,
-) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+) -> tuple[torch.Tensor, list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
     """One buffer holding every KV group's pool (group g: group_num_blocks[g] blocks of each of
-    its layers; layer_groups[i] is layer i's group), and each layer's (k_cache, v_cache) views."""
+    its layers; layer_groups[i] is layer i's group), each group's pool as [its layers, 2 (K, V),
+    blocks, block elements], and each layer's (k_cache, v_cache) views."""
     block_numel = block_size * num_kv_heads * head_dim
     num_layers = [layer_groups.count(g) for g in range(len(group_num_blocks))]
     sizes = [n * 2 * blocks * block_numel for n, blocks in zip(num_layers, group_num_blocks, strict=True)]
@@ -92,7 +93,7 @@ def allocate_kv_cache(
                 layer[1].view(num_blocks * block_size, num_kv_heads, head_dim),
             )
         )
-    return buffer, views
+    return buffer, pools, views
 
 
 def write_kv_cache(

@@ -71,22 +71,6 @@ def _groups(engine: LLMEngine) -> tuple[BlockManager, ...]:
     return bm.groups if isinstance(bm, HybridBlockManager) else (bm,)
 
 
-def _group_pools(engine: LLMEngine) -> list[torch.Tensor]:
-    """Each KV group's pool as [its layers, 2 (K, V), blocks, block elements], cut from the one
-    buffer as attention.allocate_kv_cache lays it out (a CUDA-graph scratch block included)."""
-    runner, args = engine.runner, engine.runner.args
-    block_numel = runner.block_size * args.num_kv_heads * args.head_dim
-    num_layers = [runner.layer_groups.count(g) for g in range(len(runner.group_num_blocks))]
-    managed = sum(n * b for n, b in zip(num_layers, runner.group_num_blocks, strict=True))
-    scratch = (runner.kv_pool.numel() // (2 * block_numel) - managed) // sum(num_layers)
-    blocks = [b + scratch for b in runner.group_num_blocks]
-    sizes = [n * 2 * b * block_numel for n, b in zip(num_layers, blocks, strict=True)]
-    return [
-        part.view(n, 2, b, block_numel)
-        for part, n, b in zip(runner.kv_pool.split(sizes), num_layers, blocks, strict=True)
-    ]
-
-
 def save(engine: LLMEngine, model_dir: Path, path: Path, max_bytes: int) -> int:
     """Write the most recently used cached blocks that fit in `max_bytes` (the same number from
     each KV group); returns how many (of the first group). Written to a temporary file and
@@ -94,7 +78,7 @@ def save(engine: LLMEngine, model_dir: Path, path: Path, max_bytes: int) -> int:
     groups = _groups(engine)
     if not groups[0].enable_prefix_caching:
         return 0
-    pools = _group_pools(engine)
+    pools = engine.runner.kv_group_pools
     bytes_per_block = sum(pool.shape[0] * 2 * pool.shape[3] * pool.element_size() for pool in pools)
     num = max(max_bytes, 0) // bytes_per_block
     tensors: dict[str, torch.Tensor] = {}
@@ -141,7 +125,7 @@ def restore(engine: LLMEngine, model_dir: Path, path: Path) -> int:
     except Exception as exc:  # a truncated or foreign file: start cold, never fail the start
         log.warning("prefix_cache_file_unreadable", path=str(path), error=str(exc))
         return 0
-    pools = _group_pools(engine)
+    pools = engine.runner.kv_group_pools
     if not all(_fits(*t, pool, bm) for t, pool, bm in zip(saved, pools, groups, strict=True)):
         log.warning("prefix_cache_file_unreadable", path=str(path), error="tensor shapes do not match the pool")
         return 0

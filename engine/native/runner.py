@@ -154,7 +154,7 @@ class ModelRunner:
         # which the block managers (sized by group_num_blocks) never hand out.
         scratch = 1 if graphs != "off" else 0
         a = self.args
-        self.kv_pool, self.kv_caches = allocate_kv_cache(
+        self.kv_pool, self.kv_group_pools, self.kv_caches = allocate_kv_cache(
             self.layer_groups,
             tuple(n + scratch for n in self.group_num_blocks),
             self.block_size,
