@@ -230,12 +230,17 @@ def _sampling_defaults(chat: ChatRequest, model: ModelHandle | None) -> dict:
 
 
 def sampling_from(
-    chat: ChatRequest, max_tokens: int, model: ModelHandle | None = None, thinking: ThinkingBudget | None = None
+    chat: ChatRequest, max_tokens: int, model: ModelHandle | None = None, thinking_opened: bool | None = None
 ) -> SamplingParams:
+    """`thinking_opened`: None for a model that does not think in <think> tags, else whether
+    the prompt opened the thinking (see thinking_budget)."""
     structured = chat.response_format
     if chat.tool_choice.mode in (ChoiceMode.REQUIRED, ChoiceMode.NAMED) and model is not None:
         fmt = detect_format(getattr(model.tokenizer, "chat_template", None), model.config.tool_parser)
         structured = forced_call_grammar(chat.tools, chat.tool_choice, fmt, chat.parallel_tool_calls)
+    thinking = None
+    if model is not None:
+        thinking = thinking_budget(chat, model, thinking_opened, has_grammar=structured is not None)
     return SamplingParams(
         structured=structured,
         logprobs=chat.logprobs,
@@ -252,16 +257,27 @@ def sampling_from(
     )
 
 
-def thinking_budget(chat: ChatRequest, model: ModelHandle, opened: bool | None) -> ThinkingBudget | None:
+def thinking_budget(
+    chat: ChatRequest, model: ModelHandle, opened: bool | None, *, has_grammar: bool = False
+) -> ThinkingBudget | None:
     """The request's thinking budget, else the model's (thinking_budget), for a model that thinks
     in <think> tags (`opened` is None for one that does not: there is nothing to cap). A relayed
-    model's upstream gets the request's field instead (wire_options)."""
+    model's upstream gets the request's field instead (wire_options). Without a budget, a
+    grammar still needs the thinking followed (uncapped) on the native engine: it constrains
+    only the answer after it."""
     budget = chat.thinking_token_budget
     if budget is None and model.config.thinking_budget >= 0:
         budget = model.config.thinking_budget
     tokenizer = model.tokenizer
-    if budget is None or opened is None or not isinstance(tokenizer, Tokenizer):
+    if opened is None or not isinstance(tokenizer, Tokenizer):
         return None
+    if budget is None:
+        tags = tokenizer.thinking_tag_ids() if has_grammar and model.config.backend == "native" else None
+        return (
+            None
+            if tags is None
+            else ThinkingBudget(None, open_id=tags[0], close_id=tags[1], forced_ids=(), opened=opened)
+        )
     is_trtllm = model.config.backend == "trtllm"
     tags = None if is_trtllm else tokenizer.thinking_tag_ids()
     if tags is None:
@@ -317,7 +333,7 @@ def make_job(inp: JobInputs) -> Job:
     gen = GenerationRequest(
         request_id=inp.request_id,
         prompt_token_ids=tuple(ids),
-        sampling=sampling_from(chat, max_tokens, model, thinking_budget(chat, model, opened)),
+        sampling=sampling_from(chat, max_tokens, model, opened),
         priority=tier.priority,
         cache_salt=inp.cache_salt,
         arrival_s=now,

@@ -67,12 +67,13 @@ class TokenLogprob:
 
 @dataclass(frozen=True, slots=True)
 class ThinkingBudget:
-    """A cap on the tokens a reasoning model spends thinking (between its opening and closing
-    tags, each one token). Once `max_tokens` thinking tokens were generated, the next tokens are
+    """A reasoning model's thinking (between its opening and closing tags, each one token), as
+    the engine follows it: once `max_tokens` thinking tokens were generated, the next tokens are
     `forced_ids` (a short message, then the closing tag) whatever the model would pick; then it
-    answers. The cap counts every thinking block of the answer together."""
+    answers. The cap counts every thinking block of the answer together. A grammar
+    (`structured`) constrains only the answer after the thinking."""
 
-    max_tokens: int  # 0: the block is closed at once
+    max_tokens: int | None  # None: no cap (followed for a grammar only); 0: the block is closed at once
     open_id: int
     close_id: int
     forced_ids: tuple[int, ...]  # ends with close_id

@@ -339,16 +339,29 @@ class ModelRunner:
             sink = seq.logprobs if seq.sampling.logprobs is not None else None
             if seq.sampling.repetition_penalty != 1.0 and seq.seen_tokens is None:
                 seq.seen_tokens = SeenTokens(self.args.vocab_size, self.device)
-            sampling_rows.append(
-                SamplingRow(
-                    seq.sampling,
-                    seq.token_ids,
-                    seq.num_prompt_tokens,
-                    seq.stop_token_ids,
-                    seq.grammar,
-                    sink,
-                    seq.seen_tokens,
-                    None if seq.thinking is None else seq.thinking.forced_token(),
-                )
-            )
+            sampling_rows.append(_sampling_row(seq, sink))
         return rows, batch_indices, sampling_rows
+
+
+def _sampling_row(seq: Sequence, sink: list | None) -> SamplingRow:
+    """What the sampler needs of a sequence. A reasoning model under a grammar thinks freely:
+    the grammar constrains the answer after the thinking (its first token may still open it),
+    and the thinking may not end the sequence before the answer came."""
+    thinking, grammar = seq.thinking, seq.grammar
+    if thinking is None:
+        return SamplingRow(
+            seq.sampling, seq.token_ids, seq.num_prompt_tokens, seq.stop_token_ids, grammar, sink, seq.seen_tokens
+        )
+    in_thought = grammar is not None and thinking.inside
+    return SamplingRow(
+        seq.sampling,
+        seq.token_ids,
+        seq.num_prompt_tokens,
+        seq.stop_token_ids,
+        None if in_thought else grammar,
+        sink,
+        seq.seen_tokens,
+        forced=thinking.forced_token(),
+        also_allowed=thinking.budget.open_id if grammar is not None and thinking.samples_thinking else None,
+        mask_stop=in_thought,
+    )

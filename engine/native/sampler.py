@@ -34,6 +34,8 @@ class SamplingRow:
     logprobs_sink: list[TokenLogprob] | None = None  # the sequence's logprobs, appended to when asked
     seen: SeenTokens | None = None  # which ids token_ids holds; needed when repetition_penalty != 1
     forced: int | None = None  # the token this row must take (a spent thinking budget's closing tokens)
+    also_allowed: int | None = None  # a token the grammar's mask leaves drawable (thinking's opening tag)
+    mask_stop: bool = False  # stop ids masked (thinking that a grammar waits for: the answer must come)
 
     @property
     def num_completion_tokens(self) -> int:
@@ -97,7 +99,10 @@ class Sampler:
         if constrained:
             from engine.grammar import apply_bitmasks
 
+            kept = [(i, r.also_allowed, logits[i, r.also_allowed].clone()) for i, r in _also_allowed(rows)]
             apply_bitmasks(logits, [i for i, _ in constrained], [g for _, g in constrained])
+            for i, token, logit in kept:
+                logits[i, token] = logit
         _force_tokens(logits, rows)
         greedy = _argmax(logits)
         sampled_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
@@ -181,7 +186,12 @@ def _needs_processing(row: SamplingRow) -> bool:
         or row.grammar is not None
         or p.logprobs is not None
         or row.forced is not None
+        or row.mask_stop
     )
+
+
+def _also_allowed(rows: list[SamplingRow]) -> list[tuple[int, SamplingRow]]:
+    return [(i, r) for i, r in enumerate(rows) if r.grammar is not None and r.also_allowed is not None]
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -215,7 +225,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 def _mask_stop_tokens_before_min(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     for i, r in enumerate(rows):
-        if r.params.min_tokens > r.num_completion_tokens and r.stop_token_ids:
+        if (r.params.min_tokens > r.num_completion_tokens or r.mask_stop) and r.stop_token_ids:
             ids = [t for t in r.stop_token_ids if t < logits.shape[1]]
             logits[i, ids] = float("-inf")
 

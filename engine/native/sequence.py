@@ -127,9 +127,10 @@ class Sequence:
         self.num_draft_tokens = 0
         self.num_new_tokens = 0
         self.num_drafted = self.num_kept = 0  # drafts fed and kept over the sequence's life
-        # A thinking budget (thinking.py); none under a grammar, which decides every token itself.
+        # A reasoning model's thinking, followed for its budget or its grammar (thinking.py).
         budget = self.sampling.thinking
-        self.thinking = ThinkingState(budget) if budget is not None and self.sampling.structured is None else None
+        structured = self.sampling.structured is not None
+        self.thinking = ThinkingState(budget, reopens=not structured) if budget is not None else None
 
     def __repr__(self) -> str:
         return (
@@ -193,9 +194,12 @@ class Sequence:
     def append_token(self, token_id: int) -> FinishReason | None:
         """Add a sampled token; returns why the sequence is now finished, if it is."""
         self.token_ids.append(token_id)
-        if self.thinking is not None:
-            self.thinking.observe(token_id)
-        if self.grammar is not None and (not self.grammar.accept(token_id) or self.grammar.is_finished):
+        is_thinking = self.thinking is not None and self.thinking.observe(token_id)
+        if (
+            self.grammar is not None
+            and not is_thinking
+            and (not self.grammar.accept(token_id) or self.grammar.is_finished)
+        ):
             return FinishReason.STOP  # the structured answer is complete (or its grammar is stuck)
         if token_id in self.stop_token_ids and self.num_completion_tokens >= self.sampling.min_tokens:
             return FinishReason.STOP

@@ -237,3 +237,38 @@ async def test_models_say_which_models_think_and_whether_their_thinking_can_be_c
     )
     by_id = {m["id"]: m for m in (await (await echo.get("/v1/models")).json())["data"]}
     assert by_id["echo"]["reasoning"] == {"thinking_token_budget": False}  # tags of several tokens
+
+
+async def test_a_json_answer_comes_after_the_thinking(client):
+    # The grammar constrains only what follows </think>: the model thinks (here 5 tokens, then
+    # the budget closes it) and the content is the JSON the schema asks for.
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": {**schema, "additionalProperties": False}}}
+    tokens = await thinking_tokens(client)
+    body = await chat(client, thinking_token_budget=5, response_format=fmt, max_tokens=60, ignore_eos=False)
+    message = body["choices"][0]["message"]
+    assert message["reasoning_content"] == ("".join(tokens[:5]) + MESSAGE).lstrip()
+    assert json.loads(message["content"]) in ({"ok": True}, {"ok": False})
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_grammar_alone_follows_the_thinking_uncapped_on_the_native_engine(reasoner_dir):
+    from dataclasses import replace
+
+    from api.job import thinking_budget
+    from api.protocol import parse_chat_request
+    from engine.registry import ModelHandle
+    from engine.tokenizer import Tokenizer
+    from settings import ModelConfig
+
+    tokenizer = Tokenizer.from_dir(reasoner_dir)
+    chat = parse_chat_request({"messages": BODY["messages"]}, max_messages=4, max_prompt_chars=1000)
+
+    def model(backend: str) -> ModelHandle:
+        return ModelHandle("m", ModelConfig(path=str(reasoner_dir), backend=backend), None, tokenizer)  # type: ignore[arg-type]
+
+    followed = thinking_budget(chat, model("native"), False, has_grammar=True)
+    assert followed is not None and followed.max_tokens is None and followed.forced_ids == ()
+    assert thinking_budget(chat, model("native"), False) is None  # no grammar, no budget: nothing to do
+    assert thinking_budget(chat, model("trtllm"), False, has_grammar=True) is None
+    assert thinking_budget(replace(chat, thinking_token_budget=3), model("native"), False).max_tokens == 3

@@ -5,6 +5,8 @@ other token's). Tag ids here are ordinary ids of the tiny model, picked from its
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from engine.native import speculation
@@ -133,3 +135,41 @@ def test_a_budget_whose_tokens_lie_outside_the_logits_is_refused_before_it_runs(
     with pytest.raises(RequestRejected, match="outside the model's"):
         engine.add_request(request(prompt_for(model_dir), budget))
     assert not engine.has_unfinished_requests()
+
+
+def json_after_close(model_dir, out: list[int], close: int) -> object:
+    from engine.tokenizer import Tokenizer
+
+    answer = out[out.index(close) + 1 :]
+    return json.loads(Tokenizer.from_dir(model_dir).decode(answer))
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_a_grammar_constrains_only_the_answer_after_the_thinking(tiny_models, mode):
+    from engine.types import StructuredKind, StructuredOutput
+
+    model_dir = tiny_models.path(VARIANT)
+    engine = engine_for(model_dir, num_blocks=24, kernel_isa=mode.value)
+    prompt = prompt_for(model_dir)
+    ref = tiny_models.greedy(VARIANT, prompt, MAX_TOKENS, None)
+    close = unused_ids(load_model_args(model_dir).vocab_size, ref, 1)[0]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    json_object = StructuredOutput(StructuredKind.JSON_SCHEMA, json.dumps({**schema, "additionalProperties": False}))
+
+    def run(budget: ThinkingBudget, **sampling) -> list[int]:
+        params = SamplingParams(max_tokens=64, temperature=0.0, structured=json_object, thinking=budget, **sampling)
+        return run_with_arrivals(engine, [(0, GenerationRequest("r", tuple(prompt), params))])["r"]
+
+    # The prompt opened the thinking: 5 free tokens (the model's own), </think>, then JSON.
+    out = run(ThinkingBudget(max_tokens=5, open_id=1, close_id=close, forced_ids=(close,), opened=True))
+    assert out[:6] == [*ref[:5], close] and json_after_close(model_dir, out, close) in ({"ok": True}, {"ok": False})
+    # The model opens it itself: its first token (not JSON) plays <think>, which the grammar lets through.
+    out = run(ThinkingBudget(max_tokens=3, open_id=ref[0], close_id=close, forced_ids=(close,)))
+    assert out[:5] == [*ref[:4], close] and json_after_close(model_dir, out, close) in ({"ok": True}, {"ok": False})
+    # While thinking, a stop token cannot end the answer before the grammar's part came.
+    stop = ref[2]
+    out = run(
+        ThinkingBudget(max_tokens=5, open_id=1, close_id=close, forced_ids=(close,), opened=True),
+        stop_token_ids=(stop,),
+    )
+    assert stop not in out[:5] and json_after_close(model_dir, out, close) in ({"ok": True}, {"ok": False})
