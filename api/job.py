@@ -239,7 +239,7 @@ def sampling_from(
         fmt = detect_format(getattr(model.tokenizer, "chat_template", None), model.config.tool_parser)
         structured = forced_call_grammar(chat.tools, chat.tool_choice, fmt, chat.parallel_tool_calls)
     thinking = None
-    if model is not None:
+    if model is not None and thinking_opened is not None:
         thinking = thinking_budget(chat, model, thinking_opened, has_grammar=structured is not None)
     return SamplingParams(
         structured=structured,
@@ -265,12 +265,12 @@ def thinking_budget(
     model's upstream gets the request's field instead (wire_options). Without a budget, a
     grammar still needs the thinking followed (uncapped) on the native engine: it constrains
     only the answer after it."""
-    budget = chat.thinking_token_budget
-    if budget is None and model.config.thinking_budget >= 0:
-        budget = model.config.thinking_budget
     tokenizer = model.tokenizer
     if opened is None or not isinstance(tokenizer, Tokenizer):
         return None
+    budget = chat.thinking_token_budget
+    if budget is None and model.config.thinking_budget >= 0:
+        budget = model.config.thinking_budget
     if budget is None:
         tags = tokenizer.thinking_tag_ids() if has_grammar and model.config.backend == "native" else None
         return (
