@@ -14,18 +14,23 @@ from tests.ui.helpers import last_answer, open_page, start_ui_server, type_and_s
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def thinking_server(tiny_model_dir, tmp_path_factory):
-    model_dir = tmp_path_factory.mktemp("thinking") / "model"
-    shutil.copytree(tiny_model_dir, model_dir)
+def serve_reasoner(model_dir, tmp_path_factory, name: str):
+    """The UI server over `model_dir` with a reasoning chat template."""
     cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
     cfg["chat_template"] = THINKING_TEMPLATE
     (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
-    server = start_ui_server(tmp_path_factory.mktemp("ui-thinking"), model_dir)
+    server = start_ui_server(tmp_path_factory.mktemp(f"ui-{name}"), model_dir)
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tiny_model_dir, tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("thinking") / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    yield from serve_reasoner(model_dir, tmp_path_factory, "thinking")
 
 
 def test_reasoning_streams_into_a_folded_block_above_the_answer(browser, thinking_server):
@@ -53,14 +58,7 @@ def capped_server(tmp_path_factory):
     from testing.tiny_model import build_tiny_llama
 
     model_dir = build_tiny_llama(tmp_path_factory.mktemp("capped") / "model", thinking_tags=True)
-    cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = THINKING_TEMPLATE
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
-    server = start_ui_server(tmp_path_factory.mktemp("ui-capped"), model_dir)
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from serve_reasoner(model_dir, tmp_path_factory, "capped")
 
 
 def chat_bodies(page) -> list[dict]:
