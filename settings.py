@@ -212,6 +212,12 @@ class ModelConfig:
         "native: text put into the thinking, before </think>, when a thinking budget runs out (so that the model "
         "answers from what it has); empty: </think> alone.",
     )
+    idle_unload_s: float = setting(
+        0.0,
+        "native: load the model on its first request instead of at start, and unload it (its memory freed) after "
+        "this many seconds with no request running; the next request loads it again (its prefix cache kept across, "
+        "see engine.prefix_cache_dir). 0: loaded at start and kept.",
+    )
     # backend = "openai" only (docs/scale-out.md):
     urls: list[str] = setting(
         [], 'openai: base URLs of the upstream replicas, e.g. ["http://gpu-a:8000/v1", "http://gpu-b:8000/v1"].'

@@ -76,6 +76,11 @@ def build_model(
             f"models.{name}.thinking_budget: only the native engine caps thinking (an upstream server takes a "
             "request's thinking_token_budget as it is; set its own default there)"
         )
+    if config.idle_unload_s < 0 or (config.idle_unload_s > 0 and config.backend != "native"):
+        raise ConfigError(
+            f"models.{name}.idle_unload_s: expected 0 (always loaded) or more seconds, for a native model only; "
+            f"got {config.idle_unload_s} for backend {config.backend!r}"
+        )
     if config.backend == "openai":
         from engine.upstream.build import build_upstream_model
 
@@ -105,9 +110,21 @@ def build_model(
         from engine.native.backend import NativeBackend
         from engine.native.vision import is_llava
 
-        backend = NativeBackend(
-            model_dir, settings.engine, tokenizer, max_model_len=max_len, prefix_cache_dir=_prefix_cache_dir(settings)
-        )
+        def native(tokenizer: Tokenizer = tokenizer) -> NativeBackend:
+            return NativeBackend(
+                model_dir,
+                settings.engine,
+                tokenizer,
+                max_model_len=max_len,
+                prefix_cache_dir=_prefix_cache_dir(settings),
+            )
+
+        if config.idle_unload_s > 0:  # loaded on its first request, unloaded when idle
+            from engine.native.on_demand import OnDemandBackend
+
+            backend = OnDemandBackend(native, idle_unload_s=config.idle_unload_s, name=name)
+        else:
+            backend = native()
         if is_llava(model_dir):  # a vision model: the API places images through its tokenizer
             from engine.native.image_prompt import ImageTokenizer
 

@@ -1,0 +1,129 @@
+"""A native model loaded on its first request and unloaded when idle (models.<name>.idle_unload_s).
+
+On a machine that serves several models but cannot hold them all in memory at once, a model
+costs nothing until someone asks for it: the first request loads it (that request waits, its
+stream sending heartbeats), and once `idle_unload_s` passed without a request running it is
+unloaded and its memory freed. Each load is a fresh NativeBackend; its stop writes the prefix
+cache and the next load reads it back (engine.prefix_cache_dir), so a model that comes back
+answers a known conversation warm.
+
+One lock orders loads and unloads: a request arriving while the model unloads waits for the
+unload, then loads it again. A failed load fails the requests waiting for it (a 5xx each) and
+the next request tries again. The request-level seam (engine/types.Backend) is unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Callable
+
+import structlog
+
+from engine.native.backend import NativeBackend
+from engine.types import EngineError, EngineStats, GenerationRequest, TokenEvent
+
+log = structlog.get_logger(__name__)
+
+
+class OnDemandBackend:
+    def __init__(self, make: Callable[[], NativeBackend], *, idle_unload_s: float, name: str = ""):
+        self._make = make
+        self._idle_unload_s = idle_unload_s
+        self._name = name
+        self._next = make()  # not started: answers max_model_len and check_request before a load
+        self._loaded: NativeBackend | None = None
+        self._lock = asyncio.Lock()  # one load or unload at a time
+        self._num_running = 0  # requests between entering generate and leaving it
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._unloading: asyncio.Task[None] | None = None
+        self._is_stopped = False
+        self.num_loads = 0
+
+    @property
+    def is_loaded(self) -> bool:
+        return self._loaded is not None
+
+    @property
+    def max_model_len(self) -> int:
+        return self._next.max_model_len
+
+    @property
+    def max_num_running(self) -> int:
+        return self._next.max_num_running
+
+    @property
+    def engine(self):  # the loaded engine, for tests and benchmarks (None while unloaded)
+        return None if self._loaded is None else self._loaded.engine
+
+    async def start(self) -> None:
+        """Nothing is loaded until the first request."""
+
+    async def shutdown(self) -> None:
+        self._is_stopped = True
+        self._cancel_idle_timer()
+        if self._unloading is not None:
+            await asyncio.gather(self._unloading, return_exceptions=True)
+        async with self._lock:
+            await self._unload()
+
+    def check_request(self, request: GenerationRequest) -> None:
+        (self._loaded or self._next).check_request(request)
+
+    def has_room(self) -> bool:
+        # Unloaded: a request would load the model and start; the reservations bound how many.
+        return self._loaded.has_room() if self._loaded is not None else not self._is_stopped
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
+        self._num_running += 1
+        self._cancel_idle_timer()
+        try:
+            backend = await self._ensure_loaded()
+            async for event in backend.generate(request):
+                yield event
+        finally:
+            self._num_running -= 1
+            if self._num_running == 0 and not self._is_stopped:
+                self._idle_timer = asyncio.get_running_loop().call_later(self._idle_unload_s, self._start_unload)
+
+    def abort(self, request_id: str) -> None:
+        if self._loaded is not None:
+            self._loaded.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        return self._loaded.stats() if self._loaded is not None else EngineStats()
+
+    def health(self) -> bool:
+        return self._loaded.health() if self._loaded is not None else True
+
+    async def _ensure_loaded(self) -> NativeBackend:
+        async with self._lock:
+            if self._is_stopped:
+                raise EngineError(f"the model {self._name} is shutting down")
+            if self._loaded is None:
+                backend, self._next = self._next, self._make()
+                log.info("model_loading", model=self._name)
+                await backend.start()  # raises on failure: this request fails, the next one retries
+                self._loaded = backend
+                self.num_loads += 1
+            return self._loaded
+
+    def _cancel_idle_timer(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
+    def _start_unload(self) -> None:
+        self._idle_timer = None
+        if self._num_running == 0 and self._loaded is not None and not self._is_stopped:
+            self._unloading = asyncio.get_running_loop().create_task(self._unload_if_idle())
+
+    async def _unload_if_idle(self) -> None:
+        async with self._lock:
+            if self._num_running == 0:  # nobody came while the lock was waited for
+                await self._unload()
+
+    async def _unload(self) -> None:
+        backend, self._loaded = self._loaded, None
+        if backend is not None:
+            log.info("model_unloading", model=self._name, idle_unload_s=self._idle_unload_s)
+            await backend.shutdown()
