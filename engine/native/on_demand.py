@@ -10,6 +10,8 @@ answers a known conversation warm.
 One lock orders loads and unloads: a request arriving while the model unloads waits for the
 unload, then loads it again. A failed load fails the requests waiting for it (a 5xx each) and
 the next request tries again. The request-level seam (engine/types.Backend) is unchanged.
+While unloaded, check_request knows only the context length: a request too large for the KV
+pool is refused by the loaded engine, as an error in its stream rather than a 400.
 """
 
 from __future__ import annotations
