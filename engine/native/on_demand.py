@@ -17,6 +17,7 @@ pool is refused by the loaded engine, as an error in its stream rather than a 40
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import gc
 from collections.abc import AsyncGenerator, Callable
@@ -82,8 +83,9 @@ class OnDemandBackend:
         self._cancel_idle_timer()
         try:
             backend = await self._ensure_loaded()
-            async for event in backend.generate(request):
-                yield event
+            async with contextlib.aclosing(backend.generate(request)) as events:  # closing it aborts the request
+                async for event in events:
+                    yield event
         finally:
             self._num_running -= 1
             if self._num_running == 0 and not self._is_stopped:

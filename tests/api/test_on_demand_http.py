@@ -89,3 +89,15 @@ def test_idle_unload_for_a_native_model_only_and_never_negative(tmp_path, tiny_m
 
     with pytest.raises(ConfigError, match="idle_unload_s"):
         build_models(native_settings(tmp_path, tiny_model_dir, extra=extra))
+
+
+async def test_a_client_that_leaves_frees_its_sequence_at_once(aiohttp_client, tmp_path, tiny_model_dir):
+    client, backend = await on_demand_client(aiohttp_client, tmp_path, tiny_model_dir, 30)
+    body = {"model": "tiny", "messages": ASK, "stream": True, "max_tokens": 300, "ignore_eos": True}
+    resp = await client.post("/v1/chat/completions", json=body)
+    async for line in resp.content:
+        if b'"content":"' in line and b'"content":""' not in line:
+            break  # the first token: the model is loaded and the sequence runs
+    resp.close()
+    await wait_until(lambda: backend.stats().num_running == 0 and backend.stats().num_waiting == 0)
+    assert backend.is_loaded  # still loaded: idle_unload_s has not passed
