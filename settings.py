@@ -247,6 +247,12 @@ class TierConfig:
     tier_tokens_per_minute: int = setting(0, "Token bucket shared by the whole tier; 0: none.")
     max_tokens: int = setting(1024, "Largest max_tokens a request may ask for.")
     max_context_tokens: int = setting(4096, "Largest prompt + max_tokens.")
+    max_thinking_tokens: int = setting(
+        -1,
+        "Most tokens a reasoning model served here (native, <think> tags of one token each) may think per answer "
+        "for this tier: the server closes its thinking there, as a request's thinking_token_budget (the smaller "
+        "wins); -1: no cap.",
+    )
     max_concurrent_streams: int = setting(
         4, "Requests in flight per key; 429 above it, except keyless local use, whose extra requests wait for a stream."
     )

@@ -230,7 +230,11 @@ def _sampling_defaults(chat: ChatRequest, model: ModelHandle | None) -> dict:
 
 
 def sampling_from(
-    chat: ChatRequest, max_tokens: int, model: ModelHandle | None = None, thinking_opened: bool | None = None
+    chat: ChatRequest,
+    max_tokens: int,
+    model: ModelHandle | None = None,
+    thinking_opened: bool | None = None,
+    tier_thinking_cap: int = -1,
 ) -> SamplingParams:
     """`thinking_opened`: None for a model that does not think in <think> tags, else whether
     the prompt opened the thinking (see thinking_budget)."""
@@ -240,7 +244,9 @@ def sampling_from(
         structured = forced_call_grammar(chat.tools, chat.tool_choice, fmt, chat.parallel_tool_calls)
     thinking = None
     if model is not None and thinking_opened is not None:
-        thinking = thinking_budget(chat, model, thinking_opened, has_grammar=structured is not None)
+        thinking = thinking_budget(
+            chat, model, thinking_opened, has_grammar=structured is not None, tier_cap=tier_thinking_cap
+        )
     return SamplingParams(
         structured=structured,
         logprobs=chat.logprobs,
@@ -258,21 +264,24 @@ def sampling_from(
 
 
 def thinking_budget(
-    chat: ChatRequest, model: ModelHandle, opened: bool | None, *, has_grammar: bool = False
+    chat: ChatRequest, model: ModelHandle, opened: bool | None, *, has_grammar: bool = False, tier_cap: int = -1
 ) -> ThinkingBudget | None:
-    """The request's thinking budget, else the model's (thinking_budget), for a model that thinks
-    in <think> tags (`opened` is None for one that does not: there is nothing to cap). A relayed
-    model's upstream gets the request's field instead (wire_options). Without a budget, a
-    grammar still needs the thinking followed (uncapped) on the native engine: it constrains
-    only the answer after it."""
+    """The request's thinking budget, else the model's (thinking_budget), and at most the tier's
+    (max_thinking_tokens), for a model that thinks in <think> tags (`opened` is None for one
+    that does not: there is nothing to cap). A relayed model's upstream gets the request's field
+    instead (wire_options). Without a budget, a grammar still needs the thinking followed
+    (uncapped) on the native engine: it constrains only the answer after it."""
     tokenizer = model.tokenizer
     if opened is None or not isinstance(tokenizer, Tokenizer):
         return None
     budget = chat.thinking_token_budget
     if budget is None and model.config.thinking_budget >= 0:
         budget = model.config.thinking_budget
+    is_native = model.config.backend == "native"
+    if tier_cap >= 0 and is_native and tokenizer.thinking_tag_ids() is not None:  # else the tier cannot cap it
+        budget = tier_cap if budget is None else min(budget, tier_cap)
     if budget is None:
-        tags = tokenizer.thinking_tag_ids() if has_grammar and model.config.backend == "native" else None
+        tags = tokenizer.thinking_tag_ids() if has_grammar and is_native else None
         return (
             None
             if tags is None
@@ -333,7 +342,7 @@ def make_job(inp: JobInputs) -> Job:
     gen = GenerationRequest(
         request_id=inp.request_id,
         prompt_token_ids=tuple(ids),
-        sampling=sampling_from(chat, max_tokens, model, opened),
+        sampling=sampling_from(chat, max_tokens, model, opened, tier.max_thinking_tokens),
         priority=tier.priority,
         cache_salt=inp.cache_salt,
         arrival_s=now,

@@ -272,3 +272,31 @@ def test_a_grammar_alone_follows_the_thinking_uncapped_on_the_native_engine(reas
     assert thinking_budget(chat, model("native"), False) is None  # no grammar, no budget: nothing to do
     assert thinking_budget(chat, model("trtllm"), False, has_grammar=True) is None
     assert thinking_budget(replace(chat, thinking_token_budget=3), model("native"), False).max_tokens == 3
+
+
+async def test_a_tiers_thinking_cap_bounds_every_request_of_the_tier(
+    aiohttp_client, tmp_path, reasoner_dir, thinking_model_dir
+):
+    from testing.fake_backend import fake_backends
+
+    plain = await make_client(aiohttp_client, tmp_path, reasoner_dir)
+    tokens = await thinking_tokens(plain)
+    capped = await make_client(
+        aiohttp_client,
+        tmp_path,
+        reasoner_dir,
+        "tiers.enterprise.max_thinking_tokens=3",
+        f'store.path="{tmp_path / "t.db"}"',
+    )
+
+    async def reasoning(**extra) -> str:
+        return (await chat(capped, **extra))["choices"][0]["message"]["reasoning_content"]
+
+    assert await reasoning() == ("".join(tokens[:3]) + MESSAGE).lstrip()  # keyless local use: enterprise
+    assert await reasoning(thinking_token_budget=10) == ("".join(tokens[:3]) + MESSAGE).lstrip()  # the smaller
+    assert await reasoning(thinking_token_budget=2) == ("".join(tokens[:2]) + MESSAGE).lstrip()
+    # A model whose thinking cannot be capped here is served as it is (the cap is the tier's, not the caller's).
+    settings = echo_settings(tmp_path / "echo", thinking_model_dir, ("tiers.enterprise.max_thinking_tokens=3",))
+    echo = await aiohttp_client(init(settings, backend_factory=fake_backends()))
+    resp = await echo.post("/v1/chat/completions", json={"model": "echo", "messages": BODY["messages"]})
+    assert resp.status == 200, await resp.text()
