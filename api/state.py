@@ -143,7 +143,7 @@ class AppState:
         except StoreUnavailable as exc:
             log.error("ledger_write_failed", request_id=record.request_id, error=str(exc))
             failure = exc
-        self.metrics.observe_request(record, finish)
+        self.metrics.observe_request(record, finish, job.num_reasoning_tokens if job is not None else 0)
         if self.tracing is not None and job is not None:
             try:
                 self.tracing.record(job, record, finish)

@@ -83,6 +83,9 @@ class Metrics:
             "chat_cached_prompt_tokens", "Prompt tokens served from the prefix cache.", tm, registry=r
         )
         self._generation_tokens = Counter("chat_generation_tokens", "Completion tokens generated.", tm, registry=r)
+        self._reasoning_tokens = Counter(
+            "chat_reasoning_tokens", "Of the completion tokens, those a reasoning model spent thinking.", tm, registry=r
+        )
         self._finished = Counter(
             "chat_requests_finished", "Finished requests by finish reason.", (*tm, "finish_reason"), registry=r
         )
@@ -111,12 +114,15 @@ class Metrics:
         self._sources: dict[str, _Sources] = {}
         self.registry.register(_SourceCollector(self._sources))
 
-    def observe_request(self, record: RequestRecord, finish: FinishReason | None) -> None:
-        """Everything about one finished, aborted or failed request, read from its ledger record.
+    def observe_request(self, record: RequestRecord, finish: FinishReason | None, reasoning_tokens: int = 0) -> None:
+        """Everything about one finished, aborted or failed request, read from its ledger record
+        (and how many of its completion tokens were thinking, which the ledger does not keep).
 
         The inter-token latency observed here is the request's mean (vLLM's TPOT).
         """
         tier, model = record.tier, record.model
+        if reasoning_tokens:
+            self._reasoning_tokens.labels(tier, model).inc(reasoning_tokens)
         for histogram, value_ms in (
             (self._queue, record.queue_ms),
             (self._ttft, record.ttft_ms),

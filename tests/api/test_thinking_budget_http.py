@@ -300,3 +300,12 @@ async def test_a_tiers_thinking_cap_bounds_every_request_of_the_tier(
     echo = await aiohttp_client(init(settings, backend_factory=fake_backends()))
     resp = await echo.post("/v1/chat/completions", json={"model": "echo", "messages": BODY["messages"]})
     assert resp.status == 200, await resp.text()
+
+
+async def test_metrics_count_the_thinking_tokens(client):
+    usage = (await chat(client, thinking_token_budget=4))["usage"]
+    thinking = usage["completion_tokens_details"]["reasoning_tokens"]
+    assert 0 < thinking < usage["completion_tokens"]
+    text = await (await client.get("/metrics")).text()
+    line = next(line for line in text.splitlines() if line.startswith("chat_reasoning_tokens_total{"))
+    assert 'model="tiny"' in line and float(line.rsplit(" ", 1)[1]) == thinking
