@@ -48,7 +48,13 @@ async def test_loaded_on_the_first_request_unloaded_when_idle_and_warm_when_it_c
     client, backend = await on_demand_client(aiohttp_client, tmp_path / "on-demand", tiny_model_dir, 0.3)
     assert not backend.is_loaded and backend.stats().num_kv_blocks_total == 0
     assert (await client.get("/ready")).status == 200  # an unloaded model is not a broken one
+
+    async def listed_as_loaded() -> bool:
+        return (await (await client.get("/v1/models")).json())["data"][0]["loaded"]
+
+    assert await listed_as_loaded() is False
     first = await ask(client)
+    assert await listed_as_loaded() is True
     assert first["choices"][0]["message"] == always["choices"][0]["message"]
     assert backend.is_loaded and backend.num_loads == 1
     engine = weakref.ref(backend.engine)
