@@ -277,24 +277,19 @@ def thinking_budget(
     budget = chat.thinking_token_budget
     if budget is None and model.config.thinking_budget >= 0:
         budget = model.config.thinking_budget
-    is_native = model.config.backend == "native"
-    if tier_cap >= 0 and is_native and tokenizer.thinking_tag_ids() is not None:  # else the tier cannot cap it
+    tags = model.thinking_tags
+    if tier_cap >= 0 and tags is not None:  # else the tier cannot cap it
         budget = tier_cap if budget is None else min(budget, tier_cap)
     if budget is None:
-        tags = tokenizer.thinking_tag_ids() if has_grammar and is_native else None
-        return (
-            None
-            if tags is None
-            else ThinkingBudget(None, open_id=tags[0], close_id=tags[1], forced_ids=(), opened=opened)
-        )
-    is_trtllm = model.config.backend == "trtllm"
-    tags = None if is_trtllm else tokenizer.thinking_tag_ids()
+        if tags is None or not has_grammar:
+            return None
+        return ThinkingBudget(None, open_id=tags[0], close_id=tags[1], forced_ids=(), opened=opened)
     if tags is None:
         if not chat.thinking_budget_strict:  # the Messages API: budget_tokens is a ceiling, not a demand
             return None
         reason = (
             "is served by TensorRT-LLM, which this server cannot make close a model's thinking"
-            if is_trtllm
+            if model.config.backend == "trtllm"
             else "does not write <think> and </think> as single tokens, so this server cannot follow its thinking"
         )
         raise bad_request(

@@ -75,8 +75,7 @@ def _reasoning(handle: ModelHandle) -> dict | None:
     tokenizer = handle.tokenizer
     if not isinstance(tokenizer, Tokenizer) or not tokenizer.thinks:
         return None
-    can_cap = handle.config.backend == "native" and tokenizer.thinking_tag_ids() is not None
-    return {"thinking_token_budget": can_cap}
+    return {"thinking_token_budget": handle.thinking_tags is not None}
 
 
 async def list_models(request: web.Request) -> web.Response:

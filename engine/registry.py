@@ -43,6 +43,14 @@ class ModelHandle:
     def max_model_len(self) -> int:
         return self.backend.max_model_len
 
+    @property
+    def thinking_tags(self) -> tuple[int, int] | None:
+        """(<think>, </think>) ids when this server can follow and cap the model's thinking: the
+        native engine, each tag one token; else None."""
+        if self.config.backend != "native" or not isinstance(self.tokenizer, Tokenizer):
+            return None
+        return self.tokenizer.thinking_tag_ids()
+
 
 def _config_max_len(model_dir: Path, configured: int) -> int | None:
     if configured > 0:

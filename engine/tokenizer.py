@@ -93,6 +93,9 @@ class Tokenizer:
         self._special_texts = tuple(
             t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content
         )
+        tag_ids = [self.encode(tag) for tag in ("<think>", "</think>")]
+        single = self.thinks and all(len(ids) == 1 for ids in tag_ids)
+        self._thinking_tag_ids = (tag_ids[0][0], tag_ids[1][0]) if single else None
 
     @classmethod
     def from_dir(cls, path: Path | str) -> Self:
@@ -118,10 +121,7 @@ class Tokenizer:
     def thinking_tag_ids(self) -> tuple[int, int] | None:
         """The ids of <think> and </think> when each is one token of this vocabulary (as in Qwen3,
         the R1 distills, SmolLM3: what a thinking budget needs to follow the model); else None."""
-        ids = [self.encode(tag) for tag in ("<think>", "</think>")]
-        if not self.thinks or any(len(tag_ids) != 1 for tag_ids in ids):
-            return None
-        return ids[0][0], ids[1][0]
+        return self._thinking_tag_ids
 
     def encode_chat(
         self,
