@@ -109,6 +109,7 @@ VARIANTS = {
     "on-int8": {"safety.enabled": "true", "safety.embed_dtype": "int8"},  # int8 weights, float32 activations
     "on-f32": {"safety.enabled": "true", "safety.embed_dtype": "float32"},  # the classifier's weights in fp32
     "on-bf16": {"safety.enabled": "true", "safety.embed_dtype": "bfloat16"},  # the classifier's matmuls in bf16
+    "on-w8a8": {"safety.enabled": "true", "safety.embed_dtype": "w8a8"},  # int8 weights and activations
     "on-noout": {"safety.enabled": "true", "safety.output_classifier": "false"},  # prompts screened, answers by rules
     "on-rules": {"safety.enabled": "true", "safety.classifier": "false"},  # the rules alone
 }

@@ -45,24 +45,42 @@ _ACT_MAX = 127
 
 
 def resolve_dtype(name: str, kernel_isa: str = "auto") -> str:
-    """'auto' -> bfloat16 on CPUs with AMX (about 2x faster there); else w8a8 where the CPU has
-    VNNI or the engine's compiled kernels build (int8 matmuls from packed weights, with the
-    float work between them compiled: 1.5-2.5x faster than float32 on batches and 1.5x on a
-    short text, with or without VNNI); else int8 (weights only, on PyTorch ops). All of them give
-    the held-out set's verdicts within its targets (bench/RESULTS.md #22)."""
+    """'auto' -> w8a8 where the CPU has VNNI (AMX CPUs included: there oneDNN's AMX int8 GEMM
+    takes the larger batches) or the engine's compiled kernels build (int8 matmuls from packed
+    weights, with the float work between them compiled: 1.5-2.5x faster than float32 on batches
+    and 1.5x on a short text, with or without VNNI); else int8 (weights only, on PyTorch ops).
+    bfloat16 is not picked: on an AMX CPU the gate in bfloat16 served 0.62x of safety off at 32
+    streams where w8a8 served 0.72x (bench/RESULTS.md #22). All of them give the held-out set's
+    verdicts within its targets."""
     if name != "auto":
         if name not in EMBED_DTYPES:
             raise ValueError(f"embed_dtype must be {', '.join(EMBED_DTYPES)} or auto, got {name!r}")
         return name
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").split())
-    except OSError:
-        flags = set()
-    if "amx_bf16" in flags:
-        return "bfloat16"
-    if flags & {"avx512_vnni", "avx_vnni"}:
+    from engine.native.kernels import cpu_flags
+
+    if cpu_flags() & {"avx512_vnni", "avx_vnni"}:
         return "w8a8"
     return "w8a8" if compiled_kernels(kernel_isa) is not None else "int8"
+
+
+# Batches of at least this many rows go to oneDNN's int8 GEMM instead of our packed kernel: AMX
+# tiles (Sapphire Rapids and later, at the avx512 kernel mode) beat our VNNI loop 1.5-3x from about
+# 48 rows, VNNI alone only from 256, AVX2 from 512 (bench/RESULTS.md #22).
+OWN_GEMM_ROWS = {"amx": 48, "vnni": 256, "plain": 512}
+
+
+def own_gemm_rows(kernels, flags: frozenset[str] | None = None) -> int:
+    """Rows below which w8a8's int8 matmul runs on our kernel (0: never, no kernels); `flags`:
+    the CPU's (/proc/cpuinfo) unless given."""
+    if kernels is None:
+        return 0
+    if flags is None:
+        from engine.native.kernels import cpu_flags
+
+        flags = cpu_flags()
+    if kernels.mode.value == "avx512" and "amx_int8" in flags:
+        return OWN_GEMM_ROWS["amx"]
+    return OWN_GEMM_ROWS["vnni" if kernels.has_vnni else "plain"]
 
 
 def compiled_kernels(isa: str):
@@ -208,15 +226,14 @@ class MiniLmEmbedder:
         self._w8a8 = self._quantize_w8a8() if dtype == "w8a8" else {}
         # w8a8's weights also packed for our int8 matmul: the exact sums of torch._int_mm without
         # its per-call weight reorder (~180 us a call without VNNI, ~10 us with it). It runs
-        # batches below 256 rows with VNNI and below 512 without; oneDNN is as fast above
-        # (bench/RESULTS.md #22).
+        # the batches below own_gemm_rows; oneDNN is as fast or faster above.
         kernels = self._kernels
         self._int8_packed = (
             {name: p for name, (weight, _) in self._w8a8.items() if (p := kernels.pack_int8(weight)) is not None}
             if kernels is not None
             else {}
         )
-        self._own_gemm_rows = 0 if kernels is None else (256 if kernels.has_vnni else 512)
+        self._own_gemm_rows = own_gemm_rows(kernels)
         self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self._tokenizer.no_padding()  # the shipped file pads to 128; we pad per batch instead
         self._tokenizer.no_truncation()  # we cut texts into windows ourselves
@@ -232,6 +249,7 @@ class MiniLmEmbedder:
             max_tokens=self.max_tokens,
             layers=self._shape.num_layers,
             kernels=self._kernels.mode.value if self._kernels else "torch",
+            own_gemm_rows=self._own_gemm_rows,
         )
 
     def _cast(self, w: dict) -> dict:

@@ -3,15 +3,16 @@ and its int8 weights compute the same model on every kernel path."""
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from engine.native.kernels import KernelMode, supported_modes
+from engine.native.kernels import KernelMode, cpu_flags, supported_modes
 from gateway.safety.classifier import SafetyClassifier
-from gateway.safety.embedder import MiniLmEmbedder, mean_pool, resolve_dtype
+from gateway.safety.embedder import OWN_GEMM_ROWS, MiniLmEmbedder, mean_pool, own_gemm_rows, resolve_dtype
 
 COMPILED_MODES = [
     pytest.param(mode, id=mode.value, marks=pytest.mark.skipif(mode not in supported_modes(), reason="not this CPU"))
@@ -97,7 +98,9 @@ def test_int8_scores_stay_close_to_float32_and_give_the_same_verdicts(classifier
 
 def test_embed_dtype_names_are_checked():
     assert resolve_dtype("int8") == "int8" and resolve_dtype("float32") == "float32"
-    assert resolve_dtype("auto") in ("int8", "w8a8", "bfloat16") and resolve_dtype("w8a8") == "w8a8"
+    assert resolve_dtype("auto") in ("int8", "w8a8") and resolve_dtype("w8a8") == "w8a8"
+    if cpu_flags() & {"avx512_vnni", "avx_vnni"}:  # AMX CPUs too: bfloat16 served less there
+        assert resolve_dtype("auto") == "w8a8"
     with pytest.raises(ValueError, match="int8"):
         resolve_dtype("int4")
 
@@ -154,6 +157,19 @@ def test_w8a8_states_do_not_depend_on_which_int8_matmul_ran(classifier, mode):
     onednn = embedder.encode(TEXTS, max_windows=4)
     for a, b in zip(ours, onednn, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_amx_cpus_hand_w8a8_batches_to_onednn_sooner():
+    # oneDNN's int8 GEMM uses AMX tiles where the CPU has them (and oneDNN runs at full ISA,
+    # which the avx512 mode stands for); without AMX our VNNI loop wins up to 256 rows.
+    def kernels(mode: str, vnni: bool):
+        return types.SimpleNamespace(mode=KernelMode(mode), has_vnni=vnni)
+
+    amx = frozenset({"avx512f", "avx512_vnni", "amx_tile", "amx_int8"})
+    assert own_gemm_rows(kernels("avx512", True), amx) == OWN_GEMM_ROWS["amx"] == 48
+    assert own_gemm_rows(kernels("avx512", True), amx - {"amx_int8"}) == 256
+    assert own_gemm_rows(kernels("avx2", False), amx) == 512  # engine.kernel_isa = "avx2": the AVX2 paths
+    assert own_gemm_rows(None, amx) == 0
 
 
 def _w8a8_sums(embedder) -> np.ndarray:
