@@ -269,6 +269,32 @@ class TierConfig:
     file_retention_days: int = setting(30, "Days an uploaded file is kept (its expires_at); 0: until deleted.")
 
 
+# TierConfig fields an organisation may override for its own keys (`orgs set --limit`,
+# PATCH /v1/admin/organizations/{name}); the rate limiter applies them per key.
+ORG_LIMITS = ("requests_per_minute", "tokens_per_minute")
+
+
+def merge_org_limits(limits: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """`limits` with `changes` applied: a value sets a limit (a whole number >= 0, or its text), None
+    removes it. ValueError naming the limit for an unknown name or a bad value."""
+    merged = dict(limits)
+    for name, value in changes.items():
+        if name not in ORG_LIMITS:
+            raise ValueError(f"{name!r} is not a limit an organisation can override; these are {', '.join(ORG_LIMITS)}")
+        if value is None:
+            merged.pop(name, None)
+            continue
+        if isinstance(value, str):
+            try:
+                value = int(value.strip())
+            except ValueError:
+                raise ValueError(f"limit {name}: expected a whole number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"limit {name}: expected a whole number >= 0, got {value!r}")
+        merged[name] = value
+    return merged
+
+
 @dataclass(frozen=True, slots=True)
 class QueueConfig:
     """One bounded priority queue per model sits in front of the engine."""
@@ -417,8 +443,9 @@ class SafetyConfig:
         "auto",
         "Embedder matmuls: float32, bfloat16, int8 (weights quantized at load, 32 inputs per scale, float32 "
         "activations), w8a8 (7-bit weights per output channel and int8 activations per token, exact int32 sums: "
-        "1.5-2.5x faster than float32, with or without VNNI), or auto (bfloat16 with AMX, else w8a8 where the CPU "
-        "has VNNI or the compiled kernels build, else int8). All meet the held-out targets (safety/README.md).",
+        "1.5-2.5x faster than float32, with or without VNNI; on AMX CPUs larger batches use oneDNN's AMX int8), or "
+        "auto (w8a8 where the CPU has VNNI or the compiled kernels build, else int8). All meet the held-out "
+        "targets (safety/README.md).",
     )
     embed_cache_entries: int = setting(
         4096, "Per-message classifier features kept, so later turns do not re-embed history."
