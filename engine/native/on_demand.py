@@ -43,6 +43,7 @@ class OnDemandBackend:
         self._unloading: asyncio.Task[None] | None = None
         self._is_stopped = False
         self.num_loads = 0
+        self.num_unloads = 0  # finished: the engine stopped and its memory handed back
 
     @property
     def is_loaded(self) -> bool:
@@ -135,6 +136,7 @@ class OnDemandBackend:
             await backend.shutdown()
             del backend
             await asyncio.to_thread(_give_memory_back)
+            self.num_unloads += 1
 
 
 def _give_memory_back() -> None:
