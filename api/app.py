@@ -19,7 +19,7 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from api import chat, completions, embeddings, files, messages, resources, responses, responses_background
+from api import admin, chat, completions, embeddings, files, messages, resources, responses, responses_background
 from api.connections import CLOSE_AFTER, make_body_deadline_middleware
 from api.errors import ApiError, from_gateway, internal_error, overloaded
 from api.inflight import INFLIGHT, InFlight
@@ -233,6 +233,7 @@ def init(settings: Settings, *, backend_factory: BackendFactory | None = None) -
     app.on_shutdown.append(_on_shutdown)
     app.on_response_prepare.append(_stamp_headers)
     resources.add_routes(app, chat.chat_completions)
+    admin.add_routes(app)
     responses.add_routes(app)
     completions.add_routes(app)
     messages.add_routes(app)

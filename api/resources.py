@@ -223,7 +223,7 @@ async def truncate_conversation(request: web.Request) -> web.Response:
 
 
 # -- usage -------------------------------------------------------------------------------
-def _time_param(request: web.Request, name: str) -> float | None:
+def time_param(request: web.Request, name: str) -> float | None:
     text = request.query.get(name)
     if text is None or text == "":
         return None
@@ -245,17 +245,22 @@ async def usage(request: web.Request) -> web.Response:
     group_by = request.query.get("group_by", "model")
     if group_by not in ("model", "day", "key"):
         raise bad_request(f"'group_by' must be model, day or key, got {group_by!r}.", param="group_by")
-    start = _time_param(request, "start")
-    end = _time_param(request, "end")
+    start = time_param(request, "start")
+    end = time_param(request, "end")
     rows = await request.app[STATE].store.usage_summary(
         request[PRINCIPAL].org.id, start=start if start is not None else month_start(), end=end, group_by=group_by
     )
+    return _json(usage_body(group_by, rows))
+
+
+def usage_body(group_by: str, rows: list[dict]) -> dict:
+    """The usage object: the ledger's rows per group and their totals."""
     totals = {
         k: sum(r.get(k, 0) or 0 for r in rows)
         for k in ("num_requests", "prompt_tokens", "cached_tokens", "completion_tokens")
     }
     totals["cost_usd"] = money.sum_usd(r.get("cost_usd") for r in rows)  # decimal, not float, addition
-    return _json({"object": "usage", "group_by": group_by, "data": rows, "total": totals})
+    return {"object": "usage", "group_by": group_by, "data": rows, "total": totals}
 
 
 # -- static UI ---------------------------------------------------------------------------

@@ -20,11 +20,17 @@ from aiohttp import web
 from api.errors import ApiError, unauthorized
 from api.state import PRINCIPAL, SETTINGS, STATE
 from settings import ConfigError, Settings
+from store.types import Principal
 
 # Paths a load balancer probes with whatever Host it likes; they disclose nothing.
 HOST_EXEMPT_PATHS = ("/health", "/ready")
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
+ADMIN_PREFIX = "/v1/admin/"  # api/admin.py: admin keys only, and admin keys nowhere else
+
+
+def is_admin_path(path: str) -> bool:
+    return path.startswith(ADMIN_PREFIX) or path == ADMIN_PREFIX.rstrip("/")
 
 
 def is_loopback(host: str) -> bool:
@@ -191,6 +197,25 @@ async def _check_metrics_access(request: web.Request) -> None:
         raise unauthorized("/metrics needs an API key or server.metrics_token when the server is not loopback-only.")
 
 
+async def _admin_principal(request: web.Request) -> Principal:
+    """/v1/admin/ takes admin keys only, from any peer; never the keyless local mode."""
+    principal = await _key_principal(request)
+    if principal is None:
+        raise unauthorized(
+            "The admin API needs an admin key (Authorization: Bearer <key>). Create one with: "
+            "python server.py keys create --org admin --tier free --scope admin"
+        )
+    if not principal.is_admin:
+        raise ApiError(
+            403,
+            "The admin API needs an admin key; this key serves inference only. Create an admin key with: "
+            "python server.py keys create --org admin --tier free --scope admin",
+            "permission_error",
+            "admin_key_required",
+        )
+    return principal
+
+
 def make_access_middleware(settings: Settings):
     policy = HostPolicy.from_settings(settings)
 
@@ -200,12 +225,22 @@ def make_access_middleware(settings: Settings):
         _check_origin(request, settings)
         if request.path == "/metrics":
             await _check_metrics_access(request)
+        elif is_admin_path(request.path):
+            request[PRINCIPAL] = await _admin_principal(request)
         elif request.path.startswith("/v1/"):
             principal = await _key_principal(request)
             if principal is None and _is_keyless_peer(request, policy):
                 principal = request.app[STATE].local_principal
             if principal is None:
                 raise unauthorized("You didn't provide an API key. Send 'Authorization: Bearer <API key>'.")
+            if principal.is_admin:
+                raise ApiError(
+                    403,
+                    "This is an admin key: it manages organisations, keys and usage under /v1/admin/ and cannot "
+                    "call the rest of the API. Use an inference key.",
+                    "permission_error",
+                    "admin_key_not_allowed",
+                )
             request[PRINCIPAL] = principal
         return await handler(request)
 

@@ -18,13 +18,13 @@ from types import TracebackType
 import structlog
 
 from gateway.errors import BucketView, RateLimited, Reason
-from settings import TierConfig
+from settings import ORG_LIMITS, TierConfig
 
 log = structlog.get_logger(__name__)
 
 Clock = Callable[[], float]
 _PERIOD_S = 60.0  # every limit is "per minute": a bucket refills its capacity in 60 s
-_OVERRIDABLE = frozenset({"requests_per_minute", "tokens_per_minute"})  # per key, per org
+_OVERRIDABLE = frozenset(ORG_LIMITS)  # per key, per org
 
 
 RateLimitReason = Reason  # the bucket reasons are gateway.errors.Reason members

@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from settings import Settings
+from settings import Settings, merge_org_limits
 from store.feedback import Feedback
 from store.money import format_usd
 from store.store import UNSET, Store
-from store.types import Conflict, NotFound, StoreError
+from store.types import INFERENCE_SCOPE, KEY_SCOPES, Conflict, NotFound, StoreError
 
 
 def add_cli(subparsers: Any) -> None:
@@ -32,9 +32,15 @@ def add_cli(subparsers: Any) -> None:
     create.add_argument("--budget", type=_budget, default=UNSET, help="monthly budget in USD, or 'none'")
     create.add_argument("--name", help="a label for the key")
     create.add_argument("--expires-in-days", type=float, help="the key stops working after this many days")
+    create.add_argument(
+        "--scope",
+        choices=KEY_SCOPES,
+        default=INFERENCE_SCOPE,
+        help="inference (default): the API; admin: only /v1/admin/ (organisations, keys, every organisation's usage)",
+    )
     listing = _with_db(keys_sub.add_parser("list", help="list keys (prefix and last 4 only)"))
     listing.add_argument("--org", help="only this organisation's keys")
-    revoke = _with_db(keys_sub.add_parser("revoke", help="revoke a key by its prefix"))
+    revoke = _with_db(keys_sub.add_parser("revoke", help="revoke a key by its prefix (sk-...) or id (key_...)"))
     revoke.add_argument("prefix")
 
     orgs = subparsers.add_parser("orgs", help="create, list and change organisations")
@@ -103,9 +109,11 @@ async def _keys_create(store: Store, args: argparse.Namespace, settings: Setting
             f"organisation {org.name!r} exists with tier {org.tier}, budget {_money(org.budget_usd)};"
             " change it with `orgs set`"
         )
+    if args.expires_in_days is not None and not args.expires_in_days > 0:
+        return _fail("--expires-in-days must be more than 0")
     expires_at = None if args.expires_in_days is None else time.time() + args.expires_in_days * 86400.0
-    key, secret = await store.create_key(org.name, name=args.name, expires_at=expires_at)
-    _out(f"created key {key.display} ({key.id}) for {org.name}\n")
+    key, secret = await store.create_key(org.name, name=args.name, expires_at=expires_at, scope=args.scope)
+    _out(f"created {key.scope} key {key.display} ({key.id}) for {org.name}\n")
     _out("secret (shown once, store it now):\n")
     _out(f"{secret}\n")
     return 0
@@ -118,7 +126,7 @@ async def _keys_list(store: Store, args: argparse.Namespace, settings: Settings)
         if not key.is_revoked and key.expires_at is not None:
             state = f"{'expired' if key.is_expired(time.time()) else 'expires'} {_time(key.expires_at)}"
         _out(
-            f"{key.prefix:<12} ...{key.last4}  {org_names.get(key.org_id, key.org_id):<20} {state:<28}"
+            f"{key.prefix:<12} ...{key.last4}  {org_names.get(key.org_id, key.org_id):<20} {key.scope:<9} {state:<28}"
             f" created {_time(key.created_at)}  last used {_time(key.last_used_at)}  {key.name or ''}\n"
         )
     return 0
@@ -208,16 +216,13 @@ def _budget(text: str) -> float | None:
 
 
 def _merge_limits(limits: dict[str, Any], items: list[str]) -> dict[str, Any]:
-    merged = dict(limits)
+    changes: dict[str, Any] = {}
     for item in items:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--limit expects KEY=VALUE, got {item!r}")
-        if text.strip().lower() == "none":
-            merged.pop(key, None)
-            continue
-        merged[key] = float(text) if "." in text else int(text)
-    return merged
+        changes[key] = None if text.strip().lower() == "none" else text
+    return merge_org_limits(limits, changes)
 
 
 def _check_tier(tier: str, settings: Settings) -> None:

@@ -18,7 +18,7 @@ import orjson
 
 from store.keycache import LiveKey
 from store.rows import fetch_all
-from store.types import ApiKey, Conflict, NotFound, Org, Principal
+from store.types import INFERENCE_SCOPE, KEY_SCOPES, ApiKey, Conflict, NotFound, Org, Principal
 
 SECRET_PREFIX = "sk-"
 MAX_LOOKUP_HASHES = 500  # per query: SQLite's host-parameter limit is 999 on older builds
@@ -26,7 +26,9 @@ PREFIX_CHARS = 11  # "sk-" plus 8 random characters (48 bits): unique in practic
 MAX_SECRET_CHARS = 256  # longer strings are not ours; refuse before hashing them
 
 _ORG_COLUMNS = "o.id, o.name, o.tier, o.budget_usd, o.limits_json, o.created_at"
-_KEY_COLUMNS = "k.id, k.org_id, k.prefix, k.last4, k.name, k.created_at, k.last_used_at, k.revoked_at, k.expires_at"
+_KEY_COLUMNS = (
+    "k.id, k.org_id, k.prefix, k.last4, k.name, k.created_at, k.last_used_at, k.revoked_at, k.expires_at, k.scope"
+)
 
 
 def new_secret() -> str:
@@ -48,7 +50,7 @@ def org_from_row(row: sqlite3.Row | tuple[Any, ...], offset: int = 0) -> Org:
 
 
 def key_from_row(row: sqlite3.Row | tuple[Any, ...]) -> ApiKey:
-    return ApiKey(*tuple(row)[:9])
+    return ApiKey(*tuple(row)[:10])
 
 
 # --- reads ------------------------------------------------------------------------------
@@ -85,13 +87,14 @@ async def find_live_keys(conn: aiosqlite.Connection, key_hashes: list[str]) -> d
         batch = key_hashes[start : start + MAX_LOOKUP_HASHES]
         rows = await fetch_all(
             conn,
-            f"SELECT k.key_hash, k.id, k.expires_at, {_ORG_COLUMNS} FROM api_keys k JOIN orgs o ON o.id = k.org_id"
+            f"SELECT k.key_hash, k.id, k.expires_at, k.scope, {_ORG_COLUMNS}"
+            " FROM api_keys k JOIN orgs o ON o.id = k.org_id"
             f" WHERE k.revoked_at IS NULL AND k.key_hash IN ({', '.join('?' * len(batch))})",
             batch,
         )
         for row in rows:
-            key_hash, key_id, expires_at = tuple(row)[:3]
-            found[key_hash] = LiveKey(Principal(key_id, org_from_row(row, offset=3)), expires_at)
+            key_hash, key_id, expires_at, scope = tuple(row)[:4]
+            found[key_hash] = LiveKey(Principal(key_id, org_from_row(row, offset=4), scope), expires_at)
     return found
 
 
@@ -135,8 +138,14 @@ async def ensure_org(conn: aiosqlite.Connection, name: str, tier: str) -> Org:
 
 
 async def insert_key(
-    conn: aiosqlite.Connection, org_name: str, name: str | None, expires_at: float | None = None
+    conn: aiosqlite.Connection,
+    org_name: str,
+    name: str | None,
+    expires_at: float | None = None,
+    scope: str = INFERENCE_SCOPE,
 ) -> tuple[ApiKey, str]:
+    if scope not in KEY_SCOPES:
+        raise ValueError(f"a key's scope is one of {', '.join(KEY_SCOPES)}, not {scope!r}")
     org = await get_org(conn, org_name)
     if org is None:
         raise NotFound(f"no organisation named {org_name!r}")
@@ -152,12 +161,23 @@ async def insert_key(
             None,
             None,
             expires_at,
+            scope,
         )
         try:
             await conn.execute(
-                "INSERT INTO api_keys (id, org_id, key_hash, prefix, last4, name, created_at, expires_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (key.id, key.org_id, hash_secret(secret), key.prefix, key.last4, name, key.created_at, expires_at),
+                "INSERT INTO api_keys (id, org_id, key_hash, prefix, last4, name, created_at, expires_at, scope)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    key.id,
+                    key.org_id,
+                    hash_secret(secret),
+                    key.prefix,
+                    key.last4,
+                    name,
+                    key.created_at,
+                    expires_at,
+                    scope,
+                ),
             )
         except sqlite3.IntegrityError:
             continue
@@ -166,8 +186,9 @@ async def insert_key(
 
 
 async def revoke_key(conn: aiosqlite.Connection, prefix: str, now: float) -> bool:
+    """Revoke the live key named by its prefix (`sk-...`) or its id (`key_...`)."""
     cursor = await conn.execute(
-        "UPDATE api_keys SET revoked_at = ? WHERE prefix = ? AND revoked_at IS NULL", (now, prefix)
+        "UPDATE api_keys SET revoked_at = ? WHERE (prefix = ? OR id = ?) AND revoked_at IS NULL", (now, prefix, prefix)
     )
     return cursor.rowcount > 0
 

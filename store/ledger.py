@@ -15,12 +15,13 @@ from store import conversations
 from store.rows import fetch_all
 from store.types import Message, RequestRecord
 
-GROUP_BY = ("model", "day", "key")
+GROUP_BY = ("model", "day", "key", "org")
 
 _GROUP_COLUMNS = {
     "model": ("u.model", "model"),
     "day": ("date(u.created_at, 'unixepoch')", "day"),  # UTC day, 'YYYY-MM-DD'
     "key": ("u.key_id", "key_id"),
+    "org": ("u.org_id", "organization_id"),
 }
 
 
@@ -101,26 +102,33 @@ async def month_spend_usd(conn: aiosqlite.Connection, org_id: str, now: float) -
 
 
 async def summary(
-    conn: aiosqlite.Connection, org_id: str, start: float | None, end: float | None, group_by: str
+    conn: aiosqlite.Connection, org_id: str | None, start: float | None, end: float | None, group_by: str
 ) -> list[dict[str, Any]]:
-    """Token totals and cost per group, for `start <= created_at < end` (either bound optional)."""
+    """Token totals and cost per group, for `start <= created_at < end` (either bound optional).
+
+    `org_id=None`: every organisation's rows; grouped by key or organisation, each row then also
+    names its organisation."""
     if group_by not in _GROUP_COLUMNS:
         raise ValueError(f"group_by must be one of {GROUP_BY}, got {group_by!r}")
     expr, name = _GROUP_COLUMNS[group_by]
-    where, params = "u.org_id = ?", list[object]([org_id])
+    where, params = "1", list[object]()
+    if org_id is not None:
+        where, params = "u.org_id = ?", [org_id]
     if start is not None:
         where += " AND u.created_at >= ?"
         params.append(start)
     if end is not None:
         where += " AND u.created_at < ?"
         params.append(end)
-    key_prefix = ", max(k.prefix) AS key_prefix" if group_by == "key" else ""
+    extra = ", max(k.prefix) AS key_prefix, max(k.name) AS key_name" if group_by == "key" else ""
+    if org_id is None and group_by in ("key", "org"):
+        extra += ", max(o.name) AS organization"
     rows = await fetch_all(
         conn,
-        f"SELECT {expr} AS {name}{key_prefix}, count(*) AS num_requests,"
+        f"SELECT {expr} AS {name}{extra}, count(*) AS num_requests,"
         " sum(u.prompt_tokens) AS prompt_tokens, sum(u.cached_tokens) AS cached_tokens,"
         " sum(u.completion_tokens) AS completion_tokens, round(sum(u.cost_usd), 9) AS cost_usd"
-        " FROM usage u LEFT JOIN api_keys k ON k.id = u.key_id"
+        " FROM usage u LEFT JOIN api_keys k ON k.id = u.key_id JOIN orgs o ON o.id = u.org_id"
         f" WHERE {where} GROUP BY {expr} ORDER BY {expr}",
         params,
     )

@@ -180,6 +180,12 @@ ALTER TABLE responses ADD COLUMN status TEXT NOT NULL DEFAULT 'completed';
 CREATE INDEX responses_unfinished ON responses(status) WHERE status IN ('queued', 'in_progress');
 """
 
+# Admin keys (`keys create --scope admin`): they manage organisations, keys and usage over
+# /v1/admin/ and are refused everywhere else; every older key serves inference as before.
+_V8_KEY_SCOPE = """
+ALTER TABLE api_keys ADD COLUMN scope TEXT NOT NULL DEFAULT 'inference' CHECK (scope IN ('inference', 'admin'));
+"""
+
 # (version, script); version N leaves `PRAGMA user_version = N`.
 MIGRATIONS: tuple[tuple[int, str], ...] = (
     (1, _V1),
@@ -189,6 +195,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (5, _V5_RESPONSES),
     (6, _V6_KEY_EXPIRY),
     (7, _V7_RESPONSE_STATUS),
+    (8, _V8_KEY_SCOPE),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

@@ -26,6 +26,7 @@ from store import conversations, feedback, files, keys, ledger, responses, schem
 from store.keycache import KeyCache, LiveKey
 from store.rows import fetch_all
 from store.types import (
+    INFERENCE_SCOPE,
     ApiKey,
     Conversation,
     FileQuery,
@@ -166,10 +167,12 @@ class Store:
             self._keys.invalidate()
 
     async def create_key(
-        self, org_name: str, *, name: str | None = None, expires_at: float | None = None
+        self, org_name: str, *, name: str | None = None, expires_at: float | None = None, scope: str = INFERENCE_SCOPE
     ) -> tuple[ApiKey, str]:
-        """A new key and its secret (valid until `expires_at`, unix s, if given); the secret is returned once."""
-        job = functools.partial(keys.insert_key, org_name=org_name, name=name, expires_at=expires_at)
+        """A new key and its secret (valid until `expires_at`, unix s, if given); the secret is returned once.
+
+        `scope`: `inference` (the API) or `admin` (/v1/admin/ only)."""
+        job = functools.partial(keys.insert_key, org_name=org_name, name=name, expires_at=expires_at, scope=scope)
         return await self._write(job)
 
     async def list_keys(self, org_name: str | None = None) -> list[ApiKey]:
@@ -179,7 +182,8 @@ class Store:
         return [_with_last_used(k, pending.get(k.id)) for k in found]
 
     async def revoke_key(self, prefix: str) -> bool:
-        """Revoke; refused from the next request on (this process) or within key_cache_s (others)."""
+        """Revoke by prefix or key id; refused from the next request on (this process), or within
+        key_cache_s (others)."""
         try:
             return await self._write(functools.partial(keys.revoke_key, prefix=prefix, now=time.time()))
         finally:  # after the commit: a lookup that read before it is not stored (KeyCache.generation)
@@ -362,9 +366,10 @@ class Store:
             return await ledger.month_spend_usd(conn, org_id, time.time() if now is None else now)
 
     async def usage_summary(
-        self, org_id: str, *, start: float | None = None, end: float | None = None, group_by: str = "model"
+        self, org_id: str | None, *, start: float | None = None, end: float | None = None, group_by: str = "model"
     ) -> list[dict[str, Any]]:
-        """Rows of {<group>, num_requests, prompt_tokens, cached_tokens, completion_tokens, cost_usd}."""
+        """Rows of {<group>, num_requests, prompt_tokens, cached_tokens, completion_tokens, cost_usd};
+        `org_id=None`: every organisation's requests."""
         async with self._reader() as conn:
             return await ledger.summary(conn, org_id, start, end, group_by)
 

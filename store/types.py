@@ -47,6 +47,11 @@ class Org:
     created_at: float = 0.0
 
 
+INFERENCE_SCOPE = "inference"  # the API: chat, models, conversations, files, usage of its own organisation
+ADMIN_SCOPE = "admin"  # /v1/admin/ only: organisations, keys, usage of every organisation
+KEY_SCOPES = (INFERENCE_SCOPE, ADMIN_SCOPE)
+
+
 @dataclass(frozen=True, slots=True)
 class ApiKey:
     """A key as it may be shown: never the secret, never its hash."""
@@ -60,6 +65,7 @@ class ApiKey:
     last_used_at: float | None
     revoked_at: float | None
     expires_at: float | None = None  # None: never expires
+    scope: str = INFERENCE_SCOPE  # one of KEY_SCOPES
 
     @property
     def is_revoked(self) -> bool:
@@ -79,6 +85,11 @@ class Principal:
 
     key_id: str | None
     org: Org
+    scope: str = INFERENCE_SCOPE  # the key's; the keyless local organisation's is inference
+
+    @property
+    def is_admin(self) -> bool:
+        return self.scope == ADMIN_SCOPE
 
 
 @dataclass(frozen=True, slots=True)

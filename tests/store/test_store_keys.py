@@ -168,16 +168,30 @@ async def test_cli_creates_lists_and_revokes_keys(db_path: Path, capsys: pytest.
 
     assert await run_cli(_cli("keys", "create", "--org", "acme", "--tier", "free", *db), settings) == 1
     assert await run_cli(_cli("orgs", "create", "x", "--tier", "gold", *db), settings) == 1  # unknown tier
-    org_set = _cli("orgs", "set", "acme", "--budget", "none", "--limit", "max_tokens=64", *db)
+    capsys.readouterr()
+    # Only the per-key rate limits can be overridden; another name is refused, not stored and ignored.
+    not_overridable = _cli("orgs", "set", "acme", "--limit", "max_tokens=64", *db)
+    assert await run_cli(not_overridable, settings) == 1
+    assert "'max_tokens' is not a limit" in capsys.readouterr().err
+    assert await run_cli(_cli("orgs", "set", "acme", "--limit", "tokens_per_minute=-5", *db), settings) == 1
+    org_set = _cli("orgs", "set", "acme", "--budget", "none", "--limit", "tokens_per_minute=640", *db)
     assert await run_cli(org_set, settings) == 0
+    admin = _cli("keys", "create", "--org", "acme", "--scope", "admin", "--expires-in-days", "1", *db)
+    assert await run_cli(admin, settings) == 0
+    admin_secret = capsys.readouterr().out.strip().splitlines()[-1]
+    assert await run_cli(_cli("keys", "list", "--org", "acme", *db), settings) == 0
+    listed = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("sk-")]
+    assert [cols[3] for cols in listed] == ["inference", "admin"]
+    assert await run_cli(_cli("keys", "create", "--org", "acme", "--expires-in-days", "0", *db), settings) == 1
     assert await run_cli(_cli("keys", "revoke", secret[:11], *db), settings) == 0
     assert await run_cli(_cli("keys", "revoke", secret[:11], *db), settings) == 1
 
     store = await Store.open(db_path, StoreConfig())
     try:
         assert await store.authenticate(secret) is None
+        assert (await store.authenticate(admin_secret)).is_admin
         org = await store.get_org("acme")
-        assert org is not None and org.budget_usd is None and org.limits == {"max_tokens": 64}
+        assert org is not None and org.budget_usd is None and org.limits == {"tokens_per_minute": 640}
     finally:
         await store.close()
 

@@ -83,3 +83,26 @@ def test_sqlite_versions_below_3_52_are_flagged_unsafe() -> None:
     assert not sqlite_version_is_safe("3.51.2")
     assert sqlite_version_is_safe("3.52.0")
     assert sqlite_version_is_safe("3.100.0")
+
+
+@pytest.mark.asyncio
+async def test_keys_made_before_scopes_existed_serve_inference_after_the_upgrade(
+    db_path: Path, store_config: StoreConfig
+) -> None:
+    store = await Store.open(db_path, store_config)
+    await store.create_org("acme", "plus")
+    _key, secret = await store.create_key("acme")
+    await store.close()
+    with sqlite3.connect(db_path) as conn:  # the file as schema 7 left it
+        conn.execute("ALTER TABLE api_keys DROP COLUMN scope")
+        conn.execute("PRAGMA user_version = 7")
+
+    store = await Store.open(db_path, store_config)
+    try:
+        principal = await store.authenticate(secret)
+        assert principal is not None and principal.scope == "inference" and not principal.is_admin
+        assert [k.scope for k in await store.list_keys("acme")] == ["inference"]
+        with pytest.raises(ValueError, match="scope"):
+            await store.create_key("acme", scope="root")
+    finally:
+        await store.close()

@@ -1,0 +1,215 @@
+"""The admin API (api/admin.py): admin keys manage organisations, keys and usage over HTTP, reach
+nothing else, and what they change holds from the next request on."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.api.helpers import assert_error, state_of
+
+USER = [{"role": "user", "content": "Hello there, friend."}]
+
+
+def bearer(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+async def chat(client, secret: str | None = None, model: str = "echo"):
+    headers = bearer(secret) if secret else {}
+    return await client.post("/v1/chat/completions", json={"model": model, "messages": USER}, headers=headers)
+
+
+async def make_key(client, headers: dict[str, str], **body) -> dict:
+    resp = await client.post("/v1/admin/keys", json=body, headers=headers)
+    assert resp.status == 201, await resp.text()
+    return await resp.json()
+
+
+@pytest.fixture
+async def admin(make_client):
+    """(client, admin secret): the admin key belongs to its own organisation."""
+    client = await make_client()
+    store = state_of(client).store
+    await store.create_org("ops", "free")
+    _key, secret = await store.create_key("ops", scope="admin")
+    return client, secret
+
+
+async def test_only_admin_keys_reach_the_admin_api_and_they_reach_nothing_else(admin):
+    client, admin_secret = admin
+    store = state_of(client).store
+    await store.create_org("acme", "enterprise")
+    _key, user_secret = await store.create_key("acme")
+
+    # No key (even from loopback, where the rest of the API is keyless): 401. An inference key: 403.
+    await assert_error(await client.get("/v1/admin/organizations"), 401, code="invalid_api_key")
+    err = await assert_error(
+        await client.get("/v1/admin/organizations", headers=bearer(user_secret)), 403, code="admin_key_required"
+    )
+    assert "--scope admin" in err["message"]
+    await assert_error(await client.get("/v1/admin/usage", headers=bearer("sk-made-up-" + "x" * 30)), 401)
+    assert (await client.get("/v1/admin/organizations", headers=bearer(admin_secret))).status == 200
+
+    # The admin key is not an inference key: a leaked script credential cannot spend tokens, nor
+    # can a chat key mint keys.
+    await assert_error(await chat(client, admin_secret), 403, code="admin_key_not_allowed")
+    await assert_error(await client.get("/v1/models", headers=bearer(admin_secret)), 403, code="admin_key_not_allowed")
+    assert (await chat(client, user_secret)).status == 200
+    assert (await chat(client)).status == 200  # keyless loopback, as before
+
+
+async def test_organisations_are_created_listed_read_and_changed_with_clear_errors(admin):
+    client, secret = admin
+    h = bearer(secret)
+    resp = await client.post(
+        "/v1/admin/organizations",
+        json={"name": "acme", "tier": "free", "budget_usd": 12.5, "limits": {"requests_per_minute": 30}},
+        headers=h,
+    )
+    assert resp.status == 201, await resp.text()
+    org = await resp.json()
+    assert (org["object"], org["name"], org["tier"], org["budget_usd"], org["limits"]) == (
+        "organization",
+        "acme",
+        "free",
+        12.5,
+        {"requests_per_minute": 30},
+    )
+    names = [o["name"] for o in (await (await client.get("/v1/admin/organizations", headers=h)).json())["data"]]
+    assert names == ["acme", "local", "ops"]  # local: the keyless loopback organisation
+    got = await (await client.get("/v1/admin/organizations/acme", headers=h)).json()
+    assert got["id"] == org["id"] and got["month_spend_usd"] == 0.0
+
+    bad = {
+        "tier": ({"name": "x", "tier": "gold"}, "tier"),
+        "name": ({"name": "has space", "tier": "free"}, "name"),
+        "budget": ({"name": "x", "tier": "free", "budget_usd": -1}, "budget_usd"),
+        "limit name": ({"name": "x", "tier": "free", "limits": {"max_tokens": 5}}, "limits"),
+        "limit value": ({"name": "x", "tier": "free", "limits": {"tokens_per_minute": 1.5}}, "limits"),
+        "field": ({"name": "x", "tier": "free", "owner": "me"}, "owner"),
+    }
+    for body, param in bad.values():
+        resp = await client.post("/v1/admin/organizations", json=body, headers=h)
+        await assert_error(resp, 400, param=param)
+    await assert_error(
+        await client.post("/v1/admin/organizations", json={"name": "acme", "tier": "free"}, headers=h),
+        409,
+        code="organization_exists",
+    )
+    await assert_error(await client.get("/v1/admin/organizations/nobody", headers=h), 404)
+
+    resp = await client.patch(
+        "/v1/admin/organizations/acme",
+        json={
+            "tier": "enterprise",
+            "budget_usd": None,
+            "limits": {"requests_per_minute": None, "tokens_per_minute": 9},
+        },
+        headers=h,
+    )
+    changed = await resp.json()
+    assert (changed["tier"], changed["budget_usd"], changed["limits"]) == ("enterprise", None, {"tokens_per_minute": 9})
+    await assert_error(await client.patch("/v1/admin/organizations/acme", json={}, headers=h), 400)
+    await assert_error(await client.patch("/v1/admin/organizations/nobody", json={"tier": "free"}, headers=h), 404)
+
+
+async def test_a_key_made_over_http_works_at_once_is_listed_without_its_secret_and_revoked_at_once(admin):
+    client, secret = admin
+    h = bearer(secret)
+    await client.post("/v1/admin/organizations", json={"name": "acme", "tier": "enterprise"}, headers=h)
+    resp = await client.post(
+        "/v1/admin/keys", json={"organization": "acme", "name": "laptop", "expires_in_days": 30}, headers=h
+    )
+    assert resp.status == 201, await resp.text()
+    made = await resp.json()
+    user_secret = made["value"]
+    assert user_secret.startswith("sk-") and made["scope"] == "inference" and made["status"] == "active"
+    assert made["expires_at"] > made["created_at"] + 29 * 86400
+    assert (await chat(client, user_secret)).status == 200
+
+    listing = await (await client.get("/v1/admin/keys?organization=acme", headers=h)).text()
+    assert made["id"] in listing and user_secret not in listing and made["redacted_value"] in listing
+    everyone = (await (await client.get("/v1/admin/keys", headers=h)).json())["data"]
+    assert {(k["organization"], k["scope"]) for k in everyone} == {("acme", "inference"), ("ops", "admin")}
+
+    for body, param in (
+        ({"organization": "nobody"}, "organization"),
+        ({"organization": "acme", "scope": "root"}, "scope"),
+        ({"organization": "acme", "expires_in_days": 0}, "expires_in_days"),
+        ({"organization": "acme", "name": 5}, "name"),
+    ):
+        status = 404 if param == "organization" else 400
+        await assert_error(await client.post("/v1/admin/keys", json=body, headers=h), status, param=param)
+
+    resp = await client.delete(f"/v1/admin/keys/{made['id']}", headers=h)
+    assert (await resp.json())["status"] == "revoked"
+    await assert_error(await chat(client, user_secret), 401, code="invalid_api_key")
+    await assert_error(await client.delete(f"/v1/admin/keys/{made['id']}", headers=h), 404)
+    await assert_error(await client.delete("/v1/admin/keys/sk-nothing", headers=h), 404)
+
+    # A second admin key, then the first revokes itself by prefix: it stops at once.
+    second = await (
+        await client.post("/v1/admin/keys", json={"organization": "ops", "scope": "admin"}, headers=h)
+    ).json()
+    own_prefix = secret[:11]
+    assert (await client.delete(f"/v1/admin/keys/{own_prefix}", headers=h)).status == 200
+    await assert_error(await client.get("/v1/admin/keys", headers=h), 401)
+    assert (await client.get("/v1/admin/keys", headers=bearer(second["value"]))).status == 200
+
+
+async def test_an_organisations_new_limits_hold_from_its_next_request(admin):
+    client, secret = admin
+    h = bearer(secret)
+    await client.post("/v1/admin/organizations", json={"name": "acme", "tier": "enterprise"}, headers=h)
+    user_secret = (await (await client.post("/v1/admin/keys", json={"organization": "acme"}, headers=h)).json())[
+        "value"
+    ]
+    assert (await chat(client, user_secret)).status == 200  # its principal is now cached
+    # The minute's first request counts against the new limit of 2: one more, then 429.
+    await client.patch("/v1/admin/organizations/acme", json={"limits": {"requests_per_minute": 2}}, headers=h)
+    resp = await chat(client, user_secret)
+    assert resp.status == 200 and resp.headers["x-ratelimit-limit-requests"] == "2"
+    await assert_error(await chat(client, user_secret), 429, code="rate_limit_exceeded")
+    body = {"tier": "free", "limits": {"requests_per_minute": None}}
+    assert (await client.patch("/v1/admin/organizations/acme", json=body, headers=h)).status == 200
+    await assert_error(await chat(client, user_secret, model="echo"), 404)  # free serves echo2 only
+
+
+async def test_usage_of_every_organisation_by_org_and_key(admin):
+    client, secret = admin
+    h = bearer(secret)
+    for org in ("acme", "globex"):
+        await client.post("/v1/admin/organizations", json={"name": org, "tier": "enterprise"}, headers=h)
+    acme = (await (await client.post("/v1/admin/keys", json={"organization": "acme"}, headers=h)).json())["value"]
+    globex = await (await client.post("/v1/admin/keys", json={"organization": "globex"}, headers=h)).json()
+    for who in (acme, acme, globex["value"]):
+        resp = await chat(client, who)
+        assert resp.status == 200
+        await resp.read()
+
+    async def usage(query: str) -> dict:
+        resp = await client.get(f"/v1/admin/usage?{query}", headers=h)
+        assert resp.status == 200, await resp.text()
+        return await resp.json()
+
+    by_org = await usage("group_by=org")
+    assert {r["organization"]: r["num_requests"] for r in by_org["data"]} == {"acme": 2, "globex": 1}
+    assert by_org["total"]["num_requests"] == 3 and by_org["total"]["cost_usd"] > 0
+    by_key = await usage("group_by=key&organization=globex")
+    assert [(r["key_id"], r["num_requests"]) for r in by_key["data"]] == [(globex["id"], 1)]
+    everyone_by_key = await usage("group_by=key")
+    assert {r["organization"] for r in everyone_by_key["data"]} == {"acme", "globex"}
+    assert (await usage("group_by=org&start=0&end=1"))["data"] == []
+    await assert_error(await client.get("/v1/admin/usage?group_by=colour", headers=h), 400, param="group_by")
+    await assert_error(await client.get("/v1/admin/usage?organization=nobody", headers=h), 404)
+    await assert_error(await client.get("/v1/admin/usage?start=soon", headers=h), 400, param="start")
+
+
+async def test_a_browser_page_of_another_origin_cannot_drive_the_admin_api(admin):
+    client, secret = admin
+    resp = await client.post(
+        "/v1/admin/keys",
+        json={"organization": "ops", "scope": "admin"},
+        headers={**bearer(secret), "Origin": "https://evil.example"},
+    )
+    await assert_error(resp, 403, code="origin_not_allowed")
