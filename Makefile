@@ -50,6 +50,7 @@ bench: $(VENV)/.installed-dev
 	$(PY) -m bench.bench_safety
 	$(PY) -m bench.bench_structured
 	$(PY) -m bench.bench_peers
+	$(PY) -m bench.bench_amx
 
 # The engine against llama.cpp (from bench-deps, when built) and transformers at 30M and 390M.
 bench-peers: $(VENV)/.installed-dev

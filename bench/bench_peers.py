@@ -105,6 +105,7 @@ def run_ours(
     device: str = "cpu",
     dtype: str = "auto",
     cuda_graphs: str = "auto",
+    amx_prefill: str = "off",
 ) -> tuple[float, float]:
     from engine.native.llm_engine import LLMEngine
     from engine.types import GenerationRequest, SamplingParams
@@ -118,6 +119,7 @@ def run_ours(
         kernel_isa=kernel_isa,
         quantization=quantization,
         cuda_graphs=cuda_graphs,
+        amx_prefill=amx_prefill,
     )
     engine = LLMEngine.from_model_dir(model_dir, config, eos_token_ids=())
     prompts = make_prompts(w.streams, w.prompt_len, MODELS[w.model][1]["vocab_size"], seed=w.streams)

@@ -44,6 +44,7 @@ class PackedLinear:
     in_features: int
     kernels: CpuKernels
     bits: int = 32  # 32: fp32 panels; 8: int8; 4: int4
+    amx: torch.Tensor | None = None  # engine.amx_prefill: the weight in bf16 [out, in], for steps of many rows
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -51,7 +52,8 @@ class PackedLinear:
 
     @property
     def nbytes(self) -> int:
-        return self.panels.nbytes + (0 if self.scales is None else self.scales.nbytes)
+        extra = (0 if self.scales is None else self.scales.nbytes) + (0 if self.amx is None else self.amx.nbytes)
+        return self.panels.nbytes + extra
 
 
 def _to_panels(matrix: torch.Tensor, panel: int) -> torch.Tensor:

@@ -141,6 +141,41 @@ def resolve_mode(*, enabled: bool, isa: str, device: torch.device, dtype: torch.
     return KernelMode.TORCH
 
 
+AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
+AMX_PREFILL_SETTINGS = ("auto", "on", "off")
+
+
+def resolve_amx_prefill(
+    setting: str,
+    *,
+    mode: KernelMode,
+    is_quantized: bool,
+    checkpoint_dtype: torch.dtype | None,
+    flags: frozenset[str] | None = None,
+) -> bool:
+    """Whether the runner's prefill steps use AMX (engine.amx_prefill; model.linear's AMX path).
+
+    "auto": where the CPU has AMX, the avx512 kernels run, the weights are not quantized and the
+    checkpoint is stored in bfloat16 (so the bf16 copy of each weight is exact). "on": the same
+    but for any checkpoint dtype; an error naming what is missing. `flags`: the CPU's unless given.
+    """
+    if setting not in AMX_PREFILL_SETTINGS:
+        raise EngineError(f"engine.amx_prefill {setting!r} is not one of {', '.join(AMX_PREFILL_SETTINGS)}")
+    if setting == "off":
+        return False
+    flags = cpu_flags() if flags is None else flags
+    missing = []
+    if not AMX_FLAGS.issubset(flags) or not torch.backends.mkldnn.is_available():
+        missing.append("a CPU with AMX (amx_tile, amx_bf16) and PyTorch's oneDNN")
+    if mode is not KernelMode.AVX512:
+        missing.append(f"the avx512 kernels (this engine runs {mode.value})")
+    if is_quantized:
+        missing.append("unquantized weights (engine.quantization = none)")
+    if setting == "on" and missing:
+        raise EngineError(f"engine.amx_prefill = on needs {' and '.join(missing)}; set it to auto or off")
+    return not missing and (setting == "on" or checkpoint_dtype == torch.bfloat16)
+
+
 def _link_openmp() -> list[str]:
     """Link torch's own OpenMP runtime where it ships one, else the compiler's."""
     torch_openmp = openmp_library_path()

@@ -27,10 +27,19 @@ from engine.native.quant import Quantization, W4A8Weight, fake_quantize, quantiz
 log = structlog.get_logger(__name__)
 
 
+# engine.amx_prefill: a step with at least this many rows runs its decoder matmuls as bf16 on AMX
+# tiles (oneDNN through F.linear); measured against our fp32 kernel on a 2-core Sapphire Rapids
+# VM (896 -> 9728): even at 8 rows, 2.2x at 32, 5.8x at 512 (bench/RESULTS.md).
+AMX_MIN_ROWS = 32
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor | PackedLinear | W4A8Weight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     if isinstance(weight, PackedLinear):
+        if weight.amx is not None and x.shape[0] >= AMX_MIN_ROWS:
+            out = F.linear(x.to(torch.bfloat16), weight.amx).float()
+            return out if bias is None else out.add_(bias)
         return weight.kernels.packed_linear(x, weight, bias)
     if isinstance(weight, W4A8Weight):  # int4 without the kernels: the same rounding of the inputs
         return F.linear(quantize_activations(x), weight.weight, bias)
@@ -38,7 +47,7 @@ def linear(
 
 
 def prepare_linear_layers(
-    weights: ModelWeights, cpu: CpuKernels | None, quantization: Quantization, args: ModelArgs
+    weights: ModelWeights, cpu: CpuKernels | None, quantization: Quantization, args: ModelArgs, *, amx: bool = False
 ) -> ModelWeights:
     """Every matmul weight packed for the compiled kernels (cpu given; the originals are released),
     and quantized as asked. Without kernels, int8 or int4 weights are rounded and kept as floats
@@ -46,7 +55,9 @@ def prepare_linear_layers(
 
     The embedding table stays as it is (a lookup, not a matmul); a tied lm_head gets its own
     packed copy of it. For the fused path (Llama-like layers with kernels), the residual
-    multiplier is folded into o_proj and down.
+    multiplier is folded into o_proj and down. `amx` (engine.amx_prefill, kernels and no
+    quantization): each decoder layer's packed weight also keeps a bf16 copy for `linear`'s AMX
+    path; the lm_head does not (logits stay fp32).
     """
     if cpu is not None and args.is_llama_like:  # Model runs the fused path on these weights
         weights = _fold_residual_multiplier(weights, args.residual_multiplier)
@@ -56,9 +67,10 @@ def prepare_linear_layers(
     # the logits are where 4-bit rounding costs the most.
     head_quantization = Quantization.INT8 if quantization is Quantization.INT4 else quantization
 
-    def prepare(weight, quantization=quantization):
+    def prepare(weight, quantization=quantization, amx=amx):
         if cpu is not None:
-            return cpu.pack_linear(weight, quantization)
+            packed = cpu.pack_linear(weight, quantization)
+            return dataclasses.replace(packed, amx=weight.to(torch.bfloat16).contiguous()) if amx else packed
         rounded = fake_quantize(weight, quantization)
         return W4A8Weight(rounded) if quantization is Quantization.INT4 else rounded
 
@@ -72,7 +84,7 @@ def prepare_linear_layers(
         )
         for layer in weights.layers
     )
-    return dataclasses.replace(weights, layers=layers, lm_head=prepare(weights.lm_head, head_quantization))
+    return dataclasses.replace(weights, layers=layers, lm_head=prepare(weights.lm_head, head_quantization, amx=False))
 
 
 def _fold_residual_multiplier(weights: ModelWeights, multiplier: float) -> ModelWeights:

@@ -62,6 +62,8 @@ def fingerprint(engine: LLMEngine, model_dir: Path) -> dict[str, str]:
         "block_size": str(_groups(engine)[0].block_size),
         "kv_layout": f"{args.num_layers}x{args.num_kv_heads}x{args.head_dim}",
         "kv_groups": "".join(str(g) for g in runner.layer_groups),
+        # Prompts' K/V computed on AMX in bf16 (engine.amx_prefill) are not the fp32 path's.
+        **({"amx_prefill": "on"} if runner.amx_prefill else {}),
     }
 
 

@@ -139,7 +139,13 @@ class ModelRunner:
         self.vision = VisionTower(Path(model_dir), self.dtype, self.device) if is_llava(Path(model_dir)) else None
         prefix = "language_model." if self.vision is not None else ""
         weights = load_model_weights(Path(model_dir), self.args, self.dtype, self.device, name_prefix=prefix)
-        weights = prepare_linear_layers(weights, self.cpu, self.quantization, self.args)
+        self.amx_prefill = kernels.resolve_amx_prefill(
+            config.amx_prefill,
+            mode=self.kernel_mode,
+            is_quantized=self.quantization is not Quantization.NONE,
+            checkpoint_dtype=saved_dtype,
+        )
+        weights = prepare_linear_layers(weights, self.cpu, self.quantization, self.args, amx=self.amx_prefill)
         self.model = Model(self.args, weights, self.max_model_len, cpu=self.cpu)
         self.sliding_window = self.args.sliding_window
         # KV groups (block_manager.py): one for every layer, or, when sliding layers mix with
@@ -198,6 +204,7 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             kernel_mode=self.kernel_mode.value,
             quantization=self.quantization.value,
+            amx_prefill=self.amx_prefill,
             fused_layer_kernels=self.model.fused_cpu_ops,
             one_call_decode_step=self.model.uses_decode_stack,
             cuda_graphs=graphs,
