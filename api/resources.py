@@ -247,10 +247,15 @@ async def usage(request: web.Request) -> web.Response:
         raise bad_request(f"'group_by' must be model, day or key, got {group_by!r}.", param="group_by")
     start = time_param(request, "start")
     end = time_param(request, "end")
-    rows = await request.app[STATE].store.usage_summary(
-        request[PRINCIPAL].org.id, start=start if start is not None else month_start(), end=end, group_by=group_by
+    store, org = request.app[STATE].store, request[PRINCIPAL].org
+    rows = await store.usage_summary(
+        org.id, start=start if start is not None else month_start(), end=end, group_by=group_by
     )
-    return _json(usage_body(group_by, rows))
+    # The organisation's monthly budget as it is now (the key cache may hold an older copy) and
+    # this calendar month's spend against it, whatever start and end asked for.
+    current = await store.get_org(org.name) or org
+    budget = {"budget_usd": current.budget_usd, "month_spend_usd": await store.month_spend_usd(org.id)}
+    return _json({**usage_body(group_by, rows), "budget": budget})
 
 
 def usage_body(group_by: str, rows: list[dict]) -> dict:

@@ -102,10 +102,20 @@ function usageLine(row) {
   return `${plural(row.num_requests ?? row.requests ?? 0, "request")} \u00b7 ${plural(tokens, "token")} \u00b7 ${cost}`;
 }
 
+// "of $5.00 budget" when the organisation has a monthly budget; near or past it, highlighted.
+function budgetNote(budget) {
+  if (!budget || budget.budget_usd == null) return "";
+  const limit = Number(budget.budget_usd);
+  const spent = Number(budget.month_spend_usd || 0);
+  el.usage.classList.toggle("usage-near-limit", spent >= 0.8 * limit);
+  return ` of ${limit === 0 ? "$0" : `$${limit.toFixed(2)}`} budget`;
+}
+
 async function refreshUsage() {
   try {
-    const { data, total } = await api.usage();
-    el.usage.textContent = `This month: ${usageLine(total)}`;
+    const { data, total, budget } = await api.usage();
+    el.usage.classList.remove("usage-near-limit");
+    el.usage.textContent = `This month: ${usageLine(total)}${budgetNote(budget)}`;
     el.usage.title = data.map((row) => `${row.model}: ${usageLine(row)}`).join("\n");
   } catch {
     el.usage.textContent = "This month: usage unavailable";

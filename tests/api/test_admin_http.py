@@ -170,6 +170,10 @@ async def test_an_organisations_new_limits_hold_from_its_next_request(admin):
     resp = await chat(client, user_secret)
     assert resp.status == 200 and resp.headers["x-ratelimit-limit-requests"] == "2"
     await assert_error(await chat(client, user_secret), 429, code="rate_limit_exceeded")
+    # The key's own /v1/usage shows the budget an admin just set, and this month's spend against it.
+    await client.patch("/v1/admin/organizations/acme", json={"budget_usd": 7.5}, headers=h)
+    budget = (await (await client.get("/v1/usage", headers=bearer(user_secret))).json())["budget"]
+    assert budget["budget_usd"] == 7.5 and budget["month_spend_usd"] > 0
     body = {"tier": "free", "limits": {"requests_per_minute": None}}
     assert (await client.patch("/v1/admin/organizations/acme", json=body, headers=h)).status == 200
     await assert_error(await chat(client, user_secret, model="echo"), 404)  # free serves echo2 only

@@ -23,6 +23,9 @@ def test_a_key_entered_in_the_browser_is_kept_and_selects_its_organisation(brows
         page.get_by_role("button", name="Save").click()
         wait_until(lambda: model_options(page) == ["echo-small"])
         assert sidebar_titles(page) == []  # acme-ui's conversations, not the local org's
+        usage = page.locator("#usage-summary")
+        wait_until(lambda: usage.inner_text().endswith(" \u00b7 $0 of $0 budget"))  # acme-ui's budget, reached
+        assert "usage-near-limit" in (usage.get_attribute("class") or "")
         assert page.evaluate("localStorage.getItem('chat.apiKey')") == secret
 
         type_and_send(page, "hello from acme")
@@ -39,6 +42,7 @@ def test_a_key_entered_in_the_browser_is_kept_and_selects_its_organisation(brows
         page.get_by_role("button", name="Forget key").click()
         wait_until(lambda: model_options(page) == ["echo-large", "echo-small"])
         assert page.evaluate("localStorage.getItem('chat.apiKey')") is None
+        wait_until(lambda: "budget" not in page.locator("#usage-summary").inner_text())  # local: no budget
         assert watched.dialogs == [] and watched.page_errors == []
     finally:
         watched.close()
