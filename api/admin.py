@@ -192,6 +192,7 @@ async def update_org(request: web.Request) -> web.Response:
         org = await request.app[STATE].store.update_org(org.name, tier=tier, budget_usd=budget, limits=limits)
     except NotFound:  # deleted since the read above (no route deletes one today)
         raise not_found(f"No organisation named {org.name!r}.", param="name") from None
+    request.app[STATE].forget_local_org()  # in case it was the keyless `local` organisation
     _audit(request, "organization_updated", organization=org.name, changes=sorted(body))
     return web.json_response(org_obj(org))
 

@@ -230,7 +230,7 @@ def make_access_middleware(settings: Settings):
         elif request.path.startswith("/v1/"):
             principal = await _key_principal(request)
             if principal is None and _is_keyless_peer(request, policy):
-                principal = request.app[STATE].local_principal
+                principal = await request.app[STATE].keyless_principal()
             if principal is None:
                 raise unauthorized("You didn't provide an API key. Send 'Authorization: Bearer <API key>'.")
             if principal.is_admin:

@@ -51,6 +51,26 @@ class AppState:
     embeddings: EmbeddingsService | None = None  # embeddings.enabled
     local_principal: Principal | None = None
     draining: bool = False
+    _local_read_s: float = 0.0  # monotonic time local_principal's organisation was last read
+
+    async def keyless_principal(self) -> Principal | None:
+        """The keyless `local` organisation's principal, its tier, budget and limits re-read at
+        most every store.key_cache_s (as keys' are), so `orgs set local` or the admin API
+        reaches a running server."""
+        local = self.local_principal
+        if local is None:
+            return None
+        now = asyncio.get_running_loop().time()
+        if now - self._local_read_s >= self.settings.store.key_cache_s:
+            self._local_read_s = now
+            org = await self.store.get_org(local.org.name)
+            if org is not None:
+                self.local_principal = local = Principal(None, org)
+        return local
+
+    def forget_local_org(self) -> None:
+        """Re-read the local organisation on its next request (it was just changed here)."""
+        self._local_read_s = 0.0
 
     # -- identity and policy ---------------------------------------------------------
     def tier_of(self, principal: Principal) -> tuple[str, TierConfig]:

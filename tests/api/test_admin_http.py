@@ -217,3 +217,14 @@ async def test_a_browser_page_of_another_origin_cannot_drive_the_admin_api(admin
         headers={**bearer(secret), "Origin": "https://evil.example"},
     )
     await assert_error(resp, 403, code="origin_not_allowed")
+
+
+async def test_a_change_to_the_keyless_local_organisation_reaches_the_running_server(admin):
+    client, secret = admin
+    assert (await chat(client)).status == 200
+    resp = await client.patch(
+        "/v1/admin/organizations/local", json={"limits": {"requests_per_minute": 5}}, headers=bearer(secret)
+    )
+    assert resp.status == 200
+    resp = await chat(client)
+    assert resp.status == 200 and resp.headers["x-ratelimit-limit-requests"] == "5"
