@@ -4,7 +4,8 @@ organisations, API keys and every organisation's usage, over HTTP, for admin key
     GET    /v1/admin/organizations             list
     POST   /v1/admin/organizations             {"name", "tier", "budget_usd"?, "limits"?}
     GET    /v1/admin/organizations/{name}      one, with this month's spend
-    PATCH  /v1/admin/organizations/{name}      {"tier"?, "budget_usd"? (null: none), "limits"? (null removes one)}
+    PATCH  /v1/admin/organizations/{name}      {"tier"?, "budget_usd"? (null: none),
+                                                "limits"? (a value null removes that one; null: all)}
     GET    /v1/admin/keys?organization=NAME    list (prefix and last four characters, never the secret)
     POST   /v1/admin/keys                      {"organization", "name"?, "scope"?, "expires_in_days"?}
                                                -> the key with its secret in "value", shown this once
@@ -127,6 +128,9 @@ def _budget(value: object) -> float | None:
 
 
 def _limits(current: dict[str, Any], value: object) -> dict[str, Any]:
+    """`current` with the changes in `value` applied; null removes every override."""
+    if value is None:
+        return {}
     if not isinstance(value, dict):
         raise bad_request(
             f"'limits' must be an object of {list(ORG_LIMITS)} (a whole number, or null to remove one).", param="limits"
@@ -165,7 +169,7 @@ async def create_org(request: web.Request) -> web.Response:
     name = _org_name(body.get("name"), "name")
     tier = _tier(request, body.get("tier"))
     budget = _budget(body.get("budget_usd"))
-    limits = _limits({}, body.get("limits", {}))
+    limits = _limits({}, body.get("limits"))
     try:
         org = await request.app[STATE].store.create_org(name, tier, budget_usd=budget, limits=limits)
     except Conflict as exc:

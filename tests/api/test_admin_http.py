@@ -110,6 +110,8 @@ async def test_organisations_are_created_listed_read_and_changed_with_clear_erro
     changed = await resp.json()
     assert (changed["tier"], changed["budget_usd"], changed["limits"]) == ("enterprise", None, {"tokens_per_minute": 9})
     await assert_error(await client.patch("/v1/admin/organizations/acme", json={}, headers=h), 400)
+    cleared = await client.patch("/v1/admin/organizations/acme", json={"limits": None}, headers=h)
+    assert (await cleared.json())["limits"] == {}
     await assert_error(await client.patch("/v1/admin/organizations/nobody", json={"tier": "free"}, headers=h), 404)
 
 
