@@ -8,6 +8,7 @@ principal into the plain values the gateway takes (`caller`) and renders its ans
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -51,7 +52,7 @@ class AppState:
     embeddings: EmbeddingsService | None = None  # embeddings.enabled
     local_principal: Principal | None = None
     draining: bool = False
-    _local_read_s: float = 0.0  # monotonic time local_principal's organisation was last read
+    _local_read_s: float = -math.inf  # loop time local_principal's organisation was last read
 
     async def keyless_principal(self) -> Principal | None:
         """The keyless `local` organisation's principal, its tier, budget and limits re-read at
@@ -70,7 +71,7 @@ class AppState:
 
     def forget_local_org(self) -> None:
         """Re-read the local organisation on its next request (it was just changed here)."""
-        self._local_read_s = 0.0
+        self._local_read_s = -math.inf
 
     # -- identity and policy ---------------------------------------------------------
     def tier_of(self, principal: Principal) -> tuple[str, TierConfig]:
