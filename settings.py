@@ -152,10 +152,11 @@ class EngineConfig:
     amx_prefill: str = setting(
         "auto",
         "On CPUs with AMX (Intel Xeon since Sapphire Rapids): steps of 32 or more tokens (prompts) run the decoder's "
-        "matmuls as bfloat16 on AMX tiles (oneDNN), from a bfloat16 copy of the weights (+50% weight memory), "
+        "matmuls and attention as bfloat16 on AMX tiles (oneDNN), from a bfloat16 copy of the weights (+50% weight "
+        "memory), "
         "accumulating in fp32 (decoding tokens that share such a step too); steps with fewer tokens keep the fp32 "
         "kernels. Measured on a 390M model, "
-        "2 cores: the first token of a 1,024-token prompt 2.6x sooner (bench/RESULTS.md). "
+        "2 cores: the first token of a 1,024-token prompt 3.5x sooner (bench/RESULTS.md). "
         '"auto": on for checkpoints stored in bfloat16 (the copy is then exact and '
         'the activations round as on a GPU), off for fp32 ones; "on" also for fp32 checkpoints; "off". Only with '
         'the avx512 kernels and unquantized weights ("on" otherwise is an error at start).',

@@ -116,6 +116,7 @@ def paged_attention(
     v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     spec: AttentionSpec | None = None,  # None: Llama's (head_dim ** -0.5, whole context)
+    prefill_dtype: torch.dtype | None = None,  # engine.amx_prefill: prompt chunks attend in bf16
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attention of every row over its context; this step's k and v must already be in the cache."""
     spec = spec or AttentionSpec(q.shape[-1] ** -0.5)
@@ -126,7 +127,7 @@ def paged_attention(
     if nd:
         out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, spec)
     for chunk in meta.prefills:
-        out[chunk.start : chunk.end] = _prefill(q, k, v, k_cache, v_cache, chunk, spec)
+        out[chunk.start : chunk.end] = _prefill(q, k, v, k_cache, v_cache, chunk, spec, prefill_dtype)
     return out
 
 
@@ -184,7 +185,9 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, spec: AttentionSpec) -
     return _attend(q.unsqueeze(2), keys, values, mask, spec).squeeze(2)
 
 
-def _prefill(q, k, v, k_cache, v_cache, chunk: PrefillChunk, spec: AttentionSpec) -> torch.Tensor:
+def _prefill(
+    q, k, v, k_cache, v_cache, chunk: PrefillChunk, spec: AttentionSpec, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     qs = q[chunk.start : chunk.end].transpose(0, 1)  # [num_heads, q_len, head_dim]
     if chunk.context_blocks is None:
         keys = k[chunk.start : chunk.end].transpose(0, 1)
@@ -197,5 +200,7 @@ def _prefill(q, k, v, k_cache, v_cache, chunk: PrefillChunk, spec: AttentionSpec
         keys = _gather_keys(k_cache, chunk.context_blocks, chunk.context_len)
         values = v_cache.index_select(0, chunk.context_slots).transpose(0, 1)
     mask = chunk.window_mask if spec.sliding_window is not None else chunk.mask
+    if dtype is not None:  # bf16 on AMX: SDPA's flash kernel uses the tiles, softmax sums stay fp32
+        qs, keys, values = qs.to(dtype), keys.to(dtype), values.to(dtype)
     out = _attend(qs.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), mask, spec)
-    return out[0].transpose(0, 1)
+    return out[0].transpose(0, 1).to(q.dtype)

@@ -141,6 +141,8 @@ class Model:
         # other families' prefill steps use the general path. Decode-only steps: one C call.
         self.fused_cpu_ops = self.packed and args.is_llama_like
         self.uses_decode_stack = self.packed and args.fits_decode_stack
+        # engine.amx_prefill: prepare_linear_layers gave the packed weights a bf16 copy
+        self.amx = bool(weights.layers) and getattr(weights.layers[0].qkv, "amx", None) is not None
         self._stack: DecodeStack | None = None  # built on the first decode-only step
         device, dtype = weights.embed.device, weights.embed.dtype
         self.rope_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -171,15 +173,17 @@ class Model:
             x = x * self._embed_scale
         if self.uses_decode_stack and not meta.prefills and meta.decode_context_lens is not None:  # all in C
             return self._decode_stack(kv_caches)(x, positions, meta)
+        # engine.amx_prefill: a step of many rows also attends in bf16 (as its matmuls run, `linear`)
+        attend_dtype = torch.bfloat16 if self.amx and x.shape[0] >= AMX_MIN_ROWS else None
         if self.fused_cpu_ops:
-            return self._forward_fused(x, positions, kv_caches, meta)
+            return self._forward_fused(x, positions, kv_caches, meta, attend_dtype)
         rope = {  # [num_tokens, 1, rotary_dim] each
             key: (cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1))
             for key, (cos, sin) in self.rope_tables.items()
         }
         for i, layer in enumerate(self.weights.layers):
             key = self.args.layers[i].rope
-            x = self._layer(i, layer, x, rope.get(key) if key is not None else None, kv_caches[i], meta)
+            x = self._layer(i, layer, x, rope.get(key) if key is not None else None, kv_caches[i], meta, attend_dtype)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
@@ -195,7 +199,7 @@ class Model:
             logits = torch.tanh(logits / args.final_logit_softcap) * args.final_logit_softcap
         return logits
 
-    def _forward_fused(self, x, positions, kv_caches, meta) -> torch.Tensor:
+    def _forward_fused(self, x, positions, kv_caches, meta, attend_dtype=None) -> torch.Tensor:
         """The same layers as _layer, as one compiled call per operation.
 
         The residual add is folded into the next RMSNorm: a layer leaves its MLP output in
@@ -220,7 +224,7 @@ class Model:
             q = qkv[:, :q_size].view(num_tokens, args.num_heads, args.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(num_tokens, args.num_kv_heads, args.head_dim)
             v = qkv[:, q_size + kv_size :].view(num_tokens, args.num_kv_heads, args.head_dim)
-            o = paged_attention(q, k, v, k_cache, v_cache, meta, self.attention_specs[0])
+            o = paged_attention(q, k, v, k_cache, v_cache, meta, self.attention_specs[0], attend_dtype)
             h = cpu.rms_norm(x, layer.post_norm, eps, residual=linear(o.reshape(num_tokens, q_size), layer.o_proj))
             delta = linear(cpu.silu_mul(linear(h, layer.gate_up)), layer.down)
         return x.add_(delta) if delta is not None else x
@@ -249,7 +253,7 @@ class Model:
             stack = self._stack = self.cpu.decode_stack(self.weights.layers, kv_caches, specs, shape)
         return stack
 
-    def _layer(self, i: int, layer, x, rope, kv_cache, meta) -> torch.Tensor:
+    def _layer(self, i: int, layer, x, rope, kv_cache, meta, attend_dtype=None) -> torch.Tensor:
         args, eps = self.args, self.args.rms_norm_eps
         num_tokens = x.shape[0]
         h = x if layer.input_norm is None else _rms_norm(x, layer.input_norm, eps)
@@ -260,7 +264,7 @@ class Model:
         meta = meta.for_layer(spec)  # a hybrid model's sliding layers: their own KV group
         k_cache, v_cache = kv_cache
         write_kv_cache(k, v, k_cache, v_cache, meta)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, spec)  # [num_tokens, heads, head_dim]
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, spec, attend_dtype)  # [num_tokens, heads, head_dim]
         o = linear(o.reshape(num_tokens, -1), layer.o_proj)
         if layer.attn_out_norm is not None:
             o = _rms_norm(o, layer.attn_out_norm, eps)
