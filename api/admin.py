@@ -242,11 +242,11 @@ async def create_key(request: web.Request) -> web.Response:
 async def revoke_key(request: web.Request) -> web.Response:
     ident = request.match_info["key"]
     store = request.app[STATE].store
-    found = [k for k in await store.list_keys() if ident in (k.id, k.prefix)]
-    if not found or not await store.revoke_key(ident):
-        state = "is already revoked" if found else "does not exist"
+    found = await store.get_key(ident)
+    if found is None or not await store.revoke_key(ident):
+        state = "does not exist" if found is None else "is already revoked"
         raise not_found(f"The key {ident!r} {state}; name a live key by its id (key_...) or prefix (sk-...).")
-    revoked = next(k for k in await store.list_keys() if k.id == found[0].id)
+    revoked = await store.get_key(found.id) or found
     _audit(request, "key_revoked", key=revoked.id)
     names = await _org_names(request)
     return web.json_response(key_obj(revoked, names.get(revoked.org_id, revoked.org_id), time.time()))

@@ -80,6 +80,13 @@ async def list_keys(conn: aiosqlite.Connection, org_name: str | None) -> list[Ap
     return [key_from_row(r) for r in rows]
 
 
+async def get_key(conn: aiosqlite.Connection, ident: str) -> ApiKey | None:
+    """The key whose id (`key_...`) or prefix (`sk-...`) is `ident`, revoked or not."""
+    sql = f"SELECT {_KEY_COLUMNS} FROM api_keys k WHERE k.id = ? OR k.prefix = ?"
+    rows = await fetch_all(conn, sql, (ident, ident))
+    return key_from_row(rows[0]) if rows else None
+
+
 async def find_live_keys(conn: aiosqlite.Connection, key_hashes: list[str]) -> dict[str, LiveKey]:
     """hash -> LiveKey for each hash of a key that is not revoked (expiry is the caller's check)."""
     found: dict[str, LiveKey] = {}

@@ -181,6 +181,12 @@ class Store:
         pending = self._last_used
         return [_with_last_used(k, pending.get(k.id)) for k in found]
 
+    async def get_key(self, ident: str) -> ApiKey | None:
+        """A key by its id or prefix, revoked or not (never its secret)."""
+        async with self._reader() as conn:
+            found = await keys.get_key(conn, ident)
+        return None if found is None else _with_last_used(found, self._last_used.get(found.id))
+
     async def revoke_key(self, prefix: str) -> bool:
         """Revoke by prefix or key id; refused from the next request on (this process), or within
         key_cache_s (others)."""
