@@ -193,7 +193,8 @@ def run_llamacpp(build: str, gguf: Path, w: Workload) -> tuple[float, float, str
     ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"llama.cpp ({build}) failed: {done.stderr[-1500:]}")
+        how = f"signal {-done.returncode}" if done.returncode < 0 else f"exit status {done.returncode}"
+        raise RuntimeError(f"llama.cpp ({build}) failed with {how}: {done.stderr[-1500:]}")
     record = json.loads(done.stdout.strip().splitlines()[-1])
     return record["tokens_per_s"], record["decode_tokens_per_s"], record["system_info"]
 
@@ -260,7 +261,13 @@ def bench_workload(
     results.append(PeerResult(name, "transformers static batch", tps, decode, matmul_bytes(shape, 4.0)))
     for build in builds:
         for kind, gguf in ggufs.items():
-            tps, decode, info = run_llamacpp(build, gguf, w)
+            try:
+                tps, decode, info = run_llamacpp(build, gguf, w)
+            except RuntimeError as exc:  # a peer that crashes (seen: llama.cpp's AMX backend) is reported, not fatal
+                reason = str(exc).split(":", 1)[0]
+                print(f"{name}: llama.cpp {build} {kind}: {reason}; left out", file=sys.stderr, flush=True)
+                system_info.setdefault("failed", []).append(f"{name} llama.cpp {build} {kind}: {reason}")
+                continue
             system_info[build] = info
             per_weight = BYTES_PER_WEIGHT[kind]
             results.append(PeerResult(name, f"llama.cpp {build} {kind}", tps, decode, matmul_bytes(shape, per_weight)))
@@ -329,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.skip_linear = args.skip_quality = True  # CPU measurements
     elif not builds:
         print("llama.cpp is not built: run `make bench-deps` (about 15-30 minutes) to compare with it")
-    results, system_info = [], {}
+    results, system_info, failed = [], {}, []
     for w in WORKLOADS:
         if f"{w.model}x{w.streams}" not in wanted:
             continue
@@ -351,6 +358,7 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         rows, info = bench_workload(w, model_dir, ggufs, builds)
         results += rows
+        failed += info.pop("failed", [])
         system_info.update(info)
     where = machine["gpu"] if "gpu" in machine else f"{machine['threads']} threads"
     print(
@@ -359,6 +367,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     for build, info in system_info.items():
         print(f"llama.cpp {build}: {info.strip()}")
+    for line in failed:
+        print(f"failed, left out: {line}")
     print_table(results, bandwidth)
     summary = ratios(results)
     for name, value in summary.items():
@@ -367,6 +377,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": machine,
         "copy_bandwidth_gbs": bandwidth,
         "llama_cpp": system_info,
+        "failed": failed,
         "results": [asdict(r) for r in results],
         "ratios": summary,
     }
