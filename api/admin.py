@@ -109,6 +109,13 @@ def _org_name(value: object, param: str) -> str:
     return value
 
 
+def _org_ref(value: object, param: str) -> str:
+    """The name of an existing organisation (the CLI may have made it with any name)."""
+    if not isinstance(value, str) or not value or len(value) > 4 * MAX_NAME_CHARS:
+        raise bad_request(f"'{param}' must name an organisation, got {str(value)[:80]!r}.", param=param)
+    return value
+
+
 def _tier(request: web.Request, value: object) -> str:
     tiers = request.app[SETTINGS].tiers
     if not isinstance(value, str) or value not in tiers:
@@ -145,7 +152,7 @@ def _limits(current: dict[str, Any], value: object) -> dict[str, Any]:
 
 def _query_org_name(request: web.Request) -> str | None:
     name = request.query.get("organization")
-    return None if name is None or name == "" else _org_name(name, "organization")
+    return None if name is None or name == "" else _org_ref(name, "organization")
 
 
 async def _org_or_404(request: web.Request, name: str, param: str = "name") -> Org:
@@ -217,7 +224,7 @@ async def list_keys(request: web.Request) -> web.Response:
 
 async def create_key(request: web.Request) -> web.Response:
     body = _object(await read_json(request), _KEY_CREATE_FIELDS)
-    org = await _org_or_404(request, _org_name(body.get("organization"), "organization"), "organization")
+    org = await _org_or_404(request, _org_ref(body.get("organization"), "organization"), "organization")
     name = body.get("name")
     if name is not None and (not isinstance(name, str) or len(name) > MAX_KEY_NAME_CHARS):
         raise bad_request(f"'name' must be a string of at most {MAX_KEY_NAME_CHARS} characters, or null.", param="name")

@@ -143,6 +143,11 @@ async def test_a_key_made_over_http_works_at_once_is_listed_without_its_secret_a
         status = 404 if param == "organization" else 400
         await assert_error(await client.post("/v1/admin/keys", json=body, headers=h), status, param=param)
 
+    # An organisation the CLI made with a name the API would not create still gets keys and listings.
+    await state_of(client).store.create_org("Team A", "free")
+    assert (await make_key(client, h, organization="Team A"))["organization"] == "Team A"
+    assert (await client.get("/v1/admin/keys?organization=Team%20A", headers=h)).status == 200
+
     resp = await client.delete(f"/v1/admin/keys/{made['id']}", headers=h)
     assert (await resp.json())["status"] == "revoked"
     await assert_error(await chat(client, user_secret), 401, code="invalid_api_key")
