@@ -35,6 +35,7 @@ from api.protocol import kind_of
 from api.state import PRINCIPAL, REQUEST_ID, STATE
 from engine.torch_threads import pool_or_side_executor, side_executor
 from engine.types import FinishReason
+from gateway.errors import OverQuota
 from settings import EmbeddingsConfig
 from store import money
 from store.types import RequestRecord, RequestStatus, StoreUnavailable
@@ -189,6 +190,8 @@ async def create_embeddings(request: web.Request) -> web.Response:
     reservation = limiter.acquire(caller.key, caller.tier_name, caller.tier, 0, caller.overrides)
     num_tokens_used = 0
     try:
+        if await state.over_budget(principal):  # no cheaper embeddings model to fall back to
+            raise OverQuota("You exceeded your current budget; check your plan and billing details.")
         req = parse_request(await read_json(request), service.cfg)
         if req.model != service.cfg.model:
             raise not_found(

@@ -177,6 +177,8 @@ async def create_file(request: web.Request) -> web.Response:
             raise ApiError(
                 408, f"The upload sent nothing for {limits.idle_s:g} s.", "invalid_request_error", "request_timeout"
             ) from None
+        except ValueError as exc:  # aiohttp's parser: no boundary, a missing or broken delimiter
+            raise bad_request(f"The multipart body cannot be read: {exc}.", code="invalid_multipart") from None
         stored = await _commit(request, upload, limits.quota, (purpose, filename, media_type))
     except BaseException:
         upload.discard()  # no-op after a commit that moved the file into place

@@ -28,7 +28,7 @@ MAX_TOP_LOGPROBS = 20
 _IGNORED_DEFAULTS: dict[str, tuple[Any, ...] | None] = {
     "logit_bias": (None, {}),
     "store": (None, False),
-    "metadata": None,  # any value
+    "metadata": None,  # OpenAI's shape is checked (check_metadata); its values are not used
     "service_tier": None,
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -157,6 +157,7 @@ def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int, ma
     if not isinstance(raw, dict):
         raise bad_request(f"The request body must be a JSON object, got {kind_of(raw)}.", param=None)
     _reject_unsupported(raw)
+    check_metadata(raw.get("metadata"))
     stream = _opt_bool(raw, "stream", False)
     stream_options = raw.get("stream_options")
     include_usage, continuous_usage = _stream_options(stream_options, stream)
@@ -319,6 +320,30 @@ def _logprobs(raw: dict[str, Any]) -> int | None:
 def kind_of(value: Any) -> str:
     names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
     return names.get(type(value), "a number")
+
+
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+
+
+def check_metadata(value: Any) -> None:
+    """OpenAI's `metadata`: null, or at most 16 string keys (64 characters) to strings (512)."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise bad_request(f"'metadata' must be an object of strings, got {kind_of(value)}.", param="metadata")
+    if len(value) > MAX_METADATA_PAIRS:
+        raise bad_request(f"'metadata' may have at most {MAX_METADATA_PAIRS} keys, got {len(value)}.", param="metadata")
+    for key, item in value.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise bad_request(
+                f"'metadata' keys are at most {MAX_METADATA_KEY_CHARS} characters; {key[:20]!r}... is longer.",
+                param="metadata",
+            )
+        if not isinstance(item, str) or len(item) > MAX_METADATA_VALUE_CHARS:
+            raise bad_request(
+                f"'metadata.{key}' must be a string of at most {MAX_METADATA_VALUE_CHARS} characters.",
+                param=f"metadata.{key}",
+            )
 
 
 def _reject_unsupported(raw: dict[str, Any]) -> None:

@@ -147,7 +147,7 @@ def _conversation_missing(conversation_id: str) -> ApiError:
 
 
 async def create_conversation(request: web.Request) -> web.Response:
-    body = await read_json(request) if request.can_read_body else {}
+    body = await read_json(request) if request.body_exists else {}
     conv = await request.app[STATE].store.create_conversation(
         request[PRINCIPAL].org.id, title=_title(body, required=False)
     )

@@ -211,14 +211,32 @@ async def delete_response(request: web.Request) -> web.Response:
 
 
 async def list_input_items(request: web.Request) -> web.Response:
+    """A page of the response's input items, as OpenAI pages them: `limit` 1-100 (20), `order`
+    desc (newest first, the default) or asc, `after` an item id of the previous page."""
+    query = request.query
+    limit_text = query.get("limit", "20")
+    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+        raise bad_request(f"'limit' must be an integer from 1 to 100, got {limit_text!r}.", param="limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"'order' must be 'asc' or 'desc', got {order!r}.", param="order")
     items = orjson.loads((await _stored(request)).input_items_json)
+    if order == "desc":
+        items.reverse()
+    start = 0
+    if (after := query.get("after")) is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise not_found(f"No input item found with id '{after}' (the 'after' cursor).", param="after")
+        start = ids.index(after) + 1
+    page = items[start : start + int(limit_text)]
     return web.json_response(
         {
             "object": "list",
-            "data": items,
-            "has_more": False,
-            "first_id": items[0]["id"] if items else None,
-            "last_id": items[-1]["id"] if items else None,
+            "data": page,
+            "has_more": start + len(page) < len(items),
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
         },
         dumps=dumps,
     )

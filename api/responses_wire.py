@@ -40,6 +40,7 @@ _KNOWN = {
     "repetition_penalty",  # vLLM's extension, as on chat completions
     "reasoning",
     "thinking_token_budget",  # the extension chat completions take
+    "truncation",  # 'auto': attached files that do not fit the context are cut (as on chat completions)
 }
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
 _INCLUDABLE = (INCLUDE_LOGPROBS,)  # what `include` may ask for here; anything else is a 400 naming it
@@ -67,6 +68,7 @@ def parse_responses_request(raw: Any, *, max_messages: int, max_prompt_chars: in
     for key in raw:
         if key not in _KNOWN:
             raise bad_request(f"Unrecognized request argument supplied: {key}", param=key, code="unknown_parameter")
+    protocol.check_metadata(raw.get("metadata"))
     items = _input_items(raw.get("input"))
     instructions = raw.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -97,6 +99,7 @@ def parse_responses_request(raw: Any, *, max_messages: int, max_prompt_chars: in
         "thinking_token_budget": raw.get("thinking_token_budget"),
         "user": raw.get("user"),
         "seed": raw.get("seed"),
+        "truncation": raw.get("truncation"),
         "parallel_tool_calls": raw.get("parallel_tool_calls"),
         "tools": _chat_tools(raw.get("tools")),
         "tool_choice": _chat_tool_choice(raw.get("tool_choice")),
@@ -350,6 +353,7 @@ def response_object(response_id: str, created: int, model: str, req: ResponsesRe
         "temperature": chat.temperature,
         "top_p": chat.top_p,
         "top_logprobs": req.echo["top_logprobs"],
+        "truncation": chat.truncation,
         "tool_choice": req.echo["tool_choice"] or ("auto" if chat.tools else "none"),
         "tools": req.echo["tools"] or [],
         "text": req.echo["text"] or {"format": {"type": "text"}},

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import os
+import re
 import ssl
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -93,14 +94,20 @@ def check_startup(settings: Settings) -> None:
         )
 
 
+_HOST_NAME = re.compile(r"[a-z0-9._-]*|[0-9a-f:]+")  # a DNS name or IPv4 address; an unbracketed IPv6
+
+
 def host_name(header: str) -> str:
     """The host part of a Host (or Origin netloc) value, lower-cased, without port or brackets."""
     header = header.strip().lower()
     if header.startswith("["):  # [::1]:8000
-        return header[1 : header.find("]")] if "]" in header else header
-    if header.count(":") == 1:
-        return header.split(":", 1)[0]
-    return header
+        end = header.find("]")
+        rest = header[end + 1 :] if end > 0 else "?"
+        return header[1:end] if rest == "" or (rest.startswith(":") and rest[1:].isdigit()) else ""
+    name, _, port = header.partition(":") if header.count(":") == 1 else (header, "", "")
+    if (port and not port.isdigit()) or not _HOST_NAME.fullmatch(name):
+        return ""  # not one host ("a:80, b"), so it names none of ours
+    return name
 
 
 @dataclass(frozen=True, slots=True)

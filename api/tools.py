@@ -198,19 +198,25 @@ def _call_text(fmt: ToolFormat, name: str, arguments: str) -> str:
 def forced_call_grammar(
     tools: tuple[Tool, ...], choice: ToolChoice, fmt: ToolFormat, parallel: bool
 ) -> StructuredOutput:
-    """The grammar of an answer that is only tool calls (of the named tool, or any tool)."""
+    """The grammar of an answer that is only tool calls (of the named tool, or any tool).
+
+    Each tool's parameters schema moves under the envelope's `$defs` (as `tool_<i>`), its local
+    references rewritten to match, so that `#/$defs/...` (what pydantic writes for nested
+    models) and `#` still point where they did. Raises a 400 naming `tools` if the envelope
+    cannot be compiled, so a forced call never fails after the answer's stream opened."""
     chosen = [t for t in tools if choice.mode is not ChoiceMode.NAMED or t.name == choice.name]
     args_key = "parameters" if fmt is ToolFormat.LLAMA3_JSON else "arguments"
+    defs = {f"tool_{i}": _rebase_refs(json.loads(t.parameters), f"#/$defs/tool_{i}") for i, t in enumerate(chosen)}
     variants = [
         {
             "type": "object",
-            "properties": {"name": {"const": t.name}, args_key: json.loads(t.parameters)},
+            "properties": {"name": {"const": t.name}, args_key: {"$ref": f"#/$defs/tool_{i}"}},
             "required": ["name", args_key],
             "additionalProperties": False,
         }
-        for t in chosen
+        for i, t in enumerate(chosen)
     ]
-    call_schema = {"anyOf": variants, "x-guidance": {"whitespace_flexible": False}}
+    call_schema = {"anyOf": variants, "$defs": defs, "x-guidance": {"whitespace_flexible": False}}
     call = f"%json {json.dumps(call_schema)}"
     many = parallel and choice.mode is not ChoiceMode.NAMED
     if fmt is ToolFormat.HERMES:
@@ -222,4 +228,34 @@ def forced_call_grammar(
     else:
         start = 'start: call (";" call)*' if many else "start: call"
         rules = f"call: {call}"
-    return StructuredOutput(StructuredKind.LARK, f"{start}\n{rules}")
+    structured = StructuredOutput(StructuredKind.LARK, f"{start}\n{rules}")
+    try:
+        grammar_text(structured)
+    except GrammarError as exc:
+        raise bad_request(
+            f"'tools': a forced call cannot be compiled: {exc}", param="tools", code="unsupported_value"
+        ) from None
+    return structured
+
+
+# Keywords whose values are data, not schemas: a {"$ref": ...} inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _rebase_refs(node: Any, root: str) -> Any:
+    """`node` with every local `$ref` ("#" or "#/...") moved under `root` (a JSON pointer)."""
+    if isinstance(node, list):
+        return [_rebase_refs(item, root) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = root + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key == "properties" and isinstance(value, dict):  # its keys are names, its values schemas
+            out[key] = {name: _rebase_refs(sub, root) for name, sub in value.items()}
+        else:
+            out[key] = _rebase_refs(value, root)
+    return out

@@ -64,6 +64,32 @@ def schema_text(schema: dict) -> str:
     return json.dumps(schema, sort_keys=True, separators=(",", ":"))
 
 
+def _without_deleting_normalizers(tokenizer_json: str) -> str:
+    """The tokenizer for the grammar, without normalizer steps that delete text (a `Replace`
+    with empty content, e.g. the demo models' quote-mark removal). llguidance tokenizes the
+    bytes a grammar forces (`":` after a JSON key) with the tokenizer's own pipeline; a step
+    that deletes the `"` there makes the forced tokens disagree with the grammar, and the answer
+    stops mid-JSON. Output bytes come from the vocabulary, never from a normalizer, so steps
+    that only delete input text do not belong here. Other steps (NFC, SentencePiece's space
+    marks) stay: they shape how text maps to tokens."""
+    data = json.loads(tokenizer_json)
+    norm = data.get("normalizer")
+
+    def deletes(step: dict) -> bool:
+        return step.get("type") == "Replace" and step.get("content") == ""
+
+    if not isinstance(norm, dict):
+        return tokenizer_json
+    if deletes(norm):
+        data["normalizer"] = None
+    elif norm.get("type") == "Sequence" and any(deletes(s) for s in norm.get("normalizers", [])):
+        kept = [s for s in norm["normalizers"] if not deletes(s)]
+        data["normalizer"] = {"type": "Sequence", "normalizers": kept} if kept else None
+    else:
+        return tokenizer_json
+    return json.dumps(data)
+
+
 class GrammarCompiler:
     """Matchers for one tokenizer; compiled once per spec, copied per request."""
 
@@ -76,7 +102,7 @@ class GrammarCompiler:
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
-            text = self._tokenizer_file.read_text(encoding="utf-8")
+            text = _without_deleting_normalizers(self._tokenizer_file.read_text(encoding="utf-8"))
             self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self._eos_token_ids)
         return self._tokenizer
 

@@ -47,8 +47,10 @@ async def test_a_foreign_host_is_refused_so_dns_rebinding_cannot_drive_the_api(m
     await assert_error(await client.get(f"/v1/conversations/{cid}", headers=rebound), 403, code="host_not_allowed")
     await assert_error(await client.get("/", headers=rebound), 403, code="host_not_allowed")
     assert (await client.get("/health", headers=rebound)).status == 200  # probes may use any Host
-    for ok in ("localhost:8000", "127.0.0.1", "[::1]:8000"):
+    for ok in ("localhost:8000", "127.0.0.1", "[::1]:8000", "[::1]"):
         assert (await chat(client, {"Host": ok})).status == 200, ok
+    for mixed in ("127.0.0.1:8000, attacker.example", "localhost:http", "[::1]x", "local host"):
+        await assert_error(await chat(client, {"Host": mixed}), 403, code="host_not_allowed")
 
 
 async def test_allowed_hosts_adds_names_and_star_never_opens_the_keyless_mode(make_client, tmp_path):

@@ -136,6 +136,24 @@ async def test_embeddings_count_against_the_callers_request_and_token_limits(mak
     assert (await embed(client, input="fits")).status == 200  # the refused request took no tokens
 
 
+async def test_an_organisation_over_its_budget_gets_429_insufficient_quota(make_client):
+    client = await make_client("tiers.free.budget_fallback=true")  # a chat fallback; embeddings have none
+    store = client.app[STATE].store
+    await store.create_org("broke", "free", budget_usd=0.0)
+    _key, secret = await store.create_key("broke")
+    resp = await client.post("/v1/embeddings", json={"model": MODEL, "input": "x"}, headers=_bearer(secret))
+    await assert_error(resp, 429, code="insufficient_quota")
+    assert resp.headers["x-should-retry"] == "false"
+    await store.create_org("solvent", "free", budget_usd=1.0)
+    _key, secret = await store.create_key("solvent")
+    resp = await client.post("/v1/embeddings", json={"model": MODEL, "input": "x"}, headers=_bearer(secret))
+    assert resp.status == 200
+
+
+def _bearer(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
 async def test_embeddings_can_be_switched_off(make_client):
     client = await make_client("embeddings.enabled=false")
     assert client.app[STATE].embeddings is None

@@ -156,6 +156,9 @@ async def test_bad_uploads_name_the_field(make_client):
     await assert_error(await client.post("/v1/files", data=only_purpose), 400, param="note")
     await assert_error(await client.get("/v1/files/../../etc/passwd"), 404)
     await assert_error(await client.get("/v1/files/file-nothere"), 404, param="file_id")
+    for content_type in ("multipart/form-data", "multipart/form-data; boundary=zz"):  # none, or not in the body
+        resp = await client.post("/v1/files", data=b"garbage", headers={"Content-Type": content_type})
+        await assert_error(resp, 400, code="invalid_multipart")
 
 
 async def test_magic_bytes_decide_the_media_type(make_client):

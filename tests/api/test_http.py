@@ -125,6 +125,20 @@ async def test_heartbeat_comments_arrive_while_waiting_for_the_first_token(make_
         (lambda c: chat(c, {"model": "echo", "messages": USER, "temperature": -1}), 400, None, "temperature"),
         (lambda c: chat(c, {"model": "echo", "messages": USER, "stream": True, "n": 9}), 400, None, "n"),
         (lambda c: chat(c, {"model": "nope", "messages": USER}), 404, "model_not_found", None),
+        (lambda c: chat(c, {"model": "echo", "messages": USER, "metadata": 5}), 400, None, "metadata"),
+        (lambda c: chat(c, {"model": "echo", "messages": USER, "metadata": {"k": 5}}), 400, None, "metadata.k"),
+        (
+            lambda c: chat(c, {"model": "echo", "messages": USER, "metadata": {str(i): "v" for i in range(17)}}),
+            400,
+            None,
+            "metadata",
+        ),
+        (
+            lambda c: c.post("/v1/responses", json={"model": "echo", "input": "hi", "metadata": {"k": ["x"]}}),
+            400,
+            None,
+            "metadata.k",
+        ),
         (lambda c: chat(c, {"model": "echo", "messages": USER, "max_tokens": 65}), 400, None, "max_tokens"),
         (
             lambda c: chat(
@@ -236,6 +250,16 @@ async def test_an_api_key_authenticates_and_its_tier_picks_the_model(make_client
         404,
         code="model_not_found",
     )
+
+
+async def test_a_conversation_created_with_a_title_keeps_it(make_client):
+    client = await make_client()
+    made = await (await client.post("/v1/conversations", json={"title": "Trip plans"})).json()
+    assert made["title"] == "Trip plans"
+    assert (await (await client.get(f"/v1/conversations/{made['id']}")).json())["title"] == "Trip plans"
+    untitled = await client.post("/v1/conversations")  # no body at all
+    assert untitled.status == 201 and (await untitled.json())["title"] is None
+    await assert_error(await client.post("/v1/conversations", json={"title": 5}), 400, param="title")
 
 
 async def test_conversation_turns_are_stored_and_isolated_per_organisation(make_client):

@@ -43,8 +43,16 @@ async def test_function_call_items_and_their_outputs_go_back_through_the_templat
     resp = await respond(client, {"input": items})
     assert resp.status == 200, await resp.text()
     body = await resp.json()
-    listed = await (await client.get(f"/v1/responses/{body['id']}/input_items")).json()
+    listed = await (await client.get(f"/v1/responses/{body['id']}/input_items?order=asc")).json()
     assert [i["type"] for i in listed["data"]] == ["message", "function_call", "function_call_output"]
+    # OpenAI's paging: newest first by default, `limit`, `after` an item id; bad values are 400s.
+    newest = await (await client.get(f"/v1/responses/{body['id']}/input_items?limit=2")).json()
+    assert [i["type"] for i in newest["data"]] == ["function_call_output", "function_call"] and newest["has_more"]
+    rest = await (await client.get(f"/v1/responses/{body['id']}/input_items?limit=2&after={newest['last_id']}")).json()
+    assert [i["type"] for i in rest["data"]] == ["message"] and not rest["has_more"]
+    for query, param in (("limit=0", "limit"), ("limit=abc", "limit"), ("order=zz", "order")):
+        await assert_error(await client.get(f"/v1/responses/{body['id']}/input_items?{query}"), 400, param=param)
+    await assert_error(await client.get(f"/v1/responses/{body['id']}/input_items?after=nope"), 404, param="after")
     bad = await respond(client, {"input": [{"type": "function_call_output", "call_id": "call_1"}]})
     await assert_error(bad, 400, param="input[0].output")
 
@@ -70,3 +78,12 @@ async def test_logprobs_a_backend_cannot_give_are_a_400_before_any_stream_opens(
     )
     await assert_error(resp, 400, code="unsupported_value", param="logprobs")
     assert (await respond(client, {"input": "hi", "stream": True, "store": False})).status == 200
+
+
+async def test_truncation_is_taken_and_echoed_as_on_chat_completions(make_client):
+    client = await make_client()
+    resp = await respond(client, {"input": "hi", "truncation": "auto"})
+    assert resp.status == 200, await resp.text()
+    assert (await resp.json())["truncation"] == "auto"
+    assert (await (await respond(client, {"input": "hi"})).json())["truncation"] == "disabled"
+    await assert_error(await respond(client, {"input": "hi", "truncation": "sometimes"}), 400, param="truncation")

@@ -104,6 +104,62 @@ async def test_a_required_tool_choice_streams_delta_tool_calls_that_validate(sdk
     jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
 
 
+# What pydantic (and openai.pydantic_function_tool) writes for a nested model: a local $ref into $defs.
+ADDRESS_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "ship",
+        "parameters": {
+            "type": "object",
+            "properties": {"to": {"$ref": "#/$defs/Place"}},
+            "required": ["to"],
+            "$defs": {
+                "Place": {
+                    "type": "object",
+                    "properties": {
+                        "c": {"type": "string", "maxLength": 2},
+                        "z": {"type": "integer", "minimum": 0, "maximum": 9},
+                    },
+                    "required": ["c", "z"],
+                    "additionalProperties": False,
+                }
+            },
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_forced_call_of_a_tool_whose_schema_uses_defs_validates(sdk, stream):
+    """The tool's schema is embedded in the forced call's grammar with its references rebased."""
+    kw = dict(model="tiny", messages=ASK, tools=[ADDRESS_TOOL], max_tokens=80, temperature=0)
+    choice = {"type": "function", "function": {"name": "ship"}}
+    if not stream:
+        out = await sdk.chat.completions.create(tool_choice=choice, **kw)
+        (call,) = out.choices[0].message.tool_calls
+        arguments, finish = call.function.arguments, out.choices[0].finish_reason
+    else:
+        arguments, finish = "", None
+        async for chunk in await sdk.chat.completions.create(tool_choice=choice, stream=True, **kw):
+            for tc in chunk.choices[0].delta.tool_calls or []:
+                arguments += tc.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    jsonschema.validate(json.loads(arguments), ADDRESS_TOOL["function"]["parameters"])
+
+
+async def test_a_forced_call_that_cannot_compile_is_a_400_before_the_stream(sdk_client):
+    """A reference to nowhere: refused naming `tools`, not a 200 with an error inside the stream."""
+    broken = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/Missing"}}}
+    resp = await sdk_client.post(
+        "/v1/chat/completions",
+        json={"model": "tiny", "messages": ASK, "stream": True, "tools": [broken], "tool_choice": "required"},
+    )
+    body = await resp.json()
+    assert resp.status == 400 and body["error"]["param"].startswith("tools"), body
+
+
 async def test_a_tool_result_goes_back_through_the_template(sdk):
     history = [
         *ASK,
