@@ -240,6 +240,8 @@ def forced_call_grammar(
 
 # Keywords whose values are data, not schemas: a {"$ref": ...} inside them is not a reference.
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# Keywords whose values map names (which may be any word, "const" too) to schemas.
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 def _rebase_refs(node: Any, root: str) -> Any:
@@ -248,13 +250,13 @@ def _rebase_refs(node: Any, root: str) -> Any:
         return [_rebase_refs(item, root) for item in node]
     if not isinstance(node, dict):
         return node
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in node.items():
         if key == "$ref" and isinstance(value, str) and value.startswith("#"):
             out[key] = root + value[1:]
         elif key in _DATA_KEYWORDS:
             out[key] = value
-        elif key == "properties" and isinstance(value, dict):  # its keys are names, its values schemas
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):  # its keys are names, its values schemas
             out[key] = {name: _rebase_refs(sub, root) for name, sub in value.items()}
         else:
             out[key] = _rebase_refs(value, root)

@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from api.toolparse import ToolCallParser
-from api.tools import ChoiceMode, ToolChoice, ToolFormat, detect_format, forced_call_grammar, parse_tools
+from api.tools import ChoiceMode, Tool, ToolChoice, ToolFormat, detect_format, forced_call_grammar, parse_tools
 from engine.grammar import grammar_text
 
 TOOLS = parse_tools(
@@ -88,3 +88,26 @@ def test_the_forced_grammar_accepts_the_format_and_refuses_other_text(fmt, tiny_
     named = grammar_text(forced_call_grammar(TOOLS, ToolChoice(ChoiceMode.NAMED, "get_time"), fmt, True))
     refused = llguidance.LLMatcher(llt, named, log_level=0)
     assert not refused.consume_tokens(tok.encode(compact).ids)  # get_weather is not allowed there
+
+
+def test_a_tools_references_are_rebased_but_its_data_and_names_are_not():
+    params = {
+        "type": "object",
+        "properties": {
+            "$ref": {"type": "string"},  # a property named "$ref"
+            "default": {"$ref": "#/$defs/default"},
+            "loop": {"$ref": "#"},
+            "kind": {"const": {"$ref": "#/not/a/reference"}},
+        },
+        "$defs": {"default": {"enum": ["a", {"$ref": "#"}]}},
+    }
+    tool = Tool("t", None, json.dumps(params))
+    fmt = ToolFormat.LLAMA3_JSON
+    grammar = forced_call_grammar((tool,), ToolChoice(ChoiceMode.REQUIRED), fmt, False).spec
+    envelope = json.loads(grammar.split("%json ", 1)[1])
+    rebased = envelope["$defs"]["tool_0"]
+    assert rebased["properties"]["$ref"] == {"type": "string"}
+    assert rebased["properties"]["default"] == {"$ref": "#/$defs/tool_0/$defs/default"}
+    assert rebased["properties"]["loop"] == {"$ref": "#/$defs/tool_0"}
+    assert rebased["properties"]["kind"] == params["properties"]["kind"]
+    assert rebased["$defs"]["default"] == params["$defs"]["default"]
