@@ -21,6 +21,7 @@ from api.errors import ApiError, bad_request, not_found
 from api.job import Job, JobInputs, encode_chat, make_job
 from api.parts import FilePart, ImagePart, Part, TextPart, parse_parts, to_json
 from api.protocol import ChatMessage
+from engine.torch_threads import side_executor
 from engine.types import IMAGE_PLACEHOLDER
 from media import documents, images
 from settings import FilesConfig, ImagesConfig
@@ -267,6 +268,16 @@ def _check_images(inputs: JobInputs, resolved: list[Resolved], cfg: ImagesConfig
         )
 
 
+OFF_LOOP_CHARS = 32_768  # prompts this long are tokenized on a worker thread
+
+
+def _num_chars(inputs: JobInputs, new: list[Resolved]) -> int:
+    """The prompt's text: messages (with the stored history) and the attached documents."""
+    history = inputs.history or ()
+    text = sum(len(m.content) for m in (*history, *inputs.chat.messages))
+    return text + sum(len(d.doc.text) for r in new for d in r.documents.values())
+
+
 async def prepare_job(ctx: AttachContext, inputs: JobInputs) -> Prepared:
     """Resolve the new messages' attachments (and the history's), then tokenize and fit."""
     prompter = image_job.prompter_of(inputs.model)
@@ -277,7 +288,11 @@ async def prepare_job(ctx: AttachContext, inputs: JobInputs) -> Prepared:
         rendered = [await _history_message(ctx, m, prompter is not None) for m in inputs.history]
         history = tuple(r.message for r in rendered)
         history_images = [img for r in rendered for img in r.images]
-    prepared = fit(dataclasses.replace(inputs, history=history), new)
+    fitted = dataclasses.replace(inputs, history=history)
+    if _num_chars(fitted, new) < OFF_LOOP_CHARS:
+        prepared = fit(fitted, new)
+    else:  # tokenizing a long prompt takes tens to hundreds of ms: not on the loop other streams share
+        prepared = await asyncio.get_running_loop().run_in_executor(side_executor(), fit, fitted, new)
     job = prepared.job
     if prompter is not None:
         await image_job.place_images(job, prompter, [*history_images, *(img for r in new for img in r.images)])

@@ -25,6 +25,7 @@ context).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from dataclasses import replace
 from typing import Any
@@ -34,6 +35,7 @@ from aiohttp import web
 
 from api import protocol
 from api.answer import Answer
+from api.attachments import OFF_LOOP_CHARS
 from api.chat import Outlet, admit_and_serve, json_dumps, read_json, record_refusal
 from api.connections import reads_body_itself
 from api.errors import ApiError, bad_request, not_found
@@ -44,6 +46,7 @@ from api.sse import SSEWriter
 from api.state import PRINCIPAL, STATE, AppState
 from api.tools import ToolCall
 from api.waiting import LazyStream, wait_admitted
+from engine.torch_threads import side_executor
 from engine.types import FinishReason, TokenLogprob
 from gateway.admission import Pass
 from settings import ServerConfig
@@ -495,8 +498,12 @@ async def count_tokens(request: web.Request) -> web.Response:
             f"The model '{chat.model}' does not exist or you do not have access to it.", code="model_not_found"
         )
     model = state.models[chat.model]
-    ids = encode_chat(model, list(chat.messages), prompt_tools(chat), chat.chat_template_kwargs)
-    return web.json_response({"input_tokens": len(ids)}, dumps=json_dumps)
+    args = (model, list(chat.messages), prompt_tools(chat), chat.chat_template_kwargs)
+    if sum(len(m.content) for m in chat.messages) < OFF_LOOP_CHARS:
+        ids = encode_chat(*args)
+    else:  # as for a generating request: a long prompt is tokenized off the loop
+        ids = await asyncio.get_running_loop().run_in_executor(side_executor(), encode_chat, *args)
+    return web.json_response({"input_tokens": len(ids)}, dumps=json_dumps, headers=state.limit_headers(caller))
 
 
 def add_routes(app: web.Application) -> None:

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from api.attachments import OFF_LOOP_CHARS
 from testing.fake_backend import FakeBehaviour
 from tests.api.helpers import assert_error, sse_events, state_of
 
@@ -336,3 +337,12 @@ async def test_usage_totals_are_summed_as_decimals(make_client):
     usage = await (await client.get("/v1/usage")).json()
     assert Decimal(str(usage["total"]["cost_usd"])) == sum(costs)
     assert len(repr(usage["total"]["cost_usd"])) <= 12  # no 5.199999999999997e-05
+
+
+async def test_a_prompt_tokenized_off_the_loop_is_refused_the_same_way(make_client):
+    """Past OFF_LOOP_CHARS the prompt is tokenized on a worker thread; its 400 is the same."""
+    client = await make_client("server.max_body_bytes=200000", "server.max_prompt_chars=200000")
+    long = [{"role": "user", "content": "word " * (OFF_LOOP_CHARS // 5 + 1)}]
+    resp = await chat(client, {"model": "echo", "messages": long, "stream": True})
+    await assert_error(resp, 400, code="context_length_exceeded", param="messages")
+    assert (await chat(client, {"model": "echo", "messages": USER})).status == 200

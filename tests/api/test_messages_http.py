@@ -17,6 +17,9 @@ import orjson
 import pytest
 
 from api.app import init
+from api.attachments import OFF_LOOP_CHARS
+from api.job import encode_chat
+from api.protocol import ChatMessage
 from settings import SafetyConfig
 from testing.fake_backend import FakeBehaviour, fake_backends
 from tests.api.helpers import THINKS, echo_settings, state_of
@@ -248,6 +251,7 @@ async def test_count_tokens_counts_against_the_request_limit(make_client):
     for _ in range(2):
         resp = await client.post("/v1/messages/count_tokens", json=body)
         assert resp.status == 200 and (await resp.json())["input_tokens"] > 0
+        assert resp.headers["x-ratelimit-limit-requests"] == "2"
     resp = await client.post("/v1/messages/count_tokens", json=body)
     await _error(resp, 429, "rate_limit_error")
     assert "Retry-After" in resp.headers
@@ -309,3 +313,15 @@ async def test_a_reasoning_model_thinks_only_when_asked_and_its_thinking_is_a_th
         counted_off = await sdk.messages.count_tokens(model="echo", messages=THINKS)
         counted_on = await sdk.messages.count_tokens(model="echo", messages=THINKS, thinking=thinking)
         assert counted_off.input_tokens > counted_on.input_tokens
+
+
+async def test_a_long_prompt_is_counted_the_same_off_the_loop(make_client):
+    """Past OFF_LOOP_CHARS the prompt is tokenized on a worker thread; the count is the same."""
+    client = await make_client("server.max_body_bytes=200000", "server.max_prompt_chars=200000")
+    model = state_of(client).models["echo"]
+    words = "lorem ipsum dolor " * (OFF_LOOP_CHARS // 18 + 1)
+    messages = [{"role": "user", "content": words}]
+    resp = await client.post("/v1/messages/count_tokens", json={"model": "echo", "messages": messages})
+    assert resp.status == 200, await resp.text()
+    expected = len(encode_chat(model, [ChatMessage("user", words)], (), None))
+    assert (await resp.json())["input_tokens"] == expected
