@@ -26,11 +26,12 @@ from api.inflight import INFLIGHT, InFlight
 from api.security import check_startup, keyless_allowed, make_access_middleware
 from api.state import REQUEST_ID, SETTINGS, STATE, AppState
 from engine.registry import BackendFactory, build_models
+from engine.types import EngineError
 from engine.upstream.metrics import register_upstream_metrics
 from gateway.admission import build_admission
 from gateway.errors import GatewayError
 from gateway.metrics import Metrics
-from settings import Settings
+from settings import ConfigError, Settings
 from store.lock import ServerLock
 from store.store import Store
 from store.types import StoreUnavailable
@@ -134,8 +135,11 @@ async def _lifecycle(app: web.Application, backend_factory: BackendFactory | Non
         num_orphaned = await store.fail_unfinished_responses(responses_background.RESTART_ERROR)
         if num_orphaned:  # one server per database: nothing else can be running them
             log.warning("background_responses_failed_at_start", num_responses=num_orphaned)
-        for handle in models.values():
-            await handle.backend.start()
+        for name, handle in models.items():
+            try:
+                await handle.backend.start()
+            except EngineError as exc:  # e.g. a checkpoint whose tensors do not match its config.json
+                raise ConfigError(f"models.{name}: {exc}") from None
             started.append(handle)
         state = await _make_state(settings, store, models)
         app[STATE] = state
@@ -171,8 +175,6 @@ async def _make_state(settings: Settings, store: Store, models) -> AppState:
     local = None
     if keyless_allowed(settings):
         if settings.server.local_tier not in settings.tiers:
-            from settings import ConfigError
-
             raise ConfigError(f"server.local_tier: tier {settings.server.local_tier!r} is not declared under [tiers]")
         org = await store.ensure_org("local", settings.server.local_tier)
         from store.types import Principal

@@ -24,7 +24,7 @@ from api.reasoning import answer_text
 from api.sse import ClientGone, SSEWriter
 from api.state import AppState
 from api.waiting import LazyStream, wait_admitted
-from engine.types import EngineError, EngineUnavailable, FinishReason, RequestRejected, TokenLogprob
+from engine.types import EngineError, EngineUnavailable, FinishReason, ModelLoadFailed, RequestRejected, TokenLogprob
 from gateway.admission import Pass
 from gateway.errors import Overloaded
 from store.types import RequestRecord, RequestStatus, StoreUnavailable
@@ -80,7 +80,7 @@ async def _stream_error(writer: SSEWriter, exc: Exception, job: Job, *, is_done:
     `[DONE]` follows only errors of the request itself; an answer cut by the server (store
     unavailable, shutdown) ends without it, so no client mistakes it for a stored answer.
     """
-    error = _engine_api_error(exc)
+    error = engine_api_error(exc)
     log.error("stream_failed", request_id=job.request_id, code=error.code, error=str(exc))
     try:
         await writer.data(error.body())
@@ -89,12 +89,19 @@ async def _stream_error(writer: SSEWriter, exc: Exception, job: Job, *, is_done:
         pass
 
 
-def _engine_api_error(exc: Exception) -> ApiError:
+def engine_api_error(exc: Exception) -> ApiError:
     """A backend's failure in our envelope: the caller's fault (400), unreachable (503), else 500."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, RequestRejected):  # e.g. an upstream server's 400, passed on with its message
         return ApiError(400, exc.message, "invalid_request_error", exc.code or "invalid_value", exc.param)
+    if isinstance(exc, ModelLoadFailed):
+        return overloaded(
+            f"The model '{exc.model}' could not be loaded on this server (its log says why); try again later "
+            "or ask for another model.",
+            retry_after_s=30,
+            code="model_load_failed",
+        )
     if isinstance(exc, EngineUnavailable):
         return overloaded(
             "The model is unavailable right now; please retry after the time in the Retry-After header.",
@@ -165,7 +172,7 @@ async def generate_unary(
     except (EngineError, RequestRejected) as exc:
         await finish_quietly(state, job, RequestStatus.ERROR, None)
         log.error("request_failed", request_id=job.request_id, error=str(exc))
-        raise _engine_api_error(exc) from None
+        raise engine_api_error(exc) from None
     await finish_job(state, job, STATUS[finishes[0]], finishes[0])
     return finishes
 

@@ -139,6 +139,13 @@ def encode_chat(
     """Render through the chat template; tools go in as `tools=` (or a system message, for a
     template that ignores them); `template_kwargs` (a request's chat_template_kwargs) as template
     variables: a template that fails on them is the client's error (400)."""
+    if not model.serves_chat:
+        raise bad_request(
+            f"The model '{model.name}' has no chat template (a base model): it serves text completions only, "
+            "POST /v1/completions with a 'prompt'.",
+            param="model",
+            code="model_not_chat",
+        )
     if not template_kwargs:
         return _encode_chat(model, context, tools, {})
     try:

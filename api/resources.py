@@ -63,6 +63,8 @@ def _model_obj(name: str, state=None) -> dict:
         reasoning = _reasoning(handle)
         if reasoning is not None:
             obj["reasoning"] = reasoning
+        if not handle.serves_chat:  # a base model: /v1/completions only
+            obj["chat"] = False
         loaded = getattr(handle.backend, "is_loaded", None)  # a model loaded on demand (idle_unload_s)
         if isinstance(loaded, bool):
             obj["loaded"] = loaded

@@ -44,6 +44,11 @@ class ModelHandle:
         return self.backend.max_model_len
 
     @property
+    def serves_chat(self) -> bool:
+        """False for a local model without a chat template (a base model): /v1/completions only."""
+        return not isinstance(self.tokenizer, Tokenizer) or self.tokenizer.chat_template is not None
+
+    @property
     def thinking_tags(self) -> tuple[int, int] | None:
         """(<think>, </think>) ids when this server can follow and cap the model's thinking: the
         native engine, each tag one token; else None."""
@@ -101,9 +106,11 @@ def build_model(
         tokenizer = Tokenizer.from_dir(model_dir)
     except TokenizerLoadError as exc:
         raise ConfigError(f"models.{name}: {exc}") from None
-    if tokenizer.chat_template is None:
-        raise ConfigError(
-            f"models.{name}: {model_dir} has no chat template (tokenizer_config.json or chat_template.jinja)"
+    if tokenizer.chat_template is None:  # a base model: text completions only
+        log.warning(
+            "model_without_chat_template",
+            model=name,
+            detail="served on /v1/completions only (no chat_template in tokenizer_config.json or chat_template.jinja)",
         )
     if config.thinking_budget >= 0 and tokenizer.thinking_tag_ids() is None:
         raise ConfigError(
@@ -116,7 +123,13 @@ def build_model(
         backend = stand_in
     elif config.backend == "native":
         from engine.native.backend import NativeBackend
+        from engine.native.loader import ModelLoadError, preflight
         from engine.native.vision import is_llava
+
+        try:
+            preflight(model_dir)  # before any model loads: a broken folder is one line, not a traceback
+        except ModelLoadError as exc:
+            raise ConfigError(f"models.{name}: {exc}") from None
 
         def native(tokenizer: Tokenizer = tokenizer) -> NativeBackend:
             return NativeBackend(

@@ -219,6 +219,15 @@ class EngineUnavailable(EngineError):
         self.retry_after_s = retry_after_s
 
 
+class ModelLoadFailed(EngineError):
+    """A model loaded on demand could not be loaded (its folder is broken): a 503 naming the
+    model; what went wrong is in the server's log, not sent to the caller."""
+
+    def __init__(self, model: str):
+        super().__init__(f"the model {model} could not be loaded")
+        self.model = model
+
+
 class RequestRejected(Exception):
     """A backend cannot serve this request as asked (the caller's fault): a 400.
 

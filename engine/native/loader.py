@@ -123,6 +123,16 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
     return dict.fromkeys(_tensor_names(single), single)
 
 
+def preflight(model_dir: Path) -> None:
+    """What can be checked of a checkpoint without loading it, in well under a second: config.json
+    (a supported family with sane values) and the weight files (present, headers readable).
+    Raises ModelLoadError naming the problem; the server checks every model this way at start,
+    before loading any, so a broken folder stops it with one line instead of a traceback."""
+    load_model_args(model_dir)
+    for path in sorted(set(_weight_files(model_dir).values())):
+        _tensor_names(path)
+
+
 def _tensor_names(path: Path) -> list[str]:
     from safetensors import safe_open
 

@@ -25,7 +25,7 @@ from collections.abc import AsyncGenerator, Callable
 import structlog
 
 from engine.native.backend import NativeBackend
-from engine.types import EngineError, EngineStats, GenerationRequest, TokenEvent
+from engine.types import EngineError, EngineStats, GenerationRequest, ModelLoadFailed, TokenEvent
 
 log = structlog.get_logger(__name__)
 
@@ -92,6 +92,13 @@ class OnDemandBackend:
             if self._num_running == 0 and not self._is_stopped:
                 self._idle_timer = asyncio.get_running_loop().call_later(self._idle_unload_s, self._start_unload)
 
+    async def ensure_loaded(self) -> None:
+        """Load the model now, before a request's answer starts (raises ModelLoadFailed), so a
+        broken checkpoint is a plain 503 instead of an error inside an open stream."""
+        await self._ensure_loaded()
+        if self._num_running == 0 and self._idle_timer is None and not self._is_stopped:
+            self._idle_timer = asyncio.get_running_loop().call_later(self._idle_unload_s, self._start_unload)
+
     def abort(self, request_id: str) -> None:
         if self._loaded is not None:
             self._loaded.abort(request_id)
@@ -109,7 +116,11 @@ class OnDemandBackend:
             if self._loaded is None:
                 backend, self._next = self._next, self._make()
                 log.info("model_loading", model=self._name)
-                await backend.start()  # raises on failure: this request fails, the next one retries
+                try:
+                    await backend.start()
+                except Exception as exc:  # this request fails with a 503; the next one tries again
+                    log.error("model_load_failed", model=self._name, error=str(exc))
+                    raise ModelLoadFailed(self._name) from exc
                 self._loaded = backend
                 self.num_loads += 1
             return self._loaded

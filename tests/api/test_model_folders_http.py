@@ -1,0 +1,100 @@
+"""Model folders as users bring them, on the real native engine: a broken folder stops the
+server with one line naming the problem (checked for every model before any loads), a base
+model without a chat template serves /v1/completions only, and a model loaded on demand whose
+checkpoint is broken answers a 503 naming it before any stream opens."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from api.app import init
+from settings import ConfigError
+from tests.api.helpers import assert_error, native_settings, state_of
+
+
+def _copy(tiny_model_dir, tmp_path, name: str, **config_changes):
+    folder = tmp_path / name
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(config_changes)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"model_type": "mixtral"}, "model_type 'mixtral' is not one of"),
+        ({"hidden_act": "relu2"}, "relu2"),
+    ],
+)
+def test_an_unsupported_config_is_a_config_error_before_anything_loads(tiny_model_dir, tmp_path, changes, needle):
+    from engine.registry import build_models
+
+    bad = _copy(tiny_model_dir, tmp_path, "bad", **changes)
+    settings = native_settings(tmp_path, tiny_model_dir, extra=(f'models.bad.path="{bad}"',))
+    with pytest.raises(ConfigError, match=needle) as exc:
+        build_models(settings)
+    assert str(exc.value).startswith("models.bad: ")
+
+
+def test_missing_or_unreadable_weights_are_a_config_error(tiny_model_dir, tmp_path):
+    from engine.registry import build_models
+
+    bad = _copy(tiny_model_dir, tmp_path, "bad")
+    (bad / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
+    settings = native_settings(tmp_path, bad, name="bad")
+    with pytest.raises(ConfigError, match="cannot read safetensors"):
+        build_models(settings)
+    (bad / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match=r"no model\.safetensors"):
+        build_models(settings)
+
+
+async def test_tensors_that_do_not_match_config_json_stop_the_start_with_a_config_error(
+    aiohttp_client, tiny_model_dir, tmp_path
+):
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    bad = _copy(tiny_model_dir, tmp_path, "bad", intermediate_size=config["intermediate_size"] * 2)
+    with pytest.raises(ConfigError, match=r"models\.bad: .*has shape"):
+        await aiohttp_client(init(native_settings(tmp_path, bad, name="bad")))
+
+
+async def test_a_base_model_serves_completions_and_refuses_chat_naming_the_model(
+    aiohttp_client, tiny_model_dir, tmp_path
+):
+    base = _copy(tiny_model_dir, tmp_path, "base")
+    tokenizer_config = json.loads((base / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    client = await aiohttp_client(init(native_settings(tmp_path, base, name="base")))
+    assert not state_of(client).models["base"].serves_chat
+    resp = await client.post("/v1/completions", json={"model": "base", "prompt": "The river", "max_tokens": 4})
+    assert resp.status == 200, await resp.text()
+    assert (await resp.json())["usage"]["completion_tokens"] == 4
+    for path, body in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
+        ("/v1/responses", {"input": "hi"}),
+    ):
+        await assert_error(await client.post(path, json={"model": "base", **body}), 400, code="model_not_chat")
+    listed = (await (await client.get("/v1/models")).json())["data"]
+    assert listed[0]["id"] == "base" and listed[0]["chat"] is False
+
+
+async def test_a_model_loaded_on_demand_that_cannot_load_is_a_503_before_any_stream(
+    aiohttp_client, tiny_model_dir, tmp_path
+):
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    bad = _copy(tiny_model_dir, tmp_path, "bad", intermediate_size=config["intermediate_size"] * 2)
+    settings = native_settings(tmp_path, bad, extra=("models.tiny.idle_unload_s=30",))
+    client = await aiohttp_client(init(settings))  # nothing is loaded at start: the shapes are not read yet
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for stream in (False, True):
+        resp = await client.post("/v1/chat/completions", json={**body, "stream": stream})
+        await assert_error(resp, 503, code="model_load_failed")
+        assert resp.headers["Content-Type"].startswith("application/json") and "Retry-After" in resp.headers
+    assert (await client.get("/health")).status == 200
