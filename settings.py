@@ -604,23 +604,28 @@ def load_settings(path: Path | None, overrides: list[str] | tuple[str, ...] = ()
     return _build(Settings, raw, "")
 
 
-# Settings that name files or folders: (section, key, default). Relative values in a config
-# file (and these defaults when it gives none) are relative to that file's folder, so the
-# server finds its files from any working directory; --set and --db/--model values stay
-# relative to the working directory, as shell arguments are.
+# Settings that name files or folders: (section, key, default, shipped). Relative values in a
+# config file are relative to that file's folder, so the server finds its files from any
+# working directory; so are the defaults of the user's data (the database), while the defaults
+# of what ships with the server (the web UI, the safety classifier) stay in the project's
+# folder, wherever the config file is. --set and --db/--model values stay relative to the
+# working directory, as shell arguments are.
 _PATH_SETTINGS = (
-    ("server", "static_dir", "static"),
-    ("store", "path", "data/chat.db"),
-    ("files", "dir", ""),
-    ("safety", "classifier_path", "safety/classifier.npz"),
+    ("server", "static_dir", "static", True),
+    ("store", "path", "data/chat.db", False),
+    ("files", "dir", "", False),
+    ("safety", "classifier_path", "safety/classifier.npz", True),
 )
+PROJECT_DIR = Path(__file__).resolve().parent
 
 
 def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
-    for section, key, default in _PATH_SETTINGS:
+    for section, key, default, shipped in _PATH_SETTINGS:
         node = raw.setdefault(section, {})
         if isinstance(node, dict):
-            node[key] = _resolve(node.get(key, default), base)
+            node[key] = (
+                _resolve(node[key], base) if key in node else _resolve(default, PROJECT_DIR if shipped else base)
+            )
     for model in (raw.get("models") or {}).values():
         if isinstance(model, dict) and "path" in model:
             model["path"] = _resolve(model["path"], base)

@@ -175,7 +175,10 @@ async def _make_state(settings: Settings, store: Store, models) -> AppState:
     local = None
     if keyless_allowed(settings):
         if settings.server.local_tier not in settings.tiers:
-            raise ConfigError(f"server.local_tier: tier {settings.server.local_tier!r} is not declared under [tiers]")
+            raise ConfigError(
+                f"server.local_tier: tier {settings.server.local_tier!r} is not declared under [tiers] (a --config "
+                "file replaces config.toml whole, tiers included: start from a copy of config.toml)"
+            )
         org = await store.ensure_org("local", settings.server.local_tier)
         from store.types import Principal
 

@@ -22,14 +22,14 @@ from api import attachments, protocol
 from api.connections import read_body, reads_body_itself
 from api.errors import ApiError, bad_request, overloaded
 from api.files import BLOBS
-from api.finish import STATUS, engine_api_error, finish_job, generate_unary, stream_job
+from api.finish import STATUS, finish_job, generate_unary, stream_job
 from api.generation import generate_choices, make_answer
 from api.inflight import INFLIGHT
 from api.job import Job, JobInputs, conversation_not_found
 from api.sse import SSEWriter
 from api.state import PRINCIPAL, REQUEST_ID, SETTINGS, STATE, AppState
 from api.waiting import LazyStream, wait_admitted
-from engine.types import FinishReason, ModelLoadFailed, TokenLogprob
+from engine.types import FinishReason, TokenLogprob
 from gateway.admission import Pass
 from settings import ServerConfig
 from store.types import RequestStatus
@@ -103,12 +103,6 @@ async def serve_job(
     verdict = await state.screen_prompt(job)
     if verdict is not None:
         return await (_refuse if outlet is None else outlet.refuse)(request, state, job, verdict)
-    load = getattr(job.model.backend, "ensure_loaded", None)  # a model loaded on demand (idle_unload_s)
-    if load is not None:
-        try:
-            await load()
-        except ModelLoadFailed as exc:
-            raise engine_api_error(exc) from None
     if not state.store.is_writable:
         raise overloaded(
             "The usage ledger cannot be written; try again later.", retry_after_s=30, code="store_unavailable"

@@ -77,14 +77,15 @@ async def stream_job(
 async def _stream_error(writer: SSEWriter, exc: Exception, job: Job, *, is_done: bool = True) -> None:
     """After headers are sent an error is one `data:` frame with the error object, then the end.
 
-    `[DONE]` follows only errors of the request itself; an answer cut by the server (store
-    unavailable, shutdown) ends without it, so no client mistakes it for a stored answer.
+    `[DONE]` follows only errors of the request itself (4xx); an answer cut by the server (an
+    engine failure, store unavailable, shutdown: 5xx) ends without it, so no client mistakes it
+    for a stored answer.
     """
     error = engine_api_error(exc)
     log.error("stream_failed", request_id=job.request_id, code=error.code, error=str(exc))
     try:
         await writer.data(error.body())
-        await (writer.done() if is_done else writer.end())
+        await (writer.done() if is_done and error.status < 500 else writer.end())
     except ClientGone:
         pass
 

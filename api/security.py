@@ -89,7 +89,7 @@ def check_startup(settings: Settings) -> None:
     if settings.server.trusted_proxies and keyless_allowed(settings):
         raise ConfigError(
             "server.trusted_proxies is set, so every client arrives from the proxy's address and would be "
-            "served without a key: set server.require_keys = true (and create keys with: python server.py "
+            "served without a key: set server.require_keys = true (and create keys with: .venv/bin/python server.py "
             "keys create --org NAME --tier free)"
         )
 
@@ -179,7 +179,7 @@ async def _key_principal(request: web.Request):
     if principal is None:
         raise unauthorized(
             "Incorrect API key provided (unknown or revoked). "
-            "Create one with: python server.py keys create --org NAME --tier free"
+            "Create one with: .venv/bin/python server.py keys create --org NAME --tier free"
         )
     return principal
 
@@ -210,13 +210,13 @@ async def _admin_principal(request: web.Request) -> Principal:
     if principal is None:
         raise unauthorized(
             "The admin API needs an admin key (Authorization: Bearer <key>). Create one with: "
-            "python server.py keys create --org admin --tier free --scope admin"
+            ".venv/bin/python server.py keys create --org admin --tier free --scope admin"
         )
     if not principal.is_admin:
         raise ApiError(
             403,
             "The admin API needs an admin key; this key serves inference only. Create an admin key with: "
-            "python server.py keys create --org admin --tier free --scope admin",
+            ".venv/bin/python server.py keys create --org admin --tier free --scope admin",
             "permission_error",
             "admin_key_required",
         )

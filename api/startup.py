@@ -45,7 +45,7 @@ def bind_listening_socket(host: str, port: int) -> socket.socket:
         if exc.errno == errno.EADDRINUSE:
             raise PortInUse(
                 f"port {port} on {host} is already in use, probably by another server.py. Stop that "
-                f"one (Ctrl-C in its terminal), or start this one on another port: python server.py "
+                f"one (Ctrl-C in its terminal), or start this one on another port: .venv/bin/python server.py "
                 f"--port {port + 1}"
             ) from None
         raise PortInUse(f"cannot listen on {host}:{port}: {exc.strerror}") from None
@@ -80,5 +80,5 @@ def ready_text(settings: Settings, *, is_keyless: bool) -> str:
     if is_keyless:
         lines.append(f"No API key needed from this machine (tier {settings.server.local_tier}). Ctrl-C stops.")
     else:
-        lines.append("API keys required: python server.py keys create --org NAME --tier free. Ctrl-C stops.")
+        lines.append("API keys required: .venv/bin/python server.py keys create --org NAME --tier free. Ctrl-C stops.")
     return "\n".join(lines) + "\n"

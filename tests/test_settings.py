@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from scripts import gen_config
-from settings import ConfigError, Settings, load_settings, settings_help
+from settings import PROJECT_DIR, ConfigError, Settings, load_settings, settings_help
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,7 +109,12 @@ def test_relative_paths_in_a_config_file_are_relative_to_its_folder_and_set_to_t
     assert settings.store.path == str(base / "data" / "chat.db")
     assert settings.models["m"].path == str(base / "models" / "m")
     assert settings.models["abs"].path == "/opt/models/abs"
-    assert settings.server.static_dir == str(base / "static")  # a default, under the file's folder
+    # Defaults: the user's data beside the file; what ships with the server, in the project.
+    assert settings.server.static_dir == str(PROJECT_DIR / "static")
+    settings = load_settings(config)
+    assert settings.safety.classifier_path == str(PROJECT_DIR / "safety" / "classifier.npz")
+    assert Path(settings.safety.classifier_path).is_file() and Path(settings.server.static_dir).is_dir()
+    settings = load_settings(config, ['safety.classifier_path="elsewhere/head.npz"'])
     assert settings.safety.classifier_path == "elsewhere/head.npz"  # --set: as typed
     assert settings.files.dir == ""  # empty keeps its meaning (beside the database)
     assert load_settings(None).store.path == "data/chat.db"  # no file: nothing to resolve against

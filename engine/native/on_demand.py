@@ -92,13 +92,6 @@ class OnDemandBackend:
             if self._num_running == 0 and not self._is_stopped:
                 self._idle_timer = asyncio.get_running_loop().call_later(self._idle_unload_s, self._start_unload)
 
-    async def ensure_loaded(self) -> None:
-        """Load the model now, before a request's answer starts (raises ModelLoadFailed), so a
-        broken checkpoint is a plain 503 instead of an error inside an open stream."""
-        await self._ensure_loaded()
-        if self._num_running == 0 and self._idle_timer is None and not self._is_stopped:
-            self._idle_timer = asyncio.get_running_loop().call_later(self._idle_unload_s, self._start_unload)
-
     def abort(self, request_id: str) -> None:
         if self._loaded is not None:
             self._loaded.abort(request_id)

@@ -1,7 +1,7 @@
 """Model folders as users bring them, on the real native engine: a broken folder stops the
 server with one line naming the problem (checked for every model before any loads), a base
 model without a chat template serves /v1/completions only, and a model loaded on demand whose
-checkpoint is broken answers a 503 naming it before any stream opens."""
+checkpoint is broken answers a 503 naming it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from api.app import init
 from settings import ConfigError
-from tests.api.helpers import assert_error, native_settings, state_of
+from tests.api.helpers import assert_error, native_settings, sse_events, state_of
 
 
 def _copy(tiny_model_dir, tmp_path, name: str, **config_changes):
@@ -85,16 +85,19 @@ async def test_a_base_model_serves_completions_and_refuses_chat_naming_the_model
     assert listed[0]["id"] == "base" and listed[0]["chat"] is False
 
 
-async def test_a_model_loaded_on_demand_that_cannot_load_is_a_503_before_any_stream(
-    aiohttp_client, tiny_model_dir, tmp_path
-):
+async def test_a_model_loaded_on_demand_that_cannot_load_is_a_503_naming_it(aiohttp_client, tiny_model_dir, tmp_path):
+    """Not "failed while generating": a plain 503 (a stream, which sends heartbeats while the
+    model loads, ends with that error and no [DONE]); the next request tries the load again."""
     config = json.loads((tiny_model_dir / "config.json").read_text())
     bad = _copy(tiny_model_dir, tmp_path, "bad", intermediate_size=config["intermediate_size"] * 2)
     settings = native_settings(tmp_path, bad, extra=("models.tiny.idle_unload_s=30",))
     client = await aiohttp_client(init(settings))  # nothing is loaded at start: the shapes are not read yet
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    for stream in (False, True):
-        resp = await client.post("/v1/chat/completions", json={**body, "stream": stream})
-        await assert_error(resp, 503, code="model_load_failed")
-        assert resp.headers["Content-Type"].startswith("application/json") and "Retry-After" in resp.headers
+    resp = await client.post("/v1/chat/completions", json=body)
+    await assert_error(resp, 503, code="model_load_failed")
+    assert "Retry-After" in resp.headers and "'tiny' could not be loaded" in (await resp.json())["error"]["message"]
+    resp = await client.post("/v1/chat/completions", json={**body, "stream": True})
+    events, _ = await sse_events(resp)
+    assert events[-1] != "[DONE]" and events[-1]["error"]["code"] == "model_load_failed"
+    assert state_of(client).models["tiny"].backend.num_loads == 0
     assert (await client.get("/health")).status == 200
