@@ -24,25 +24,57 @@ def build_parser() -> argparse.ArgumentParser:
         prog="server.py",
         description="A self-hosted ChatGPT in one process. With no command, serve.",
     )
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="config file (default: config.toml)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one setting, e.g. --set engine.max_num_seqs=32 (repeatable)",
-    )
-    parser.add_argument("--host", help="interface to bind (server.host)")
-    parser.add_argument("--port", type=int, help="TCP port (server.port)")
-    parser.add_argument("--db", dest="serve_db", help="SQLite database file (store.path)")
-    parser.add_argument("--model", type=Path, help="serve this local model folder for every tier")
+    _add_serve_flags(parser, is_subcommand=False)
     sub = parser.add_subparsers(dest="command")
-    sub.add_parser("serve", help="run the server (the default)")
+    serve_parser = sub.add_parser(
+        "serve",
+        help="run the server (the default)",
+        description="Run the server. These flags may also come before `serve`, or without it.",
+    )
+    _add_serve_flags(serve_parser, is_subcommand=True)
     from store.cli import add_cli
 
     add_cli(sub)
     return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with `--set` given before and after `serve` merged (later ones win)."""
+    args = build_parser().parse_args(argv)
+    after_serve = vars(args).pop("serve_overrides", [])
+    args.overrides = [*args.overrides, *after_serve]
+    return args
+
+
+def _add_serve_flags(parser: argparse.ArgumentParser, *, is_subcommand: bool) -> None:
+    """The serving flags, on the top-level parser and on `serve`. On `serve` they have no defaults
+    (SUPPRESS): argparse copies a subcommand's defaults over what was parsed before it, so
+    `--port 8000 serve` would lose the port. `--set` after `serve` goes to its own list, which
+    `parse_args` appends to the one before it."""
+    default = argparse.SUPPRESS if is_subcommand else None
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=default if is_subcommand else DEFAULT_CONFIG,
+        metavar="FILE",
+        help="config file (default: config.toml)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="serve_overrides" if is_subcommand else "overrides",
+        action="append",
+        default=default if is_subcommand else [],
+        metavar="SECTION.KEY=VALUE",
+        help="override one setting, e.g. --set engine.max_num_seqs=32 (repeatable)",
+    )
+    parser.add_argument("--host", default=default, help="interface to bind (server.host)")
+    parser.add_argument("--port", type=int, default=default, help="TCP port (server.port)")
+    parser.add_argument(
+        "--db", dest="serve_db", default=default, metavar="FILE", help="SQLite database file (store.path)"
+    )
+    parser.add_argument(
+        "--model", type=Path, default=default, metavar="DIR", help="serve this local model folder for every tier"
+    )
 
 
 def apply_cli(settings, args: argparse.Namespace):
@@ -102,17 +134,23 @@ def main(argv: list[str] | None = None, *, backend_factory=None) -> int:
     from api.startup import PortInUse
     from settings import ConfigError, load_settings
 
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         settings = apply_cli(load_settings(args.config, args.overrides), args)
     except ConfigError as exc:
         sys.stderr.write(f"config error: {exc}\n")
         return 1
-    configure_logging(settings.server.log_level, json_lines=settings.server.log_json)
     if args.command in ("keys", "orgs", "feedback"):
         from store.cli import run_cli
 
+        # An admin command says what it did; the store's info lines (opened, migrated) are noise there.
+        configure_logging("warning", json_lines=settings.server.log_json)
         return asyncio.run(run_cli(args, settings))
+    configure_logging(settings.server.log_level, json_lines=settings.server.log_json)
+    if args.model is not None and not args.model.is_dir():
+        # Before check_model_folders, whose message is about paths in a config file.
+        sys.stderr.write(f"config error: --model: the folder {args.model.resolve()} does not exist\n")
+        return 1
     from store.lock import DatabaseInUse
 
     try:

@@ -16,6 +16,7 @@ from typing import Any
 
 from settings import Settings, merge_org_limits
 from store.feedback import Feedback
+from store.keys import MIN_PREFIX_MATCH_CHARS, SECRET_PREFIX
 from store.money import format_usd
 from store.store import UNSET, Store
 from store.types import INFERENCE_SCOPE, KEY_SCOPES, Conflict, NotFound, StoreError
@@ -28,8 +29,18 @@ def add_cli(subparsers: Any) -> None:
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     create = _with_db(keys_sub.add_parser("create", help="create a key (and its organisation if missing)"))
     create.add_argument("--org", required=True, help="organisation name")
-    create.add_argument("--tier", help="tier of a new organisation (must match an existing one)")
-    create.add_argument("--budget", type=_budget, default=UNSET, help="monthly budget in USD, or 'none'")
+    create.add_argument(
+        "--tier",
+        help="tier of a new organisation; for an existing one it must equal that organisation's tier"
+        " (change it with `orgs set`)",
+    )
+    create.add_argument(
+        "--budget",
+        type=_budget,
+        default=UNSET,
+        help="monthly budget in USD of a new organisation, or 'none'; for an existing one it must equal"
+        " that organisation's budget (change it with `orgs set`)",
+    )
     create.add_argument("--name", help="a label for the key")
     create.add_argument("--expires-in-days", type=float, help="the key stops working after this many days")
     create.add_argument(
@@ -41,7 +52,12 @@ def add_cli(subparsers: Any) -> None:
     listing = _with_db(keys_sub.add_parser("list", help="list keys (prefix and last 4 only)"))
     listing.add_argument("--org", help="only this organisation's keys")
     revoke = _with_db(keys_sub.add_parser("revoke", help="revoke a key by its prefix (sk-...) or id (key_...)"))
-    revoke.add_argument("prefix")
+    revoke.add_argument(
+        "key",
+        metavar="PREFIX_OR_ID",
+        help=f"the prefix `keys list` shows, or its first {MIN_PREFIX_MATCH_CHARS} or more characters if only one"
+        " active key starts with them; or the key's id (key_...)",
+    )
 
     orgs = subparsers.add_parser("orgs", help="create, list and change organisations")
     orgs.set_defaults(store_cli="orgs")
@@ -121,21 +137,38 @@ async def _keys_create(store: Store, args: argparse.Namespace, settings: Setting
 
 async def _keys_list(store: Store, args: argparse.Namespace, settings: Settings) -> int:
     org_names = {o.id: o.name for o in await store.list_orgs()}
-    for key in await store.list_keys(args.org):
+    keys = await store.list_keys(args.org)  # NotFound for an unknown --org, before the header
+    _out(_KEY_ROW.format("PREFIX", "LAST4", "ORGANISATION", "SCOPE", "STATE", "CREATED", "LAST USED", "NAME"))
+    for key in keys:
         state = f"revoked {_time(key.revoked_at)}" if key.is_revoked else "active"
         if not key.is_revoked and key.expires_at is not None:
             state = f"{'expired' if key.is_expired(time.time()) else 'expires'} {_time(key.expires_at)}"
+        org_name = org_names.get(key.org_id, key.org_id)
+        created, last_used = _time(key.created_at), _time(key.last_used_at)
         _out(
-            f"{key.prefix:<12} ...{key.last4}  {org_names.get(key.org_id, key.org_id):<20} {key.scope:<9} {state:<28}"
-            f" created {_time(key.created_at)}  last used {_time(key.last_used_at)}  {key.name or ''}\n"
+            _KEY_ROW.format(
+                key.prefix, f"...{key.last4}", org_name, key.scope, state, created, last_used, key.name or "-"
+            )
         )
     return 0
 
 
 async def _keys_revoke(store: Store, args: argparse.Namespace, settings: Settings) -> int:
-    if not await store.revoke_key(args.prefix):
-        return _fail(f"no active key with prefix {args.prefix!r}")
-    _out(f"revoked {args.prefix}\n")
+    ident = args.key
+    if ident.startswith(SECRET_PREFIX) and len(ident) < MIN_PREFIX_MATCH_CHARS:
+        return _fail(f"{ident!r} is too short: give at least {MIN_PREFIX_MATCH_CHARS} characters of a key's prefix")
+    found = await store.find_keys(ident)
+    live = [k for k in found if not k.is_revoked]
+    if len(live) > 1:
+        prefixes = ", ".join(k.prefix for k in live)
+        return _fail(f"{ident!r} matches {len(live)} active keys ({prefixes}); give more of the prefix")
+    if not live:
+        revoked = f"; already revoked: {', '.join(k.prefix for k in found)}" if found else " (see `keys list`)"
+        return _fail(f"no active key with prefix or id {ident!r}{revoked}")
+    key = live[0]
+    if not await store.revoke_key(key.id):  # another process revoked it since the lookup
+        return _fail(f"key {key.prefix} is already revoked")
+    _out(f"revoked {key.display} ({key.id})\n")
     return 0
 
 
@@ -197,6 +230,9 @@ def _feedback_line(f: Feedback) -> str:
     return json.dumps(row, ensure_ascii=False)
 
 
+# `keys list`: one key per line, the name last (it may hold spaces) so columns stay countable;
+# each width but the organisation's leaves room for the longest value there and a space.
+_KEY_ROW = "{:<12} {:<8} {:<20} {:<10} {:<29} {:<21} {:<21} {}"
 _KEY_COMMANDS = {"create": _keys_create, "list": _keys_list, "revoke": _keys_revoke}
 _ORG_COMMANDS = {"list": _orgs_list, "create": _orgs_create, "set": _orgs_set}
 

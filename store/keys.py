@@ -23,6 +23,7 @@ from store.types import INFERENCE_SCOPE, KEY_SCOPES, ApiKey, Conflict, NotFound,
 SECRET_PREFIX = "sk-"
 MAX_LOOKUP_HASHES = 500  # per query: SQLite's host-parameter limit is 999 on older builds
 PREFIX_CHARS = 11  # "sk-" plus 8 random characters (48 bits): unique in practice, checked anyway
+MIN_PREFIX_MATCH_CHARS = 6  # "sk-" plus 3: the least of a listed prefix that `find_keys` matches on
 MAX_SECRET_CHARS = 256  # longer strings are not ours; refuse before hashing them
 
 _ORG_COLUMNS = "o.id, o.name, o.tier, o.budget_usd, o.limits_json, o.created_at"
@@ -85,6 +86,19 @@ async def get_key(conn: aiosqlite.Connection, ident: str) -> ApiKey | None:
     sql = f"SELECT {_KEY_COLUMNS} FROM api_keys k WHERE k.id = ? OR k.prefix = ?"
     rows = await fetch_all(conn, sql, (ident, ident))
     return key_from_row(rows[0]) if rows else None
+
+
+async def find_keys(conn: aiosqlite.Connection, ident: str) -> list[ApiKey]:
+    """Keys whose id is `ident` or whose prefix starts with it, revoked or not, oldest first.
+    A prefix needs MIN_PREFIX_MATCH_CHARS; shorter text matches ids only."""
+    params: tuple[int | str, ...]
+    if ident.startswith(SECRET_PREFIX) and len(ident) >= MIN_PREFIX_MATCH_CHARS:
+        # substr, not LIKE: LIKE ignores case and reads "_" (a base64url character) as a wildcard.
+        where, params = "substr(k.prefix, 1, ?) = ?", (len(ident), ident)
+    else:
+        where, params = "k.id = ?", (ident,)
+    rows = await fetch_all(conn, f"SELECT {_KEY_COLUMNS} FROM api_keys k WHERE {where} ORDER BY k.created_at", params)
+    return [key_from_row(r) for r in rows]
 
 
 async def find_live_keys(conn: aiosqlite.Connection, key_hashes: list[str]) -> dict[str, LiveKey]:

@@ -187,6 +187,13 @@ class Store:
             found = await keys.get_key(conn, ident)
         return None if found is None else _with_last_used(found, self._last_used.get(found.id))
 
+    async def find_keys(self, ident: str) -> list[ApiKey]:
+        """Keys whose id is `ident` or whose prefix starts with it (at least `sk-` and 3 more
+        characters), revoked or not, oldest first: `keys revoke` picks one by a short prefix."""
+        async with self._reader() as conn:
+            found = await keys.find_keys(conn, ident)
+        return [_with_last_used(k, self._last_used.get(k.id)) for k in found]
+
     async def revoke_key(self, prefix: str) -> bool:
         """Revoke by prefix or key id; refused from the next request on (this process), or within
         key_cache_s (others)."""
