@@ -41,7 +41,7 @@ function saveSetting(name, value) {
 const state = {
   conversationId: null,
   messages: [],       // {role, content, id?, model?, tokens?, usage?, fallbackFrom?, finishReason?, feedback?,
-                      //  historyDropped?, contextLength?, isStopped?, errorText?}
+                      //  historyDropped?, contextLength?, errorText?}
   controller: null,   // AbortController of the answer being streamed
   models: new Map(),  // id -> /v1/models entry (max_model_len, description, example_prompts)
 };
@@ -61,11 +61,19 @@ const sidebar = new Sidebar({
 // ---- models and usage ------------------------------------------------------------------
 async function loadModels() {
   const { data } = await api.models();
-  const saved = loadSetting(MODEL_STORAGE);
   state.models = new Map(data.map((m) => [m.id, m]));
   el.model.replaceChildren(...data.map((m) => new Option(m.id, m.id)));
-  if (data.some((m) => m.id === saved)) el.model.value = saved;
   el.model.disabled = data.length === 0;
+  selectModel(loadSetting(MODEL_STORAGE));
+  showWelcome();
+}
+
+// Puts the picker on `id` where it is offered (the user's own choice, or the model an opened
+// conversation used); otherwise leaves it where it is. Never remembered: only the user's
+// change in the picker is.
+function selectModel(id) {
+  if (!state.models.has(id) || el.model.value === id) return;
+  el.model.value = id;
   showWelcome();
 }
 
@@ -135,6 +143,7 @@ function newChat() {
   if (state.controller) return;
   hideBanner();
   setConversation(null, null);
+  selectModel(loadSetting(MODEL_STORAGE));  // a new chat starts on the user's model, not the last one opened
   state.messages = [];
   paint();
   el.input.focus();
@@ -147,6 +156,9 @@ async function openConversation(id) {
     hideBanner();
     setConversation(conversation.id, displayTitle(conversation));
     state.messages = conversation.messages.map(fromStored);
+    // The next turn continues on the model that wrote the last answer, where still offered.
+    const lastAnswer = conversation.messages.findLast((m) => m.role === "assistant" && m.model);
+    if (lastAnswer) selectModel(lastAnswer.model);
     paint();
     scrollToBottom();
   } catch (error) {
@@ -331,7 +343,7 @@ async function streamAnswer(conversationId, content, keep, controller) {
                             contextLength: model ? model.max_model_len : null });
   } catch (error) {
     if (isAbort(error)) {
-      answer.isStopped = true;
+      answer.finishReason = "abort";  // as the server stores it: the same note live and after a reload
       outcome.expected = keep + (answer.content ? 2 : 1);
     } else {
       outcome.failure = error;

@@ -10,7 +10,10 @@ const messagesEl = document.getElementById("messages");
 const welcomeEl = document.getElementById("welcome");
 const NEAR_BOTTOM_PX = 80;
 
+// Notes for answers that ended other than normally, by finish_reason (live and stored alike;
+// "abort": stopped by the user, or cut when the page went away mid-answer).
 const FINISH_NOTES = {
+  abort: "Stopped.",
   content_filter: "Stopped by the content filter.",
 };
 
@@ -57,7 +60,8 @@ export function metaText(msg) {
     const cost = formatCost(usage.cost_usd);
     if (cost) parts.push(cost);
   } else if (msg.tokens != null) {
-    parts.push(plural(msg.tokens, "token"));
+    // A stored message keeps only its own (completion) tokens: the live line's "out" figure.
+    parts.push(`${formatInt(msg.tokens)} out`);
   }
   return parts.join(" \u00b7 ");
 }
@@ -71,7 +75,6 @@ function cutOffText(msg) {
 }
 
 function noteText(msg) {
-  if (msg.isStopped) return "Stopped.";
   if (msg.errorText) return msg.errorText;
   if (msg.finishReason === "length") return cutOffText(msg);
   return FINISH_NOTES[msg.finishReason] || "";
