@@ -190,7 +190,7 @@ class EngineConfig:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """One [models.<name>] section per model; `python server.py --model DIR` replaces all of them with DIR.
+    """One [models.<name>] section per model; `.venv/bin/python server.py --model DIR` replaces all of them with DIR.
     A model served by other OpenAI-compatible servers (backend = "openai") needs no path; the keys
     marked openai are its own.
     """
