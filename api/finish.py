@@ -221,7 +221,9 @@ async def finish_job(
         assistant_content=content if store_answer and (content or status in _STORED_EMPTY) else None,
         fallback_from=job.fallback_from,
         usage_source=job.usage_source.value,
-        finish_reason=finish.value if finish is not None else None,
+        # An answer the server cut (an engine failure) is stored as "error", so that after a
+        # reload it does not pass for a complete one.
+        finish_reason=finish.value if finish is not None else ("error" if status is RequestStatus.ERROR else None),
     )
     await state.record(job, record, finish)
 

@@ -346,3 +346,18 @@ async def test_a_prompt_tokenized_off_the_loop_is_refused_the_same_way(make_clie
     resp = await chat(client, {"model": "echo", "messages": long, "stream": True})
     await assert_error(resp, 400, code="context_length_exceeded", param="messages")
     assert (await chat(client, {"model": "echo", "messages": USER})).status == 200
+
+
+async def test_an_answer_the_engine_cut_ends_without_done_and_is_stored_as_error(make_client):
+    """A server-side failure mid-stream: an error event and no [DONE] (which means stored and
+    billed as complete); the partial answer is kept with finish_reason "error" so that after a
+    reload it does not pass for a complete one."""
+    client = await make_client(behaviour=FakeBehaviour(fail_after=2))
+    cid = (await (await client.post("/v1/conversations", json={})).json())["id"]
+    long = [{"role": "user", "content": "one two three four five six"}]
+    resp = await chat(client, {"model": "echo", "messages": long, "stream": True, "conversation_id": cid})
+    events, _ = await sse_events(resp)
+    assert events[-1] != "[DONE]" and events[-1]["error"]["code"] == "engine_error"
+    messages = (await (await client.get(f"/v1/conversations/{cid}")).json())["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"] and messages[1]["finish_reason"] == "error"
+    assert messages[1]["content"]  # what was sent before the failure
