@@ -24,6 +24,7 @@ from api.state import PRINCIPAL, SETTINGS, STATE
 from engine.registry import ModelHandle
 from engine.tokenizer import Tokenizer
 from store import money
+from store.conversations import AnswerUsage
 from store.types import Conversation, Message, NotFound
 
 _MAX_TITLE_CHARS = 200
@@ -97,8 +98,8 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 # -- conversations -----------------------------------------------------------------------
-def _message_obj(m: Message) -> dict:
-    obj = {
+def _message_obj(m: Message, billed: AnswerUsage | None = None) -> dict:
+    obj: dict[str, Any] = {
         "id": m.id,
         "object": "conversation.message",
         "role": m.role,
@@ -109,12 +110,27 @@ def _message_obj(m: Message) -> dict:
     }
     if m.parts_json is not None:  # sent with files or images: the parts as sent (file ids, image refs)
         obj["parts"] = orjson.loads(m.parts_json)
-    if m.finish_reason is not None:  # assistant messages: stop, length or content_filter
+    if m.finish_reason is not None:  # assistant messages: stop, length, content_filter, abort or error
         obj["finish_reason"] = m.finish_reason
+    if billed is not None:  # extensions, from the ledger row of the request that wrote the answer
+        obj["usage"] = _usage_obj(billed)
+        if billed.fallback_from is not None:
+            obj["fallback_from"] = billed.fallback_from
     return obj
 
 
-def _conversation_obj(c: Conversation, *, with_messages: bool) -> dict:
+def _usage_obj(billed: AnswerUsage) -> dict:
+    """The chat completion's usage as billed, less completion_tokens_details (not in the ledger)."""
+    return {
+        "prompt_tokens": billed.prompt_tokens,
+        "completion_tokens": billed.completion_tokens,
+        "total_tokens": billed.prompt_tokens + billed.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": billed.cached_tokens},
+        "cost_usd": round(billed.cost_usd, 9),
+    }
+
+
+def _conversation_obj(c: Conversation, *, with_messages: bool, billed: dict[str, AnswerUsage] | None = None) -> dict:
     obj: dict[str, Any] = {
         "id": c.id,
         "object": "conversation",
@@ -123,7 +139,8 @@ def _conversation_obj(c: Conversation, *, with_messages: bool) -> dict:
         "updated_at": c.updated_at,
     }
     if with_messages:
-        obj["messages"] = [_message_obj(m) for m in c.messages]
+        usage = billed or {}
+        obj["messages"] = [_message_obj(m, usage.get(m.id)) for m in c.messages]
     return obj
 
 
@@ -182,10 +199,11 @@ async def list_conversations(request: web.Request) -> web.Response:
 async def get_conversation(request: web.Request) -> web.Response:
     cid = request.match_info["conversation_id"]
     store = request.app[STATE].store
-    conv = await store.get_conversation(request[PRINCIPAL].org.id, cid)
-    if conv is None:
+    found = await store.get_billed_conversation(request[PRINCIPAL].org.id, cid)
+    if found is None:
         raise _conversation_missing(cid)
-    obj = _conversation_obj(conv, with_messages=True)
+    conv, billed = found
+    obj = _conversation_obj(conv, with_messages=True, billed=billed)
     rated = await store.conversation_feedback(cid)
     for message in obj["messages"]:
         if message["id"] in rated:  # what the user said about this answer (api/feedback.py)
@@ -218,10 +236,11 @@ async def truncate_conversation(request: web.Request) -> web.Response:
         raise bad_request("'keep_messages' must be a non-negative integer.", param="keep_messages")
     if not await request.app[STATE].store.truncate_conversation(request[PRINCIPAL].org.id, cid, keep):
         raise _conversation_missing(cid)
-    conv = await request.app[STATE].store.get_conversation(request[PRINCIPAL].org.id, cid)
-    if conv is None:  # deleted since the truncation
+    found = await request.app[STATE].store.get_billed_conversation(request[PRINCIPAL].org.id, cid)
+    if found is None:  # deleted since the truncation
         raise _conversation_missing(cid)
-    return _json(_conversation_obj(conv, with_messages=True))
+    conv, billed = found
+    return _json(_conversation_obj(conv, with_messages=True, billed=billed))
 
 
 # -- usage -------------------------------------------------------------------------------

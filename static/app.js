@@ -46,9 +46,13 @@ const state = {
   models: new Map(),  // id -> /v1/models entry (max_model_len, description, example_prompts)
 };
 
-// A stored message (snake_case finish_reason) in the view's shape.
+// A stored message (snake_case finish_reason, fallback_from) in the view's shape. An answer's
+// `usage` is the chat completion's, as billed (less the thinking count, which is not stored).
 function fromStored(message) {
-  return message.finish_reason ? { ...message, finishReason: message.finish_reason } : message;
+  const view = { ...message };
+  if (message.finish_reason) view.finishReason = message.finish_reason;
+  if (message.fallback_from) view.fallbackFrom = message.fallback_from;
+  return view;
 }
 
 const sidebar = new Sidebar({
@@ -59,8 +63,9 @@ const sidebar = new Sidebar({
 });
 
 // ---- models and usage ------------------------------------------------------------------
+// Only chat models are offered: a base model (`chat: false`) answers /v1/completions only.
 async function loadModels() {
-  const { data } = await api.models();
+  const data = (await api.models()).data.filter((m) => m.chat !== false);
   state.models = new Map(data.map((m) => [m.id, m]));
   el.model.replaceChildren(...data.map((m) => new Option(m.id, m.id)));
   el.model.disabled = data.length === 0;
@@ -167,9 +172,9 @@ async function openConversation(id) {
   }
 }
 
-// Re-reads the stored conversation; keeps live-only details (usage, cost, notes) of
-// messages that are still there. An aborted answer is stored a moment after the abort,
-// so wait for `expectedCount` messages a few times before giving up.
+// Re-reads the stored conversation; keeps live-only details (notes, the live usage with its
+// thinking count) of messages that are still there. An aborted answer is stored a moment
+// after the abort, so wait for `expectedCount` messages a few times before giving up.
 async function syncFromServer(id, expectedCount) {
   let conversation = null;
   for (let attempt = 0; attempt < SYNC_ATTEMPTS; attempt += 1) {
@@ -180,7 +185,8 @@ async function syncFromServer(id, expectedCount) {
   if (id !== state.conversationId) return;
   state.messages = conversation.messages.map((stored, i) => {
     const local = state.messages[i];
-    return local && local.role === stored.role ? { ...local, ...fromStored(stored) } : fromStored(stored);
+    if (!local || local.role !== stored.role) return fromStored(stored);
+    return { ...local, ...fromStored(stored), usage: local.usage || stored.usage };
   });
   el.title.textContent = displayTitle(conversation);
   sidebar.upsert(conversation);

@@ -2,7 +2,8 @@
 
 Every statement filters by `org_id` and by `deleted_at IS NULL`, so another organisation's
 conversation, or a deleted one, is simply not found. Messages keep a 0-based `seq`; only a
-tail is ever removed (regenerate / edit-and-resend), so `seq` stays contiguous.
+tail is ever removed (regenerate / edit-and-resend), so `seq` stays contiguous. An answer's
+billing is read from the ledger row of the request that wrote it (`messages.request_id`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import aiosqlite
@@ -20,6 +22,26 @@ from store.types import Conversation, Message, NotFound
 MAX_TITLE_CHARS = 80
 _CONV_COLUMNS = "id, org_id, title, created_at, updated_at"
 _LIVE = "org_id = ? AND id = ? AND deleted_at IS NULL"
+_MESSAGE_COLUMNS = "m.id, m.role, m.content, m.created_at, m.tokens, m.model, m.parts_json, m.finish_reason"
+_NUM_MESSAGE_COLUMNS = _MESSAGE_COLUMNS.count(",") + 1
+# The ledger row of the request that wrote an answer; user messages share the request id but
+# not its bill. usage.prompt_tokens is NOT NULL, so a NULL there means no ledger row.
+_BILLED_MESSAGES = (
+    f"SELECT {_MESSAGE_COLUMNS}, u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.cost_usd, u.fallback_from"
+    " FROM messages m LEFT JOIN usage u ON u.request_id = m.request_id AND m.role = 'assistant'"
+    " WHERE m.conversation_id = ? ORDER BY m.seq"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerUsage:
+    """What the ledger billed for the request that wrote one assistant message."""
+
+    prompt_tokens: int
+    cached_tokens: int  # of prompt_tokens, read from the prefix cache
+    completion_tokens: int
+    cost_usd: float
+    fallback_from: str | None  # the model first chosen, when the router fell back
 
 
 def title_from(text: str) -> str | None:
@@ -39,19 +61,34 @@ def new_message_id() -> str:
 async def get(
     conn: aiosqlite.Connection, org_id: str, conversation_id: str, with_messages: bool
 ) -> Conversation | None:
-    rows = await fetch_all(conn, f"SELECT {_CONV_COLUMNS} FROM conversations WHERE {_LIVE}", (org_id, conversation_id))
-    if not rows:
-        return None
-    conv = Conversation(*tuple(rows[0]))
-    if not with_messages:
+    conv = await _conversation(conn, org_id, conversation_id)
+    if conv is None or not with_messages:
         return conv
     msg_rows = await fetch_all(
         conn,
-        "SELECT id, role, content, created_at, tokens, model, parts_json, finish_reason FROM messages"
-        " WHERE conversation_id = ? ORDER BY seq",
+        f"SELECT {_MESSAGE_COLUMNS} FROM messages m WHERE m.conversation_id = ? ORDER BY m.seq",
         (conversation_id,),
     )
     return dataclasses.replace(conv, messages=tuple(Message(*tuple(r)) for r in msg_rows))
+
+
+async def get_billed(
+    conn: aiosqlite.Connection, org_id: str, conversation_id: str
+) -> tuple[Conversation, dict[str, AnswerUsage]] | None:
+    """The conversation with its messages and, by message id, each answer's ledger row, read in
+    one query; an answer without a ledger row is not in the map."""
+    conv = await _conversation(conn, org_id, conversation_id)
+    if conv is None:
+        return None
+    rows = await fetch_all(conn, _BILLED_MESSAGES, (conversation_id,))
+    messages = tuple(Message(*tuple(r)[:_NUM_MESSAGE_COLUMNS]) for r in rows)
+    usage = {r["id"]: AnswerUsage(*tuple(r)[_NUM_MESSAGE_COLUMNS:]) for r in rows if r["prompt_tokens"] is not None}
+    return dataclasses.replace(conv, messages=messages), usage
+
+
+async def _conversation(conn: aiosqlite.Connection, org_id: str, conversation_id: str) -> Conversation | None:
+    rows = await fetch_all(conn, f"SELECT {_CONV_COLUMNS} FROM conversations WHERE {_LIVE}", (org_id, conversation_id))
+    return Conversation(*tuple(rows[0])) if rows else None
 
 
 async def list_page(

@@ -237,6 +237,13 @@ class Store:
         async with self._reader() as conn:
             return await conversations.get(conn, org_id, conversation_id, with_messages)
 
+    async def get_billed_conversation(
+        self, org_id: str, conversation_id: str
+    ) -> tuple[Conversation, dict[str, conversations.AnswerUsage]] | None:
+        """The conversation with its messages, and each answer's ledger row by message id."""
+        async with self._reader() as conn:
+            return await conversations.get_billed(conn, org_id, conversation_id)
+
     async def rename_conversation(self, org_id: str, conversation_id: str, title: str) -> Conversation | None:
         job = functools.partial(conversations.rename, org_id=org_id, conversation_id=conversation_id, title=title)
         return await self._write(job)

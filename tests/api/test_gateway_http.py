@@ -67,9 +67,16 @@ async def test_over_budget_with_budget_fallback_is_served_by_the_cheaper_model_v
     store = state_of(client).store
     await store.create_org("thrifty", "enterprise", budget_usd=0.0)
     _key, secret = await store.create_key("thrifty")
-    resp = await chat(client, {"model": "echo", "messages": USER}, headers={"Authorization": f"Bearer {secret}"})
+    headers = {"Authorization": f"Bearer {secret}"}
+    cid = (await (await client.post("/v1/conversations", json={}, headers=headers)).json())["id"]
+    resp = await chat(client, {"model": "echo", "messages": USER, "conversation_id": cid}, headers=headers)
     assert resp.status == 200
     assert (await resp.json())["model"] == "echo2" and resp.headers["x-fallback-from"] == "echo"
+    stored = (await (await client.get(f"/v1/conversations/{cid}", headers=headers)).json())["messages"]
+    assert [(m["role"], m.get("model"), m.get("fallback_from")) for m in stored] == [
+        ("user", None, None),
+        ("assistant", "echo2", "echo"),  # after a reload too, the answer says it fell back
+    ]
 
 
 async def test_full_queue_is_503_with_retry_after_and_waiters_see_their_position(make_client):

@@ -291,6 +291,29 @@ async def test_conversation_turns_are_stored_and_isolated_per_organisation(make_
     )
 
 
+async def test_a_stored_answer_carries_the_usage_its_chat_completion_reported(make_client):
+    """The answer's usage as billed (tokens, cached tokens, cost), read from the ledger: a
+    reloaded conversation shows what the live answer did."""
+    client = await make_client()
+    cid = (await (await client.post("/v1/conversations", json={})).json())["id"]
+    first = await (await chat(client, {"model": "echo", "messages": USER, "conversation_id": cid})).json()
+    second = {"model": "echo", "messages": [{"role": "user", "content": "Second question."}], "conversation_id": cid}
+    streamed = await chat(client, {**second, "stream": True, "stream_options": {"include_usage": True}})
+    events, _ = await sse_events(streamed)
+    live = [first["usage"], next(e["usage"] for e in events[:-1] if e.get("usage"))]
+    assert all(u["cost_usd"] > 0 for u in live)
+
+    got = await (await client.get(f"/v1/conversations/{cid}")).json()
+    answers = [m for m in got["messages"] if m["role"] == "assistant"]
+    billed = ("prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details", "cost_usd")
+    assert [a["usage"] for a in answers] == [{k: u[k] for k in billed} for u in live]
+    assert [a["tokens"] for a in answers] == [u["completion_tokens"] for u in live]
+    assert not any("usage" in m for m in got["messages"] if m["role"] == "user")
+    assert not any("fallback_from" in m for m in got["messages"])
+    kept = await (await client.post(f"/v1/conversations/{cid}/truncate", json={"keep_messages": 2})).json()
+    assert kept["messages"][1]["usage"] == answers[0]["usage"]
+
+
 async def test_long_conversation_history_drops_oldest_messages_and_says_so(make_client):
     client = await make_client()
     cid = (await (await client.post("/v1/conversations", json={"title": "long"})).json())["id"]

@@ -36,6 +36,9 @@ async def test_next_conversation_turn_hits_the_prefix_cache(client):
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= first["usage"]["prompt_tokens"] - 16  # all full blocks of the first prompt
     assert cached % 16 == 0
+    stored = (await (await client.get(f"/v1/conversations/{cid}")).json())["messages"]
+    billed = [m["usage"]["prompt_tokens_details"]["cached_tokens"] for m in stored if m["role"] == "assistant"]
+    assert billed == [0, cached]  # as billed, so a reloaded conversation shows it too
 
 
 async def test_prefix_cache_is_salted_per_organisation(client):

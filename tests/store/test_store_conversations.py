@@ -139,3 +139,38 @@ async def test_a_turn_for_a_deleted_conversation_is_still_billed(store: Store, m
     rec = make_record(org.id, conversation_id=conv.id, new_messages=(("user", "hi"),), assistant_content="hello")
     assert await store.record_request(rec) is True
     assert await store.month_spend_usd(org.id) == pytest.approx(rec.cost_usd)
+
+
+async def test_a_billed_read_gives_each_answer_its_ledger_row_and_nothing_else(
+    store: Store, db_path: Path, make_record
+) -> None:
+    org = await store.create_org("acme", "plus")
+    conv = await store.create_conversation(org.id)
+    first = make_record(org.id, conversation_id=conv.id, new_messages=(("user", "q0"),), assistant_content="a0")
+    second = make_record(
+        org.id,
+        conversation_id=conv.id,
+        new_messages=(("user", "q1"),),
+        assistant_content="a1",
+        prompt_tokens=240,
+        cached_tokens=192,
+        completion_tokens=7,
+        cost_usd=0.000123,
+        fallback_from="demo-large",
+    )
+    for rec in (first, second):
+        await store.record_request(rec)
+    with sqlite3.connect(db_path) as conn:  # an answer whose request left no ledger row
+        conn.execute("UPDATE messages SET request_id = 'req-unbilled' WHERE content = 'a0'")
+
+    found = await store.get_billed_conversation(org.id, conv.id)
+    assert found is not None
+    billed_conv, billed = found
+    assert billed_conv == await store.get_conversation(org.id, conv.id)
+    answer = billed_conv.messages[3]
+    assert list(billed) == [answer.id]  # not the user messages, not the unbilled answer
+    usage = billed[answer.id]
+    assert (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens) == (240, 192, 7)
+    assert (usage.cost_usd, usage.fallback_from) == (pytest.approx(0.000123), "demo-large")
+    other = await store.create_org("other", "plus")
+    assert await store.get_billed_conversation(other.id, conv.id) is None

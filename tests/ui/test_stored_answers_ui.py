@@ -1,6 +1,7 @@
 """A stored conversation reads after a reload as it did live: a stopped answer keeps its
-"Stopped." mark, the details line keeps its shape, and opening a conversation puts the model
-picker on the model that conversation used, so the next turn does not silently switch models."""
+"Stopped." mark, the details line keeps its tokens, cost and notes, and opening a conversation
+puts the model picker on the model that conversation used, so the next turn does not silently
+switch models."""
 
 from __future__ import annotations
 
@@ -81,17 +82,43 @@ def test_the_details_line_after_a_reload_matches_the_live_one(ui, ui_server):
     type_and_send(page, "How many tokens was this?")
     wait_for_answer_done(page)
     meta = last_answer(page).locator(".msg-meta")
-    live = meta.inner_text().split(" \u00b7 ")
-    cid = conversation_id(page)
-    answer = stored_answer(ui_server, cid)
-    assert live[0] == answer["model"] and f"{answer['tokens']} out" in live
+    live = meta.inner_text()
+    answer = stored_answer(ui_server, conversation_id(page))
+    usage = answer["usage"]  # as billed: the stored answer's ledger row
+    model, prompt, completion, cost = live.split(" \u00b7 ")
+    assert (model, prompt, completion) == (answer["model"], f"{usage['prompt_tokens']} in", f"{answer['tokens']} out")
+    assert cost.startswith("$") and usage["cost_usd"] > 0
 
     reload(page)
-    after = meta.inner_text().split(" \u00b7 ")
-    # The conversation API stores the model and the answer's own tokens per message; the
-    # line keeps the live line's words for them, in the same order.
-    assert after == [answer["model"], f"{answer['tokens']} out"]
-    assert [part for part in live if part in after] == after
+    assert meta.inner_text() == live
+    assert not ui.console_errors and not ui.page_errors
+
+
+def test_a_reloaded_answer_keeps_its_cached_tokens_and_fallback_notes(ui, ui_server):
+    """The fake backend caches nothing and never falls back: the stored answer is given both,
+    as the conversation API reports them, to check the line reads as it does live."""
+    page = ui.page
+    type_and_send(page, "Served by another model")
+    wait_for_answer_done(page)
+    cid = conversation_id(page)
+    answer = stored_answer(ui_server, cid)
+
+    def with_notes(route):
+        conversation = route.fetch().json()
+        stored = conversation["messages"][-1]
+        stored["fallback_from"] = "echo-huge"
+        stored["usage"]["prompt_tokens_details"]["cached_tokens"] = 3
+        route.fulfill(content_type="application/json", body=json.dumps(conversation))
+
+    page.route(f"**/v1/conversations/{cid}", with_notes)
+    reload(page)
+    parts = last_answer(page).locator(".msg-meta").inner_text().split(" \u00b7 ")
+    assert parts[:4] == [
+        answer["model"],
+        "fallback: echo-huge was busy",
+        f"{answer['usage']['prompt_tokens']} in (3 cached)",
+        f"{answer['tokens']} out",
+    ]
     assert not ui.console_errors and not ui.page_errors
 
 

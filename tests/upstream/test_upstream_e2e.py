@@ -540,8 +540,7 @@ def test_killing_an_upstream_mid_stream_errors_that_stream_and_new_requests_go_t
     result["text"] = "".join(head) + line + resp.read().decode()
     conn.close()
     frames = [line[6:] for line in result["text"].split("\n") if line.startswith("data: ")]
-    assert frames[-1] == "[DONE]"
-    assert json.loads(frames[-2])["error"]["code"] == "model_unavailable"
+    assert json.loads(frames[-1])["error"]["code"] == "model_unavailable"  # a server-side cut: no [DONE]
     label = dict(model="slow", replica=ups[victim].base_url + "/v1")
     assert metric(front.base_url, "chat_upstream_breaker_state", **label) == 2
 
