@@ -354,7 +354,7 @@ def response_object(response_id: str, created: int, model: str, req: ResponsesRe
         "top_p": chat.top_p,
         "top_logprobs": req.echo["top_logprobs"],
         "truncation": chat.truncation,
-        "tool_choice": req.echo["tool_choice"] or ("auto" if chat.tools else "none"),
+        "tool_choice": req.echo["tool_choice"] or "auto",  # as OpenAI echoes it, tools or not
         "tools": req.echo["tools"] or [],
         "text": req.echo["text"] or {"format": {"type": "text"}},
         "metadata": req.echo["metadata"] or {},

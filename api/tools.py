@@ -206,7 +206,9 @@ def forced_call_grammar(
     cannot be compiled, so a forced call never fails after the answer's stream opened."""
     chosen = [t for t in tools if choice.mode is not ChoiceMode.NAMED or t.name == choice.name]
     args_key = "parameters" if fmt is ToolFormat.LLAMA3_JSON else "arguments"
-    defs = {f"tool_{i}": _rebase_refs(json.loads(t.parameters), f"#/$defs/tool_{i}") for i, t in enumerate(chosen)}
+    defs = {
+        f"tool_{i}": _closed(_rebase_refs(json.loads(t.parameters), f"#/$defs/tool_{i}")) for i, t in enumerate(chosen)
+    }
     variants = [
         {
             "type": "object",
@@ -242,6 +244,25 @@ def forced_call_grammar(
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 # Keywords whose values map names (which may be any word, "const" too) to schemas.
 _NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _closed(node: Any) -> Any:
+    """`node` with every object schema that does not say `additionalProperties` closed to its
+    listed properties, in place. Plain JSON Schema allows any other key, and under a forced
+    call a model free to keep adding keys may never close the call (vLLM's guided decoding
+    closes them too); a schema that wants other keys says so with `additionalProperties`."""
+    if isinstance(node, list):
+        for item in node:
+            _closed(item)
+    elif isinstance(node, dict):
+        if "properties" in node and "additionalProperties" not in node and "patternProperties" not in node:
+            node["additionalProperties"] = False
+        for key, value in node.items():
+            if key in _NAMED_SCHEMAS and isinstance(value, dict):  # names to schemas: each value is one
+                _closed(list(value.values()))
+            elif key not in _DATA_KEYWORDS:
+                _closed(value)
+    return node
 
 
 def _rebase_refs(node: Any, root: str) -> Any:

@@ -149,6 +149,28 @@ async def test_a_forced_call_of_a_tool_whose_schema_uses_defs_validates(sdk, str
     jsonschema.validate(json.loads(arguments), ADDRESS_TOOL["function"]["parameters"])
 
 
+@pytest.mark.parametrize(
+    "parameters",
+    [None, {"type": "object", "properties": {"c": {"type": "string", "maxLength": 2}}, "required": ["c"]}],
+)
+async def test_a_forced_call_of_a_tool_with_an_open_or_no_schema_ends_as_a_call(sdk, parameters):
+    """Objects that do not say additionalProperties are closed under a forced call (Anthropic's
+    tools never say it): a model cannot keep adding keys until the length limit."""
+    function = {"name": "now"} if parameters is None else {"name": "now", "parameters": parameters}
+    out = await sdk.chat.completions.create(
+        model="tiny",
+        messages=ASK,
+        tools=[{"type": "function", "function": function}],
+        tool_choice="required",
+        max_tokens=60,
+        temperature=0,
+        parallel_tool_calls=False,  # a random model would call again and again
+    )
+    (call,) = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls" and call.function.name == "now"
+    assert set(json.loads(call.function.arguments)) == ({"c"} if parameters else set())
+
+
 async def test_a_forced_call_that_cannot_compile_is_a_400_before_the_stream(sdk_client):
     """A reference to nowhere: refused naming `tools`, not a 200 with an error inside the stream."""
     broken = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/Missing"}}}

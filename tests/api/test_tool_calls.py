@@ -111,3 +111,25 @@ def test_a_tools_references_are_rebased_but_its_data_and_names_are_not():
     assert rebased["properties"]["loop"] == {"$ref": "#/$defs/tool_0"}
     assert rebased["properties"]["kind"] == params["properties"]["kind"]
     assert rebased["$defs"]["default"] == params["$defs"]["default"]
+
+
+def test_a_forced_calls_objects_are_closed_unless_they_say_otherwise():
+    """Plain JSON Schema lets an object take any other key; under a forced call that lets a
+    model never close the call, so objects without `additionalProperties` are closed."""
+    params = {
+        "type": "object",
+        "properties": {
+            "properties": {"type": "object", "properties": {"x": {"type": "integer"}}},  # a property so named
+            "open": {"type": "object", "properties": {}, "additionalProperties": True},
+            "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+        },
+    }
+    tool = Tool("t", None, json.dumps(params))
+    grammar = forced_call_grammar((tool,), ToolChoice(ChoiceMode.REQUIRED), ToolFormat.LLAMA3_JSON, False).spec
+    closed = json.loads(grammar.split("%json ", 1)[1])["$defs"]["tool_0"]
+    assert closed["additionalProperties"] is False
+    assert set(closed["properties"]) == {"properties", "open", "tags"}  # no key added among the names
+    assert closed["properties"]["properties"]["additionalProperties"] is False
+    assert closed["properties"]["open"]["additionalProperties"] is True
+    assert closed["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert json.loads(tool.parameters) == params  # the tool itself is unchanged (what the template shows)
