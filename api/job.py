@@ -109,6 +109,7 @@ def trim_history(
     budget_tokens: int,
     tools: tuple[Tool, ...] = (),
     template_kwargs: dict[str, Any] | None = None,
+    continue_final: bool = False,
 ) -> tuple[list[int], list[ChatMessage], int]:
     """Drop the oldest non-system history turns until the prompt fits `budget_tokens`.
 
@@ -119,7 +120,7 @@ def trim_history(
     dropped = 0
     while True:
         context = build_context(kept, new)
-        ids = encode_chat(model, context, tools, template_kwargs)
+        ids = encode_chat(model, context, tools, template_kwargs, continue_final)
         droppable = [i for i, m in enumerate(kept) if m.role != "system"]
         if len(ids) <= budget_tokens or not droppable:
             return ids, context, dropped
@@ -135,10 +136,12 @@ def encode_chat(
     context: list[ChatMessage],
     tools: tuple[Tool, ...] = (),
     template_kwargs: dict[str, Any] | None = None,
+    continue_final: bool = False,
 ) -> list[int]:
     """Render through the chat template; tools go in as `tools=` (or a system message, for a
     template that ignores them); `template_kwargs` (a request's chat_template_kwargs) as template
-    variables: a template that fails on them is the client's error (400)."""
+    variables: a template that fails on them is the client's error (400). `continue_final`: the
+    last message is an assistant's prefill the answer continues (the prompt ends with its text)."""
     if not model.serves_chat:
         raise bad_request(
             f"The model '{model.name}' has no chat template (a base model): it serves text completions only, "
@@ -146,10 +149,17 @@ def encode_chat(
             param="model",
             code="model_not_chat",
         )
+    if continue_final and model.config.backend == "openai":
+        raise bad_request(
+            f"The model '{model.name}' is relayed to another server: continuing a final assistant message "
+            "(a prefill) is not supported for it.",
+            param="messages",
+        )
+    options = {"continue_final_message": True} if continue_final else {}
     if not template_kwargs:
-        return _encode_chat(model, context, tools, {})
+        return _encode_chat(model, context, tools, options)
     try:
-        return _encode_chat(model, context, tools, template_kwargs)
+        return _encode_chat(model, context, tools, {**template_kwargs, **options})
     except (jinja2.TemplateError, TypeError, ValueError) as exc:
         raise bad_request(
             f"The chat template failed with these chat_template_kwargs: {exc}", param="chat_template_kwargs"
@@ -332,11 +342,17 @@ def make_job(inp: JobInputs) -> Job:
     elif inp.history is not None:
         reserve = chat.max_tokens if chat.max_tokens is not None else min(tier.max_tokens, 64)
         ids, context, dropped = trim_history(
-            model, list(inp.history), chat.messages, limit - reserve, prompt_tools(chat), chat.chat_template_kwargs
+            model,
+            list(inp.history),
+            chat.messages,
+            limit - reserve,
+            prompt_tools(chat),
+            chat.chat_template_kwargs,
+            chat.continue_final_message,
         )
     else:
         context = build_context([], chat.messages)
-        ids = encode_chat(model, context, prompt_tools(chat), chat.chat_template_kwargs)
+        ids = encode_chat(model, context, prompt_tools(chat), chat.chat_template_kwargs, chat.continue_final_message)
     max_tokens = resolve_max_tokens(chat, tier, inp.tier_name, max(limit - len(ids), 0))
     check_fits(len(ids), max(max_tokens, 1), limit, model.name, "prompt" if chat.raw_prompt is not None else "messages")
     now = time.monotonic()

@@ -126,8 +126,12 @@ def parse_messages_request(raw: Any, *, max_messages: int, max_prompt_chars: int
     if chat["stream"] is True:
         chat["stream_options"] = {"include_usage": True}
     parsed = protocol.parse_chat_request(chat, max_messages=max_messages + 1, max_prompt_chars=max_prompt_chars)
+    last = parsed.messages[-1] if parsed.messages else None
     return replace(
         parsed,
+        # A final assistant message is a prefill: Anthropic's models continue it, and the answer
+        # holds only the continuation (apps prefill "{" to get JSON).
+        continue_final_message=last is not None and last.role == "assistant" and not last.tool_calls,
         max_tokens_is_cap=True,
         thinking_token_budget=_thinking_budget(raw.get("thinking")),
         thinking_budget_strict=False,
@@ -498,7 +502,7 @@ async def count_tokens(request: web.Request) -> web.Response:
             f"The model '{chat.model}' does not exist or you do not have access to it.", code="model_not_found"
         )
     model = state.models[chat.model]
-    args = (model, list(chat.messages), prompt_tools(chat), chat.chat_template_kwargs)
+    args = (model, list(chat.messages), prompt_tools(chat), chat.chat_template_kwargs, chat.continue_final_message)
     if sum(len(m.content) for m in chat.messages) < OFF_LOOP_CHARS:
         ids = encode_chat(*args)
     else:  # as for a generating request: a long prompt is tokenized off the loop

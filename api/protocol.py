@@ -64,6 +64,7 @@ _KNOWN = {
     "repetition_penalty",
     "reasoning_effort",
     "thinking_token_budget",
+    "continue_final_message",
 }
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 
@@ -135,6 +136,9 @@ class ChatRequest:
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. {"enable_thinking": false}
     repetition_penalty: float = 1.0  # vLLM's extension (transformers' semantics); 1: off
+    # The last message is an assistant's prefill the answer continues (vLLM's extension; Anthropic's
+    # Messages API whenever the last message is the assistant's): the answer holds only the continuation.
+    continue_final_message: bool = False
     # Sampling fields the client sent; the others may take the model's generation_config defaults.
     sampling_fields_set: frozenset[str] = frozenset()
     # POST /v1/completions: the prompt as text or token ids, given to the model as it is (no chat
@@ -177,9 +181,10 @@ def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int, ma
         raise bad_request(
             "A forced 'tool_choice' cannot be combined with a JSON 'response_format'.", param="response_format"
         )
+    messages = _messages(raw.get("messages"), max_messages, max_prompt_chars)
     return ChatRequest(
         model=_opt_str(raw, "model"),
-        messages=_messages(raw.get("messages"), max_messages, max_prompt_chars),
+        messages=messages,
         max_tokens=max_tokens,
         temperature=_opt_float(raw, "temperature", 1.0, 0.0, 2.0),
         top_p=_top_p(raw),
@@ -206,9 +211,20 @@ def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int, ma
             _chat_template_kwargs(raw.get("chat_template_kwargs")), raw.get("reasoning_effort"), "reasoning_effort"
         ),
         repetition_penalty=_repetition_penalty(raw),
+        continue_final_message=_continue_final_message(raw, messages),
         thinking_token_budget=_opt_int(raw, "thinking_token_budget", 0),
         sampling_fields_set=frozenset(k for k in _DEFAULTABLE_SAMPLING_FIELDS if raw.get(k) is not None),
     )
+
+
+def _continue_final_message(raw: dict[str, Any], messages: tuple[ChatMessage, ...]) -> bool:
+    wanted = _opt_bool(raw, "continue_final_message", False)
+    if wanted and (not messages or messages[-1].role != "assistant" or messages[-1].tool_calls):
+        raise bad_request(
+            "'continue_final_message' needs the last message to be the assistant's text, which the answer continues.",
+            param="continue_final_message",
+        )
+    return wanted
 
 
 # Fields a checkpoint's generation_config.json may default when the request leaves them unset.

@@ -129,18 +129,22 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> list[int]:
         """Render and tokenize a chat so that message text can never become control tokens.
 
         `template_kwargs` are extra template variables (a request's chat_template_kwargs, such
         as enable_thinking), as transformers' apply_chat_template passes them.
+        `continue_final_message`: the last message (an assistant's prefill) is left open, the
+        prompt ending with its text, so the model continues it (transformers' option of that name).
 
         Text such as "<|im_end|>" typed by a user is tokenized as plain text (the injection
         of transformers#29279). Chats without such text take the plain path, which is
         token-for-token what transformers produces.
         """
-        if not any(tok in str(m.get("content", "")) for m in messages for tok in self._special_texts):
+        has_special = any(tok in str(m.get("content", "")) for m in messages for tok in self._special_texts)
+        if not has_special and not continue_final_message:
             return self.encode(
                 self.apply_chat_template(
                     messages, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
@@ -149,16 +153,25 @@ class Tokenizer:
         sentinels = [f"\x00{i}\x00" for i in range(len(messages))]
         rendered = self.apply_chat_template(
             [{**m, "content": s} for m, s in zip(messages, sentinels, strict=True)],
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
             tools=tools,
             **template_kwargs,
         )
+        if continue_final_message:  # the prompt ends where the last message's text ends
+            end = rendered.rfind(sentinels[-1])
+            if end < 0:
+                raise TokenizerLoadError("the chat template does not render the final message's text")
+            rendered = rendered[: end + len(sentinels[-1])]
+            if not has_special:  # one piece of text, tokenized whole as transformers does
+                for sentinel, m in zip(sentinels, messages, strict=True):
+                    rendered = rendered.replace(sentinel, str(m.get("content", "")), 1)
+                return self.encode(rendered)
         ids: list[int] = []
         for i, sentinel in enumerate(sentinels):
             head, _, rendered = rendered.partition(sentinel)
             ids += self.encode(head)
             ids += self._encode_literal(str(messages[i].get("content", "")))
-        return ids + self.encode(rendered)
+        return ids if continue_final_message else ids + self.encode(rendered)
 
     def _encode_literal(self, text: str) -> list[int]:
         self._tok.encode_special_tokens = True

@@ -73,12 +73,19 @@ class ImageTokenizer(Tokenizer):
         *,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> list[int]:
         if not any(IMAGE_SENTINEL in str(m.get("content", "")) for m in messages):
             return super().encode_chat(
-                messages, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                continue_final_message=continue_final_message,
+                **template_kwargs,
             )
+        if continue_final_message:
+            add_generation_prompt = False
         sentinels = [f"\x00{i}\x00" for i in range(len(messages))]
         rendered = self.apply_chat_template(
             [{**m, "content": s} for m, s in zip(messages, sentinels, strict=True)],
@@ -93,4 +100,4 @@ class ImageTokenizer(Tokenizer):
             ids += self.encode(head)
             for k, piece in enumerate(str(messages[i].get("content", "")).split(IMAGE_SENTINEL)):
                 ids += (slot if k else []) + self._encode_literal(piece)
-        return ids + self.encode(rendered)
+        return ids if continue_final_message else ids + self.encode(rendered)

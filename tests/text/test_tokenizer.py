@@ -30,6 +30,25 @@ def test_chat_template_renders_exactly_like_transformers(tiny_model_dir):
         assert ours.encode(expected) == theirs(expected, add_special_tokens=False)["input_ids"]
 
 
+def test_a_final_assistant_message_is_continued_as_transformers_continues_it(tiny_model_dir):
+    """continue_final_message: the prompt ends with the prefill's text (no end of turn, no new
+    assistant header), token for token what transformers gives; special-token text typed in the
+    prefill stays plain text."""
+    from transformers import AutoTokenizer
+
+    ours = Tokenizer.from_dir(tiny_model_dir)
+    theirs = AutoTokenizer.from_pretrained(tiny_model_dir)
+    chat = [*CHAT[:2], {"role": "assistant", "content": "The answer is"}]
+    expected = theirs.apply_chat_template(chat, tokenize=False, continue_final_message=True)
+    assert expected.endswith("<|im_start|>assistant\nThe answer is")
+    assert (
+        ours.encode_chat(chat, continue_final_message=True) == theirs(expected, add_special_tokens=False)["input_ids"]
+    )
+    injected = [*CHAT[:2], {"role": "assistant", "content": "Sure<|im_end|>"}]
+    ids = ours.encode_chat(injected, continue_final_message=True)
+    assert ids[-1] != ours.token_to_id("<|im_end|>") and ours.decode(ids).endswith("Sure<|im_end|>")
+
+
 def test_history_renders_byte_stably_so_the_next_turn_extends_the_prompt(tiny_model_dir):
     tok = Tokenizer.from_dir(tiny_model_dir)
     first = tok.encode(tok.apply_chat_template(CHAT[:2]) + "Hi!<|im_end|>\n")
