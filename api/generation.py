@@ -126,6 +126,8 @@ def _count(job: Job, event: TokenEvent, choice: int = 0) -> None:
         job.usage_source = event.usage_source
     if choice == 0:
         job.num_cached_tokens = event.num_cached_tokens
+        if event.stop_str is not None:
+            job.stop_str = event.stop_str
         if event.prompt_logprobs:
             job.prompt_logprobs = event.prompt_logprobs
     job.completion_tokens_by_choice[choice] = event.num_completion_tokens

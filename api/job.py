@@ -68,6 +68,7 @@ class Job:
     reported_prompt_tokens: int | None = None  # a backend's own count (an upstream's usage), if it reported one
     usage_source: UsageSource = UsageSource.ENGINE
     prompt_logprobs: tuple[TokenLogprob | None, ...] = ()  # when the request asked (a legacy completion's echo)
+    stop_str: str | None = None  # the stop string that ended choice 0, when one did
     trace_parent: Any = None  # with tracing on: the caller's W3C trace context (api/telemetry.py), if it sent one
 
     @property

@@ -15,9 +15,10 @@ A reasoning model (one whose template knows <think>) thinks only when the reques
 is enabled, as Anthropic's models do: its template gets `enable_thinking`, and the thinking comes
 back as a `thinking` block (with an empty `signature`: nothing is signed here); its
 `budget_tokens` caps the thinking where the model allows it (api/job.thinking_budget).
-`stop_reason` says `end_turn` when a stop sequence ended the answer (the engine does not say
-which stop it met). Fields this server does not use (`metadata`, `service_tier`,
-`cache_control` on blocks, ...) are accepted and ignored, as Anthropic's newer fields appear often.
+`stop_reason` says `stop_sequence`, and `stop_sequence` which one, when a stop sequence ended
+the answer (a relayed model: when its server says which, as vLLM does). Fields this server does
+not use (`metadata`, `service_tier`, `cache_control` on blocks, ...) are accepted and ignored, as
+Anthropic's newer fields appear often.
 `max_tokens` is a cap, not a reservation: the answer gets at most what the tier's `max_tokens`
 and the context leave (Anthropic clients such as Claude Code ask for far more than a local model's
 context).
@@ -311,19 +312,23 @@ def _tool_block(call: ToolCall) -> dict[str, Any]:
     }
 
 
-def _stop_reason(answer: Answer, finish: FinishReason) -> str:
-    return "tool_use" if answer.tool_calls and finish is FinishReason.STOP else _STOP_REASON[finish]
+def _stop(job: Job, answer: Answer, finish: FinishReason) -> dict[str, Any]:
+    """Anthropic's `stop_reason` and `stop_sequence` (the one that ended the answer, if one did)."""
+    if answer.tool_calls and finish is FinishReason.STOP:
+        return {"stop_reason": "tool_use", "stop_sequence": None}
+    if finish is FinishReason.STOP and job.stop_str is not None:
+        return {"stop_reason": "stop_sequence", "stop_sequence": job.stop_str}
+    return {"stop_reason": _STOP_REASON[finish], "stop_sequence": None}
 
 
-def _message(job: Job, content: list[dict], stop_reason: str | None, usage: dict) -> dict[str, Any]:
+def _message(job: Job, content: list[dict], stop: dict[str, Any], usage: dict) -> dict[str, Any]:
     return {
         "id": message_id(job),
         "type": "message",
         "role": "assistant",
         "model": job.model.name,
         "content": content,
-        "stop_reason": stop_reason,
-        "stop_sequence": None,
+        **stop,
         "usage": usage,
     }
 
@@ -416,7 +421,7 @@ async def _serve(request: web.Request, state: AppState, job: Job, grant: Pass) -
     if text:
         content.append({"type": "text", "text": text})
     content.extend(_tool_block(call) for call in answer.tool_calls)
-    body = _message(job, content, _stop_reason(answer, finish), _usage(job))
+    body = _message(job, content, _stop(job, answer, finish), _usage(job))
     return web.json_response(body, headers=state.response_headers(job), dumps=json_dumps)
 
 
@@ -436,12 +441,13 @@ async def _serve_stream(
         writer = await stream.open()
         blocks = _Blocks(writer)
         start_usage = {**_usage(job), "output_tokens": 0}
-        await writer.data({"type": "message_start", "message": _message(job, [], None, start_usage)})
+        start = {"stop_reason": None, "stop_sequence": None}
+        await writer.data({"type": "message_start", "message": _message(job, [], start, start_usage)})
         (finish,) = await generate_choices(state, job, [emit], writer.comment)
         await blocks.feed(answer.close())
         await blocks.close()
         await finish_job(state, job, STATUS[finish], finish)  # durable before the client sees the end
-        delta = {"stop_reason": _stop_reason(answer, finish), "stop_sequence": None}
+        delta = _stop(job, answer, finish)
         await writer.data({"type": "message_delta", "delta": delta, "usage": _usage(job)})
         await writer.data({"type": "message_stop"})
         await writer.done()
@@ -456,10 +462,11 @@ async def _refuse(request: web.Request, state: AppState, job: Job, verdict) -> w
     usage = _usage(job, billed=False)
     content = [{"type": "text", "text": refusal}]
     if not job.chat.stream:
-        body = _message(job, content, "refusal", usage)
+        body = _message(job, content, {"stop_reason": "refusal", "stop_sequence": None}, usage)
         return web.json_response(body, headers=state.response_headers(job), dumps=json_dumps)
     writer = await AnthropicSSE.open(request, state.response_headers(job))
-    await writer.data({"type": "message_start", "message": _message(job, [], None, usage)})
+    start = {"stop_reason": None, "stop_sequence": None}
+    await writer.data({"type": "message_start", "message": _message(job, [], start, usage)})
     await writer.data({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
     delta = {"type": "text_delta", "text": refusal}
     await writer.data({"type": "content_block_delta", "index": 0, "delta": delta})

@@ -33,6 +33,11 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     @property
+    def matched_stop(self) -> str | None:
+        """The stop string that ended the text, once one did."""
+        return self._stop.matched
+
+    @property
     def text(self) -> str:
         """All text emitted so far."""
         return self._text[: self._stop.num_emitted_chars]
@@ -85,6 +90,7 @@ class StopStringFilter:
         self._holdback_chars = max((len(s) for s in self._stop), default=1) - 1
         self._num_emitted_chars = 0
         self.stopped = False
+        self.matched: str | None = None  # the stop string found (the earliest in the text)
 
     @property
     def num_emitted_chars(self) -> int:
@@ -96,9 +102,9 @@ class StopStringFilter:
             return ""
         start = self._num_emitted_chars
         # Emitted text never holds a stop string's start, so the search can begin where it ended.
-        hits = [i for i in (text.find(s, start) for s in self._stop) if i >= 0]
+        hits = [(i, s) for i, s in ((text.find(s, start), s) for s in self._stop) if i >= 0]
         if hits:
-            end = min(hits)
+            end, self.matched = min(hits, key=lambda hit: hit[0])
             self.stopped = True
         elif final:
             end = len(text)

@@ -182,6 +182,7 @@ class TokenEvent:
     logprobs: tuple[TokenLogprob, ...] = ()  # one per generated token (of token_ids, where ids exist), when asked
     # When sampling.prompt_logprobs asked: one per prompt token (None for the first), on the first event only.
     prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
+    stop_str: str | None = None  # the stop string that ended the answer (finish_reason STOP), when one did
 
 
 @dataclass(frozen=True, slots=True)

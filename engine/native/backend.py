@@ -85,6 +85,7 @@ class _Stream:
             reason,
             logprobs=out.logprobs,
             prompt_logprobs=out.prompt_logprobs,
+            stop_str=self.detokenizer.matched_stop if hit_stop else None,
         )
         self.done = reason is not None
         return self.last

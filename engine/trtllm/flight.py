@@ -72,6 +72,7 @@ class Flight:
             self.num_completion_tokens,
             reason,
             logprobs=logprobs,
+            stop_str=self._stop.matched if reason is FinishReason.STOP else None,
         )
 
     # -- aborting -------------------------------------------------------------------------

@@ -78,6 +78,7 @@ class _Progress:
     num_yielded: int = 0
     tool_calls: dict[int, list[str]] = field(default_factory=dict)  # index -> [name, arguments so far]
     is_reasoning: bool = False  # inside relayed reasoning (<think> sent, </think> not yet)
+    stop_str: str | None = None  # the upstream's stop_reason, when a stop string ended it
 
 
 @dataclass(slots=True)
@@ -356,6 +357,7 @@ class UpstreamBackend:
         text = _reasoning_tags(progress, chunk) + chunk.text
         if chunk.finish_reason is not None:
             progress.finish = chunk.finish_reason
+            progress.stop_str = chunk.stop_str
             if progress.is_reasoning:
                 text += THINK_CLOSE
                 progress.is_reasoning = False
@@ -390,7 +392,7 @@ class UpstreamBackend:
         self._num_prompt_tokens += prompt
         self._num_cached_tokens += cached
         self._num_generation_tokens += completion
-        return TokenEvent("", (), prompt, cached, completion, finish, source)
+        return TokenEvent("", (), prompt, cached, completion, finish, source, stop_str=progress.stop_str)
 
     # -- failures and health --------------------------------------------------------------
     def _http_failure(self, replica: Replica, status: int, body: bytes, retry_after: str | None) -> _AttemptFailed:

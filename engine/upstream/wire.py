@@ -54,6 +54,7 @@ class Chunk:
     tool_calls: tuple[ToolCallDelta, ...] = ()
     reasoning: str = ""  # a reasoning parser's `reasoning_content` (vLLM, SGLang, llama.cpp)
     logprobs: tuple[TokenLogprob, ...] = ()  # choice 0's `logprobs.content`, text tokens as sent
+    stop_str: str | None = None  # vLLM's `stop_reason` when a stop string ended the answer
 
 
 class ErrorKind(enum.Enum):
@@ -136,7 +137,7 @@ def parse_chunk(payload: dict[str, Any]) -> Chunk | UpstreamError:
     """A decoded `data:` payload: text, logprobs and finish of choice 0, usage, or an error event."""
     if "error" in payload or payload.get("object") == "error":
         return _error_from(500, payload, None)
-    text, finish, reasoning = "", None, ""
+    text, finish, reasoning, stop_str = "", None, "", None
     calls: tuple[ToolCallDelta, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
     choices = payload.get("choices") or []
@@ -155,7 +156,9 @@ def parse_chunk(payload: dict[str, Any]) -> Chunk | UpstreamError:
         logprobs = parse_logprobs(choice.get("logprobs"))
         reason = choice.get("finish_reason")
         finish = _FINISH.get(reason, FinishReason.STOP) if reason else None
-    return Chunk(text, finish, parse_usage(payload.get("usage")), calls, reasoning, logprobs)
+        stop_reason = choice.get("stop_reason")
+        stop_str = stop_reason if isinstance(stop_reason, str) and finish is FinishReason.STOP else None
+    return Chunk(text, finish, parse_usage(payload.get("usage")), calls, reasoning, logprobs, stop_str)
 
 
 def parse_logprobs(raw: Any) -> tuple[TokenLogprob, ...]:

@@ -114,8 +114,14 @@ def test_stop_filter_cuts_at_a_stop_string_split_across_updates():
     stop = StopStringFilter(("\n\n", "###"))
     sent = stop.update("one\n", final=False)
     sent += stop.update("one\n\ntwo", final=False)
-    assert sent == "one" and stop.stopped
+    assert sent == "one" and stop.stopped and stop.matched == "\n\n"
     assert stop.update("one\n\ntwo three", final=True) == ""
+
+
+def test_stop_filter_names_the_stop_string_found_first_in_the_text():
+    stop = StopStringFilter(("later", "soon"))
+    assert stop.update("it comes soon, later", final=True) == "it comes " and stop.matched == "soon"
+    assert StopStringFilter(("x",)).matched is None
 
 
 def test_stop_filter_never_resends_when_the_final_text_is_shorter():

@@ -62,7 +62,11 @@ def test_pass_through_fields_never_override_what_the_front_decided():
 def test_chunks_give_text_finish_and_usage():
     assert parse_chunk({"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]}) == Chunk("Hel")
     last = parse_chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
-    assert last.finish_reason is FinishReason.LENGTH and last.text == ""
+    assert last.finish_reason is FinishReason.LENGTH and last.text == "" and last.stop_str is None
+    stopped = parse_chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop", "stop_reason": "END"}]})
+    assert stopped.finish_reason is FinishReason.STOP and stopped.stop_str == "END"  # vLLM names the stop string
+    by_token = parse_chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop", "stop_reason": 151645}]})
+    assert by_token.stop_str is None  # a stop token id is not a stop sequence
     usage = parse_chunk(
         {
             "choices": [],

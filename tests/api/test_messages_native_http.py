@@ -1,9 +1,13 @@
-"""A final assistant message continued (a prefill) on the real native engine: Anthropic's
-Messages API does it whenever the last message is the assistant's, chat completions when asked
-(`continue_final_message`, vLLM's name). The answer is exactly what the model writes after the
-prefill's text, compared with a raw completion of the same rendered prompt."""
+"""Anthropic's Messages API and chat completions on the real native engine, where what the model
+writes matters. A final assistant message continued (a prefill): the Messages API does it
+whenever the last message is the assistant's, chat completions when asked
+(`continue_final_message`, vLLM's name); the answer is exactly what the model writes after the
+prefill's text, compared with a raw completion of the same rendered prompt. And the stop
+sequence that ended an answer is named (`stop_reason: "stop_sequence"`)."""
 
 from __future__ import annotations
+
+import json
 
 from tests.api.helpers import assert_error, state_of
 
@@ -45,3 +49,25 @@ async def test_chat_completions_continue_the_final_message_when_asked(native_cli
         "/v1/chat/completions", json={**body, "messages": [ASK], "continue_final_message": True}
     )
     await assert_error(refused, 400, param="continue_final_message")
+
+
+async def test_the_stop_sequence_that_ended_an_answer_is_named(native_client):
+    body = {"model": "tiny", "max_tokens": 12, "temperature": 0, "messages": [ASK]}
+    free = await (await native_client.post("/v1/messages", json=body)).json()
+    text = free["content"][0]["text"]
+    assert len(text) >= 6 and free["stop_reason"] == "max_tokens" and free["stop_sequence"] is None
+    stop = text[3:5]
+    at = text.index(stop)
+    stops = ["\u2603 never", stop]
+    answer = await (await native_client.post("/v1/messages", json={**body, "stop_sequences": stops})).json()
+    assert (answer["stop_reason"], answer["stop_sequence"]) == ("stop_sequence", stop)
+    assert answer["content"][0]["text"] == text[:at]
+    resp = await native_client.post("/v1/messages", json={**body, "stop_sequences": stops, "stream": True})
+    deltas = [e for e in await _anthropic_events(resp) if e["type"] == "message_delta"]
+    assert deltas[-1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": stop}
+
+
+async def _anthropic_events(resp) -> list[dict]:
+    assert resp.status == 200, await resp.text()
+    lines = (await resp.read()).decode().splitlines()
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
