@@ -8,13 +8,14 @@ generates, bills or stores anything.
 
 from __future__ import annotations
 
+import re
 import secrets
 from dataclasses import dataclass, replace
 from typing import Any
 
 from api import protocol
 from api.answer import Answer
-from api.errors import bad_request
+from api.errors import ApiError, bad_request
 from api.tools import ToolCall
 
 _KNOWN = {
@@ -105,11 +106,14 @@ def parse_responses_request(raw: Any, *, max_messages: int, max_prompt_chars: in
         "tool_choice": _chat_tool_choice(raw.get("tool_choice")),
         **_logprobs(raw),
     }
-    chat = protocol.parse_chat_request(
-        {k: v for k, v in chat_body.items() if v is not None},
-        max_messages=max_messages,
-        max_prompt_chars=max_prompt_chars,
-    )
+    try:
+        chat = protocol.parse_chat_request(
+            {k: v for k, v in chat_body.items() if v is not None},
+            max_messages=max_messages,
+            max_prompt_chars=max_prompt_chars,
+        )
+    except ApiError as exc:  # name the field as this request spelled it
+        raise _as_input_error(exc, num_before=1 if instructions else 0) from None
     chat = replace(
         chat,
         response_format=_text_format(raw.get("text")),
@@ -120,6 +124,19 @@ def parse_responses_request(raw: Any, *, max_messages: int, max_prompt_chars: in
         for k in ("instructions", "max_output_tokens", "metadata", "tools", "tool_choice", "text", "top_logprobs")
     }
     return ResponsesRequest(chat, store, previous, instructions, items, echo, background)
+
+
+_MESSAGE_PARAM = re.compile(r"^messages\[(\d+)\](.*)$")
+
+
+def _as_input_error(exc: ApiError, num_before: int) -> ApiError:
+    """A chat-completions error about `messages[i]...` renamed to this request's `input[j]...`
+    (messages hold `instructions` first, then one per input item; file parts are flat here)."""
+    match = _MESSAGE_PARAM.match(exc.param or "")
+    if match is None or int(match.group(1)) < num_before:
+        return exc
+    param = f"input[{int(match.group(1)) - num_before}]{match.group(2).replace('.file.', '.')}"
+    return replace(exc, param=param, message=exc.message.replace(exc.param or "", param))
 
 
 def _effort(value: Any) -> Any:

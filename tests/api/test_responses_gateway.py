@@ -87,3 +87,12 @@ async def test_truncation_is_taken_and_echoed_as_on_chat_completions(make_client
     assert (await resp.json())["truncation"] == "auto"
     assert (await (await respond(client, {"input": "hi"})).json())["truncation"] == "disabled"
     await assert_error(await respond(client, {"input": "hi", "truncation": "sometimes"}), 400, param="truncation")
+
+
+async def test_errors_name_the_input_field_not_the_chat_message_it_became(make_client):
+    client = await make_client()
+    part = {"type": "input_file", "filename": "d.pdf", "file_data": "data:application/pdf;base64,AAAA"}
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Summarize"}, part]}]
+    resp = await respond(client, {"input": items, "instructions": "Be brief."})
+    body = await assert_error(resp, 400, param="input[0].content[1].file_data")
+    assert "'input[0].content[1].file_data'" in body["error"]["message"]
