@@ -95,4 +95,4 @@ async def test_errors_name_the_input_field_not_the_chat_message_it_became(make_c
     items = [{"role": "user", "content": [{"type": "input_text", "text": "Summarize"}, part]}]
     resp = await respond(client, {"input": items, "instructions": "Be brief."})
     body = await assert_error(resp, 400, param="input[0].content[1].file_data")
-    assert "'input[0].content[1].file_data'" in body["error"]["message"]
+    assert "'input[0].content[1].file_data'" in body["message"]
