@@ -3,12 +3,16 @@
 `run(app, settings)` starts the app (store, models, queues), listens with the connection guard
 of `api/connections.py`, and on SIGINT/SIGTERM: stops accepting, lets running answers finish
 for `shutdown_grace_s`, cuts the rest with a `server_shutting_down` error event, then stops
-the app. The process is gone within the grace plus a few seconds.
+the app. The process is gone within the grace plus a few seconds. A second signal during the
+drain ends the grace at once (running answers are cut, billed for what they generated, as
+when the grace runs out); a third exits the process on the spot, so a Ctrl-C pressed again
+and again never leaves a hung process holding the database.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 
@@ -73,8 +77,9 @@ async def run(app: web.Application, settings: Settings, sock: socket.socket | No
         )
         received = await _wait_for_signal(loop)
         log.info("shutting_down", signal=received, grace_s=cfg.shutdown_grace_s)
+        hurry = _escalate_on_signals(loop)
         listener.close()
-        await _drain(app, runner, cfg.shutdown_grace_s)
+        await _drain(app, runner, cfg.shutdown_grace_s, hurry)
     finally:
         await runner.cleanup()  # app shutdown and cleanup: queues, backends, store
     log.info("stopped")
@@ -96,15 +101,43 @@ async def _wait_for_signal(loop: asyncio.AbstractEventLoop) -> str:
             loop.remove_signal_handler(sig)
 
 
-async def _drain(app: web.Application, runner: web.AppRunner, grace_s: float) -> None:
-    """New chats get 503 and /ready turns false; running ones get the grace, then are cut."""
+def _escalate_on_signals(loop: asyncio.AbstractEventLoop) -> asyncio.Event:
+    """While shutting down: the next SIGINT/SIGTERM sets the returned event (the grace ends now),
+    the one after exits the process at once (the kernel releases the database lock)."""
+    hurry = asyncio.Event()
+
+    def on_signal(name: str) -> None:
+        if not hurry.is_set():
+            log.warning("shutdown_hurried", signal=name, detail="running answers are cut now; again to exit at once")
+            hurry.set()
+            return
+        log.error("shutdown_forced", signal=name)
+        os._exit(1)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    return hurry
+
+
+async def _drain(
+    app: web.Application, runner: web.AppRunner, grace_s: float, hurry: asyncio.Event | None = None
+) -> None:
+    """New chats get 503 and /ready turns false; running ones get the grace (until `hurry` is
+    set), then are cut."""
     if STATE in app:
         app[STATE].draining = True
     if runner.server is not None:
         runner.server.pre_shutdown()  # idle keep-alive connections close now, busy ones after their answer
     inflight = app[INFLIGHT]
-    if await inflight.wait_empty(grace_s):
+    hurried = asyncio.ensure_future((hurry or asyncio.Event()).wait())
+    empty = asyncio.ensure_future(inflight.wait_empty(grace_s))
+    try:
+        await asyncio.wait({hurried, empty}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hurried.cancel()
+    if empty.done() and empty.result():
         return
+    empty.cancel()
     num_cut = inflight.cut_all()
     log.warning("shutdown_grace_over", num_cut=num_cut, grace_s=grace_s)
     await inflight.wait_empty(CUT_WAIT_S)

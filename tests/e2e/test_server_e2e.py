@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -287,3 +288,69 @@ def test_after_sigterm_and_a_restart_the_first_request_is_warm(tiny_model_dir, t
         warm, _ = cached_tokens(second)
     assert cold == 0 and warm == (num_prompt - 1) // 16 * 16
     assert "prefix_cache_restored" in (tmp_path / "second.log").read_text()
+
+
+def test_a_second_signal_ends_the_grace_at_once(tiny_model_dir, tmp_path):
+    """Ctrl-C pressed again while a long grace runs: the running answers are cut now (an error
+    event, billed as when the grace runs out) and the server stops in seconds."""
+    import sqlite3
+    import urllib.request
+
+    from tests.e2e.test_durability import write_config
+
+    db = tmp_path / "chat.db"
+    proc = ServerProcess(
+        ["--config", write_config(tmp_path, tiny_model_dir), "--db", str(db), "--set", "server.shutdown_grace_s=120"],
+        fake=FakeBehaviour(token_delay_s=0.05),
+        log_path=tmp_path / "server.log",
+    ).start()
+    result: dict = {}
+
+    def run_stream():  # 400 tokens at 50 ms: 20 s
+        body = {"model": "echo", "stream": True, "messages": [{"role": "user", "content": " ".join(["w"] * 400)}]}
+        req = urllib.request.Request(
+            proc.base_url + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            result["request_id"] = resp.headers["X-Request-Id"]
+            result["text"] = resp.read().decode()
+
+    thread = threading.Thread(target=run_stream)
+    thread.start()
+    time.sleep(1.0)
+    assert proc.proc is not None
+    signalled = time.monotonic()
+    proc.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    proc.proc.send_signal(signal.SIGINT)
+    code = proc.proc.wait(30)
+    exited_after_s = time.monotonic() - signalled
+    thread.join(30)
+    assert code == 0 and exited_after_s < 10.0, exited_after_s  # not the 120 s grace
+    frames = [f for f in result["text"].split("\n\n") if f]
+    assert json.loads(frames[-1].removeprefix("data: "))["error"]["code"] == "server_shutting_down"
+    with sqlite3.connect(db) as con:
+        (status,) = con.execute("SELECT status FROM usage WHERE request_id = ?", (result["request_id"],)).fetchone()
+    assert status == "aborted"
+
+
+def test_a_third_signal_while_shutting_down_exits_the_process_at_once():
+    """Whatever the shutdown is stuck on, the third signal ends the process (exit status 1)."""
+    script = (
+        "import asyncio, os, signal\n"
+        "from api.runner import _escalate_on_signals\n"
+        "async def main():\n"
+        "    hurry = _escalate_on_signals(asyncio.get_running_loop())\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    await hurry.wait()\n"
+        "    print('hurried', flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    await asyncio.sleep(30)  # a shutdown that hangs\n"
+        "asyncio.run(main())\n"
+    )
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1 and "hurried" in done.stdout and "shutdown_forced" in done.stdout, done.stderr
+    assert time.monotonic() - started < 10.0
