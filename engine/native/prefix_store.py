@@ -99,10 +99,24 @@ def save(engine: LLMEngine, model_dir: Path, path: Path, max_bytes: int) -> int:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata=fingerprint(engine, model_dir))
+    metadata = {**fingerprint(engine, model_dir), _DIGEST_KEY: _digest(tensors)}
+    save_file(tensors, str(tmp), metadata=metadata)
     os.chmod(tmp, 0o600)  # it holds what the prompts held: the server's user only
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())  # on disk before the rename: a power cut leaves the old file or the new one
     os.replace(tmp, path)
     return tensors["hashes.0"].shape[0]
+
+
+_DIGEST_KEY = "blake2b"  # of every tensor's bytes, in name order: a file changed on disk is not restored
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.blake2b(digest_size=32)
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].contiguous().view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 def restore(engine: LLMEngine, model_dir: Path, path: Path) -> int:
@@ -117,16 +131,20 @@ def restore(engine: LLMEngine, model_dir: Path, path: Path) -> int:
     expected = fingerprint(engine, model_dir)
     try:
         with safe_open(str(path), framework="pt") as f:
-            if f.metadata() != expected:
+            metadata = dict(f.metadata() or {})
+            digest = metadata.pop(_DIGEST_KEY, None)
+            if metadata != expected:
                 log.info("prefix_cache_file_not_used", path=str(path), reason="written for another model or setup")
                 return 0
-            saved = [
-                (f.get_tensor(f"kv.{g}"), f.get_tensor(f"hashes.{g}"), f.get_tensor(f"token_ids.{g}"))
-                for g in range(len(groups))
-            ]
+            names = [f"{kind}.{g}" for g in range(len(groups)) for kind in ("kv", "hashes", "token_ids")]
+            loaded = {name: f.get_tensor(name) for name in names}
     except Exception as exc:  # a truncated or foreign file: start cold, never fail the start
         log.warning("prefix_cache_file_unreadable", path=str(path), error=str(exc))
         return 0
+    if digest != _digest(loaded):  # changed on disk since it was written (or an older file without one)
+        log.warning("prefix_cache_file_unreadable", path=str(path), error="its contents do not match their digest")
+        return 0
+    saved = [(loaded[f"kv.{g}"], loaded[f"hashes.{g}"], loaded[f"token_ids.{g}"]) for g in range(len(groups))]
     pools = engine.runner.kv_group_pools
     if not all(_fits(*t, pool, bm) for t, pool, bm in zip(saved, pools, groups, strict=True)):
         log.warning("prefix_cache_file_unreadable", path=str(path), error="tensor shapes do not match the pool")

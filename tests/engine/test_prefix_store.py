@@ -81,7 +81,13 @@ def test_a_file_from_other_model_files_or_a_broken_one_is_not_used(tiny_models, 
     finally:
         os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert prefix_store.restore(engine_for(model_dir, num_blocks=24), model_dir, path) > 0
-    path.write_bytes(path.read_bytes()[:100])  # cut short
+    whole = path.read_bytes()
+    garbled = bytearray(whole)
+    garbled[-64:] = bytes(b ^ 0xFF for b in garbled[-64:])  # the header still valid, values changed
+    path.write_bytes(bytes(garbled))
+    fresh = engine_for(model_dir, num_blocks=24)
+    assert prefix_store.restore(fresh, model_dir, path) == 0 and not fresh.block_manager.hash_to_block_id
+    path.write_bytes(whole[:100])  # cut short
     fresh = engine_for(model_dir, num_blocks=24)
     assert prefix_store.restore(fresh, model_dir, path) == 0
     assert fresh.block_manager.num_free_blocks == 24 and not fresh.block_manager.hash_to_block_id
