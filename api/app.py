@@ -20,7 +20,7 @@ import structlog
 from aiohttp import web
 
 from api import admin, chat, completions, embeddings, files, messages, resources, responses, responses_background
-from api.connections import CLOSE_AFTER, make_body_deadline_middleware
+from api.connections import BIG_BODY_HINT, CLOSE_AFTER, make_body_deadline_middleware
 from api.errors import ApiError, from_gateway, internal_error, overloaded
 from api.inflight import INFLIGHT, InFlight
 from api.security import check_startup, keyless_allowed, make_access_middleware
@@ -93,7 +93,10 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
 def _from_http_exception(exc: web.HTTPException) -> ApiError:
     if exc.status == 413:
         return ApiError(
-            413, f"The request body is too large ({exc.text}).", "invalid_request_error", "request_too_large"
+            413,
+            f"The request body is too large ({exc.text}). {BIG_BODY_HINT}",
+            "invalid_request_error",
+            "request_too_large",
         )
     if exc.status == 404:
         return ApiError(

@@ -227,6 +227,10 @@ def make_protocol_factory(server: web.Server, guard: ConnectionGuard, **kwargs):
     return factory
 
 
+# What a client with a large body can do instead (a data: URL image or file inflates a body by a third).
+BIG_BODY_HINT = "Send large images and files with POST /v1/files and refer to them by file_id."
+
+
 def reads_body_itself(handler):
     """Mark a handler that may answer before reading its body (a load or rate refusal) and
     reads it with `read_body`; the middleware then leaves the body to it."""
@@ -247,7 +251,7 @@ def make_body_deadline_middleware(cfg: ServerConfig):
                 raise ApiError(
                     413,
                     f"The request body is too large ({request.content_length} bytes declared; "
-                    f"the limit is {cfg.max_body_bytes}).",
+                    f"the limit is {cfg.max_body_bytes}, server.max_body_bytes). {BIG_BODY_HINT}",
                     "invalid_request_error",
                     "request_too_large",
                 )

@@ -61,7 +61,7 @@ async def stream_job(
         if not is_cut:
             raise asyncio.CancelledError() from None
         if not stream.is_open:
-            raise shutting_down() from None  # still queued: a plain 503
+            raise shutting_down(started=False) from None  # still queued: a plain 503
         await _stream_error(await stream.open(), shutting_down(), job, is_done=False)
     except Overloaded as exc:  # displaced from the queue by a higher tier
         if not stream.is_open:
@@ -121,7 +121,9 @@ def store_unavailable() -> ApiError:
     )
 
 
-def shutting_down() -> ApiError:
+def shutting_down(*, started: bool = True) -> ApiError:
+    if not started:  # still queued: nothing generated, nothing billed
+        return overloaded("The server is shutting down; retry shortly.", retry_after_s=5, code="server_shutting_down")
     return overloaded(
         "The server is shutting down; the answer was cut here (the tokens generated are billed).",
         retry_after_s=5,
@@ -168,7 +170,7 @@ async def generate_unary(
         is_cut = request.app[INFLIGHT].was_cut()
         await finish_quietly(state, job, RequestStatus.ABORTED, FinishReason.ABORT)
         if is_cut:
-            raise shutting_down() from None
+            raise shutting_down(started=job.admitted_s is not None) from None
         raise
     except (EngineError, RequestRejected) as exc:
         await finish_quietly(state, job, RequestStatus.ERROR, None)

@@ -384,3 +384,12 @@ async def test_an_answer_the_engine_cut_ends_without_done_and_is_stored_as_error
     messages = (await (await client.get(f"/v1/conversations/{cid}")).json())["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant"] and messages[1]["finish_reason"] == "error"
     assert messages[1]["content"]  # what was sent before the failure
+
+
+async def test_a_body_over_the_limit_says_what_to_do_instead(make_client):
+    client = await make_client()
+    image = "data:image/png;base64," + "A" * 30000  # an inline image past server.max_body_bytes
+    content = [{"type": "image_url", "image_url": {"url": image}}]
+    resp = await chat(client, {"model": "echo", "messages": [{"role": "user", "content": content}]})
+    error = await assert_error(resp, 413, code="request_too_large")
+    assert "server.max_body_bytes" in error["message"] and "POST /v1/files" in error["message"]
