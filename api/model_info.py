@@ -42,6 +42,15 @@ def card_summary(model_dir: str) -> CardSummary:
     return CardSummary(description, examples)
 
 
+@functools.lru_cache(maxsize=64)
+def created_at(model_dir: str) -> int:
+    """OpenAI's `created` for a local model: when its config.json was written (0 when unknown)."""
+    try:
+        return int((Path(model_dir) / "config.json").stat().st_mtime)
+    except OSError:
+        return 0
+
+
 def model_extras(model_dir: str, max_model_len: int) -> dict:
     summary = card_summary(model_dir) if model_dir else CardSummary(None, ())
     extras: dict = {"max_model_len": max_model_len}

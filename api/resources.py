@@ -19,7 +19,7 @@ from aiohttp import web
 from api import feedback as feedback_api
 from api.chat import read_json
 from api.errors import ApiError, bad_request, not_found
-from api.model_info import model_extras
+from api.model_info import created_at, model_extras
 from api.state import PRINCIPAL, SETTINGS, STATE
 from engine.registry import ModelHandle
 from engine.tokenizer import Tokenizer
@@ -60,6 +60,7 @@ def _model_obj(name: str, state=None) -> dict:
     obj = {"id": name, "object": "model", "created": 0, "owned_by": "selfhosted"}
     handle = state.models.get(name) if state is not None else None
     if handle is not None:  # extensions: context length, the card's description and examples
+        obj["created"] = created_at(handle.config.path) if handle.config.path else 0
         obj.update(model_extras(handle.config.path, handle.max_model_len))
         reasoning = _reasoning(handle)
         if reasoning is not None:

@@ -4,6 +4,7 @@ disconnects, billing once, conversations."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -246,6 +247,8 @@ async def test_an_api_key_authenticates_and_its_tier_picks_the_model(make_client
     assert resp.status == 200 and (await resp.json())["model"] == "echo2"
     models = await (await client.get("/v1/models", headers={"Authorization": f"Bearer {secret}"})).json()
     assert [m["id"] for m in models["data"]] == ["echo2"]
+    config_json = Path(state_of(client).models["echo2"].config.path) / "config.json"
+    assert models["data"][0]["created"] == int(config_json.stat().st_mtime) > 0  # OpenAI's unix time
     await assert_error(
         await chat(client, {"model": "echo", "messages": USER}, headers={"Authorization": f"Bearer {secret}"}),
         404,
