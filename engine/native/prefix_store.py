@@ -115,7 +115,7 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.blake2b(digest_size=32)
     for name in sorted(tensors):
         h.update(name.encode())
-        h.update(tensors[name].contiguous().view(torch.uint8).numpy())
+        h.update(tensors[name].contiguous().view(torch.uint8).numpy().data)
     return h.hexdigest()
 
 
