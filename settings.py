@@ -374,6 +374,22 @@ class FilesConfig:
         "Most characters of a file's text that enter a prompt (bounds tokenizing on every turn); the header says "
         "when a file was cut here.",
     )
+    max_extract_s: float = setting(
+        30.0,
+        "Deadline for turning one PDF into text. Each PDF is read once, in a child process that is killed when this "
+        "passes (or the server stops); the file is then refused with 400 unreadable_file, and the refusal is "
+        "remembered until this limit or max_extract_memory_bytes changes.",
+    )
+    max_extract_memory_bytes: int = setting(
+        2_147_483_648,
+        "Most memory (address space) one PDF reader process may use (2 GiB); a PDF that needs more (streams that "
+        "inflate to tens of MB each) is refused with 400 unreadable_file.",
+    )
+    max_concurrent_extractions: int = setting(
+        2,
+        "Most PDFs read at once (each in its own child process, one core each); requests for a file being read "
+        "wait for that reading, others wait their turn for at most max_extract_s, then get 503.",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,6 +404,9 @@ class ImagesConfig:
         "Most pixels (width x height) an image may declare; more is refused before decoding (decompression bombs).",
     )
     max_images_per_request: int = setting(8, "Most images in one chat request.")
+    max_concurrent_decodes: int = setting(
+        2, "Most images decoded at once across all requests (threads of their own); others wait their turn."
+    )
     allow_remote_urls: bool = setting(
         False, "Fetch http(s) image URLs. Off: a server that fetches any URL is a door to SSRF."
     )

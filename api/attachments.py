@@ -1,29 +1,34 @@
 """Files and images of a chat request turned into model input, and documents fitted to the context.
 
 Owns step 3's attachment half: each `file` part becomes its extracted text between a header
-and a footer (cached per file, so the next turn renders the same prompt and hits the prefix
-cache); each image is fetched, checked and decoded; a model without vision gets a 400 naming
-it. A document that does not fit the context is refused with the numbers, or cut to fit when
-the request says `truncation: "auto"` (the answer then lists what was left out).
+and a footer (media/extraction.py: cached per file, so the next turn renders the same prompt
+and hits the prefix cache); images are counted, then read and checked from their headers, and
+decoded only for a vision model: a model without vision gets a 400 naming it before any pixel
+is decoded. A document that does not fit the context is refused with the numbers, or cut to
+fit when the request says `truncation: "auto"` (the answer then lists what was left out).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import orjson
 
 from api import image_job
-from api.errors import ApiError, bad_request, not_found
+from api.errors import ApiError, bad_request, not_found, overloaded
 from api.job import Job, JobInputs, encode_chat, make_job
 from api.parts import FilePart, ImagePart, Part, TextPart, parse_parts, to_json
 from api.protocol import ChatMessage
 from engine.torch_threads import side_executor
 from engine.types import IMAGE_PLACEHOLDER
-from media import documents, images
+from media import documents, extraction, images
+from media.workers import run_blocking
 from settings import FilesConfig, ImagesConfig
 from store.blobs import Blobs, is_file_id
 from store.types import Message, StoredFile
@@ -71,6 +76,12 @@ class Resolved:
 
 
 # -- resolving parts ---------------------------------------------------------------------
+# Images are counted first (no bytes read), then each is read and its header checked (a bad
+# image gets its own 400), and only then, for a vision model, decoded: a model without vision
+# is refused before any pixel is decoded.
+ImageSource = bytes | Path  # a data: URL's or fetched image's bytes, or an uploaded image's path
+
+
 async def _owned(ctx: AttachContext, file_id: str, where: str) -> StoredFile:
     stored = await ctx.store.get_file(ctx.org_id, file_id) if is_file_id(file_id) else None
     if stored is None:
@@ -78,55 +89,102 @@ async def _owned(ctx: AttachContext, file_id: str, where: str) -> StoredFile:
     return stored
 
 
+async def _stored_files(ctx: AttachContext, message: ChatMessage) -> dict[int, StoredFile]:
+    """The message's file parts by index, looked up (404 for an unknown or another organisation's id)."""
+    return {i: await _owned(ctx, p.file_id, p.where) for i, p in enumerate(message.parts) if isinstance(p, FilePart)}
+
+
+def _image_parts(message: ChatMessage, stored: dict[int, StoredFile]) -> dict[int, ImagePart | FilePart]:
+    """The message's images by part index: image parts, and file parts whose upload is an image."""
+    return {
+        i: p
+        for i, p in enumerate(message.parts)
+        if isinstance(p, ImagePart)
+        or (isinstance(p, FilePart) and i in stored and stored[i].media_type.startswith("image/"))
+    }
+
+
 async def _document(ctx: AttachContext, stored: StoredFile, where: str) -> Document:
+    cfg = ctx.files
+    limits = documents.ExtractLimits(
+        cfg.max_pdf_pages, cfg.max_document_chars, cfg.max_extract_s, cfg.max_extract_memory_bytes
+    )
     try:
-        limits = documents.ExtractLimits(ctx.files.max_pdf_pages, ctx.files.max_document_chars)
-        doc = await asyncio.to_thread(
-            documents.cached_extract,
+        doc = await extraction.cached_extract(
             ctx.blobs.path(stored.id),
             ctx.blobs.text_path(stored.id),
             stored.media_type,
             limits,
+            cfg.max_concurrent_extractions,
         )
     except documents.UnreadableDocument as exc:
         raise bad_request(
             f"The file {stored.filename} ({stored.id}) cannot be read: {exc}.", param=where, code="unreadable_file"
         ) from None
+    except extraction.ExtractionBusy as exc:
+        raise overloaded(
+            f"The server is busy reading other files ({exc}); try again shortly.", retry_after_s=cfg.max_extract_s
+        ) from None
     return Document(stored, doc)
 
 
-async def _image(ctx: AttachContext, part: ImagePart | StoredFile, where: str) -> images.DecodedImage:
-    cfg = ctx.images
+@contextlib.contextmanager
+def _image_errors(where: str) -> Iterator[None]:
     try:
-        if isinstance(part, StoredFile):
-            data = await asyncio.to_thread(ctx.blobs.path(part.id).read_bytes)
-        elif part.file_id is not None:
-            stored = await _owned(ctx, part.file_id, where)
-            data = await asyncio.to_thread(ctx.blobs.path(stored.id).read_bytes)
-        elif part.url is None:  # parse_parts gives an image part a file_id or a url
-            raise bad_request(f"'{where}' has neither a file_id nor a url.", param=where)
-        elif part.url.startswith("data:"):
-            data = images.decode_data_url(part.url, cfg)
-        else:
-            data = await images.fetch_remote(part.url, cfg)
-        return await asyncio.to_thread(images.decode, data, cfg)
+        yield
     except images.ImageRejected as exc:
         raise bad_request(f"{exc.message} ('{where}')", param=where, code=exc.code) from None
 
 
-async def resolve(ctx: AttachContext, message: ChatMessage, *, with_images: bool = False) -> Resolved:
+async def _image_source(ctx: AttachContext, part: ImagePart | FilePart) -> ImageSource:
+    """The image's bytes or path, its size, format and pixel count checked from the header."""
+    cfg, where = ctx.images, part.where
+    with _image_errors(where):
+        if isinstance(part, FilePart):  # its upload was looked up already (_stored_files)
+            source: ImageSource = ctx.blobs.path(part.file_id)
+        elif part.file_id is not None:
+            source = ctx.blobs.path((await _owned(ctx, part.file_id, where)).id)
+        elif part.url is None:  # parse_parts gives an image part a file_id or a url
+            raise bad_request(f"'{where}' has neither a file_id nor a url.", param=where)
+        elif part.url.startswith("data:"):
+            source = images.decode_data_url(part.url, cfg)
+        else:
+            source = await images.fetch_remote(part.url, cfg)
+        await run_blocking(images.probe, source, cfg)
+    return source
+
+
+async def _image_sources(
+    ctx: AttachContext, message: ChatMessage, stored: dict[int, StoredFile]
+) -> dict[int, ImageSource]:
+    return {i: await _image_source(ctx, p) for i, p in _image_parts(message, stored).items()}
+
+
+async def _resolve(
+    ctx: AttachContext,
+    message: ChatMessage,
+    stored: dict[int, StoredFile],
+    sources: dict[int, ImageSource] | None,
+) -> Resolved:
+    """Documents extracted; images decoded when `sources` holds them (None: a model without
+    vision, whose images render as "[image]")."""
+    image_parts = _image_parts(message, stored)
     documents_by_index: dict[int, Document] = {}
     decoded: list[images.DecodedImage] = []
     for i, part in enumerate(message.parts):
-        if isinstance(part, FilePart):
-            stored = await _owned(ctx, part.file_id, part.where)
-            if stored.media_type.startswith("image/"):
-                decoded.append(await _image(ctx, stored, part.where))
-            else:
-                documents_by_index[i] = await _document(ctx, stored, part.where)
-        elif isinstance(part, ImagePart):
-            decoded.append(await _image(ctx, part, part.where))
-    return Resolved(message, documents_by_index, decoded, with_images)
+        if i in image_parts:
+            if sources is not None:
+                with _image_errors(image_parts[i].where):
+                    decoded.append(await images.decode_bounded(sources[i], ctx.images))
+        elif isinstance(part, FilePart):
+            documents_by_index[i] = await _document(ctx, stored[i], part.where)
+    return Resolved(message, documents_by_index, decoded, sources is not None)
+
+
+async def resolve(ctx: AttachContext, message: ChatMessage, *, with_images: bool = False) -> Resolved:
+    stored = await _stored_files(ctx, message)
+    sources = await _image_sources(ctx, message, stored) if with_images else None
+    return await _resolve(ctx, message, stored, sources)
 
 
 def render(resolved: Resolved, texts: dict[int, str] | None = None) -> str:
@@ -249,23 +307,21 @@ def fit(inputs: JobInputs, resolved: list[Resolved]) -> Prepared:
 
 
 # -- the entry point from the chat handler ------------------------------------------------
-def _check_images(inputs: JobInputs, resolved: list[Resolved], cfg: ImagesConfig, prompter) -> None:
-    num_images = sum(len(r.images) for r in resolved)
-    if num_images == 0:
-        return
+def _check_image_count(num_images: int, cfg: ImagesConfig) -> None:
     if num_images > cfg.max_images_per_request:
         raise bad_request(
             f"The request carries {num_images} images; the limit is {cfg.max_images_per_request}.",
             param="messages",
             code="too_many_images",
         )
-    if prompter is None:
-        where = next(p.where for r in resolved for p in r.message.parts if isinstance(p, (ImagePart, FilePart)))
-        raise bad_request(
-            f"The model '{inputs.model.name}' does not accept images; send text or files, or use a vision model.",
-            param=where,
-            code="image_input_not_supported",
-        )
+
+
+def _no_vision(inputs: JobInputs, where: str) -> ApiError:
+    return bad_request(
+        f"The model '{inputs.model.name}' does not accept images; send text or files, or use a vision model.",
+        param=where,
+        code="image_input_not_supported",
+    )
 
 
 OFF_LOOP_CHARS = 32_768  # prompts this long are tokenized on a worker thread
@@ -281,8 +337,17 @@ def _num_chars(inputs: JobInputs, new: list[Resolved]) -> int:
 async def prepare_job(ctx: AttachContext, inputs: JobInputs) -> Prepared:
     """Resolve the new messages' attachments (and the history's), then tokenize and fit."""
     prompter = image_job.prompter_of(inputs.model)
-    new = [await resolve(ctx, m, with_images=prompter is not None) for m in inputs.chat.messages]
-    _check_images(inputs, new, ctx.images, prompter)
+    messages = inputs.chat.messages
+    stored = [await _stored_files(ctx, m) for m in messages]
+    wheres = [p.where for m, s in zip(messages, stored, strict=True) for p in _image_parts(m, s).values()]
+    _check_image_count(len(wheres), ctx.images)  # before any image is read
+    sources = [await _image_sources(ctx, m, s) for m, s in zip(messages, stored, strict=True)]
+    if wheres and prompter is None:  # read and checked, not decoded
+        raise _no_vision(inputs, wheres[0])
+    new = [
+        await _resolve(ctx, m, s, src if prompter is not None else None)
+        for m, s, src in zip(messages, stored, sources, strict=True)
+    ]
     history, history_images = None, []
     if inputs.history is not None:
         rendered = [await _history_message(ctx, m, prompter is not None) for m in inputs.history]

@@ -8,12 +8,12 @@ them during prefill and key their tokens in the prefix cache by content.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 from api.errors import bad_request
 from api.job import Job
 from media.images import DecodedImage
+from media.workers import run_blocking
 
 
 def prompter_of(model) -> object | None:
@@ -28,7 +28,7 @@ async def place_images(job: Job, prompter, decoded: list[DecodedImage]) -> None:
         raise bad_request(f"The prompt has {num_slots} image slots for {len(decoded)} images.", param="messages")
     # History trimming drops the oldest turns first, so the images left are the last ones.
     kept = decoded[len(decoded) - num_slots :]
-    pixels = await asyncio.to_thread(lambda: [(d.content_hash, prompter.preprocess(d.image)) for d in kept])
+    pixels = await run_blocking(lambda: [(d.content_hash, prompter.preprocess(d.image)) for d in kept])
     try:
         images = prompter.image_inputs(ids, pixels)
     except ValueError as exc:

@@ -1,5 +1,6 @@
 """Images from chat messages: their bytes (data: URL, uploaded file, or an allowed remote URL)
-decoded with Pillow after size and pixel-count checks.
+checked from the header (`probe`: size, format, pixel count), then decoded with Pillow on the
+media threads, a few at a time (`decode_bounded`).
 
 Owns every refusal of an image (bad data URL, too large, too many pixels, unknown format,
 remote fetching off or host not allowed) as `ImageRejected` with a message that names the
@@ -11,19 +12,24 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
 import io
 import re
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import aiohttp
 from PIL import Image
 
+from media.workers import Slots, run_blocking
 from settings import ImagesConfig
 
 FORMATS = ("PNG", "JPEG", "GIF", "WEBP")
+_DECODES = Slots()
 _DATA_URL = re.compile(
     r"^data:(?P<type>image/[a-z0-9.+-]+)?(?P<params>(;[a-z0-9-]+=[^;,]*)*)(?P<b64>;base64)?,", re.IGNORECASE
 )
@@ -107,32 +113,56 @@ async def fetch_remote(url: str, cfg: ImagesConfig) -> bytes:
         raise ImageRejected(f"Fetching the image failed: {type(exc).__name__}.", "image_fetch_failed") from None
 
 
-def decode(data: bytes, cfg: ImagesConfig) -> DecodedImage:
-    """Decode after checking bytes, format and declared pixel count (blocking: call in a thread)."""
-    if len(data) > cfg.max_image_bytes:
-        raise _too_large(len(data), cfg)
+def probe(source: bytes | Path, cfg: ImagesConfig) -> tuple[int, int]:
+    """(width, height) after checking bytes, format and declared pixel count from the header alone:
+    nothing is decoded (blocking: reads a few kB of a file)."""
+    with _opened(source, cfg) as image:
+        return image.size
+
+
+def decode(source: bytes | Path, cfg: ImagesConfig) -> DecodedImage:
+    """`probe`, then decode to RGB (blocking, up to a second for a large image: `decode_bounded`)."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data), formats=FORMATS)
-            width, height = image.size  # from the header: nothing decoded yet
-            if width * height > cfg.max_image_pixels:
-                raise ImageRejected(
-                    f"The image is {width}x{height} = {width * height} pixels; the limit is {cfg.max_image_pixels}.",
-                    "image_too_many_pixels",
-                )
+        with _opened(source, cfg) as image:
+            width, height = image.size
             image.load()
             rgb = image.convert("RGB")
-    except ImageRejected:
-        raise
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):  # damaged past the header
+        raise ImageRejected(f"The image cannot be decoded; send one of {', '.join(FORMATS)}.") from None
+    digest = hashlib.sha256(f"{width}x{height}:".encode() + rgb.tobytes()).hexdigest()
+    return DecodedImage(rgb, digest, width, height)
+
+
+async def decode_bounded(source: bytes | Path, cfg: ImagesConfig) -> DecodedImage:
+    """`decode` on the media threads, at most `images.max_concurrent_decodes` at once."""
+    async with _DECODES.semaphore(cfg.max_concurrent_decodes):
+        return await run_blocking(decode, source, cfg)
+
+
+@contextlib.contextmanager
+def _opened(source: bytes | Path, cfg: ImagesConfig) -> Iterator[Image.Image]:
+    """The image opened lazily (header read, pixels not) after the byte and pixel checks."""
+    try:
+        num_bytes = len(source) if isinstance(source, bytes) else source.stat().st_size
+        if num_bytes > cfg.max_image_bytes:
+            raise _too_large(num_bytes, cfg)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source, formats=FORMATS)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise ImageRejected(
             f"The image declares too many pixels (limit {cfg.max_image_pixels}).", "image_too_many_pixels"
         ) from None
     except (OSError, SyntaxError, ValueError, Image.UnidentifiedImageError):
         raise ImageRejected(f"The image cannot be decoded; send one of {', '.join(FORMATS)}.") from None
-    digest = hashlib.sha256(f"{width}x{height}:".encode() + rgb.tobytes()).hexdigest()
-    return DecodedImage(rgb, digest, width, height)
+    with image:
+        width, height = image.size  # from the header: nothing decoded yet
+        if width * height > cfg.max_image_pixels:
+            raise ImageRejected(
+                f"The image is {width}x{height} = {width * height} pixels; the limit is {cfg.max_image_pixels}.",
+                "image_too_many_pixels",
+            )
+        yield image
 
 
 def _too_large(num_bytes: int, cfg: ImagesConfig) -> ImageRejected:

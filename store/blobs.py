@@ -2,7 +2,9 @@
 
 `Blobs` owns the folder: an upload streams into `.partial/` (hashed and counted as it goes,
 never held whole in memory) and is renamed to its id only when complete; removing a file
-also removes its cached text. It knows nothing of owners or quotas (that is SQLite's part).
+also removes its cached text. Files written beside a blob (its cached text) go through
+`<name>.<random>.tmp`, which a crash can leave behind: the sweep removes those once stale. It
+knows nothing of owners or quotas (that is SQLite's part).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ log = structlog.get_logger(__name__)
 FILE_ID = re.compile(r"^file-[0-9a-f]{24}$")
 _PARTIAL = ".partial"
 _TEXT_SUFFIX = ".txt"
+_TEMP_SUFFIX = ".tmp"  # media/documents.py write_cache: <file id>.txt.<random>.tmp
 
 
 def new_file_id() -> str:
@@ -86,12 +89,14 @@ class Blobs:
         self.text_path(file_id).unlink(missing_ok=True)
 
     def sweep_orphans(self, live_ids: set[str], min_age_s: float = 3600.0) -> int:
-        """Remove blobs without a row and stale partial uploads (left by a crash); returns the count."""
+        """Remove blobs without a row, and stale partial uploads and temp files (left by a crash);
+        returns the count."""
         cutoff = time.time() - min_age_s
         removed = 0
         for entry in [*self.root.iterdir(), *(self.root / _PARTIAL).iterdir()]:
             file_id = entry.name.removesuffix(_TEXT_SUFFIX)
-            is_orphan = entry.parent.name == _PARTIAL or (is_file_id(file_id) and file_id not in live_ids)
+            is_temp = entry.name.endswith(_TEMP_SUFFIX) and is_file_id(entry.name.partition(".")[0])
+            is_orphan = entry.parent.name == _PARTIAL or is_temp or (is_file_id(file_id) and file_id not in live_ids)
             if entry.is_file() and is_orphan and entry.stat().st_mtime < cutoff:
                 entry.unlink(missing_ok=True)
                 removed += 1

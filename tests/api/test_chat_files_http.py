@@ -1,13 +1,22 @@
 """File parts in chat messages over HTTP (echo backend: the answer repeats the last user turn):
 text and PDF files enter the prompt with a header, too-long files are refused or cut, the text is
-cached per file, another organisation's file is a 404, conversations keep their attachments."""
+cached per file, another organisation's file is a 404, conversations keep their attachments;
+hostile PDFs (slow, bombs, encrypted, scanned) are 400s that name the problem while the server
+keeps answering, and concurrent first reads of one file both succeed."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import threading
+
 from api.files import BLOBS
+from media import extraction
 from testing.pdf import make_pdf
 from tests.api.helpers import assert_error, state_of
 from tests.api.test_files_http import other_org_headers, upload
+from tests.api.test_images_http import data_url, png_bytes
+from tests.media.pdf_fixtures import aes_encrypted_pdf, flate_bomb_pdf, image_only_pdf, record_children, slow_pdf
 
 
 def file_message(file_id: str, text: str = "Summarize this:") -> list[dict]:
@@ -147,3 +156,102 @@ async def test_a_document_is_cut_at_max_document_chars_and_the_header_says_so(ma
     body = await (await chat(client, file_message(file_id), max_tokens=300)).json()
     answer = body["choices"][0]["message"]["content"]
     assert "--- File: digits.txt (text/plain, the first 20 of 100 characters) ---\n01234567890123456789\n---" in answer
+
+
+# -- damaged, hostile and slow files -------------------------------------------------------------
+async def upload_pdf(client, data: bytes, filename: str = "doc.pdf") -> str:
+    return (await (await upload(client, data, filename=filename, content_type="application/pdf")).json())["id"]
+
+
+async def test_a_pdf_that_reads_too_slowly_is_refused_while_the_server_keeps_answering(make_client, monkeypatch):
+    client = await make_client("files.max_extract_s=2", "files.max_concurrent_extractions=1")
+    spawned = record_children(monkeypatch)
+    slow_id = await upload_pdf(client, slow_pdf(), "slow.pdf")  # minutes of pypdf CPU in 5 kB
+    slow = [asyncio.create_task(chat(client, file_message(slow_id))) for _ in range(4)]
+    await spawned.started.wait()
+    # Meanwhile uploads, text files and images are served: no thread is held by the PDF.
+    note_id = (await (await upload(client, b"Meanwhile, all is well.", filename="note.txt")).json())["id"]
+    note = await chat(client, file_message(note_id))
+    assert note.status == 200, await note.text()
+    image = [{"type": "image_url", "image_url": {"url": data_url(png_bytes())}}]
+    await assert_error(await chat(client, [{"role": "user", "content": image}]), 400, code="image_input_not_supported")
+    assert not any(task.done() for task in slow)
+    for resp in await asyncio.gather(*slow):  # all four waited for the one reading
+        err = await assert_error(resp, 400, code="unreadable_file", param="messages[0].content[1]")
+        assert "slow.pdf" in err["message"] and "took too long to read" in err["message"]
+        assert "2 s limit, files.max_extract_s" in err["message"]
+    assert len(spawned.procs) == 1 and spawned.procs[0].returncode is not None  # read once, and killed
+    await assert_error(await chat(client, file_message(slow_id)), 400, code="unreadable_file")
+    assert len(spawned.procs) == 1  # the refusal is remembered: not read again
+
+
+async def test_a_client_that_leaves_stops_its_pdf_reader(make_client, monkeypatch):
+    client = await make_client("files.max_extract_s=60")
+    spawned = record_children(monkeypatch)
+    slow_id = await upload_pdf(client, slow_pdf())
+    request = asyncio.create_task(chat(client, file_message(slow_id)))
+    await spawned.started.wait()
+    request.cancel()  # the connection closes; the server cancels the handler, which kills the reader
+    await asyncio.wait_for(spawned.procs[0].wait(), 10)  # unkilled, it would read for a minute
+
+
+async def test_busy_pdf_readers_give_503_with_retry_after(make_client):
+    client = await make_client("files.max_extract_s=0.2", "files.max_concurrent_extractions=1")
+    pdf_id = await upload_pdf(client, make_pdf(["Hello"]))
+    slots = extraction._SLOTS.semaphore(1)
+    await slots.acquire()  # another request's PDF holds the only reader
+    try:
+        err = await assert_error(await chat(client, file_message(pdf_id)), 503, code="server_overloaded")
+    finally:
+        slots.release()
+    assert "busy reading other files" in err["message"]
+    assert (await chat(client, file_message(pdf_id))).status == 200
+
+
+async def test_bomb_encrypted_and_scanned_pdfs_are_400s_naming_the_problem(make_client):
+    client = await make_client()
+    cases = [
+        (flate_bomb_pdf(), "reading the PDF reached a safety limit"),
+        (aes_encrypted_pdf(), "the PDF is encrypted"),
+        (image_only_pdf(2), "no text could be extracted from its 2 pages"),
+    ]
+    for data, problem in cases:
+        file_id = await upload_pdf(client, data, "hostile.pdf")
+        err = await assert_error(await chat(client, file_message(file_id)), 400, code="unreadable_file")
+        assert f"The file hostile.pdf ({file_id}) cannot be read: {problem}" in err["message"]
+    assert "does not do OCR" in err["message"]
+
+
+async def test_a_utf16_text_file_with_a_bom_enters_the_prompt(make_client):
+    client = await make_client()
+    data = "Grüße aus Köln.".encode("utf-16")  # BOM first, NUL bytes throughout
+    file_id = (await (await upload(client, data, filename="greeting.txt")).json())["id"]
+    resp = await chat(client, file_message(file_id))
+    assert resp.status == 200, await resp.text()
+    assert (
+        "--- File: greeting.txt (text/plain) ---\nGrüße aus Köln.\n"
+        in (await resp.json())["choices"][0]["message"]["content"]
+    )
+
+
+async def test_two_requests_extracting_one_file_at_once_both_succeed(make_client, monkeypatch):
+    """The first request's cache write pauses between its temp file and the rename while the
+    second extracts and writes the same file's cache (a fixed temp name made the first fail)."""
+    client = await make_client()
+    file_id = (await (await upload(client, b"Shared notes.", filename="shared.txt")).json())["id"]
+    real_replace = os.replace
+    paused, resume = threading.Event(), threading.Event()
+
+    def replace(src, dst):
+        if os.fspath(dst).endswith(f"{file_id}.txt") and not paused.is_set():
+            paused.set()
+            resume.wait(10)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    first = asyncio.create_task(chat(client, file_message(file_id)))
+    assert await asyncio.to_thread(paused.wait, 10)
+    second = await chat(client, file_message(file_id))
+    resume.set()
+    assert second.status == 200, await second.text()
+    assert (await first).status == 200, await (await first).text()

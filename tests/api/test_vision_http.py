@@ -1,6 +1,7 @@
 """Images through the whole server into the native LLaVA engine (tiny random checkpoint):
 image tokens are counted and billed, the next turn with the same image hits the prefix cache,
-a different picture of the same size does not, and typed "<image>" text makes no image slot."""
+a different picture of the same size does not, typed "<image>" text makes no image slot, and
+too many images are refused before any is decoded."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 
 from api.app import init
 from engine.types import IMAGE_PLACEHOLDER
+from media import images
 from testing.tiny_llava import build_tiny_llava
 from tests.api.helpers import native_settings, state_of
 from tests.api.test_images_http import data_url, png_bytes
@@ -71,3 +73,14 @@ async def test_same_image_next_turn_hits_and_a_different_image_does_not(client):
     assert 0 < usage(fresh)[1] <= image_start  # the blocks before the image only: nothing from a different picture
     again = await ask(client, [with_image("Describe this picture in detail please.", other)])
     assert usage(again)[1] >= usage(again)[0] - 16  # the same picture again: all its full blocks hit
+
+
+async def test_too_many_images_are_refused_before_any_is_decoded(client, monkeypatch):
+    decoded: list = []
+    monkeypatch.setattr(images, "decode", lambda source, cfg: decoded.append(source))
+    nine = [{"type": "image_url", "image_url": {"url": data_url(png_bytes((40, 30)))}}] * 9  # the limit is 8
+    resp = await client.post(
+        "/v1/chat/completions", json={"model": "llava", "messages": [{"role": "user", "content": nine}]}
+    )
+    assert resp.status == 400 and (await resp.json())["error"]["code"] == "too_many_images"
+    assert decoded == []

@@ -1,0 +1,48 @@
+"""The child process that reads one PDF:
+`python -m media.pdf_worker PATH MAX_PAGES MAX_CHARS CPU_LIMIT_S MAX_MEMORY_BYTES`.
+
+Prints one JSON object on stdout: {"doc": {...}} with the text, or {"refused": "why"} for a
+file that cannot be read. It caps its own address space (pypdf keeps every inflated stream) and
+CPU time (a backstop should the server die without killing it); media/extraction.py starts it,
+enforces the wall-clock deadline and kills it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import sys
+from pathlib import Path
+
+from media import documents
+
+
+def main(argv: list[str]) -> int:
+    path, max_pages, max_chars, cpu_limit_s, max_memory_bytes = argv
+    soft_s = int(cpu_limit_s)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft_s, soft_s + 1))  # SIGXCPU at the soft limit, SIGKILL past it
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU would dump core
+    resource.setrlimit(resource.RLIMIT_AS, (int(max_memory_bytes), int(max_memory_bytes)))  # then MemoryError
+    logging.disable(logging.WARNING)  # pypdf logs every oddity of a damaged file; the server logs the outcome
+    # The deadline only keys refused files in the cache (the parent's business): any value does here.
+    limits = documents.ExtractLimits(int(max_pages), int(max_chars), 0.0, int(max_memory_bytes))
+    try:
+        doc = documents.read_pdf(Path(path), limits)
+    except documents.UnreadableDocument as exc:
+        out: dict = {"refused": str(exc)}
+    else:
+        out = {
+            "doc": {
+                "text": doc.text,
+                "num_pages": doc.num_pages,
+                "num_pages_read": doc.num_pages_read,
+                "num_chars": doc.num_chars,
+            }
+        }
+    sys.stdout.write(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,95 @@
+"""PDF extraction in a child process: the text comes back and is read once per file (callers
+for a file being read wait for that reading), a slow file's reader is killed at the deadline
+(and the refusal remembered), one that needs too much memory is refused, the last caller to be
+cancelled kills the reader, and a reading that waits too long for a reader slot is busy."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from media import extraction
+from media.documents import ExtractLimits, UnreadableDocument
+from testing.pdf import make_pdf
+from tests.media.pdf_fixtures import Children, inflating_pdf, record_children, slow_pdf
+
+PDF = "application/pdf"
+
+
+@pytest.fixture
+def spawned(monkeypatch) -> Children:
+    return record_children(monkeypatch)
+
+
+def limits(max_extract_s: float = 30.0, max_memory_bytes: int = 2 << 30) -> ExtractLimits:
+    return ExtractLimits(300, 400_000, max_extract_s, max_memory_bytes=max_memory_bytes)
+
+
+async def test_the_text_comes_back_from_the_child_and_one_file_is_read_once(tmp_path, spawned):
+    path = tmp_path / "report"
+    path.write_bytes(make_pdf(["Revenue grew.", "Costs fell."]))
+    calls = [extraction.cached_extract(path, tmp_path / "report.txt", PDF, limits(), 1) for _ in range(3)]
+    docs = await asyncio.gather(*calls)
+    assert docs[0].text == "[Page 1]\nRevenue grew.\n\n[Page 2]\nCosts fell." and docs[0].num_pages == 2
+    assert docs[1] == docs[0] == docs[2]
+    assert len(spawned.procs) == 1  # the others found the cache once a slot freed up
+
+
+async def test_a_slow_pdf_is_killed_at_the_deadline_and_the_refusal_is_remembered(tmp_path, spawned):
+    path = tmp_path / "slow"
+    path.write_bytes(slow_pdf())  # about a second of CPU per page, 100 pages
+    with pytest.raises(UnreadableDocument, match=r"took too long to read \(more than the 0.5 s limit"):
+        await extraction.cached_extract(path, tmp_path / "slow.txt", PDF, limits(0.5), 2)
+    (proc,) = spawned.procs
+    assert proc.returncode is not None  # killed, not left running
+    with pytest.raises(UnreadableDocument, match="took too long"):
+        await extraction.cached_extract(path, tmp_path / "slow.txt", PDF, limits(0.5), 2)
+    assert len(spawned.procs) == 1  # not read again
+
+
+async def test_cancelling_the_caller_kills_its_reader(tmp_path, spawned):
+    path = tmp_path / "slow"
+    path.write_bytes(slow_pdf())
+    task = asyncio.create_task(extraction.cached_extract(path, tmp_path / "slow.txt", PDF, limits(60.0), 2))
+    await spawned.started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert spawned.procs[0].returncode is not None
+    assert not (tmp_path / "slow.txt").exists()  # nothing remembered: the next request reads it again
+
+
+async def test_a_caller_that_waits_too_long_for_a_reader_slot_is_busy(tmp_path, spawned):
+    path = tmp_path / "report"
+    path.write_bytes(make_pdf(["Hello"]))
+    slots = extraction._SLOTS.semaphore(1)
+    await slots.acquire()  # another file holds the only reader
+    try:
+        with pytest.raises(extraction.ExtractionBusy, match=r"busy for 0\.2 s"):
+            await extraction.cached_extract(path, tmp_path / "report.txt", PDF, limits(0.2), 1)
+    finally:
+        slots.release()
+    assert spawned.procs == []
+    doc = await extraction.cached_extract(path, tmp_path / "report.txt", PDF, limits(0.2 + 30), 1)
+    assert doc.text == "[Page 1]\nHello"
+
+
+async def test_a_reading_outlives_one_cancelled_caller_while_another_waits(tmp_path, spawned):
+    path = tmp_path / "slow"
+    path.write_bytes(slow_pdf())
+    calls = [extraction.cached_extract(path, tmp_path / "slow.txt", PDF, limits(1.0), 2) for _ in range(2)]
+    leaving, staying = (asyncio.create_task(call) for call in calls)
+    await spawned.started.wait()
+    leaving.cancel()
+    with pytest.raises(UnreadableDocument, match="took too long"):  # the reading went on to its deadline
+        await staying
+    assert leaving.cancelled() and len(spawned.procs) == 1
+
+
+async def test_a_pdf_that_needs_more_memory_than_the_reader_may_use_is_refused(tmp_path, spawned):
+    path = tmp_path / "inflating"
+    path.write_bytes(inflating_pdf(num_pages=4, num_bytes=60_000_000))  # 240 MB inflated
+    with pytest.raises(UnreadableDocument, match="needs more memory than this server allows"):
+        await extraction.cached_extract(path, tmp_path / "inflating.txt", PDF, limits(max_memory_bytes=192 << 20), 1)
+    assert spawned.procs[0].returncode == 0  # refused by the reader, not killed
