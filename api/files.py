@@ -22,6 +22,7 @@ from aiohttp import BodyPartReader, web
 
 from api.connections import CLOSE_AFTER
 from api.errors import ApiError, bad_request, not_found
+from api.paging import page_limit, page_order
 from api.state import PRINCIPAL, SETTINGS, STATE
 from settings import Settings
 from store.blobs import Blobs, Upload, is_file_id, new_file_id
@@ -250,16 +251,11 @@ async def owned_file(request: web.Request, file_id: str) -> StoredFile:
 
 def _list_query(request: web.Request) -> FileQuery:
     q = request.query
-    limit_text = q.get("limit", "10000")
-    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 10_000:
-        raise bad_request(f"'limit' must be an integer from 1 to 10000, got {limit_text!r}.", param="limit")
-    order = q.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise bad_request(f"'order' must be asc or desc, got {order!r}.", param="order")
+    limit, order = page_limit(q, default=10_000, maximum=10_000), page_order(q)
     purpose = q.get("purpose") or None
     if purpose is not None and purpose not in PURPOSES:
         raise bad_request(f"'purpose' must be one of {', '.join(PURPOSES)}; got {purpose!r}.", param="purpose")
-    return FileQuery(limit=int(limit_text), purpose=purpose, after=q.get("after") or None, ascending=order == "asc")
+    return FileQuery(limit=limit, purpose=purpose, after=q.get("after") or None, ascending=order == "asc")
 
 
 async def list_files(request: web.Request) -> web.Response:

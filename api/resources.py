@@ -20,6 +20,7 @@ from api import feedback as feedback_api
 from api.chat import read_json
 from api.errors import ApiError, bad_request, not_found
 from api.model_info import created_at, model_extras
+from api.paging import page_limit
 from api.state import PRINCIPAL, SETTINGS, STATE
 from engine.registry import ModelHandle
 from engine.tokenizer import Tokenizer
@@ -175,13 +176,11 @@ async def create_conversation(request: web.Request) -> web.Response:
 
 
 async def list_conversations(request: web.Request) -> web.Response:
-    limit_text = request.query.get("limit", "20")
-    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
-        raise bad_request(f"'limit' must be an integer from 1 to 100, got {limit_text!r}.", param="limit")
+    limit = page_limit(request.query, default=20, maximum=100)
     after = request.query.get("after")
     try:
         convs, has_more = await request.app[STATE].store.list_conversations(
-            request[PRINCIPAL].org.id, limit=int(limit_text), after=after
+            request[PRINCIPAL].org.id, limit=limit, after=after
         )
     except NotFound:
         raise not_found(f"No conversation found with id '{after}' (the 'after' cursor).", param="after") from None

@@ -30,6 +30,7 @@ from api.errors import ApiError, bad_request, not_found, overloaded
 from api.finish import STATUS, finish_job, generate_unary, stream_job
 from api.generation import generate_choices, make_answer
 from api.job import Job
+from api.paging import page_limit, page_order
 from api.responses_background import BACKGROUND, start_background, stop_all_background, stop_background
 from api.responses_record import ResponseContext, dumps, finished
 from api.responses_stream import EventStream
@@ -214,12 +215,7 @@ async def list_input_items(request: web.Request) -> web.Response:
     """A page of the response's input items, as OpenAI pages them: `limit` 1-100 (20), `order`
     desc (newest first, the default) or asc, `after` an item id of the previous page."""
     query = request.query
-    limit_text = query.get("limit", "20")
-    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
-        raise bad_request(f"'limit' must be an integer from 1 to 100, got {limit_text!r}.", param="limit")
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise bad_request(f"'order' must be 'asc' or 'desc', got {order!r}.", param="order")
+    limit, order = page_limit(query, default=20, maximum=100), page_order(query)
     items = orjson.loads((await _stored(request)).input_items_json)
     if order == "desc":
         items.reverse()
@@ -229,7 +225,7 @@ async def list_input_items(request: web.Request) -> web.Response:
         if after not in ids:
             raise not_found(f"No input item found with id '{after}' (the 'after' cursor).", param="after")
         start = ids.index(after) + 1
-    page = items[start : start + int(limit_text)]
+    page = items[start : start + limit]
     return web.json_response(
         {
             "object": "list",

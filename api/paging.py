@@ -1,0 +1,23 @@
+"""The query parameters of OpenAI's list endpoints (`limit`, `order`), checked in one place."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from api.errors import bad_request
+
+
+def page_limit(query: Mapping[str, str], *, default: int, maximum: int) -> int:
+    """`limit`: an integer from 1 to `maximum` (`default` when absent); else a 400 naming it."""
+    text = query.get("limit", str(default))
+    if not text.isdigit() or not 1 <= int(text) <= maximum:
+        raise bad_request(f"'limit' must be an integer from 1 to {maximum}, got {text!r}.", param="limit")
+    return int(text)
+
+
+def page_order(query: Mapping[str, str]) -> str:
+    """`order`: 'asc' or 'desc' (the default, newest first); else a 400 naming it."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"'order' must be 'asc' or 'desc', got {order!r}.", param="order")
+    return order
