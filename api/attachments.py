@@ -328,10 +328,11 @@ OFF_LOOP_CHARS = 32_768  # prompts this long are tokenized on a worker thread
 
 
 def _num_chars(inputs: JobInputs, new: list[Resolved]) -> int:
-    """The prompt's text: messages (with the stored history) and the attached documents."""
+    """The prompt's text: messages (with the stored history), tools and the attached documents."""
     history = inputs.history or ()
     text = sum(len(m.content) for m in (*history, *inputs.chat.messages))
-    return text + sum(len(d.doc.text) for r in new for d in r.documents.values())
+    tools = sum(len(t.parameters) + len(t.description or "") for t in inputs.chat.tools)
+    return text + tools + sum(len(d.doc.text) for r in new for d in r.documents.values())
 
 
 async def prepare_job(ctx: AttachContext, inputs: JobInputs) -> Prepared:

@@ -199,6 +199,11 @@ async def finish_job(
     content = "".join(job.text_parts)
     if job.reasoning_opened is not None:  # the conversation keeps the answer, not the thinking
         content = answer_text(content, in_thinking=job.reasoning_opened)
+    new_messages, new_parts = job.new_messages, job.new_message_parts
+    if prompt_billed and job.chat.continue_final_message and new_messages and new_messages[-1][0] == "assistant":
+        # A prefill and its continuation are one answer in the conversation, as the model wrote it.
+        content = new_messages[-1][1] + content
+        new_messages, new_parts = new_messages[:-1], new_parts[: len(new_messages) - 1]
     record = RequestRecord(
         request_id=job.request_id,
         org_id=job.principal.org.id,
@@ -216,8 +221,8 @@ async def finish_job(
         created_at=job.created_at,
         finished_at=time.time(),
         conversation_id=job.chat.conversation_id,
-        new_messages=job.new_messages,
-        new_message_parts=job.new_message_parts,
+        new_messages=new_messages,
+        new_message_parts=new_parts,
         # A refused or filtered answer is stored too (the text sent, maybe none), so the
         # conversation shows what happened after a reload.
         assistant_content=content if store_answer and (content or status in _STORED_EMPTY) else None,

@@ -139,11 +139,17 @@ class AppState:
         if self.safety is None:
             return None
         messages = [{"role": m.role, "content": m.content} for m in job.context]
+        if job.chat.continue_final_message and messages:  # a prefill is the caller's text: screened as theirs
+            messages[-1] = {"role": "user", "content": messages[-1]["content"]}
         verdict = await self.safety.screen_prompt(messages, tier=job.tier_name)
         return None if verdict.allowed else verdict
 
     def output_filter(self, job: Job):
-        return None if self.safety is None else self.safety.output_filter(tier=job.tier_name)
+        if self.safety is None:
+            return None
+        # An answer continuing a prefill is filtered with it: a phrase split across the two is seen.
+        prefix = job.context[-1].content if job.chat.continue_final_message and job.context else ""
+        return self.safety.output_filter(tier=job.tier_name, prefix=prefix)
 
     def count_filtered(self, job: Job, verdict) -> None:
         log.info("output_filtered", request_id=job.request_id, layer=verdict.layer, category=verdict.category)

@@ -246,23 +246,35 @@ _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 _NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
-def _closed(node: Any) -> Any:
+def _closed(node: Any, *, is_part: bool = False) -> Any:
     """`node` with every object schema that does not say `additionalProperties` closed to its
     listed properties, in place. Plain JSON Schema allows any other key, and under a forced
     call a model free to keep adding keys may never close the call (vLLM's guided decoding
-    closes them too); a schema that wants other keys says so with `additionalProperties`."""
+    closes them too); a schema that wants other keys says so with `additionalProperties`.
+    Left open: an object combined with others (`allOf` beside or around it: each part lists
+    only some of the keys) and one that requires a key it does not list."""
     if isinstance(node, list):
         for item in node:
-            _closed(item)
+            _closed(item, is_part=is_part)
     elif isinstance(node, dict):
-        if "properties" in node and "additionalProperties" not in node and "patternProperties" not in node:
+        if not is_part and _is_closable(node):
             node["additionalProperties"] = False
         for key, value in node.items():
             if key in _NAMED_SCHEMAS and isinstance(value, dict):  # names to schemas: each value is one
                 _closed(list(value.values()))
             elif key not in _DATA_KEYWORDS:
-                _closed(value)
+                _closed(value, is_part=key == "allOf")
     return node
+
+
+def _is_closable(node: dict) -> bool:
+    if "additionalProperties" in node or "patternProperties" in node or "allOf" in node:
+        return False
+    listed = node.get("properties")
+    if listed is None:  # only a bare {"type": "object"}: no arguments
+        return node.get("type") == "object" and not any(k in node for k in ("$ref", "anyOf", "oneOf", "required"))
+    required = node.get("required")
+    return isinstance(listed, dict) and all(k in listed for k in (required if isinstance(required, list) else ()))
 
 
 def _rebase_refs(node: Any, root: str) -> Any:

@@ -83,6 +83,10 @@ class Tokenizer:
         generation_defaults: dict[str, float | int] | None = None,
     ):
         self._tok = tokenizer
+        # A second tokenizer whose special-token text is plain text, for message content: a flag
+        # switched on the shared one would race between the event loop and a worker thread.
+        self._literal_tok = HFTokenizer.from_str(tokenizer.to_str())
+        self._literal_tok.encode_special_tokens = True
         self.generation_defaults = generation_defaults or {}  # from generation_config.json
         self._template = _compile_template(chat_template) if chat_template else None
         self.chat_template = chat_template
@@ -174,21 +178,17 @@ class Tokenizer:
         return ids if continue_final_message else ids + self.encode(rendered)
 
     def _encode_literal(self, text: str) -> list[int]:
-        self._tok.encode_special_tokens = True
-        try:
-            return self._tok.encode(text, add_special_tokens=False).ids
-        finally:
-            self._tok.encode_special_tokens = False
+        return _encode(self._literal_tok, text, add_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
         # Rendered chat text already holds its special tokens: add none.
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return _encode(self._tok, text, add_special_tokens=False)
 
     def encode_prompt(self, text: str) -> list[int]:
         """A raw prompt (a legacy completion's) as the model reads it without a chat template: with
         the special tokens the tokenizer's post-processor adds (a BOS for Llama or Gemma, none for
         Qwen), as transformers' `tokenizer(text)` does; special-token text in it stays special."""
-        return self._tok.encode(text, add_special_tokens=True).ids
+        return _encode(self._tok, text, add_special_tokens=True)
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -260,3 +260,14 @@ def _eos_ids(path: Path, tokenizer: HFTokenizer, eos_token: str | None) -> tuple
         if tid is not None and tid not in ids:
             ids.append(tid)
     return tuple(ids)
+
+
+_GIL_FREE_CHARS = 8192  # longer texts are encoded through encode_batch, which releases the GIL
+
+
+def _encode(tok: HFTokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
+    """`tok.encode(text).ids`; a long text through `encode_batch` (the same ids), which lets
+    the event loop run while a worker thread tokenizes (`encode` holds the GIL throughout)."""
+    if len(text) < _GIL_FREE_CHARS:
+        return tok.encode(text, add_special_tokens=add_special_tokens).ids
+    return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids

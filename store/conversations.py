@@ -24,11 +24,13 @@ _CONV_COLUMNS = "id, org_id, title, created_at, updated_at"
 _LIVE = "org_id = ? AND id = ? AND deleted_at IS NULL"
 _MESSAGE_COLUMNS = "m.id, m.role, m.content, m.created_at, m.tokens, m.model, m.parts_json, m.finish_reason"
 _NUM_MESSAGE_COLUMNS = _MESSAGE_COLUMNS.count(",") + 1
-# The ledger row of the request that wrote an answer; user messages share the request id but
+# The ledger row of the request that wrote an answer (the message with a model); the messages
+# the request brought (user turns, an assistant's replayed or prefilled text) share its id but
 # not its bill. usage.prompt_tokens is NOT NULL, so a NULL there means no ledger row.
 _BILLED_MESSAGES = (
     f"SELECT {_MESSAGE_COLUMNS}, u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.cost_usd, u.fallback_from"
-    " FROM messages m LEFT JOIN usage u ON u.request_id = m.request_id AND m.role = 'assistant'"
+    " FROM messages m LEFT JOIN usage u"
+    " ON u.request_id = m.request_id AND m.role = 'assistant' AND m.model IS NOT NULL"
     " WHERE m.conversation_id = ? ORDER BY m.seq"
 )
 

@@ -151,7 +151,7 @@ class SafetyGate:
         while len(self._screened) > self.config.embed_cache_entries:
             self._screened.popitem(last=False)
 
-    def output_filter(self, *, tier: str) -> OutputFilter:
+    def output_filter(self, *, tier: str, prefix: str = "") -> OutputFilter:
         cfg = self.config
         policy = OutputPolicy(
             holdback_chars=cfg.holdback_chars,
@@ -162,7 +162,11 @@ class SafetyGate:
         )
         classify = self._classify_output if (cfg.output_classifier and self._classifier is not None) else None
         return OutputFilter(
-            self._output_rules, policy, classify=classify, on_done=lambda v: self._record(Stage.OUTPUT, v, tier)
+            self._output_rules,
+            policy,
+            classify=classify,
+            on_done=lambda v: self._record(Stage.OUTPUT, v, tier),
+            prefix=prefix,
         )
 
     def refusal_text(self, verdict: Verdict) -> str:

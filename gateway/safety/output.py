@@ -44,13 +44,16 @@ class OutputFilter:
         *,
         classify: ClassifyText | None,
         on_done: Callable[[Verdict], None],
+        prefix: str = "",
     ):
+        """`prefix`: text the answer continues (an assistant's prefill), never released, which
+        the rules and the classifier read as part of the answer."""
         self._rules = rules
         self._policy = policy
         self._classify = classify
         self._on_done = on_done  # called once, with the final verdict (for metrics and logs)
-        self._buf = ""  # the stream's text from absolute offset `_base` on
-        self._base = 0
+        self._buf = prefix  # the stream's text from absolute offset `_base` on (the answer starts at 0)
+        self._base = -len(prefix)
         self._emitted = 0  # absolute offset: everything before it was released
         self._checked = 0  # absolute offset: the classifier has passed everything before it
         self._scheduled = 0  # absolute offset of the last check the schedule made (see _check_due)

@@ -71,3 +71,18 @@ async def _anthropic_events(resp) -> list[dict]:
     assert resp.status == 200, await resp.text()
     lines = (await resp.read()).decode().splitlines()
     return [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+
+
+async def test_a_continued_prefill_is_stored_as_one_answer_billed_once(native_client):
+    cid = (await (await native_client.post("/v1/conversations", json={})).json())["id"]
+    replayed = {"role": "assistant", "content": "An earlier answer."}
+    messages = [ASK, replayed, {"role": "user", "content": "And then?"}, PREFILL]
+    body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "messages": messages, "conversation_id": cid}
+    resp = await native_client.post("/v1/chat/completions", json={**body, "continue_final_message": True})
+    assert resp.status == 200, await resp.text()
+    answer = await resp.json()
+    stored = (await (await native_client.get(f"/v1/conversations/{cid}")).json())["messages"]
+    assert [m["role"] for m in stored] == ["user", "assistant", "user", "assistant"]
+    assert stored[-1]["content"] == PREFILL["content"] + answer["choices"][0]["message"]["content"]
+    assert [("usage" in m) for m in stored] == [False, False, False, True]  # the replayed answer is not billed
+    assert stored[-1]["usage"]["completion_tokens"] == answer["usage"]["completion_tokens"]

@@ -133,3 +133,25 @@ def test_a_forced_calls_objects_are_closed_unless_they_say_otherwise():
     assert closed["properties"]["open"]["additionalProperties"] is True
     assert closed["properties"]["tags"]["items"]["additionalProperties"] is False
     assert json.loads(tool.parameters) == params  # the tool itself is unchanged (what the template shows)
+
+
+def test_objects_combined_with_all_of_or_requiring_unlisted_keys_stay_open_and_compile():
+    b = {"type": "string"}
+    schemas = [
+        {"type": "object", "allOf": [{"properties": {"a": b}, "required": ["a"]}, {"properties": {"b": b}}]},
+        {"type": "object", "properties": {"a": b}, "allOf": [{"properties": {"b": b}, "required": ["b"]}]},
+        {"type": "object", "properties": {"a": b}, "required": ["a", "b"]},
+    ]
+    for params in schemas:
+        tool = Tool("t", None, json.dumps(params))
+        structured = forced_call_grammar((tool,), ToolChoice(ChoiceMode.REQUIRED), ToolFormat.HERMES, False)
+        grammar_text(structured)  # compiles: no part closed against another's keys
+        rebased = json.loads(structured.spec.split("%json ", 1)[1].rsplit('"\\n</tool_call>"', 1)[0])
+        assert "additionalProperties" not in json.dumps(rebased["$defs"]["tool_0"])
+
+
+def test_a_bare_object_schema_is_closed_to_no_arguments():
+    tool = Tool("now", None, json.dumps({"type": "object"}))
+    spec = forced_call_grammar((tool,), ToolChoice(ChoiceMode.REQUIRED), ToolFormat.LLAMA3_JSON, False).spec
+    closed = json.loads(spec.split("%json ", 1)[1])["$defs"]["tool_0"]
+    assert closed == {"type": "object", "additionalProperties": False}

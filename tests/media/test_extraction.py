@@ -6,6 +6,7 @@ cancelled kills the reader, and a reading that waits too long for a reader slot 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -93,3 +94,36 @@ async def test_a_pdf_that_needs_more_memory_than_the_reader_may_use_is_refused(t
     with pytest.raises(UnreadableDocument, match="needs more memory than this server allows"):
         await extraction.cached_extract(path, tmp_path / "inflating.txt", PDF, limits(max_memory_bytes=192 << 20), 1)
     assert spawned.procs[0].returncode == 0  # refused by the reader, not killed
+
+
+def test_a_reader_dies_with_the_server_however_the_server_exits(tmp_path):
+    """A third Ctrl-C ends the server with os._exit: its PDF reader must not live on (Linux)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pdf = tmp_path / "slow.pdf"
+    pdf.write_bytes(slow_pdf())
+    parent = (
+        "import subprocess, sys, time, os\n"
+        f"child = subprocess.Popen([sys.executable, '-m', 'media.pdf_worker', {str(pdf)!r}, '100', '100000', '60',"
+        f" str(2 << 30)])\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(1.0)\n"
+        "os._exit(1)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", parent], cwd=root, capture_output=True, text=True, timeout=30)
+    child_pid = int(done.stdout.split()[0])
+    for _ in range(100):  # the kernel's SIGKILL is at once; reaping by init may take a moment
+        try:
+            os.kill(child_pid, 0)
+        except ProcessLookupError:
+            return
+        if Path(f"/proc/{child_pid}/stat").read_text().split()[2] == "Z":
+            return
+        time.sleep(0.05)
+    os.kill(child_pid, signal.SIGKILL)
+    raise AssertionError("the reader outlived the server")

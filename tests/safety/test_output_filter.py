@@ -230,3 +230,27 @@ async def test_a_short_answer_inside_the_unchecked_start_is_still_checked_at_the
     assert (await flt.feed("Hi!"))[0] == "Hi!" and windows == []
     await flt.finish()
     assert windows == ["Hi!"]
+
+
+@pytest.mark.parametrize("parts", chunkings(" sesame, and then the door opened."))
+async def test_a_phrase_split_between_a_prefill_and_its_continuation_is_blocked(parts):
+    """An answer continuing an assistant's prefill is filtered with it: "open" in the prefill and
+    " sesame" in the answer match together; the prefill itself is never released."""
+    verdicts: list[Verdict] = []
+    flt = OutputFilter(RULES, POLICY, classify=None, on_done=verdicts.append, prefix="The words were open")
+    released, verdict, _ = await run(flt, parts)
+    assert verdict is not None and verdict.layer is SafetyLayer.RULES and verdict.category == "secrets"
+    assert "open" not in released and "sesame" not in released
+
+
+async def test_a_benign_continuation_of_a_prefill_is_released_whole_and_only_it():
+    seen: list[str] = []
+
+    async def classify(text: str) -> Verdict:
+        seen.append(text)
+        return Verdict.allow()
+
+    flt = OutputFilter(RULES, POLICY, classify=classify, on_done=lambda v: None, prefix="Ali Baba said: ")
+    released, verdict, _ = await run(flt, [BENIGN[:50], BENIGN[50:]])
+    assert verdict is None and released == BENIGN
+    assert seen and all(text.startswith("Ali Baba said: ") for text in seen[:1])  # the classifier reads the prefill
