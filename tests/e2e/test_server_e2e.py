@@ -209,7 +209,6 @@ def test_sigterm_lets_a_running_stream_finish_then_exits(tiny_model_dir, tmp_pat
 
 def test_sigterm_cuts_a_stream_longer_than_the_grace_with_an_error_event_and_bills_it(tiny_model_dir, tmp_path):
     import sqlite3
-    import urllib.request
 
     from tests.e2e.test_durability import write_config
 
@@ -227,21 +226,7 @@ def test_sigterm_cuts_a_stream_longer_than_the_grace_with_an_error_event_and_bil
         fake=FakeBehaviour(token_delay_s=0.05),
         log_path=tmp_path / "server.log",
     ).start()
-    result: dict = {}
-
-    def run_stream():  # 200 tokens at 50 ms: 10 s, far longer than the grace
-        body = {"model": "echo", "stream": True, "messages": [{"role": "user", "content": " ".join(["w"] * 200)}]}
-        req = urllib.request.Request(
-            proc.base_url + "/v1/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            result["request_id"] = resp.headers["X-Request-Id"]
-            result["text"] = resp.read().decode()
-
-    thread = threading.Thread(target=run_stream)
-    thread.start()
+    result, thread = _long_stream(proc, 200)  # 200 tokens at 50 ms: 10 s, far longer than the grace
     time.sleep(1.0)
     signalled = time.monotonic()
     code = proc.terminate(timeout_s=30)
@@ -294,7 +279,6 @@ def test_a_second_signal_ends_the_grace_at_once(tiny_model_dir, tmp_path):
     """Ctrl-C pressed again while a long grace runs: the running answers are cut now (an error
     event, billed as when the grace runs out) and the server stops in seconds."""
     import sqlite3
-    import urllib.request
 
     from tests.e2e.test_durability import write_config
 
@@ -304,21 +288,7 @@ def test_a_second_signal_ends_the_grace_at_once(tiny_model_dir, tmp_path):
         fake=FakeBehaviour(token_delay_s=0.05),
         log_path=tmp_path / "server.log",
     ).start()
-    result: dict = {}
-
-    def run_stream():  # 400 tokens at 50 ms: 20 s
-        body = {"model": "echo", "stream": True, "messages": [{"role": "user", "content": " ".join(["w"] * 400)}]}
-        req = urllib.request.Request(
-            proc.base_url + "/v1/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            result["request_id"] = resp.headers["X-Request-Id"]
-            result["text"] = resp.read().decode()
-
-    thread = threading.Thread(target=run_stream)
-    thread.start()
+    result, thread = _long_stream(proc, 400)  # 400 tokens at 50 ms: 20 s
     time.sleep(1.0)
     assert proc.proc is not None
     signalled = time.monotonic()
@@ -354,3 +324,26 @@ def test_a_third_signal_while_shutting_down_exits_the_process_at_once():
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert done.returncode == 1 and "hurried" in done.stdout and "shutdown_forced" in done.stdout, done.stderr
     assert time.monotonic() - started < 10.0
+
+
+def _long_stream(proc: ServerProcess, num_words: int) -> tuple[dict, threading.Thread]:
+    """A streamed echo of `num_words` words on a thread: its X-Request-Id and body land in the dict."""
+    import urllib.request
+
+    result: dict = {}
+
+    def run_stream() -> None:
+        words = " ".join(["w"] * num_words)
+        body = {"model": "echo", "stream": True, "messages": [{"role": "user", "content": words}]}
+        req = urllib.request.Request(
+            proc.base_url + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            result["request_id"] = resp.headers["X-Request-Id"]
+            result["text"] = resp.read().decode()
+
+    thread = threading.Thread(target=run_stream)
+    thread.start()
+    return result, thread
