@@ -11,6 +11,7 @@ slot and queue ticket exactly once.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ from api import attachments, protocol
 from api.connections import read_body, reads_body_itself
 from api.errors import ApiError, bad_request, overloaded
 from api.files import BLOBS
-from api.finish import STATUS, finish_job, generate_unary, stream_job
+from api.finish import STATUS, finish_job, generate_unary, shutting_down, stream_job
 from api.generation import generate_choices, make_answer
 from api.inflight import INFLIGHT
 from api.job import Job, JobInputs, conversation_not_found
@@ -97,7 +98,14 @@ async def serve_job(
     state.admission.route(grant, chat.model)  # a saturated queue refuses before any store read
     if await state.over_budget(principal):
         state.admission.route(grant, chat.model, over_budget=True)
-    job = await _prepare(state, principal, grant, chat, request.app[BLOBS])
+    inflight = request.app[INFLIGHT]
+    with inflight.track():  # a shutdown waits for a request still reading its files, then answers it
+        try:
+            job = await _prepare(state, principal, grant, chat, request.app[BLOBS])
+        except asyncio.CancelledError:
+            if inflight.was_cut():
+                raise shutting_down(started=False) from None
+            raise
     if state.tracing is not None:
         job.trace_parent = state.tracing.parent_of(request.headers)
     verdict = await state.screen_prompt(job)

@@ -255,3 +255,19 @@ async def test_two_requests_extracting_one_file_at_once_both_succeed(make_client
     resume.set()
     assert second.status == 200, await second.text()
     assert (await first).status == 200, await (await first).text()
+
+
+async def test_a_request_still_reading_its_pdf_at_shutdown_gets_a_503(make_client, monkeypatch):
+    """The shutdown waits for it like a running answer, then answers it (it was dropped unanswered)."""
+    from api.inflight import INFLIGHT
+
+    client = await make_client("files.max_extract_s=60")
+    spawned = record_children(monkeypatch)
+    slow_id = await upload_pdf(client, slow_pdf())
+    request = asyncio.create_task(chat(client, file_message(slow_id)))
+    await spawned.started.wait()
+    inflight = client.app[INFLIGHT]
+    assert len(inflight) == 1  # the grace waits for it
+    inflight.cut_all()  # the grace is over
+    await assert_error(await request, 503, code="server_shutting_down")
+    await asyncio.wait_for(spawned.procs[0].wait(), 10)  # its reader killed
