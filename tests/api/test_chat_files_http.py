@@ -185,12 +185,18 @@ async def test_a_pdf_that_reads_too_slowly_is_refused_while_the_server_keeps_ans
     assert len(spawned.procs) == 1  # the refusal is remembered: not read again
 
 
-async def test_a_client_that_leaves_stops_its_pdf_reader(make_client, monkeypatch):
+async def _reading_a_slow_pdf(make_client, monkeypatch):
+    """(client, its PDF reader children, a chat request whose PDF is being read now)."""
     client = await make_client("files.max_extract_s=60")
     spawned = record_children(monkeypatch)
     slow_id = await upload_pdf(client, slow_pdf())
     request = asyncio.create_task(chat(client, file_message(slow_id)))
     await spawned.started.wait()
+    return client, spawned, request
+
+
+async def test_a_client_that_leaves_stops_its_pdf_reader(make_client, monkeypatch):
+    _client, spawned, request = await _reading_a_slow_pdf(make_client, monkeypatch)
     request.cancel()  # the connection closes; the server cancels the handler, which kills the reader
     await asyncio.wait_for(spawned.procs[0].wait(), 10)  # unkilled, it would read for a minute
 
@@ -261,11 +267,7 @@ async def test_a_request_still_reading_its_pdf_at_shutdown_gets_a_503(make_clien
     """The shutdown waits for it like a running answer, then answers it (it was dropped unanswered)."""
     from api.inflight import INFLIGHT
 
-    client = await make_client("files.max_extract_s=60")
-    spawned = record_children(monkeypatch)
-    slow_id = await upload_pdf(client, slow_pdf())
-    request = asyncio.create_task(chat(client, file_message(slow_id)))
-    await spawned.started.wait()
+    client, spawned, request = await _reading_a_slow_pdf(make_client, monkeypatch)
     inflight = client.app[INFLIGHT]
     assert len(inflight) == 1  # the grace waits for it
     inflight.cut_all()  # the grace is over
