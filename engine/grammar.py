@@ -50,7 +50,26 @@ def grammar_text(structured: StructuredOutput) -> str:
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
         raise GrammarError(_explain(messages[0] if messages else "invalid grammar"))
+    _check_satisfiable(grammar, "text" if structured.kind is StructuredKind.LARK else "JSON value")
     return grammar
+
+
+@functools.cache
+def _byte_tokenizer() -> llguidance.LLTokenizer:
+    """One token per byte and an EOS: what a grammar allows does not depend on the vocabulary."""
+    return llguidance.LLTokenizer.from_tiktoken(
+        encoder={bytes([i]): i for i in range(256)}, special_tokens={"<eos>": 256}, pattern=r".", eos_token=256
+    )
+
+
+def _check_satisfiable(grammar: str, what: str) -> None:
+    """GrammarError if the grammar allows no first byte. A schema that only refers to itself
+    (`{"$ref": "#"}`) validates, but its matcher stops before any token: the answer would be an
+    empty 200. One mask over a byte vocabulary finds it, before any model is involved."""
+    matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+    matcher.compute_bitmask()
+    if matcher.is_error():
+        raise GrammarError(f"the schema cannot be compiled: no {what} satisfies it (does it only refer to itself?)")
 
 
 def _explain(message: str) -> str:

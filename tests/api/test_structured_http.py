@@ -182,6 +182,21 @@ async def test_a_forced_call_that_cannot_compile_is_a_400_before_the_stream(sdk_
     assert resp.status == 400 and body["error"]["param"].startswith("tools"), body
 
 
+@pytest.mark.parametrize("forced_tool", [False, True])
+async def test_a_schema_no_value_satisfies_is_a_400_before_the_stream(sdk_client, forced_tool):
+    """`{"$ref": "#"}` validates, but its grammar allows no first token: it was an empty 200."""
+    body: dict = {"model": "tiny", "messages": ASK, "stream": True}
+    if forced_tool:
+        body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}]
+        body["tool_choice"] = "required"
+    else:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}
+    resp = await sdk_client.post("/v1/chat/completions", json=body)
+    error = (await resp.json())["error"]
+    assert resp.status == 400 and "no JSON value satisfies it" in error["message"], error
+    assert error["param"].startswith("tools" if forced_tool else "response_format"), error
+
+
 async def test_a_tool_result_goes_back_through_the_template(sdk):
     history = [
         *ASK,
