@@ -138,6 +138,9 @@ async def _lifecycle(app: web.Application, backend_factory: BackendFactory | Non
         num_orphaned = await store.fail_unfinished_responses(responses_background.RESTART_ERROR)
         if num_orphaned:  # one server per database: nothing else can be running them
             log.warning("background_responses_failed_at_start", num_responses=num_orphaned)
+        num_cut = await store.delete_pending_conversations()
+        if num_cut:  # a Responses call created them, then the process died before the answer was stored
+            log.warning("unanswered_conversations_deleted_at_start", num_conversations=num_cut)
         for name, handle in models.items():
             try:
                 await handle.backend.start()

@@ -98,7 +98,8 @@ async def _with_history(state: AppState, org_id: str, req: ResponsesRequest) -> 
     created = None
     if conversation_id is None:
         first = next((m.content for m in req.chat.messages if m.role == "user"), "")
-        conversation_id = created = (await state.store.create_conversation(org_id, title=title_from(first))).id
+        conv = await state.store.create_conversation(org_id, title=title_from(first), pending=True)
+        conversation_id = created = conv.id
     return replace(req, chat=replace(req.chat, conversation_id=conversation_id)), created
 
 

@@ -57,7 +57,7 @@ def grammar_text(structured: StructuredOutput) -> str:
 @functools.cache
 def _byte_tokenizer() -> llguidance.LLTokenizer:
     """One token per byte and an EOS: what a grammar allows does not depend on the vocabulary."""
-    return llguidance.LLTokenizer.from_tiktoken(
+    return llguidance.LLTokenizer.from_tiktoken(  # type: ignore[attr-defined]  # missing from its stubs
         encoder={bytes([i]): i for i in range(256)}, special_tokens={"<eos>": 256}, pattern=r".", eos_token=256
     )
 

@@ -119,14 +119,23 @@ async def list_page(
 # --- writes (inside the writer's transaction) -------------------------------------------
 
 
-async def insert(conn: aiosqlite.Connection, org_id: str, title: str | None) -> Conversation:
+async def insert(conn: aiosqlite.Connection, org_id: str, title: str | None, pending: bool = False) -> Conversation:
     now = time.time()
     conv = Conversation(f"conv_{secrets.token_hex(12)}", org_id, title, now, now)
     await conn.execute(
-        "INSERT INTO conversations (id, org_id, title, created_at, updated_at) VALUES (?, ?, ?, ?, ?)",
-        (conv.id, org_id, title, now, now),
+        "INSERT INTO conversations (id, org_id, title, created_at, updated_at, pending) VALUES (?, ?, ?, ?, ?, ?)",
+        (conv.id, org_id, title, now, now, int(pending)),
     )
     return conv
+
+
+async def delete_pending(conn: aiosqlite.Connection) -> int:
+    """Delete the conversations Responses calls created whose first turn never got stored (the
+    process died mid-answer); a background response's failed record keeps its conversation."""
+    cursor = await conn.execute(
+        "DELETE FROM conversations WHERE pending = 1 AND id NOT IN (SELECT conversation_id FROM responses)"
+    )
+    return cursor.rowcount
 
 
 async def rename(conn: aiosqlite.Connection, org_id: str, conversation_id: str, title: str) -> Conversation | None:
@@ -221,6 +230,6 @@ async def append_turn(
         title = next((title_from(m.content) for m in messages if m.role == "user"), None)
     latest = max([updated_at, *(m.created_at for m in messages)])
     await conn.execute(
-        "UPDATE conversations SET title = ?, updated_at = ? WHERE id = ?", (title, latest, conversation_id)
+        "UPDATE conversations SET title = ?, updated_at = ?, pending = 0 WHERE id = ?", (title, latest, conversation_id)
     )
     return True

@@ -186,6 +186,12 @@ _V8_KEY_SCOPE = """
 ALTER TABLE api_keys ADD COLUMN scope TEXT NOT NULL DEFAULT 'inference' CHECK (scope IN ('inference', 'admin'));
 """
 
+# A conversation a Responses call creates is `pending` until its first turn is stored; one
+# still pending at startup was cut by a crash (kill -9, power loss) and is deleted then.
+_V9_PENDING_CONVERSATIONS = """
+ALTER TABLE conversations ADD COLUMN pending INTEGER NOT NULL DEFAULT 0 CHECK (pending IN (0, 1));
+"""
+
 # (version, script); version N leaves `PRAGMA user_version = N`.
 MIGRATIONS: tuple[tuple[int, str], ...] = (
     (1, _V1),
@@ -196,6 +202,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (6, _V6_KEY_EXPIRY),
     (7, _V7_RESPONSE_STATUS),
     (8, _V8_KEY_SCOPE),
+    (9, _V9_PENDING_CONVERSATIONS),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

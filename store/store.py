@@ -221,8 +221,15 @@ class Store:
 
     # --- conversations -------------------------------------------------------------------
 
-    async def create_conversation(self, org_id: str, *, title: str | None = None) -> Conversation:
-        return await self._write(functools.partial(conversations.insert, org_id=org_id, title=title))
+    async def create_conversation(
+        self, org_id: str, *, title: str | None = None, pending: bool = False
+    ) -> Conversation:
+        """`pending`: created for a turn not yet stored; deleted at the next start if it never is."""
+        return await self._write(functools.partial(conversations.insert, org_id=org_id, title=title, pending=pending))
+
+    async def delete_pending_conversations(self) -> int:
+        """At startup: drop conversations whose creating request died before its first turn."""
+        return await self._write(conversations.delete_pending)
 
     async def list_conversations(
         self, org_id: str, *, limit: int = 20, after: str | None = None

@@ -163,3 +163,40 @@ async def test_a_shutdown_mid_answer_never_leaves_it_in_progress(make_client, tm
     sdk = await sdk_for(client)
     after = await sdk.responses.retrieve(created.id)
     assert after.status == "failed" and after.error is not None
+
+
+async def test_a_conversation_whose_first_answer_a_crash_cut_is_gone_after_a_restart(make_client, tmp_path):
+    """A Responses call creates its conversation before answering; killed mid-answer (kill -9),
+    the process left it empty in the list. It is `pending` until its first turn is stored, and a
+    start deletes what is still pending; conversations made on purpose, even empty, stay."""
+    import sqlite3
+
+    client = await make_client(behaviour=FakeBehaviour(token_delay_s=0.05))
+    sdk = await sdk_for(client)
+    db = tmp_path / "chat.db"
+
+    def pending_rows() -> list[tuple[str, int]]:
+        with sqlite3.connect(db) as conn:
+            return conn.execute("SELECT title, pending FROM conversations ORDER BY created_at").fetchall()
+
+    async with await sdk.responses.create(model="echo", input="cut short here", stream=True) as stream:
+        async for event in stream:
+            if event.type == "response.output_text.delta":
+                assert pending_rows() == [("cut short here", 1)]  # mid-answer, as a crash would find it
+                break
+    await asyncio.sleep(0.1)
+    await sdk.responses.create(model="echo", input="answered in full")
+    empty = await sdk.conversations.create()  # an empty conversation made on purpose
+    rows = dict(pending_rows())
+    assert rows["answered in full"] == 0 and rows[None] == 0
+    await client.server.close()
+    await client.close()
+    with sqlite3.connect(db) as conn:  # what a process killed mid-answer leaves behind
+        conn.execute("UPDATE conversations SET pending = 1 WHERE title = 'cut short here'")
+
+    client = await make_client(f'store.path="{db}"')  # the same database, a new process
+    auth = {"Authorization": f"Bearer {sdk.api_key}"}  # the same organisation (acme)
+    listed = await (await client.get("/v1/conversations", headers=auth)).json()
+    assert sorted(conv["title"] or "" for conv in listed["data"]) == ["", "answered in full"]
+    assert empty.id in {conv["id"] for conv in listed["data"]}
+    assert dict(pending_rows()) == {"answered in full": 0, None: 0}
