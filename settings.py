@@ -48,7 +48,9 @@ class ServerConfig:
     )
     require_keys: bool = setting(False, "true: every /v1 request needs an API key, even on 127.0.0.1.")
     cors_origins: list[str] = setting(
-        [], "Origins (besides the UI's own) whose browser pages may POST/PATCH/DELETE; empty: same-origin only."
+        [],
+        'Origins (besides the UI\'s own) whose browser pages may call the API (CORS), e.g. ["http://localhost:3000"] '
+        'for a browser front end; "*": any site, but then only with an API key. Empty: same-origin only.',
     )
     allowed_hosts: list[str] = setting(
         [],

@@ -23,7 +23,7 @@ from api import admin, chat, completions, embeddings, files, messages, resources
 from api.connections import BIG_BODY_HINT, CLOSE_AFTER, make_body_deadline_middleware
 from api.errors import ApiError, from_gateway, internal_error, overloaded
 from api.inflight import INFLIGHT, InFlight
-from api.security import check_startup, keyless_allowed, make_access_middleware
+from api.security import add_cors_headers, check_startup, keyless_allowed, make_access_middleware
 from api.state import REQUEST_ID, SETTINGS, STATE, AppState
 from engine.registry import BackendFactory, build_models
 from engine.types import EngineError
@@ -62,7 +62,9 @@ async def _stamp_headers(request: web.Request, response: web.StreamResponse) -> 
         response.force_close()
         response.headers["Connection"] = "close"  # the hook runs after aiohttp chose the header
     response.headers.setdefault("X-Content-Type-Options", "nosniff")
-    if not request.path.startswith("/v1/"):
+    if request.path.startswith("/v1/"):
+        add_cors_headers(request, response, request.app[SETTINGS])
+    else:
         response.headers.setdefault("Content-Security-Policy", CSP)
         response.headers.setdefault("Referrer-Policy", "no-referrer")
 

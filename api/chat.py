@@ -143,6 +143,7 @@ async def _prepare(state: AppState, principal, grant: Pass, chat: protocol.ChatR
         chat=chat,
         model=state.models[grant.route.model],
         fallback_from=grant.route.fallback_from,
+        fallback_reason=grant.route.fallback_reason,
         history=history,
         cache_salt=state.cache_salt(principal),
     )

@@ -54,6 +54,7 @@ class Job:
     new_messages: tuple[tuple[str, str], ...] = ()
     new_message_parts: tuple[str | None, ...] = ()  # per new message: its parts as JSON (attachments), or None
     truncated_files: tuple[dict, ...] = ()  # files cut to fit the context (truncation: auto)
+    fallback_reason: str | None = None  # with fallback_from: "busy" or "over_budget" (gateway/router.py)
     # filled while serving
     admitted_s: float | None = None
     first_token_s: float | None = None
@@ -331,6 +332,7 @@ class JobInputs:
     fallback_from: str | None
     history: tuple[ChatMessage, ...] | None  # None: not a stored conversation
     cache_salt: str | None
+    fallback_reason: str | None = None
 
 
 def make_job(inp: JobInputs) -> Job:
@@ -379,6 +381,7 @@ def make_job(inp: JobInputs) -> Job:
         chat=chat,
         model=model,
         fallback_from=inp.fallback_from,
+        fallback_reason=inp.fallback_reason,
         context=context,
         gen=gen,
         arrival_s=now,

@@ -146,15 +146,27 @@ def _check_host(request: web.Request, policy: HostPolicy) -> None:
     )
 
 
+def _is_same_origin(request: web.Request, origin: str) -> bool:
+    parts = urlsplit(origin)
+    return origin != "null" and bool(parts.netloc) and parts.netloc.lower() == request.headers.get("Host", "").lower()
+
+
+def cors_origin(request: web.Request, settings: Settings) -> str | None:
+    """The request's Origin when it is another site that server.cors_origins lets call the API
+    (listed, or "*"), so its answers carry CORS headers; None for same-origin and other calls."""
+    origin = request.headers.get("Origin")
+    if origin is None or origin == "null" or _is_same_origin(request, origin):
+        return None
+    allowed = settings.server.cors_origins
+    return origin if origin in allowed or "*" in allowed else None
+
+
 def _check_origin(request: web.Request, settings: Settings) -> None:
     """A browser's state-changing call must come from our own page (or a configured origin)."""
     origin = request.headers.get("Origin")
     if origin is None or request.method in SAFE_METHODS:
         return
-    if origin in settings.server.cors_origins:
-        return
-    parts = urlsplit(origin)
-    if origin != "null" and parts.netloc and parts.netloc.lower() == request.headers.get("Host", "").lower():
+    if _is_same_origin(request, origin) or cors_origin(request, settings) is not None:
         return
     raise ApiError(
         403,
@@ -162,6 +174,56 @@ def _check_origin(request: web.Request, settings: Settings) -> None:
         "permission_error",
         "origin_not_allowed",
     )
+
+
+# Headers a page on an allowed origin may send, and may read from our answers.
+CORS_ALLOW_METHODS = "GET, POST, PATCH, DELETE, OPTIONS"
+CORS_EXPOSE_HEADERS = ", ".join(
+    [
+        "X-Request-Id",
+        "Retry-After",
+        "retry-after-ms",
+        "x-should-retry",
+        "x-fallback-from",
+        "x-fallback-reason",
+        "x-history-messages-dropped",
+        *(f"x-ratelimit-{what}-{unit}" for what in ("limit", "remaining", "reset") for unit in ("requests", "tokens")),
+    ]
+)
+CORS_MAX_AGE_S = 600
+
+
+def add_cors_headers(request: web.Request, response: web.StreamResponse, settings: Settings) -> None:
+    """CORS headers on an answer to an allowed origin (errors and streams included: a page can
+    read neither without them)."""
+    origin = cors_origin(request, settings)
+    vary = response.headers.get("Vary")
+    response.headers["Vary"] = f"{vary}, Origin" if vary else "Origin"
+    if origin is None:
+        return
+    response.headers["Access-Control-Allow-Origin"] = origin
+    response.headers["Access-Control-Expose-Headers"] = CORS_EXPOSE_HEADERS
+
+
+def _preflight(request: web.Request, settings: Settings) -> web.Response:
+    """A browser's CORS preflight (OPTIONS with Access-Control-Request-Method): 204 with what the
+    page may send when its origin is allowed, 403 otherwise. Preflights carry no key."""
+    origin = request.headers.get("Origin")
+    if origin is None or cors_origin(request, settings) is None:
+        raise ApiError(
+            403,
+            f"Cross-origin request from {origin!r} refused; list the page's origin in server.cors_origins.",
+            "permission_error",
+            "origin_not_allowed",
+        )
+    headers = {
+        "Access-Control-Allow-Methods": CORS_ALLOW_METHODS,
+        "Access-Control-Max-Age": str(CORS_MAX_AGE_S),
+    }
+    wanted = request.headers.get("Access-Control-Request-Headers")
+    if wanted:  # any header: the key check, not the header list, is what guards the API
+        headers["Access-Control-Allow-Headers"] = wanted
+    return web.Response(status=204, headers=headers)
 
 
 async def _key_principal(request: web.Request):
@@ -189,6 +251,11 @@ def _is_keyless_peer(request: web.Request, policy: HostPolicy) -> bool:
     if request.app[STATE].local_principal is None:
         return False
     peer_ok = is_loopback(request.remote or "") or settings.server.allow_public_without_keys
+    origin = request.headers.get("Origin")
+    if origin is not None and origin in settings.server.cors_origins:
+        pass  # a page the operator listed by name may use the keyless mode like our own UI
+    elif origin is not None and cors_origin(request, settings) is not None:
+        return False  # any site ("*"): a page the user merely visits must never act keyless on their behalf
     return peer_ok and policy.is_named(host_name(request.headers.get("Host", "")), _sockname(request))
 
 
@@ -229,6 +296,8 @@ def make_access_middleware(settings: Settings):
     @web.middleware
     async def access_middleware(request: web.Request, handler) -> web.StreamResponse:
         _check_host(request, policy)
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            return _preflight(request, settings)
         _check_origin(request, settings)
         if request.path == "/metrics":
             await _check_metrics_access(request)

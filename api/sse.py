@@ -14,7 +14,6 @@ SSE_HEADERS = {
     "Content-Type": "text/event-stream",
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",
-    "Connection": "keep-alive",
 }
 
 
@@ -29,6 +28,8 @@ class SSEWriter:
     @classmethod
     async def open(cls, request: web.Request, headers: dict[str, str]) -> SSEWriter:
         response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
+        if request.version < (1, 1):  # no chunked encoding: the stream ends only when the connection does
+            response.force_close()
         await response.prepare(request)
         return cls(response)
 

@@ -129,6 +129,8 @@ class AppState:
         headers = self.limit_headers(self.caller(job.principal))
         if job.fallback_from is not None:
             headers["x-fallback-from"] = job.fallback_from
+            if job.fallback_reason is not None:
+                headers["x-fallback-reason"] = job.fallback_reason
         if job.chat.conversation_id is not None:
             headers["x-history-messages-dropped"] = str(job.history_messages_dropped)
         return headers

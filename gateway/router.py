@@ -20,7 +20,7 @@ from gateway.errors import (
     Reason,
 )
 from gateway.queue import ModelQueue, refusal
-from gateway.waiting_room import Offer, Outcome
+from gateway.waiting_room import Offer, Outcome, Placement
 from settings import ConfigError, ModelConfig, TierConfig
 
 log = structlog.get_logger(__name__)
@@ -32,6 +32,8 @@ MODEL_ALIASES = frozenset({"auto"})  # "let the server choose": the tier's first
 class Route:
     model: str  # the model that will serve (the response's `model` field)
     fallback_from: str | None = None  # the model asked for, when another one serves
+    # why: "busy" (past the wait target), "unavailable" (cannot be reached) or "over_budget"
+    fallback_reason: str | None = None
 
 
 class TierRouter:
@@ -82,10 +84,17 @@ class TierRouter:
             candidates = [tier.models[-1]]  # the tier's cheapest model
         else:
             candidates = self._candidates(tier, asked)
+        placements: dict[str, Placement] = {}
         taker = self._first_taker(
-            tier_name, tier, candidates, Offer("", tier.priority, num_tokens, arrival_s=arrival_s)
+            tier_name, tier, candidates, Offer("", tier.priority, num_tokens, arrival_s=arrival_s), placements
         )
-        return self._chosen(tier_name, asked, taker, over_budget)
+        if taker == asked:
+            return Route(taker)
+        log.info("route_fallback", tier=tier_name, asked=asked, model=taker, over_budget=over_budget)
+        if over_budget:
+            return Route(taker, asked, "over_budget")
+        unreachable = asked not in placements or placements[asked].reason is Reason.MODEL_UNAVAILABLE
+        return Route(taker, asked, "unavailable" if unreachable else "busy")
 
     def precheck(self, tier_name: str, *, arrival_s: float | None = None) -> None:
         """Raises Overloaded when no model the tier may ask for would take a request now, so
@@ -111,10 +120,17 @@ class TierRouter:
         if first is not None:
             raise first
 
-    def _first_taker(self, tier_name: str, tier: TierConfig, candidates: list[str], offer: Offer) -> str:
+    def _first_taker(
+        self,
+        tier_name: str,
+        tier: TierConfig,
+        candidates: list[str],
+        offer: Offer,
+        placements: dict[str, Placement] | None = None,
+    ) -> str:
         """The first candidate whose queue takes `offer` (its wait limit set per model) within
-        the tier's target; else the soonest refusal."""
-        placements = {}
+        the tier's target; else the soonest refusal. `placements` gets each candidate's assessment."""
+        placements = {} if placements is None else placements
         for model in candidates:
             target = replace(offer, wait_limit_s=self._target_s(tier_name, tier, model))
             placements[model] = self._queues[model].assess(target)
@@ -152,11 +168,6 @@ class TierRouter:
     def _target_s(self, tier_name: str, tier: TierConfig, model: str) -> float:
         """Where a fallback is taken: the tier's own target (the top tier's too)."""
         return min(tier.wait_target_s, self.wait_limit_s(tier_name, model))
-
-    def _chosen(self, tier_name: str, asked: str, model: str, over_budget: bool) -> Route:
-        if model != asked:
-            log.info("route_fallback", tier=tier_name, asked=asked, model=model, over_budget=over_budget)
-        return Route(model, None if model == asked else asked)
 
     def _is_top(self, tier: TierConfig) -> bool:
         return tier.priority >= self._top_priority

@@ -82,6 +82,70 @@ async def test_a_cross_origin_write_is_refused_and_same_origin_passes(make_clien
     assert (await client.get("/v1/models", headers={"Origin": "https://evil.example"})).status == 200
 
 
+PREFLIGHT = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+
+
+async def test_a_listed_origin_passes_the_cors_preflight_and_reads_answers_errors_and_streams(make_client):
+    """Browser front ends (Open WebUI's direct connections, NextChat...) on another origin: the
+    preflight was a 405, and no answer carried Access-Control-Allow-Origin, so none could be read."""
+    client = await make_client('server.cors_origins=["http://localhost:3000"]')
+    page = {"Origin": "http://localhost:3000"}
+    resp = await client.options("/v1/chat/completions", headers={**page, **PREFLIGHT})
+    assert resp.status == 204, await resp.text()
+    assert "POST" in resp.headers["Access-Control-Allow-Methods"]
+    assert resp.headers["Access-Control-Allow-Headers"] == "authorization,content-type"
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={"model": "echo", "messages": USER, "stream": True},
+        headers=page,  # keyless on loopback: the operator listed this page by name
+    )
+    assert resp.status == 200 and resp.headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+    assert "x-ratelimit-remaining-requests" in resp.headers["Access-Control-Expose-Headers"]
+    assert "Origin" in resp.headers["Vary"] and "[DONE]" in await resp.text()
+    resp = await client.post("/v1/chat/completions", json={"model": "nope", "messages": USER}, headers=page)
+    assert resp.status == 404 and resp.headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+
+    evil = {"Origin": "https://evil.example"}
+    await assert_error(await client.options("/v1/chat/completions", headers={**evil, **PREFLIGHT}), 403)
+    resp = await client.get("/v1/models", headers=evil)
+    assert "Access-Control-Allow-Origin" not in resp.headers  # served, but its page cannot read it
+
+
+async def test_any_origin_gets_cors_but_never_the_keyless_mode(make_client):
+    """`"*"`: any site's page may call with a key; a page the user merely visits must not be
+    served as the keyless local organisation."""
+    client = await make_client('server.cors_origins=["*"]')
+    site = {"Origin": "https://any.example"}
+    assert (await client.options("/v1/models", headers={**site, **PREFLIGHT})).status == 204
+    await assert_error(await client.get("/v1/models", headers=site), 401, code="invalid_api_key")
+    await assert_error(await chat(client, site), 401, code="invalid_api_key")
+    store = state_of(client).store
+    await store.create_org("acme", "enterprise")
+    _key, secret = await store.create_key("acme")
+    resp = await chat(client, {**site, "Authorization": f"Bearer {secret}"})
+    assert resp.status == 200 and resp.headers["Access-Control-Allow-Origin"] == "https://any.example"
+    assert (await chat(client)).status == 200  # curl and the own UI stay keyless
+
+
+async def test_an_http_1_0_stream_ends_by_closing_the_connection(make_client):
+    """HTTP/1.0 has no chunked encoding: a stream that said keep-alive ended only at the idle
+    timeout (75 s)."""
+    import asyncio
+
+    client = await make_client()
+    reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+    body = b'{"model": "echo", "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: keep-alive\r\n"
+        b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    await writer.drain()
+    raw = await asyncio.wait_for(reader.read(), timeout=10)  # read() returns once the server closes
+    writer.close()
+    assert raw.startswith(b"HTTP/1.0 200") and b"data: [DONE]" in raw
+    assert b"keep-alive" not in raw.lower()
+
+
 def test_keyless_mode_refuses_to_start_behind_a_trusted_proxy(tmp_path, tiny_model_dir):
     with pytest.raises(ConfigError, match="require_keys"):
         init(echo_settings(tmp_path, tiny_model_dir, ('server.trusted_proxies=["127.0.0.1"]',)))

@@ -72,6 +72,7 @@ async def test_over_budget_with_budget_fallback_is_served_by_the_cheaper_model_v
     resp = await chat(client, {"model": "echo", "messages": USER, "conversation_id": cid}, headers=headers)
     assert resp.status == 200
     assert (await resp.json())["model"] == "echo2" and resp.headers["x-fallback-from"] == "echo"
+    assert resp.headers["x-fallback-reason"] == "over_budget"  # not "busy": the web UI says which
     stored = (await (await client.get(f"/v1/conversations/{cid}", headers=headers)).json())["messages"]
     assert [(m["role"], m.get("model"), m.get("fallback_from")) for m in stored] == [
         ("user", None, None),
@@ -108,6 +109,7 @@ async def test_a_saturated_model_falls_back_to_the_next_one_and_says_so(make_cli
     resp = await chat(client, {"model": "echo", "messages": USER})
     assert resp.status == 200
     assert (await resp.json())["model"] == "echo2" and resp.headers["x-fallback-from"] == "echo"
+    assert resp.headers["x-fallback-reason"] == "busy"
     await (await running).read()
     await (await waiting).read()
     unsaturated = await chat(client, {"model": "echo", "messages": USER})

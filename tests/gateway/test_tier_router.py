@@ -63,15 +63,15 @@ async def test_a_busy_flagship_within_the_wait_target_does_not_fall_back():
 async def test_a_saturated_flagship_falls_back_to_mini_and_says_so():
     fx = Fixture()
     fx.saturate("flagship", num_waiting=3, stalled_s=4.0)  # plus would wait about 16 s > 10 s
-    assert fx.router.route("plus", "flagship") == Route("mini", fallback_from="flagship")
-    assert fx.router.route("plus", None) == Route("mini", fallback_from="flagship")
+    assert fx.router.route("plus", "flagship") == Route("mini", "flagship", "busy")
+    assert fx.router.route("plus", None) == Route("mini", "flagship", "busy")
     await fx.stop()
 
 
 async def test_a_full_flagship_queue_counts_as_saturated():
     fx = Fixture(max_waiting_requests=2)
     fx.saturate("flagship", num_waiting=2, stalled_s=0.0)
-    assert fx.router.route("plus", "flagship") == Route("mini", fallback_from="flagship")
+    assert fx.router.route("plus", "flagship") == Route("mini", "flagship", "busy")
     await fx.stop()
 
 
@@ -79,7 +79,7 @@ async def test_the_models_configured_fallback_is_tried_after_the_tiers_own_model
     fx = Fixture()
     fx.saturate("flagship", num_waiting=3, stalled_s=4.0)
     # enterprise lists only the flagship; its ModelConfig.fallback names mini
-    assert fx.router.route("enterprise", "flagship") == Route("mini", fallback_from="flagship")
+    assert fx.router.route("enterprise", "flagship") == Route("mini", "flagship", "busy")
     await fx.stop()
 
 
@@ -137,7 +137,7 @@ async def test_auto_means_the_tiers_first_model():
 
 async def test_over_budget_serves_the_tiers_cheapest_model_when_allowed():
     fx = Fixture()
-    assert fx.router.route("plus", "flagship", over_budget=True) == Route("mini", fallback_from="flagship")
+    assert fx.router.route("plus", "flagship", over_budget=True) == Route("mini", "flagship", "over_budget")
 
 
 async def test_over_budget_without_budget_fallback_is_a_quota_error_that_says_do_not_retry():
@@ -167,7 +167,7 @@ async def test_a_model_without_a_queue_is_skipped():
     fx = Fixture()
     queues = {"mini": fx.queues["mini"]}
     router = TierRouter(MODELS, TIERS, queues)
-    assert router.route("plus", "flagship") == Route("mini", fallback_from="flagship")
+    assert router.route("plus", "flagship") == Route("mini", "flagship", "unavailable")
 
 
 def test_a_tier_naming_an_undeclared_model_is_a_config_error():

@@ -484,6 +484,7 @@ def test_an_upstream_client_error_is_passed_on_with_its_message(cluster):
 def test_an_unreachable_model_falls_back_visibly_or_gives_503_with_retry_after(cluster):
     status, headers, body = post(cluster["front"].base_url, greedy(QUESTION, model="dead"))
     assert status == 200 and headers["x-fallback-from"] == "dead" and body["model"] == "tiny"
+    assert headers["x-fallback-reason"] == "unavailable"
     status, headers, body = post(cluster["front"].base_url, greedy(QUESTION, model="dead-alone"))
     assert status == 503 and int(headers["Retry-After"]) >= 1
     assert body["error"]["code"] == "model_unavailable"
