@@ -65,7 +65,16 @@ _KNOWN = {
     "reasoning_effort",
     "thinking_token_budget",
     "continue_final_message",
+    "add_generation_prompt",
+    "prompt_cache_key",
+    "safety_identifier",
+    "verbosity",
 }
+# Accepted and checked, without effect here: the prefix cache needs no key (it finds shared
+# prefixes itself), a safety identifier only labels the caller, and `verbosity` steers OpenAI's
+# GPT-5 models, which a local checkpoint is not.
+_NO_EFFECT_STRINGS = ("prompt_cache_key", "safety_identifier")
+VERBOSITIES = ("low", "medium", "high")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 
 
@@ -182,6 +191,7 @@ def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int, ma
             "A forced 'tool_choice' cannot be combined with a JSON 'response_format'.", param="response_format"
         )
     messages = _messages(raw.get("messages"), max_messages, max_prompt_chars)
+    _check_no_effect_fields(raw)
     return ChatRequest(
         model=_opt_str(raw, "model"),
         messages=messages,
@@ -224,7 +234,23 @@ def _continue_final_message(raw: dict[str, Any], messages: tuple[ChatMessage, ..
             "'continue_final_message' needs the last message to be the assistant's text, which the answer continues.",
             param="continue_final_message",
         )
+    # vLLM's pair: continuing the last message means no new assistant turn is opened.
+    opens_turn = _opt_bool(raw, "add_generation_prompt", not wanted)
+    if opens_turn == wanted:
+        raise bad_request(
+            "'add_generation_prompt' must be false exactly when 'continue_final_message' is true (the answer "
+            "either continues the last assistant message or opens a new turn).",
+            param="add_generation_prompt",
+        )
     return wanted
+
+
+def _check_no_effect_fields(raw: dict[str, Any]) -> None:
+    for key in _NO_EFFECT_STRINGS:
+        _opt_str(raw, key)
+    verbosity = raw.get("verbosity")
+    if verbosity is not None and verbosity not in VERBOSITIES:
+        raise bad_request(f"'verbosity' must be one of low, medium, high; got {verbosity!r}.", param="verbosity")
 
 
 # Fields a checkpoint's generation_config.json may default when the request leaves them unset.

@@ -43,6 +43,18 @@ async def test_chat_completions_continue_the_final_message_when_asked(native_cli
     resp = await native_client.post("/v1/chat/completions", json={**body, "continue_final_message": True})
     assert resp.status == 200, await resp.text()
     assert (await resp.json())["choices"][0]["message"]["content"] == expected
+    vllm_pair = {**body, "continue_final_message": True, "add_generation_prompt": False}  # as vLLM's docs send it
+    same = await native_client.post("/v1/chat/completions", json=vllm_pair)
+    assert (await same.json())["choices"][0]["message"]["content"] == expected
+    for contradicting in (
+        {"continue_final_message": True, "add_generation_prompt": True},
+        {"add_generation_prompt": False},
+    ):
+        await assert_error(
+            await native_client.post("/v1/chat/completions", json={**body, **contradicting}),
+            400,
+            param="add_generation_prompt",
+        )
     plain = await (await native_client.post("/v1/chat/completions", json=body)).json()  # a new turn, as before
     assert plain["usage"]["prompt_tokens"] > (await resp.json())["usage"]["prompt_tokens"]
     refused = await native_client.post(

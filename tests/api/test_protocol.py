@@ -131,6 +131,9 @@ def test_continuous_usage_stats_needs_include_usage():
         ({"messages": MSG, "tools": [{"type": "function"}]}, "tools[0]"),
         ({"messages": MSG, "response_format": {"type": "yaml"}}, "response_format.type"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+        ({"messages": MSG, "prompt_cache_key": 7}, "prompt_cache_key"),
+        ({"messages": MSG, "safety_identifier": ["u"]}, "safety_identifier"),
+        ({"messages": MSG, "verbosity": "extreme"}, "verbosity"),
     ],
 )
 def test_invalid_request_is_a_400_naming_the_field(body, param):
@@ -139,6 +142,11 @@ def test_invalid_request_is_a_400_naming_the_field(body, param):
 
 def test_harmless_defaults_of_unsupported_fields_are_accepted():
     parse({"messages": MSG, "logprobs": False, "tools": None, "response_format": {"type": "text"}, "store": False})
+
+
+def test_newer_openai_fields_without_effect_here_are_accepted():
+    """What current SDKs and Codex-style clients send: refusing them kept those clients out."""
+    parse({"messages": MSG, "prompt_cache_key": "thread-7", "safety_identifier": "user-hash", "verbosity": "low"})
 
 
 def test_completion_body_has_openai_shape():
