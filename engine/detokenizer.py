@@ -10,6 +10,7 @@ beyond reporting a stop-string hit.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 from engine.tokenizer import Tokenizer
@@ -29,6 +30,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0  # start of the decoding window in _ids
         self._read_offset = len(context)  # tokens before this are already in _text
         self._text = ""  # all generated text decoded so far
+        self._starts: list[int] = []  # per generated token: where its text starts in _text
         self._stop = StopStringFilter(stop)
         self.stopped = False
 
@@ -48,8 +50,15 @@ class IncrementalDetokenizer:
             return "", True
         for token_id in token_ids:
             self._ids.append(token_id)
+            self._starts.append(len(self._text))
             self._text += self._decode_step()
         return self._emit(final=False)
+
+    @property
+    def num_tokens_emitted(self) -> int:
+        """How many generated tokens the emitted text holds: those whose text starts before its end.
+        Tokens past a stop string's start, and trailing tokens without text (EOS), are not counted."""
+        return bisect.bisect_left(self._starts, self._stop.num_emitted_chars)
 
     def flush(self) -> str:
         """At the end of generation: everything still held back (unless stopped)."""

@@ -283,3 +283,42 @@ async def test_side_work_runs_on_the_cpu_step_thread_between_steps_and_elsewhere
             probe.result(timeout=5)
             await asyncio.sleep(0.01)
         assert (await loop.run_in_executor(executor, lambda: threading.current_thread().name)).startswith("fallback")
+
+
+def _logprob_stream(tokenizer: Tokenizer, token_ids: list[int], stop: tuple[str, ...] = ()):
+    """Feed a _Stream one token per step, as the engine would (the last one finishing with STOP);
+    returns (the text sent, the token ids whose logprobs were sent)."""
+    from engine.native.backend import _Stream
+    from engine.native.llm_engine import RequestOutput
+    from engine.types import TokenLogprob
+
+    stream = _Stream(request("lp", [40, 41], logprobs=0, stop=stop), tokenizer)
+    text, sent = "", []
+    for i, token in enumerate(token_ids):
+        last = i == len(token_ids) - 1
+        out = RequestOutput(
+            "lp", (token,), 2, 0, i + 1, FinishReason.STOP if last else None, (TokenLogprob(token, -0.5),)
+        )
+        event = stream.advance(out)
+        text += event.text
+        sent += [lp.token_id for lp in event.logprobs]
+        if event.finish_reason is not None:
+            break
+    return text, sent
+
+
+def test_logprobs_go_out_with_their_text_never_for_a_final_eos_or_past_a_stop_string(tiny_models):
+    """The API's logprobs list the tokens of the content (OpenAI's shape): joining their text gives
+    the content. The EOS that ended an answer and tokens after a stop string's start were listed."""
+    tokenizer = Tokenizer.from_dir(tiny_models.path(VARIANT))
+    words = tokenizer.encode("the river runs down to the sea")
+    eos = tokenizer.encode("<|im_end|>")
+    assert len(eos) == 1 and tokenizer.decode(eos) == ""
+    text, sent = _logprob_stream(tokenizer, words + eos)
+    assert text == "the river runs down to the sea" and sent == words  # not the EOS
+    assert tokenizer.decode(sent) == text
+
+    text, sent = _logprob_stream(tokenizer, words + eos, stop=("down",))
+    assert text == "the river runs " and sent == words[: len(sent)]
+    # each token sent holds text of the content (the last one may also hold the stop's start), none after it
+    assert len(tokenizer.decode(sent[:-1])) < len(text) <= len(tokenizer.decode(sent)) < len(text) + len("down")
