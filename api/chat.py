@@ -249,27 +249,24 @@ async def _refuse(request: web.Request, state: AppState, job: Job, verdict) -> w
     refusal = await record_refusal(state, job, verdict)
     usage = protocol.usage_dict(0, 0, 0, 0.0)
     created = protocol.now_s()
+    indices = range(job.chat.n)  # every choice asked for gets the refusal (code may index choices[1])
     if not job.chat.stream:
         body = protocol.completion_body(
             job.completion_id, job.model.name, created, refusal, "content_filter", usage, _extra_fields(job)
         )
+        body["choices"] = [{**body["choices"][0], "index": i} for i in indices]
         return web.json_response(body, headers=state.response_headers(job), dumps=json_dumps)
     writer = await SSEWriter.open(request, state.response_headers(job))
-    mk = protocol.chunk_body
-    await writer.data(
-        mk(
-            job.completion_id,
-            job.model.name,
-            created,
-            {"role": "assistant", "content": ""},
-            None,
-            job.chat.include_usage,
-        )
-    )
-    await writer.data(
-        mk(job.completion_id, job.model.name, created, {"content": refusal}, None, job.chat.include_usage)
-    )
-    await writer.data(mk(job.completion_id, job.model.name, created, {}, "content_filter", job.chat.include_usage))
+
+    def chunk(index: int, delta: dict, finish: str | None = None) -> dict:
+        body = protocol.chunk_body(job.completion_id, job.model.name, created, delta, finish, job.chat.include_usage)
+        body["choices"][0]["index"] = index
+        return body
+
+    for i in indices:
+        await writer.data(chunk(i, {"role": "assistant", "content": ""}))
+        await writer.data(chunk(i, {"content": refusal}))
+        await writer.data(chunk(i, {}, "content_filter"))
     if job.chat.include_usage:
         await writer.data(protocol.usage_chunk_body(job.completion_id, job.model.name, created, usage))
     await writer.done()

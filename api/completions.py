@@ -309,12 +309,14 @@ async def _refuse(request: web.Request, state: AppState, job: Job, verdict) -> w
     usage = protocol.usage_dict(0, 0, 0, 0.0)
     created = protocol.now_s()
     finish = FinishReason.CONTENT_FILTER.value
+    indices = range(job.chat.n)  # every choice asked for gets the refusal
     if not job.chat.stream:
-        body = _body(job, created, [_choice(0, refusal, None, finish)], usage)
+        body = _body(job, created, [_choice(i, refusal, None, finish) for i in indices], usage)
         return web.json_response(body, headers=state.response_headers(job), dumps=json_dumps)
     writer = await SSEWriter.open(request, state.response_headers(job))
-    await writer.data(_body(job, created, [_choice(0, refusal, None, None)], None))
-    await writer.data(_body(job, created, [_choice(0, "", None, finish)], None))
+    for i in indices:
+        await writer.data(_body(job, created, [_choice(i, refusal, None, None)], None))
+        await writer.data(_body(job, created, [_choice(i, "", None, finish)], None))
     if job.chat.include_usage:
         await writer.data(_body(job, created, [], usage))
     await writer.done()

@@ -9,6 +9,7 @@ with errors that name the numbers. Nothing is routed, queued or generated here.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,12 @@ from engine.types import (
 )
 from settings import TierConfig
 from store.types import Principal
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """A seed for choice `choice` (> 0) of a request seeded `seed`, unrelated to other seeds' choices."""
+    digest = hashlib.blake2b(f"{seed}:{choice}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**63
 
 
 @dataclass(slots=True)
@@ -88,11 +95,13 @@ class Job:
         return self.num_prompt_tokens + self.chat.n * self.gen.sampling.max_tokens
 
     def gen_for(self, choice: int) -> GenerationRequest:
-        """Choice `choice` of n: its own request id and seed (seed + choice), the same prompt."""
+        """Choice `choice` of n: its own request id and seed, the same prompt. Choice 0 keeps the
+        request's seed (n = 1 answers do not change); the others get one mixed from (seed, choice),
+        not seed + choice, which made seed 2's first choice repeat seed 1's second in a seed sweep."""
         if choice == 0:
             return self.gen
         seed = self.gen.sampling.seed
-        sampling = dataclasses.replace(self.gen.sampling, seed=None if seed is None else (seed + choice) % 2**63)
+        sampling = dataclasses.replace(self.gen.sampling, seed=None if seed is None else choice_seed(seed, choice))
         return dataclasses.replace(self.gen, request_id=f"{self.gen.request_id}-{choice}", sampling=sampling)
 
     @property

@@ -143,3 +143,29 @@ async def test_an_assistant_prefill_is_screened_as_the_callers_text(make_client)
     body = {"model": "echo", "max_tokens": 8, "messages": messages, "continue_final_message": True}
     chat = await (await client.post("/v1/chat/completions", json=body)).json()
     assert chat["choices"][0]["finish_reason"] == "content_filter"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_a_blocked_prompt_asked_for_n_choices_gets_the_refusal_in_each(make_client, stream, path):
+    """Only choice 0 came back: code that reads choices[1] broke on a refusal."""
+    client = await make_client(*SAFETY_ON)
+    prompt = "how do I kill myself"
+    ask = (
+        {"messages": [{"role": "user", "content": prompt}]} if path.endswith("chat/completions") else {"prompt": prompt}
+    )
+    resp = await client.post(path, json={"model": "echo", "n": 2, "stream": stream, "temperature": 1, **ask})
+    assert resp.status == 200
+
+    def text_of(choice: dict) -> str:
+        return choice.get("text") or choice.get("message", choice.get("delta", {})).get("content") or ""
+
+    if stream:
+        events, _ = await sse_events(resp)
+        choices = [c for e in events[:-1] for c in e["choices"]]
+    else:
+        choices = (await resp.json())["choices"]
+    for index in (0, 1):
+        mine = [c for c in choices if c["index"] == index]
+        assert "".join(text_of(c) for c in mine) == CRISIS_TEXT
+        assert mine[-1]["finish_reason"] == "content_filter"

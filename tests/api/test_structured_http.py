@@ -299,3 +299,5 @@ async def test_n_choices_share_the_prompt_and_a_seed_repeats_them(sdk, sdk_clien
         for c in chunk.choices:
             texts[c.index] += c.delta.content or ""
     assert texts == [c.message.content for c in out.choices]
+    next_seed = await sdk.chat.completions.create(n=2, **{**kw, "seed": 12})  # a seed sweep: no repeats
+    assert next_seed.choices[0].message.content != out.choices[1].message.content
