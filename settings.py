@@ -33,7 +33,11 @@ class ServerConfig:
 
     host: str = setting("127.0.0.1", "Interface to bind; 127.0.0.1 keeps the server on this machine.")
     port: int = setting(8000, "TCP port.")
-    max_body_bytes: int = setting(1_048_576, "Largest request body accepted; bigger bodies get 413.")
+    max_body_bytes: int = setting(
+        20_971_520,
+        "Largest request body accepted (20 MiB: a phone photo sent inline as a data: URL, as Open WebUI and "
+        "LibreChat send images); bigger bodies get 413. Bodies are read only after the key check.",
+    )
     max_messages: int = setting(1000, "Most messages one chat request may carry.")
     max_prompt_chars: int = setting(1_000_000, "Most characters of message text, checked before tokenizing.")
     shutdown_grace_s: float = setting(

@@ -118,3 +118,11 @@ def test_relative_paths_in_a_config_file_are_relative_to_its_folder_and_set_to_t
     assert settings.safety.classifier_path == "elsewhere/head.npz"  # --set: as typed
     assert settings.files.dir == ""  # empty keeps its meaning (beside the database)
     assert load_settings(None).store.path == "data/chat.db"  # no file: nothing to resolve against
+
+
+def test_the_default_body_limit_holds_the_largest_image_sent_inline():
+    """Open WebUI and LibreChat send images as data: URLs inside the JSON body; a 1 MiB body
+    limit refused any phone photo with 413 although images.max_image_bytes allowed 10 MiB."""
+    defaults = Settings()
+    base64_chars = -(-defaults.images.max_image_bytes // 3) * 4
+    assert defaults.server.max_body_bytes >= base64_chars + 64 * 1024  # and room for the messages
