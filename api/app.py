@@ -58,6 +58,8 @@ async def _stamp_headers(request: web.Request, response: web.StreamResponse) -> 
     """Runs just before any response's headers go out, streams included."""
     if REQUEST_ID in request:
         response.headers["X-Request-Id"] = request[REQUEST_ID]
+        if request.path.startswith("/v1/messages"):  # where Anthropic's SDK reads it (`_request_id`)
+            response.headers["request-id"] = request[REQUEST_ID]
     if request.get(CLOSE_AFTER):  # a stalled or malformed body: answer, then drop the connection
         response.force_close()
         response.headers["Connection"] = "close"  # the hook runs after aiohttp chose the header

@@ -91,6 +91,13 @@ def is_messages_path(path: str) -> bool:
 # -- the request --------------------------------------------------------------------------
 
 
+# Fields that would change what the answer does, refused rather than silently dropped.
+_UNSUPPORTED = {
+    "mcp_servers": "it does not connect to MCP servers; pass their tools in 'tools' and run them yourself.",
+    "container": "it runs no code execution containers.",
+}
+
+
 def parse_messages_request(raw: Any, *, max_messages: int, max_prompt_chars: int, count_only: bool = False):
     """Validate an Anthropic Messages body into a ChatRequest; ApiError(400) naming the field."""
     if not isinstance(raw, dict):
@@ -106,6 +113,14 @@ def parse_messages_request(raw: Any, *, max_messages: int, max_prompt_chars: int
     for key in ("temperature", "top_p", "top_k"):  # the same names and meaning as chat completions'
         if raw.get(key) is not None:
             chat[key] = raw[key]
+    temperature = raw.get("temperature")
+    if isinstance(temperature, (int, float)) and not 0 <= temperature <= 1:
+        raise bad_request(
+            f"'temperature' must be between 0 and 1 (Anthropic's range), got {temperature}.", param="temperature"
+        )
+    for key in _UNSUPPORTED:
+        if raw.get(key):
+            raise bad_request(f"'{key}' is not supported by this server: {_UNSUPPORTED[key]}", param=key)
     stops = raw.get("stop_sequences")
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
@@ -299,6 +314,11 @@ def _usage(job: Job, *, billed: bool = True) -> dict[str, int]:
     }
 
 
+def tool_use_id(call_id: str) -> str:
+    """Anthropic's `toolu_` prefix on a call id we made; clients send it back as it is."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
 def _tool_block(call: ToolCall) -> dict[str, Any]:
     try:
         arguments = orjson.loads(call.arguments)
@@ -306,7 +326,7 @@ def _tool_block(call: ToolCall) -> dict[str, Any]:
         arguments = None
     return {
         "type": "tool_use",
-        "id": call.id,
+        "id": tool_use_id(call.id),
         "name": call.name,
         "input": arguments if isinstance(arguments, dict) else {},
     }
@@ -393,7 +413,7 @@ class _Blocks:
         await self.close()
         index = next(self._index)
         fn = call["function"]
-        block = {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": {}}
+        block = {"type": "tool_use", "id": tool_use_id(call["id"]), "name": fn["name"], "input": {}}
         await self._writer.data({"type": "content_block_start", "index": index, "content_block": block})
         delta = {"type": "input_json_delta", "partial_json": fn["arguments"]}
         await self._writer.data({"type": "content_block_delta", "index": index, "delta": delta})

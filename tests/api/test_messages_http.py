@@ -113,7 +113,7 @@ async def test_a_forced_tool_comes_back_as_a_tool_use_block_that_validates(sdk, 
     else:
         msg = await sdk.messages.create(**fields)
     uses = [b for b in msg.content if b.type == "tool_use"]
-    assert len(uses) == 1 and uses[0].name == "get_weather" and uses[0].id
+    assert len(uses) == 1 and uses[0].name == "get_weather" and uses[0].id.startswith("toolu_")  # Anthropic's ids
     jsonschema.validate(uses[0].input, WEATHER_SCHEMA)
     assert msg.stop_reason == "tool_use"
 
@@ -224,12 +224,20 @@ async def _error(resp, status: int, kind: str) -> str:
             "stop_sequences",
         ),
         ({"max_tokens": 5, "messages": ASK, "temperature": 3}, "invalid_request_error", 400, "temperature"),
+        ({"max_tokens": 5, "messages": ASK, "temperature": 1.5}, "invalid_request_error", 400, "0 and 1"),
+        (
+            {"max_tokens": 5, "messages": ASK, "mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}]},
+            "invalid_request_error",
+            400,
+            "mcp_servers",
+        ),
         ({"max_tokens": 5, "messages": ASK, "model": "nope"}, "not_found_error", 404, "nope"),
     ],
 )
 async def test_bad_requests_get_anthropics_error_envelope(make_client, fields, kind, status, where):
     client = await make_client()
     resp = await client.post("/v1/messages", json={"model": "echo", **fields})
+    assert resp.headers["request-id"] == resp.headers["X-Request-Id"]  # where Anthropic's SDK looks
     assert where in await _error(resp, status, kind)
     assert state_of(client).models["echo"].backend.requests == []
 
