@@ -29,7 +29,8 @@ def make_answer(job: Job) -> Answer:
     parser = None
     if chat.tools and chat.tool_choice.mode is not ChoiceMode.NONE:
         fmt = detect_format(getattr(tokenizer, "chat_template", None), job.model.config.tool_parser)
-        parser = ToolCallParser(fmt, frozenset(t.name for t in chat.tools))
+        forced = chat.tool_choice.mode in (ChoiceMode.REQUIRED, ChoiceMode.NAMED)
+        parser = ToolCallParser(fmt, frozenset(t.name for t in chat.tools), forced=forced)
     reasoning = None if job.reasoning_opened is None else ReasoningSplitter(in_thinking=job.reasoning_opened)
     return Answer(tokenizer, parser, chat.logprobs, reasoning)
 

@@ -9,6 +9,7 @@ as one is given back as content. It knows the formats of api/tools.py and nothin
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 from api.tools import ToolCall, ToolFormat, new_call_id
@@ -27,9 +28,10 @@ class Parsed:
 class ToolCallParser:
     """feed(text) -> Parsed for this delta; close() -> Parsed for whatever was held back."""
 
-    def __init__(self, fmt: ToolFormat, tool_names: frozenset[str]):
+    def __init__(self, fmt: ToolFormat, tool_names: frozenset[str], *, forced: bool = False):
         self._fmt = fmt
         self._names = tool_names
+        self._forced = forced  # a grammar made the whole answer calls: nothing of it is content
         self._buffer = ""  # held back: a possible marker start, or an unfinished call
         self._in_call = False
         self._started = False  # llama3: whether the first non-space character was seen
@@ -44,6 +46,13 @@ class ToolCallParser:
         return self._feed_llama()
 
     def close(self) -> Parsed:
+        closed = self._close()
+        if self._forced and closed.content.strip():  # a call the length limit cut: never markup as content
+            call = self._partial_call(closed.content)
+            return Parsed(calls=[*closed.calls, *([call] if call is not None else [])])
+        return closed
+
+    def _close(self) -> Parsed:
         buffer, self._buffer = self._buffer, ""
         if self._fmt is ToolFormat.HERMES:
             return Parsed(content=buffer)  # an unterminated call stays text
@@ -107,6 +116,16 @@ class ToolCallParser:
         content, self._buffer = self._buffer, ""
         return Parsed(content=content)
 
+    def _partial_call(self, text: str) -> ToolCall | None:
+        """A cut call as OpenAI returns one (finish_reason length): its name and the arguments'
+        text as far as it got; None before the name is complete."""
+        name = _NAME_FIELD.search(text)
+        if name is None or name.group(1) not in self._names:
+            return None
+        args = _ARGS_FIELD.search(text, name.end())
+        self.num_calls += 1
+        return ToolCall(new_call_id(), name.group(1), text[args.end() :].rstrip() if args else "")
+
     def _parse_many(self, body: str) -> list[ToolCall]:
         body = body.strip()
         try:
@@ -134,6 +153,10 @@ class ToolCallParser:
                 return None
         self.num_calls += 1
         return ToolCall(new_call_id(), item["name"], json.dumps(args, ensure_ascii=False))
+
+
+_NAME_FIELD = re.compile(r'"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"')
+_ARGS_FIELD = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -98,6 +98,10 @@ def _tool(value: Any, where: str) -> Tool:
         raise bad_request(
             f"'{where}.function.parameters' must be a JSON schema object.", param=f"{where}.function.parameters"
         )
+    if not params:  # OpenAI's "no parameters"; as a grammar {} would allow any JSON value as the arguments
+        params = {"type": "object", "properties": {}}
+    elif "type" not in params and "properties" in params:  # arguments are always an object
+        params = {"type": "object", **params}
     text = schema_text(params)
     check_schema(text, f"{where}.function.parameters")
     return Tool(name, description, text)

@@ -37,8 +37,8 @@ TEXTS = {
 }
 
 
-def run(fmt: ToolFormat, text: str, step: int):
-    parser = ToolCallParser(fmt, NAMES)
+def run(fmt: ToolFormat, text: str, step: int, *, forced: bool = False):
+    parser = ToolCallParser(fmt, NAMES, forced=forced)
     content, calls = "", []
     for i in range(0, len(text), step):
         out = parser.feed(text[i : i + step])
@@ -66,6 +66,30 @@ def test_plain_text_and_broken_calls_stay_content(fmt):
         ToolFormat.LLAMA3_JSON: '{"name": "unknown_tool", "parameters": {}}',
     }[fmt]
     assert run(fmt, broken, 4) == (broken, [])
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_a_forced_call_the_length_limit_cut_is_a_call_not_markup_in_the_content(fmt):
+    """OpenAI's shape for a forced call cut by max_tokens: the call, its arguments as far as they
+    got, finish_reason length. The unterminated markup came back as the answer's text."""
+    whole = TEXTS[fmt].removeprefix("Let me check.")
+    first_args = whole.index('"Par')
+    content, calls = run(fmt, whole[:first_args], 3, forced=True)
+    assert content == "" and [c.name for c in calls] == ["get_weather"]
+    assert calls[0].arguments.replace(" ", "") == '{"city":'
+    content, calls = run(fmt, whole[: whole.index("get_weather") - 2], 3, forced=True)
+    assert (content, calls) == ("", [])  # cut before the name: nothing to call, and still no markup
+    content, calls = run(fmt, whole, 5, forced=True)  # whole calls parse as they always did
+    assert content == "" and [c.name for c in calls] == ["get_weather", "get_time"]
+
+
+def test_no_parameters_schema_means_an_object_without_arguments():
+    """`"parameters": {}` (OpenAI's "no parameters"): as a grammar it allowed any JSON value, and
+    a forced call came back as a string of arguments and no call."""
+    (tool,) = parse_tools([{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert json.loads(tool.parameters) == {"type": "object", "properties": {}}
+    (typed,) = parse_tools([{"type": "function", "function": {"name": "g", "parameters": {"properties": {}}}}])
+    assert json.loads(typed.parameters)["type"] == "object"
 
 
 def test_the_format_is_read_from_the_template_unless_set():
