@@ -109,6 +109,21 @@ class Job:
         return "chatcmpl-" + self.request_id.removeprefix("req_")
 
 
+def check_tool_results(messages: tuple[ChatMessage, ...]) -> None:
+    """A tool message must answer a call an earlier assistant message made (OpenAI's 400): a
+    result for an unknown id is a client bug the model would otherwise be asked to make sense of.
+    Only for requests that carry their whole history (a stored conversation's calls are its own)."""
+    made: set[str] = set()
+    for i, message in enumerate(messages):
+        made.update(call.id for call in message.tool_calls)
+        if message.role == "tool" and message.tool_call_id not in made:
+            raise bad_request(
+                f"'messages[{i}]' is a tool result for {message.tool_call_id!r}, which no earlier assistant "
+                "message's 'tool_calls' made.",
+                param=f"messages[{i}].tool_call_id",
+            )
+
+
 def build_context(history: list[ChatMessage], new: tuple[ChatMessage, ...]) -> list[ChatMessage]:
     return [*history, *new]
 
@@ -363,6 +378,7 @@ def make_job(inp: JobInputs) -> Job:
             chat.continue_final_message,
         )
     else:
+        check_tool_results(chat.messages)
         context = build_context([], chat.messages)
         ids = encode_chat(model, context, prompt_tools(chat), chat.chat_template_kwargs, chat.continue_final_message)
     max_tokens = resolve_max_tokens(chat, tier, inp.tier_name, max(limit - len(ids), 0))

@@ -39,6 +39,7 @@ WEATHER = {
 }
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER_CALL = {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}
 
 
 @pytest.fixture
@@ -195,6 +196,22 @@ async def test_a_schema_no_value_satisfies_is_a_400_before_the_stream(sdk_client
     error = (await resp.json())["error"]
     assert resp.status == 400 and "no JSON value satisfies it" in error["message"], error
     assert error["param"].startswith("tools" if forced_tool else "response_format"), error
+
+
+async def test_a_tool_result_for_a_call_no_assistant_made_is_a_400(sdk_client):
+    """OpenAI's 400: a result whose id matches no earlier call is a client bug the model was
+    otherwise asked to make sense of."""
+    made = {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": WEATHER_CALL}]}
+    for messages, param in (
+        ([*ASK, {"role": "tool", "tool_call_id": "call_9", "content": "sunny"}], "messages[1].tool_call_id"),
+        ([*ASK, made, {"role": "tool", "tool_call_id": "call_2", "content": "sunny"}], "messages[2].tool_call_id"),
+    ):
+        resp = await sdk_client.post("/v1/chat/completions", json={"model": "tiny", "messages": messages})
+        error = (await resp.json())["error"]
+        assert resp.status == 400 and error["param"] == param, error
+    answered = [*ASK, made, {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    resp = await sdk_client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2, "messages": answered})
+    assert resp.status == 200, await resp.text()
 
 
 async def test_a_tool_result_goes_back_through_the_template(sdk):
