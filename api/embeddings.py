@@ -104,8 +104,9 @@ def _inputs(value: object, max_inputs: int) -> tuple[str | tuple[int, ...], ...]
         elif isinstance(item, list) and item and all(type(t) is int for t in item):
             out.append(tuple(item))
         else:
+            got = "an empty string" if item == "" else "an empty array" if item == [] else kind_of(item)
             raise bad_request(
-                f"'input[{i}]' must be a non-empty string or a non-empty array of token ids, got {kind_of(item)}.",
+                f"'input[{i}]' must be a non-empty string or a non-empty array of token ids, got {got}.",
                 param="input",
             )
     return tuple(out)

@@ -86,6 +86,8 @@ def _part(part: Any, where: str) -> Part:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text" and isinstance(part.get("text"), str):
         return TextPart(part["text"])
+    if kind == "text":
+        raise bad_request(f"'{where}.text' must be a string (the part's text).", param=f"{where}.text")
     if kind == "file":
         return _file_part(part.get("file"), where)
     if kind == "image_url":

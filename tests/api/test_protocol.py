@@ -132,6 +132,7 @@ def test_continuous_usage_stats_needs_include_usage():
         ({"messages": MSG, "response_format": {"type": "yaml"}}, "response_format.type"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
         ({"messages": MSG, "prompt_cache_key": 7}, "prompt_cache_key"),
+        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
         ({"messages": MSG, "safety_identifier": ["u"]}, "safety_identifier"),
         ({"messages": MSG, "verbosity": "extreme"}, "verbosity"),
     ],
