@@ -124,8 +124,11 @@ def check_tool_results(messages: tuple[ChatMessage, ...]) -> None:
             )
 
 
-def build_context(history: list[ChatMessage], new: tuple[ChatMessage, ...]) -> list[ChatMessage]:
-    return [*history, *new]
+def build_context(
+    history: list[ChatMessage], new: tuple[ChatMessage, ...], first: tuple[ChatMessage, ...] = ()
+) -> list[ChatMessage]:
+    """The prompt's messages: `first` (a Responses request's instructions), the history, the new ones."""
+    return [*first, *history, *new]
 
 
 def trim_history(
@@ -136,6 +139,7 @@ def trim_history(
     tools: tuple[Tool, ...] = (),
     template_kwargs: dict[str, Any] | None = None,
     continue_final: bool = False,
+    instructions: tuple[ChatMessage, ...] = (),
 ) -> tuple[list[int], list[ChatMessage], int]:
     """Drop the oldest non-system history turns until the prompt fits `budget_tokens`.
 
@@ -145,7 +149,7 @@ def trim_history(
     kept = list(history)
     dropped = 0
     while True:
-        context = build_context(kept, new)
+        context = build_context(kept, new, instructions)
         ids = encode_chat(model, context, tools, template_kwargs, continue_final)
         droppable = [i for i, m in enumerate(kept) if m.role != "system"]
         if len(ids) <= budget_tokens or not droppable:
@@ -376,10 +380,11 @@ def make_job(inp: JobInputs) -> Job:
             prompt_tools(chat),
             chat.chat_template_kwargs,
             chat.continue_final_message,
+            chat.instructions,
         )
     else:
         check_tool_results(chat.messages)
-        context = build_context([], chat.messages)
+        context = build_context([], chat.messages, chat.instructions)
         ids = encode_chat(model, context, prompt_tools(chat), chat.chat_template_kwargs, chat.continue_final_message)
     max_tokens = resolve_max_tokens(chat, tier, inp.tier_name, max(limit - len(ids), 0))
     check_fits(len(ids), max(max_tokens, 1), limit, model.name, "prompt" if chat.raw_prompt is not None else "messages")

@@ -163,6 +163,9 @@ class ChatRequest:
     # False (the Messages API, whose budget_tokens comes with every enabled thinking): a model
     # whose thinking cannot be capped here ignores the budget instead of a 400.
     thinking_budget_strict: bool = True
+    # The Responses API's `instructions`: placed first, before any stored history; screened with
+    # the prompt, never dropped to fit the context and never stored with the turn.
+    instructions: tuple[ChatMessage, ...] = ()
 
 
 def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int, max_n: int = 1) -> ChatRequest:

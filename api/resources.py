@@ -21,14 +21,18 @@ from api.chat import read_json
 from api.errors import ApiError, bad_request, not_found
 from api.model_info import created_at, model_extras
 from api.paging import page_limit
+from api.protocol import check_metadata
 from api.state import PRINCIPAL, SETTINGS, STATE
 from engine.registry import ModelHandle
 from engine.tokenizer import Tokenizer
 from store import money
-from store.conversations import AnswerUsage
+from store.conversations import AnswerUsage, new_message_id
 from store.types import Conversation, Message, NotFound
 
 _MAX_TITLE_CHARS = 200
+_CREATE_FIELDS = ("title", "items", "metadata")  # POST /v1/conversations: OpenAI's items and metadata, our title
+_ITEM_ROLES = ("user", "assistant", "system", "developer")
+_TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 def _json(body: object, status: int = 200) -> web.Response:
@@ -106,7 +110,7 @@ def _message_obj(m: Message, billed: AnswerUsage | None = None) -> dict:
         "object": "conversation.message",
         "role": m.role,
         "content": m.content,
-        "created_at": m.created_at,
+        "created_at": int(m.created_at),
         "tokens": m.tokens,
         "model": m.model,
     }
@@ -137,8 +141,9 @@ def _conversation_obj(c: Conversation, *, with_messages: bool, billed: dict[str,
         "id": c.id,
         "object": "conversation",
         "title": c.title,
-        "created_at": c.created_at,
-        "updated_at": c.updated_at,
+        "created_at": int(c.created_at),  # unix seconds, as OpenAI's
+        "updated_at": int(c.updated_at),
+        "metadata": c.metadata,
     }
     if with_messages:
         usage = billed or {}
@@ -168,11 +173,51 @@ def _conversation_missing(conversation_id: str) -> ApiError:
 
 
 async def create_conversation(request: web.Request) -> web.Response:
+    """OpenAI's `items` (its first messages) and `metadata`, and our `title`; all optional."""
     body = await read_json(request) if request.body_exists else {}
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    title = _title(body, required=False)
+    for key in body:
+        if key not in _CREATE_FIELDS:
+            raise bad_request(f"Unrecognized request argument supplied: {key}", param=key, code="unknown_parameter")
+    check_metadata(body.get("metadata"))
+    messages = _initial_messages(body.get("items"), request.app[STATE].settings.server.max_messages)
     conv = await request.app[STATE].store.create_conversation(
-        request[PRINCIPAL].org.id, title=_title(body, required=False)
+        request[PRINCIPAL].org.id, title=title, metadata=body.get("metadata"), messages=messages
     )
     return _json(_conversation_obj(conv, with_messages=True), status=201)
+
+
+def _initial_messages(items: object, max_items: int) -> tuple[Message, ...]:
+    """Message items (user, assistant, system or developer; text as a string or text parts)."""
+    if items is None:
+        return ()
+    if not isinstance(items, list) or len(items) > max_items:
+        raise bad_request(f"'items' must be an array of at most {max_items} message items.", param="items")
+    now = time.time()
+    return tuple(Message(new_message_id(), *_item(item, f"items[{i}]"), now) for i, item in enumerate(items))
+
+
+def _item(item: object, where: str) -> tuple[str, str]:
+    """(role, text) of one message item; anything else is a 400 naming where it is."""
+    if not isinstance(item, dict) or item.get("type", "message") != "message":
+        raise bad_request(f"'{where}' must be a message item.", param=where)
+    role, content = item.get("role"), item.get("content")
+    if role not in _ITEM_ROLES:
+        raise bad_request(
+            f"'{where}.role' must be one of {', '.join(_ITEM_ROLES)}; got {role!r}.", param=f"{where}.role"
+        )
+    if isinstance(content, str):
+        return role, content
+    if not isinstance(content, list):
+        raise bad_request(f"'{where}.content' must be a string or an array of text parts.", param=f"{where}.content")
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise bad_request(
+                f"'{where}.content[{j}]' must be an input_text or output_text part.", param=f"{where}.content[{j}]"
+            )
+    return role, "".join(part["text"] for part in content)
 
 
 async def list_conversations(request: web.Request) -> web.Response:

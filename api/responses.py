@@ -4,7 +4,9 @@ A response is served by the chat completions' request path (`chat.serve_job`: ro
 context, safety, admission, priority queue, generation, billing); only its rendering differs.
 With `store` (the default) it is a turn of a conversation in the caller's organisation (the web
 UI lists it, retention purges it) plus a row with the response object; `previous_response_id`
-continues that conversation, so the prompt's prefix is in the KV cache. Other orgs get 404.
+continues that conversation (from an earlier response than its latest: a copy of it), so the
+prompt's prefix is in the KV cache. `instructions` go first and are never stored with the turn.
+GET with `stream=true` replays a finished response as its stream's events. Other orgs get 404.
 `background: true` answers `queued` at once and serves the same path in a task that owns the
 admission grant (released there, once); the stored row follows it to completed, failed or cancelled.
 
@@ -31,17 +33,19 @@ from api.finish import STATUS, finish_job, generate_unary, stream_job
 from api.generation import generate_choices, make_answer
 from api.job import Job
 from api.paging import page_limit, page_order
+from api.protocol import ChatMessage
 from api.responses_background import BACKGROUND, start_background, stop_all_background, stop_background
-from api.responses_record import ResponseContext, dumps, finished
-from api.responses_stream import EventStream
-from api.responses_wire import ResponsesRequest, new_id, parse_responses_request, response_object
+from api.responses_record import ResponseContext, body_of, dumps, finished
+from api.responses_stream import FINAL_EVENT, EventStream, replay
+from api.responses_wire import ResponsesRequest, input_error, input_item_object, new_id, parse_responses_request
+from api.sse import SSE_HEADERS
 from api.state import PRINCIPAL, REQUEST_ID, STATE, AppState
 from api.waiting import LazyStream, wait_admitted
 from engine.types import FinishReason
 from gateway.admission import Pass
 from store.conversations import title_from
 from store.responses import UNFINISHED, StoredResponse
-from store.types import RequestStatus
+from store.types import Conversation, Message, RequestStatus
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
@@ -58,49 +62,82 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             await read_json(request), max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars
         )
         org_id = request[PRINCIPAL].org.id
-        req, new_conversation = await _with_history(state, org_id, req)
-        ctx = ResponseContext(req, new_id("resp"), protocol.now_s(), new_id("msg"))
-        if req.background:  # the grant goes to the task that serves it
-            return await start_background(request, state, grant, ctx, (owned.pop_all(), new_conversation), _refuse)
-        outlet = Outlet(serve=functools.partial(_serve, ctx), refuse=functools.partial(_refuse, ctx))
+        ctx = await _context(state, org_id, req)
         try:
-            return await serve_job(request, state, grant, req.chat, outlet)
-        finally:
-            if new_conversation is not None and not ctx.stored:  # refused before an answer: leave no trace
-                await asyncio.shield(state.store.delete_conversation(org_id, new_conversation))
+            if req.background:  # the grant goes to the task that serves it
+                return await start_background(request, state, grant, ctx, owned.pop_all(), _refuse)
+            outlet = Outlet(serve=functools.partial(_serve, ctx), refuse=functools.partial(_refuse, ctx))
+            try:
+                return await serve_job(request, state, grant, ctx.req.chat, outlet)
+            finally:
+                if ctx.new_conversation is not None and not ctx.stored:  # refused before an answer: no trace
+                    await asyncio.shield(state.store.delete_conversation(org_id, ctx.new_conversation))
+        except ApiError as exc:  # name the field as this request spelled it
+            raise input_error(exc, num_history=ctx.num_inline_messages) from None
 
 
-async def _with_history(state: AppState, org_id: str, req: ResponsesRequest) -> tuple[ResponsesRequest, str | None]:
-    """Attach the conversation to continue (or a new one, to store into); returns the id it created."""
-    conversation_id = None
+async def _context(state: AppState, org_id: str, req: ResponsesRequest) -> ResponseContext:
+    """The response's prompt (instructions, the history of previous_response_id, the input) and
+    the conversation its turn goes into: the previous response's, a copy of the previous
+    response's part of it when that is not the latest (a branch), or a new one."""
+    history: tuple[Message, ...] = ()
+    conversation_id = created = None
     if req.previous_response_id is not None:
-        prev = await state.store.get_response(org_id, req.previous_response_id)
-        conv = None if prev is None else await state.store.get_conversation(org_id, prev.conversation_id)
-        if prev is None or conv is None:
-            raise not_found(f"No response found with id '{req.previous_response_id}'.", param="previous_response_id")
-        if prev.status in UNFINISHED:
-            raise bad_request(
-                "previous_response_id names a background response that has not finished yet.",
-                param="previous_response_id",
-            )
-        if len(conv.messages) != prev.num_messages:
-            raise bad_request(
-                "previous_response_id must be the latest response of its conversation; branching "
-                "from an earlier one is not supported.",
-                param="previous_response_id",
-            )
-        conversation_id = conv.id
-        if not req.store:  # continue without storing: the history goes in as messages
-            history = tuple(attachments.history_message(m) for m in conv.messages)
-            return replace(req, chat=replace(req.chat, messages=history + req.chat.messages)), None
-    if not req.store:
-        return req, None
-    created = None
-    if conversation_id is None:
+        prev, conv = await _previous(state, org_id, req.previous_response_id)
+        history = conv.messages[: prev.num_messages]
+        if req.store and len(conv.messages) == prev.num_messages:
+            conversation_id = conv.id
+        elif req.store:  # an earlier response (a retry, a second answer, one after a deleted one)
+            branch = await state.store.branch_conversation(org_id, conv.id, prev.num_messages, pending=True)
+            if branch is None:  # deleted or cut meanwhile
+                raise _previous_gone(req.previous_response_id)
+            conversation_id = created = branch.id
+    elif req.store:
         first = next((m.content for m in req.chat.messages if m.role == "user"), "")
-        conv = await state.store.create_conversation(org_id, title=title_from(first), pending=True)
-        conversation_id = created = conv.id
-    return replace(req, chat=replace(req.chat, conversation_id=conversation_id)), created
+        conversation_id = created = (
+            await state.store.create_conversation(org_id, title=title_from(first), pending=True)
+        ).id
+    # Stored: the request path loads the conversation's history itself (trimmed to fit the
+    # context, files and images as notes). Not stored: the history goes in with the input.
+    inline = () if conversation_id is not None else tuple(attachments.history_message(m) for m in history)
+    chat = replace(
+        req.chat,
+        messages=inline + req.chat.messages,
+        instructions=(ChatMessage("system", req.instructions),) if req.instructions else (),
+        conversation_id=conversation_id,
+    )
+    return ResponseContext(
+        replace(req, chat=chat),
+        new_id("resp"),
+        protocol.now_s(),
+        new_id("msg"),
+        num_history_messages=len(history),
+        num_inline_messages=len(inline),
+        new_conversation=created,
+    )
+
+
+async def _previous(state: AppState, org_id: str, response_id: str) -> tuple[StoredResponse, Conversation]:
+    """The response to continue and its conversation, holding at least that response's messages."""
+    prev = await state.store.get_response(org_id, response_id)
+    conv = None if prev is None else await state.store.get_conversation(org_id, prev.conversation_id)
+    if prev is None or conv is None:
+        raise _previous_gone(response_id)
+    if prev.status in UNFINISHED:
+        raise bad_request(
+            "previous_response_id names a background response that has not finished yet.",
+            param="previous_response_id",
+        )
+    if len(conv.messages) < prev.num_messages:  # the web UI cut the conversation back (regenerate, edit)
+        raise bad_request(
+            "The conversation of previous_response_id was cut back since; that response's history is gone.",
+            param="previous_response_id",
+        )
+    return prev, conv
+
+
+def _previous_gone(response_id: str) -> ApiError:
+    return not_found(f"No response found with id '{response_id}'.", param="previous_response_id")
 
 
 async def _serve(
@@ -135,8 +172,8 @@ async def _serve_stream(
     async def run() -> None:
         nonlocal events
         await wait_admitted(state, grant, job, stream.comment)
-        events = EventStream(ctx, await stream.open())
-        started = response_object(ctx.response_id, ctx.created, job.model.name, ctx.req, {})
+        events = EventStream(ctx.message_id, await stream.open())
+        started = body_of(ctx, job, {})
         await events.event("response.created", response=started)
         await events.event("response.in_progress", response=started)
         (finish,) = await generate_choices(state, job, [emit], stream.comment)
@@ -145,8 +182,7 @@ async def _serve_stream(
         await events.close_text(bool(answer.tool_calls))
         await finish_job(state, job, STATUS[finish], finish)
         body = await finished(ctx, state, job, answer, finish)
-        kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
-        await events.event(kind, response=body)
+        await events.event(FINAL_EVENT[body["status"]], response=body)
         await (await stream.open()).done()
 
     return await stream_job(request, state, job, grant, stream, run)
@@ -175,7 +211,7 @@ async def _refuse(ctx: ResponseContext, request: web.Request, state: AppState, j
     if not job.chat.stream:
         return web.json_response(body, headers=state.response_headers(job), dumps=dumps)
     writer = await LazyStream(request, lambda: state.response_headers(job)).open()
-    events = EventStream(ctx, writer)
+    events = EventStream(ctx.message_id, writer)
     await events.event("response.created", response={**body, "status": "in_progress", "output": [], "usage": None})
     await events.event("response.incomplete", response=body)
     await writer.done()
@@ -199,9 +235,35 @@ async def cancel_response(request: web.Request) -> web.Response:
     return web.json_response(text=stored.body_json)
 
 
-async def get_response(request: web.Request) -> web.Response:
+async def get_response(request: web.Request) -> web.StreamResponse:
+    """The stored response; `stream=true` replays a finished one as its stream's events, those
+    after `starting_after` (a sequence number) when given, as OpenAI resumes a stream."""
+    stream = request.query.get("stream", "false")
+    if stream not in ("true", "false"):
+        raise bad_request(f"'stream' must be true or false, got {stream!r}.", param="stream")
+    starting_after = _starting_after(request.query.get("starting_after"))
     stored = await _stored(request)
-    return web.json_response(text=stored.body_json)
+    if stream == "false":
+        return web.json_response(text=stored.body_json)
+    if stored.status in UNFINISHED:
+        raise bad_request(
+            "This background response has not finished; streaming it while it runs is not supported here: "
+            "poll GET /v1/responses/{id} without 'stream'.",
+            param="stream",
+            code="unsupported_value",
+        )
+    events = await replay(orjson.loads(stored.body_json))
+    frames = [b"data: " + orjson.dumps(event) + b"\n\n" for event in events[starting_after + 1 :]]
+    return web.Response(body=b"".join(frames) + b"data: [DONE]\n\n", headers=SSE_HEADERS)  # as a live stream ends
+
+
+def _starting_after(value: str | None) -> int:
+    """-1 when absent: every event (they are numbered from 0)."""
+    if value is None:
+        return -1
+    if not value.isdigit():
+        raise bad_request(f"'starting_after' must be a sequence number (>= 0), got {value!r}.", param="starting_after")
+    return int(value)
 
 
 async def delete_response(request: web.Request) -> web.Response:
@@ -217,7 +279,7 @@ async def list_input_items(request: web.Request) -> web.Response:
     desc (newest first, the default) or asc, `after` an item id of the previous page."""
     query = request.query
     limit, order = page_limit(query, default=20, maximum=100), page_order(query)
-    items = orjson.loads((await _stored(request)).input_items_json)
+    items = [input_item_object(item) for item in orjson.loads((await _stored(request)).input_items_json)]
     if order == "desc":
         items.reverse()
     start = 0
@@ -249,10 +311,6 @@ async def _stored(request: web.Request) -> StoredResponse:
 
 def _response_not_found(response_id: str) -> ApiError:
     return not_found(f"No response found with id '{response_id}'.", param="response_id")
-
-
-def _dumps(obj: object) -> str:
-    return orjson.dumps(obj).decode()
 
 
 def add_routes(app: web.Application) -> None:

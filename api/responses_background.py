@@ -21,8 +21,7 @@ from api.finish import finish_quietly, generate_unary
 from api.generation import make_answer
 from api.inflight import INFLIGHT
 from api.job import Job
-from api.responses_record import ResponseContext, dumps, finished, insert, set_state, usage
-from api.responses_wire import response_object
+from api.responses_record import ResponseContext, body_of, dumps, finished, insert, set_state, usage
 from api.state import PRINCIPAL, AppState
 from api.waiting import wait_admitted
 from engine.types import FinishReason
@@ -45,7 +44,7 @@ async def start_background(
     state: AppState,
     grant: Pass,
     ctx: ResponseContext,
-    owned: tuple[contextlib.ExitStack, str | None],
+    owned: contextlib.ExitStack,
     refuse: Refuse,
 ) -> web.Response:
     """Serve the job in a task that owns the grant; answer `queued` as soon as the job is in the
@@ -75,15 +74,14 @@ async def _run_background(
     grant: Pass,
     ctx: ResponseContext,
     outlet: Outlet,
-    owned: tuple[contextlib.ExitStack, str | None],
+    owned: contextlib.ExitStack,
 ) -> None:
-    stack, new_conversation = owned
-    with stack:  # the admission grant: its one release, whatever happens below
+    with owned:  # the admission grant: its one release, whatever happens below
         try:
             await serve_job(request, state, grant, ctx.req.chat, outlet)
         finally:
-            if new_conversation is not None and not ctx.stored:  # refused before it was queued
-                await asyncio.shield(state.store.delete_conversation(request[PRINCIPAL].org.id, new_conversation))
+            if ctx.new_conversation is not None and not ctx.stored:  # refused before it was queued
+                await asyncio.shield(state.store.delete_conversation(request[PRINCIPAL].org.id, ctx.new_conversation))
 
 
 def _forget(running: dict, key: tuple[str, str], accepted: asyncio.Future, task: asyncio.Task) -> None:
@@ -96,12 +94,8 @@ async def _serve_background(
     ctx: ResponseContext, accepted: asyncio.Future, request: web.Request, state: AppState, job: Job, grant: Pass
 ) -> web.Response:
     """Runs inside the in-flight set (shutdown waits for it, then cuts it): queued -> in_progress -> final."""
-    queued = response_object(ctx.response_id, ctx.created, job.model.name, ctx.req, {"status": "queued"})
-    conversation_id = job.chat.conversation_id
-    conv = (
-        None if conversation_id is None else await state.store.get_conversation(job.principal.org.id, conversation_id)
-    )
-    await insert(ctx, state, job, queued, len(conv.messages) if conv is not None else 0)
+    queued = body_of(ctx, job, {"status": "queued"})
+    await insert(ctx, state, job, queued, ctx.num_history_messages)
     accepted.set_result((queued, state.response_headers(job)))
     answer = make_answer(job)
     try:

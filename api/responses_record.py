@@ -15,7 +15,14 @@ import structlog
 
 from api.answer import Answer
 from api.job import Job
-from api.responses_wire import ResponsesRequest, new_id, output_items, response_object, usage_object
+from api.responses_wire import (
+    ResponsesRequest,
+    input_item_object,
+    new_id,
+    output_items,
+    response_object,
+    usage_object,
+)
 from api.state import AppState
 from engine.types import FinishReason
 from store.responses import StoredResponse
@@ -23,32 +30,43 @@ from store.types import StoreUnavailable
 
 log = structlog.get_logger(__name__)
 _INCOMPLETE = {FinishReason.LENGTH: "max_output_tokens", FinishReason.CONTENT_FILTER: "content_filter"}
+_ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
 
 
 @dataclass(slots=True)
 class ResponseContext:
+    """`req.chat` carries `instructions` apart (placed first, never stored) and, when stored,
+    the conversation whose history the request path loads; not stored, the
+    `num_inline_messages` of the history come first in its messages, then the input."""
+
     req: ResponsesRequest
     response_id: str
     created: int
     message_id: str
+    num_history_messages: int = 0  # the conversation's messages before this response's turn
+    num_inline_messages: int = 0  # of those, sent in the messages (store: false)
+    new_conversation: str | None = None  # made for this response: deleted if it is refused before an answer
     stored: bool = False  # its row exists in the store
+
+
+def body_of(ctx: ResponseContext, job: Job, state: dict) -> dict:
+    """The response object in `state` (status, output, ...), with the sampling the job really uses."""
+    sampling = job.gen.sampling
+    fields = {"temperature": sampling.temperature, "top_p": sampling.top_p, **state}
+    return response_object(ctx.response_id, ctx.created, job.model.name, ctx.req, fields)
 
 
 async def finished(ctx: ResponseContext, state: AppState, job: Job, answer: Answer, finish: FinishReason) -> dict:
     """The final response object, stored (when asked) before the client sees it."""
     reason = _INCOMPLETE.get(finish)
-    body = response_object(
-        ctx.response_id,
-        ctx.created,
-        job.model.name,
-        ctx.req,
+    body = body_of(
+        ctx,
+        job,
         {
             "status": "incomplete" if reason else "completed",
             "incomplete_details": {"reason": reason} if reason else None,
             "output": output_items(answer, ctx.message_id),
-            "usage": usage_object(
-                job.num_prompt_tokens, job.num_cached_tokens, job.num_completion_tokens, job.num_reasoning_tokens
-            ),
+            "usage": usage(job),
         },
     )
     conversation_id = job.chat.conversation_id
@@ -66,7 +84,7 @@ async def finished(ctx: ResponseContext, state: AppState, job: Job, answer: Answ
 
 
 async def insert(ctx: ResponseContext, state: AppState, job: Job, body: dict, num_messages: int) -> None:
-    items = [{"id": new_id("msg"), **item} for item in ctx.req.input_items]
+    items = [input_item_object({"id": new_id(_ITEM_ID_PREFIX[item["type"]]), **item}) for item in ctx.req.input_items]
     assert job.chat.conversation_id is not None
     await state.store.insert_response(
         job.principal.org.id,
@@ -85,7 +103,7 @@ async def insert(ctx: ResponseContext, state: AppState, job: Job, body: dict, nu
 
 async def set_state(ctx: ResponseContext, state: AppState, job: Job, fields: dict) -> None:
     """Update the stored row of a running background response (no-op once it is final or deleted)."""
-    body = {**response_object(ctx.response_id, ctx.created, job.model.name, ctx.req, fields), **fields}
+    body = {**body_of(ctx, job, fields), **fields}
     try:
         await asyncio.shield(
             state.store.update_response(

@@ -42,18 +42,27 @@ _KNOWN = {
     "reasoning",
     "thinking_token_budget",  # the extension chat completions take
     "truncation",  # 'auto': attached files that do not fit the context are cut (as on chat completions)
+    # Accepted, checked and without effect here (OpenAI's newer fields; Codex CLI sends the first):
+    "prompt_cache_key",  # the prefix cache finds shared prefixes without one
+    "safety_identifier",
+    "service_tier",  # as on chat completions: one tier of service here
+    "stream_options",  # only include_obfuscation, and there is no obfuscation to leave out
 }
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
-_INCLUDABLE = (INCLUDE_LOGPROBS,)  # what `include` may ask for here; anything else is a 400 naming it
+# Accepted for clients that always ask for it (Codex CLI with store: false); no encrypted reasoning
+# is produced here, so nothing is added.
+INCLUDE_ENCRYPTED_REASONING = "reasoning.encrypted_content"
+_INCLUDABLE = (INCLUDE_LOGPROBS, INCLUDE_ENCRYPTED_REASONING)  # anything else is a 400 naming it
+_IGNORED_STRINGS = ("prompt_cache_key", "safety_identifier", "service_tier")
 _ROLES = ("user", "assistant", "system", "developer")
 
 
 @dataclass(frozen=True, slots=True)
 class ResponsesRequest:
-    chat: protocol.ChatRequest  # what the request path serves (no conversation yet)
+    chat: protocol.ChatRequest  # what the request path serves: the input only (no instructions, no history yet)
     store: bool
     previous_response_id: str | None
-    instructions: str | None
+    instructions: str | None  # this request's only: placed first, never stored with the turn
     input_items: tuple[dict, ...]  # as /input_items lists them
     echo: dict[str, Any]  # request fields the response object repeats
     background: bool = False  # answer at once (queued); the result is stored when done
@@ -70,6 +79,7 @@ def parse_responses_request(raw: Any, *, max_messages: int, max_prompt_chars: in
         if key not in _KNOWN:
             raise bad_request(f"Unrecognized request argument supplied: {key}", param=key, code="unknown_parameter")
     protocol.check_metadata(raw.get("metadata"))
+    _check_ignored(raw)
     items = _input_items(raw.get("input"))
     instructions = raw.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -113,9 +123,10 @@ def parse_responses_request(raw: Any, *, max_messages: int, max_prompt_chars: in
             max_prompt_chars=max_prompt_chars,
         )
     except ApiError as exc:  # name the field as this request spelled it
-        raise _as_input_error(exc, num_before=1 if instructions else 0) from None
+        raise input_error(exc, num_instructions=1 if instructions else 0) from None
     chat = replace(
         chat,
+        messages=chat.messages[1:] if instructions else chat.messages,  # checked with the input, placed later
         response_format=_text_format(raw.get("text")),
         chat_template_kwargs=protocol.with_reasoning_effort(None, _effort(raw.get("reasoning")), "reasoning.effort"),
     )
@@ -129,14 +140,46 @@ def parse_responses_request(raw: Any, *, max_messages: int, max_prompt_chars: in
 _MESSAGE_PARAM = re.compile(r"^messages\[(\d+)\](.*)$")
 
 
-def _as_input_error(exc: ApiError, num_before: int) -> ApiError:
-    """A chat-completions error about `messages[i]...` renamed to this request's `input[j]...`
-    (messages hold `instructions` first, then one per input item; file parts are flat here)."""
+def input_error(exc: ApiError, *, num_instructions: int = 0, num_history: int = 0) -> ApiError:
+    """A chat-completions error about `messages` or `messages[i]...` renamed to this request's
+    field: the prompt holds `instructions` first, then the history of `previous_response_id`, then
+    one message per input item (`input[j]...`; file parts are flat here)."""
+    if exc.param == "messages":  # the whole prompt, e.g. longer than the context
+        return replace(exc, param="input", message=exc.message.replace("the messages", "the input"))
     match = _MESSAGE_PARAM.match(exc.param or "")
-    if match is None or int(match.group(1)) < num_before:
+    if match is None:
         return exc
-    param = f"input[{int(match.group(1)) - num_before}]{match.group(2).replace('.file.', '.')}"
+    index = int(match.group(1))
+    if index < num_instructions:
+        param = "instructions"
+    elif index < num_instructions + num_history:
+        param = "previous_response_id"
+    else:
+        param = f"input[{index - num_instructions - num_history}]{match.group(2).replace('.file.', '.')}"
     return replace(exc, param=param, message=exc.message.replace(exc.param or "", param))
+
+
+def _check_ignored(raw: dict) -> None:
+    """Fields taken for compatibility that change nothing here; their types are still checked."""
+    for name in _IGNORED_STRINGS:
+        if raw.get(name) is not None and not isinstance(raw[name], str):
+            raise bad_request(f"'{name}' must be a string.", param=name)
+    options = raw.get("stream_options")
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise bad_request(
+            "'stream_options' must be an object, e.g. {\"include_obfuscation\": false}.", param="stream_options"
+        )
+    for key, value in options.items():
+        if key != "include_obfuscation":
+            raise bad_request(
+                f"Unrecognized stream option: {key}", param=f"stream_options.{key}", code="unknown_parameter"
+            )
+        if not isinstance(value, bool):
+            raise bad_request(
+                "'stream_options.include_obfuscation' must be a boolean.", param="stream_options.include_obfuscation"
+            )
 
 
 def _effort(value: Any) -> Any:
@@ -349,8 +392,34 @@ def function_call_item(call: ToolCall, status: str) -> dict:
     }
 
 
+def input_item_object(item: dict) -> dict:
+    """A stored input item as `/input_items` lists it, in OpenAI's shape: a message's content as
+    parts (`input_text`; the assistant's `output_text`) and every item `completed`. Idempotent:
+    rows stored before held a message's content as a string and no status."""
+    if item.get("type", "message") != "message":
+        return {**item, "status": item.get("status") or "completed"}
+    kind = "output_text" if item["role"] == "assistant" else "input_text"
+    content = item["content"]
+    parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    return {
+        "id": item["id"],
+        "type": "message",
+        "role": item["role"],
+        "content": [_text_part(kind, p["text"]) if p["type"] in _TEXT_PARTS else p for p in parts],
+        "status": "completed",
+    }
+
+
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _text_part(kind: str, text: str) -> dict:
+    return output_text_part(text) if kind == "output_text" else {"type": "input_text", "text": text}
+
+
 def response_object(response_id: str, created: int, model: str, req: ResponsesRequest, state: dict) -> dict:
-    """`state`: status, output, usage, incomplete_details (absent while in progress)."""
+    """`state`: status, output, usage, incomplete_details (absent while in progress); temperature
+    and top_p as sampled (a model's generation_config fills what the request left unset)."""
     chat = req.chat
     return {
         "id": response_id,
@@ -367,8 +436,8 @@ def response_object(response_id: str, created: int, model: str, req: ResponsesRe
         "previous_response_id": req.previous_response_id,
         "store": req.store,
         "background": req.background,
-        "temperature": chat.temperature,
-        "top_p": chat.top_p,
+        "temperature": state.get("temperature", chat.temperature),
+        "top_p": state.get("top_p", chat.top_p),
         "top_logprobs": req.echo["top_logprobs"],
         "truncation": chat.truncation,
         "tool_choice": req.echo["tool_choice"] or "auto",  # as OpenAI echoes it, tools or not

@@ -9,6 +9,7 @@ billing is read from the ledger row of the request that wrote it (`messages.requ
 from __future__ import annotations
 
 import dataclasses
+import json
 import secrets
 import time
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from store.rows import fetch_all
 from store.types import Conversation, Message, NotFound
 
 MAX_TITLE_CHARS = 80
-_CONV_COLUMNS = "id, org_id, title, created_at, updated_at"
+_CONV_COLUMNS = "id, org_id, title, created_at, updated_at, metadata_json"
 _LIVE = "org_id = ? AND id = ? AND deleted_at IS NULL"
 _MESSAGE_COLUMNS = "m.id, m.role, m.content, m.created_at, m.tokens, m.model, m.parts_json, m.finish_reason"
 _NUM_MESSAGE_COLUMNS = _MESSAGE_COLUMNS.count(",") + 1
@@ -90,7 +91,12 @@ async def get_billed(
 
 async def _conversation(conn: aiosqlite.Connection, org_id: str, conversation_id: str) -> Conversation | None:
     rows = await fetch_all(conn, f"SELECT {_CONV_COLUMNS} FROM conversations WHERE {_LIVE}", (org_id, conversation_id))
-    return Conversation(*tuple(rows[0])) if rows else None
+    return _conversation_of(rows[0]) if rows else None
+
+
+def _conversation_of(row: Any) -> Conversation:
+    metadata = json.loads(row["metadata_json"]) if row["metadata_json"] is not None else {}
+    return Conversation(row["id"], row["org_id"], row["title"], row["created_at"], row["updated_at"], metadata=metadata)
 
 
 async def list_page(
@@ -112,19 +118,64 @@ async def list_page(
         f"SELECT {_CONV_COLUMNS} FROM conversations WHERE {where} ORDER BY updated_at DESC, id DESC LIMIT ?",
         (*params, limit + 1),
     )
-    page = [Conversation(*tuple(r)) for r in rows[:limit]]
+    page = [_conversation_of(r) for r in rows[:limit]]
     return page, len(rows) > limit
 
 
 # --- writes (inside the writer's transaction) -------------------------------------------
 
 
-async def insert(conn: aiosqlite.Connection, org_id: str, title: str | None, pending: bool = False) -> Conversation:
+async def insert(
+    conn: aiosqlite.Connection,
+    org_id: str,
+    title: str | None,
+    pending: bool = False,
+    metadata: dict[str, str] | None = None,
+) -> Conversation:
     now = time.time()
-    conv = Conversation(f"conv_{secrets.token_hex(12)}", org_id, title, now, now)
+    conv = Conversation(f"conv_{secrets.token_hex(12)}", org_id, title, now, now, metadata=dict(metadata or {}))
     await conn.execute(
-        "INSERT INTO conversations (id, org_id, title, created_at, updated_at, pending) VALUES (?, ?, ?, ?, ?, ?)",
-        (conv.id, org_id, title, now, now, int(pending)),
+        "INSERT INTO conversations (id, org_id, title, created_at, updated_at, pending, metadata_json)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (conv.id, org_id, title, now, now, int(pending), json.dumps(metadata) if metadata else None),
+    )
+    return conv
+
+
+async def create(
+    conn: aiosqlite.Connection,
+    org_id: str,
+    title: str | None,
+    pending: bool,
+    metadata: dict[str, str] | None,
+    messages: tuple[Message, ...],
+) -> Conversation:
+    """A new conversation, holding `messages` when given (POST /v1/conversations with `items`)."""
+    conv = await insert(conn, org_id, title, pending, metadata)
+    if not messages:
+        return conv
+    await append_turn(conn, org_id, conv.id, list(messages), request_id=None)
+    found = await get(conn, org_id, conv.id, with_messages=True)
+    assert found is not None  # written in this transaction
+    return found
+
+
+async def branch(
+    conn: aiosqlite.Connection, org_id: str, conversation_id: str, num_messages: int, pending: bool
+) -> Conversation | None:
+    """A new conversation holding a copy of the first `num_messages` messages (new ids, the same
+    answers' ledger rows), to continue from an earlier turn; None if the source is gone or shorter."""
+    source = await get(conn, org_id, conversation_id, with_messages=False)
+    counted = await fetch_all(conn, "SELECT count(*) FROM messages WHERE conversation_id = ?", (conversation_id,))
+    if source is None or counted[0][0] < num_messages:
+        return None
+    conv = await insert(conn, org_id, source.title, pending=pending, metadata=source.metadata)
+    await conn.execute(
+        "INSERT INTO messages (id, conversation_id, seq, role, content, created_at, tokens, model, request_id,"
+        " parts_json, finish_reason)"
+        " SELECT 'msg_' || lower(hex(randomblob(12))), ?, seq, role, content, created_at, tokens, model, request_id,"
+        " parts_json, finish_reason FROM messages WHERE conversation_id = ? AND seq < ? ORDER BY seq",
+        (conv.id, conversation_id, num_messages),
     )
     return conv
 
@@ -193,7 +244,7 @@ async def _purge_where(conn: aiosqlite.Connection, org_filter: str, params: tupl
 
 
 async def append_turn(
-    conn: aiosqlite.Connection, org_id: str, conversation_id: str, messages: list[Message], request_id: str
+    conn: aiosqlite.Connection, org_id: str, conversation_id: str, messages: list[Message], request_id: str | None
 ) -> bool:
     """Append messages (oldest first) and bump updated_at; title from the first user message."""
     rows = await fetch_all(

@@ -192,6 +192,11 @@ _V9_PENDING_CONVERSATIONS = """
 ALTER TABLE conversations ADD COLUMN pending INTEGER NOT NULL DEFAULT 0 CHECK (pending IN (0, 1));
 """
 
+# OpenAI's `metadata` on a conversation (POST /v1/conversations): at most 16 string pairs, as JSON.
+_V10_CONVERSATION_METADATA = """
+ALTER TABLE conversations ADD COLUMN metadata_json TEXT;  -- NULL: none
+"""
+
 # (version, script); version N leaves `PRAGMA user_version = N`.
 MIGRATIONS: tuple[tuple[int, str], ...] = (
     (1, _V1),
@@ -203,6 +208,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (7, _V7_RESPONSE_STATUS),
     (8, _V8_KEY_SCOPE),
     (9, _V9_PENDING_CONVERSATIONS),
+    (10, _V10_CONVERSATION_METADATA),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

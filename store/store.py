@@ -31,6 +31,7 @@ from store.types import (
     Conversation,
     FileQuery,
     FileQuota,
+    Message,
     Org,
     Principal,
     RequestRecord,
@@ -222,10 +223,35 @@ class Store:
     # --- conversations -------------------------------------------------------------------
 
     async def create_conversation(
-        self, org_id: str, *, title: str | None = None, pending: bool = False
+        self,
+        org_id: str,
+        *,
+        title: str | None = None,
+        pending: bool = False,
+        metadata: dict[str, str] | None = None,
+        messages: tuple[Message, ...] = (),
     ) -> Conversation:
-        """`pending`: created for a turn not yet stored; deleted at the next start if it never is."""
-        return await self._write(functools.partial(conversations.insert, org_id=org_id, title=title, pending=pending))
+        """A conversation, starting with `messages` (oldest first; one transaction); without a title
+        it takes the first user message's. `pending`: created for a turn not yet stored; deleted at
+        the next start if it never is."""
+        job = functools.partial(
+            conversations.create, org_id=org_id, title=title, pending=pending, metadata=metadata, messages=messages
+        )
+        return await self._write(job)
+
+    async def branch_conversation(
+        self, org_id: str, conversation_id: str, num_messages: int, *, pending: bool = False
+    ) -> Conversation | None:
+        """A new conversation holding a copy of the first `num_messages` messages of this one, in one
+        transaction (a Responses call continuing from an earlier response); None if it is gone or shorter."""
+        job = functools.partial(
+            conversations.branch,
+            org_id=org_id,
+            conversation_id=conversation_id,
+            num_messages=num_messages,
+            pending=pending,
+        )
+        return await self._write(job)
 
     async def delete_pending_conversations(self) -> int:
         """At startup: drop conversations whose creating request died before its first turn."""

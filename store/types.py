@@ -112,6 +112,7 @@ class Conversation:
     created_at: float
     updated_at: float
     messages: tuple[Message, ...] = ()  # oldest first; empty when listed
+    metadata: dict[str, str] = field(default_factory=dict)  # OpenAI's: at most 16 string pairs
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,8 @@
 
 Shows: text and message-item input, instructions, max_output_tokens; structured output via
 text.format; a stored response continued with previous_response_id (prefix cache hit) after a
-restart; GET/DELETE and input_items; other organisations get 404; streaming events in order.
+restart, and again from an earlier response (a branch, still a cache hit); GET/DELETE and
+input_items; other organisations get 404; streaming events in order.
 """
 
 from __future__ import annotations
@@ -60,13 +61,10 @@ async def test_a_stored_response_is_continued_after_a_restart_and_hits_the_prefi
     client, sdk = await make_sdk()
     again = await sdk["acme"].responses.retrieve(first.id)
     assert again.output_text == first.output_text
-    follow = await sdk["acme"].responses.create(
-        model="tiny", previous_response_id=first.id, input="And the sea?", max_output_tokens=4, temperature=0
-    )
+    ask = dict(model="tiny", instructions=LONG, max_output_tokens=4, temperature=0)  # re-sent: they do not carry over
+    follow = await sdk["acme"].responses.create(**ask, previous_response_id=first.id, input="And the sea?")
     assert follow.usage.input_tokens > first.usage.input_tokens + 3  # sees the earlier turn
-    follow2 = await sdk["acme"].responses.create(
-        model="tiny", previous_response_id=follow.id, input="Thanks", max_output_tokens=4, temperature=0
-    )
+    follow2 = await sdk["acme"].responses.create(**ask, previous_response_id=follow.id, input="Thanks")
     assert follow2.usage.input_tokens_details.cached_tokens >= 16  # the history's blocks were cached
     items = await sdk["acme"].responses.input_items.list(first.id)
     assert [i.role for i in items.data] == ["user"]
@@ -79,6 +77,16 @@ async def test_a_stored_response_is_continued_after_a_restart_and_hits_the_prefi
     await sdk["acme"].responses.delete(follow2.id)
     with pytest.raises(openai.NotFoundError):
         await sdk["acme"].responses.retrieve(follow2.id)
+
+
+async def test_continuing_from_an_earlier_response_again_finds_its_prompt_in_the_prefix_cache(make_sdk):
+    _, sdk = await make_sdk()
+    ask = dict(model="tiny", instructions=LONG, max_output_tokens=6, temperature=0)
+    first = await sdk["acme"].responses.create(**ask, input="What is a river?")
+    second = await sdk["acme"].responses.create(**ask, input="And the sea?", previous_response_id=first.id)
+    again = await sdk["acme"].responses.create(**ask, input="And the sea?", previous_response_id=first.id)  # a branch
+    assert again.output_text == second.output_text and again.usage.input_tokens == second.usage.input_tokens
+    assert again.usage.input_tokens_details.cached_tokens >= second.usage.input_tokens - 16  # all but a block
 
 
 async def test_text_format_json_schema_validates_and_message_items_are_taken(make_sdk):
@@ -153,7 +161,13 @@ async def test_a_forced_function_call_is_a_function_call_item(make_sdk):
         ({"input": "x", "temperature": 9}, "temperature"),
         ({"input": "x", "reasoning_depth": 1}, "reasoning_depth"),
         ({"input": "x", "include": "message.output_text.logprobs"}, "include"),
-        ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
+        ({"input": "x", "include": ["computer_call_output.output.image_url"]}, "include"),
+        ({"input": "x", "prompt_cache_key": 5}, "prompt_cache_key"),
+        ({"input": "x", "safety_identifier": ["u1"]}, "safety_identifier"),
+        ({"input": "x", "service_tier": 1}, "service_tier"),
+        ({"input": "x", "stream_options": "fast"}, "stream_options"),
+        ({"input": "x", "stream_options": {"include_obfuscation": "no"}}, "stream_options.include_obfuscation"),
+        ({"input": "x", "stream_options": {"include_usage": True}}, "stream_options.include_usage"),
         ({"input": "x", "include": [LOGPROBS], "top_logprobs": 21}, "top_logprobs"),
         ({"input": "x", "include": [LOGPROBS], "top_logprobs": -1}, "top_logprobs"),
         ({"input": "x", "top_logprobs": 2}, "top_logprobs"),

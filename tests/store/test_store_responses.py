@@ -1,12 +1,17 @@
-"""Stored responses' status: a background response moves queued -> in_progress -> final, once;
-a start marks what a previous process left unfinished as failed, in the row and in its body."""
+"""Stored responses and the conversations the Responses and Conversations APIs make: a background
+response moves queued -> in_progress -> final, once; a start marks what a previous process left
+unfinished as failed, in the row and in its body; a branch copies the first messages of a
+conversation into a new one; a conversation keeps its metadata (migration 10) and its first items."""
 
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 
 from store.responses import StoredResponse
+from store.store import Store
+from store.types import Message
 
 
 async def _queued(store, org_id: str, response_id: str) -> None:
@@ -40,3 +45,44 @@ async def test_a_start_marks_only_unfinished_responses_failed_with_the_error_in_
     assert body["id"] == "resp_left"  # the rest of the object is kept
     assert (await store.get_response(org.id, "resp_done")).status == "completed"
     assert await store.fail_unfinished_responses({"code": "server_error", "message": "again"}) == 0
+
+
+def _message(seq: int) -> Message:
+    return Message(f"msg_{seq}", "user" if seq % 2 == 0 else "assistant", f"text {seq}", time.time() + seq)
+
+
+async def test_a_branch_copies_the_first_messages_into_a_new_pending_conversation(store):
+    org = await store.ensure_org("acme", "free")
+    source = await store.create_conversation(org.id, title="rivers", messages=tuple(_message(i) for i in range(4)))
+    branch = await store.branch_conversation(org.id, source.id, 2, pending=True)
+    copied = await store.get_conversation(org.id, branch.id)
+    assert branch.id != source.id and copied.title == "rivers"
+    assert [m.content for m in copied.messages] == ["text 0", "text 1"]
+    assert {m.id for m in copied.messages}.isdisjoint({"msg_0", "msg_1"})  # new ids: feedback stays with the source
+    assert len((await store.get_conversation(org.id, source.id)).messages) == 4  # untouched
+    assert await store.delete_pending_conversations() == 1  # pending until its first turn is stored
+    assert await store.branch_conversation(org.id, source.id, 5) is None  # shorter than asked
+    await store.delete_conversation(org.id, source.id)
+    assert await store.branch_conversation(org.id, source.id, 2) is None  # gone
+    other = await store.ensure_org("other", "free")
+    assert await store.branch_conversation(other.id, source.id, 2) is None
+
+
+async def test_conversations_made_before_metadata_existed_have_none_after_the_upgrade(db_path, store_config):
+    store = await Store.open(db_path, store_config)
+    org = await store.ensure_org("acme", "free")
+    old = await store.create_conversation(org.id, title="old")
+    await store.close()
+    with sqlite3.connect(db_path) as conn:  # the file as schema 9 left it
+        conn.execute("ALTER TABLE conversations DROP COLUMN metadata_json")
+        conn.execute("PRAGMA user_version = 9")
+
+    store = await Store.open(db_path, store_config)
+    try:
+        assert (await store.get_conversation(org.id, old.id)).metadata == {}
+        made = await store.create_conversation(org.id, metadata={"topic": "rivers"}, messages=(_message(0),))
+        assert made.title == "text 0" and [m.content for m in made.messages] == ["text 0"]
+        page, _ = await store.list_conversations(org.id)
+        assert {c.id: c.metadata for c in page} == {made.id: {"topic": "rivers"}, old.id: {}}
+    finally:
+        await store.close()
