@@ -214,6 +214,7 @@ async def finish_job(
         prompt_tokens=num_prompt,
         cached_tokens=cached,
         completion_tokens=job.num_completion_tokens,
+        reasoning_tokens=job.num_reasoning_tokens,
         cost_usd=state.cost_usd(job) if prompt_billed else 0.0,
         queue_ms=_ms(job.arrival_s, job.admitted_s),
         ttft_ms=_ms(job.arrival_s, job.first_token_s),

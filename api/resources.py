@@ -126,12 +126,13 @@ def _message_obj(m: Message, billed: AnswerUsage | None = None) -> dict:
 
 
 def _usage_obj(billed: AnswerUsage) -> dict:
-    """The chat completion's usage as billed, less completion_tokens_details (not in the ledger)."""
+    """The chat completion's usage as billed."""
     return {
         "prompt_tokens": billed.prompt_tokens,
         "completion_tokens": billed.completion_tokens,
         "total_tokens": billed.prompt_tokens + billed.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": billed.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": billed.reasoning_tokens},
         "cost_usd": round(billed.cost_usd, 9),
     }
 

@@ -29,7 +29,8 @@ _NUM_MESSAGE_COLUMNS = _MESSAGE_COLUMNS.count(",") + 1
 # the request brought (user turns, an assistant's replayed or prefilled text) share its id but
 # not its bill. usage.prompt_tokens is NOT NULL, so a NULL there means no ledger row.
 _BILLED_MESSAGES = (
-    f"SELECT {_MESSAGE_COLUMNS}, u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.cost_usd, u.fallback_from"
+    f"SELECT {_MESSAGE_COLUMNS}, u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.cost_usd, u.fallback_from,"
+    " u.reasoning_tokens"
     " FROM messages m LEFT JOIN usage u"
     " ON u.request_id = m.request_id AND m.role = 'assistant' AND m.model IS NOT NULL"
     " WHERE m.conversation_id = ? ORDER BY m.seq"
@@ -45,6 +46,7 @@ class AnswerUsage:
     completion_tokens: int
     cost_usd: float
     fallback_from: str | None  # the model first chosen, when the router fell back
+    reasoning_tokens: int = 0  # of completion_tokens, a reasoning model's thinking
 
 
 def title_from(text: str) -> str | None:

@@ -34,8 +34,8 @@ async def record(conn: aiosqlite.Connection, rec: RequestRecord) -> bool:
     cursor = await conn.execute(
         "INSERT INTO usage (request_id, org_id, key_id, model, tier, status, prompt_tokens, cached_tokens,"
         " completion_tokens, cost_usd, queue_ms, ttft_ms, total_ms, created_at, finished_at,"
-        " conversation_id, fallback_from, usage_source)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        " conversation_id, fallback_from, usage_source, reasoning_tokens)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
         " ON CONFLICT (request_id) DO NOTHING",
         (
             rec.request_id,
@@ -56,6 +56,7 @@ async def record(conn: aiosqlite.Connection, rec: RequestRecord) -> bool:
             rec.conversation_id,
             rec.fallback_from,
             rec.usage_source,
+            rec.reasoning_tokens,
         ),
     )
     if cursor.rowcount == 0:

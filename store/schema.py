@@ -197,6 +197,12 @@ _V10_CONVERSATION_METADATA = """
 ALTER TABLE conversations ADD COLUMN metadata_json TEXT;  -- NULL: none
 """
 
+# Of a request's completion tokens, how many a reasoning model spent thinking (OpenAI's
+# completion_tokens_details.reasoning_tokens), so a stored answer can say it after a reload.
+_V11_REASONING_TOKENS = """
+ALTER TABLE usage ADD COLUMN reasoning_tokens INTEGER NOT NULL DEFAULT 0 CHECK (reasoning_tokens >= 0);
+"""
+
 # (version, script); version N leaves `PRAGMA user_version = N`.
 MIGRATIONS: tuple[tuple[int, str], ...] = (
     (1, _V1),
@@ -209,6 +215,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (8, _V8_KEY_SCOPE),
     (9, _V9_PENDING_CONVERSATIONS),
     (10, _V10_CONVERSATION_METADATA),
+    (11, _V11_REASONING_TOKENS),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

@@ -141,6 +141,7 @@ class RequestRecord:
     new_message_parts: tuple[str | None, ...] = ()  # per new message: its parts as JSON, or None
     usage_source: str = "engine"  # who counted the tokens: engine, upstream, tokenizer or estimate
     finish_reason: str | None = None  # of the stored assistant message
+    reasoning_tokens: int = 0  # of completion_tokens, a reasoning model's thinking
 
 
 class QuotaExceeded(StoreError):

@@ -308,8 +308,7 @@ async def test_a_stored_answer_carries_the_usage_its_chat_completion_reported(ma
 
     got = await (await client.get(f"/v1/conversations/{cid}")).json()
     answers = [m for m in got["messages"] if m["role"] == "assistant"]
-    billed = ("prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details", "cost_usd")
-    assert [a["usage"] for a in answers] == [{k: u[k] for k in billed} for u in live]
+    assert [a["usage"] for a in answers] == live
     assert [a["tokens"] for a in answers] == [u["completion_tokens"] for u in live]
     assert not any("usage" in m for m in got["messages"] if m["role"] == "user")
     assert not any("fallback_from" in m for m in got["messages"])

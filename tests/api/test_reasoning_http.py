@@ -94,3 +94,13 @@ async def test_the_responses_api_takes_reasoning_effort_the_same_way(client):
 )
 async def test_an_unknown_reasoning_effort_is_a_400_naming_the_field(client, path, body, param):
     await assert_error(await client.post(path, json={"model": "echo", **body}), 400, param=param)
+
+
+async def test_a_stored_answer_keeps_its_thinking_count_in_the_ledger(client):
+    """The web UI shows "(N thinking)" beside an answer; after a reload that count came from
+    nowhere (the ledger did not keep it)."""
+    cid = (await (await client.post("/v1/conversations", json={})).json())["id"]
+    live = await (await chat(client, conversation_id=cid)).json()
+    stored = (await (await client.get(f"/v1/conversations/{cid}")).json())["messages"][-1]
+    thinking = live["usage"]["completion_tokens_details"]["reasoning_tokens"]
+    assert thinking > 0 and stored["usage"]["completion_tokens_details"]["reasoning_tokens"] == thinking
