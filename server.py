@@ -1,5 +1,6 @@
 """Entry point: `python server.py` serves; `python server.py keys|orgs ...` manages access;
-`python server.py feedback export` writes what users said about answers as JSON lines.
+`python server.py feedback export` writes what users said about answers as JSON lines;
+`python server.py backup --out FILE` copies the database safely while the server runs.
 
 Parses the command line, loads `config.toml` (plus `--set` overrides and the `--host`,
 `--port`, `--db`, `--model` shortcuts), configures logging and runs the aiohttp app on
@@ -24,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="server.py",
         description="A self-hosted ChatGPT in one process. With no command, serve.",
     )
+    from api.startup import version_text
+
+    parser.add_argument("--version", action="version", version=version_text(), help="print the version and exit")
     _add_serve_flags(parser, is_subcommand=False)
     sub = parser.add_subparsers(dest="command")
     serve_parser = sub.add_parser(
@@ -68,7 +72,9 @@ def _add_serve_flags(parser: argparse.ArgumentParser, *, is_subcommand: bool) ->
         help="override one setting, e.g. --set engine.max_num_seqs=32 (repeatable)",
     )
     parser.add_argument("--host", default=default, help="interface to bind (server.host)")
-    parser.add_argument("--port", type=int, default=default, help="TCP port (server.port)")
+    parser.add_argument(
+        "--port", type=int, default=default, help="TCP port (server.port); 0: any free port (the ready line names it)"
+    )
     parser.add_argument(
         "--db", dest="serve_db", default=default, metavar="FILE", help="SQLite database file (store.path)"
     )
@@ -78,8 +84,9 @@ def _add_serve_flags(parser: argparse.ArgumentParser, *, is_subcommand: bool) ->
 
 
 def apply_cli(settings, args: argparse.Namespace):
-    """Fold the shortcut flags into the settings (they win over the file and --set)."""
-    from settings import ModelConfig
+    """Fold the shortcut flags into the settings (they win over the file and --set); ConfigError
+    for a value the setting does not allow (`--port 70000`)."""
+    from settings import ModelConfig, validate
 
     server = settings.server
     if args.host is not None:
@@ -95,23 +102,34 @@ def apply_cli(settings, args: argparse.Namespace):
         name = args.model.resolve().name
         models = {name: ModelConfig(path=str(args.model))}
         tiers = {t: dataclasses.replace(cfg, models=[name]) for t, cfg in settings.tiers.items()}
-    return dataclasses.replace(settings, server=server, store=store, models=models, tiers=tiers)
+    return validate(dataclasses.replace(settings, server=server, store=store, models=models, tiers=tiers))
 
 
 def serve(settings, backend_factory=None) -> None:
     """Check the model folders, bind the port, then serve; the ready block is printed once
-    everything has started. Raises ConfigError or PortInUse before anything is opened, and
-    DatabaseInUse when another server holds the database."""
+    everything has started. Raises ConfigError or PortInUse before anything is opened,
+    DatabaseInUse when another server holds the database, CannotStart when it cannot be used."""
     import uvloop
     from aiohttp import web
 
     from api.app import init
     from api.runner import run
     from api.security import is_loopback, keyless_allowed
-    from api.startup import bind_listening_socket, check_model_folders, freeze_startup_heap, ready_text
+    from api.startup import (
+        bind_listening_socket,
+        check_model_folders,
+        check_web_ui,
+        freeze_startup_heap,
+        ready_text,
+        warn_if_prefix_cache_unwritable,
+    )
 
     check_model_folders(settings)
+    check_web_ui(settings)
+    warn_if_prefix_cache_unwritable(settings)
     sock = bind_listening_socket(settings.server.host, settings.server.port)
+    bound_port = sock.getsockname()[1]  # port 0: the one the kernel chose, for the ready line and logs
+    settings = dataclasses.replace(settings, server=dataclasses.replace(settings.server, port=bound_port))
     if not is_loopback(settings.server.host) and settings.server.allow_public_without_keys:
         import structlog
 
@@ -131,7 +149,7 @@ def main(argv: list[str] | None = None, *, backend_factory=None) -> int:
     """0 after a clean shutdown; 1 when the server cannot start (the message says why).
     `backend_factory`: testing/fake_server.py serves the native models with a stand-in."""
     from api.logs import configure_logging
-    from api.startup import PortInUse
+    from api.startup import CannotStart, PortInUse
     from settings import ConfigError, load_settings
 
     args = parse_args(argv)
@@ -140,7 +158,7 @@ def main(argv: list[str] | None = None, *, backend_factory=None) -> int:
     except ConfigError as exc:
         sys.stderr.write(f"config error: {exc}\n")
         return 1
-    if args.command in ("keys", "orgs", "feedback"):
+    if args.command in ("keys", "orgs", "feedback", "backup"):
         from store.cli import run_cli
 
         # An admin command says what it did; the store's info lines (opened, migrated) are noise there.
@@ -164,11 +182,25 @@ def main(argv: list[str] | None = None, *, backend_factory=None) -> int:
     except DatabaseInUse as exc:
         sys.stderr.write(f"cannot start: {exc}\n")
         return 1
+    except CannotStart as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 1
     return 0
 
 
 if __name__ == "__main__":
-    exit_code = main()
+    try:
+        exit_code = main()
+    except BaseException as exc:  # a bug: its traceback, then exit, whatever threads are still running
+        if isinstance(exc, SystemExit):  # argparse's --help, --version and usage errors
+            exit_code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        elif isinstance(exc, KeyboardInterrupt):  # Ctrl-C before the server was up
+            exit_code = 130
+        else:
+            import traceback
+
+            traceback.print_exc()
+            exit_code = 1
     # Everything is closed by now (store, lock, backends): skip the interpreter's teardown, which
     # spends seconds garbage-collecting torch's modules, so SIGTERM exits within the grace.
     sys.stdout.flush()

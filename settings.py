@@ -8,6 +8,8 @@ This module must not import the engine, the store or aiohttp.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import tomllib
 import types
 import typing
@@ -20,11 +22,71 @@ class ConfigError(Exception):
     """A configuration problem, reported at startup with the offending key."""
 
 
-def setting(default: Any, help: str) -> Any:
-    """A config field with its default and its one line of documentation."""
+@dataclass(frozen=True, slots=True)
+class Allowed:
+    """The values a setting accepts beyond its type; a list or table setting applies it to each item.
+    `choices` entries ending in ":N" accept any whole number there ("cuda:N": cuda:0, cuda:1...)."""
+
+    minimum: float | None = None
+    maximum: float | None = None
+    above: float | None = None  # exclusive lower bound: "more than"
+    choices: tuple[str, ...] = ()
+    ignore_case: bool = False
+
+    def range_text(self) -> str:
+        """The numeric range in words ("1 or more", "0 to 1"); empty when there is none."""
+        high = None if self.maximum is None else _number(self.maximum)
+        if self.minimum is not None:
+            low = _number(self.minimum)
+            return f"{low} or more" if high is None else f"{low} to {high}"
+        if self.above is not None:
+            low = f"more than {_number(self.above)}"
+            return low if high is None else f"{low} and at most {high}"
+        return "" if high is None else f"{high} or less"
+
+    def problem(self, value: Any) -> str | None:
+        """Why `value` is refused ("must be ..."), or None when it is allowed."""
+        if self.choices and isinstance(value, str) and not any(self._matches(c, value) for c in self.choices):
+            return f"must be one of {', '.join(self.choices)}; got {value!r}"
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return None
+        too_low = (self.minimum is not None and value < self.minimum) or (
+            self.above is not None and value <= self.above
+        )
+        if too_low or (self.maximum is not None and value > self.maximum):
+            return f"must be {self.range_text()}; got {value!r}"
+        return None
+
+    def _matches(self, choice: str, value: str) -> bool:
+        if self.ignore_case:
+            choice, value = choice.upper(), value.upper()
+        if choice.endswith(":N"):
+            return value == choice[:-2] or re.fullmatch(re.escape(choice[:-1]) + r"\d+", value) is not None
+        return value == choice
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    above: float | None = None,
+    choices: tuple[str, ...] = (),
+    ignore_case: bool = False,
+) -> Any:
+    """A config field with its default, its one line of documentation and the values it accepts
+    (checked by `validate` for every setting; a numeric range is appended to the help text)."""
+    allowed = Allowed(minimum, maximum, above, choices, ignore_case)
+    text = allowed.range_text()
+    metadata = {"help": f"{help} Allowed: {text}." if text else help, "allowed": allowed}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,18 +94,21 @@ class ServerConfig:
     """The HTTP server: address, request and connection limits, access control, logs."""
 
     host: str = setting("127.0.0.1", "Interface to bind; 127.0.0.1 keeps the server on this machine.")
-    port: int = setting(8000, "TCP port.")
+    port: int = setting(8000, "TCP port.", minimum=0, maximum=65535)
     max_body_bytes: int = setting(
         20_971_520,
         "Largest request body accepted (20 MiB: a phone photo sent inline as a data: URL, as Open WebUI and "
         "LibreChat send images); bigger bodies get 413. Bodies are read only after the key check.",
+        minimum=1,
     )
-    max_messages: int = setting(1000, "Most messages one chat request may carry.")
-    max_prompt_chars: int = setting(1_000_000, "Most characters of message text, checked before tokenizing.")
+    max_messages: int = setting(1000, "Most messages one chat request may carry.", minimum=1)
+    max_prompt_chars: int = setting(1_000_000, "Most characters of message text, checked before tokenizing.", minimum=1)
     shutdown_grace_s: float = setting(
-        10.0, "On Ctrl-C/SIGTERM: how long running answers may finish before they are aborted."
+        10.0, "On Ctrl-C/SIGTERM: how long running answers may finish before they are aborted.", minimum=0
     )
-    heartbeat_s: float = setting(5.0, "SSE comment sent this often while a stream waits in the queue or prefills.")
+    heartbeat_s: float = setting(
+        5.0, "SSE comment sent this often while a stream waits in the queue or prefills.", above=0
+    )
     allow_public_without_keys: bool = setting(
         False, "Serve requests without an API key on a non-loopback address. Dangerous."
     )
@@ -79,59 +144,84 @@ class ServerConfig:
         10.0,
         "A request's headers must arrive within this many seconds of the connection (or the previous answer); else "
         "408 and close.",
+        above=0,
     )
     body_timeout_s: float = setting(
         30.0,
         "A request's body must arrive within this many seconds after its headers, and a file upload may not pause "
         "longer than this between reads; else 408 and close.",
+        above=0,
     )
     max_connections: int = setting(
         1024,
         "Open connections in total (lowered to fit the open-files limit). At the cap the oldest idle (or "
         "still-sending) connection is closed, else the new one gets 503.",
+        minimum=1,
     )
     max_connections_per_client: int = setting(
-        256, "Open connections from one client address (all local clients share 127.0.0.1), same rule."
+        256, "Open connections from one client address (all local clients share 127.0.0.1), same rule.", minimum=1
     )
     fd_reserve: int = setting(
         64,
         "File descriptors kept free of connections (database, model files, health checks); lowers max_connections to "
         "fit `ulimit -n`.",
+        minimum=0,
     )
-    backlog: int = setting(1024, "Pending connections the kernel queues before the server accepts them.")
-    log_level: str = setting("info", "debug, info, warning or error. Prompt text is only ever logged at debug.")
+    backlog: int = setting(1024, "Pending connections the kernel queues before the server accepts them.", minimum=1)
+    log_level: str = setting(
+        "info",
+        "debug, info, warning or error. Prompt text is only ever logged at debug.",
+        choices=("debug", "info", "warning", "error"),
+        ignore_case=True,
+    )
     log_json: bool = setting(
         False, "true: one JSON object per log line (for log shippers); false: human-readable console lines."
     )
     static_dir: str = setting("static", "Folder of the web chat UI, served at /.")
-    max_n: int = setting(8, "Most choices (`n`) one chat request may ask for; they share the prompt's KV blocks.")
+    max_n: int = setting(
+        8, "Most choices (`n`) one chat request may ask for; they share the prompt's KV blocks.", minimum=1
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """The native PyTorch engine (backend = "native"): continuous batching over a paged KV cache."""
 
-    device: str = setting("auto", "cpu, cuda, cuda:N, or auto (cuda when present, else cpu).")
-    dtype: str = setting("auto", "float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on CUDA).")
-    num_threads: int = setting(0, "torch CPU threads; 0 lets torch decide.")
-    block_size: int = setting(16, "Tokens per KV-cache block.")
-    kv_cache_bytes: int = setting(0, "Size of the KV-cache pool in bytes; 0: use kv_cache_memory_fraction.")
-    kv_cache_memory_fraction: float = setting(
-        0.2, "Share of free memory (GPU memory on CUDA, RAM on CPU) for the KV pool when kv_cache_bytes is 0."
+    device: str = setting(
+        "auto", "cpu, cuda, cuda:N, or auto (cuda when present, else cpu).", choices=("auto", "cpu", "cuda", "cuda:N")
     )
-    max_num_seqs: int = setting(64, "Most sequences batched in one step.")
-    max_num_batched_tokens: int = setting(512, "Token budget of one step: decode tokens plus prefill chunks.")
+    dtype: str = setting(
+        "auto",
+        "float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on CUDA).",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    num_threads: int = setting(0, "torch CPU threads; 0 lets torch decide.", minimum=0)
+    block_size: int = setting(16, "Tokens per KV-cache block.", minimum=1)
+    kv_cache_bytes: int = setting(0, "Size of the KV-cache pool in bytes; 0: use kv_cache_memory_fraction.", minimum=0)
+    kv_cache_memory_fraction: float = setting(
+        0.2,
+        "Share of free memory (GPU memory on CUDA, RAM on CPU) for the KV pool when kv_cache_bytes is 0.",
+        above=0,
+        maximum=1,
+    )
+    max_num_seqs: int = setting(64, "Most sequences batched in one step.", minimum=1)
+    max_num_batched_tokens: int = setting(
+        512, "Token budget of one step: decode tokens plus prefill chunks.", minimum=1
+    )
     max_prefill_tokens_while_decoding: int = setting(
         0,
         "Most prompt tokens prefilled in a step that also decodes running streams (or twice the number of those "
         "streams, if more), so a long prompt arriving does not stall them (on CPU a step's time grows with its "
         "tokens); 0: auto (32 on CPU, no cap on CUDA, where a step's time barely grows).",
+        minimum=0,
     )
     enable_prefix_caching: bool = setting(
         True, "Reuse the KV blocks of identical prompt prefixes (e.g. the next chat turn)."
     )
     prefix_cache_scope: str = setting(
-        "org", '"org": each organisation has its own cache (no timing leak across tenants); "shared".'
+        "org",
+        '"org": each organisation has its own cache (no timing leak across tenants); "shared".',
+        choices=("org", "shared"),
     )
     prefix_cache_dir: str = setting(
         "auto",
@@ -141,7 +231,7 @@ class EngineConfig:
         "empty: not kept.",
     )
     prefix_cache_save_bytes: int = setting(
-        268_435_456, "Most bytes of KV written per model at a stop (the most recently used blocks first)."
+        268_435_456, "Most bytes of KV written per model at a stop (the most recently used blocks first).", minimum=0
     )
     native_kernels: bool = setting(
         True,
@@ -154,6 +244,7 @@ class EngineConfig:
         "auto",
         'Which C kernels: "auto" (the widest the CPU reports), "avx512", "avx2" (to test or measure the AVX2 path on '
         'an AVX-512 CPU), "torch" (PyTorch ops). One the CPU lacks is an error at start.',
+        choices=("auto", "avx512", "avx2", "torch"),
     )
     amx_prefill: str = setting(
         "auto",
@@ -166,6 +257,7 @@ class EngineConfig:
         '"auto": on for checkpoints stored in bfloat16 (the copy is then exact and '
         'the activations round as on a GPU), off for fp32 ones; "on" also for fp32 checkpoints; "off". Only with '
         'the avx512 kernels and unquantized weights ("on" otherwise is an error at start).',
+        choices=("auto", "on", "off"),
     )
     speculative_tokens: int = setting(
         0,
@@ -173,6 +265,7 @@ class EngineConfig:
         "draft tokens copied from its own prompt or answer (what followed the last earlier occurrence of its "
         "latest 3 or 2 tokens) and keeps those the model agrees with, so a step can yield several tokens of the "
         "same greedy output (bench/RESULTS.md); 0: off.",
+        minimum=0,
     )
     cuda_graphs: str = setting(
         "auto",
@@ -182,6 +275,7 @@ class EngineConfig:
         "padded steps without capturing, to tell a padding fault from a capture fault (on the CPU it needs "
         'kernel_isa = "torch"). On the CPU, auto is off. Padded steps keep one KV block per layer beyond '
         "kv_cache_bytes for their padding rows.",
+        choices=("auto", "off", "eager"),
     )
     quantization: str = setting(
         "none",
@@ -191,6 +285,7 @@ class EngineConfig:
         "integer dot products, as llama.cpp's Q4_0 (measured on a 390M model: 1.6-2.3x int8's speed, held-out "
         "perplexity +1.4% on the demo model, bench/RESULTS.md); on paths without these kernels the rounded weights "
         '(and int4\'s rounded inputs) are kept as floats; "none": as loaded.',
+        choices=("none", "int8", "int4"),
     )
 
 
@@ -208,11 +303,13 @@ class ModelConfig:
         "servers, docs/scale-out.md).",
     )
     max_model_len: int = setting(
-        0, "Context window in tokens; 0: from the model's config.json (openai: from the upstream's /models, else none)."
+        0,
+        "Context window in tokens; 0: from the model's config.json (openai: from the upstream's /models, else none).",
+        minimum=0,
     )
-    price_input_per_mtok: float = setting(0.0, "USD per million prompt tokens.")
-    price_cached_input_per_mtok: float = setting(0.0, "USD per million prompt tokens served from cache.")
-    price_output_per_mtok: float = setting(0.0, "USD per million completion tokens.")
+    price_input_per_mtok: float = setting(0.0, "USD per million prompt tokens.", minimum=0)
+    price_cached_input_per_mtok: float = setting(0.0, "USD per million prompt tokens served from cache.", minimum=0)
+    price_output_per_mtok: float = setting(0.0, "USD per million completion tokens.", minimum=0)
     fallback: str = setting("", "Model to serve this model's tier traffic when it is saturated; empty: none.")
     tool_parser: str = setting(
         "auto",
@@ -247,7 +344,7 @@ class ModelConfig:
         "", "openai: environment variable holding the upstream's API key (never logged); empty: none."
     )
     max_in_flight: int = setting(
-        64, "openai: requests sent to one replica at once; the rest wait in our priority queue."
+        64, "openai: requests sent to one replica at once; the rest wait in our priority queue.", minimum=1
     )
     tokenizer: str = setting(
         "", "openai: local tokenizer folder for exact counts and context checks; empty: estimates."
@@ -259,12 +356,12 @@ class TierConfig:
     """One [tiers.<name>] section per tier. An organisation has a tier; its API keys inherit it."""
 
     priority: int = setting(0, "Higher is served first and preempted last.")
-    requests_per_minute: int = setting(60, "Per-key request bucket size and refill per minute.")
-    tokens_per_minute: int = setting(100_000, "Per-key token bucket (prompt + max_tokens) per minute.")
-    tier_requests_per_minute: int = setting(0, "Bucket shared by the whole tier; 0: none.")
-    tier_tokens_per_minute: int = setting(0, "Token bucket shared by the whole tier; 0: none.")
-    max_tokens: int = setting(1024, "Largest max_tokens a request may ask for.")
-    max_context_tokens: int = setting(4096, "Largest prompt + max_tokens.")
+    requests_per_minute: int = setting(60, "Per-key request bucket size and refill per minute.", minimum=0)
+    tokens_per_minute: int = setting(100_000, "Per-key token bucket (prompt + max_tokens) per minute.", minimum=0)
+    tier_requests_per_minute: int = setting(0, "Bucket shared by the whole tier; 0: none.", minimum=0)
+    tier_tokens_per_minute: int = setting(0, "Token bucket shared by the whole tier; 0: none.", minimum=0)
+    max_tokens: int = setting(1024, "Largest max_tokens a request may ask for.", minimum=1)
+    max_context_tokens: int = setting(4096, "Largest prompt + max_tokens.", minimum=1)
     max_thinking_tokens: int = setting(
         -1,
         "Most tokens a reasoning model served here (native, <think> tags of one token each) may think per answer "
@@ -272,19 +369,24 @@ class TierConfig:
         "wins); -1: no cap.",
     )
     max_concurrent_streams: int = setting(
-        4, "Requests in flight per key; 429 above it, except keyless local use, whose extra requests wait for a stream."
+        4,
+        "Requests in flight per key; 429 above it, except keyless local use, whose extra requests wait for a stream.",
+        minimum=1,
     )
     models: list[str] = setting([], "Models this tier may use, preferred first.")
     wait_target_s: float = setting(
         10.0,
         "Estimated queue wait above which the tier's next model serves, else 503; a tier is shed at the smallest "
         "target of itself and the tiers above it, and the top tier is never shed for waiting.",
+        minimum=0,
     )
-    retention_days: int = setting(30, "Days a deleted conversation is kept before it is purged.")
+    retention_days: int = setting(30, "Days a deleted conversation is kept before it is purged.", minimum=0)
     budget_fallback: bool = setting(False, "Over budget: serve the tier's last model instead of answering 429.")
-    file_storage_bytes: int = setting(104_857_600, "Bytes of uploaded files an organisation may keep.")
-    max_files: int = setting(100, "Uploaded files an organisation may keep.")
-    file_retention_days: int = setting(30, "Days an uploaded file is kept (its expires_at); 0: until deleted.")
+    file_storage_bytes: int = setting(104_857_600, "Bytes of uploaded files an organisation may keep.", minimum=0)
+    max_files: int = setting(100, "Uploaded files an organisation may keep.", minimum=0)
+    file_retention_days: int = setting(
+        30, "Days an uploaded file is kept (its expires_at); 0: until deleted.", minimum=0
+    )
 
 
 # TierConfig fields an organisation may override for its own keys (`orgs set --limit`,
@@ -317,9 +419,9 @@ def merge_org_limits(limits: dict[str, Any], changes: dict[str, Any]) -> dict[st
 class QueueConfig:
     """One bounded priority queue per model sits in front of the engine."""
 
-    max_waiting_requests: int = setting(256, "Requests waiting per model; more get 503 with Retry-After.")
-    max_waiting_tokens: int = setting(1_000_000, "Prompt + max_tokens waiting per model; more get 503.")
-    max_wait_s: float = setting(60.0, "A request whose estimated wait is longer gets 503 at once.")
+    max_waiting_requests: int = setting(256, "Requests waiting per model; more get 503 with Retry-After.", minimum=0)
+    max_waiting_tokens: int = setting(1_000_000, "Prompt + max_tokens waiting per model; more get 503.", minimum=0)
+    max_wait_s: float = setting(60.0, "A request whose estimated wait is longer gets 503 at once.", minimum=0)
     aging_s: float = setting(
         10.0,
         "Every this many seconds of waiting raises a request's priority by one level, so lower tiers are served in "
@@ -329,6 +431,7 @@ class QueueConfig:
         "longest Retry-After sent) + aging_s; "
         "4,096 keys are remembered (least recently refused forgotten first); keyless requests of one organisation "
         "are one key. 0: strict priority, no aging.",
+        minimum=0,
     )
     age_retries: bool = setting(
         True,
@@ -345,23 +448,28 @@ class StoreConfig:
     synchronous: str = setting(
         "FULL",
         "SQLite synchronous mode. FULL: a finished answer and its ledger row survive power loss. NORMAL is faster.",
+        choices=("OFF", "NORMAL", "FULL", "EXTRA"),
+        ignore_case=True,
     )
-    busy_timeout_ms: int = setting(5000, "How long a database connection waits for a lock.")
-    purge_interval_s: float = setting(3600.0, "How often deleted conversations past their tier's retention are purged.")
+    busy_timeout_ms: int = setting(5000, "How long a database connection waits for a lock.", minimum=0)
+    purge_interval_s: float = setting(
+        3600.0, "How often deleted conversations past their tier's retention are purged.", minimum=1
+    )
     num_read_connections: int = setting(
-        2, "Read-only connections (reads run concurrently; all writes go through one writer)."
+        2, "Read-only connections (reads run concurrently; all writes go through one writer).", minimum=1
     )
     last_used_flush_s: float = setting(
-        30.0, "How often API keys' last_used_at is written (coalesced, not one write per request)."
+        30.0, "How often API keys' last_used_at is written (coalesced, not one write per request).", above=0
     )
     key_cache_s: float = setting(
         5.0,
         "How long an API key's lookup is trusted in memory (re-read in the background every key_cache_s/2, so "
         "requests read no SQL): a key revoked or an organisation changed by another process (`server.py keys "
         "revoke`) is refused within this; through this server, at once. 0: read the database on every request.",
+        minimum=0,
     )
     max_db_bytes: int = setting(
-        0, "Largest database file; writes beyond it fail with 503 (visible in /ready). 0: no limit."
+        0, "Largest database file; writes beyond it fail with 503 (visible in /ready). 0: no limit.", minimum=0
     )
 
 
@@ -373,28 +481,35 @@ class FilesConfig:
     max_file_bytes: int = setting(
         20_971_520,
         "Largest upload (20 MiB); refused with 413 as soon as the upload passes it, never held whole in memory.",
+        minimum=1,
     )
-    max_pdf_pages: int = setting(300, "Most pages of a PDF turned into text when a chat message refers to it.")
+    max_pdf_pages: int = setting(
+        300, "Most pages of a PDF turned into text when a chat message refers to it.", minimum=1
+    )
     max_document_chars: int = setting(
         400_000,
         "Most characters of a file's text that enter a prompt (bounds tokenizing on every turn); the header says "
         "when a file was cut here.",
+        minimum=1,
     )
     max_extract_s: float = setting(
         30.0,
         "Deadline for turning one PDF into text. Each PDF is read once, in a child process that is killed when this "
         "passes (or the server stops); the file is then refused with 400 unreadable_file, and the refusal is "
         "remembered until this limit or max_extract_memory_bytes changes.",
+        above=0,
     )
     max_extract_memory_bytes: int = setting(
         2_147_483_648,
         "Most memory (address space) one PDF reader process may use (2 GiB); a PDF that needs more (streams that "
         "inflate to tens of MB each) is refused with 400 unreadable_file.",
+        minimum=1,
     )
     max_concurrent_extractions: int = setting(
         2,
         "Most PDFs read at once (each in its own child process, one core each); requests for a file being read "
         "wait for that reading, others wait their turn for at most max_extract_s, then get 503.",
+        minimum=1,
     )
 
 
@@ -403,15 +518,16 @@ class ImagesConfig:
     """Images in chat messages (image_url parts: data: URLs, uploaded file ids, or remote URLs when allowed)."""
 
     max_image_bytes: int = setting(
-        10_485_760, "Largest encoded image (10 MiB): data: URL, uploaded file or fetched URL."
+        10_485_760, "Largest encoded image (10 MiB): data: URL, uploaded file or fetched URL.", minimum=1
     )
     max_image_pixels: int = setting(
         16_777_216,
         "Most pixels (width x height) an image may declare; more is refused before decoding (decompression bombs).",
+        minimum=1,
     )
-    max_images_per_request: int = setting(8, "Most images in one chat request.")
+    max_images_per_request: int = setting(8, "Most images in one chat request.", minimum=0)
     max_concurrent_decodes: int = setting(
-        2, "Most images decoded at once across all requests (threads of their own); others wait their turn."
+        2, "Most images decoded at once across all requests (threads of their own); others wait their turn.", minimum=1
     )
     allow_remote_urls: bool = setting(
         False, "Fetch http(s) image URLs. Off: a server that fetches any URL is a door to SSRF."
@@ -419,7 +535,7 @@ class ImagesConfig:
     remote_allow_hosts: list[str] = setting(
         [], 'When allowed: the only host names images are fetched from, e.g. ["images.example.com"].'
     )
-    remote_timeout_s: float = setting(5.0, "Deadline of one remote image fetch (connect to last byte).")
+    remote_timeout_s: float = setting(5.0, "Deadline of one remote image fetch (connect to last byte).", above=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -430,6 +546,7 @@ class SafetyConfig:
     block_mode: str = setting(
         "refusal",
         '"refusal": a normal answer with finish_reason content_filter; "error": HTTP 400 content_policy_violation.',
+        choices=("refusal", "error"),
     )
     refusal_message: str = setting("I can't help with that.", "The refusal answer's text.")
     refusal_messages: dict[str, str] = setting(
@@ -451,11 +568,18 @@ class SafetyConfig:
         0.5,
         "Classifier score above which a category blocks a prompt (checked by 5-fold cross-validation on "
         'safety/train.jsonl: make train-safety ARGS="--cv 5").',
+        minimum=0,
+        maximum=1,
     )
     thresholds: dict[str, float] = setting(
-        {}, "Per-category prompt thresholds that override `threshold`, e.g. { malware = 0.6 }; --cv suggests some."
+        {},
+        "Per-category prompt thresholds that override `threshold`, e.g. { malware = 0.6 }; --cv suggests some.",
+        minimum=0,
+        maximum=1,
     )
-    output_threshold: float = setting(0.7, "Classifier score above which a streamed answer is cut off.")
+    output_threshold: float = setting(
+        0.7, "Classifier score above which a streamed answer is cut off.", minimum=0, maximum=1
+    )
     builtin_rules: bool = setting(
         True, "Use the built-in deny/allow patterns (gateway/safety/rules.py) besides those below."
     )
@@ -469,12 +593,13 @@ class SafetyConfig:
         {}, 'Per-category exemptions from that category\'s deny rules, e.g. { malware = ["capture the flag"] }.'
     )
     context_turns: int = setting(
-        4, "How many of the latest user turns the classifier reads together (catches split requests)."
+        4, "How many of the latest user turns the classifier reads together (catches split requests).", minimum=1
     )
     max_windows: int = setting(
         4,
         "Classifier windows (128 tokens each) read per long message: its first and last ones; each is also scored "
         "alone.",
+        minimum=1,
     )
     embed_dtype: str = setting(
         "auto",
@@ -483,23 +608,27 @@ class SafetyConfig:
         "1.5-2.5x faster than float32, with or without VNNI; on AMX CPUs larger batches use oneDNN's AMX int8), or "
         "auto (w8a8 where the CPU has VNNI or the compiled kernels build, else int8). All meet the held-out "
         "targets (safety/README.md).",
+        choices=("auto", "float32", "bfloat16", "int8", "w8a8"),
     )
     embed_cache_entries: int = setting(
-        4096, "Per-message classifier features kept, so later turns do not re-embed history."
+        4096, "Per-message classifier features kept, so later turns do not re-embed history.", minimum=0
     )
-    holdback_chars: int = setting(64, "Streamed text held back so that a blocked span is never sent.")
+    holdback_chars: int = setting(64, "Streamed text held back so that a blocked span is never sent.", minimum=0)
     output_classifier: bool = setting(
         True,
         "Also run the classifier on streamed answers (text waits for its check). Held-out: blocks 15/16 harmful "
         "answers, 3/40 benign ones and 1/90 demo-model texts (safety/README.md).",
     )
-    output_check_chars: int = setting(160, "The answer classifier runs at least every this many new characters.")
+    output_check_chars: int = setting(
+        160, "The answer classifier runs at least every this many new characters.", minimum=1
+    )
     output_first_unchecked_chars: int = setting(
         16,
         "An answer's first characters, up to this many, are sent as soon as the deny rules allow, before the "
         "classifier reads them (with what follows, at its first check): a word or two it could not judge alone, "
         "so the first token is not held for a check (~5 ms on 2 cores). A block after them leaves them shown. "
         "0: nothing is sent before a check.",
+        minimum=0,
     )
 
 
@@ -507,24 +636,31 @@ class SafetyConfig:
 class TrtllmConfig:
     """TensorRT-LLM backend (backend = "trtllm" on a model; NVIDIA GPU hosts only, see docs/trtllm.md)."""
 
-    tensor_parallel_size: int = setting(1, "GPUs one model is split across (tensor parallel).")
-    pipeline_parallel_size: int = setting(1, "Pipeline-parallel stages.")
-    max_batch_size: int = setting(64, "Most requests TensorRT-LLM batches at once.")
-    max_num_tokens: int = setting(8192, "Token budget of one TensorRT-LLM iteration.")
-    max_seq_len: int = setting(0, "Longest sequence; 0: from the model config.")
-    kv_cache_free_gpu_memory_fraction: float = setting(0.9, "Share of free GPU memory for the KV cache.")
-    kv_cache_host_bytes: int = setting(0, "Host memory for offloaded KV blocks; 0: none.")
+    tensor_parallel_size: int = setting(1, "GPUs one model is split across (tensor parallel).", minimum=1)
+    pipeline_parallel_size: int = setting(1, "Pipeline-parallel stages.", minimum=1)
+    max_batch_size: int = setting(64, "Most requests TensorRT-LLM batches at once.", minimum=1)
+    max_num_tokens: int = setting(8192, "Token budget of one TensorRT-LLM iteration.", minimum=1)
+    max_seq_len: int = setting(0, "Longest sequence; 0: from the model config.", minimum=0)
+    kv_cache_free_gpu_memory_fraction: float = setting(
+        0.9, "Share of free GPU memory for the KV cache.", above=0, maximum=1
+    )
+    kv_cache_host_bytes: int = setting(0, "Host memory for offloaded KV blocks; 0: none.", minimum=0)
     enable_block_reuse: bool = setting(True, "Prefix caching inside TensorRT-LLM.")
     enable_chunked_prefill: bool = setting(True, "Split long prompts across iterations.")
-    scheduler_policy: str = setting("guaranteed_no_evict", '"guaranteed_no_evict" or "max_utilization".')
-    max_in_flight: int = setting(
-        0, "Requests handed to TensorRT-LLM at once (our priority queue holds the rest); 0: max_batch_size."
+    scheduler_policy: str = setting(
+        "guaranteed_no_evict",
+        '"guaranteed_no_evict" or "max_utilization".',
+        choices=("guaranteed_no_evict", "max_utilization"),
     )
-    stats_interval_s: float = setting(1.0, "How often executor stats are read for /metrics.")
+    max_in_flight: int = setting(
+        0, "Requests handed to TensorRT-LLM at once (our priority queue holds the rest); 0: max_batch_size.", minimum=0
+    )
+    stats_interval_s: float = setting(1.0, "How often executor stats are read for /metrics.", above=0)
     guided_decoding_backend: str = setting(
         "llguidance",
         'Grammar library TensorRT-LLM decodes response_format and forced tool calls with: "llguidance" (the native '
         'engine\'s; all of them), "xgrammar" (no forced tool calls) or "none" (such requests get a 400).',
+        choices=("llguidance", "xgrammar", "none"),
     )
 
 
@@ -534,24 +670,29 @@ class UpstreamConfig:
     llama.cpp's server, another instance of this one): see docs/scale-out.md.
     """
 
-    connect_timeout_s: float = setting(5.0, "Seconds to open a connection to an upstream replica.")
+    connect_timeout_s: float = setting(5.0, "Seconds to open a connection to an upstream replica.", above=0)
     first_token_timeout_s: float = setting(
-        120.0, "Seconds an upstream may take to send its first chunk (prefill of a long prompt included)."
+        120.0, "Seconds an upstream may take to send its first chunk (prefill of a long prompt included).", above=0
     )
-    idle_timeout_s: float = setting(60.0, "Seconds an upstream stream may stay silent between two chunks.")
+    idle_timeout_s: float = setting(60.0, "Seconds an upstream stream may stay silent between two chunks.", above=0)
     max_attempts: int = setting(
-        2, "Replicas tried for one request before its first token; never retried after a token was sent."
+        2, "Replicas tried for one request before its first token; never retried after a token was sent.", minimum=1
     )
     breaker_failures: int = setting(
         3,
         "Consecutive 5xx answers or timeouts that take a replica out; a refused or dropped connection takes it out "
         "at once.",
+        minimum=1,
     )
     breaker_open_s: float = setting(
-        5.0, "Seconds a replica stays out before it is probed (GET <url>/models) and, if it answers, let back in."
+        5.0,
+        "Seconds a replica stays out before it is probed (GET <url>/models) and, if it answers, let back in.",
+        minimum=0,
     )
     affinity_entries: int = setting(
-        100_000, "Conversations remembered so that their next turn goes to the replica holding their prefix cache."
+        100_000,
+        "Conversations remembered so that their next turn goes to the replica holding their prefix cache.",
+        minimum=0,
     )
 
 
@@ -566,14 +707,15 @@ class EmbeddingsConfig:
         '"float32": the same vectors as sentence-transformers (to about 1e-6); "w8a8": int8 matmuls, 2.4x '
         "float32's speed on 1,024 tokens (2-core AMD EPYC, AVX-512 with VNNI), cosine similarity to float32's "
         "vectors 0.994 or more on the tests' sentences.",
+        choices=("float32", "bfloat16", "int8", "w8a8"),
     )
     truncate: bool = setting(
         True,
         "Cut inputs longer than 256 tokens to their first 256 ([CLS] and [SEP] included), as sentence-transformers "
         "does; false: such an input is a 400 naming its index.",
     )
-    max_inputs: int = setting(512, "Most inputs in one request.")
-    price_input_per_mtok: float = setting(0.0, "USD per million input tokens, for the usage ledger.")
+    max_inputs: int = setting(512, "Most inputs in one request.", minimum=1)
+    price_input_per_mtok: float = setting(0.0, "USD per million input tokens, for the usage ledger.", minimum=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -588,7 +730,9 @@ class TelemetryConfig:
     )
     service_name: str = setting("selfhosted-chat", "The spans' service.name.")
     export_timeout_s: float = setting(
-        10.0, "Longest one export may take; at shutdown, the longest the server waits for the last spans to leave."
+        10.0,
+        "Longest one export may take; at shutdown, the longest the server waits for the last spans to leave.",
+        above=0,
     )
 
 
@@ -626,15 +770,42 @@ def load_settings(path: Path | None, overrides: list[str] | tuple[str, ...] = ()
         _resolve_paths(raw, Path(path).resolve().parent)
     for item in overrides:
         _apply_override(raw, item)
-    return _build(Settings, raw, "")
+    return validate(_build(Settings, raw, ""))
+
+
+def validate(settings: Settings) -> Settings:
+    """`settings` when every value is one its setting allows (`setting(minimum=..., choices=...)`),
+    else a ConfigError naming the first that is not. Run at load, and again by server.py after the
+    --host/--port/--db flags are folded in."""
+    _check_allowed(settings, "")
+    return settings
+
+
+def _check_allowed(obj: Any, where: str) -> None:
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), _join(where, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_allowed(value, key)
+        elif where == "" and f.name in _NAMED_SECTIONS:
+            for name, item in value.items():
+                _check_allowed(item, _join(key, name))
+        elif (allowed := f.metadata.get("allowed")) is not None:
+            if isinstance(value, dict):
+                items = [(_join(key, k), v) for k, v in value.items()]
+            else:
+                items = [(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list) else [(key, value)]
+            for item_key, item in items:
+                if (problem := allowed.problem(item)) is not None:
+                    raise ConfigError(f"{item_key} {problem}")
 
 
 # Settings that name files or folders: (section, key, default, shipped). Relative values in a
 # config file are relative to that file's folder, so the server finds its files from any
 # working directory; so are the defaults of the user's data (the database), while the defaults
 # of what ships with the server (the web UI, the safety classifier) stay in the project's
-# folder, wherever the config file is. --set and --db/--model values stay relative to the
-# working directory, as shell arguments are.
+# folder, wherever the config file is (and so does a relative value of theirs that exists only
+# there). --set and --db/--model values stay relative to the working directory, as shell
+# arguments are.
 _PATH_SETTINGS = (
     ("server", "static_dir", "static", True),
     ("store", "path", "data/chat.db", False),
@@ -647,10 +818,15 @@ PROJECT_DIR = Path(__file__).resolve().parent
 def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
     for section, key, default, shipped in _PATH_SETTINGS:
         node = raw.setdefault(section, {})
-        if isinstance(node, dict):
-            node[key] = (
-                _resolve(node[key], base) if key in node else _resolve(default, PROJECT_DIR if shipped else base)
-            )
+        if not isinstance(node, dict):
+            continue
+        value = node.get(key, default)
+        resolved = _resolve(value, base if key in node else PROJECT_DIR if shipped else base)
+        if shipped and key in node and not Path(resolved).exists() and Path(_resolve(value, PROJECT_DIR)).exists():
+            # A copy of config.toml moved out of the project names the shipped assets relative to
+            # the project ("static"): found there, not silently missing beside the copy.
+            resolved = _resolve(value, PROJECT_DIR)
+        node[key] = resolved
     for model in (raw.get("models") or {}).values():
         if isinstance(model, dict) and "path" in model:
             model["path"] = _resolve(model["path"], base)
@@ -722,6 +898,8 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         return {k: _coerce(item, v, _join(key, k)) for k, v in value.items()}
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: expected a finite number, got {value!r}")
     if hint is bool and not isinstance(value, bool):
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
     if hint is int and (isinstance(value, bool) or not isinstance(value, int)):

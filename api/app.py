@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import sqlite3
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import structlog
 from aiohttp import web
+from prometheus_client import Gauge
 
 from api import admin, chat, completions, embeddings, files, messages, resources, responses, responses_background
 from api.connections import BIG_BODY_HINT, CLOSE_AFTER, make_body_deadline_middleware
 from api.errors import ApiError, from_gateway, internal_error, overloaded
 from api.inflight import INFLIGHT, InFlight
 from api.security import add_cors_headers, check_startup, keyless_allowed, make_access_middleware
+from api.startup import CannotStart, build_info
 from api.state import REQUEST_ID, SETTINGS, STATE, AppState
 from engine.registry import BackendFactory, build_models
 from engine.types import EngineError
@@ -34,7 +37,7 @@ from gateway.metrics import Metrics
 from settings import ConfigError, Settings
 from store.lock import ServerLock
 from store.store import Store
-from store.types import StoreUnavailable
+from store.types import StoreError, StoreUnavailable
 
 log = structlog.get_logger(__name__)
 
@@ -129,22 +132,11 @@ async def _lifecycle(app: web.Application, backend_factory: BackendFactory | Non
     # Models first: a config error there (a missing folder) must not leave the store's
     # writer thread running, which kept the process alive after "config error".
     models = build_models(settings, backend_factory)
-    lock = ServerLock(Path(settings.store.path))
-    lock.acquire()  # one server per database: a second one stops here with a clear message
-    try:
-        store = await Store.open(Path(settings.store.path), settings.store)
-    except BaseException:
-        lock.release()
-        raise
+    store, lock = await _open_database(settings)
     started = []
     purge_task = None
     try:
-        num_orphaned = await store.fail_unfinished_responses(responses_background.RESTART_ERROR)
-        if num_orphaned:  # one server per database: nothing else can be running them
-            log.warning("background_responses_failed_at_start", num_responses=num_orphaned)
-        num_cut = await store.delete_pending_conversations()
-        if num_cut:  # a Responses call created them, then the process died before the answer was stored
-            log.warning("unanswered_conversations_deleted_at_start", num_conversations=num_cut)
+        await _clean_up_after_last_run(store)
         for name, handle in models.items():
             try:
                 await handle.backend.start()
@@ -159,7 +151,6 @@ async def _lifecycle(app: web.Application, backend_factory: BackendFactory | Non
             await queue.start()
         retention = {name: tier.retention_days for name, tier in settings.tiers.items()}
         purge_task = asyncio.create_task(store.run_purge_loop(retention))
-        log.info("server_ready", models=list(models), keyless=state.local_principal is not None)
         yield
     finally:
         if purge_task is not None:
@@ -178,8 +169,61 @@ async def _lifecycle(app: web.Application, backend_factory: BackendFactory | Non
         lock.release()
 
 
+async def _open_database(settings: Settings) -> tuple[Store, ServerLock]:
+    """Take the one-server lock and open the store. DatabaseInUse when another server holds it;
+    CannotStart, in one line, when the file cannot be used (a newer schema, not a database, a
+    folder, a read-only or full disk)."""
+    path = Path(settings.store.path)
+    lock = ServerLock(path)
+    try:
+        lock.acquire()  # one server per database: a second one stops here with a clear message
+    except OSError as exc:
+        raise CannotStart(f"cannot open the database {path}: {exc.strerror or exc} ({exc.filename})") from None
+    try:
+        return await Store.open(path, settings.store), lock
+    except StoreError as exc:
+        lock.release()
+        message = str(exc)
+        if not message.startswith("cannot open"):
+            message = f"cannot open the database {path}: {message}"
+        raise CannotStart(message) from None
+    except (OSError, sqlite3.Error) as exc:
+        lock.release()
+        raise CannotStart(f"cannot open the database {path}: {exc}") from None
+    except BaseException:
+        lock.release()
+        raise
+
+
+async def _clean_up_after_last_run(store: Store) -> None:
+    """What a previous process left unfinished. The first writes of a start: a database that
+    cannot take them (disk full) stops the start with one line."""
+    try:
+        num_orphaned = await store.fail_unfinished_responses(responses_background.RESTART_ERROR)
+        num_cut = await store.delete_pending_conversations()
+    except StoreError as exc:
+        raise CannotStart(f"cannot open the database {store.path} for writing: {exc}") from None
+    if num_orphaned:  # one server per database: nothing else can be running them
+        log.warning("background_responses_failed_at_start", num_responses=num_orphaned)
+    if num_cut:  # a Responses call created them, then the process died before the answer was stored
+        log.warning("unanswered_conversations_deleted_at_start", num_conversations=num_cut)
+
+
+async def _log_ready(app: web.Application) -> None:
+    """After every part of the app has started (the lifecycle above, the Files API's folder)."""
+    state = app[STATE]
+    log.info("server_ready", models=list(state.models), keyless=state.local_principal is not None)
+
+
 async def _make_state(settings: Settings, store: Store, models) -> AppState:
     metrics = Metrics()
+    name, version, commit = build_info()
+    Gauge(
+        "chat_build_info",
+        "Always 1; the labels say which build serves.",
+        ("name", "version", "commit"),
+        registry=metrics.registry,
+    ).labels(name, version, commit or "unknown").set(1)
     admission = build_admission(settings, {name: handle.backend for name, handle in models.items()}, metrics)
     register_upstream_metrics(metrics.registry, {name: handle.backend for name, handle in models.items()})
     local = None
@@ -188,6 +232,14 @@ async def _make_state(settings: Settings, store: Store, models) -> AppState:
             raise ConfigError(
                 f"server.local_tier: tier {settings.server.local_tier!r} is not declared under [tiers] (a --config "
                 "file replaces config.toml whole, tiers included: start from a copy of config.toml)"
+            )
+        existing = await store.get_org("local")
+        if existing is not None and existing.tier != settings.server.local_tier:
+            log.warning(
+                "local_org_tier_reset",
+                tier=existing.tier,
+                new_tier=settings.server.local_tier,
+                detail="server.local_tier sets the tier of keyless local requests at every start; change it there",
             )
         org = await store.ensure_org("local", settings.server.local_tier)
         from store.types import Principal
@@ -245,6 +297,7 @@ def init(settings: Settings, *, backend_factory: BackendFactory | None = None) -
     app[INFLIGHT] = InFlight()
     app.cleanup_ctx.append(functools.partial(_lifecycle, backend_factory=backend_factory))
     files.setup(app)  # after _lifecycle: its context needs the store
+    app.on_startup.append(_log_ready)  # after every cleanup_ctx has started
     app.on_shutdown.append(_on_shutdown)
     app.on_response_prepare.append(_stamp_headers)
     resources.add_routes(app, chat.chat_completions)

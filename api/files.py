@@ -24,7 +24,7 @@ from api.connections import CLOSE_AFTER
 from api.errors import ApiError, bad_request, not_found
 from api.paging import page_limit, page_order
 from api.state import PRINCIPAL, SETTINGS, STATE
-from settings import Settings
+from settings import ConfigError, Settings
 from store.blobs import Blobs, Upload, is_file_id, new_file_id
 from store.types import FileQuery, FileQuota, QuotaExceeded, StoredFile, StoreError
 
@@ -317,7 +317,12 @@ async def purge_once(store, blobs: Blobs, now: float | None = None) -> int:
 
 async def _files_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
-    app[BLOBS] = blobs = Blobs(files_root(settings))
+    root = files_root(settings)
+    try:
+        app[BLOBS] = blobs = Blobs(root)
+    except OSError as exc:  # a missing parent, a read-only disk: at start, not at the first upload
+        where = "files.dir" if settings.files.dir else "files.dir (empty: beside the database)"
+        raise ConfigError(f"{where}: cannot keep uploaded files in {root}: {exc.strerror or exc}") from None
     store = app[STATE].store
 
     async def loop() -> None:

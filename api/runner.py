@@ -1,7 +1,7 @@
 """Serving the app on a socket: guarded connections, signals, and a shutdown bounded by the grace.
 
 `run(app, settings)` starts the app (store, models, queues), listens with the connection guard
-of `api/connections.py`, and on SIGINT/SIGTERM: stops accepting, lets running answers finish
+of `api/connections.py`, and on SIGINT/SIGTERM/SIGHUP: stops accepting, lets running answers finish
 for `shutdown_grace_s`, cuts the rest with a `server_shutting_down` error event, then stops
 the app. The process is gone within the grace plus a few seconds. A second signal during the
 drain ends the grace at once (running answers are cut, billed for what they generated, as
@@ -31,10 +31,13 @@ CUT_WAIT_S = 3.0  # after the grace: how long cut answers get to send their erro
 HANDLER_WAIT_S = 1.0  # then: how long aiohttp waits for any other handler before cancelling it
 KEEPALIVE_S = 75.0  # idle keep-alive connections close after this (aiohttp's default)
 LINGER_S = 1.0  # after an error answer, how long a body that will not be read is drained
+# Each stops the server gracefully. SIGHUP is what a closed terminal or ssh session sends: its
+# default action killed the process on the spot (streams cut unbilled, prefix cache not saved).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 async def run(app: web.Application, settings: Settings, sock: socket.socket | None = None) -> None:
-    """Serve until SIGINT/SIGTERM; `sock`: a listening socket bound already (else host and port)."""
+    """Serve until SIGINT, SIGTERM or SIGHUP; `sock`: a listening socket bound already (else host and port)."""
     cfg = settings.server
     runner = web.AppRunner(
         app,
@@ -44,7 +47,11 @@ async def run(app: web.Application, settings: Settings, sock: socket.socket | No
         keepalive_timeout=KEEPALIVE_S,
         lingering_time=LINGER_S,
     )
-    await runner.setup()  # starts the app: store, models, queues (cleanup_ctx)
+    try:
+        await runner.setup()  # starts the app: store, models, queues (cleanup_ctx)
+    except BaseException:
+        await _stop_what_started(app)
+        raise
     try:
         guard = ConnectionGuard(ConnectionLimits.from_config(cfg))
         loop = asyncio.get_running_loop()
@@ -85,6 +92,17 @@ async def run(app: web.Application, settings: Settings, sock: socket.socket | No
     log.info("stopped")
 
 
+async def _stop_what_started(app: web.Application) -> None:
+    """aiohttp runs no cleanup when a startup step fails, so the contexts entered before it (the
+    store's writer thread, the models' step threads, the database lock) would keep the process
+    alive: exit them now, in reverse order, as a normal stop does."""
+    app.on_cleanup.freeze()  # Application.cleanup runs only a frozen list
+    try:
+        await app.cleanup()
+    except Exception:  # the start's own error is what the operator needs; this one goes to the log
+        log.exception("cleanup_after_failed_start_failed")
+
+
 async def _wait_for_signal(loop: asyncio.AbstractEventLoop) -> str:
     received: asyncio.Future[str] = loop.create_future()
 
@@ -92,17 +110,17 @@ async def _wait_for_signal(loop: asyncio.AbstractEventLoop) -> str:
         if not received.done():
             received.set_result(name)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig.name)
     try:
         return await received
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
 
 
 def _escalate_on_signals(loop: asyncio.AbstractEventLoop) -> asyncio.Event:
-    """While shutting down: the next SIGINT/SIGTERM sets the returned event (the grace ends now),
+    """While shutting down: the next SIGINT/SIGTERM/SIGHUP sets the returned event (the grace ends now),
     the one after exits the process at once (the kernel releases the database lock)."""
     hurry = asyncio.Event()
 
@@ -114,7 +132,7 @@ def _escalate_on_signals(loop: asyncio.AbstractEventLoop) -> asyncio.Event:
         log.error("shutdown_forced", signal=name)
         os._exit(1)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig.name)
     return hurry
 

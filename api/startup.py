@@ -8,9 +8,14 @@ from __future__ import annotations
 import errno
 import gc
 import socket
+import tomllib
 from pathlib import Path
 
+import structlog
+
 from settings import ConfigError, Settings
+
+log = structlog.get_logger(__name__)
 
 _PATHLESS_BACKENDS = ("openai",)  # served from another server: no local folder
 
@@ -28,8 +33,43 @@ def check_model_folders(settings: Settings) -> None:
             )
 
 
+def check_web_ui(settings: Settings) -> None:
+    """A ConfigError when server.static_dir holds no web UI: else / answers 404 with no word at start."""
+    static_dir = settings.server.static_dir
+    if static_dir and not (Path(static_dir) / "index.html").is_file():
+        raise ConfigError(
+            f"server.static_dir: no web UI in {Path(static_dir).resolve()} (index.html missing; relative paths in a "
+            'config file are relative to its folder, and "static" is the one shipped with the server)'
+        )
+
+
 class PortInUse(Exception):
     """The address is taken; the message says which and what to do."""
+
+
+class CannotStart(Exception):
+    """Something outside the settings stops the start (the database file, its disk); the message,
+    one line, says what and where."""
+
+
+def warn_if_prefix_cache_unwritable(settings: Settings) -> None:
+    """engine.prefix_cache_dir is only written at a clean stop: say at start when it cannot be,
+    rather than with a traceback at the stop. Warmth only, so a warning, not an error."""
+    from engine.native.prefix_store import folder_problem
+    from engine.registry import _prefix_cache_dir  # the one place "auto" is resolved
+
+    directory = _prefix_cache_dir(settings)
+    uses_it = settings.engine.enable_prefix_caching and any(m.backend == "native" for m in settings.models.values())
+    if directory is None or not uses_it:
+        return
+    problem = folder_problem(directory)
+    if problem is not None:
+        log.warning(
+            "prefix_cache_dir_not_writable",
+            path=str(directory),
+            error=problem,
+            detail="the prefix cache will not be kept across restarts; set engine.prefix_cache_dir",
+        )
 
 
 def bind_listening_socket(host: str, port: int) -> socket.socket:
@@ -51,6 +91,39 @@ def bind_listening_socket(host: str, port: int) -> socket.socket:
         raise PortInUse(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     sock.setblocking(False)
     return sock
+
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def build_info() -> tuple[str, str, str | None]:
+    """(name, version) from pyproject.toml, and the commit when this runs from a git clone (read
+    from .git, without running git); None otherwise (an unpacked release)."""
+    project = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    return project["name"], project["version"], _git_commit(PROJECT_ROOT / ".git")
+
+
+def version_text() -> str:
+    """`selfhosted-chat 0.1.0 (commit 1a2b3c4d5e6f)`, for `server.py --version`."""
+    name, version, commit = build_info()
+    return f"{name} {version}" + (f" (commit {commit[:12]})" if commit else "")
+
+
+def _git_commit(git_dir: Path) -> str | None:
+    try:
+        head = (git_dir / "HEAD").read_text(encoding="ascii").strip()
+        if not head.startswith("ref: "):
+            return head or None  # a detached HEAD holds the commit itself
+        ref = head.removeprefix("ref: ")
+        if (git_dir / ref).is_file():
+            return (git_dir / ref).read_text(encoding="ascii").strip() or None
+        for line in (git_dir / "packed-refs").read_text(encoding="ascii").splitlines():
+            commit, _, name = line.partition(" ")
+            if name == ref:
+                return commit
+    except OSError:
+        pass
+    return None
 
 
 def freeze_startup_heap() -> int:

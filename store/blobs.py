@@ -70,8 +70,13 @@ class Upload:
 
 class Blobs:
     def __init__(self, root: Path) -> None:
+        """Creates the folder; OSError when uploads could not be written there (checked by writing
+        one empty file, so a read-only disk is found now, not at the first upload)."""
         self.root = Path(root)
         (self.root / _PARTIAL).mkdir(parents=True, exist_ok=True)
+        probe = self.root / _PARTIAL / f"write-check-{secrets.token_hex(4)}.part"
+        probe.touch()
+        probe.unlink()
 
     def start_upload(self) -> Upload:
         return Upload(self)

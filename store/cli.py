@@ -1,4 +1,5 @@
-"""`server.py keys ...` and `server.py orgs ...`: manage organisations and API keys offline.
+"""`server.py keys|orgs ...`: manage organisations and API keys offline; `feedback export`;
+`backup`: copy the database while the server runs.
 
 Each command opens the store, does one thing and closes it; it is safe while the server runs
 (WAL, one short write transaction). A key's secret is printed once, at creation.
@@ -9,6 +10,9 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
+import os
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -23,12 +27,12 @@ from store.types import INFERENCE_SCOPE, KEY_SCOPES, Conflict, NotFound, StoreEr
 
 
 def add_cli(subparsers: Any) -> None:
-    """Add the `keys`, `orgs` and `feedback` commands to the server's argparse subparsers."""
+    """Add the `keys`, `orgs`, `feedback` and `backup` commands to the server's argparse subparsers."""
     keys = subparsers.add_parser("keys", help="create, list and revoke API keys")
     keys.set_defaults(store_cli="keys")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     create = _with_db(keys_sub.add_parser("create", help="create a key (and its organisation if missing)"))
-    create.add_argument("--org", required=True, help="organisation name")
+    create.add_argument("--org", required=True, type=_org_name, help="organisation name")
     create.add_argument(
         "--tier",
         help="tier of a new organisation; for an existing one it must equal that organisation's tier"
@@ -64,7 +68,7 @@ def add_cli(subparsers: Any) -> None:
     orgs_sub = orgs.add_subparsers(dest="orgs_command", required=True)
     _with_db(orgs_sub.add_parser("list", help="list organisations"))
     org_create = _with_db(orgs_sub.add_parser("create", help="create an organisation"))
-    org_create.add_argument("name")
+    org_create.add_argument("name", type=_org_name)
     org_create.add_argument("--tier", required=True)
     org_create.add_argument("--budget", type=_budget, default=None, help="monthly budget in USD")
     feedback = subparsers.add_parser("feedback", help="export what users said about answers")
@@ -77,6 +81,17 @@ def add_cli(subparsers: Any) -> None:
     )
     export.add_argument("--org", help="only this organisation's feedback")
     export.add_argument("--out", type=Path, help="write to this file (default: standard output)")
+    backup = _with_db(
+        subparsers.add_parser(
+            "backup",
+            help="copy the database to a file, safely while the server runs (SQLite's online backup)",
+            description="Copy the database, consistent as of one moment, while a server may be writing it "
+            "(plain cp of a running server's database misses what is still in its -wal file). Says where "
+            "the uploaded files and the prefix cache are, which live outside the database. See docs/operations.md.",
+        )
+    )
+    backup.set_defaults(store_cli="backup")
+    backup.add_argument("--out", type=Path, required=True, help="the backup file to write (must not exist)")
     org_set = _with_db(orgs_sub.add_parser("set", help="change an organisation's tier, budget or limits"))
     org_set.add_argument("name")
     org_set.add_argument("--tier")
@@ -91,8 +106,12 @@ def add_cli(subparsers: Any) -> None:
 
 
 async def run_cli(args: argparse.Namespace, settings: Settings) -> int:
-    """Run the parsed `keys`/`orgs` command; returns the process exit code."""
+    """Run the parsed `keys`/`orgs`/`feedback`/`backup` command; returns the process exit code."""
     path = Path(args.db or settings.store.path)
+    if _is_missing_database(args, path):
+        return _fail(f"no database at {path}; give the server's --db, or start the server once to create it")
+    if args.store_cli == "backup":
+        return _backup(path, args.out, settings)
     try:
         store = await Store.open(path, settings.store)
     except StoreError as exc:
@@ -209,9 +228,67 @@ async def _feedback_export(store: Store, args: argparse.Namespace, settings: Set
     if args.out is None:
         sys.stdout.write(text)
     else:
-        args.out.write_text(text, encoding="utf-8")
+        try:
+            args.out.write_text(text, encoding="utf-8")
+        except OSError as exc:
+            return _fail(f"cannot write {args.out}: {exc.strerror or exc}")
         sys.stderr.write(f"wrote {len(lines)} feedback rows to {args.out}\n")
     return 0
+
+
+def _is_missing_database(args: argparse.Namespace, path: Path) -> bool:
+    """No file at `path` for a command that reads or changes what is there. Opening it would create
+    an empty database (and its folder) only to report nothing in it; the commands that create an
+    organisation may start a new one."""
+    command = (args.store_cli, getattr(args, f"{args.store_cli}_command", None))
+    return command not in (("keys", "create"), ("orgs", "create")) and not path.is_file()
+
+
+def _backup(path: Path, out: Path, settings: Settings) -> int:
+    if out.exists():
+        return _fail(f"{out} already exists; remove it or choose another --out")
+    try:
+        num_bytes = backup_database(path, out)
+    except (OSError, sqlite3.Error) as exc:
+        return _fail(f"cannot back up {path} to {out}: {exc}")
+    _out(f"backed up {path} to {out} ({num_bytes} bytes, integrity checked)")
+    # Kept outside the database: their defaults as api/files.py and engine/registry.py resolve them.
+    files_dir = Path(settings.files.dir) if settings.files.dir else path.parent / "files"
+    cache = settings.engine.prefix_cache_dir
+    cache_dir = path.parent / "prefix-cache" if cache == "auto" else Path(cache) if cache else None
+    _out("not in the database, copy these too (see docs/operations.md):")
+    _out(f"  uploaded files (files.dir): {files_dir}")
+    if cache_dir is not None:
+        _out(f"  prefix cache (engine.prefix_cache_dir; optional, rebuilt as chats run): {cache_dir}")
+    return 0
+
+
+def backup_database(source: Path, out: Path) -> int:
+    """Copy `source` to `out` with SQLite's online backup API and check the copy; returns its size.
+
+    One backup step copies every page inside one read transaction: in WAL mode that is a
+    consistent snapshot that a running server's writes neither block nor restart. The copy is
+    written beside `out` and renamed, so `out` is either whole or absent."""
+    partial = out.with_name(out.name + ".partial")
+    src = sqlite3.connect(f"{source.resolve().as_uri()}?mode=ro", uri=True)  # never creates or migrates
+    try:
+        dst = sqlite3.connect(partial)
+        try:
+            src.backup(dst)
+            result = dst.execute("PRAGMA quick_check").fetchone()[0]
+            if result != "ok":
+                raise sqlite3.DatabaseError(f"the copy fails quick_check: {result}")
+        finally:
+            dst.close()
+        with open(partial, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(partial, out)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    finally:
+        src.close()
+    return out.stat().st_size
 
 
 def _feedback_line(f: Feedback) -> str:
@@ -245,10 +322,19 @@ def _with_db(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _budget(text: str) -> float | None:
     if text.strip().lower() in ("none", "off", ""):
         return None
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError("a budget cannot be negative")
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:  # inf and nan parse as floats, and 1e400 is inf
+        raise argparse.ArgumentTypeError(f"budget must be a finite number >= 0 (USD) or 'none', got {text!r}")
     return value
+
+
+def _org_name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an organisation needs a name")
+    return text
 
 
 def _merge_limits(limits: dict[str, Any], items: list[str]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from scripts import gen_config
-from settings import PROJECT_DIR, ConfigError, Settings, load_settings, settings_help
+from settings import PROJECT_DIR, ConfigError, Settings, load_settings, settings_help, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -126,3 +126,80 @@ def test_the_default_body_limit_holds_the_largest_image_sent_inline():
     defaults = Settings()
     base64_chars = -(-defaults.images.max_image_bytes // 3) * 4
     assert defaults.server.max_body_bytes >= base64_chars + 64 * 1024  # and room for the messages
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("engine.max_num_batched_tokens=0", "engine.max_num_batched_tokens must be 1 or more; got 0"),
+        ("engine.max_num_seqs=0", "engine.max_num_seqs must be 1 or more"),
+        ("engine.block_size=0", "engine.block_size must be 1 or more"),
+        ("engine.speculative_tokens=-1", "engine.speculative_tokens must be 0 or more"),
+        ("engine.kv_cache_memory_fraction=1.5", "engine.kv_cache_memory_fraction must be more than 0 and at most 1"),
+        ("engine.device=tpu", "engine.device must be one of auto, cpu, cuda, cuda:N; got 'tpu'"),
+        ("server.max_connections=0", "server.max_connections must be 1 or more"),
+        ("server.port=70000", "server.port must be 0 to 65535"),
+        ("server.max_body_bytes=-1", "server.max_body_bytes must be 1 or more"),
+        ("server.shutdown_grace_s=-1", "server.shutdown_grace_s must be 0 or more"),
+        ("server.heartbeat_s=0", "server.heartbeat_s must be more than 0"),
+        ("server.body_timeout_s=-5", "server.body_timeout_s must be more than 0"),
+        ('server.log_level="verbose"', "server.log_level must be one of debug, info, warning, error; got 'verbose'"),
+        ("store.purge_interval_s=0", "store.purge_interval_s must be 1 or more"),
+        ("store.purge_interval_s=-3", "store.purge_interval_s must be 1 or more"),
+        ("store.purge_interval_s=nan", "store.purge_interval_s: expected a finite number"),
+        ("store.busy_timeout_ms=-1", "store.busy_timeout_ms must be 0 or more"),
+        ("store.num_read_connections=0", "store.num_read_connections must be 1 or more"),
+        ("store.key_cache_s=-1", "store.key_cache_s must be 0 or more"),
+        ("store.synchronous=FAST", "store.synchronous must be one of OFF, NORMAL, FULL, EXTRA; got 'FAST'"),
+        ("files.max_file_bytes=-1", "files.max_file_bytes must be 1 or more"),
+        ("images.max_image_bytes=0", "images.max_image_bytes must be 1 or more"),
+        ("images.max_images_per_request=-1", "images.max_images_per_request must be 0 or more"),
+        ("safety.threshold=1.5", "safety.threshold must be 0 to 1"),
+        ("safety.thresholds={malware=-0.1}", "safety.thresholds.malware must be 0 to 1"),
+        ('safety.block_mode="silent"', "safety.block_mode must be one of refusal, error; got 'silent'"),
+        ("queue.max_waiting_requests=-1", "queue.max_waiting_requests must be 0 or more"),
+        ("queue.max_wait_s=-1", "queue.max_wait_s must be 0 or more"),
+        ("upstream.max_attempts=0", "upstream.max_attempts must be 1 or more"),
+        ('embeddings.dtype="bogus"', "embeddings.dtype must be one of float32, bfloat16, int8, w8a8; got 'bogus'"),
+        ("tiers.free.max_tokens=0", "tiers.free.max_tokens must be 1 or more"),
+        ("models.m.price_output_per_mtok=-1", "models.m.price_output_per_mtok must be 0 or more"),
+    ],
+)
+def test_a_value_outside_what_a_setting_allows_is_a_config_error_naming_it(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_settings(ROOT / "config.toml", [override])
+    assert str(info.value) == message or str(info.value).startswith(message)
+
+
+def test_the_defaults_and_the_shipped_config_are_allowed_values_and_cases_and_cuda_n_pass():
+    assert validate(Settings()) == Settings()
+    load_settings(ROOT / "config.toml")
+    s = load_settings(None, ['engine.device="cuda:1"', 'store.synchronous="normal"', 'server.log_level="DEBUG"'])
+    assert s.engine.device == "cuda:1" and s.store.synchronous == "normal"
+
+
+def test_every_allowed_range_is_stated_in_the_help_text():
+    rows = {key: help_text for key, _default, help_text in settings_help()}
+    assert rows["server.port"].endswith("Allowed: 0 to 65535.")
+    assert rows["store.purge_interval_s"].endswith("Allowed: 1 or more.")
+
+
+def test_the_port_flag_is_checked_like_the_setting():
+    import server
+
+    args = server.parse_args(["--port", "70000"])
+    with pytest.raises(ConfigError, match=r"server\.port must be 0 to 65535"):
+        server.apply_cli(load_settings(None), args)
+
+
+def test_a_copied_config_naming_the_shipped_web_ui_relatively_still_finds_it(tmp_path):
+    """config.toml says static_dir = "static": a copy elsewhere served a 404 UI without a word."""
+    copy = tmp_path / "etc" / "config.toml"
+    copy.parent.mkdir()
+    copy.write_text((ROOT / "config.toml").read_text(encoding="utf-8"))
+    settings = load_settings(copy)
+    assert settings.server.static_dir == str(PROJECT_DIR / "static")
+    assert settings.safety.classifier_path == str(PROJECT_DIR / "safety" / "classifier.npz")
+    (copy.parent / "static").mkdir()  # one of the operator's own beside the copy wins
+    assert load_settings(copy).server.static_dir == str(copy.parent / "static")
+    assert load_settings(copy).store.path == str(copy.parent / "data" / "chat.db")  # data stays beside the copy

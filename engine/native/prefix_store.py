@@ -182,3 +182,16 @@ def _restore_group(
         source = kv.index_select(2, torch.tensor(rows)).to(pool.device)
         pool.index_copy_(2, torch.tensor(block_ids, device=pool.device), source)
     return len(block_ids)
+
+
+def folder_problem(directory: Path) -> str | None:
+    """Why a cache file could not be written in `directory` at the stop, or None: checked at start
+    (api/startup.py) without creating anything; the folder itself is made at the first save."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):  # EROFS on a read-only mount, even for root
+        return f"{existing} is not writable"
+    return None

@@ -93,7 +93,7 @@ def test_slow_headers_and_bodies_hit_their_deadlines_and_the_caps_keep_new_clien
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         assert get_health(server.port) == 200  # a new client still gets in: the oldest slow one is closed
         post = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        status, error = error_of(exchange(server.port, post + b"Content-Length: 20000000\r\n\r\n{}"))
+        status, error = error_of(exchange(server.port, post + b"Content-Length: 30000000\r\n\r\n{}"))
         assert (status, error["code"]) == (413, "request_too_large")
         stalled = connect(server.port)
         stalled.sendall(post + b"Content-Length: 1000\r\n\r\n" + b"{" * 10)

@@ -106,6 +106,8 @@ def test_config_paths_resolve_against_the_config_file_and_ready_block_names_url_
 
 
 def test_keys_command_prints_no_sqlite_warning(tmp_path):
-    result = _run(["--db", str(tmp_path / "chat.db"), "orgs", "list"], tmp_path)
+    db = str(tmp_path / "chat.db")
+    assert _run(["--db", db, "orgs", "create", "acme", "--tier", "free"], tmp_path).returncode == 0
+    result = _run(["--db", db, "orgs", "list"], tmp_path)
     assert result.returncode == 0, result.stderr
     assert "WAL-reset" not in result.stderr + result.stdout
