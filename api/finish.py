@@ -82,7 +82,10 @@ async def _stream_error(writer: SSEWriter, exc: Exception, job: Job, *, is_done:
     for a stored answer.
     """
     error = engine_api_error(exc)
-    log.error("stream_failed", request_id=job.request_id, code=error.code, error=str(exc))
+    if error.code == "server_shutting_down":  # the operator stopped the server: expected, not a fault
+        log.warning("stream_cut_at_shutdown", request_id=job.request_id)
+    else:
+        log.error("stream_failed", request_id=job.request_id, code=error.code, error=str(exc))
     try:
         await writer.data(error.body())
         await (writer.done() if is_done and error.status < 500 else writer.end())

@@ -96,7 +96,7 @@ class Store:
         if store._keys.is_enabled:
             store._key_refresh = asyncio.create_task(store._refresh_keys(), name="store-key-refresh")
         log.info(
-            "store opened",
+            "store_opened",
             path=str(path),
             synchronous=config.synchronous.upper(),
             schema=schema.SCHEMA_VERSION,
@@ -398,7 +398,7 @@ class Store:
             return await self._write(functools.partial(ledger.record, rec=rec))
         except StoreUnavailable as exc:
             log.error(
-                "usage record not written",
+                "usage_record_not_written",
                 request_id=rec.request_id,
                 org_id=rec.org_id,
                 key_id=rec.key_id,

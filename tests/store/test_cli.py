@@ -154,7 +154,7 @@ def test_keys_commands_print_no_info_logs(tmp_path: Path) -> None:
     result = _server("keys", "create", "--org", "acme", "--tier", "free", "--db", str(tmp_path / "c.db"), cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1].startswith("sk-")
-    assert result.stderr == ""  # no "store opened", no "store_migrated"
+    assert result.stderr == ""  # no "store_opened", no "store_migrated"
 
 
 @pytest.mark.slow

@@ -40,7 +40,7 @@ async def test_a_full_disk_raises_store_unavailable_and_loses_nothing_acknowledg
     assert failed is not None, "the size limit was never reached"
     assert not store.is_writable
     assert await store.get_org("acme") == org  # reads still work
-    lost = [e for e in logs if e["event"] == "usage record not written"]
+    lost = [e for e in logs if e["event"] == "usage_record_not_written"]
     assert [e["request_id"] for e in lost] == [failed.request_id]  # reported, not silent
     await store.close()
 
