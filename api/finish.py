@@ -231,6 +231,8 @@ async def finish_job(
         # conversation shows what happened after a reload.
         assistant_content=content if store_answer and (content or status in _STORED_EMPTY) else None,
         fallback_from=job.fallback_from,
+        fallback_reason=job.fallback_reason,
+        history_messages_dropped=job.history_messages_dropped,
         usage_source=job.usage_source.value,
         # An answer the server cut (an engine failure) is stored as "error", so that after a
         # reload it does not pass for a complete one.

@@ -19,6 +19,7 @@ from aiohttp import web
 from api import feedback as feedback_api
 from api.chat import read_json
 from api.errors import ApiError, bad_request, not_found
+from api.image_job import prompter_of
 from api.model_info import created_at, model_extras
 from api.paging import page_limit
 from api.protocol import check_metadata
@@ -72,6 +73,7 @@ def _model_obj(name: str, state=None) -> dict:
             obj["reasoning"] = reasoning
         if not handle.serves_chat:  # a base model: /v1/completions only
             obj["chat"] = False
+        obj["vision"] = prompter_of(handle) is not None  # whether its chat messages may carry images
         loaded = getattr(handle.backend, "is_loaded", None)  # a model loaded on demand (idle_unload_s)
         if isinstance(loaded, bool):
             obj["loaded"] = loaded
@@ -122,6 +124,10 @@ def _message_obj(m: Message, billed: AnswerUsage | None = None) -> dict:
         obj["usage"] = _usage_obj(billed)
         if billed.fallback_from is not None:
             obj["fallback_from"] = billed.fallback_from
+            if billed.fallback_reason is not None:
+                obj["fallback_reason"] = billed.fallback_reason
+        if billed.history_messages_dropped:  # the prompt left out the conversation's oldest messages
+            obj["history_messages_dropped"] = billed.history_messages_dropped
     return obj
 
 

@@ -156,7 +156,7 @@ function applyChunk(result, chunk, onDelta, onReasoning) {
 // Streams one new user message into a stored conversation. Calls onDelta(text) per content
 // delta, onReasoning(text) per reasoning_content delta (a reasoning model's thinking) and
 // onComment(text) per SSE comment (queue position, heartbeat). Resolves with
-// {model, fallbackFrom, finishReason, usage, historyDropped}; rejects with an AbortError when `signal`
+// {model, fallbackFrom, fallbackReason, finishReason, usage, historyDropped}; rejects with an AbortError when `signal`
 // aborts (the server then aborts the generation) or an ApiFailure.
 export async function streamChat({ model, content, conversationId, signal, onDelta, onReasoning, onComment,
                                    options }) {
@@ -170,6 +170,7 @@ export async function streamChat({ model, content, conversationId, signal, onDel
   if (model) body.model = model;
   const response = await send("/v1/chat/completions", { method: "POST", body, signal, accept: "text/event-stream" });
   const result = { model: null, fallbackFrom: response.headers.get("x-fallback-from"), finishReason: null, usage: null,
+                   fallbackReason: response.headers.get("x-fallback-reason"),  // "busy", "over_budget" or absent
                    historyDropped: Number(response.headers.get("x-history-messages-dropped") || 0) };
   let isDone = false;
   try {

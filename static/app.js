@@ -1,33 +1,41 @@
-// The chat UI's entry point: boot (key, models, conversations), the send/stop/regenerate/
-// edit flow against the public API, the model picker and the usage summary. The server's
-// stored conversation is the truth; after each answer the view is re-synced from it.
+// The chat UI's entry point: boot (key, models, conversations), moving between chats (the
+// address names the open one; Back returns), the send/stop/regenerate/edit flow against the
+// public API and the model picker. The server's stored conversation is the truth; after each
+// answer the view is re-synced from it.
 
 import { api, getKey, isAbort, streamChat } from "./api.js";
 import { Attachments, textOf } from "./attachments.js";
 import { icon } from "./icons.js";
+import { Drawer } from "./drawer.js";
 import { describe, hideBanner, initKeyDialog, showBanner, showError } from "./notices.js";
-import { Sidebar, displayTitle } from "./sidebar.js";
-import { formatCost, plural, editInPlace, renderMessages, scrollToBottom, setBusy, streamingTarget } from "./view.js";
+import { Sidebar, confirmAction, displayTitle } from "./sidebar.js";
+import { plural, editInPlace, renderMessages, scrollToBottom, setBusy, streamingTarget } from "./view.js";
+import { refreshUsage } from "./usage.js";
 import { paintWelcome } from "./welcome.js";
 
 const $ = (id) => document.getElementById(id);
 const el = {
   input: $("composer-input"), form: $("composer"), send: $("send"), stop: $("stop"), status: $("status"),
-  title: $("chat-title"), model: $("model-select"), usage: $("usage-summary"), openKey: $("open-key"),
+  title: $("chat-title"), model: $("model-select"), openKey: $("open-key"),
   thinking: $("thinking-select"), thinkingPicker: $("thinking-picker"),
-  newChat: $("new-chat"), sidebar: $("sidebar"), openSidebar: $("open-sidebar"),
-  closeSidebar: $("close-sidebar"), backdrop: $("sidebar-backdrop"),
+  newChat: $("new-chat"),
 };
 $("attach").replaceChildren(icon("paperclip"));
 const attachments = new Attachments({
   button: $("attach"), input: $("attach-input"), list: $("attachments"), dropZone: document.querySelector(".main"),
   onChange: () => { el.send.disabled = attachments.isUploading; },
+  modelOf: () => state.models.get(el.model.value),
+});
+const drawer = new Drawer({
+  sidebar: $("sidebar"), backdrop: $("sidebar-backdrop"), open: $("open-sidebar"), close: $("close-sidebar"),
+  first: el.newChat,
 });
 const MODEL_STORAGE = "chat.model";
 const THINKING_STORAGE = "chat.thinking";
 const BRIEF_THINKING_TOKENS = 256;  // "Thinks briefly": the server closes the thinking after this many tokens
 const SYNC_ATTEMPTS = 5;
 const SYNC_RETRY_MS = 300;
+const SILENCE_HINT_MS = 30000;  // no byte of the answer for this long: say the server may be stuck
 
 // localStorage may throw (privacy modes); the model choice is then simply not remembered.
 function loadSetting(name) {
@@ -42,23 +50,32 @@ const state = {
   conversationId: null,
   messages: [],       // {role, content, id?, model?, tokens?, usage?, fallbackFrom?, finishReason?, feedback?,
                       //  historyDropped?, contextLength?, errorText?}
-  controller: null,   // AbortController of the answer being streamed
+  controller: null,   // AbortController of the answer being streamed; null once the view left it
+  editingIndex: null, // the user message whose edit box is open (one at a time)
   models: new Map(),  // id -> /v1/models entry (max_model_len, description, example_prompts)
 };
 
-// A stored message (snake_case finish_reason, fallback_from) in the view's shape. An answer's
-// `usage` is the chat completion's, as billed (less the thinking count, which is not stored).
+// A stored message (snake_case finish_reason, fallback_from, ...) in the view's shape. An
+// answer's `usage` is the chat completion's, as billed (its thinking count included).
 function fromStored(message) {
   const view = { ...message };
   if (message.finish_reason) view.finishReason = message.finish_reason;
   if (message.fallback_from) view.fallbackFrom = message.fallback_from;
+  if (message.fallback_reason) view.fallbackReason = message.fallback_reason;
+  if (message.history_messages_dropped) {  // the "earlier messages no longer fit" note, after a reload too
+    view.historyDropped = message.history_messages_dropped;
+    const model = state.models.get(message.model);
+    view.contextLength = model ? model.max_model_len : null;
+  }
   return view;
 }
 
 const sidebar = new Sidebar({
-  onOpen: (id) => { closeSidebar(); openConversation(id); },
-  onDeleted: (id) => { if (id === state.conversationId) newChat(); },
-  onRenamed: (c) => { if (c.id === state.conversationId) el.title.textContent = displayTitle(c); },
+  onOpen: (id) => { drawer.close(); openConversation(id, "push"); },
+  // The open chat's answer stops before the chat is deleted; then a new chat takes its place.
+  onDeleting: (id) => { if (id === state.conversationId) leaveStream(); },
+  onDeleted: (id) => { if (id === state.conversationId) newChat("replace"); },
+  onRenamed: (c) => { if (c.id === state.conversationId) showTitle(displayTitle(c)); },
   onError: (error) => showError(error, null),
 });
 
@@ -83,7 +100,7 @@ function selectModel(id) {
 }
 
 function showWelcome() {
-  paintWelcome(state.models.get(el.model.value), (text) => send(text));
+  paintWelcome(state.models.get(el.model.value), (text) => { el.input.focus(); send(text); });
   showThinkingChoice();
 }
 
@@ -109,66 +126,71 @@ function thinkingOptions() {
 el.model.addEventListener("change", () => { saveSetting(MODEL_STORAGE, el.model.value); showWelcome(); });
 el.thinking.addEventListener("change", () => saveSetting(THINKING_STORAGE, el.thinking.value));
 
-function usageLine(row) {
-  const tokens = (row.prompt_tokens || 0) + (row.completion_tokens || 0);
-  const cost = formatCost(Number(row.cost_usd || 0));
-  return `${plural(row.num_requests ?? row.requests ?? 0, "request")} \u00b7 ${plural(tokens, "token")} \u00b7 ${cost}`;
-}
-
-// "of $5.00 budget" when the organisation has a monthly budget; near or past it, highlighted.
-function budgetNote(budget) {
-  if (!budget || budget.budget_usd == null) return "";
-  const limit = Number(budget.budget_usd);
-  const spent = Number(budget.month_spend_usd || 0);
-  el.usage.classList.toggle("usage-near-limit", spent >= 0.8 * limit);
-  return ` of ${limit === 0 ? "$0" : `$${limit.toFixed(2)}`} budget`;
-}
-
-async function refreshUsage() {
-  try {
-    const { data, total, budget } = await api.usage();
-    el.usage.classList.remove("usage-near-limit");
-    el.usage.textContent = `This month: ${usageLine(total)}${budgetNote(budget)}`;
-    el.usage.title = data.map((row) => `${row.model}: ${usageLine(row)}`).join("\n");
-  } catch {
-    el.usage.textContent = "This month: usage unavailable";
-  }
-}
-
 // ---- conversations ---------------------------------------------------------------------
-function setConversation(id, title) {
+function showTitle(title) {
+  el.title.textContent = title;
+  document.title = title === "New chat" ? "Chat" : `${title} \u2013 Chat`;
+}
+
+// `how`: "push" when the user moves to another chat (Back then returns to the one left),
+// "replace" when the address only catches up (a new chat got its id, a boot, a deletion).
+function setConversation(id, title, how = "replace") {
   state.conversationId = id;
-  el.title.textContent = id ? title : "New chat";
+  state.editingIndex = null;
+  showTitle(id ? title : "New chat");
   sidebar.setActive(id);
   const hash = id ? `#${id}` : "";
-  if (window.location.hash !== hash) history.replaceState(null, "", `${window.location.pathname}${hash}`);
+  if (window.location.hash === hash) return;
+  const url = `${window.location.pathname}${window.location.search}${hash}`;
+  if (how === "push") history.pushState(null, "", url);
+  else history.replaceState(null, "", url);
 }
 
-function newChat() {
-  if (state.controller) return;
+// Leaving a chat while its answer streams stops reading it: the server stores what was
+// written as a stopped answer, and the send in flight sees that it is no longer the view's.
+function leaveStream() {
+  if (!state.controller) return;
+  state.controller.abort();
+  state.controller = null;
+  setStreaming(false);
+}
+
+function newChat(how = "push") {
+  leaveStream();
   hideBanner();
-  setConversation(null, null);
+  setConversation(null, null, how);
   selectModel(loadSetting(MODEL_STORAGE));  // a new chat starts on the user's model, not the last one opened
   state.messages = [];
   paint();
   el.input.focus();
 }
 
-async function openConversation(id) {
-  if (state.controller) return;
+function showConversation(conversation) {
+  state.messages = conversation.messages.map(fromStored);
+  // The next turn continues on the model that wrote the last answer, where still offered.
+  const lastAnswer = conversation.messages.findLast((m) => m.role === "assistant" && m.model);
+  if (lastAnswer) selectModel(lastAnswer.model);
+  paint();
+  scrollToBottom();
+}
+
+async function openConversation(id, how = "replace") {
+  if (id === state.conversationId && state.controller) return;  // already on screen, answering
+  leaveStream();
   try {
     const conversation = await api.getConversation(id);
     hideBanner();
-    setConversation(conversation.id, displayTitle(conversation));
-    state.messages = conversation.messages.map(fromStored);
-    // The next turn continues on the model that wrote the last answer, where still offered.
-    const lastAnswer = conversation.messages.findLast((m) => m.role === "assistant" && m.model);
-    if (lastAnswer) selectModel(lastAnswer.model);
-    paint();
-    scrollToBottom();
+    setConversation(conversation.id, displayTitle(conversation), how);
+    showConversation(conversation);
   } catch (error) {
-    showError(error, null);
-    if (error.status === 404) newChat();
+    if (error.status !== 404) {
+      showError(error, null);
+      setConversation(state.conversationId, el.title.textContent);  // the address names what is on screen
+      return;
+    }
+    sidebar.remove(id);
+    newChat("replace");
+    showBanner("That conversation was not found: it was deleted, or the link is wrong.");
   }
 }
 
@@ -188,7 +210,7 @@ async function syncFromServer(id, expectedCount) {
     if (!local || local.role !== stored.role) return fromStored(stored);
     return { ...local, ...fromStored(stored), usage: local.usage || stored.usage };
   });
-  el.title.textContent = displayTitle(conversation);
+  showTitle(displayTitle(conversation));
   sidebar.upsert(conversation);
   sidebar.setActive(id);
 }
@@ -198,14 +220,28 @@ const PROVISIONAL_TITLE_CHARS = 80;
 
 function provisionalTitle(content) {
   const words = content.split(/\s+/).filter(Boolean).join(" ");
-  return words.length <= PROVISIONAL_TITLE_CHARS ? words : `${words.slice(0, PROVISIONAL_TITLE_CHARS - 1)}\u2026`;
+  // As the server derives it (store/conversations.py, title_from), so the two can be compared.
+  return words.length <= PROVISIONAL_TITLE_CHARS ? words
+    : `${words.slice(0, PROVISIONAL_TITLE_CHARS - 1).trimEnd()}\u2026`;
+}
+
+// A title derived from the first message follows that message's edit; one the user chose stays.
+async function retitleAfterEdit(id, oldText, newText) {
+  const conversation = sidebar.items.find((c) => c.id === id);
+  if (!conversation || conversation.title !== provisionalTitle(oldText)) return;
+  try {
+    sidebar.upsert(await api.renameConversation(id, provisionalTitle(newText)));
+  } catch {
+    // The old title stays; the user can rename the chat in the list.
+  }
 }
 
 function actionsFor(index) {
   if (state.controller) return {};
   const msg = state.messages[index];
   const isLast = index === state.messages.length - 1;
-  const actions = {};
+  // While an edit box is open the other edits and Regenerate wait: they would discard it.
+  const actions = { isLocked: state.editingIndex != null };
   if (msg.role === "user") actions.onEdit = () => editMessage(index);
   if (isLast && (msg.role === "assistant" || msg.role === "user")) actions.onRegenerate = () => regenerate();
   if (isLast && msg.role === "assistant" && msg.finishReason === "length") actions.onContinue = () => send("Continue");
@@ -231,14 +267,29 @@ async function noteRedo(index, body) {
   }
 }
 
+// A repaint replaces the message buttons: focus that would fall to <body> (the Regenerate
+// just clicked, an example prompt) goes to the message box instead.
 function paint() {
+  const focused = document.activeElement;
+  const wasInList = Boolean(focused && focused.closest && focused.closest("#messages"));
   renderMessages(state.messages, actionsFor);
+  if (wasInList && (!focused.isConnected || focused.closest("[hidden]"))) el.input.focus();
 }
 
 async function editMessage(index) {
-  const content = await editInPlace(index, state.messages[index].content);
-  if (content == null) { paint(); return; }
-  await send(contentOf(state.messages[index], content), index, { edited_prompt: content });
+  state.editingIndex = index;
+  const later = state.messages.length - index - 2;  // messages after this one's answer
+  let text = state.messages[index].content;
+  for (;;) {
+    paint();  // locks the other buttons; again after a "no", to reopen the edit with its text
+    text = await editInPlace(index, text);
+    if (text == null || later <= 0) break;
+    const question = `Sending this edit removes the ${plural(later, "later message")} of this chat.`;
+    if (await confirmAction(question, "Remove and send")) break;
+  }
+  state.editingIndex = null;
+  if (text == null) { paint(); el.input.focus(); return; }
+  await send(contentOf(state.messages[index], text), index, { edited_prompt: text });
 }
 
 // What a stored user message is sent again as: its parts when it had attachments.
@@ -258,7 +309,6 @@ function setStreaming(isStreaming) {
   el.stop.hidden = !isStreaming;
   el.stop.disabled = false;
   el.model.disabled = el.thinking.disabled = isStreaming;
-  el.newChat.disabled = isStreaming;
   setBusy(isStreaming);
   if (!isStreaming) el.status.textContent = "";
 }
@@ -272,6 +322,73 @@ function onComment(comment) {
   } else if (comment === "processing") el.status.textContent = "Reading your message\u2026";
 }
 
+// Puts a message that was not sent back into the composer: its text, where the box is still
+// empty, and its attachments' chips.
+function giveBack(content) {
+  if (!el.input.value) {
+    el.input.value = textOf(content);
+    autoGrow();
+  }
+  attachments.restore(content);
+}
+
+// Readies the stored conversation for the new message: creates it (a new chat) or truncates
+// it to `keep` messages (regenerate, edit). Resolves false when the send must not go on.
+async function prepare(content, keep, redo, signal) {
+  if (!state.conversationId) {
+    const created = await api.createConversation();
+    // Stopped (or left) while it was created: leave no empty chat behind.
+    if (signal.aborted) { await deleteQuietly(created.id); return false; }
+    // The server titles it from the first message once stored; show the same meanwhile.
+    created.title = created.title || provisionalTitle(textOf(content));
+    setConversation(created.id, displayTitle(created));
+    sidebar.upsert(created);
+    sidebar.setActive(created.id);
+    return true;
+  }
+  if (keep >= state.messages.length) return true;
+  if (redo && !(await isInStep(state.conversationId))) return false;
+  if (redo) await noteRedo(keep + 1, redo);
+  await api.truncateConversation(state.conversationId, keep);
+  if (keep === 0 && redo && redo.edited_prompt != null) {
+    await retitleAfterEdit(state.conversationId, state.messages[0].content, redo.edited_prompt);
+  }
+  return true;
+}
+
+// Another tab may have added turns since this view was read, and truncating by this view's
+// count would delete them: reload the view instead and say so.
+async function isInStep(id) {
+  const stored = await api.getConversation(id);
+  const theirs = stored.messages[stored.messages.length - 1];
+  const mine = state.messages[state.messages.length - 1];
+  if (stored.messages.length === state.messages.length && theirs && mine && theirs.id === mine.id) return true;
+  if (id !== state.conversationId) return false;
+  showConversation(stored);
+  showBanner("This chat changed in another tab or window and was reloaded here; nothing was removed.",
+             { isInfo: true });
+  return false;
+}
+
+async function deleteQuietly(id) {
+  try {
+    await api.deleteConversation(id);
+  } catch {
+    // Left empty on the server; it still shows in the list and can be deleted there.
+    await sidebar.refresh();
+  }
+  sidebar.remove(id);
+}
+
+// The chat was deleted (in the sidebar, another tab or by the server): move to a new chat
+// and keep the message for it.
+function conversationGone(id, content) {
+  sidebar.remove(id);
+  if (id === state.conversationId) newChat("replace");
+  giveBack(content);
+  showBanner("This chat was deleted (perhaps in another tab). Your message is back in the box: send it to start a new chat.");
+}
+
 // Sends `content` as the next user message. `keepMessages` (regenerate, edit, retry) first
 // truncates the stored conversation to that many messages, so the server and view agree.
 // `redo` (regenerate, edit): the feedback recorded on the answer being replaced, first.
@@ -283,47 +400,65 @@ async function send(content, keepMessages = null, redo = null) {
   state.controller = controller;
   setStreaming(true);
   const isNew = !state.conversationId;
+  const conversationId = state.conversationId;
+  const isCurrent = () => state.controller === controller;
+  const done = () => { if (isCurrent()) { state.controller = null; setStreaming(false); paint(); } };
+  let isReady = false;
   try {
-    if (isNew) {
-      const created = await api.createConversation();
-      // The server titles it from the first message once stored; show the same meanwhile.
-      created.title = created.title || provisionalTitle(textOf(content));
-      setConversation(created.id, displayTitle(created));
-      sidebar.upsert(created);
-      sidebar.setActive(created.id);
-    } else if (keep < state.messages.length) {
-      if (redo) await noteRedo(keep + 1, redo);
-      await api.truncateConversation(state.conversationId, keep);
-    }
+    isReady = await prepare(content, keep, redo, controller.signal);
   } catch (error) {
-    state.controller = null;
-    setStreaming(false);
-    showError(error, () => send(content, keepMessages));
+    done();
+    if (error.status === 404 && conversationId) conversationGone(conversationId, content);
+    else showError(error, () => send(content, keepMessages, redo));
+    return;
+  }
+  if (!isReady || controller.signal.aborted) {
+    if (!redo) giveBack(content);  // stopped before the answer was asked for: nothing was sent
+    if (isReady && isCurrent()) await syncQuietly(state.conversationId);
+    done();
     return;
   }
   const outcome = await streamAnswer(state.conversationId, content, keep, controller);
+  if (!isCurrent()) return;  // the user moved to another chat; the server keeps what it had
+  await afterAnswer(content, { isNew, keep, keepMessages, outcome });
+  done();
+  refreshUsage();
+}
+
+async function syncQuietly(id) {
+  try { await syncFromServer(id, 0); } catch { /* the view keeps what it had */ }
+}
+
+async function afterAnswer(content, { isNew, keep, keepMessages, outcome }) {
+  const id = state.conversationId;
+  const failure = outcome.failure;
+  if (failure && failure.status === 404 && failure.param === "conversation_id") {
+    conversationGone(id, content);
+    return;
+  }
+  if (isNew && outcome.isRefused) {
+    await deleteQuietly(id);
+    setConversation(null, null);
+    state.messages = [];
+  } else {
+    await finishTurn(id, outcome);
+  }
   const retry = () => {
-    if (el.input.value === content) el.input.value = "";
+    if (el.input.value === textOf(content)) el.input.value = "";
+    attachments.clear();
     send(content, isNew && outcome.isRefused ? null : keep);
   };
-  try {
-    if (isNew && outcome.isRefused) {
-      await discardConversation(state.conversationId);
-    } else {
-      await finishTurn(state.conversationId, outcome);
-    }
-  } finally {
-    state.controller = null;
-    setStreaming(false);
-    paint();
-  }
-  if (outcome.failure) showError(outcome.failure, retry);
-  refreshUsage();
+  if (failure) showError(failure, retry);
+  // The answer arrived and is stored; only re-reading the chat failed: no Retry, which would
+  // send the message again.
+  else if (outcome.syncFailure && outcome.syncFailure.isNetwork) {
+    showBanner("The answer is saved, but the connection dropped before the chat could be re-read. Reload once it is back.");
+  } else if (outcome.syncFailure) showError(outcome.syncFailure, null);
 }
 
 // Streams the answer to `content`; resolves with {expected, failure, isRefused}: how many
 // messages the server should now hold, the error if any, and whether it refused before
-// storing anything (then the text goes back into the composer).
+// storing anything (then the message goes back into the composer).
 async function streamAnswer(conversationId, content, keep, controller) {
   const answer = { role: "assistant", content: "", model: null, isStreaming: true };
   const sent = { role: "user", content: textOf(content), parts: Array.isArray(content) ? content : undefined };
@@ -332,12 +467,15 @@ async function streamAnswer(conversationId, content, keep, controller) {
   el.status.textContent = "Waiting for the model\u2026";
   const target = streamingTarget(keep + 1);
   const outcome = { expected: keep + 2, failure: null, isRefused: false };
+  const silence = silenceWatch();
   try {
     const result = await streamChat({
-      model: el.model.value || null, content, conversationId, signal: controller.signal, onComment,
+      model: el.model.value || null, content, conversationId, signal: controller.signal,
       options: thinkingOptions(),
-      onDelta: (text) => { el.status.textContent = ""; answer.content += text; target.append(text); },
+      onComment: (comment) => { silence.reset(); onComment(comment); },
+      onDelta: (text) => { silence.reset(); el.status.textContent = ""; answer.content += text; target.append(text); },
       onReasoning: (text) => {
+        silence.reset();
         el.status.textContent = "Thinking\u2026";
         answer.reasoning = (answer.reasoning || "") + text;
         target.appendReasoning(text);
@@ -345,43 +483,48 @@ async function streamAnswer(conversationId, content, keep, controller) {
     });
     const model = state.models.get(result.model);
     Object.assign(answer, { model: result.model, usage: result.usage, fallbackFrom: result.fallbackFrom,
-                            finishReason: result.finishReason, historyDropped: result.historyDropped,
-                            contextLength: model ? model.max_model_len : null });
+                            fallbackReason: result.fallbackReason, finishReason: result.finishReason,
+                            historyDropped: result.historyDropped, contextLength: model ? model.max_model_len : null });
   } catch (error) {
     if (isAbort(error)) {
       answer.finishReason = "abort";  // as the server stores it: the same note live and after a reload
       outcome.expected = keep + (answer.content ? 2 : 1);
     } else {
+      error.hasHistory = keep > 0;  // a first message too long is the message's fault, not the chat's
       outcome.failure = error;
-      answer.errorText = describe(error).replace("{s}", "a moment");
+      answer.errorText = describe(error).replace("{wait}", "in a moment");
       outcome.isRefused = Boolean(error.status) && !error.isMidStream;
       outcome.expected = outcome.isRefused ? keep : 0;
-      if (outcome.isRefused && !el.input.value) el.input.value = textOf(content);
+      if (outcome.isRefused) giveBack(content);
     }
   } finally {
+    silence.stop();
     answer.isStreaming = false;
     el.stop.disabled = true;  // still busy until the view is re-synced with the server
   }
   return outcome;
 }
 
-async function discardConversation(id) {
-  try {
-    await api.deleteConversation(id);
-  } catch {
-    // Left empty on the server; it still shows in the list and can be deleted there.
-    await sidebar.refresh();
-  }
-  sidebar.remove(id);
-  setConversation(null, null);
-  state.messages = [];
+// The status line says so when the answer stops arriving for SILENCE_HINT_MS (a hung server
+// or a dead connection that never closes); any byte of the stream resets it.
+function silenceWatch() {
+  let timer = null;
+  const reset = () => {
+    clearTimeout(timer);
+    timer = setTimeout(() => {
+      el.status.textContent = "The server is not responding. Keep waiting, or press Stop.";
+    }, SILENCE_HINT_MS);
+  };
+  reset();
+  return { reset, stop: () => clearTimeout(timer) };
 }
 
 async function finishTurn(conversationId, outcome) {
   try {
     await syncFromServer(conversationId, outcome.expected);
   } catch (error) {
-    outcome.failure = outcome.failure || error;
+    if (outcome.failure) return;
+    outcome.syncFailure = error;
   }
   const last = state.messages[state.messages.length - 1];
   if (!outcome.failure && last && last.finishReason === "content_filter") {
@@ -417,28 +560,9 @@ function autoGrow() {
 }
 
 el.input.addEventListener("input", autoGrow);
-el.stop.addEventListener("click", stop);
-el.newChat.addEventListener("click", () => { closeSidebar(); newChat(); });
-
-// ---- narrow screens: the sidebar slides over the chat ----------------------------------
-function openSidebar() {
-  el.sidebar.classList.add("open");
-  el.backdrop.hidden = false;
-  el.openSidebar.setAttribute("aria-expanded", "true");
-  el.newChat.focus();
-}
-
-function closeSidebar() {
-  if (!el.sidebar.classList.contains("open")) return;
-  el.sidebar.classList.remove("open");
-  el.backdrop.hidden = true;
-  el.openSidebar.setAttribute("aria-expanded", "false");
-}
-
-el.openSidebar.addEventListener("click", openSidebar);
-el.closeSidebar.addEventListener("click", () => { closeSidebar(); el.openSidebar.focus(); });
-el.backdrop.addEventListener("click", closeSidebar);
-document.addEventListener("keydown", (event) => { if (event.key === "Escape") closeSidebar(); });
+// The Stop button hides itself: keep the keyboard in the message box, not on <body>.
+el.stop.addEventListener("click", () => { stop(); el.input.focus(); });
+el.newChat.addEventListener("click", () => { drawer.close(); newChat(); });
 
 // ---- boot ------------------------------------------------------------------------------
 async function boot() {
@@ -453,18 +577,22 @@ async function boot() {
   await sidebar.refresh();
   refreshUsage();
   attachments.loadLimits();
-  // The hash only selects a stored conversation; nothing from the URL is ever sent.
+  await followAddress();
+  document.body.classList.add("ready");
+}
+
+// The hash only selects a stored conversation; nothing from the URL is ever sent.
+async function followAddress() {
   const id = window.location.hash.slice(1);
   if (/^[\w-]{1,100}$/.test(id)) await openConversation(id);
-  else newChat();
-  document.body.classList.add("ready");
+  else newChat("replace");
 }
 
 initKeyDialog(boot);
 
+// Back and Forward: show the chat the address names (a stream of the one left stops).
 window.addEventListener("hashchange", () => {
-  const id = window.location.hash.slice(1);
-  if (id && id !== state.conversationId) openConversation(id);
+  if (window.location.hash.slice(1) !== (state.conversationId || "")) followAddress();
 });
 
 boot();

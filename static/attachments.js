@@ -7,6 +7,11 @@ import { getKey } from "./api.js";
 const IMAGE_TYPES = ["image/png", "image/jpeg", "image/gif", "image/webp"];
 const DEFAULT_MAX_FILE_BYTES = 20 * 1024 * 1024;
 const MAX_ATTACHMENTS = 8;
+// What the server reads (README, "Files and images"): images, PDFs and text files. Other
+// files still upload (a text file may lack a known type) but are flagged before sending.
+const TEXT_TYPES = ["application/json", "application/xml", "application/javascript", "application/x-yaml",
+                    "application/x-sh", "application/toml", "application/x-python", "application/sql"];
+const TEXT_EXTENSIONS = /\.(txt|md|markdown|csv|tsv|json|jsonl|xml|ya?ml|toml|ini|cfg|log|html?|css|js|mjs|ts|tsx|jsx|py|rb|go|rs|java|kt|c|h|cc|cpp|hpp|cs|php|sh|bash|sql|r|swift|tex|rst|org|srt|vtt)$/i;
 
 function authHeaders() {
   const key = getKey();
@@ -72,14 +77,38 @@ function thumbnail(src, alt) {
   return img;
 }
 
+function isReadable(file) {
+  return IMAGE_TYPES.includes(file.type) || file.type === "application/pdf" || /\.pdf$/i.test(file.name)
+    || file.type.startsWith("text/") || TEXT_TYPES.includes(file.type) || TEXT_EXTENSIONS.test(file.name);
+}
+
+// Whether a /v1/models entry takes images: `vision` or `input_modalities` where the server
+// says; null (unknown, no warning) where it does not.
+function takesImages(model) {
+  if (!model) return null;
+  if (typeof model.vision === "boolean") return model.vision;
+  if (Array.isArray(model.input_modalities)) return model.input_modalities.includes("image");
+  return null;
+}
+
+// Why the server will likely refuse `file` for `model`, or null.
+function warningFor(file, isImage, model) {
+  if (isImage && takesImages(model) === false) return `${model.id} cannot read images: pick a vision model.`;
+  if (!isReadable(file)) return "Not a file type the server reads (text, PDF or image).";
+  return null;
+}
+
 export class Attachments {
-  // elements: {button, input, list, dropZone}; onChange() after any change (to update Send).
-  constructor({ button, input, list, dropZone, onChange }) {
+  // elements: {button, input, list, dropZone}; onChange() after any change (to update Send);
+  // modelOf(): the selected model's /v1/models entry (to warn about images it cannot read).
+  constructor({ button, input, list, dropZone, onChange, modelOf }) {
     this.input = input;
     this.list = list;
     this.items = [];  // {file, isImage, progress, fileId, error, chip}
+    this.taken = [];  // the items of the last message sent, for restore() if it is refused
     this.maxFileBytes = DEFAULT_MAX_FILE_BYTES;
     this.onChange = onChange || (() => {});
+    this.modelOf = modelOf || (() => null);
     button.addEventListener("click", () => input.click());
     input.addEventListener("change", () => { this.add([...input.files]); input.value = ""; });
     dropZone.addEventListener("dragover", (event) => {
@@ -113,6 +142,8 @@ export class Attachments {
       this.items.push(item);
       this.list.append(item.chip);
       this.#decorate(item);
+      const warning = warningFor(file, item.isImage, this.modelOf());
+      if (warning) this.#warn(item, warning);
       if (file.size > this.maxFileBytes) {
         this.#fail(item, `Too large: ${formatBytes(file.size)}; the limit is ${formatBytes(this.maxFileBytes)}.`);
       } else {
@@ -153,6 +184,13 @@ export class Attachments {
     this.onChange();
   }
 
+  #warn(item, message) {
+    item.warning = message;
+    item.chip.classList.add("attachment-warn");
+    item.chip.querySelector(".attachment-detail").textContent = message;
+    item.chip.setAttribute("role", "alert");
+  }
+
   #fail(item, message) {
     item.error = message;
     item.chip.classList.add("attachment-error");
@@ -174,10 +212,8 @@ export class Attachments {
   // The message content: `text` alone, or text + the uploaded attachments as parts. Clears the list.
   take(text) {
     const ready = this.items.filter((i) => i.fileId);
-    this.items = [];
-    this.list.replaceChildren();
-    this.list.hidden = true;
-    this.onChange();
+    this.taken = ready;
+    this.clear();
     if (!ready.length) return text;
     const parts = text ? [{ type: "text", text }] : [];
     for (const item of ready) {
@@ -186,6 +222,27 @@ export class Attachments {
         : { type: "file", file: { file_id: item.fileId } });
     }
     return parts;
+  }
+
+  clear() {
+    this.items = [];
+    this.list.replaceChildren();
+    this.list.hidden = true;
+    this.onChange();
+  }
+
+  // Puts back the chips of the last message sent whose files `content` still names (a send
+  // that was refused or stopped before it left), unless they are already shown.
+  restore(content) {
+    if (!Array.isArray(content)) return;
+    const ids = new Set(content.map((p) => (p.image_url || p.file || {}).file_id).filter(Boolean));
+    const back = this.taken.filter((i) => ids.has(i.fileId) && !this.items.includes(i));
+    for (const item of back) {
+      this.items.push(item);
+      this.list.append(item.chip);
+    }
+    this.list.hidden = this.items.length === 0;
+    this.onChange();
   }
 }
 

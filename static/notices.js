@@ -15,25 +15,47 @@ const OFFLINE_TEXT = "You are offline. Answers resume when the network is back."
 const KEY_NOTE = "The key is kept in this browser's local storage only.";
 let countdownTimer = null;
 
-// A sentence for the banner; "{s}" stands for the seconds left before a retry may work.
+// A sentence for the banner; "{wait}" stands for when a retry may work ("in 5 s", "now").
 export function describe(error) {
   if (error.isNetwork) return "Network connection lost. Check the connection, then retry.";
   if (error.isMidStream) return `The answer failed: ${error.message}`;
   const hasWait = error.retryAfterS != null;
   switch (error.status) {
-    case 401: return `API key needed: ${error.message}`;
+    case 401: return `API key needed: ${keyProblem(error.message)}`;
     case 404: return error.param === "conversation_id" ? "This conversation no longer exists." : error.message;
     case 429:
       if (error.code === "insufficient_quota") return "Over budget: this month's spending limit is reached.";
-      return `Rate limited.${hasWait ? " You can retry in {s}." : " Retry in a moment."}`;
-    case 503: return `The server is busy.${hasWait ? " Retry in {s}." : " Retry in a moment."}`;
-    case 400:
-      if (error.code === "context_length_exceeded") {
-        return "This conversation is too long for the model. Start a new chat or edit an earlier message.";
+      return `Rate limited.${hasWait ? " You can retry {wait}." : " Retry in a moment."}`;
+    case 503:
+      if (error.code === "model_unavailable" || error.code === "model_load_failed") {
+        // Not load: the model cannot be reached; another model may well answer.
+        const reason = error.message.split(/[;(]/)[0].trim().replace(/[.,]$/, "");
+        return `${reason}. Pick another model${hasWait ? ", or retry {wait}" : ""}.`;
       }
+      return `The server is busy.${hasWait ? " Retry {wait}." : " Retry in a moment."}`;
+    case 400:
+      if (error.code === "context_length_exceeded") return tooLongText(error);
       return `The request was rejected: ${error.message}`;
     default: return `Something went wrong (${error.status || "no answer"}): ${error.message}`;
   }
+}
+
+// `hasHistory` (set by the sender): false when the message was the chat's first, so the
+// message itself is too long, not the conversation.
+function tooLongText(error) {
+  if (error.hasHistory !== false) {
+    return "This conversation is too long for the model. Start a new chat or edit an earlier message.";
+  }
+  const limit = /maximum context length is (\d+) tokens/.exec(error.message);
+  const context = limit ? ` (it reads at most ${Number(limit[1]).toLocaleString("en-US")} tokens)` : "";
+  return `Your message is too long for the model${context}. Shorten it, or attach it as a file.`;
+}
+
+// The server's 401 text may end in the shell command that creates a key: that is for the
+// operator, so the user reads a plain sentence (the full text stays in the key dialog's hint).
+function keyProblem(message) {
+  const plain = message.split(/\s*(?:Create one with|\(and create keys with):/)[0].trim();
+  return plain === message ? message : `${plain} Ask the server's operator for a key.`;
 }
 
 export function showBanner(text, { retry = null, isInfo = false, waitS = null } = {}) {
@@ -45,7 +67,7 @@ export function showBanner(text, { retry = null, isInfo = false, waitS = null } 
   const deadline = Date.now() + (waitS || 0) * 1000;
   const paint = () => {
     const left = Math.max(0, Math.ceil((deadline - Date.now()) / 1000));
-    el.text.textContent = text.replace("{s}", `${left} s`);
+    el.text.textContent = text.replace("{wait}", left > 0 ? `in ${left} s` : "now");
     el.retry.disabled = left > 0;
     if (left === 0) clearInterval(countdownTimer);
   };
@@ -66,7 +88,8 @@ export function showError(error, retry) {
 }
 
 function openKeyDialog(reason) {
-  el.keyReason.textContent = reason ? `${reason} ${KEY_NOTE}` : KEY_NOTE;
+  el.keyReason.textContent = reason ? `${keyProblem(reason)} ${KEY_NOTE}` : KEY_NOTE;
+  el.keyReason.title = reason || "";  // the server's full text, its command for operators included
   el.keyInput.value = getKey() || "";
   if (!el.keyDialog.open) el.keyDialog.showModal();
 }

@@ -32,6 +32,10 @@ const markdown = new marked.Marked({
       const text = escapeHtml(token.text);
       return token.block ? `<p class="raw-html">${text}</p>\n` : text;
     },
+    // A task list's box: <input> is not chat content (the sanitiser drops it), a glyph is.
+    checkbox({ checked }) {
+      return `<span class="task-box" role="img" aria-label="${checked ? "done" : "not done"}">${checked ? "\u2611" : "\u2610"}</span>`;
+    },
     code(token) {
       const lang = ((token.lang || "").trim().split(/\s+/)[0] || "").toLowerCase();
       const safeLang = /^[\w+#.-]{1,32}$/.test(lang) ? lang : "";
@@ -73,9 +77,11 @@ purifier.addHook("afterSanitizeAttributes", (node) => {
   }
 });
 
+// Only an absolute http(s) address is offered as a link: an empty or relative src would
+// otherwise resolve to this app itself.
 function httpUrl(text) {
   try {
-    const url = new URL(text, window.location.href);
+    const url = new URL(text);
     return url.protocol === "http:" || url.protocol === "https:" ? url : null;
   } catch {
     return null;
@@ -86,16 +92,15 @@ function blockedImagePlaceholder(img) {
   const src = img.getAttribute("data-blocked-src") || "";
   const alt = img.getAttribute("alt") || "";
   const url = httpUrl(src);
-  const label = `Image not loaded${alt ? `: ${alt}` : ""}${url ? ` (${url.host})` : ""}`;
-  const node = document.createElement(url ? "a" : "span");
+  if (!url) return document.createTextNode(alt);  // nothing to open: the alt text is all there is
+  const label = `Image not loaded${alt ? `: ${alt}` : ""} (${url.host})`;
+  const node = document.createElement("a");
   node.className = "blocked-image";
   node.textContent = label;
-  if (url) {
-    node.href = url.href;
-    node.target = "_blank";
-    node.rel = "noopener noreferrer nofollow";
-    node.title = `Open ${url.href} in a new tab`;
-  }
+  node.href = url.href;
+  node.target = "_blank";
+  node.rel = "noopener noreferrer nofollow";
+  node.title = `Open ${url.href} in a new tab`;
   return node;
 }
 

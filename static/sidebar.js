@@ -8,13 +8,14 @@ const emptyEl = document.getElementById("conversation-empty");
 const moreEl = document.getElementById("load-more");
 const confirmDialog = document.getElementById("confirm-dialog");
 const confirmText = document.getElementById("confirm-text");
+const confirmOk = document.getElementById("confirm-ok");
 
 export function displayTitle(conversation) {
   return conversation.title || "Untitled";
 }
 
 export class Sidebar {
-  // callbacks: {onOpen(id), onDeleted(id), onRenamed(conversation), onError(error)}
+  // callbacks: {onOpen(id), onDeleting(id), onDeleted(id), onRenamed(conversation), onError(error)}
   constructor(callbacks) {
     this.callbacks = callbacks;
     this.items = [];
@@ -80,6 +81,7 @@ export class Sidebar {
     const open = document.createElement("button");
     open.type = "button";
     open.className = "conv-open";
+    open.dir = "auto";
     open.textContent = displayTitle(conversation);
     open.title = displayTitle(conversation);
     if (conversation.id === this.activeId) open.setAttribute("aria-current", "page");
@@ -129,6 +131,7 @@ export class Sidebar {
 
   async confirmDelete(conversation) {
     if (!(await confirmAction(`Delete \u201c${displayTitle(conversation)}\u201d? This cannot be undone.`))) return;
+    this.callbacks.onDeleting(conversation.id);
     try {
       await api.deleteConversation(conversation.id);
     } catch (error) {
@@ -153,8 +156,9 @@ function iconButton(symbol, label, className) {
 }
 
 // A modal <dialog> instead of window.confirm (which blocks and cannot be styled).
-function confirmAction(text) {
+export function confirmAction(text, okLabel = "Delete") {
   confirmText.textContent = text;
+  confirmOk.textContent = okLabel;
   confirmDialog.returnValue = "";
   confirmDialog.showModal();
   return new Promise((resolve) => {

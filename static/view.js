@@ -50,7 +50,7 @@ export function plural(n, word) {
 export function metaText(msg) {
   const parts = [];
   if (msg.model) parts.push(msg.model);
-  if (msg.fallbackFrom) parts.push(`fallback: ${msg.fallbackFrom} was busy`);
+  if (msg.fallbackFrom) parts.push(`fallback: ${fallbackText(msg)}`);
   const usage = msg.usage;
   if (usage) {
     const cached = usage.prompt_tokens_details ? usage.prompt_tokens_details.cached_tokens : 0;
@@ -64,6 +64,14 @@ export function metaText(msg) {
     parts.push(`${formatInt(msg.tokens)} out`);
   }
   return parts.join(" \u00b7 ");
+}
+
+// Why another model answered (x-fallback-reason; a stored answer's fallback_reason).
+function fallbackText(msg) {
+  if (msg.fallbackReason === "busy") return `${msg.fallbackFrom} was busy`;
+  if (msg.fallbackReason === "over_budget") return `over budget for ${msg.fallbackFrom}`;
+  if (msg.fallbackReason === "unavailable") return `${msg.fallbackFrom} could not be reached`;
+  return `instead of ${msg.fallbackFrom}`;
 }
 
 // The answer hit the most tokens one answer may have: the request gave no max_tokens, so
@@ -94,18 +102,25 @@ function noteElement(text, isWarning) {
   return noteEl;
 }
 
-function actionButton(label, ariaLabel, onClick) {
+// `isLocked`: shown but disabled while an edit box is open (it would discard the edit).
+function actionButton(label, ariaLabel, onClick, isLocked) {
   const button = document.createElement("button");
   button.type = "button";
   button.className = "btn btn-small btn-ghost";
   button.textContent = label;
   button.setAttribute("aria-label", ariaLabel);
   button.addEventListener("click", onClick);
+  if (isLocked) {
+    button.disabled = true;
+    button.title = "Save or cancel the open edit first";
+  }
   return button;
 }
 
 function fillBody(body, msg) {
   body.replaceChildren();
+  body.dir = "auto";  // a right-to-left message reads right to left
+  body.hidden = !msg.content && msg.role === "user" && Boolean(msg.parts);  // attachments only: no empty bubble
   if (msg.role === "assistant" && !msg.isStreaming) {
     body.classList.add("markdown");
     renderMarkdown(body, msg.content);
@@ -119,8 +134,8 @@ function roleLabel(role) {
   return { user: "You", assistant: "Assistant", system: "System" }[role] || role;
 }
 
-// Builds one message; `actions` = {onEdit?, onRegenerate?, onContinue?, feedback?} for the
-// buttons it may show (feedback: the arguments of feedbackControls).
+// Builds one message; `actions` = {onEdit?, onRegenerate?, onContinue?, feedback?, isLocked?}
+// for the buttons it may show (feedback: the arguments of feedbackControls).
 export function messageElement(msg, index, actions) {
   const article = document.createElement("article");
   article.className = `msg msg-${msg.role}`;
@@ -149,11 +164,12 @@ export function messageElement(msg, index, actions) {
   const buttons = document.createElement("span");
   buttons.className = "msg-actions";
   if (!msg.isStreaming && msg.content) buttons.append(copyButton(() => msg.content));
-  if (actions.onEdit) buttons.append(actionButton("Edit", `Edit message ${index + 1}`, actions.onEdit));
-  if (actions.onContinue) buttons.append(actionButton("Continue", "Continue the answer", actions.onContinue));
+  const locked = Boolean(actions.isLocked);
+  if (actions.onEdit) buttons.append(actionButton("Edit", `Edit message ${index + 1}`, actions.onEdit, locked));
+  if (actions.onContinue) buttons.append(actionButton("Continue", "Continue the answer", actions.onContinue, locked));
   if (actions.onRegenerate) {
     const label = msg.role === "assistant" ? "Regenerate" : "Retry";
-    buttons.append(actionButton(label, `${label} the answer`, actions.onRegenerate));
+    buttons.append(actionButton(label, `${label} the answer`, actions.onRegenerate, locked));
   }
   if (actions.feedback) buttons.append(feedbackControls(actions.feedback));
   footer.append(buttons);

@@ -30,7 +30,7 @@ _NUM_MESSAGE_COLUMNS = _MESSAGE_COLUMNS.count(",") + 1
 # not its bill. usage.prompt_tokens is NOT NULL, so a NULL there means no ledger row.
 _BILLED_MESSAGES = (
     f"SELECT {_MESSAGE_COLUMNS}, u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.cost_usd, u.fallback_from,"
-    " u.reasoning_tokens"
+    " u.reasoning_tokens, u.fallback_reason, u.history_messages_dropped"
     " FROM messages m LEFT JOIN usage u"
     " ON u.request_id = m.request_id AND m.role = 'assistant' AND m.model IS NOT NULL"
     " WHERE m.conversation_id = ? ORDER BY m.seq"
@@ -47,6 +47,8 @@ class AnswerUsage:
     cost_usd: float
     fallback_from: str | None  # the model first chosen, when the router fell back
     reasoning_tokens: int = 0  # of completion_tokens, a reasoning model's thinking
+    fallback_reason: str | None = None  # with fallback_from: busy, unavailable or over_budget
+    history_messages_dropped: int = 0  # the conversation's oldest messages the prompt left out
 
 
 def title_from(text: str) -> str | None:

@@ -34,8 +34,8 @@ async def record(conn: aiosqlite.Connection, rec: RequestRecord) -> bool:
     cursor = await conn.execute(
         "INSERT INTO usage (request_id, org_id, key_id, model, tier, status, prompt_tokens, cached_tokens,"
         " completion_tokens, cost_usd, queue_ms, ttft_ms, total_ms, created_at, finished_at,"
-        " conversation_id, fallback_from, usage_source, reasoning_tokens)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        " conversation_id, fallback_from, usage_source, reasoning_tokens, fallback_reason, history_messages_dropped)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
         " ON CONFLICT (request_id) DO NOTHING",
         (
             rec.request_id,
@@ -57,6 +57,8 @@ async def record(conn: aiosqlite.Connection, rec: RequestRecord) -> bool:
             rec.fallback_from,
             rec.usage_source,
             rec.reasoning_tokens,
+            rec.fallback_reason,
+            rec.history_messages_dropped,
         ),
     )
     if cursor.rowcount == 0:

@@ -203,6 +203,14 @@ _V11_REASONING_TOKENS = """
 ALTER TABLE usage ADD COLUMN reasoning_tokens INTEGER NOT NULL DEFAULT 0 CHECK (reasoning_tokens >= 0);
 """
 
+# Why another model answered (busy, unavailable, over_budget) and how many of a stored
+# conversation's oldest messages the prompt left out to fit the context: what the web UI
+# says beside an answer, kept so that it still says it after a reload.
+_V12_ANSWER_NOTES = """
+ALTER TABLE usage ADD COLUMN fallback_reason TEXT;
+ALTER TABLE usage ADD COLUMN history_messages_dropped INTEGER NOT NULL DEFAULT 0 CHECK (history_messages_dropped >= 0);
+"""
+
 # (version, script); version N leaves `PRAGMA user_version = N`.
 MIGRATIONS: tuple[tuple[int, str], ...] = (
     (1, _V1),
@@ -216,6 +224,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (9, _V9_PENDING_CONVERSATIONS),
     (10, _V10_CONVERSATION_METADATA),
     (11, _V11_REASONING_TOKENS),
+    (12, _V12_ANSWER_NOTES),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

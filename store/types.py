@@ -142,6 +142,8 @@ class RequestRecord:
     usage_source: str = "engine"  # who counted the tokens: engine, upstream, tokenizer or estimate
     finish_reason: str | None = None  # of the stored assistant message
     reasoning_tokens: int = 0  # of completion_tokens, a reasoning model's thinking
+    fallback_reason: str | None = None  # with fallback_from: busy, unavailable or over_budget
+    history_messages_dropped: int = 0  # the conversation's oldest messages left out of the prompt
 
 
 class QuotaExceeded(StoreError):

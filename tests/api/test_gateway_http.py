@@ -74,9 +74,9 @@ async def test_over_budget_with_budget_fallback_is_served_by_the_cheaper_model_v
     assert (await resp.json())["model"] == "echo2" and resp.headers["x-fallback-from"] == "echo"
     assert resp.headers["x-fallback-reason"] == "over_budget"  # not "busy": the web UI says which
     stored = (await (await client.get(f"/v1/conversations/{cid}", headers=headers)).json())["messages"]
-    assert [(m["role"], m.get("model"), m.get("fallback_from")) for m in stored] == [
-        ("user", None, None),
-        ("assistant", "echo2", "echo"),  # after a reload too, the answer says it fell back
+    assert [(m["role"], m.get("model"), m.get("fallback_from"), m.get("fallback_reason")) for m in stored] == [
+        ("user", None, None, None),
+        ("assistant", "echo2", "echo", "over_budget"),  # after a reload too, the answer says it fell back, and why
     ]
 
 

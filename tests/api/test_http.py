@@ -327,6 +327,9 @@ async def test_long_conversation_history_drops_oldest_messages_and_says_so(make_
         assert "error" not in body, body
     assert body["history_messages_dropped"] > 0
     assert body["usage"]["prompt_tokens"] + 40 <= 400
+    stored = (await (await client.get(f"/v1/conversations/{cid}")).json())["messages"]
+    assert stored[-1]["history_messages_dropped"] == body["history_messages_dropped"]  # the UI's note, after a reload
+    assert "history_messages_dropped" not in stored[1]  # the first answer saw the whole conversation
 
 
 async def test_conversation_rename_list_delete(make_client):

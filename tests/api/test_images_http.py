@@ -45,6 +45,8 @@ async def test_a_valid_image_to_a_model_without_vision_is_a_400_naming_the_model
         param="messages[0].content[1]",
     )
     assert "'echo'" in err["message"]
+    listed = (await (await client.get("/v1/models/echo")).json())["vision"]
+    assert listed is False  # /v1/models says so, and the web UI warns at attach time
 
 
 async def test_bad_data_urls_are_refused(make_client):

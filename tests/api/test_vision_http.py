@@ -49,6 +49,7 @@ def usage(body: dict) -> tuple[int, int]:
 
 
 async def test_image_tokens_are_counted_in_usage(client):
+    assert (await (await client.get("/v1/models/llava")).json())["vision"] is True
     text_only = await ask(client, [{"role": "user", "content": "What is in this picture?"}])
     image = await ask(client, [with_image("What is in this picture?", png_bytes((40, 30)))])
     assert usage(image)[0] >= usage(text_only)[0] + NUM_IMAGE_TOKENS

@@ -76,6 +76,8 @@ async def test_conversations_made_before_metadata_existed_have_none_after_the_up
     with sqlite3.connect(db_path) as conn:  # the file as schema 9 left it
         conn.execute("ALTER TABLE conversations DROP COLUMN metadata_json")
         conn.execute("ALTER TABLE usage DROP COLUMN reasoning_tokens")  # schema 11
+        conn.execute("ALTER TABLE usage DROP COLUMN fallback_reason")  # schema 12
+        conn.execute("ALTER TABLE usage DROP COLUMN history_messages_dropped")
         conn.execute("PRAGMA user_version = 9")
 
     store = await Store.open(db_path, store_config)

@@ -97,6 +97,8 @@ async def test_keys_made_before_scopes_existed_serve_inference_after_the_upgrade
         conn.execute("ALTER TABLE api_keys DROP COLUMN scope")
         conn.execute("ALTER TABLE conversations DROP COLUMN pending")  # schema 9
         conn.execute("ALTER TABLE usage DROP COLUMN reasoning_tokens")  # schema 11
+        conn.execute("ALTER TABLE usage DROP COLUMN fallback_reason")  # schema 12
+        conn.execute("ALTER TABLE usage DROP COLUMN history_messages_dropped")
         conn.execute("ALTER TABLE conversations DROP COLUMN metadata_json")  # schema 10
         conn.execute("PRAGMA user_version = 7")
 

@@ -223,9 +223,8 @@ def last_answer(page):
 def wait_for_answer_done(page, timeout_s: float = 60.0) -> None:
     """Waits until no answer is streaming (the Send button is back)."""
     page.locator("#send").wait_for(state="visible", timeout=timeout_s * 1000)
-    page.wait_for_function(
-        "document.querySelector('#messages').getAttribute('aria-busy') === 'false'", timeout=timeout_s * 1000
-    )
+    # Polled from here: wait_for_function polls with eval, which the page's CSP forbids.
+    wait_until(lambda: page.locator("#messages").get_attribute("aria-busy") == "false", timeout_s)
 
 
 def conversation_id(page) -> str:

@@ -141,6 +141,7 @@ def test_edit_and_resend_then_regenerate_keep_the_server_in_step(ui, ui_server):
     editor = page.get_by_role("textbox", name="Edit message")
     editor.fill("edited question")
     editor.press("Enter")
+    page.locator("#confirm-dialog").get_by_role("button", name="Remove and send").click()  # the later turn goes
     wait_for_answer_done(page)
     wait_until(lambda: last_answer(page).locator(".msg-body").inner_text().strip() == "edited question")
     _, stored = ui_server.get_json(f"/v1/conversations/{cid}")

@@ -94,9 +94,11 @@ def test_the_details_line_after_a_reload_matches_the_live_one(ui, ui_server):
     assert not ui.console_errors and not ui.page_errors
 
 
-def test_a_reloaded_answer_keeps_its_cached_tokens_and_fallback_notes(ui, ui_server):
-    """The fake backend caches nothing and never falls back: the stored answer is given both,
-    as the conversation API reports them, to check the line reads as it does live."""
+@pytest.mark.parametrize(("reason", "label"), [(None, "instead of echo-huge"), ("busy", "echo-huge was busy")])
+def test_a_reloaded_answer_keeps_its_cached_tokens_and_fallback_notes(ui, ui_server, reason, label):
+    """The fake backend caches nothing, never falls back and drops no history: the stored
+    answer is given all three, as the conversation API reports them, to check the line and the
+    notes read as they do live."""
     page = ui.page
     type_and_send(page, "Served by another model")
     wait_for_answer_done(page)
@@ -107,6 +109,9 @@ def test_a_reloaded_answer_keeps_its_cached_tokens_and_fallback_notes(ui, ui_ser
         conversation = route.fetch().json()
         stored = conversation["messages"][-1]
         stored["fallback_from"] = "echo-huge"
+        if reason is not None:
+            stored["fallback_reason"] = reason
+        stored["history_messages_dropped"] = 2
         stored["usage"]["prompt_tokens_details"]["cached_tokens"] = 3
         route.fulfill(content_type="application/json", body=json.dumps(conversation))
 
@@ -115,10 +120,11 @@ def test_a_reloaded_answer_keeps_its_cached_tokens_and_fallback_notes(ui, ui_ser
     parts = last_answer(page).locator(".msg-meta").inner_text().split(" \u00b7 ")
     assert parts[:4] == [
         answer["model"],
-        "fallback: echo-huge was busy",
+        f"fallback: {label}",
         f"{answer['usage']['prompt_tokens']} in (3 cached)",
         f"{answer['tokens']} out",
     ]
+    assert "without the first 2 messages of the chat" in last_answer(page).inner_text()
     assert not ui.console_errors and not ui.page_errors
 
 
