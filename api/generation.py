@@ -30,7 +30,10 @@ def make_answer(job: Job) -> Answer:
     if chat.tools and chat.tool_choice.mode is not ChoiceMode.NONE:
         fmt = detect_format(getattr(tokenizer, "chat_template", None), job.model.config.tool_parser)
         forced = chat.tool_choice.mode in (ChoiceMode.REQUIRED, ChoiceMode.NAMED)
-        parser = ToolCallParser(fmt, frozenset(t.name for t in chat.tools), forced=forced)
+        only = chat.tool_choice.name if chat.tool_choice.mode is ChoiceMode.NAMED else None
+        if forced and only is None and len(chat.tools) == 1:
+            only = chat.tools[0].name
+        parser = ToolCallParser(fmt, frozenset(t.name for t in chat.tools), forced=forced, forced_name=only)
     reasoning = None if job.reasoning_opened is None else ReasoningSplitter(in_thinking=job.reasoning_opened)
     return Answer(tokenizer, parser, chat.logprobs, reasoning)
 

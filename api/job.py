@@ -144,21 +144,48 @@ def trim_history(
     """Drop the oldest non-system history turns until the prompt fits `budget_tokens`.
 
     Returns (prompt token ids, context, number of history messages dropped). New messages
-    are never dropped; if they alone do not fit, the caller reports the overflow.
+    are never dropped; if they alone do not fit, the caller reports the overflow. The fewest
+    drops that fit are found by bisection over the drop steps: O(log turns) encodings of the
+    prompt, not one per dropped turn (a long stored conversation made that quadratic).
     """
-    kept = list(history)
-    dropped = 0
-    while True:
-        context = build_context(kept, new, instructions)
-        ids = encode_chat(model, context, tools, template_kwargs, continue_final)
-        droppable = [i for i, m in enumerate(kept) if m.role != "system"]
-        if len(ids) <= budget_tokens or not droppable:
-            return ids, context, dropped
-        # Drop a whole exchange (user + following assistant) when possible.
+    steps = _drop_steps(history)
+
+    def attempt(k: int) -> tuple[list[int], list[ChatMessage]]:
+        context = build_context(steps[k][0], new, instructions)
+        return encode_chat(model, context, tools, template_kwargs, continue_final), context
+
+    ids, context = attempt(0)
+    if len(ids) <= budget_tokens or len(steps) == 1:
+        return ids, context, 0
+    last = len(steps) - 1
+    ids, context = attempt(last)
+    if len(ids) > budget_tokens:
+        return ids, context, steps[last][1]  # even with every turn dropped: the caller reports it
+    low, high = 0, last  # attempt(low) does not fit, attempt(high) does
+    best = ids, context
+    while high - low > 1:
+        mid = (low + high) // 2
+        ids, context = attempt(mid)
+        if len(ids) <= budget_tokens:
+            high, best = mid, (ids, context)
+        else:
+            low = mid
+    return best[0], best[1], steps[high][1]
+
+
+def _drop_steps(history: list[ChatMessage]) -> list[tuple[list[ChatMessage], int]]:
+    """The history after 0, 1, 2... drops of its oldest exchange, and the messages dropped by then.
+    An exchange is a non-system message and the assistant's answer that follows it; system
+    messages stay."""
+    kept, dropped = list(history), 0
+    steps = [(list(kept), 0)]
+    while droppable := [i for i, m in enumerate(kept) if m.role != "system"]:
         first = droppable[0]
         span = 2 if first + 1 < len(kept) and kept[first + 1].role == "assistant" else 1
         del kept[first : first + span]
         dropped += span
+        steps.append((list(kept), dropped))
+    return steps
 
 
 def encode_chat(

@@ -29,7 +29,6 @@ _IGNORED_DEFAULTS: dict[str, tuple[Any, ...] | None] = {
     "logit_bias": (None, {}),
     "store": (None, False),
     "metadata": None,  # OpenAI's shape is checked (check_metadata); its values are not used
-    "service_tier": None,
     "modalities": (None, ["text"]),
     "prediction": (None,),
     "web_search_options": (None,),
@@ -69,6 +68,7 @@ _KNOWN = {
     "prompt_cache_key",
     "safety_identifier",
     "verbosity",
+    "service_tier",
 }
 # Accepted and checked, without effect here: the prefix cache needs no key (it finds shared
 # prefixes itself), a safety identifier only labels the caller, and `verbosity` steers OpenAI's
@@ -248,7 +248,18 @@ def _continue_final_message(raw: dict[str, Any], messages: tuple[ChatMessage, ..
     return wanted
 
 
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")  # OpenAI's; one tier of service here
+
+
+def check_service_tier(value: Any) -> None:
+    if value is not None and value not in SERVICE_TIERS:
+        raise bad_request(
+            f"'service_tier' must be one of {', '.join(SERVICE_TIERS)}; got {value!r}.", param="service_tier"
+        )
+
+
 def _check_no_effect_fields(raw: dict[str, Any]) -> None:
+    check_service_tier(raw.get("service_tier"))
     for key in _NO_EFFECT_STRINGS:
         _opt_str(raw, key)
     verbosity = raw.get("verbosity")

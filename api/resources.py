@@ -31,6 +31,7 @@ from store.conversations import AnswerUsage, new_message_id
 from store.types import Conversation, Message, NotFound
 
 _MAX_TITLE_CHARS = 200
+MAX_INITIAL_ITEMS = 20  # OpenAI's: items added to a conversation at a time
 _CREATE_FIELDS = ("title", "items", "metadata")  # POST /v1/conversations: OpenAI's items and metadata, our title
 _ITEM_ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -189,21 +190,33 @@ async def create_conversation(request: web.Request) -> web.Response:
         if key not in _CREATE_FIELDS:
             raise bad_request(f"Unrecognized request argument supplied: {key}", param=key, code="unknown_parameter")
     check_metadata(body.get("metadata"))
-    messages = _initial_messages(body.get("items"), request.app[STATE].settings.server.max_messages)
+    server = request.app[STATE].settings.server
+    messages = _initial_messages(
+        body.get("items"), min(MAX_INITIAL_ITEMS, server.max_messages), server.max_prompt_chars
+    )
     conv = await request.app[STATE].store.create_conversation(
         request[PRINCIPAL].org.id, title=title, metadata=body.get("metadata"), messages=messages
     )
     return _json(_conversation_obj(conv, with_messages=True), status=201)
 
 
-def _initial_messages(items: object, max_items: int) -> tuple[Message, ...]:
-    """Message items (user, assistant, system or developer; text as a string or text parts)."""
+def _initial_messages(items: object, max_items: int, max_chars: int) -> tuple[Message, ...]:
+    """Message items (user, assistant, system or developer; text as a string or text parts), at
+    most `max_items` (OpenAI's 20) holding at most `max_chars` characters, as one request's prompt."""
     if items is None:
         return ()
     if not isinstance(items, list) or len(items) > max_items:
         raise bad_request(f"'items' must be an array of at most {max_items} message items.", param="items")
     now = time.time()
-    return tuple(Message(new_message_id(), *_item(item, f"items[{i}]"), now) for i, item in enumerate(items))
+    messages = tuple(Message(new_message_id(), *_item(item, f"items[{i}]"), now) for i, item in enumerate(items))
+    total = sum(len(m.content) for m in messages)
+    if total > max_chars:
+        raise bad_request(
+            f"'items' hold {total} characters; the limit is {max_chars} (server.max_prompt_chars).",
+            param="items",
+            code="context_length_exceeded",
+        )
+    return messages
 
 
 def _item(item: object, where: str) -> tuple[str, str]:
@@ -264,9 +277,22 @@ async def get_conversation(request: web.Request) -> web.Response:
 
 
 async def update_conversation(request: web.Request) -> web.Response:
+    """PATCH (ours) or POST (OpenAI's update) /v1/conversations/{id}: `title` and/or `metadata`
+    (null or {} clears it)."""
     cid = request.match_info["conversation_id"]
-    title = _title(await read_json(request), required=True)
-    conv = await request.app[STATE].store.rename_conversation(request[PRINCIPAL].org.id, cid, title)
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    for key in body:
+        if key not in ("title", "metadata"):
+            raise bad_request(f"Unrecognized request argument supplied: {key}", param=key, code="unknown_parameter")
+    if not body:
+        raise bad_request("Send 'title' or 'metadata' to change.", param="title")
+    title = _title(body, required="metadata" not in body)
+    check_metadata(body.get("metadata"))
+    conv = await request.app[STATE].store.update_conversation(
+        request[PRINCIPAL].org.id, cid, title=title, metadata=body.get("metadata"), set_metadata="metadata" in body
+    )
     if conv is None:
         raise _conversation_missing(cid)
     return _json(_conversation_obj(conv, with_messages=False))
@@ -367,6 +393,7 @@ def add_routes(app: web.Application, chat_handler) -> None:
     app.router.add_get("/v1/conversations", list_conversations)
     app.router.add_get("/v1/conversations/{conversation_id}", get_conversation)
     app.router.add_patch("/v1/conversations/{conversation_id}", update_conversation)
+    app.router.add_post("/v1/conversations/{conversation_id}", update_conversation)  # OpenAI's update
     app.router.add_delete("/v1/conversations/{conversation_id}", delete_conversation)
     app.router.add_post("/v1/conversations/{conversation_id}/truncate", truncate_conversation)
     app.router.add_get("/v1/usage", usage)

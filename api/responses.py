@@ -71,7 +71,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                 return await serve_job(request, state, grant, ctx.req.chat, outlet)
             finally:
                 if ctx.new_conversation is not None and not ctx.stored:  # refused before an answer: no trace
-                    await asyncio.shield(state.store.delete_conversation(org_id, ctx.new_conversation))
+                    await asyncio.shield(state.store.discard_pending_conversation(org_id, ctx.new_conversation))
         except ApiError as exc:  # name the field as this request spelled it
             raise input_error(exc, num_history=ctx.num_inline_messages) from None
 
@@ -236,12 +236,17 @@ async def cancel_response(request: web.Request) -> web.Response:
 
 
 async def get_response(request: web.Request) -> web.StreamResponse:
-    """The stored response; `stream=true` replays a finished one as its stream's events, those
-    after `starting_after` (a sequence number) when given, as OpenAI resumes a stream."""
+    """The stored response; `stream=true` replays a finished one as its stream's events."""
     stream = request.query.get("stream", "false")
     if stream not in ("true", "false"):
         raise bad_request(f"'stream' must be true or false, got {stream!r}.", param="stream")
-    starting_after = _starting_after(request.query.get("starting_after"))
+    if "starting_after" in request.query:  # resuming needs the live numbering, which a replay does not keep
+        raise bad_request(
+            "'starting_after' is not supported: a replay sends the text as one delta, so its events are "
+            "numbered afresh and do not line up with the live stream's. Replay the whole response instead.",
+            param="starting_after",
+            code="unsupported_value",
+        )
     stored = await _stored(request)
     if stream == "false":
         return web.json_response(text=stored.body_json)
@@ -253,17 +258,8 @@ async def get_response(request: web.Request) -> web.StreamResponse:
             code="unsupported_value",
         )
     events = await replay(orjson.loads(stored.body_json))
-    frames = [b"data: " + orjson.dumps(event) + b"\n\n" for event in events[starting_after + 1 :]]
+    frames = [b"data: " + orjson.dumps(event) + b"\n\n" for event in events]
     return web.Response(body=b"".join(frames) + b"data: [DONE]\n\n", headers=SSE_HEADERS)  # as a live stream ends
-
-
-def _starting_after(value: str | None) -> int:
-    """-1 when absent: every event (they are numbered from 0)."""
-    if value is None:
-        return -1
-    if not value.isdigit():
-        raise bad_request(f"'starting_after' must be a sequence number (>= 0), got {value!r}.", param="starting_after")
-    return int(value)
 
 
 async def delete_response(request: web.Request) -> web.Response:

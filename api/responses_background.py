@@ -81,7 +81,9 @@ async def _run_background(
             await serve_job(request, state, grant, ctx.req.chat, outlet)
         finally:
             if ctx.new_conversation is not None and not ctx.stored:  # refused before it was queued
-                await asyncio.shield(state.store.delete_conversation(request[PRINCIPAL].org.id, ctx.new_conversation))
+                await asyncio.shield(
+                    state.store.discard_pending_conversation(request[PRINCIPAL].org.id, ctx.new_conversation)
+                )
 
 
 def _forget(running: dict, key: tuple[str, str], accepted: asyncio.Future, task: asyncio.Task) -> None:

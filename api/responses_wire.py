@@ -164,6 +164,7 @@ def _check_ignored(raw: dict) -> None:
     for name in _IGNORED_STRINGS:
         if raw.get(name) is not None and not isinstance(raw[name], str):
             raise bad_request(f"'{name}' must be a string.", param=name)
+    protocol.check_service_tier(raw.get("service_tier"))
     options = raw.get("stream_options")
     if options is None:
         return
@@ -343,6 +344,14 @@ def _text_format(value: Any):
         return None
     if not isinstance(value, dict):
         raise bad_request("'text' must be an object {\"format\": {...}}.", param="text")
+    for key in value:
+        if key not in ("format", "verbosity"):
+            raise bad_request(f"Unrecognized field 'text.{key}'.", param=f"text.{key}", code="unknown_parameter")
+    verbosity = value.get("verbosity")
+    if verbosity is not None and verbosity not in protocol.VERBOSITIES:
+        raise bad_request(
+            f"'text.verbosity' must be one of low, medium, high; got {verbosity!r}.", param="text.verbosity"
+        )
     fmt = value.get("format")
     return None if fmt is None else protocol.parse_response_format(fmt, param="text.format")
 

@@ -181,6 +181,8 @@ CORS_ALLOW_METHODS = "GET, POST, PATCH, DELETE, OPTIONS"
 CORS_EXPOSE_HEADERS = ", ".join(
     [
         "X-Request-Id",
+        "request-id",  # Anthropic's SDK reads it on /v1/messages
+        "X-Max-File-Bytes",
         "Retry-After",
         "retry-after-ms",
         "x-should-retry",

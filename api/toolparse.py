@@ -28,10 +28,13 @@ class Parsed:
 class ToolCallParser:
     """feed(text) -> Parsed for this delta; close() -> Parsed for whatever was held back."""
 
-    def __init__(self, fmt: ToolFormat, tool_names: frozenset[str], *, forced: bool = False):
+    def __init__(
+        self, fmt: ToolFormat, tool_names: frozenset[str], *, forced: bool = False, forced_name: str | None = None
+    ):
         self._fmt = fmt
         self._names = tool_names
         self._forced = forced  # a grammar made the whole answer calls: nothing of it is content
+        self._forced_name = forced_name  # the one tool a forced call can name (a named choice, or a single tool)
         self._buffer = ""  # held back: a possible marker start, or an unfinished call
         self._in_call = False
         self._started = False  # llama3: whether the first non-space character was seen
@@ -118,13 +121,15 @@ class ToolCallParser:
 
     def _partial_call(self, text: str) -> ToolCall | None:
         """A cut call as OpenAI returns one (finish_reason length): its name and the arguments'
-        text as far as it got; None before the name is complete."""
-        name = _NAME_FIELD.search(text)
-        if name is None or name.group(1) not in self._names:
+        text as far as it got (a complete value without the call's closing markup after it).
+        Before the name is complete: the one tool it can be, else None."""
+        found = _NAME_FIELD.search(text)
+        name = found.group(1) if found is not None else self._forced_name
+        if name is None or name not in self._names:
             return None
-        args = _ARGS_FIELD.search(text, name.end())
+        args = _ARGS_FIELD.search(text, found.end()) if found is not None else None
         self.num_calls += 1
-        return ToolCall(new_call_id(), name.group(1), text[args.end() :].rstrip() if args else "")
+        return ToolCall(new_call_id(), name, _arguments_so_far(text[args.end() :]) if args else "")
 
     def _parse_many(self, body: str) -> list[ToolCall]:
         body = body.strip()
@@ -153,6 +158,16 @@ class ToolCallParser:
                 return None
         self.num_calls += 1
         return ToolCall(new_call_id(), item["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _arguments_so_far(text: str) -> str:
+    """The arguments' JSON as far as it got: a complete value stops where it ends."""
+    text = text.lstrip()
+    try:
+        _value, end = json.JSONDecoder().raw_decode(text)
+    except ValueError:
+        return text.rstrip()
+    return text[:end]
 
 
 _NAME_FIELD = re.compile(r'"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"')

@@ -41,8 +41,11 @@ class Caller:
     waits_for_stream: bool = False  # keyless local use: over the stream cap, wait instead of 429
 
 
-def estimate_tokens(num_body_bytes: int) -> int:
-    return max(1, num_body_bytes // BYTES_PER_TOKEN)
+def estimate_tokens(num_body_bytes: int, max_context_tokens: int) -> int:
+    """The prompt's size guessed from the body before it is parsed, at most what one request may
+    use (prompt + max_tokens fit the tier's context): an image inline as a data: URL is megabytes
+    of body but a few hundred tokens, and was refused as millions of tokens."""
+    return max(1, min(num_body_bytes // BYTES_PER_TOKEN, max_context_tokens))
 
 
 class Pass:
@@ -145,7 +148,11 @@ class Admission:
             if not caller.waits_for_stream:
                 stream = self.limiter.open_stream(caller.key, caller.tier.max_concurrent_streams)
             reservation = self.limiter.acquire(
-                caller.key, caller.tier_name, caller.tier, estimate_tokens(num_body_bytes), caller.overrides
+                caller.key,
+                caller.tier_name,
+                caller.tier,
+                estimate_tokens(num_body_bytes, caller.tier.max_context_tokens),
+                caller.overrides,
             )
         except GatewayError as exc:
             if stream is not None:

@@ -184,6 +184,13 @@ async def branch(
     return conv
 
 
+async def discard_pending(conn: aiosqlite.Connection, org_id: str, conversation_id: str) -> bool:
+    cursor = await conn.execute(
+        "DELETE FROM conversations WHERE org_id = ? AND id = ? AND pending = 1", (org_id, conversation_id)
+    )
+    return cursor.rowcount > 0
+
+
 async def delete_pending(conn: aiosqlite.Connection) -> int:
     """Delete the conversations Responses calls created whose first turn never got stored (the
     process died mid-answer); a background response's failed record keeps its conversation."""
@@ -193,10 +200,19 @@ async def delete_pending(conn: aiosqlite.Connection) -> int:
     return cursor.rowcount
 
 
-async def rename(conn: aiosqlite.Connection, org_id: str, conversation_id: str, title: str) -> Conversation | None:
+async def rename(
+    conn: aiosqlite.Connection,
+    org_id: str,
+    conversation_id: str,
+    title: str | None,
+    metadata: dict[str, str] | None = None,
+    set_metadata: bool = False,
+) -> Conversation | None:
+    """Set the title (None: keep it) and, with `set_metadata`, the metadata (None or {}: none)."""
     cursor = await conn.execute(
-        f"UPDATE conversations SET title = ?, updated_at = ? WHERE {_LIVE}",
-        (title, time.time(), org_id, conversation_id),
+        f"UPDATE conversations SET title = coalesce(?, title), updated_at = ?,"
+        f" metadata_json = CASE WHEN ? THEN ? ELSE metadata_json END WHERE {_LIVE}",
+        (title, time.time(), set_metadata, json.dumps(metadata) if metadata else None, org_id, conversation_id),
     )
     if cursor.rowcount == 0:
         return None

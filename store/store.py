@@ -281,6 +281,32 @@ class Store:
         job = functools.partial(conversations.rename, org_id=org_id, conversation_id=conversation_id, title=title)
         return await self._write(job)
 
+    async def update_conversation(
+        self,
+        org_id: str,
+        conversation_id: str,
+        *,
+        title: str | None,
+        metadata: dict[str, str] | None,
+        set_metadata: bool,
+    ) -> Conversation | None:
+        """The title (None: unchanged) and, with `set_metadata`, the metadata; None if not found."""
+        job = functools.partial(
+            conversations.rename,
+            org_id=org_id,
+            conversation_id=conversation_id,
+            title=title,
+            metadata=metadata,
+            set_metadata=set_metadata,
+        )
+        return await self._write(job)
+
+    async def discard_pending_conversation(self, org_id: str, conversation_id: str) -> bool:
+        """Delete at once (not a soft delete kept for the retention period) a conversation made
+        for a request refused before its first turn was stored; False if it got a turn since."""
+        job = functools.partial(conversations.discard_pending, org_id=org_id, conversation_id=conversation_id)
+        return await self._write(job)
+
     async def delete_conversation(self, org_id: str, conversation_id: str) -> bool:
         job = functools.partial(conversations.soft_delete, org_id=org_id, conversation_id=conversation_id)
         return await self._write(job)

@@ -10,6 +10,7 @@ import io
 from aiohttp import web
 from PIL import Image
 
+from api.state import STATE
 from tests.api.helpers import assert_error
 from tests.api.test_files_http import other_org_headers, upload
 
@@ -47,6 +48,29 @@ async def test_a_valid_image_to_a_model_without_vision_is_a_400_naming_the_model
     assert "'echo'" in err["message"]
     listed = (await (await client.get("/v1/models/echo")).json())["vision"]
     assert listed is False  # /v1/models says so, and the web UI warns at attach time
+
+
+async def test_a_large_inline_image_is_not_taken_for_millions_of_prompt_tokens(make_client):
+    """Admission guesses a prompt's tokens from its body's bytes before parsing it: a photo sent
+    inline (as Open WebUI sends images) counted as bytes / 3 tokens and got 429, past any
+    bucket, before the model could even say it takes no images."""
+    import os
+
+    client = await make_client(
+        "server.max_body_bytes=2000000", "tiers.free.tokens_per_minute=20000", 'tiers.free.models=["echo", "echo2"]'
+    )
+    store = client.app[STATE].store
+    await store.create_org("cheap", "free")
+    _key, secret = await store.create_key("cheap")
+    noise = Image.frombytes("RGB", (400, 400), os.urandom(400 * 400 * 3))
+    buf = io.BytesIO()
+    noise.save(buf, format="PNG")
+    assert len(buf.getvalue()) > 400_000  # ~160k "tokens" by bytes, 8 times the bucket
+    await assert_error(
+        await chat(client, image_message({"url": data_url(buf.getvalue())}), {"Authorization": f"Bearer {secret}"}),
+        400,
+        code="image_input_not_supported",
+    )
 
 
 async def test_bad_data_urls_are_refused(make_client):

@@ -135,6 +135,7 @@ def test_continuous_usage_stats_needs_include_usage():
         ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
         ({"messages": MSG, "safety_identifier": ["u"]}, "safety_identifier"),
         ({"messages": MSG, "verbosity": "extreme"}, "verbosity"),
+        ({"messages": MSG, "service_tier": "bogus"}, "service_tier"),
     ],
 )
 def test_invalid_request_is_a_400_naming_the_field(body, param):

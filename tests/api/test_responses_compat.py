@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sqlite3
 import time
 
 import openai
@@ -101,6 +102,11 @@ async def test_a_response_continues_from_any_earlier_one_in_a_copy_of_its_conver
     auth = {"Authorization": f"Bearer {sdk.api_key}"}
     listed = await (await client.get("/v1/conversations", headers=auth)).json()
     assert len(listed["data"]) == 3  # the first, the retry's copy, the copy after the delete
+    with pytest.raises(openai.NotFoundError):  # refused after its copy was made: the copy goes at once
+        await sdk.responses.create(model="nope", input="two", previous_response_id=first.id)
+    db = state_of(client).store.path
+    with sqlite3.connect(db) as conn:  # not soft-deleted and kept for the retention period
+        assert conn.execute("SELECT count(*) FROM conversations").fetchone()[0] == 3
 
 
 async def test_input_items_are_listed_in_openais_shape(make_client):
@@ -148,6 +154,16 @@ async def test_a_conversation_is_created_with_openais_items_and_metadata(make_cl
     )
     assert isinstance(made.created_at, int) and made.metadata == {"topic": "rivers"}
     assert (await sdk.conversations.retrieve(made.id)).metadata == {"topic": "rivers"}
+    updated = await sdk.conversations.update(made.id, metadata={"topic": "seas"})  # OpenAI's update: POST
+    assert updated.metadata == {"topic": "seas"} and (await sdk.conversations.retrieve(made.id)).metadata == {
+        "topic": "seas"
+    }
+    auth = {"Authorization": f"Bearer {sdk.api_key}"}
+    patched = await client.patch(f"/v1/conversations/{made.id}", json={"metadata": None}, headers=auth)
+    assert patched.status == 200 and (await patched.json())["metadata"] in ({}, None)
+    refused = await client.patch(f"/v1/conversations/{made.id}", json={"metadata": {"k": 1}}, headers=auth)
+    assert refused.status == 400
+    await sdk.conversations.update(made.id, metadata={"topic": "rivers"})
     auth = {"Authorization": f"Bearer {sdk.api_key}"}
     got = await (await client.get(f"/v1/conversations/{made.id}", headers=auth)).json()
     assert [(m["role"], m["content"]) for m in got["messages"]] == [
@@ -169,6 +185,7 @@ async def test_a_conversation_is_created_with_openais_items_and_metadata(make_cl
     ("body", "param"),
     [
         ({"items": "hello"}, "items"),
+        ({"items": [{"role": "user", "content": "hi"}] * 21}, "items"),  # OpenAI's 20 at a time
         ({"items": [{"role": "robot", "content": "x"}]}, "items[0].role"),
         ({"items": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "items[0].content[0]"),
         ({"items": [{"type": "function_call", "call_id": "c", "name": "n", "arguments": "{}"}]}, "items[0]"),
@@ -184,7 +201,7 @@ async def test_bad_conversation_fields_are_400s_naming_them_and_create_nothing(m
     assert (await (await client.get("/v1/conversations")).json())["data"] == []
 
 
-async def test_a_stored_response_is_replayed_as_its_stream_and_resumed_after_a_sequence_number(make_client):
+async def test_a_stored_response_is_replayed_as_its_stream_but_not_resumed_mid_way(make_client):
     client = await make_client()
     sdk = await sdk_for(client)
     live = [e async for e in await sdk.responses.create(model="echo", input="the river runs", stream=True)]
@@ -198,8 +215,11 @@ async def test_a_stored_response_is_replayed_as_its_stream_and_resumed_after_a_s
     assert collapsed(replayed) == collapsed(live)
     assert "".join(e.delta for e in replayed if e.type == "response.output_text.delta") == "the river runs"
     assert replayed[-1].response.model_dump() == live[-1].response.model_dump()
-    resumed = [e async for e in await sdk.responses.retrieve(live[-1].response.id, stream=True, starting_after=2)]
-    assert [e.sequence_number for e in resumed] == list(range(3, len(replayed)))
+    # The replay's numbers are not the live stream's (one delta, not one per token): resuming a
+    # live stream from its last number would skip text, so it is refused.
+    with pytest.raises(openai.BadRequestError) as refused:
+        await sdk.responses.retrieve(live[-1].response.id, stream=True, starting_after=2)
+    assert refused.value.param == "starting_after"
     with pytest.raises(openai.BadRequestError) as bad:
         await sdk.responses.retrieve(live[-1].response.id, extra_query={"stream": "maybe"})
     assert bad.value.param == "stream"
@@ -316,3 +336,12 @@ async def test_a_long_conversation_drops_its_oldest_turns_but_keeps_the_instruct
     prompt = backend.requests[-1].chat.messages
     assert prompt[0] == {"role": "system", "content": "Be brief."}
     assert prompt[-1]["content"].startswith("turn 4") and not any("turn 0" in m["content"] for m in prompt)
+
+
+async def test_a_conversations_first_items_are_held_to_a_prompts_size(make_client):
+    """Items had no size limit: a 2 MB conversation made every later turn re-tokenize it."""
+    client = await make_client("server.max_prompt_chars=1000")
+    items = [{"role": "user", "content": "word " * 150}] * 2  # 1,500 characters
+    resp = await client.post("/v1/conversations", json={"items": items})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "items"
+    assert (await client.post("/v1/conversations", json={"items": items[:1]})).status == 201

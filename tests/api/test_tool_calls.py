@@ -37,8 +37,8 @@ TEXTS = {
 }
 
 
-def run(fmt: ToolFormat, text: str, step: int, *, forced: bool = False):
-    parser = ToolCallParser(fmt, NAMES, forced=forced)
+def run(fmt: ToolFormat, text: str, step: int, *, forced: bool = False, forced_name: str | None = None):
+    parser = ToolCallParser(fmt, NAMES, forced=forced, forced_name=forced_name)
     content, calls = "", []
     for i in range(0, len(text), step):
         out = parser.feed(text[i : i + step])
@@ -79,6 +79,11 @@ def test_a_forced_call_the_length_limit_cut_is_a_call_not_markup_in_the_content(
     assert calls[0].arguments.replace(" ", "") == '{"city":'
     content, calls = run(fmt, whole[: whole.index("get_weather") - 2], 3, forced=True)
     assert (content, calls) == ("", [])  # cut before the name: nothing to call, and still no markup
+    content, calls = run(fmt, whole[: whole.index("get_weather") - 2], 3, forced=True, forced_name="get_weather")
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_weather", "")]  # the only one it can be
+    args_end = whole.index('"Paris"}') + len('"Paris"}')
+    content, calls = run(fmt, whole[: args_end + 2], 3, forced=True)  # the arguments whole, the call's end cut
+    assert content == "" and json.loads(calls[0].arguments) == {"city": "Paris"}
     content, calls = run(fmt, whole, 5, forced=True)  # whole calls parse as they always did
     assert content == "" and [c.name for c in calls] == ["get_weather", "get_time"]
 

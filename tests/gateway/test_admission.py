@@ -128,8 +128,9 @@ async def test_the_enterprise_burst_displaces_free_and_never_exceeds_capacity():
     assert all(g.ticket.state is TicketState.WAITING for g in enterprise)
 
 
-async def test_the_prompt_estimate_from_bytes_is_at_least_one_token():
-    assert estimate_tokens(0) == 1 and estimate_tokens(4000) == 1000
+async def test_the_prompt_estimate_from_bytes_is_at_least_one_token_and_at_most_the_context():
+    assert estimate_tokens(0, 4096) == 1 and estimate_tokens(4000, 4096) == 1000
+    assert estimate_tokens(6_000_000, 4096) == 4096  # an inline photo is not two million tokens
 
 
 async def test_the_gateway_knows_nothing_of_http():
