@@ -51,7 +51,63 @@ def grammar_text(structured: StructuredOutput) -> str:
     if is_error:
         raise GrammarError(_explain(messages[0] if messages else "invalid grammar"))
     _check_satisfiable(grammar, "text" if structured.kind is StructuredKind.LARK else "JSON value")
+    if structured.kind is StructuredKind.JSON_SCHEMA and not has_finite_instance(json.loads(structured.spec)):
+        raise GrammarError(
+            "the schema cannot be compiled: no finite JSON value satisfies it (each value must contain another)"
+        )
     return grammar
+
+
+def has_finite_instance(schema: object) -> bool:
+    """False when no finite JSON value can satisfy `schema` because each one must contain another
+    (`{"properties": {"a": {"$ref": "#"}}, "required": ["a"]}`): llguidance compiles such a schema
+    and the answer stops mid-value. A least fixed point over the local `$ref` targets; it says
+    False only when sure (required properties, non-empty arrays, anyOf/oneOf, allOf)."""
+    known: dict[str, bool] = {}  # "#/..." -> whether a finite instance exists, as far as shown yet
+
+    def target(ref: str) -> object:
+        node: object = schema
+        for part in ref[1:].split("/")[1:] if ref != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdecimal() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return True  # a reference to nowhere: the compiler says so, not this check
+        return node
+
+    def finite(node: object) -> bool:
+        if not isinstance(node, dict):
+            return node is not False
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#") and not known.setdefault(ref, False):
+            return False
+        for key, combine in (("anyOf", any), ("oneOf", any), ("allOf", all)):
+            parts = node.get(key)
+            if isinstance(parts, list) and parts and not combine(finite(p) for p in parts):
+                return False
+        if "const" in node or "enum" in node:
+            return True
+        kinds = node.get("type")
+        kinds = kinds if isinstance(kinds, list) else [kinds] if kinds is not None else None
+        if kinds is not None and any(k not in ("object", "array") for k in kinds):
+            return True  # a string, number, boolean or null will do
+        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        required = node.get("required") if isinstance(node.get("required"), list) else []
+        if kinds == ["object"] and not all(finite(props[r]) for r in required if r in props):
+            return False
+        items, min_items = node.get("items"), node.get("minItems", 0)
+        needs_items = kinds == ["array"] and isinstance(min_items, int) and min_items > 0
+        return not needs_items or finite(items)
+
+    while True:  # every pass can only turn a reference's False into True: it ends
+        before = dict(known)
+        for ref in list(known):
+            known[ref] = finite(target(ref))
+        result = finite(schema)
+        if known == before:
+            return result
 
 
 @functools.cache

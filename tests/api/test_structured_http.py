@@ -183,18 +183,25 @@ async def test_a_forced_call_that_cannot_compile_is_a_400_before_the_stream(sdk_
     assert resp.status == 400 and body["error"]["param"].startswith("tools"), body
 
 
+SELF_CONTAINING = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(
+    "schema", [{"$ref": "#"}, SELF_CONTAINING, {"type": "array", "items": {"$ref": "#"}, "minItems": 1}]
+)
 @pytest.mark.parametrize("forced_tool", [False, True])
-async def test_a_schema_no_value_satisfies_is_a_400_before_the_stream(sdk_client, forced_tool):
-    """`{"$ref": "#"}` validates, but its grammar allows no first token: it was an empty 200."""
+async def test_a_schema_no_value_satisfies_is_a_400_before_the_stream(sdk_client, forced_tool, schema):
+    """`{"$ref": "#"}` validates, but its grammar allows no first token: it was an empty 200; one
+    whose every value must hold another gave a 200 with `{` and finish_reason stop."""
     body: dict = {"model": "tiny", "messages": ASK, "stream": True}
     if forced_tool:
-        body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}]
+        body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
         body["tool_choice"] = "required"
     else:
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
     resp = await sdk_client.post("/v1/chat/completions", json=body)
     error = (await resp.json())["error"]
-    assert resp.status == 400 and "no JSON value satisfies it" in error["message"], error
+    assert resp.status == 400 and "JSON value satisfies it" in error["message"], error
     assert error["param"].startswith("tools" if forced_tool else "response_format"), error
 
 

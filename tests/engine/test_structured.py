@@ -126,3 +126,38 @@ def test_a_mask_computed_ahead_on_the_mask_thread_equals_one_computed_in_place(e
             break
     ahead.prefetch_mask()
     assert ahead.accept(int(rng.integers(engine.grammar.vocab_size))) in (True, False)  # waits, then moves on
+
+
+@pytest.mark.parametrize(
+    ("schema", "finite"),
+    [
+        ({"$ref": "#"}, False),
+        ({"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}, False),
+        ({"type": "array", "items": {"$ref": "#"}, "minItems": 1}, False),
+        ({"type": "object", "properties": {"a": {"$ref": "#"}}}, True),  # `a` may be left out
+        (
+            {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}, "required": ["kids"]},
+            True,
+        ),
+        (  # a linked list ending in null
+            {
+                "$defs": {
+                    "N": {
+                        "anyOf": [
+                            {"type": "null"},
+                            {"type": "object", "properties": {"next": {"$ref": "#/$defs/N"}}, "required": ["next"]},
+                        ]
+                    }
+                },
+                "$ref": "#/$defs/N",
+            },
+            True,
+        ),
+        ({"type": ["object", "null"], "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, True),
+        ({"properties": {"a": {"$ref": "#"}}, "required": ["a"]}, True),  # untyped: a string will do
+    ],
+)
+def test_schemas_whose_every_value_holds_another_have_no_finite_instance(schema, finite):
+    from engine.grammar import has_finite_instance
+
+    assert has_finite_instance(schema) is finite
