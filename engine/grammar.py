@@ -93,8 +93,9 @@ def has_finite_instance(schema: object) -> bool:
         kinds = kinds if isinstance(kinds, list) else [kinds] if kinds is not None else None
         if kinds is not None and any(k not in ("object", "array") for k in kinds):
             return True  # a string, number, boolean or null will do
-        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-        required = node.get("required") if isinstance(node.get("required"), list) else []
+        listed, named = node.get("properties"), node.get("required")
+        props: dict = listed if isinstance(listed, dict) else {}
+        required: list = named if isinstance(named, list) else []
         if kinds == ["object"] and not all(finite(props[r]) for r in required if r in props):
             return False
         items, min_items = node.get("items"), node.get("minItems", 0)
