@@ -184,6 +184,7 @@ def _messages(raw: dict[str, Any]) -> list[dict[str, Any]]:
     messages = raw.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty array of messages.", param="messages")
+    made: set[str] = set()  # tool_use ids of the assistant's messages so far
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
@@ -192,10 +193,25 @@ def _messages(raw: dict[str, Any]) -> list[dict[str, Any]]:
         if isinstance(content, str):
             out.append({"role": message["role"], "content": content})
         elif isinstance(content, list):
-            out.extend(_blocks(message["role"], content, f"{where}.content"))
+            converted = _blocks(message["role"], content, f"{where}.content")
+            _check_results(converted, content, made, f"{where}.content")
+            out.extend(converted)
         else:
             raise bad_request(f"'{where}.content' must be a string or an array of content blocks.", param=where)
     return out
+
+
+def _check_results(converted: list[dict[str, Any]], blocks: list, made: set[str], where: str) -> None:
+    """Each tool_result answers a tool_use an earlier assistant message made (Anthropic's 400),
+    named as the request spelled it (chat completions would name its own converted messages)."""
+    for message in converted:
+        made.update(call["id"] for call in message.get("tool_calls", ()))
+    for j, block in enumerate(blocks):
+        if isinstance(block, dict) and block.get("type") == "tool_result" and block.get("tool_use_id") not in made:
+            raise bad_request(
+                f"'{where}[{j}].tool_use_id' is {block.get('tool_use_id')!r}: no earlier 'tool_use' block has that id.",
+                param=f"{where}[{j}].tool_use_id",
+            )
 
 
 def _blocks(role: str, blocks: list, where: str) -> list[dict[str, Any]]:

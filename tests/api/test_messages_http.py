@@ -224,6 +224,15 @@ async def _error(resp, status: int, kind: str) -> str:
             "stop_sequences",
         ),
         ({"max_tokens": 5, "messages": ASK, "temperature": 3}, "invalid_request_error", 400, "temperature"),
+        (
+            {
+                "max_tokens": 5,
+                "messages": [*ASK, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9"}]}],
+            },
+            "invalid_request_error",
+            400,
+            "messages[1].content[0].tool_use_id",
+        ),
         ({"max_tokens": 5, "messages": ASK, "temperature": 1.5}, "invalid_request_error", 400, "0 and 1"),
         (
             {"max_tokens": 5, "messages": ASK, "mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}]},
