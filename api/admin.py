@@ -174,6 +174,12 @@ async def list_orgs(request: web.Request) -> web.Response:
 async def create_org(request: web.Request) -> web.Response:
     body = _object(await read_json(request), _ORG_CREATE_FIELDS)
     name = _org_name(body.get("name"), "name")
+    if name == "local":  # the keyless user's organisation: keys for it would read their conversations
+        raise bad_request(
+            "'local' is reserved for requests served without a key on this machine; choose another name.",
+            param="name",
+            code="reserved_name",
+        )
     tier = _tier(request, body.get("tier"))
     budget = _budget(body.get("budget_usd"))
     limits = _limits({}, body.get("limits"))

@@ -67,6 +67,7 @@ async def _stamp_headers(request: web.Request, response: web.StreamResponse) -> 
         response.force_close()
         response.headers["Connection"] = "close"  # the hook runs after aiohttp chose the header
     response.headers.setdefault("X-Content-Type-Options", "nosniff")
+    response.headers["Server"] = "selfhosted-chat"  # not aiohttp's and Python's versions
     if request.path.startswith("/v1/"):
         add_cors_headers(request, response, request.app[SETTINGS])
     else:

@@ -19,6 +19,7 @@ from urllib.parse import quote
 
 import structlog
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from api.connections import CLOSE_AFTER
 from api.errors import ApiError, bad_request, not_found
@@ -178,7 +179,7 @@ async def create_file(request: web.Request) -> web.Response:
             raise ApiError(
                 408, f"The upload sent nothing for {limits.idle_s:g} s.", "invalid_request_error", "request_timeout"
             ) from None
-        except ValueError as exc:  # aiohttp's parser: no boundary, a missing or broken delimiter
+        except (ValueError, HttpProcessingError) as exc:  # aiohttp's parser: no boundary, a broken delimiter or header
             raise bad_request(f"The multipart body cannot be read: {exc}.", code="invalid_multipart") from None
         stored = await _commit(request, upload, limits.quota, (purpose, filename, media_type))
     except BaseException:

@@ -269,8 +269,16 @@ async def _check_metrics_access(request: web.Request) -> None:
     header = request.headers.get("Authorization", "")
     if token and hmac.compare_digest(header.encode(), f"Bearer {token}".encode()):
         return
-    if await _key_principal(request) is None:
+    principal = await _key_principal(request)
+    if principal is None:
         raise unauthorized("/metrics needs an API key or server.metrics_token when the server is not loopback-only.")
+    if principal.is_admin:  # admin keys manage organisations, nothing else (docs/security.md)
+        raise ApiError(
+            403,
+            "This is an admin key: it reaches /v1/admin/ only. Use server.metrics_token or an inference key.",
+            "permission_error",
+            "admin_key_not_allowed",
+        )
 
 
 async def _admin_principal(request: web.Request) -> Principal:

@@ -224,7 +224,9 @@ class Admission:
         if self._metrics is None:
             return
         kind = "load" if isinstance(exc, Overloaded) else "limit"
-        self._metrics.count_rejection(caller.tier_name, model, exc.reason.value, kind)
+        # A label is kept for the life of the process: only configured names, never the caller's text.
+        label = model if model in self.queues or model in ("-", "auto") else "unknown"
+        self._metrics.count_rejection(caller.tier_name, label, exc.reason.value, kind)
         if isinstance(exc, Overloaded) and exc.num_outranked_waiting:
             self._metrics.count_refused_over_lower_tier(caller.tier_name, model)
         if isinstance(exc, Overloaded) and exc.num_below_waiting:

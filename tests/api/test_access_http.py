@@ -166,6 +166,10 @@ async def test_metrics_needs_a_key_or_the_metrics_token_when_not_loopback_only(m
     await store.create_org("ops", "free")
     _key, secret = await store.create_key("ops")
     assert (await client.get("/metrics", headers={"Authorization": f"Bearer {secret}"})).status == 200
+    _key, admin_secret = await store.create_key("ops", scope="admin")  # admin keys reach /v1/admin/ only
+    resp = await client.get("/metrics", headers={"Authorization": f"Bearer {admin_secret}"})
+    await assert_error(resp, 403, code="admin_key_not_allowed")
+    assert resp.headers["Server"] == "selfhosted-chat"  # no aiohttp or Python version to a stranger
 
 
 @pytest.mark.parametrize("param", ["start", "end"])

@@ -226,6 +226,14 @@ async def test_a_browser_page_of_another_origin_cannot_drive_the_admin_api(admin
     await assert_error(resp, 403, code="origin_not_allowed")
 
 
+async def test_the_keyless_organisations_name_is_reserved(admin):
+    """Keys for an organisation named `local` would read the keyless user's conversations once
+    the server serves keyless on loopback."""
+    client, secret = admin
+    resp = await client.post("/v1/admin/organizations", json={"name": "local", "tier": "free"}, headers=bearer(secret))
+    await assert_error(resp, 400, code="reserved_name")
+
+
 async def test_a_change_to_the_keyless_local_organisation_reaches_the_running_server(admin):
     client, secret = admin
     assert (await chat(client)).status == 200

@@ -159,6 +159,13 @@ async def test_bad_uploads_name_the_field(make_client):
     for content_type in ("multipart/form-data", "multipart/form-data; boundary=zz"):  # none, or not in the body
         resp = await client.post("/v1/files", data=b"garbage", headers={"Content-Type": content_type})
         await assert_error(resp, 400, code="invalid_multipart")
+    control = (  # a control character in a part's header: a 500 with a logged trace
+        b'--zz\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nuser_data\r\n'
+        b'--zz\r\nContent-Disposition: form-data; name="file"; filename="a\x1b[31mb\nc.txt"\r\n'
+        b"Content-Type: text/plain\r\n\r\nhello\r\n--zz--\r\n"
+    )
+    resp = await client.post("/v1/files", data=control, headers={"Content-Type": "multipart/form-data; boundary=zz"})
+    assert resp.status == 400, await resp.text()
 
 
 async def test_magic_bytes_decide_the_media_type(make_client):

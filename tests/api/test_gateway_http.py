@@ -138,3 +138,15 @@ async def test_metrics_expose_requests_tokens_and_rejections(make_client):
     # refused before routing (the cheap check), so the model label is "-"
     assert await metric(client, "chat_rejections_total", reason="key_requests", kind="limit") == 1
     assert await metric(client, "chat_requests_finished_total", model="echo", finish_reason="stop") == 1
+
+
+async def test_an_unknown_model_name_never_becomes_a_metrics_label_nor_is_echoed_whole(make_client):
+    """Each made-up name was a new label kept for the life of the process (memory without bound,
+    /metrics in tens of MB) and came back whole in the 404."""
+    client = await make_client()
+    name = "m-" + "x" * 5000
+    resp = await chat(client, {"model": name, "messages": USER})
+    body = await assert_error(resp, 404)
+    assert len(body["message"]) < 300
+    metrics = await (await client.get("/metrics")).text()
+    assert "x" * 200 not in metrics and 'model="unknown"' in metrics
