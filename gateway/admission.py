@@ -98,8 +98,9 @@ class Pass:
     def close(self, *, refund: bool = False) -> None:
         """Release the queue ticket, stream slot and bucket debit, once.
 
-        `refund`: the server refused the request (load, quota): give back every unit, the
-        request included. Otherwise the tokens are settled on `num_tokens_used`.
+        `refund`: the server refused the request (its load): give back every unit, the request
+        included. Otherwise the tokens are settled on `num_tokens_used` and the request counts
+        (a request refused for the caller's own reasons, a model not found included).
         """
         if self.is_closed:
             return
@@ -118,7 +119,7 @@ class Pass:
         return self
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.close(refund=isinstance(exc, GatewayError))
+        self.close(refund=isinstance(exc, Overloaded))
 
 
 class Admission:

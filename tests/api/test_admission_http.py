@@ -7,6 +7,8 @@ import asyncio
 import uuid
 from pathlib import Path
 
+import pytest
+
 from api.app import init
 from settings import load_settings
 from testing.fake_backend import FakeBehaviour
@@ -143,3 +145,23 @@ async def test_32_concurrent_keyless_local_requests_on_the_default_configuration
     assert [r.status for r in responses] == [200] * 32, [await r.text() for r in responses if r.status != 200][:2]
     state = state_of(client)
     assert all(q.num_reserved == 0 and q.num_waiting == 0 for q in state.admission.queues.values())
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]},  # 404
+        {"model": "echo2", "messages": [{"role": "user", "content": "word " * 3000}]},  # 400: past the context
+        {"model": "echo2", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 99},  # 400
+    ],
+)
+async def test_a_refused_request_still_counts_against_the_request_limit(make_client, body):
+    """Only the server's own refusals (load) give the request back: refused requests that cost
+    the server work (tokenizing a long prompt) could otherwise be sent at any rate."""
+    client = await make_client("tiers.free.requests_per_minute=3", "server.max_body_bytes=100000")
+    store = state_of(client).store
+    await store.create_org("cheap", "free")
+    _key, secret = await store.create_key("cheap")
+    headers = {"Authorization": f"Bearer {secret}"}
+    statuses = [(await client.post("/v1/chat/completions", json=body, headers=headers)).status for _ in range(5)]
+    assert statuses[:3] != [429] * 3 and statuses[3:] == [429, 429], statuses
