@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import llguidance
 import numpy as np
 import structlog
+import tokenizers
 import torch
 
 from engine.types import StructuredKind, StructuredOutput
@@ -179,6 +180,10 @@ class GrammarCompiler:
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
             text = _without_deleting_normalizers(self._tokenizer_file.read_text(encoding="utf-8"))
+            # A tokenizer may hold more tokens than the model has logits (tokens added by a fine-tune
+            # without resizing the embeddings): masks cover both, and only the logits' part is applied.
+            num_tokens = tokenizers.Tokenizer.from_str(text).get_vocab_size(with_added_tokens=True)
+            self.vocab_size = max(self.vocab_size, num_tokens)
             self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self._eos_token_ids)
         return self._tokenizer
 
@@ -224,9 +229,9 @@ class GrammarMatcher:
     def fill_bitmask(self, row: np.ndarray) -> None:
         """Write the allowed next tokens into `row` (int32 words, bit i of word j: token 32j+i)."""
         if self._pending is None:
-            self._compute(row)
-            return
-        self._pending.result()  # raises what the computation raised
+            self._compute(self._words)  # the matcher's own width: it may exceed the logits' (`row`)
+        else:
+            self._pending.result()  # raises what the computation raised
         row[:] = self._words[: row.shape[0]]
 
     def accept(self, token_id: int) -> bool:

@@ -205,8 +205,18 @@ class ModelQueue:
     async def _poll(self) -> None:
         while not self._is_closed and self.room.num_waiting:
             await asyncio.sleep(self._poll_interval_s)
+            if not self._is_available():  # the engine died: nothing waiting will ever be admitted
+                self._fail_waiting(refusal(Placement(Outcome.REFUSED, Reason.MODEL_UNAVAILABLE, UNAVAILABLE_RETRY_S)))
+                return
             if self._engine_has_room():
                 self._admit_ready()
+
+    def _fail_waiting(self, error: Overloaded) -> None:
+        for request_id, ticket in list(self._tickets.items()):
+            if ticket.state is TicketState.WAITING:
+                self._tickets.pop(request_id)
+                self.room.release(request_id)
+                ticket._fail(error)
 
     def _engine_has_room(self) -> bool:
         try:

@@ -258,6 +258,11 @@ class NativeBackend:
     def health(self) -> bool:
         return not self._dead and (self._stepper is None or self._stepper.thread.is_alive() or self._stopping)
 
+    def is_available(self) -> bool:
+        """False once the engine died (failed steps, its thread gone): the queue answers 503 (or the
+        router falls back) instead of holding requests for an engine that will never take them."""
+        return self.health()
+
     # -- loop side -------------------------------------------------------------------------
 
     def _post(self, item: _Add | _Abort | _Stop) -> None:
@@ -369,6 +374,11 @@ class NativeBackend:
                     engine.add_request(msg.request)
                 except RequestRejected as exc:
                     items.append(_Failure(msg.request.request_id, exc))
+                except Exception as exc:  # a request must never take the step thread (and every other) down
+                    log.exception("engine_add_request_failed", request_id=msg.request.request_id)
+                    engine.abort_request(msg.request.request_id)
+                    error = EngineError(f"the native engine could not take the request: {type(exc).__name__}: {exc}")
+                    items.append(_Failure(msg.request.request_id, error))
             elif isinstance(msg, _Abort):
                 out = engine.abort_request(msg.request_id)
                 if out is not None:

@@ -121,6 +121,13 @@ class LLMEngine:
         """Reject what could never run: too long for the context window or the whole KV pool."""
         check_fits_context(request, self.max_model_len)
         thinking, vocab_size = request.sampling.thinking, self.runner.args.vocab_size
+        beyond = max(request.prompt_token_ids, default=0)
+        if beyond >= vocab_size or min(request.prompt_token_ids, default=0) < 0:
+            raise RequestRejected(
+                f"the prompt holds the token id {beyond}, beyond this model's {vocab_size} embeddings (its tokenizer "
+                "has tokens the model was not resized for; leave them out of the text)",
+                param="messages",
+            )
         if thinking is not None and max(thinking.open_id, thinking.close_id, *thinking.forced_ids) >= vocab_size:
             raise RequestRejected(
                 f"the thinking budget's tags or message hold a token id outside the model's {vocab_size} logits",

@@ -83,6 +83,14 @@ def load_model_args(model_dir: Path) -> ModelArgs:
     for key in _REQUIRED_KEYS:
         if key not in cfg:
             raise ModelLoadError(f"{where}: missing key {key!r}")
+    quantized = cfg.get("quantization_config")
+    if quantized:  # FP8, GPTQ, AWQ, bitsandbytes...: its weights need its own scales, which the engine does not read
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise ModelLoadError(
+            f"{where}: a pre-quantized checkpoint (quantization_config, quant_method {method!r}) is not supported: "
+            'serve the unquantized (bfloat16 or float16) release; engine.quantization = "int8" or "int4" '
+            "quantizes it at load"
+        )
     from transformers import CONFIG_MAPPING
 
     try:
@@ -119,7 +127,14 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
         return files
     single = model_dir / "model.safetensors"
     if not single.is_file():
-        raise ModelLoadError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+        pickled = any(model_dir.glob("pytorch_model*.bin"))
+        hint = (
+            " (pytorch_model.bin weights are not read: they are pickles, which can run code; convert them "
+            "with transformers: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir))"
+            if pickled
+            else ""
+        )
+        raise ModelLoadError(f"{model_dir}: no model.safetensors or model.safetensors.index.json{hint}")
     return dict.fromkeys(_tensor_names(single), single)
 
 

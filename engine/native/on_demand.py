@@ -75,6 +75,9 @@ class OnDemandBackend:
     def check_request(self, request: GenerationRequest) -> None:
         (self._loaded or self._next).check_request(request)
 
+    def is_available(self) -> bool:
+        return self._loaded.is_available() if self._loaded is not None else True
+
     def has_room(self) -> bool:
         # Unloaded: a request would load the model and start; the reservations bound how many.
         return self._loaded.has_room() if self._loaded is not None else not self._is_stopped

@@ -51,7 +51,11 @@ def fingerprint(engine: LLMEngine, model_dir: Path) -> dict[str, str]:
     files = hashlib.blake2b(digest_size=16)
     for path in sorted(model_dir.iterdir()):
         if path.suffix in (".safetensors", ".json", ".bin"):
-            stat = path.stat()
+            try:
+                stat = path.stat()
+            except FileNotFoundError:  # a dangling link (a Hugging Face cache whose blob was deleted)
+                files.update(f"{path.name}:missing\n".encode())
+                continue
             files.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
     runner, args = engine.runner, engine.runner.args
     return {

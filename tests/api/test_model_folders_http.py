@@ -29,6 +29,10 @@ def _copy(tiny_model_dir, tmp_path, name: str, **config_changes):
     [
         ({"model_type": "mixtral"}, "model_type 'mixtral' is not one of"),
         ({"hidden_act": "relu2"}, "relu2"),
+        (  # an FP8 release (Qwen3-*-FP8): its weights were cast without their scales and answered NaN
+            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+            "pre-quantized checkpoint .*'fp8'",
+        ),
     ],
 )
 def test_an_unsupported_config_is_a_config_error_before_anything_loads(tiny_model_dir, tmp_path, changes, needle):
@@ -51,6 +55,9 @@ def test_missing_or_unreadable_weights_are_a_config_error(tiny_model_dir, tmp_pa
         build_models(settings)
     (bad / "model.safetensors").unlink()
     with pytest.raises(ConfigError, match=r"no model\.safetensors"):
+        build_models(settings)
+    (bad / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(ConfigError, match=r"pytorch_model\.bin weights are not read"):
         build_models(settings)
 
 
@@ -101,3 +108,31 @@ async def test_a_model_loaded_on_demand_that_cannot_load_is_a_503_naming_it(aioh
     assert events[-1] != "[DONE]" and events[-1]["error"]["code"] == "model_load_failed"
     assert state_of(client).models["tiny"].backend.num_loads == 0
     assert (await client.get("/health")).status == 200
+
+
+async def test_tokens_a_fine_tune_added_without_resizing_the_model_never_take_the_engine_down(
+    aiohttp_client, tiny_model_dir, tmp_path
+):
+    """A tokenizer with more tokens than the model's embeddings: text holding an added token was
+    an IndexError in a step (three of them killed the engine for everyone), and any JSON
+    response_format killed the step thread at once (the grammar's vocabulary check)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    added = _copy(tiny_model_dir, tmp_path, "added")
+    tokenizer = Tokenizer.from_file(str(added / "tokenizer.json"))
+    vocab_size = json.loads((added / "config.json").read_text())["vocab_size"]
+    num_more = vocab_size - tokenizer.get_vocab_size(with_added_tokens=True) + 2
+    tokenizer.add_tokens([AddedToken(f"<note{i}>", special=False, normalized=False) for i in range(num_more)])
+    tokenizer.save(str(added / "tokenizer.json"))
+    assert tokenizer.get_vocab_size(with_added_tokens=True) == vocab_size + 2
+    client = await aiohttp_client(init(native_settings(tmp_path, added, name="added")))
+    beyond = f"<note{num_more - 1}>"
+    for _ in range(4):  # more than the engine's consecutive failed steps
+        resp = await client.post("/v1/completions", json={"model": "added", "prompt": f"a {beyond} b", "max_tokens": 3})
+        await assert_error(resp, 400, param="messages")
+    fmt = {"type": "json_object"}
+    chat = {"model": "added", "messages": [{"role": "user", "content": "json"}], "max_tokens": 8}
+    resp = await client.post("/v1/chat/completions", json={**chat, "response_format": fmt})
+    assert resp.status == 200, await resp.text()
+    resp = await client.post("/v1/chat/completions", json=chat)  # the engine still serves everyone
+    assert resp.status == 200, await resp.text()

@@ -124,3 +124,19 @@ def test_sliding_window_models_keep_their_blocks_too(tiny_models, tmp_path, vari
     assert prefix_store.restore(second, model_dir, path) > 0
     assert ask(second, prompt) == expected
     assert second.stats().prefix_cache_hits > 0
+
+
+def test_a_dangling_link_in_the_model_folder_does_not_stop_the_cache(tiny_models, tmp_path):
+    """A Hugging Face cache snapshot whose unused blob was deleted: saving failed with a trace
+    (FileNotFoundError on the link) and the cache was never kept."""
+    import shutil
+
+    model_dir = tmp_path / "snapshot"
+    shutil.copytree(tiny_models.path(VARIANT), model_dir)
+    (model_dir / "pytorch_model.bin").symlink_to(tmp_path / "blobs" / "deleted")
+    prompt = prompt_for(model_dir)
+    first = engine_for(model_dir, num_blocks=24)
+    ask(first, prompt)
+    path = tmp_path / "cache.safetensors"
+    num_saved = prefix_store.save(first, model_dir, path, 1 << 30)
+    assert num_saved > 0 and prefix_store.restore(engine_for(model_dir, num_blocks=24), model_dir, path) == num_saved

@@ -133,3 +133,19 @@ async def test_a_failing_has_room_does_not_stop_admission():
 
     queue = make_queue(capacity=1, has_room=broken)
     assert await enqueue(queue, "a").wait(0) is True
+
+
+async def test_waiting_requests_get_a_503_when_the_engine_dies_instead_of_waiting_forever():
+    """A dead native engine never has room again: its waiters were held until the client gave up."""
+    alive = True
+    cfg = QueueConfig(max_waiting_requests=8, max_waiting_tokens=1000, max_wait_s=60.0, aging_s=10.0)
+    queue = ModelQueue(
+        "mini", cfg, lambda: False, FakeClock(), capacity=1, poll_interval_s=0.01, is_available=lambda: alive
+    )
+    running, waiting = enqueue(queue, "run"), enqueue(queue, "wait")
+    assert waiting.state is TicketState.WAITING
+    alive = False
+    with pytest.raises(Overloaded) as refused:
+        await asyncio.wait_for(waiting.wait(), timeout=2)
+    assert refused.value.reason is Reason.MODEL_UNAVAILABLE and queue.num_waiting == 0
+    running.release()
