@@ -152,6 +152,12 @@ class ServerConfig:
         "longer than this between reads; else 408 and close.",
         above=0,
     )
+    write_timeout_s: float = setting(
+        30.0,
+        "An answer whose bytes the client does not read for this many seconds is given up and the connection "
+        "closed (a client that stops reading would otherwise hold its connection slot).",
+        above=0,
+    )
     max_connections: int = setting(
         1024,
         "Open connections in total (lowered to fit the open-files limit). At the cap the oldest idle (or "

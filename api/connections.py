@@ -31,6 +31,7 @@ log = structlog.get_logger(__name__)
 
 CLOSE_AFTER = web.RequestKey("close_after", bool)  # answer, then close the connection
 LOG_EVERY_S = 5.0  # a biting cap is logged at most this often (with the count in between)
+_EVICTABLE_AFTER_S = 5.0  # an answer the client has not read for this long may lose its slot to a new client
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,7 @@ class ConnectionLimits:
     max_connections: int  # after the fd reserve
     max_per_client: int
     header_timeout_s: float
+    write_timeout_s: float = 30.0  # an answer whose bytes the client does not take for this long: closed
 
     @classmethod
     def from_config(cls, cfg: ServerConfig) -> ConnectionLimits:
@@ -48,7 +50,9 @@ class ConnectionLimits:
             soft = hard
         num_open = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
         fd_room = max(1, soft - num_open - cfg.fd_reserve)
-        limits = cls(min(cfg.max_connections, fd_room), cfg.max_connections_per_client, cfg.header_timeout_s)
+        limits = cls(
+            min(cfg.max_connections, fd_room), cfg.max_connections_per_client, cfg.header_timeout_s, cfg.write_timeout_s
+        )
         if fd_room < cfg.max_connections:
             log.warning(
                 "connection_cap_lowered_by_fd_limit",
@@ -83,6 +87,23 @@ class ConnectionGuard:
     @property
     def num_connections(self) -> int:
         return len(self._all)
+
+    def sweep(self, now: float) -> int:
+        """Close every connection whose answer the client has not read for write_timeout_s (a
+        reader that stalls on purpose would otherwise hold its slot, and enough of them every
+        slot: nothing else times out a write). Returns how many were closed."""
+        stalled = [h for h in self._all if h.write_stalled(now, self.limits.write_timeout_s)]
+        for handler in stalled:
+            self.note("write_timeout", self._all.get(handler, "?"), action="closed")
+            self.release(handler)
+            handler.force_close()
+        return len(stalled)
+
+    async def sweep_forever(self, interval_s: float = 1.0) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(interval_s)
+            self.sweep(loop.time())
 
     def admit(self, handler: GuardedHandler, peer: str) -> bool:
         peers = self._by_peer.setdefault(peer, {})
@@ -143,11 +164,28 @@ class GuardedHandler(RequestHandler):
         self._is_admitted = False
         self._header_timer: asyncio.TimerHandle | None = None
         self.is_reading_body = False
+        self._unsent = 0  # bytes of answers the transport held at the last look
+        self._write_progress_s = self._loop.time()  # when the client last took some
 
     @property
     def is_evictable(self) -> bool:
-        """Idle between requests, still sending headers, or stuck sending its body."""
-        return self.is_reading_body or (not self._request_in_progress and not self._messages)
+        """Idle between requests, still sending headers, stuck sending its body, or not reading its
+        answer (its unsent bytes have not gone down since the last sweep)."""
+        return (
+            self.is_reading_body
+            or (not self._request_in_progress and not self._messages)
+            or (self._unsent > 0 and self._loop.time() - self._write_progress_s > _EVICTABLE_AFTER_S)
+        )
+
+    def write_stalled(self, now: float, timeout_s: float) -> bool:
+        """Whether answer bytes have waited for the client longer than `timeout_s` without it
+        taking any (looked at once per sweep: a buffer that shrank or emptied is progress)."""
+        transport = self.transport
+        unsent = transport.get_write_buffer_size() if transport is not None else 0
+        if unsent == 0 or unsent < self._unsent:
+            self._write_progress_s = now
+        self._unsent = unsent
+        return unsent > 0 and now - self._write_progress_s > timeout_s
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peername = transport.get_extra_info("peername")

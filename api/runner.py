@@ -74,6 +74,7 @@ async def run(app: web.Application, settings: Settings, sock: socket.socket | No
                 ssl=context,
                 ssl_handshake_timeout=handshake_s,
             )
+        sweeper = loop.create_task(guard.sweep_forever(), name="connection-sweeper")
         log.info(
             "listening",
             host=cfg.host,
@@ -86,7 +87,10 @@ async def run(app: web.Application, settings: Settings, sock: socket.socket | No
         log.info("shutting_down", signal=received, grace_s=cfg.shutdown_grace_s)
         hurry = _escalate_on_signals(loop)
         listener.close()
-        await _drain(app, runner, cfg.shutdown_grace_s, hurry)
+        try:
+            await _drain(app, runner, cfg.shutdown_grace_s, hurry)
+        finally:
+            sweeper.cancel()
     finally:
         await runner.cleanup()  # app shutdown and cleanup: queues, backends, store
     log.info("stopped")

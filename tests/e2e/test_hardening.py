@@ -10,6 +10,7 @@ import resource
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -118,6 +119,35 @@ def test_slow_headers_and_bodies_hit_their_deadlines_and_the_caps_keep_new_clien
     assert "connection_limit" in log and "limit=per_client" in log
     assert "limit=header_timeout" in log and "body_timeout" in log
     assert "Traceback" not in log
+
+
+def test_clients_that_stop_reading_their_answers_cannot_hold_every_slot(tiny_model_dir, tmp_path):
+    """Connections that asked for large answers (the web UI's scripts) and never read them were
+    busy for good, never evicted: a few held every slot and every new client, /health included,
+    got 503 for as long as they liked. Their writes now time out and the slots come back."""
+    settings = ("server.max_connections=6", "server.max_connections_per_client=6", "server.write_timeout_s=2")
+    with server_for(tmp_path, tiny_model_dir, *settings) as server:
+        readers = []
+        for _ in range(6):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+            sock.connect(("127.0.0.1", server.port))
+            sock.sendall(b"GET /static/vendor/highlight/highlight.min.js HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 20)
+            readers.append(sock)
+        deadline = time.monotonic() + 15
+        while True:  # a stalled one is evicted for a new client; all are closed once their writes time out
+            try:
+                if get_health(server.port) == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the stalled readers still hold every slot"
+            time.sleep(0.5)
+        time.sleep(4)  # past write_timeout_s: the sweep closes those the caps did not evict
+        for sock in readers:
+            sock.close()
+    log = (tmp_path / "server.log").read_text()
+    assert "limit=write_timeout" in log and "Traceback" not in log
 
 
 def _low_fd_limit() -> None:
