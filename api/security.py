@@ -300,6 +300,15 @@ async def _admin_principal(request: web.Request) -> Principal:
     return principal
 
 
+# Writes outside the chat path (which has its own admission): each counts against the caller's
+# request limit, so that no key can store conversations, files or feedback at any rate.
+_STORE_WRITE_PREFIXES = ("/v1/conversations", "/v1/files", "/v1/responses/")
+
+
+def _writes_to_the_store(request: web.Request) -> bool:
+    return request.method in ("POST", "PATCH", "DELETE") and request.path.startswith(_STORE_WRITE_PREFIXES)
+
+
 def make_access_middleware(settings: Settings):
     policy = HostPolicy.from_settings(settings)
 
@@ -328,6 +337,8 @@ def make_access_middleware(settings: Settings):
                     "admin_key_not_allowed",
                 )
             request[PRINCIPAL] = principal
+            if _writes_to_the_store(request):
+                request.app[STATE].charge_request(principal)
         return await handler(request)
 
     return access_middleware

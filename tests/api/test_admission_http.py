@@ -165,3 +165,17 @@ async def test_a_refused_request_still_counts_against_the_request_limit(make_cli
     headers = {"Authorization": f"Bearer {secret}"}
     statuses = [(await client.post("/v1/chat/completions", json=body, headers=headers)).status for _ in range(5)]
     assert statuses[:3] != [429] * 3 and statuses[3:] == [429, 429], statuses
+
+
+async def test_writes_to_conversations_and_files_count_against_the_request_limit(make_client):
+    """Conversations (with up to 20 first items each), uploads and feedback had no rate limit:
+    one free key filled the disk at 100 MB/s."""
+    client = await make_client("tiers.free.requests_per_minute=3")
+    store = state_of(client).store
+    await store.create_org("cheap", "free")
+    _key, secret = await store.create_key("cheap")
+    headers = {"Authorization": f"Bearer {secret}"}
+    statuses = [(await client.post("/v1/conversations", json={}, headers=headers)).status for _ in range(4)]
+    assert statuses == [201, 201, 201, 429]
+    resp = await client.get("/v1/conversations", headers=headers)  # reads are not limited here
+    assert resp.status == 200

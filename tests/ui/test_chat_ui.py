@@ -220,7 +220,7 @@ def test_shift_enter_adds_a_line_and_the_composer_is_labelled(ui):
 
 
 def test_rate_limited_send_shows_the_wait_and_gives_the_text_back(browser, tiny_model_dir, tmp_path):
-    server = start_ui_server(tmp_path, tiny_model_dir, rpm=1)
+    server = start_ui_server(tmp_path, tiny_model_dir, rpm=2)  # the new chat's creation and its first answer
     watched = open_page(browser, server.base_url)
     try:
         page = watched.page
@@ -294,6 +294,23 @@ def test_network_loss_mid_stream_shows_retry_and_retry_completes_after_restart(b
         assert [m["role"] for m in stored["messages"]] == ["user", "assistant"]
         assert stored["messages"][1]["content"] == LONG_TEXT
         assert watched.dialogs == [] and watched.page_errors == []
+    finally:
+        watched.close()
+        server.stop()
+
+
+def test_a_new_chat_refused_for_the_rate_limit_gives_the_text_back(browser, tiny_model_dir, tmp_path):
+    """Creating the conversation counts as a request too: the first answer of a new chat can be
+    the one refused, and its text must not be lost."""
+    server = start_ui_server(tmp_path, tiny_model_dir, rpm=1)
+    watched = open_page(browser, server.base_url)
+    try:
+        page = watched.page
+        type_and_send(page, "one")
+        page.get_by_role("alert").wait_for(state="visible")
+        assert "Rate limited" in page.get_by_role("alert").inner_text()
+        assert page.get_by_label("Message", exact=True).input_value() == "one"
+        assert not watched.page_errors
     finally:
         watched.close()
         server.stop()
