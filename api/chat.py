@@ -115,9 +115,12 @@ async def serve_job(
         raise overloaded(
             "The usage ledger cannot be written; try again later.", retry_after_s=30, code="store_unavailable"
         )
-    state.admission.place(grant, job.num_tokens_reserved, num_seqs=job.chat.n)
+    spend = await state.month_spend_if_budgeted(principal)
     try:
-        with request.app[INFLIGHT].track():  # shutdown waits for it, then cuts it cleanly
+        # The budget is checked and held with no await between: concurrent requests see each
+        # other's holds. Shutdown waits for the request, then cuts it cleanly.
+        with state.budget_reserved(job, spend), request.app[INFLIGHT].track():
+            state.admission.place(grant, job.num_tokens_reserved, num_seqs=job.chat.n)
             if outlet is not None:
                 return await outlet.serve(request, state, job, grant)
             if chat.stream:

@@ -8,8 +8,9 @@ principal into the plain values the gateway takes (`caller`) and renders its ans
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -52,6 +53,10 @@ class AppState:
     embeddings: EmbeddingsService | None = None  # embeddings.enabled
     local_principal: Principal | None = None
     draining: bool = False
+    # Per organisation with a budget: the most its answers in flight can still cost (prompt and
+    # n x max_tokens at list prices), so that concurrent requests cannot all pass a budget that
+    # only the first could stay within (api/chat.py reserves, and releases once billed).
+    budget_in_flight_usd: dict[str, float] = field(default_factory=dict)
     _local_read_s: float = -math.inf  # loop time local_principal's organisation was last read
 
     async def keyless_principal(self) -> Principal | None:
@@ -87,10 +92,56 @@ class AppState:
         return name, tier
 
     async def over_budget(self, principal: Principal) -> bool:
+        """This month's spend, and what the organisation's answers in flight may still cost, has
+        reached its budget."""
         budget = principal.org.budget_usd
         if budget is None:
             return False
-        return await self.store.month_spend_usd(principal.org.id) >= budget
+        in_flight = self.budget_in_flight_usd.get(principal.org.id, 0.0)
+        return await self.store.month_spend_usd(principal.org.id) + in_flight >= budget
+
+    def max_cost_usd(self, job: Job) -> float:
+        """The most `job` can cost: every prompt token uncached, every choice to max_tokens."""
+        cfg = job.model.config
+        output = job.chat.n * job.gen.sampling.max_tokens
+        return float(
+            money.cost_usd(((job.num_prompt_tokens, cfg.price_input_per_mtok), (output, cfg.price_output_per_mtok)))
+        )
+
+    async def month_spend_if_budgeted(self, principal: Principal) -> float | None:
+        """This month's spend of an organisation with a budget; None without one."""
+        if principal.org.budget_usd is None:
+            return None
+        return await self.store.month_spend_usd(principal.org.id)
+
+    @contextlib.contextmanager
+    def budget_reserved(self, job: Job, spend: float | None) -> Iterator[None]:
+        """Hold the job's most possible cost against its organisation's budget until it is billed;
+        429 `insufficient_quota` when answers already in flight hold the rest of it (each request
+        may still cross the budget by its own cost, as the last one before it always could)."""
+        org = job.principal.org
+        if org.budget_usd is None or spend is None:
+            yield
+            return
+        in_flight = self.budget_in_flight_usd.get(org.id, 0.0)
+        if in_flight > 0 and spend + in_flight >= org.budget_usd:
+            raise ApiError(
+                429,
+                "The rest of your budget is held by answers still running; retry when they finish.",
+                "insufficient_quota",
+                "insufficient_quota",
+                headers={"Retry-After": "5"},
+            )
+        cost = self.max_cost_usd(job)
+        self.budget_in_flight_usd[org.id] = self.budget_in_flight_usd.get(org.id, 0.0) + cost
+        try:
+            yield
+        finally:  # the one release path: the ledger row (written before this) now holds the real cost
+            left = self.budget_in_flight_usd.get(org.id, 0.0) - cost
+            if left > 1e-12:
+                self.budget_in_flight_usd[org.id] = left
+            else:
+                self.budget_in_flight_usd.pop(org.id, None)
 
     def cache_salt(self, principal: Principal) -> str | None:
         return principal.org.id if self.settings.engine.prefix_cache_scope == "org" else None

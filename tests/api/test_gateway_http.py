@@ -150,3 +150,25 @@ async def test_an_unknown_model_name_never_becomes_a_metrics_label_nor_is_echoed
     assert len(body["message"]) < 300
     metrics = await (await client.get("/metrics")).text()
     assert "x" * 200 not in metrics and 'model="unknown"' in metrics
+
+
+async def test_requests_sent_at_once_cannot_overspend_the_budget_many_times(make_client):
+    """Each checked only past spend: ten sent together all passed a budget the first one used up
+    (72x the budget). An answer in flight now holds its most possible cost until it is billed."""
+    client = await make_client(
+        "tiers.enterprise.budget_fallback=false",
+        "tiers.enterprise.max_concurrent_streams=20",
+        behaviour=FakeBehaviour(token_delay_s=0.02),
+    )
+    store = state_of(client).store
+    price = state_of(client).models["echo"].config.price_output_per_mtok
+    await store.create_org("thrifty", "enterprise", budget_usd=0.000001)  # about one short answer
+    _key, secret = await store.create_key("thrifty")
+    headers = {"Authorization": f"Bearer {secret}"}
+    body = {"model": "echo", "messages": USER, "max_tokens": 20}
+    responses = await asyncio.gather(*(chat(client, body, headers=headers) for _ in range(10)))
+    statuses = sorted(r.status for r in responses)
+    assert statuses.count(200) <= 2 and set(statuses) <= {200, 429}, statuses
+    org = await store.get_org("thrifty")
+    assert await store.month_spend_usd(org.id) <= 0.000001 + 2 * 20 * price / 1e6 + 1e-9
+    assert state_of(client).budget_in_flight_usd == {}  # every hold released once billed
