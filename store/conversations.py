@@ -200,7 +200,7 @@ async def delete_pending(conn: aiosqlite.Connection) -> int:
     return cursor.rowcount
 
 
-async def rename(
+async def update(
     conn: aiosqlite.Connection,
     org_id: str,
     conversation_id: str,

@@ -278,8 +278,7 @@ class Store:
             return await conversations.get_billed(conn, org_id, conversation_id)
 
     async def rename_conversation(self, org_id: str, conversation_id: str, title: str) -> Conversation | None:
-        job = functools.partial(conversations.rename, org_id=org_id, conversation_id=conversation_id, title=title)
-        return await self._write(job)
+        return await self.update_conversation(org_id, conversation_id, title=title, metadata=None, set_metadata=False)
 
     async def update_conversation(
         self,
@@ -292,7 +291,7 @@ class Store:
     ) -> Conversation | None:
         """The title (None: unchanged) and, with `set_metadata`, the metadata; None if not found."""
         job = functools.partial(
-            conversations.rename,
+            conversations.update,
             org_id=org_id,
             conversation_id=conversation_id,
             title=title,
