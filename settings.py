@@ -390,6 +390,12 @@ class TierConfig:
     budget_fallback: bool = setting(False, "Over budget: serve the tier's last model instead of answering 429.")
     file_storage_bytes: int = setting(104_857_600, "Bytes of uploaded files an organisation may keep.", minimum=0)
     max_files: int = setting(100, "Uploaded files an organisation may keep.", minimum=0)
+    conversation_storage_bytes: int = setting(
+        1_073_741_824,
+        "Characters (about bytes) of conversation messages an organisation may keep, deleted conversations not "
+        "counted; at the cap, storing more is a 400 conversation_quota_exceeded until some are deleted; 0: no cap.",
+        minimum=0,
+    )
     file_retention_days: int = setting(
         30, "Days an uploaded file is kept (its expires_at); 0: until deleted.", minimum=0
     )

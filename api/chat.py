@@ -96,6 +96,8 @@ async def serve_job(
     route, budget, context, safety, admission, generation, billing."""
     principal = request[PRINCIPAL]
     state.admission.route(grant, chat.model)  # a saturated queue refuses before any store read
+    if chat.conversation_id is not None:  # the turn will be stored: within the organisation's cap
+        await state.check_conversation_storage(principal, sum(len(m.content) for m in chat.messages))
     if await state.over_budget(principal):
         state.admission.route(grant, chat.model, over_budget=True)
     inflight = request.app[INFLIGHT]

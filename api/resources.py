@@ -197,7 +197,9 @@ async def create_conversation(request: web.Request) -> web.Response:
     messages = _initial_messages(
         body.get("items"), min(MAX_INITIAL_ITEMS, server.max_messages), server.max_prompt_chars
     )
-    conv = await request.app[STATE].store.create_conversation(
+    state = request.app[STATE]
+    await state.check_conversation_storage(request[PRINCIPAL], sum(len(m.content) for m in messages))
+    conv = await state.store.create_conversation(
         request[PRINCIPAL].org.id, title=title, metadata=body.get("metadata"), messages=messages
     )
     return _json(_conversation_obj(conv, with_messages=True), status=201)
@@ -305,6 +307,7 @@ async def delete_conversation(request: web.Request) -> web.Response:
     cid = request.match_info["conversation_id"]
     if not await request.app[STATE].store.delete_conversation(request[PRINCIPAL].org.id, cid):
         raise _conversation_missing(cid)
+    request.app[STATE].forget_conversation_bytes(request[PRINCIPAL].org.id)  # room again under its cap
     return _json({"id": cid, "object": "conversation.deleted", "deleted": True})
 
 

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from gateway.safety import SafetyGate
 
 log = structlog.get_logger(__name__)
+STORAGE_READ_S = 10.0  # how stale an organisation's conversation size may be when checked against its cap
 
 PRINCIPAL = web.RequestKey("principal", Principal)  # set by the auth middleware
 REQUEST_ID = web.RequestKey("request_id", str)  # set by the request-id middleware
@@ -57,6 +58,9 @@ class AppState:
     # n x max_tokens at list prices), so that concurrent requests cannot all pass a budget that
     # only the first could stay within (api/chat.py reserves, and releases once billed).
     budget_in_flight_usd: dict[str, float] = field(default_factory=dict)
+    # Per organisation: (its conversations' stored characters, loop time read), re-read at most
+    # every STORAGE_READ_S: the cap is checked before each write without a scan each time.
+    _conversation_bytes: dict[str, tuple[int, float]] = field(default_factory=dict)
     _local_read_s: float = -math.inf  # loop time local_principal's organisation was last read
 
     async def keyless_principal(self) -> Principal | None:
@@ -99,6 +103,32 @@ class AppState:
             return False
         in_flight = self.budget_in_flight_usd.get(principal.org.id, 0.0)
         return await self.store.month_spend_usd(principal.org.id) + in_flight >= budget
+
+    async def check_conversation_storage(self, principal: Principal, adding: int = 0) -> None:
+        """400 `conversation_quota_exceeded` when the organisation's conversations hold its tier's
+        `conversation_storage_bytes` (or would, with `adding` more characters)."""
+        _tier_name, tier = self.tier_of(principal)
+        cap = tier.conversation_storage_bytes
+        if cap == 0:
+            return
+        org_id, now = principal.org.id, asyncio.get_running_loop().time()
+        entry = self._conversation_bytes.get(org_id)
+        if entry is None or now - entry[1] > STORAGE_READ_S:
+            entry = (await self.store.conversation_bytes(org_id), now)
+        stored, read_s = entry
+        if stored + adding > cap:
+            raise ApiError(
+                400,
+                f"Conversation storage is full: your conversations hold {stored:,} characters of the {cap:,} your "
+                "tier keeps. Delete conversations you no longer need.",
+                "invalid_request_error",
+                "conversation_quota_exceeded",
+            )
+        self._conversation_bytes[org_id] = (stored + adding, read_s)  # counted until the next read
+
+    def forget_conversation_bytes(self, org_id: str) -> None:
+        """After a delete or a truncation: the next check reads the size again."""
+        self._conversation_bytes.pop(org_id, None)
 
     def max_cost_usd(self, job: Job) -> float:
         """The most `job` can cost: every prompt token uncached, every choice to max_tokens."""

@@ -184,6 +184,17 @@ async def branch(
     return conv
 
 
+async def stored_bytes(conn: aiosqlite.Connection, org_id: str) -> int:
+    """Characters of message text and attachment references in the organisation's live conversations."""
+    rows = await fetch_all(
+        conn,
+        "SELECT coalesce(sum(length(m.content) + coalesce(length(m.parts_json), 0)), 0) FROM messages m"
+        " JOIN conversations c ON c.id = m.conversation_id WHERE c.org_id = ? AND c.deleted_at IS NULL",
+        (org_id,),
+    )
+    return int(rows[0][0])
+
+
 async def discard_pending(conn: aiosqlite.Connection, org_id: str, conversation_id: str) -> bool:
     cursor = await conn.execute(
         "DELETE FROM conversations WHERE org_id = ? AND id = ? AND pending = 1", (org_id, conversation_id)

@@ -438,6 +438,11 @@ class Store:
             )
             raise
 
+    async def conversation_bytes(self, org_id: str) -> int:
+        """What the organisation's live conversations hold (their messages' text and parts)."""
+        async with self._reader() as conn:
+            return await conversations.stored_bytes(conn, org_id)
+
     async def month_spend_usd(self, org_id: str, now: float | None = None) -> float:
         """Cost of the organisation's requests in the calendar month (UTC) of `now`."""
         async with self._reader() as conn:

@@ -179,3 +179,23 @@ async def test_writes_to_conversations_and_files_count_against_the_request_limit
     assert statuses == [201, 201, 201, 429]
     resp = await client.get("/v1/conversations", headers=headers)  # reads are not limited here
     assert resp.status == 200
+
+
+async def test_an_organisations_conversations_are_held_to_its_tiers_storage_cap(make_client):
+    """Rate limits slow a key down; without a cap it still filled the disk in time."""
+    client = await make_client("tiers.free.conversation_storage_bytes=1000")
+    store = state_of(client).store
+    await store.create_org("cheap", "free")
+    _key, secret = await store.create_key("cheap")
+    headers = {"Authorization": f"Bearer {secret}"}
+    items = [{"role": "user", "content": "x" * 600}]
+    first = await client.post("/v1/conversations", json={"items": items}, headers=headers)
+    assert first.status == 201
+    full = await client.post("/v1/conversations", json={"items": items}, headers=headers)
+    await assert_error(full, 400, code="conversation_quota_exceeded")
+    cid = (await first.json())["id"]
+    chat = {"model": "echo2", "messages": [{"role": "user", "content": "y" * 500}], "conversation_id": cid}
+    await assert_error(await client.post("/v1/chat/completions", json=chat, headers=headers), 400)
+    assert (await client.delete(f"/v1/conversations/{cid}", headers=headers)).status == 200
+    again = await client.post("/v1/conversations", json={"items": items}, headers=headers)
+    assert again.status == 201  # deleting gave the room back
