@@ -29,6 +29,10 @@ class ApiError(Exception):
     headers: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # Messages quote what the caller sent (a key, a name, an id): never more than this of it,
+        # whatever the path, so an error is never as large as the request that caused it.
+        self.message = _cut(self.message, MAX_MESSAGE_CHARS)
+        self.param = None if self.param is None else _cut(self.param, MAX_PARAM_CHARS)
         super().__init__(self.message)
 
     def body(self) -> dict:
@@ -40,6 +44,13 @@ class ApiError(Exception):
                 "code": self.code,
             }
         }
+
+
+MAX_MESSAGE_CHARS, MAX_PARAM_CHARS = 1000, 200
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
 
 
 def bad_request(message: str, *, param: str | None = None, code: str | None = "invalid_value") -> ApiError:

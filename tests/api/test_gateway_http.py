@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from testing.fake_backend import FakeBehaviour
@@ -172,3 +173,17 @@ async def test_requests_sent_at_once_cannot_overspend_the_budget_many_times(make
     org = await store.get_org("thrifty")
     assert await store.month_spend_usd(org.id) <= 0.000001 + 2 * 20 * price / 1e6 + 1e-9
     assert state_of(client).budget_in_flight_usd == {}  # every hold released once billed
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"model": "echo", "prompt": "x", "z" * 20_000: 1}),  # an unknown key
+        ("/v1/chat/completions", {"model": "echo", "messages": [{"role": "r" * 20_000, "content": "x"}]}),
+        ("/v1/chat/completions", {"model": "echo", "messages": USER, "conversation_id": "c" * 20_000}),
+    ],
+)
+async def test_no_error_is_as_large_as_the_value_that_caused_it(make_client, path, body):
+    client = await make_client("server.max_body_bytes=100000")
+    resp = await client.post(path, json=body)
+    assert 400 <= resp.status < 500 and len(await resp.read()) < 2000
