@@ -35,7 +35,7 @@ from api.protocol import kind_of
 from api.state import PRINCIPAL, REQUEST_ID, STATE
 from engine.torch_threads import pool_or_side_executor, side_executor
 from engine.types import FinishReason
-from gateway.errors import OverQuota, shown
+from gateway.errors import OverQuota
 from settings import EmbeddingsConfig
 from store import money
 from store.types import RequestRecord, RequestStatus, StoreUnavailable
@@ -196,7 +196,7 @@ async def create_embeddings(request: web.Request) -> web.Response:
         req = parse_request(await read_json(request), service.cfg)
         if req.model != service.cfg.model:
             raise not_found(
-                f"The model '{shown(req.model)}' does not exist or you do not have access to it "
+                f"The model '{req.model}' does not exist or you do not have access to it "
                 f"(embeddings: '{service.cfg.model}').",
                 code="model_not_found",
                 param="model",

@@ -50,7 +50,6 @@ from api.waiting import LazyStream, wait_admitted
 from engine.torch_threads import side_executor
 from engine.types import FinishReason, TokenLogprob
 from gateway.admission import Pass
-from gateway.errors import shown
 from settings import ServerConfig
 
 MAX_STOP_SEQUENCES = protocol.MAX_STOP_STRINGS
@@ -543,7 +542,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     tier_name, _ = state.tier_of(request[PRINCIPAL])
     if chat.model not in state.admission.router.models_for_tier(tier_name):
         raise not_found(
-            f"The model '{shown(chat.model or '')}' does not exist or you do not have access to it.",
+            f"The model '{chat.model}' does not exist or you do not have access to it.",
             code="model_not_found",
         )
     model = state.models[chat.model]

@@ -18,7 +18,6 @@ from api import tools as tooling
 from api.errors import bad_request
 from api.parts import Part, has_attachments, parse_parts, parse_truncation, text_of
 from engine.types import StructuredKind, StructuredOutput
-from gateway.errors import shown
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP_STRINGS = 4
@@ -408,14 +407,10 @@ def _reject_unsupported(raw: dict[str, Any]) -> None:
         if key in _KNOWN:
             continue
         if key not in _IGNORED_DEFAULTS:
-            raise bad_request(
-                f"Unrecognized request argument supplied: {shown(key)}", param=shown(key), code="unknown_parameter"
-            )
+            raise bad_request(f"Unrecognized request argument supplied: {key}", param=key, code="unknown_parameter")
         allowed = _IGNORED_DEFAULTS[key]
         if allowed is not None and value not in allowed:
-            raise bad_request(
-                f"{key}={shown(repr(value))} is not supported by this server.", param=key, code="unsupported_value"
-            )
+            raise bad_request(f"{key}={value!r} is not supported by this server.", param=key, code="unsupported_value")
 
 
 def _messages(value: Any, max_messages: int, max_prompt_chars: int) -> tuple[ChatMessage, ...]:

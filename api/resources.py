@@ -26,7 +26,6 @@ from api.protocol import check_metadata
 from api.state import PRINCIPAL, SETTINGS, STATE
 from engine.registry import ModelHandle
 from engine.tokenizer import Tokenizer
-from gateway.errors import shown
 from store import money
 from store.conversations import AnswerUsage, new_message_id
 from store.types import Conversation, Message, NotFound
@@ -103,9 +102,7 @@ async def get_model(request: web.Request) -> web.Response:
     tier_name, _ = state.tier_of(request[PRINCIPAL])
     name = request.match_info["model"]
     if name not in state.admission.router.models_for_tier(tier_name):
-        raise not_found(
-            f"The model '{shown(name)}' does not exist or you do not have access to it.", code="model_not_found"
-        )
+        raise not_found(f"The model '{name}' does not exist or you do not have access to it.", code="model_not_found")
     return _json(_model_obj(name, state))
 
 

@@ -13,12 +13,6 @@ from dataclasses import dataclass
 MAX_RETRY_AFTER_S = 60.0  # the openai SDK waits at most 60 s (v1) for a Retry-After
 
 
-def shown(text: str, limit: int = 100) -> str:
-    """A caller's value as an error message quotes it: cut to `limit` characters (a 4 MB model
-    name was echoed back whole)."""
-    return text if len(text) <= limit else text[:limit] + "\u2026"
-
-
 class Reason(enum.Enum):
     # the caller's own limits (rate limited)
     KEY_REQUESTS = "key_requests"

@@ -18,7 +18,6 @@ from gateway.errors import (
     Overloaded,
     OverQuota,
     Reason,
-    shown,
 )
 from gateway.queue import ModelQueue, refusal
 from gateway.waiting_room import Offer, Outcome, Placement
@@ -189,7 +188,7 @@ class TierRouter:
             # the same answer for "unknown" and "not in your tier": no probing of other tiers
             raise NotFound(
                 Reason.MODEL_NOT_FOUND,
-                f"The model `{shown(requested_model)}` does not exist or you do not have access to it.",
+                f"The model `{requested_model}` does not exist or you do not have access to it.",
                 param="model",
             )
         return requested_model
