@@ -250,7 +250,7 @@ class GuardedHandler(RequestHandler):
             text = message or (exc.message if isinstance(exc, HttpProcessingError) else str(exc)) or "Bad request"
             log.warning("malformed_http", peer=self._peer, status=status, error=text[:200])
             error = ApiError(status, f"Malformed HTTP request: {text[:200]}", "invalid_request_error", "malformed_http")
-        response = web.json_response(error.body(), status=status)
+        response = web.json_response(error.body(), status=status, headers={"Server": "selfhosted-chat"})
         response.force_close()
         return response
 
