@@ -84,6 +84,11 @@ def parse_responses_request(raw: Any, *, max_messages: int, max_prompt_chars: in
     instructions = raw.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad_request("'instructions' must be a string.", param="instructions")
+    if instructions and len(instructions) > max_prompt_chars:  # the prompt's length names the input otherwise
+        raise bad_request(
+            f"'instructions' hold {len(instructions)} characters; the limit is {max_prompt_chars}.",
+            param="instructions",
+        )
     store = raw.get("store", True)
     if not isinstance(store, bool):
         raise bad_request("'store' must be a boolean.", param="store")
@@ -138,6 +143,7 @@ def parse_responses_request(raw: Any, *, max_messages: int, max_prompt_chars: in
 
 
 _MESSAGE_PARAM = re.compile(r"^messages\[(\d+)\](.*)$")
+_TOOL_PARAM = re.compile(r"^(tools\[\d+\])\.function\.(.*)$")
 
 
 def input_error(exc: ApiError, *, num_instructions: int = 0, num_history: int = 0) -> ApiError:
@@ -146,6 +152,12 @@ def input_error(exc: ApiError, *, num_instructions: int = 0, num_history: int = 
     one message per input item (`input[j]...`; file parts are flat here)."""
     if exc.param == "messages":  # the whole prompt, e.g. longer than the context
         return replace(exc, param="input", message=exc.message.replace("the messages", "the input"))
+    tool = _TOOL_PARAM.match(exc.param or "")
+    if tool is not None:  # Responses tools are flat: tools[i].parameters, not tools[i].function.parameters
+        param = f"{tool.group(1)}.{tool.group(2)}"
+        return replace(exc, param=param, message=exc.message.replace(exc.param or "", param))
+    if exc.param == "tool_choice":
+        return replace(exc, message=exc.message.replace('"function": {"name": ...}', '"name": ...'))
     match = _MESSAGE_PARAM.match(exc.param or "")
     if match is None:
         return exc

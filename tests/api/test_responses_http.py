@@ -157,6 +157,10 @@ async def test_a_forced_function_call_is_a_function_call_item(make_sdk):
             "text.format.schema",
         ),
         ({"input": "x", "tools": [{"type": "function"}]}, "tools[0]"),
+        ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": 3}]}, "tools[0].parameters"),
+        ({"input": "x", "tools": [{"type": "function", "name": "f", "description": 3}]}, "tools[0].description"),
+        ({"input": "x", "tools": [{"type": "function", "name": "f b"}]}, "tools[0].name"),
+        ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "x"}}, "tool_choice"),
         ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
         ({"input": "x", "temperature": 9}, "temperature"),
         ({"input": "x", "reasoning_depth": 1}, "reasoning_depth"),
@@ -184,6 +188,17 @@ async def test_bad_values_are_4xx_naming_the_parameter(make_sdk, body, param):
     with pytest.raises(openai.APIStatusError) as exc:
         await sdk["acme"].responses.create(model="tiny", extra_body=body)
     assert exc.value.status_code in (400, 404) and exc.value.body["param"] == param, exc.value.body
+
+
+async def test_prompt_over_the_character_limit_names_the_field_that_holds_it(make_client):
+    client = await make_client("server.max_prompt_chars=100")
+    for body, param in (
+        ({"instructions": "i" * 101, "input": "x"}, "instructions"),
+        ({"instructions": "i" * 60, "input": "x" * 60}, "input"),
+        ({"input": "x" * 101}, "input"),
+    ):
+        resp = await client.post("/v1/responses", json={"model": "tiny", **body})
+        assert resp.status == 400 and (await resp.json())["error"]["param"] == param, await resp.text()
 
 
 async def test_repetition_penalty_changes_the_answer_as_on_chat_completions(make_sdk):
