@@ -147,7 +147,11 @@ class NativeBackend:
 
     @property
     def max_model_len(self) -> int:
-        return self._max_model_len
+        """The context a request may use: the model's (or the configured max_model_len), or less
+        once started where the whole KV cache holds fewer tokens (a sequence can never outgrow
+        it), so default max_tokens, history trimming and /v1/models follow what can run."""
+        engine = self._engine
+        return self._max_model_len if engine is None else min(self._max_model_len, engine.max_sequence_tokens)
 
     @property
     def max_num_running(self) -> int:
@@ -175,6 +179,15 @@ class NativeBackend:
         self._stepper = _StepThread.attach(str(resolve_device(self._config.device)), self, ready)
         try:
             self._stats = await ready
+            if self._engine is not None and self._engine.max_sequence_tokens < self._max_model_len:
+                log.warning(
+                    "kv_cache_smaller_than_context",
+                    model_dir=str(self._model_dir),
+                    context_tokens=self._max_model_len,
+                    kv_cache_tokens=self._engine.max_sequence_tokens,
+                    hint="requests are limited to what the cache holds; raise engine.kv_cache_bytes "
+                    "or engine.kv_cache_memory_fraction, or lower models.<name>.max_model_len",
+                )
         except BaseException:
             # Failed, or cancelled while loading: a model that still finishes loading finds this
             # _Stop first in its inbox and leaves the step thread at once.

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.native.block_manager import BlockManager, cdiv
+from engine.native.block_manager import BlockManager
 from engine.native.hybrid_blocks import HybridBlockManager
 from engine.native.scheduler import Scheduler, SchedulerConfig
 from engine.native.sequence import Sequence
@@ -117,6 +117,12 @@ class LLMEngine:
             grammar = GrammarCompiler(tokenizer_file, vocab_size=runner.args.vocab_size, eos_token_ids=eos_token_ids)
         return cls(runner, config, eos_token_ids=eos_token_ids, grammar=grammar)
 
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The longest sequence (prompt + answer) the whole KV pool can hold: the last sampled
+        token's K/V is never computed, so one more than the pool's slots."""
+        return self.block_manager.num_blocks * self.block_manager.block_size + 1
+
     def check_request(self, request: GenerationRequest) -> None:
         """Reject what could never run: too long for the context window or the whole KV pool."""
         check_fits_context(request, self.max_model_len)
@@ -135,9 +141,7 @@ class LLMEngine:
             )
         num_prompt = len(request.prompt_token_ids)
         total = num_prompt + request.sampling.max_tokens
-        # The last sampled token's K/V is never computed, so a sequence holds at most total - 1.
-        num_blocks = cdiv(total - 1, self.block_manager.block_size)
-        if num_blocks > self.block_manager.num_blocks:
+        if total > self.max_sequence_tokens:
             capacity = self.block_manager.num_blocks * self.block_manager.block_size
             raise RequestRejected(
                 f"the request needs {total} tokens of KV cache ({num_prompt} prompt + "

@@ -125,3 +125,32 @@ async def test_a_restarted_server_finds_the_prefix_cache_of_the_last_one(aiohttp
     await second.close()
     off = await aiohttp_client(init(native_settings(tmp_path, tiny_model_dir, extra=('engine.prefix_cache_dir=""',))))
     assert (await ask(off, messages))["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+async def test_a_kv_cache_smaller_than_the_context_limits_requests_to_what_it_holds(
+    aiohttp_client, tmp_path, tiny_model_dir
+):
+    """A pool that cannot hold the model's whole context: requests that leave max_tokens to the
+    server (or cap it, as Anthropic's does) get what fits instead of a 400 kv_cache_too_small,
+    and /v1/models says the context really served."""
+    from api.app import init
+    from tests.api.helpers import native_settings
+
+    extra = ("engine.kv_cache_bytes=150000", "tiers.enterprise.max_tokens=4096", "models.tiny.max_model_len=2048")
+    client = await aiohttp_client(init(native_settings(tmp_path, tiny_model_dir, extra=extra)))
+    backend = state_of(client).models["tiny"].backend
+    holds = backend.engine.max_sequence_tokens
+    assert holds < 2048 and backend.max_model_len == holds, holds
+    listed = await (await client.get("/v1/models/tiny")).json()
+    assert listed["max_model_len"] == holds
+    messages = [{"role": "user", "content": "hello there"}]
+    resp = await client.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "ignore_eos": True})
+    body = await resp.json()
+    assert resp.status == 200, body
+    assert body["usage"]["total_tokens"] == holds and body["choices"][0]["finish_reason"] == "length"
+    resp = await client.post("/v1/messages", json={"model": "tiny", "max_tokens": 4096, "messages": messages})
+    assert resp.status == 200, await resp.text()
+    over = {"model": "tiny", "messages": messages, "max_tokens": holds}
+    too_many = await client.post("/v1/chat/completions", json=over)
+    err = (await too_many.json())["error"]
+    assert too_many.status == 400 and err["code"] == "context_length_exceeded" and str(holds) in err["message"]
