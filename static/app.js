@@ -3,13 +3,16 @@
 // public API and the model picker. The server's stored conversation is the truth; after each
 // answer the view is re-synced from it.
 
+import { announce } from "./announce.js";
 import { api, getKey, isAbort, streamChat } from "./api.js";
 import { Attachments, textOf } from "./attachments.js";
 import { icon } from "./icons.js";
 import { Drawer } from "./drawer.js";
 import { describe, hideBanner, initKeyDialog, showBanner, showError } from "./notices.js";
 import { Sidebar, confirmAction, displayTitle } from "./sidebar.js";
-import { plural, editInPlace, renderMessages, scrollToBottom, setBusy, streamingTarget } from "./view.js";
+import {
+  focusAt, focusPlace, plural, editInPlace, renderMessages, scrollToBottom, setBusy, streamingTarget,
+} from "./view.js";
 import { refreshUsage } from "./usage.js";
 import { paintWelcome } from "./welcome.js";
 
@@ -28,7 +31,7 @@ const attachments = new Attachments({
 });
 const drawer = new Drawer({
   sidebar: $("sidebar"), backdrop: $("sidebar-backdrop"), open: $("open-sidebar"), close: $("close-sidebar"),
-  first: el.newChat,
+  first: el.newChat, behind: document.querySelector(".main"),
 });
 const MODEL_STORAGE = "chat.model";
 const THINKING_STORAGE = "chat.thinking";
@@ -267,13 +270,17 @@ async function noteRedo(index, body) {
   }
 }
 
-// A repaint replaces the message buttons: focus that would fall to <body> (the Regenerate
-// just clicked, an example prompt) goes to the message box instead.
+// A repaint replaces the message buttons: focus goes to the same button of the same message
+// (Good answer, with its new state; a closed edit or comment box hands it to its button).
+// Where that one is gone or locked (the Regenerate just clicked, an example prompt), focus
+// that would fall to <body> goes to the message box instead.
 function paint() {
   const focused = document.activeElement;
   const wasInList = Boolean(focused && focused.closest && focused.closest("#messages"));
+  const place = focusPlace(focused);
   renderMessages(state.messages, actionsFor);
-  if (wasInList && (!focused.isConnected || focused.closest("[hidden]"))) el.input.focus();
+  if (!wasInList || (focused.isConnected && !focused.closest("[hidden]"))) return;
+  if (!focusAt(place)) el.input.focus();
 }
 
 async function editMessage(index) {
@@ -288,7 +295,7 @@ async function editMessage(index) {
     if (await confirmAction(question, "Remove and send")) break;
   }
   state.editingIndex = null;
-  if (text == null) { paint(); el.input.focus(); return; }
+  if (text == null) { paint(); return; }  // focus goes back to this message's Edit button
   await send(contentOf(state.messages[index], text), index, { edited_prompt: text });
 }
 
@@ -422,7 +429,18 @@ async function send(content, keepMessages = null, redo = null) {
   if (!isCurrent()) return;  // the user moved to another chat; the server keeps what it had
   await afterAnswer(content, { isNew, keep, keepMessages, outcome });
   done();
+  announceAnswer(outcome);
   refreshUsage();
+}
+
+// Said once per answer in the status region, not token by token. A failure or the content
+// filter is the banner's to say (role=alert): said twice, it would only be noise.
+const ANSWER_ENDINGS = { abort: "Answer stopped.", length: "Answer cut off at the token limit." };
+
+function announceAnswer(outcome) {
+  const last = state.messages[state.messages.length - 1];
+  if (outcome.failure || !last || last.role !== "assistant" || last.finishReason === "content_filter") return;
+  announce(ANSWER_ENDINGS[last.finishReason] || "Answer complete.");
 }
 
 async function syncQuietly(id) {
@@ -554,9 +572,11 @@ el.input.addEventListener("keydown", (event) => {
   }
 });
 
+// Grows with the text up to the max-height in style.css (a share of the window, so that at
+// 200% zoom the chat above keeps room); past it the box scrolls.
 function autoGrow() {
   el.input.style.height = "auto";
-  el.input.style.height = `${Math.min(el.input.scrollHeight, 240)}px`;
+  el.input.style.height = `${el.input.scrollHeight}px`;
 }
 
 el.input.addEventListener("input", autoGrow);

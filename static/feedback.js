@@ -5,11 +5,13 @@
 import { api } from "./api.js";
 import { icon } from "./icons.js";
 
-// label: the button's text, or an element (an icon) to show instead.
-function toggle(label, ariaLabel, isPressed, onClick) {
+// label: the button's text, or an element (an icon) to show instead. action: its data-action,
+// by which a repaint puts focus back on it (view.js, focusAt).
+function toggle({ action, label, ariaLabel }, isPressed, onClick) {
   const button = document.createElement("button");
   button.type = "button";
   button.className = "btn btn-small btn-ghost feedback-button";
+  button.dataset.action = action;
   button.append(label);
   button.setAttribute("aria-label", ariaLabel);
   button.setAttribute("aria-pressed", isPressed ? "true" : "false");
@@ -20,6 +22,7 @@ function toggle(label, ariaLabel, isPressed, onClick) {
 function commentForm(current, onSave, onCancel) {
   const form = document.createElement("form");
   form.className = "feedback-form";
+  form.dataset.action = "comment";  // stands in for the Comment button until saved or cancelled
   const area = document.createElement("textarea");
   area.rows = 2;
   area.maxLength = 2000;
@@ -36,6 +39,9 @@ function commentForm(current, onSave, onCancel) {
   cancel.textContent = "Cancel";
   cancel.addEventListener("click", onCancel);
   form.addEventListener("submit", (event) => { event.preventDefault(); onSave(area.value.trim() || null); });
+  form.addEventListener("keydown", (event) => {
+    if (event.key === "Escape") { event.preventDefault(); onCancel(); }
+  });
   form.append(area, save, cancel);
   setTimeout(() => area.focus(), 0);
   return form;
@@ -55,12 +61,14 @@ export function feedbackControls({ conversationId, message, onSaved, onError }) 
   };
   const rate = (value) => save({ rating: current.rating === value ? null : value });
   wrap.append(
-    toggle(icon("thumb-up"), "Good answer", current.rating === 1, () => rate(1)),
-    toggle(icon("thumb-down"), "Bad answer", current.rating === -1, () => rate(-1)),
+    toggle({ action: "good", label: icon("thumb-up"), ariaLabel: "Good answer" }, current.rating === 1, () => rate(1)),
+    toggle({ action: "bad", label: icon("thumb-down"), ariaLabel: "Bad answer" }, current.rating === -1, () => rate(-1)),
   );
-  const commentButton = toggle(current.comment ? "Comment \u2713" : "Comment", "Comment on this answer",
+  const commentLabel = current.comment ? "Comment \u2713" : "Comment";
+  const commentButton = toggle({ action: "comment", label: commentLabel, ariaLabel: "Comment on this answer" },
                                Boolean(current.comment), () => {
-    const form = commentForm(current.comment, (comment) => save({ comment }), () => form.replaceWith(commentButton));
+    const cancel = () => { form.replaceWith(commentButton); commentButton.focus(); };
+    const form = commentForm(current.comment, (comment) => save({ comment }), cancel);
     commentButton.replaceWith(form);
   });
   wrap.append(commentButton);

@@ -2,10 +2,15 @@
 // DOMPurify sanitises the finished HTML string LAST, right before innerHTML. Remote images
 // are never loaded: they become links the user may open. Copy buttons are plain DOM nodes.
 
+import { announce } from "./announce.js";
+
 const { marked, DOMPurify, hljs } = window;
 
 const HTML_ESCAPES = { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" };
 const MAX_AUTO_HIGHLIGHT_CHARS = 20000;
+// An answer's headings sit under its "Assistant" <h3>: its "#" is an <h4>, and deeper ones
+// stop at <h6>, so the page's outline stays whole.
+const HEADING_LEVEL_SHIFT = 3;
 
 export function escapeHtml(text) {
   return String(text).replace(/[&<>"']/g, (c) => HTML_ESCAPES[c]);
@@ -35,6 +40,10 @@ const markdown = new marked.Marked({
     // A task list's box: <input> is not chat content (the sanitiser drops it), a glyph is.
     checkbox({ checked }) {
       return `<span class="task-box" role="img" aria-label="${checked ? "done" : "not done"}">${checked ? "\u2611" : "\u2610"}</span>`;
+    },
+    heading({ tokens, depth }) {
+      const level = Math.min(depth + HEADING_LEVEL_SHIFT, 6);
+      return `<h${level}>${this.parser.parseInline(tokens)}</h${level}>\n`;
     },
     code(token) {
       const lang = ((token.lang || "").trim().split(/\s+/)[0] || "").toLowerCase();
@@ -119,18 +128,23 @@ async function copyText(text) {
   area.remove();
 }
 
-export function copyButton(getText, label = "Copy") {
+// `ariaLabel`: says what is copied ("Copy message 3") where the same label shows many times.
+// The result is shown on the button and said in the status region (a label change is not).
+export function copyButton(getText, label = "Copy", ariaLabel = null) {
   const button = document.createElement("button");
   button.type = "button";
   button.className = "btn btn-small btn-ghost copy-button";
   button.textContent = label;
+  if (ariaLabel) button.setAttribute("aria-label", ariaLabel);
   button.addEventListener("click", async () => {
+    let result = "Copied";
     try {
       await copyText(getText());
-      button.textContent = "Copied";
     } catch {
-      button.textContent = "Copy failed";
+      result = "Copy failed";
     }
+    button.textContent = result;
+    announce(result);
     setTimeout(() => { button.textContent = label; }, 1500);
   });
   return button;
@@ -145,6 +159,10 @@ function decorateCodeBlocks(container) {
     lang.className = "code-lang";
     lang.textContent = pre.getAttribute("data-lang") || "text";
     head.append(lang, copyButton(() => (code || pre).textContent, "Copy code"));
+    // The <pre> is what scrolls sideways: the keyboard must reach it to scroll it.
+    pre.tabIndex = 0;
+    pre.setAttribute("role", "region");
+    pre.setAttribute("aria-label", `Code, ${lang.textContent}`);
     const wrap = document.createElement("div");
     wrap.className = "code-block";
     pre.replaceWith(wrap);

@@ -6,6 +6,7 @@ import { api } from "./api.js";
 const listEl = document.getElementById("conversation-list");
 const emptyEl = document.getElementById("conversation-empty");
 const moreEl = document.getElementById("load-more");
+const newChatEl = document.getElementById("new-chat");
 const confirmDialog = document.getElementById("confirm-dialog");
 const confirmText = document.getElementById("confirm-text");
 const confirmOk = document.getElementById("confirm-ok");
@@ -131,6 +132,7 @@ export class Sidebar {
 
   async confirmDelete(conversation) {
     if (!(await confirmAction(`Delete \u201c${displayTitle(conversation)}\u201d? This cannot be undone.`))) return;
+    const position = this.items.findIndex((c) => c.id === conversation.id);
     this.callbacks.onDeleting(conversation.id);
     try {
       await api.deleteConversation(conversation.id);
@@ -142,6 +144,15 @@ export class Sidebar {
     }
     this.remove(conversation.id);
     this.callbacks.onDeleted(conversation.id);
+    this.focusNear(position);
+  }
+
+  // After a deletion its button is gone: focus the chat that took its place in the list, else
+  // the one before it, else New chat (never <body>).
+  focusNear(position) {
+    const buttons = listEl.querySelectorAll(".conv-open");
+    const near = buttons[Math.min(Math.max(position, 0), buttons.length - 1)];
+    (near || newChatEl).focus();
   }
 }
 

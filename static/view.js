@@ -102,11 +102,14 @@ function noteElement(text, isWarning) {
   return noteEl;
 }
 
-// `isLocked`: shown but disabled while an edit box is open (it would discard the edit).
-function actionButton(label, ariaLabel, onClick, isLocked) {
+// `action` names the button among its message's (data-action), so that a repaint can give
+// focus back to its twin. `isLocked`: shown but disabled while an edit box is open (it would
+// discard the edit).
+function actionButton({ action, label, ariaLabel }, onClick, isLocked) {
   const button = document.createElement("button");
   button.type = "button";
   button.className = "btn btn-small btn-ghost";
+  button.dataset.action = action;
   button.textContent = label;
   button.setAttribute("aria-label", ariaLabel);
   button.addEventListener("click", onClick);
@@ -163,13 +166,24 @@ export function messageElement(msg, index, actions) {
   }
   const buttons = document.createElement("span");
   buttons.className = "msg-actions";
-  if (!msg.isStreaming && msg.content) buttons.append(copyButton(() => msg.content));
+  if (!msg.isStreaming && msg.content) {
+    const copy = copyButton(() => msg.content, "Copy", `Copy message ${index + 1}`);
+    copy.dataset.action = "copy";
+    buttons.append(copy);
+  }
   const locked = Boolean(actions.isLocked);
-  if (actions.onEdit) buttons.append(actionButton("Edit", `Edit message ${index + 1}`, actions.onEdit, locked));
-  if (actions.onContinue) buttons.append(actionButton("Continue", "Continue the answer", actions.onContinue, locked));
+  if (actions.onEdit) {
+    buttons.append(actionButton({ action: "edit", label: "Edit", ariaLabel: `Edit message ${index + 1}` },
+                                actions.onEdit, locked));
+  }
+  if (actions.onContinue) {
+    buttons.append(actionButton({ action: "continue", label: "Continue", ariaLabel: "Continue the answer" },
+                                actions.onContinue, locked));
+  }
   if (actions.onRegenerate) {
     const label = msg.role === "assistant" ? "Regenerate" : "Retry";
-    buttons.append(actionButton(label, `${label} the answer`, actions.onRegenerate, locked));
+    buttons.append(actionButton({ action: "regenerate", label, ariaLabel: `${label} the answer` },
+                                actions.onRegenerate, locked));
   }
   if (actions.feedback) buttons.append(feedbackControls(actions.feedback));
   footer.append(buttons);
@@ -185,6 +199,23 @@ export function renderMessages(messages, actionsFor) {
   messagesEl.append(welcomeEl);
   messages.forEach((msg, i) => messagesEl.append(messageElement(msg, i, actionsFor(i))));
   if (stick || messages.length === 0) scrollToBottom();
+}
+
+// Where focus was in the list, as {index, action}: the message and the button (or the open
+// form standing in for one, data-action too) it was on; null elsewhere.
+export function focusPlace(element) {
+  const article = element && element.closest ? element.closest("#messages article[data-index]") : null;
+  const acting = article && element.closest("[data-action]");
+  return acting ? { index: article.dataset.index, action: acting.dataset.action } : null;
+}
+
+// Focuses the enabled, shown button at `place` after a repaint; false where there is none.
+export function focusAt(place) {
+  const button = place && messagesEl.querySelector(
+    `article[data-index="${CSS.escape(place.index)}"] button[data-action="${CSS.escape(place.action)}"]`);
+  if (!button || button.disabled || button.closest("[hidden]")) return false;
+  button.focus();
+  return document.activeElement === button;
 }
 
 // A reasoning model's thinking, folded above its answer (open while it streams). Plain text.
@@ -234,6 +265,7 @@ export function editInPlace(index, original) {
   const body = article.querySelector(".msg-body");
   const form = document.createElement("form");
   form.className = "edit-form";
+  form.dataset.action = "edit";  // stands in for the Edit button: focus goes back to it after
   const area = document.createElement("textarea");
   area.value = original;
   area.setAttribute("aria-label", "Edit message");

@@ -161,7 +161,7 @@ def test_markdown_renders_with_highlighted_code_and_a_copy_button(ui):
     type_and_send(page, MARKDOWN_SAMPLE)
     wait_for_answer_done(page)
     body = last_answer(page).locator(".msg-body")
-    assert body.locator("h1").inner_text() == "Release notes"
+    assert body.locator("h4").inner_text() == "Release notes"  # "#" under the message's <h3>
     assert body.locator("ol > li").count() == 2
     assert body.locator("table td").first.inner_text() == "echo-large"
     assert body.locator("code.hljs .hljs-keyword").count() >= 1
