@@ -48,13 +48,15 @@ async def stream_job(
     grant: Pass,
     stream: LazyStream,
     run: Callable[[], Awaitable[None]],
+    render_error: RenderError | None = None,
 ) -> web.StreamResponse:
     """Run one streamed answer (`run`: admission, generation, the durable write, the last frames)
-    under the failure ladder chat completions and Responses share: each failure has one finish path."""
+    under the failure ladder chat completions and Responses share: each failure has one finish path.
+    `render_error`: the error's frames in this API's own shape (else the chat completions' error frame)."""
     try:
         await run()
     except StoreUnavailable:  # the answer could not be stored: no finish_reason, no [DONE]
-        await _stream_error(await stream.open(), store_unavailable(), job, is_done=False)
+        await _stream_error(await stream.open(), store_unavailable(), job, render_error, is_done=False)
     except (ClientGone, asyncio.CancelledError):
         is_cut = request.app[INFLIGHT].was_cut()
         await finish_quietly(state, job, RequestStatus.ABORTED, FinishReason.ABORT)
@@ -62,20 +64,27 @@ async def stream_job(
             raise asyncio.CancelledError() from None
         if not stream.is_open:
             raise shutting_down(started=False) from None  # still queued: a plain 503
-        await _stream_error(await stream.open(), shutting_down(), job, is_done=False)
+        await _stream_error(await stream.open(), shutting_down(), job, render_error, is_done=False)
     except Overloaded as exc:  # displaced from the queue by a higher tier
         if not stream.is_open:
             raise  # nothing sent yet: a plain 503 with Retry-After
         grant.close(refund=True)
-        await _stream_error(await stream.open(), from_gateway(exc), job)
+        await _stream_error(await stream.open(), from_gateway(exc), job, render_error)
     except (EngineError, RequestRejected, ApiError) as exc:
         await finish_quietly(state, job, RequestStatus.ERROR, None)
-        await _stream_error(await stream.open(), exc, job)
+        await _stream_error(await stream.open(), exc, job, render_error)
     return (await stream.open())._response
 
 
-async def _stream_error(writer: SSEWriter, exc: Exception, job: Job, *, is_done: bool = True) -> None:
-    """After headers are sent an error is one `data:` frame with the error object, then the end.
+# Writes an error's frames into an open stream (the end itself, [DONE] or not, is _stream_error's).
+RenderError = Callable[[SSEWriter, ApiError], Awaitable[None]]
+
+
+async def _stream_error(
+    writer: SSEWriter, exc: Exception, job: Job, render: RenderError | None, *, is_done: bool = True
+) -> None:
+    """After headers are sent an error is one `data:` frame with the error object (or what
+    `render` writes), then the end.
 
     `[DONE]` follows only errors of the request itself (4xx); an answer cut by the server (an
     engine failure, store unavailable, shutdown: 5xx) ends without it, so no client mistakes it
@@ -87,7 +96,7 @@ async def _stream_error(writer: SSEWriter, exc: Exception, job: Job, *, is_done:
     else:
         log.error("stream_failed", request_id=job.request_id, code=error.code, error=str(exc))
     try:
-        await writer.data(error.body())
+        await (render(writer, error) if render is not None else writer.data(error.body()))
         await (writer.done() if is_done and error.status < 500 else writer.end())
     except ClientGone:
         pass

@@ -35,10 +35,10 @@ from api.job import Job
 from api.paging import page_limit, page_order
 from api.protocol import ChatMessage
 from api.responses_background import BACKGROUND, start_background, stop_all_background, stop_background
-from api.responses_record import ResponseContext, body_of, dumps, finished
+from api.responses_record import ResponseContext, body_of, dumps, finished, record_cut
 from api.responses_stream import FINAL_EVENT, EventStream, replay
 from api.responses_wire import ResponsesRequest, input_error, input_item_object, new_id, parse_responses_request
-from api.sse import SSE_HEADERS
+from api.sse import SSE_HEADERS, SSEWriter
 from api.state import PRINCIPAL, REQUEST_ID, STATE, AppState
 from api.waiting import LazyStream, wait_admitted
 from engine.types import FinishReason
@@ -152,7 +152,14 @@ async def _serve_unary(
     ctx: ResponseContext, request: web.Request, state: AppState, job: Job, grant: Pass
 ) -> web.Response:
     answer = make_answer(job)
-    (finish,) = await generate_unary(request, state, job, grant, [answer])
+    try:
+        (finish,) = await generate_unary(request, state, job, grant, [answer])
+    except asyncio.CancelledError:  # the client left
+        await record_cut(ctx, state, job, answer, None)
+        raise
+    except ApiError as exc:  # shutdown, an engine failure: the error is the answer, the row says failed
+        await record_cut(ctx, state, job, answer, exc)
+        raise
     body = await finished(ctx, state, job, answer, finish)
     return web.json_response(body, headers=state.response_headers(job), dumps=dumps)
 
@@ -185,7 +192,23 @@ async def _serve_stream(
         await events.event(FINAL_EVENT[body["status"]], response=body)
         await (await stream.open()).done()
 
-    return await stream_job(request, state, job, grant, stream, run)
+    async def render_error(writer: SSEWriter, error: ApiError) -> None:
+        """A stream cut by the server ends as a failed response (stored so, with `store`)."""
+        nonlocal events
+        body = await record_cut(ctx, state, job, answer, error)
+        if events is None:  # cut before the response was announced
+            events = EventStream(ctx.message_id, writer)
+            await events.event("response.created", response=body_of(ctx, job, {}))
+        await events.event("response.failed", response=body)
+
+    try:
+        return await stream_job(request, state, job, grant, stream, run, render_error)
+    except asyncio.CancelledError:  # the client left
+        await record_cut(ctx, state, job, answer, None)
+        raise
+    except ApiError as exc:  # cut while still queued (shutdown): a plain 503, the row says failed
+        await record_cut(ctx, state, job, answer, exc)
+        raise
 
 
 async def _refuse(ctx: ResponseContext, request: web.Request, state: AppState, job: Job, verdict) -> web.StreamResponse:

@@ -100,6 +100,7 @@ async def _serve_background(
     await insert(ctx, state, job, queued, ctx.num_history_messages)
     accepted.set_result((queued, state.response_headers(job)))
     answer = make_answer(job)
+    finish: FinishReason | None = None  # set once the answer is billed and stored
     try:
         await wait_admitted(state, grant, job, None)
         await set_state(ctx, state, job, {"status": "in_progress"})
@@ -109,7 +110,13 @@ async def _serve_background(
         else:
             await finished(ctx, state, job, answer, finish)
     except asyncio.CancelledError:
-        if request.app[INFLIGHT].was_cut() or state.draining:  # shutdown cut it (or stopped it, below)
+        if finish is not None and finish is not FinishReason.ABORT:  # a cancel too late: the answer stands
+            _uncancel_current_task()
+            try:
+                await asyncio.shield(finished(ctx, state, job, answer, finish))
+            except StoreUnavailable:  # the store logged it; the row is marked failed at the next start
+                log.error("background_response_unsaved", response_id=ctx.response_id)
+        elif request.app[INFLIGHT].was_cut() or state.draining:  # shutdown cut it (or stopped it, below)
             _uncancel_current_task()
             await _fail(ctx, state, job, STOPPED_ERROR)
         else:  # POST /v1/responses/{id}/cancel (or its DELETE)

@@ -14,6 +14,7 @@ import orjson
 import structlog
 
 from api.answer import Answer
+from api.errors import ApiError
 from api.job import Job
 from api.responses_wire import (
     ResponsesRequest,
@@ -81,6 +82,32 @@ async def finished(ctx: ResponseContext, state: AppState, job: Job, answer: Answ
         else:
             await insert(ctx, state, job, body, num_messages)
     return body
+
+
+async def record_cut(ctx: ResponseContext, state: AppState, job: Job, answer: Answer, error: ApiError | None) -> dict:
+    """The response object of an answer cut short: `cancelled` when its client left (`error`
+    None), `failed` when the server stopped it (shutdown, an engine failure). Its turn is in the
+    conversation already (the finish path stored what was generated), so with `store` its row
+    is written too, as a finished one's is: the id the client saw resolves, and
+    previous_response_id can continue from it."""
+    fields = {"status": "cancelled", "error": None} if error is None else {"status": "failed"}
+    if error is not None:
+        fields["error"] = {"code": error.code or "server_error", "message": error.message}
+    fields |= {"output": output_items(answer, ctx.message_id), "usage": usage(job)}
+    body = {**body_of(ctx, job, fields), **fields}  # the response object's own fields leave `error` out
+    conversation_id = job.chat.conversation_id
+    if ctx.req.store and not ctx.stored and job.recorded and conversation_id is not None:
+        try:
+            await asyncio.shield(_insert_cut(ctx, state, job, body))
+        except StoreUnavailable:  # the store logged it; the turn stays, as a crash would leave it
+            log.error("response_unsaved", response_id=ctx.response_id, status=body["status"])
+    return body
+
+
+async def _insert_cut(ctx: ResponseContext, state: AppState, job: Job, body: dict) -> None:
+    assert job.chat.conversation_id is not None
+    conv = await state.store.get_conversation(job.principal.org.id, job.chat.conversation_id)
+    await insert(ctx, state, job, body, len(conv.messages) if conv is not None else 0)
 
 
 async def insert(ctx: ResponseContext, state: AppState, job: Job, body: dict, num_messages: int) -> None:

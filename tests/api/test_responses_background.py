@@ -9,6 +9,7 @@ marks what a previous process left unfinished `failed`; bad combinations are 400
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import openai
@@ -191,7 +192,10 @@ async def test_a_conversation_whose_first_answer_a_crash_cut_is_gone_after_a_res
     assert rows["answered in full"] == 0 and rows[None] == 0
     await client.server.close()
     await client.close()
-    with sqlite3.connect(db) as conn:  # what a process killed mid-answer leaves behind
+    with sqlite3.connect(db) as conn:  # what a process killed mid-answer leaves behind: no turn, no response row
+        cut = "(SELECT id FROM conversations WHERE title = 'cut short here')"
+        conn.execute(f"DELETE FROM responses WHERE conversation_id = {cut}")
+        conn.execute(f"DELETE FROM messages WHERE conversation_id = {cut}")
         conn.execute("UPDATE conversations SET pending = 1 WHERE title = 'cut short here'")
 
     client = await make_client(f'store.path="{db}"')  # the same database, a new process
@@ -200,3 +204,64 @@ async def test_a_conversation_whose_first_answer_a_crash_cut_is_gone_after_a_res
     assert sorted(conv["title"] or "" for conv in listed["data"]) == ["", "answered in full"]
     assert empty.id in {conv["id"] for conv in listed["data"]}
     assert dict(pending_rows()) == {"answered in full": 0, None: 0}
+
+
+async def test_a_cancel_landing_after_the_answer_was_stored_leaves_it_completed(make_client):
+    """The answer is billed and its turn stored, then its row is updated: a cancel between the
+    two wrote `cancelled` with no output over a stored, billed answer (seen once in a soak)."""
+    client = await make_client()
+    sdk = await sdk_for(client)
+    store = state_of(client).store
+    release, reached = asyncio.Event(), asyncio.Event()
+    update_response = store.update_response
+
+    async def held_update(org_id, response_id, **fields):
+        if fields.get("status") == "completed":  # the answer is stored: hold its row's last write
+            reached.set()
+            await release.wait()
+        return await update_response(org_id, response_id, **fields)
+
+    store.update_response = held_update
+    created = await sdk.responses.create(model="echo", input=TEXT, background=True)
+    await asyncio.wait_for(reached.wait(), 10)
+    cancel = asyncio.create_task(sdk.responses.cancel(created.id))
+    await asyncio.sleep(0.2)  # the cancel reaches the task while its last write is held
+    release.set()
+    cancelled = await cancel
+    assert cancelled.status == "completed" and cancelled.output_text == TEXT
+    assert (await sdk.responses.retrieve(created.id)).output_text == TEXT
+
+
+async def test_a_stream_its_client_left_is_stored_as_cancelled_and_can_be_continued(make_client):
+    """Its turn is in the conversation (what was generated, billed as aborted): the response id the
+    client saw resolves to it, and previous_response_id continues from it."""
+    client = await make_client(behaviour=FakeBehaviour(token_delay_s=0.05))
+    sdk = await sdk_for(client)
+    async with await sdk.responses.create(model="echo", input=TEXT, stream=True) as stream:
+        async for event in stream:
+            if event.type == "response.created":
+                response_id = event.response.id
+            if event.type == "response.output_text.delta":
+                break
+    for _ in range(100):  # the server learns of the leaving client on its next write
+        with contextlib.suppress(openai.NotFoundError):
+            stored = await sdk.responses.retrieve(response_id)
+            break
+        await asyncio.sleep(0.05)
+    assert stored.status == "cancelled" and TEXT.startswith(stored.output_text) and stored.output_text
+    assert stored.usage.output_tokens >= 1
+    follow = await sdk.responses.create(model="echo", input="and then?", previous_response_id=response_id)
+    assert follow.status == "completed" and follow.usage.input_tokens > stored.usage.input_tokens
+
+
+async def test_a_stream_the_engine_cut_ends_with_response_failed_and_is_stored_failed(make_client):
+    client = await make_client(behaviour=FakeBehaviour(fail_after=3))
+    sdk = await sdk_for(client)
+    events = [e async for e in await sdk.responses.create(model="echo", input=TEXT, stream=True)]
+    assert [e.type for e in events][:2] == ["response.created", "response.in_progress"]
+    last = events[-1]
+    assert last.type == "response.failed" and last.response.status == "failed"
+    assert last.response.error.code == "engine_error"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    stored = await sdk.responses.retrieve(last.response.id)
+    assert stored.status == "failed" and stored.error.code == "engine_error"
