@@ -8,6 +8,7 @@ It never samples and never touches a model; rows without a grammar never reach t
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 from collections import OrderedDict
@@ -30,20 +31,33 @@ log = structlog.get_logger(__name__)
 
 # Compact JSON: a model under a grammar that allows free whitespace can pad forever.
 _JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
-_MATCHER_CACHE_ENTRIES = 256
+# Compiled matchers kept for reuse (a client sending the same tools or schema every request);
+# a wide schema's matcher holds megabytes, so few.
+_MATCHER_CACHE_ENTRIES = 32
+# What one schema may hold, checked before llguidance sees it: a schema is the caller's input,
+# and llguidance overflows its stack on a $ref chain of a few thousand (the whole process dies),
+# compiles for long on wide ones and keeps what it compiled. Real schemas (OpenAI's own limits:
+# 10 levels of nesting, 5,000 properties) stay far below these.
+MAX_SCHEMA_CHARS = 100_000  # of its JSON text
+MAX_SCHEMA_NODES = 5_000  # objects in it (subschemas and property maps)
+MAX_SCHEMA_DEPTH = 64  # objects inside objects on the deepest path, a $ref followed as a step down
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values are data, not schemas
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 class GrammarError(ValueError):
     """The grammar or schema cannot be compiled; the message names the problem (a 400)."""
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=256)
 def grammar_text(structured: StructuredOutput) -> str:
     """The llguidance grammar for `structured`, validated; raises GrammarError naming the problem."""
     if structured.kind is StructuredKind.LARK:
         grammar = llguidance.LLMatcher.grammar_from_lark(structured.spec)
     else:
         schema = '{"type": "object"}' if structured.kind is StructuredKind.JSON_OBJECT else structured.spec
+        if structured.kind is StructuredKind.JSON_SCHEMA:
+            check_schema_size(schema)
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
         except ValueError as exc:
@@ -59,34 +73,115 @@ def grammar_text(structured: StructuredOutput) -> str:
     return grammar
 
 
+def check_schema_size(text: str) -> None:
+    """GrammarError unless the schema (JSON text) is within MAX_SCHEMA_CHARS, MAX_SCHEMA_NODES and
+    MAX_SCHEMA_DEPTH. Iterative: a deep schema must not exhaust this stack either."""
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise GrammarError(f"the schema is too large: {len(text)} characters, at most {MAX_SCHEMA_CHARS}")
+    try:
+        root = json.loads(text)
+    except (ValueError, RecursionError):
+        raise GrammarError("the schema is not valid JSON, or nests too deeply") from None
+    children = _schema_graph(root)
+    depth: dict[int, int] = {}  # object id -> objects on its deepest path down (cycles cut)
+    best: dict[int, int] = {}  # object id -> the deepest of its children finished so far
+    if not isinstance(root, dict):
+        return
+    path = [(root, iter(children[id(root)]))]
+    on_path = {id(root)}
+    while path:
+        node, kids = path[-1]
+        child = next(kids, None)
+        if child is None:
+            path.pop()
+            on_path.discard(id(node))
+            depth[id(node)] = level = 1 + best.get(id(node), 0)
+            if level > MAX_SCHEMA_DEPTH:
+                raise GrammarError(
+                    f"the schema nests too deeply: {level} levels (a $ref counted as one), at most {MAX_SCHEMA_DEPTH}"
+                )
+            if path:
+                parent = id(path[-1][0])
+                best[parent] = max(best.get(parent, 0), level)
+        elif id(child) in depth:
+            best[id(node)] = max(best.get(id(node), 0), depth[id(child)])
+        elif id(child) not in on_path:  # on the path: a recursive schema, its loop is not a level
+            path.append((child, iter(children[id(child)])))
+            on_path.add(id(child))
+
+
+def _schema_graph(root: object) -> dict[int, list[dict]]:
+    """Each object in the schema -> the objects directly inside it and, for a local `$ref`, its
+    target; GrammarError past MAX_SCHEMA_NODES objects."""
+    children: dict[int, list[dict]] = {}
+    name_maps: set[int] = set()  # `properties`, `$defs`, ...: every value is a schema, whatever its name
+    todo = [root]
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, dict) or id(node) in children:
+            continue
+        if len(children) >= MAX_SCHEMA_NODES:
+            raise GrammarError(f"the schema is too large: more than {MAX_SCHEMA_NODES} objects in it")
+        inner: list[dict] = []
+        is_map = id(node) in name_maps
+        name_maps.update(id(v) for k, v in node.items() if not is_map and k in _NAMED_SCHEMAS and isinstance(v, dict))
+        values = [v for k, v in node.items() if is_map or k not in _DATA_KEYWORDS]
+        while values:  # through arrays (anyOf, prefixItems, ...) to the objects in them
+            value = values.pop()
+            if isinstance(value, dict):
+                inner.append(value)
+            elif isinstance(value, list):
+                values.extend(value)
+        ref = node.get("$ref")
+        target = _pointer(root, ref) if isinstance(ref, str) and ref.startswith("#") else None
+        if isinstance(target, dict):
+            inner.append(target)
+        children[id(node)] = inner
+        todo.extend(inner)
+    return children
+
+
+def _pointer(root: object, ref: str) -> object:
+    """The value a local JSON pointer (`#/$defs/a`) names in `root`; None where it names nothing."""
+    node: object = root
+    for part in ref[1:].split("/")[1:] if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdecimal() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
 def has_finite_instance(schema: object) -> bool:
     """False when no finite JSON value can satisfy `schema` because each one must contain another
     (`{"properties": {"a": {"$ref": "#"}}, "required": ["a"]}`): llguidance compiles such a schema
-    and the answer stops mid-value. A least fixed point over the local `$ref` targets; it says
-    False only when sure (required properties, non-empty arrays, anyOf/oneOf, allOf)."""
+    and the answer stops mid-value. A least fixed point over the local `$ref` targets, by worklist
+    (a reference is looked at again only when one it depends on turned out finite: linear in the
+    schema, however long its chains of references); it says False only when sure (required
+    properties, non-empty arrays, anyOf/oneOf, allOf). Recursive over the schema's own nesting,
+    which check_schema_size bounds."""
     known: dict[str, bool] = {}  # "#/..." -> whether a finite instance exists, as far as shown yet
+    dependents: dict[str, set[str]] = {}  # ref -> the refs whose targets consulted it while it was False
+    todo: collections.deque[str] = collections.deque()
 
-    def target(ref: str) -> object:
-        node: object = schema
-        for part in ref[1:].split("/")[1:] if ref != "#" else []:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdecimal() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                return True  # a reference to nowhere: the compiler says so, not this check
-        return node
-
-    def finite(node: object) -> bool:
+    def finite(node: object, reader: str | None) -> bool:
         if not isinstance(node, dict):
             return node is not False
         ref = node.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#") and not known.setdefault(ref, False):
-            return False
+        if isinstance(ref, str) and ref.startswith("#"):
+            if ref not in known:
+                known[ref] = False
+                todo.append(ref)
+            if not known[ref]:
+                if reader is not None:
+                    dependents.setdefault(ref, set()).add(reader)
+                return False
         for key, combine in (("anyOf", any), ("oneOf", any), ("allOf", all)):
             parts = node.get(key)
-            if isinstance(parts, list) and parts and not combine(finite(p) for p in parts):
+            if isinstance(parts, list) and parts and not combine(finite(p, reader) for p in parts):
                 return False
         if "const" in node or "enum" in node:
             return True
@@ -97,19 +192,22 @@ def has_finite_instance(schema: object) -> bool:
         listed, named = node.get("properties"), node.get("required")
         props: dict = listed if isinstance(listed, dict) else {}
         required: list = named if isinstance(named, list) else []
-        if kinds == ["object"] and not all(finite(props[r]) for r in required if r in props):
+        if kinds == ["object"] and not all(finite(props[r], reader) for r in required if r in props):
             return False
         items, min_items = node.get("items"), node.get("minItems", 0)
         needs_items = kinds == ["array"] and isinstance(min_items, int) and min_items > 0
-        return not needs_items or finite(items)
+        return not needs_items or finite(items, reader)
 
-    while True:  # every pass can only turn a reference's False into True: it ends
-        before = dict(known)
-        for ref in list(known):
-            known[ref] = finite(target(ref))
-        result = finite(schema)
-        if known == before:
-            return result
+    finite(schema, None)  # finds the references the schema starts from
+    while todo:
+        ref = todo.popleft()
+        if known[ref]:
+            continue
+        target = _pointer(schema, ref)
+        if target is None or finite(target, ref):  # a reference to nowhere: the compiler says so, not this check
+            known[ref] = True
+            todo.extend(dependents.pop(ref, ()))
+    return finite(schema, None)
 
 
 @functools.cache
@@ -243,7 +341,8 @@ class GrammarMatcher:
             return True  # the EOS after a complete answer
         ok = self._matcher.consume_token(token_id)
         if not ok:
-            log.warning("grammar_rejected_token", token_id=token_id, error=self._matcher.get_error())
+            # llguidance's error can quote the whole grammar (a schema of the caller's): its head is enough.
+            log.warning("grammar_rejected_token", token_id=token_id, error=self._matcher.get_error()[:300])
         return ok
 
     @property

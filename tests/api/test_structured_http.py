@@ -205,6 +205,27 @@ async def test_a_schema_no_value_satisfies_is_a_400_before_the_stream(sdk_client
     assert error["param"].startswith("tools" if forced_tool else "response_format"), error
 
 
+@pytest.mark.parametrize("where", ["response_format", "tool", "forced_tool"])
+async def test_a_schema_whose_references_chain_thousands_deep_is_a_400_and_the_server_lives(sdk_client, where):
+    """A $ref chain of 3,000 aliases (~75 KB) overflowed llguidance's stack: the process died
+    (SIGSEGV) on one free-tier request."""
+    defs: dict = {str(i): {"$ref": f"#/$defs/{i + 1}"} for i in range(3000)}
+    defs["3000"] = {"type": "string"}
+    schema = {"$defs": defs, "$ref": "#/$defs/0"}
+    body: dict = {"model": "tiny", "messages": ASK, "stream": True}
+    if where == "response_format":
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    else:
+        body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+        body["tool_choice"] = "required" if where == "forced_tool" else "auto"
+    resp = await sdk_client.post("/v1/chat/completions", json=body)
+    error = (await resp.json())["error"]
+    assert resp.status == 400 and "nests too deeply" in error["message"], error
+    assert error["param"].startswith("tools" if "tool" in where else "response_format"), error
+    alive = await sdk_client.post("/v1/chat/completions", json={"model": "tiny", "messages": ASK, "max_tokens": 2})
+    assert alive.status == 200
+
+
 async def test_a_tool_result_for_a_call_no_assistant_made_is_a_400(sdk_client):
     """OpenAI's 400: a result whose id matches no earlier call is a client bug the model was
     otherwise asked to make sense of."""

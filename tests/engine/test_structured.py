@@ -161,3 +161,53 @@ def test_schemas_whose_every_value_holds_another_have_no_finite_instance(schema,
     from engine.grammar import has_finite_instance
 
     assert has_finite_instance(schema) is finite
+
+
+def _ref_chain(length: int, end: object, at: str = "#") -> dict:
+    """`#/$defs/0` -> 1 -> ... -> `end`: what crashed llguidance (a stack overflow) at a few
+    thousand; `at`: where the schema will sit in the whole (its references are absolute)."""
+    defs: dict = {str(i): {"$ref": f"{at}/$defs/{i + 1}"} for i in range(length)}
+    defs[str(length)] = end
+    return {"$defs": defs, "$ref": f"{at}/$defs/0"}
+
+
+def _compact(schema: dict) -> str:
+    return json.dumps(schema, separators=(",", ":"))
+
+
+def test_long_reference_chains_are_judged_without_recursion():
+    from engine.grammar import has_finite_instance
+
+    assert has_finite_instance(_ref_chain(3000, {"type": "string"})) is True
+    looped = _ref_chain(3000, {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]})
+    assert has_finite_instance(looped) is False
+
+
+@pytest.mark.parametrize(
+    ("schema", "named"),
+    [
+        (_ref_chain(3000, {"type": "string"}), "nests too deeply"),  # killed the process before the check
+        (_ref_chain(70, {"type": "string"}), "nests too deeply"),
+        ({"anyOf": [{}] * 6000}, "more than 5000 objects"),
+        ({"type": "string", "description": "x" * 100_001}, "100000"),
+        # Hidden under a property named like a data keyword: still a schema, still counted.
+        (
+            {"type": "object", "properties": {"enum": _ref_chain(100, {"type": "string"}, "#/properties/enum")}},
+            "nests too deeply",
+        ),
+    ],
+)
+def test_schemas_past_the_size_limits_are_refused_before_llguidance_sees_them(schema, named):
+    assert len(_compact(schema)) < 100_000 or named == "100000"  # each limit is met on its own
+    with pytest.raises(GrammarError, match=named):
+        grammar_text(StructuredOutput(StructuredKind.JSON_SCHEMA, _compact(schema)))
+
+
+def test_schemas_within_the_limits_compile():
+    deep: dict = {"type": "string"}
+    for _ in range(30):  # 30 levels of objects: 60 nested objects counting the property maps
+        deep = {"type": "object", "properties": {"x": deep}, "required": ["x"]}
+    chain = _ref_chain(50, {"type": "integer"})
+    recursive = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}
+    for schema in (deep, chain, recursive):
+        assert grammar_text(StructuredOutput(StructuredKind.JSON_SCHEMA, json.dumps(schema)))
