@@ -6,6 +6,7 @@ cancelled kills the reader, and a reading that waits too long for a reader slot 
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,29 @@ async def test_cancelling_the_caller_kills_its_reader(tmp_path, spawned):
         await task
     assert spawned.procs[0].returncode is not None
     assert not (tmp_path / "slow.txt").exists()  # nothing remembered: the next request reads it again
+
+
+async def test_a_reader_runs_below_the_server_priority(tmp_path, spawned):
+    """A crafted PDF costs its whole deadline of CPU: the reader must not take it from the
+    streams being generated (an attacker's uploads kept both cores busy at equal priority)."""
+    from media.pdf_worker import NICENESS
+
+    path = tmp_path / "slow"
+    path.write_bytes(slow_pdf())
+    task = asyncio.create_task(extraction.cached_extract(path, tmp_path / "slow.txt", PDF, limits(60.0), 2))
+    await spawned.started.wait()
+    stat = f"/proc/{spawned.procs[0].pid}/stat"
+    niceness = None
+    for _ in range(200):  # until the child has set it (it starts at the server's)
+        fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+        niceness = int(fields[16])  # the 19th field of stat; fields[0] here is the 3rd
+        if niceness == os.nice(0) + NICENESS:
+            break
+        await asyncio.sleep(0.02)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert niceness == os.nice(0) + NICENESS
 
 
 async def test_a_caller_that_waits_too_long_for_a_reader_slot_is_busy(tmp_path, spawned):
