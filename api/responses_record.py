@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 import structlog
@@ -90,9 +91,9 @@ async def record_cut(ctx: ResponseContext, state: AppState, job: Job, answer: An
     conversation already (the finish path stored what was generated), so with `store` its row
     is written too, as a finished one's is: the id the client saw resolves, and
     previous_response_id can continue from it."""
-    fields = {"status": "cancelled", "error": None} if error is None else {"status": "failed"}
+    fields: dict[str, Any] = {"status": "cancelled", "error": None}
     if error is not None:
-        fields["error"] = {"code": error.code or "server_error", "message": error.message}
+        fields = {"status": "failed", "error": {"code": error.code or "server_error", "message": error.message}}
     fields |= {"output": output_items(answer, ctx.message_id), "usage": usage(job)}
     body = {**body_of(ctx, job, fields), **fields}  # the response object's own fields leave `error` out
     conversation_id = job.chat.conversation_id
