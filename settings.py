@@ -102,7 +102,12 @@ class ServerConfig:
         minimum=1,
     )
     max_messages: int = setting(1000, "Most messages one chat request may carry.", minimum=1)
-    max_prompt_chars: int = setting(1_000_000, "Most characters of message text, checked before tokenizing.", minimum=1)
+    max_prompt_chars: int = setting(
+        1_000_000,
+        "Most characters of a prompt's text (messages, and tools' names, descriptions and schemas), and most token ids "
+        "of a legacy completion's prompt, checked before tokenizing.",
+        minimum=1,
+    )
     shutdown_grace_s: float = setting(
         10.0, "On Ctrl-C/SIGTERM: how long running answers may finish before they are aborted.", minimum=0
     )
@@ -840,8 +845,9 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
             resolved = _resolve(value, PROJECT_DIR)
         node[key] = resolved
     for model in (raw.get("models") or {}).values():
-        if isinstance(model, dict) and "path" in model:
-            model["path"] = _resolve(model["path"], base)
+        for key in ("path", "tokenizer"):  # a model's folder, or a relayed model's tokenizer folder
+            if isinstance(model, dict) and key in model:
+                model[key] = _resolve(model[key], base)
 
 
 def _resolve(value: Any, base: Path) -> Any:

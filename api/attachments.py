@@ -21,10 +21,12 @@ from typing import TYPE_CHECKING
 import orjson
 
 from api import image_job
+from api import tools as tooling
 from api.errors import ApiError, bad_request, not_found, overloaded
 from api.job import Job, JobInputs, encode_chat, make_job
 from api.parts import FilePart, ImagePart, Part, TextPart, parse_parts, to_json
 from api.protocol import ChatMessage
+from engine.tokenizer import PromptTooLong
 from engine.torch_threads import side_executor
 from engine.types import IMAGE_PLACEHOLDER
 from media import documents, extraction, images
@@ -253,16 +255,23 @@ def _budget(inputs: JobInputs) -> tuple[int, int]:
     return limit, inputs.chat.max_tokens or min(inputs.tier.max_tokens, max(limit // 4, 1))
 
 
-def _num_prompt_tokens(inputs: JobInputs, resolved: list[Resolved], texts: dict) -> int:
+def _num_prompt_tokens(
+    inputs: JobInputs, resolved: list[Resolved], texts: dict, max_num_tokens: int | None = None
+) -> int:
+    """`max_num_tokens`: PromptTooLong for a prompt certainly longer (not tokenized)."""
     fitted = _with_texts(inputs, resolved, texts)
     context = [*(inputs.history or ()), *fitted.chat.messages]
-    return len(encode_chat(inputs.model, context, (), inputs.chat.chat_template_kwargs))
+    return len(encode_chat(inputs.model, context, (), inputs.chat.chat_template_kwargs, False, max_num_tokens))
 
 
 def _room_for_documents(inputs: JobInputs, resolved: list[Resolved], ids: dict) -> int:
-    """Tokens left for document text once everything else (headers included) is counted."""
+    """Tokens left for document text once everything else (headers included) is counted; below
+    zero when the rest does not fit (the rest certainly longer than the room is not tokenized)."""
     limit, reserve = _budget(inputs)
-    return limit - reserve - _num_prompt_tokens(inputs, resolved, dict.fromkeys(ids, ""))
+    try:
+        return limit - reserve - _num_prompt_tokens(inputs, resolved, dict.fromkeys(ids, ""), limit - reserve)
+    except PromptTooLong as exc:
+        return limit - reserve - exc.num_tokens
 
 
 def _cut(inputs: JobInputs, resolved: list[Resolved], ids: dict, room: int) -> tuple[dict, list[TruncatedFile]]:
@@ -328,11 +337,12 @@ OFF_LOOP_CHARS = 32_768  # prompts this long are tokenized on a worker thread
 
 
 def _num_chars(inputs: JobInputs, new: list[Resolved]) -> int:
-    """The prompt's text: messages (with the stored history), tools and the attached documents."""
-    history = inputs.history or ()
-    text = sum(len(m.content) for m in (*history, *inputs.chat.messages))
-    tools = sum(len(t.parameters) + len(t.description or "") for t in inputs.chat.tools)
-    return text + tools + sum(len(d.doc.text) for r in new for d in r.documents.values())
+    """The prompt's text: messages (with the stored history and the instructions), tools, the
+    attached documents; a legacy completion's token ids count one each (checked and decoded)."""
+    chat = inputs.chat
+    text = sum(len(m.content) for m in (*(inputs.history or ()), *chat.instructions, *chat.messages))
+    ids = len(chat.raw_prompt) if isinstance(chat.raw_prompt, tuple) else 0
+    return text + ids + tooling.num_chars(chat.tools) + sum(len(d.doc.text) for r in new for d in r.documents.values())
 
 
 async def prepare_job(ctx: AttachContext, inputs: JobInputs) -> Prepared:

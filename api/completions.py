@@ -109,7 +109,8 @@ def parse_completion_request(raw: Any, *, max_prompt_chars: int, max_n: int) -> 
 
 
 def _prompt(value: Any, max_chars: int) -> str | tuple[int, ...]:
-    """Text, or token ids; a one-element array of either is the same prompt."""
+    """Text, or token ids; a one-element array of either is the same prompt. `max_chars`
+    (server.max_prompt_chars) caps the text's characters and the number of token ids."""
     if value is None:
         raise bad_request("'prompt' is required.", param="prompt")
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
@@ -122,6 +123,12 @@ def _prompt(value: Any, max_chars: int) -> str | tuple[int, ...]:
                 code="string_above_max_length",
             )
         return value
+    if isinstance(value, list) and len(value) > max_chars:  # before any entry is looked at
+        raise bad_request(
+            f"'prompt' has {len(value)} entries; this server takes at most {max_chars} token ids.",
+            param="prompt",
+            code="array_above_max_length",
+        )
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         return tuple(value)
     if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):

@@ -9,6 +9,7 @@ engine error and an unwritable store each have one finish path.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
@@ -90,7 +91,7 @@ async def _stream_error(
     engine failure, store unavailable, shutdown: 5xx) ends without it, so no client mistakes it
     for a stored answer.
     """
-    error = engine_api_error(exc)
+    error = engine_api_error(exc, is_streamed=True)
     if error.code == "server_shutting_down":  # the operator stopped the server: expected, not a fault
         log.warning("stream_cut_at_shutdown", request_id=job.request_id)
     else:
@@ -102,8 +103,9 @@ async def _stream_error(
         pass
 
 
-def engine_api_error(exc: Exception) -> ApiError:
-    """A backend's failure in our envelope: the caller's fault (400), unreachable (503), else 500."""
+def engine_api_error(exc: Exception, *, is_streamed: bool = False) -> ApiError:
+    """A backend's failure in our envelope: the caller's fault (400), unreachable (503), else 500.
+    `is_streamed`: it goes into a stream, whose headers (Retry-After's) were sent before it."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, RequestRejected):  # e.g. an upstream server's 400, passed on with its message
@@ -116,8 +118,10 @@ def engine_api_error(exc: Exception) -> ApiError:
             code="model_load_failed",
         )
     if isinstance(exc, EngineUnavailable):
+        seconds = max(1, math.ceil(exc.retry_after_s))
+        when = f"in {seconds} s" if is_streamed else "after the time in the Retry-After header"
         return overloaded(
-            "The model is unavailable right now; please retry after the time in the Retry-After header.",
+            f"The model is unavailable right now; please retry {when}.",
             retry_after_s=exc.retry_after_s,
             code="model_unavailable",
         )
@@ -145,9 +149,12 @@ def shutting_down(*, started: bool = True) -> ApiError:
 
 async def finish_quietly(state: AppState, job: Job, status: RequestStatus, finish: FinishReason | None) -> None:
     """The finish path of an answer that already failed: bill only work done (nothing if it never left the
-    queue); a store error is logged by the store, not raised."""
+    queue, nor a relayed request whose upstream failed before anything was passed on); a store error is
+    logged by the store, not raised."""
+    relayed_nothing = job.model.config.backend == "openai" and job.first_token_s is None
+    billed = job.admitted_s is not None and not (status is RequestStatus.ERROR and relayed_nothing)
     try:
-        await finish_job(state, job, status, finish, prompt_billed=job.admitted_s is not None)
+        await finish_job(state, job, status, finish, prompt_billed=billed)
     except StoreUnavailable:
         pass
 

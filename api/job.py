@@ -21,7 +21,7 @@ from api.protocol import ChatMessage, ChatRequest, wire_options
 from api.reasoning import prompt_opens_thinking
 from api.tools import ChoiceMode, Tool, detect_format, forced_call_grammar, template_takes_tools, tools_system_prompt
 from engine.registry import ModelHandle
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import PromptTooLong, Tokenizer
 from engine.types import (
     ChatPrompt,
     GenerationRequest,
@@ -140,34 +140,44 @@ def trim_history(
     template_kwargs: dict[str, Any] | None = None,
     continue_final: bool = False,
     instructions: tuple[ChatMessage, ...] = (),
+    max_prompt_tokens: int | None = None,
 ) -> tuple[list[int], list[ChatMessage], int]:
     """Drop the oldest non-system history turns until the prompt fits `budget_tokens`.
 
     Returns (prompt token ids, context, number of history messages dropped). New messages
-    are never dropped; if they alone do not fit, the caller reports the overflow. The fewest
-    drops that fit are found by bisection over the drop steps: O(log turns) encodings of the
-    prompt, not one per dropped turn (a long stored conversation made that quadratic).
+    are never dropped; if they alone do not fit, the caller reports the overflow (PromptTooLong
+    when they certainly hold more than `max_prompt_tokens`). The fewest drops that fit are found
+    by bisection over the drop steps: O(log turns) encodings of the prompt, not one per dropped
+    turn (a long stored conversation made that quadratic). A step that certainly does not fit is
+    refused from the tokenizer's bound (engine/token_bound.py) without being tokenized, so a long
+    history costs a pass of the normalizer per step tried, up to the text past the budget, and
+    tokenizing what fits.
     """
     steps = _drop_steps(history)
 
-    def attempt(k: int) -> tuple[list[int], list[ChatMessage]]:
+    def attempt(k: int, max_num_tokens: int | None) -> tuple[list[int], list[ChatMessage]]:
         context = build_context(steps[k][0], new, instructions)
-        return encode_chat(model, context, tools, template_kwargs, continue_final), context
+        return encode_chat(model, context, tools, template_kwargs, continue_final, max_num_tokens), context
 
-    ids, context = attempt(0)
-    if len(ids) <= budget_tokens or len(steps) == 1:
-        return ids, context, 0
+    def fitting(k: int) -> tuple[list[int], list[ChatMessage]] | None:
+        try:
+            ids, context = attempt(k, budget_tokens)
+        except PromptTooLong:
+            return None
+        return (ids, context) if len(ids) <= budget_tokens else None
+
     last = len(steps) - 1
-    ids, context = attempt(last)
-    if len(ids) > budget_tokens:
+    if last > 0 and (found := fitting(0)) is not None:
+        return found[0], found[1], 0
+    ids, context = attempt(last, max_prompt_tokens)
+    if len(ids) > budget_tokens or last == 0:
         return ids, context, steps[last][1]  # even with every turn dropped: the caller reports it
     low, high = 0, last  # attempt(low) does not fit, attempt(high) does
     best = ids, context
     while high - low > 1:
         mid = (low + high) // 2
-        ids, context = attempt(mid)
-        if len(ids) <= budget_tokens:
-            high, best = mid, (ids, context)
+        if (found := fitting(mid)) is not None:
+            high, best = mid, found
         else:
             low = mid
     return best[0], best[1], steps[high][1]
@@ -194,11 +204,14 @@ def encode_chat(
     tools: tuple[Tool, ...] = (),
     template_kwargs: dict[str, Any] | None = None,
     continue_final: bool = False,
+    max_num_tokens: int | None = None,
 ) -> list[int]:
     """Render through the chat template; tools go in as `tools=` (or a system message, for a
     template that ignores them); `template_kwargs` (a request's chat_template_kwargs) as template
     variables: a template that fails on them is the client's error (400). `continue_final`: the
-    last message is an assistant's prefill the answer continues (the prompt ends with its text)."""
+    last message is an assistant's prefill the answer continues (the prompt ends with its text).
+    `max_num_tokens`: PromptTooLong, before tokenizing, for a prompt certainly longer (a model
+    served here; a relayed model's counter counts in full)."""
     if not model.serves_chat:
         raise bad_request(
             f"The model '{model.name}' has no chat template (a base model): it serves text completions only, "
@@ -212,7 +225,9 @@ def encode_chat(
             "(a prefill) is not supported for it.",
             param="messages",
         )
-    options = {"continue_final_message": True} if continue_final else {}
+    options: dict[str, Any] = {"continue_final_message": True} if continue_final else {}
+    if max_num_tokens is not None and isinstance(model.tokenizer, Tokenizer):
+        options["max_num_tokens"] = max_num_tokens
     if not template_kwargs:
         return _encode_chat(model, context, tools, options)
     try:
@@ -258,15 +273,30 @@ def check_fits(num_prompt: int, max_tokens: int, limit: int, model_name: str, wh
     """`where`: the field that holds the prompt (`messages`, or a legacy completion's `prompt`)."""
     if num_prompt + max_tokens <= limit and num_prompt < limit:
         return
-    raise ApiError(
+    raise context_too_long(num_prompt, max_tokens, limit, model_name, where)
+
+
+def context_too_long(
+    num_prompt: int, max_tokens: int, limit: int, model_name: str, where: str, *, is_lower_bound: bool = False
+) -> ApiError:
+    """OpenAI's context_length_exceeded; `is_lower_bound`: `num_prompt` is the tokenizer's bound
+    on a prompt refused untokenized (engine/token_bound.py), not its count."""
+    at_least = "at least " if is_lower_bound else ""
+    return ApiError(
         400,
-        f"This model's maximum context length is {limit} tokens. However, you requested "
-        f"{num_prompt + max_tokens} tokens ({num_prompt} in the {where}, {max_tokens} in the "
+        f"This model's maximum context length is {limit} tokens. However, you requested {at_least}"
+        f"{num_prompt + max_tokens} tokens ({at_least}{num_prompt} in the {where}, {max_tokens} in the "
         f"completion). Please reduce the length of the {where} or completion. (model: {model_name})",
         "invalid_request_error",
         "context_length_exceeded",
         where,
     )
+
+
+def min_completion_tokens(chat: ChatRequest) -> int:
+    """The fewest completion tokens the request can be given (max_tokens unless it is only a cap):
+    a prompt longer than the context less these cannot fit (check_fits)."""
+    return chat.max_tokens if chat.max_tokens is not None and not chat.max_tokens_is_cap else 1
 
 
 def chat_prompt(chat: ChatRequest, context: list[ChatMessage]) -> ChatPrompt:
@@ -394,27 +424,15 @@ def make_job(inp: JobInputs) -> Job:
     """Tokenize and size the request; raise ApiError(400) when it cannot fit."""
     model, chat, tier = inp.model, inp.chat, inp.tier
     limit = min(model.max_model_len, tier.max_context_tokens)
-    dropped = 0
-    if chat.raw_prompt is not None:  # a legacy completion: no template, no history
-        ids, context = encode_raw_prompt(model, chat.raw_prompt)
-    elif inp.history is not None:
-        reserve = chat.max_tokens if chat.max_tokens is not None else min(tier.max_tokens, 64)
-        ids, context, dropped = trim_history(
-            model,
-            list(inp.history),
-            chat.messages,
-            limit - reserve,
-            prompt_tools(chat),
-            chat.chat_template_kwargs,
-            chat.continue_final_message,
-            chat.instructions,
-        )
-    else:
-        check_tool_results(chat.messages)
-        context = build_context([], chat.messages, chat.instructions)
-        ids = encode_chat(model, context, prompt_tools(chat), chat.chat_template_kwargs, chat.continue_final_message)
+    where = "prompt" if chat.raw_prompt is not None else "messages"
+    num_completion = min_completion_tokens(chat)
+    try:
+        ids, context, dropped = _encode_prompt(inp, limit, limit - num_completion)
+    except PromptTooLong as exc:  # certainly past the context: refused before it was tokenized
+        resolve_max_tokens(chat, tier, inp.tier_name, 0)  # a max_tokens over the tier's is refused first, as before
+        raise context_too_long(exc.num_tokens, num_completion, limit, model.name, where, is_lower_bound=True) from None
     max_tokens = resolve_max_tokens(chat, tier, inp.tier_name, max(limit - len(ids), 0))
-    check_fits(len(ids), max(max_tokens, 1), limit, model.name, "prompt" if chat.raw_prompt is not None else "messages")
+    check_fits(len(ids), max(max_tokens, 1), limit, model.name, where)
     now = time.monotonic()
     opened = None if chat.raw_prompt is not None else _reasoning_opened(model, ids)
     gen = GenerationRequest(
@@ -446,14 +464,43 @@ def make_job(inp: JobInputs) -> Job:
         history_messages_dropped=dropped,
         new_messages=tuple((m.role, m.content) for m in chat.messages),
         reasoning_opened=opened,
+        usage_source=getattr(model.tokenizer, "usage_source", UsageSource.ENGINE),  # a relayed model's counter
     )
 
 
-def encode_raw_prompt(model: ModelHandle, prompt: str | tuple[int, ...]) -> tuple[list[int], list[ChatMessage]]:
+def _encode_prompt(inp: JobInputs, limit: int, max_prompt_tokens: int) -> tuple[list[int], list[ChatMessage], int]:
+    """(prompt token ids, context, history messages dropped); PromptTooLong for a prompt certainly
+    longer than `max_prompt_tokens`, found before it is tokenized."""
+    model, chat, tier = inp.model, inp.chat, inp.tier
+    if chat.raw_prompt is not None:  # a legacy completion: no template, no history
+        return (*encode_raw_prompt(model, chat.raw_prompt, max_prompt_tokens), 0)
+    if inp.history is not None:
+        reserve = chat.max_tokens if chat.max_tokens is not None else min(tier.max_tokens, 64)
+        return trim_history(
+            model,
+            list(inp.history),
+            chat.messages,
+            limit - reserve,
+            prompt_tools(chat),
+            chat.chat_template_kwargs,
+            chat.continue_final_message,
+            chat.instructions,
+            max_prompt_tokens=max_prompt_tokens,
+        )
+    check_tool_results(chat.messages)
+    context = build_context([], chat.messages, chat.instructions)
+    tools, kwargs = prompt_tools(chat), chat.chat_template_kwargs
+    return encode_chat(model, context, tools, kwargs, chat.continue_final_message, max_prompt_tokens), context, 0
+
+
+def encode_raw_prompt(
+    model: ModelHandle, prompt: str | tuple[int, ...], max_num_tokens: int | None = None
+) -> tuple[list[int], list[ChatMessage]]:
     """A legacy completion's prompt (POST /v1/completions): its token ids as the model reads them
     (no chat template), and its text as one user message for the safety gate. Token ids are
     checked against the vocabulary; a relayed model (backend "openai") takes text only, counted
-    with its token counter."""
+    with its token counter. PromptTooLong for a prompt certainly longer than `max_num_tokens`:
+    more ids than that are refused before any is checked or decoded."""
     tokenizer = model.tokenizer
     if not isinstance(tokenizer, Tokenizer):
         if not isinstance(prompt, str):
@@ -464,7 +511,9 @@ def encode_raw_prompt(model: ModelHandle, prompt: str | tuple[int, ...]) -> tupl
             )
         ids, text = tokenizer.encode(prompt), prompt
     elif isinstance(prompt, str):
-        ids, text = tokenizer.encode_prompt(prompt), prompt
+        ids, text = tokenizer.encode_prompt(prompt, max_num_tokens=max_num_tokens), prompt
+    elif max_num_tokens is not None and len(prompt) > max_num_tokens:
+        raise PromptTooLong(len(prompt))
     else:
         outside = next((t for t in prompt if not 0 <= t < tokenizer.vocab_size), None)
         if outside is not None:

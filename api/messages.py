@@ -35,6 +35,7 @@ import orjson
 from aiohttp import web
 
 from api import protocol
+from api import tools as tooling
 from api.answer import Answer
 from api.attachments import OFF_LOOP_CHARS
 from api.chat import Outlet, admit_and_serve, json_dumps, read_json, record_refusal
@@ -546,10 +547,11 @@ async def count_tokens(request: web.Request) -> web.Response:
             code="model_not_found",
         )
     model = state.models[chat.model]
-    args = (model, list(chat.messages), prompt_tools(chat), chat.chat_template_kwargs, chat.continue_final_message)
-    if sum(len(m.content) for m in chat.messages) < OFF_LOOP_CHARS:
+    tools = prompt_tools(chat)
+    args = (model, list(chat.messages), tools, chat.chat_template_kwargs, chat.continue_final_message)
+    if sum(len(m.content) for m in chat.messages) + tooling.num_chars(tools) < OFF_LOOP_CHARS:
         ids = encode_chat(*args)
-    else:  # as for a generating request: a long prompt is tokenized off the loop
+    else:  # as for a generating request: a long prompt (its tools' text too) is tokenized off the loop
         ids = await asyncio.get_running_loop().run_in_executor(side_executor(), encode_chat, *args)
     return web.json_response({"input_tokens": len(ids)}, dumps=json_dumps, headers=state.limit_headers(caller))
 

@@ -186,14 +186,15 @@ def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int, ma
     n = _opt_int(raw, "n", 1) or 1
     if n > max_n:
         raise bad_request(f"'n' must be at most {max_n} on this server, got {n}.", param="n", code="unsupported_value")
-    tools = tooling.parse_tools(raw.get("tools"))
+    tools = tooling.parse_tools(raw.get("tools"), max_prompt_chars)
     tool_choice = tooling.parse_tool_choice(raw.get("tool_choice"), tools)
     response_format = parse_response_format(raw.get("response_format"))
     if response_format is not None and tool_choice.mode in (tooling.ChoiceMode.REQUIRED, tooling.ChoiceMode.NAMED):
         raise bad_request(
             "A forced 'tool_choice' cannot be combined with a JSON 'response_format'.", param="response_format"
         )
-    messages = _messages(raw.get("messages"), max_messages, max_prompt_chars)
+    messages = _messages(raw.get("messages"), max_messages)
+    _check_prompt_chars(messages, tools, max_prompt_chars)
     _check_no_effect_fields(raw)
     return ChatRequest(
         model=_opt_str(raw, "model"),
@@ -270,7 +271,8 @@ def _check_no_effect_fields(raw: dict[str, Any]) -> None:
 # Fields a checkpoint's generation_config.json may default when the request leaves them unset.
 _DEFAULTABLE_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")
 
-_TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+# Set by the server (max_num_tokens: the tokenizer's bound on the prompt, api/job.py).
+_TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "max_num_tokens")
 
 
 def _chat_template_kwargs(value: Any) -> dict[str, Any] | None:
@@ -413,7 +415,7 @@ def _reject_unsupported(raw: dict[str, Any]) -> None:
             raise bad_request(f"{key}={value!r} is not supported by this server.", param=key, code="unsupported_value")
 
 
-def _messages(value: Any, max_messages: int, max_prompt_chars: int) -> tuple[ChatMessage, ...]:
+def _messages(value: Any, max_messages: int) -> tuple[ChatMessage, ...]:
     if value is None:
         raise bad_request(
             "Missing required parameter: 'messages'.", param="messages", code="missing_required_parameter"
@@ -424,15 +426,25 @@ def _messages(value: Any, max_messages: int, max_prompt_chars: int) -> tuple[Cha
         raise bad_request("'messages' must contain at least one message.", param="messages")
     if len(value) > max_messages:
         raise bad_request(f"'messages' has {len(value)} entries; the limit is {max_messages}.", param="messages")
-    out = tuple(_message(m, i) for i, m in enumerate(value))
-    total_chars = sum(len(m.content) for m in out)
-    if total_chars > max_prompt_chars:
-        raise bad_request(
-            f"The messages hold {total_chars} characters; the limit is {max_prompt_chars}.",
-            param="messages",
-            code="context_length_exceeded",
+    return tuple(_message(m, i) for i, m in enumerate(value))
+
+
+def _check_prompt_chars(messages: tuple[ChatMessage, ...], tools: tuple[tooling.Tool, ...], max_chars: int) -> None:
+    """server.max_prompt_chars: the messages' text and the tools' (names, descriptions, schemas),
+    which the prompt carries too, before anything is rendered or tokenized."""
+    num_message_chars = sum(len(m.content) for m in messages)
+    num_tool_chars = tooling.num_chars(tools)
+    if num_message_chars + num_tool_chars <= max_chars:
+        return
+    if not tools:
+        message = f"The messages hold {num_message_chars} characters; the limit is {max_chars}."
+    else:
+        message = (
+            f"The prompt holds {num_message_chars + num_tool_chars} characters ({num_message_chars} in the "
+            f"messages, {num_tool_chars} in the tools); the limit is {max_chars}."
         )
-    return out
+    param = "tools" if num_tool_chars > num_message_chars else "messages"
+    raise bad_request(message, param=param, code="context_length_exceeded")
 
 
 def _message(value: Any, index: int) -> ChatMessage:

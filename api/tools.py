@@ -66,7 +66,8 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def parse_tools(value: Any) -> tuple[Tool, ...]:
+def parse_tools(value: Any, max_chars: int | None = None) -> tuple[Tool, ...]:
+    """`max_chars`: most characters the tools may hold (num_chars), checked before any schema is compiled."""
     if value is None:
         return ()
     if not isinstance(value, list):
@@ -77,7 +78,21 @@ def parse_tools(value: Any) -> tuple[Tool, ...]:
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise bad_request("Tool names in 'tools' must be unique.", param="tools")
+    if max_chars is not None and num_chars(tools) > max_chars:
+        raise bad_request(
+            f"The tools hold {num_chars(tools)} characters; the limit is {max_chars}.",
+            param="tools",
+            code="context_length_exceeded",
+        )
+    for i, tool in enumerate(tools):
+        check_schema(tool.parameters, f"tools[{i}].function.parameters")
     return tools
+
+
+def num_chars(tools: tuple[Tool, ...]) -> int:
+    """The tools' text as the prompt carries it (names, descriptions, parameter schemas): what
+    server.max_prompt_chars counts with the messages, and what decides tokenizing off the loop."""
+    return sum(len(t.name) + len(t.description or "") + len(t.parameters) for t in tools)
 
 
 def _tool(value: Any, where: str) -> Tool:
@@ -102,9 +117,7 @@ def _tool(value: Any, where: str) -> Tool:
         params = {"type": "object", "properties": {}}
     elif "type" not in params and "properties" in params:  # arguments are always an object
         params = {"type": "object", **params}
-    text = schema_text(params)
-    check_schema(text, f"{where}.function.parameters")
-    return Tool(name, description, text)
+    return Tool(name, description, schema_text(params))  # its schema is compiled once the tools' size is checked
 
 
 def check_schema(text: str, param: str) -> None:

@@ -19,9 +19,20 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.token_bound import TokenBound
+
 
 class TokenizerLoadError(Exception):
     """A missing or malformed tokenizer file, named in the message."""
+
+
+class PromptTooLong(Exception):
+    """A prompt certainly longer than the tokens it was allowed: `num_tokens`, more than that
+    limit, is a lower bound on its length (it was not tokenized)."""
+
+    def __init__(self, num_tokens: int):
+        super().__init__(f"the prompt holds at least {num_tokens} tokens")
+        self.num_tokens = num_tokens
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -87,6 +98,7 @@ class Tokenizer:
         # switched on the shared one would race between the event loop and a worker thread.
         self._literal_tok = HFTokenizer.from_str(tokenizer.to_str())
         self._literal_tok.encode_special_tokens = True
+        self._bound = TokenBound.of(tokenizer)  # None: prompts are only counted exactly
         self.generation_defaults = generation_defaults or {}  # from generation_config.json
         self._template = _compile_template(chat_template) if chat_template else None
         self.chat_template = chat_template
@@ -134,6 +146,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         continue_final_message: bool = False,
+        max_num_tokens: int | None = None,
         **template_kwargs: Any,
     ) -> list[int]:
         """Render and tokenize a chat so that message text can never become control tokens.
@@ -142,18 +155,38 @@ class Tokenizer:
         as enable_thinking), as transformers' apply_chat_template passes them.
         `continue_final_message`: the last message (an assistant's prefill) is left open, the
         prompt ending with its text, so the model continues it (transformers' option of that name).
+        `max_num_tokens`: a prompt certainly longer raises PromptTooLong before it is tokenized
+        (engine/token_bound.py), so a prompt far past the context costs a pass of the normalizer,
+        not its tokenization; one that may fit is tokenized exactly.
 
         Text such as "<|im_end|>" typed by a user is tokenized as plain text (the injection
         of transformers#29279). Chats without such text take the plain path, which is
         token-for-token what transformers produces.
         """
+        pieces = self._chat_pieces(messages, add_generation_prompt, tools, continue_final_message, template_kwargs)
+        if max_num_tokens is not None:
+            self._check_length(pieces, max_num_tokens)
+        ids: list[int] = []
+        for text, is_literal in pieces:
+            ids += self._encode_literal(text) if is_literal else self.encode(text)
+        return ids
+
+    def _chat_pieces(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict] | None,
+        continue_final_message: bool,
+        template_kwargs: dict[str, Any],
+    ) -> list[tuple[str, bool]]:
+        """The rendered chat as (text, is_literal) pieces, tokenized apart and joined in order;
+        a literal piece is message text whose special-token text stays plain text."""
         has_special = any(tok in str(m.get("content", "")) for m in messages for tok in self._special_texts)
         if not has_special and not continue_final_message:
-            return self.encode(
-                self.apply_chat_template(
-                    messages, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
-                )
+            rendered = self.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
             )
+            return [(rendered, False)]
         sentinels = [f"\x00{i}\x00" for i in range(len(messages))]
         rendered = self.apply_chat_template(
             [{**m, "content": s} for m, s in zip(messages, sentinels, strict=True)],
@@ -169,13 +202,26 @@ class Tokenizer:
             if not has_special:  # one piece of text, tokenized whole as transformers does
                 for sentinel, m in zip(sentinels, messages, strict=True):
                     rendered = rendered.replace(sentinel, str(m.get("content", "")), 1)
-                return self.encode(rendered)
-        ids: list[int] = []
+                return [(rendered, False)]
+        pieces: list[tuple[str, bool]] = []
         for i, sentinel in enumerate(sentinels):
             head, _, rendered = rendered.partition(sentinel)
-            ids += self.encode(head)
-            ids += self._encode_literal(str(messages[i].get("content", "")))
-        return ids if continue_final_message else ids + self.encode(rendered)
+            pieces += [(head, False), (str(messages[i].get("content", "")), True)]
+        return pieces if continue_final_message else [*pieces, (rendered, False)]
+
+    def _check_length(self, pieces: list[tuple[str, bool]], max_num_tokens: int) -> None:
+        """PromptTooLong if the pieces certainly hold more than `max_num_tokens` tokens. Pieces of
+        at most max_num_tokens x max_token_chars characters in all are not bounded: unless the
+        normalizer lengthens text, their bound is within the limit (and they cost little to tokenize)."""
+        bound = self._bound
+        if bound is None or sum(len(text) for text, _ in pieces) <= max_num_tokens * bound.max_token_chars:
+            return
+        num_tokens = 0
+        for text, is_literal in pieces:
+            tok = self._literal_tok if is_literal else self._tok
+            num_tokens += bound.min_num_tokens(tok, text, is_literal=is_literal, stop_above=max_num_tokens - num_tokens)
+            if num_tokens > max_num_tokens:
+                raise PromptTooLong(num_tokens)
 
     def _encode_literal(self, text: str) -> list[int]:
         return _encode(self._literal_tok, text, add_special_tokens=False)
@@ -184,10 +230,13 @@ class Tokenizer:
         # Rendered chat text already holds its special tokens: add none.
         return _encode(self._tok, text, add_special_tokens=False)
 
-    def encode_prompt(self, text: str) -> list[int]:
+    def encode_prompt(self, text: str, *, max_num_tokens: int | None = None) -> list[int]:
         """A raw prompt (a legacy completion's) as the model reads it without a chat template: with
         the special tokens the tokenizer's post-processor adds (a BOS for Llama or Gemma, none for
-        Qwen), as transformers' `tokenizer(text)` does; special-token text in it stays special."""
+        Qwen), as transformers' `tokenizer(text)` does; special-token text in it stays special.
+        `max_num_tokens`: as encode_chat's (the added BOS only makes the prompt longer)."""
+        if max_num_tokens is not None:
+            self._check_length([(text, False)], max_num_tokens)
         return _encode(self._tok, text, add_special_tokens=True)
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:

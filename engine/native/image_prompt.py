@@ -74,6 +74,7 @@ class ImageTokenizer(Tokenizer):
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         continue_final_message: bool = False,
+        max_num_tokens: int | None = None,
         **template_kwargs: Any,
     ) -> list[int]:
         if not any(IMAGE_SENTINEL in str(m.get("content", "")) for m in messages):
@@ -82,6 +83,7 @@ class ImageTokenizer(Tokenizer):
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
                 continue_final_message=continue_final_message,
+                max_num_tokens=max_num_tokens,
                 **template_kwargs,
             )
         if continue_final_message:
@@ -93,11 +95,18 @@ class ImageTokenizer(Tokenizer):
             tools=tools,
             **template_kwargs,
         )
-        slot = [self.image_prompter.image_token_id] * self.image_prompter.num_image_tokens
-        ids: list[int] = []
+        pieces: list[tuple[str, bool] | None] = []  # (text, is_literal) as encode_chat's; None: an image's slot
         for i, sentinel in enumerate(sentinels):
             head, _, rendered = rendered.partition(sentinel)
-            ids += self.encode(head)
+            pieces.append((head, False))
             for k, piece in enumerate(str(messages[i].get("content", "")).split(IMAGE_SENTINEL)):
-                ids += (slot if k else []) + self._encode_literal(piece)
-        return ids if continue_final_message else ids + self.encode(rendered)
+                pieces += [None, (piece, True)] if k else [(piece, True)]
+        if not continue_final_message:
+            pieces.append((rendered, False))
+        if max_num_tokens is not None:  # the slots only add tokens to the bound
+            self._check_length([p for p in pieces if p is not None], max_num_tokens)
+        slot = [self.image_prompter.image_token_id] * self.image_prompter.num_image_tokens
+        ids: list[int] = []
+        for p in pieces:
+            ids += slot if p is None else self._encode_literal(p[0]) if p[1] else self.encode(p[0])
+        return ids

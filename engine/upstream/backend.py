@@ -5,7 +5,7 @@ conversation affinity), the probe task that lets a failed replica back in, and t
 each upstream stream into TokenEvents. Admission order stays with our priority queue:
 `has_room()` is true only while a replica has fewer than `max_in_flight` requests. A
 request is retried on another replica only before its first token; the API key is read
-from the environment and never logged.
+from the environment, never logged, and taken out of the upstream's messages.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import contextlib
 import os
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 import orjson
@@ -35,18 +35,19 @@ from engine.types import (
 from engine.upstream.breaker import BreakerState, CircuitBreaker, FailureKind
 from engine.upstream.counting import Counter
 from engine.upstream.discovery import discover_max_model_len
+from engine.upstream.progress import Progress
 from engine.upstream.replicas import Replica, ReplicaPool, affinity_key
 from engine.upstream.stream import DONE, MalformedStream, sse_payloads
+from engine.upstream.usage import usage_problem
 from engine.upstream.wire import (
-    Chunk,
     ErrorKind,
     UpstreamError,
-    Usage,
     classify_http_error,
     parse_chunk,
+    redact,
+    redacted,
     request_body,
     request_path,
-    tool_calls_text,
     unsupported_reason,
 )
 from settings import ConfigError, ModelConfig, UpstreamConfig
@@ -54,7 +55,9 @@ from settings import ConfigError, ModelConfig, UpstreamConfig
 log = structlog.get_logger(__name__)
 
 UNKNOWN_MAX_MODEL_LEN = 1 << 30  # the upstream decides; the tier's max_context_tokens still applies
-_READ_BUFSIZE = 1 << 20  # one SSE line may be long (logprobs, tool arguments)
+_READ_BUFSIZE = 1 << 20  # one SSE line may be long (logprobs, tool arguments); 2 MiB at most
+_MAX_ERROR_BYTES = 1 << 16  # of an upstream's error body: its message is what we keep
+_DONE_GRACE_S = 1.0  # after the finish chunk and usage, [DONE] is waited for this long at most
 
 
 class _AttemptFailed(Exception):
@@ -67,43 +70,12 @@ class _AttemptFailed(Exception):
 
 
 @dataclass(slots=True)
-class _Progress:
-    """What one request has received so far (across attempts only nothing was yielded)."""
-
-    num_prompt_tokens: int  # our own count until the upstream reports usage
-    num_completion_tokens: int = 0  # chunks with text until the upstream reports usage
-    text_parts: list[str] = field(default_factory=list)
-    finish: FinishReason | None = None
-    usage: Usage | None = None
-    num_yielded: int = 0
-    tool_calls: dict[int, list[str]] = field(default_factory=dict)  # index -> [name, arguments so far]
-    is_reasoning: bool = False  # inside relayed reasoning (<think> sent, </think> not yet)
-    stop_str: str | None = None  # the upstream's stop_reason, when a stop string ended it
-
-
-@dataclass(slots=True)
 class _Attempt:
     """One try of a request on one replica: its response once it arrives, and whether it was aborted."""
 
     replica: Replica
     response: aiohttp.ClientResponse | None = None
     is_aborted: bool = False
-
-
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-
-
-def _reasoning_tags(progress: _Progress, chunk: Chunk) -> str:
-    """An upstream's separate reasoning, relayed as the <think> text our reasoning splitter reads
-    (api/reasoning.py), so the client gets `reasoning_content` as from a model served here."""
-    if chunk.reasoning:
-        opened = "" if progress.is_reasoning else THINK_OPEN
-        progress.is_reasoning = True
-        return opened + chunk.reasoning
-    if progress.is_reasoning and (chunk.text or chunk.tool_calls):
-        progress.is_reasoning = False
-        return THINK_CLOSE
-    return ""
 
 
 class UpstreamBackend:
@@ -136,6 +108,7 @@ class UpstreamBackend:
         self._num_prompt_tokens = 0
         self._num_cached_tokens = 0
         self._num_generation_tokens = 0
+        self._warned: set[tuple[str, int]] = set()  # (event, replica index) already logged
 
     @property
     def max_model_len(self) -> int:
@@ -233,7 +206,7 @@ class UpstreamBackend:
             if replica is None:
                 break
             tried |= {replica.index}
-            progress = _Progress(num_prompt_tokens=len(request.prompt_token_ids))  # retried only if nothing was sent
+            progress = Progress(request, self._counter)  # retried only if nothing was sent
             try:
                 async with contextlib.aclosing(self._attempt(replica, request, body, progress)) as events:
                     async for event in events:
@@ -245,8 +218,13 @@ class UpstreamBackend:
                 self._raise_if_final(exc, progress)
         raise self._unavailable(failure)
 
-    def _raise_if_final(self, exc: _AttemptFailed, progress: _Progress) -> None:
-        """Errors that another replica would not fix, and any error after the first token."""
+    def _raise_if_final(self, exc: _AttemptFailed, progress: Progress) -> None:
+        """Any error after the first token (whatever the upstream said: the client has part of an
+        answer), and errors that another replica would not fix."""
+        if progress.num_yielded > 0:
+            raise EngineUnavailable(
+                f"the upstream failed while answering: {exc}", retry_after_s=self._config.breaker_open_s
+            ) from None
         error = exc.error
         if error is not None and error.kind is ErrorKind.CLIENT:
             raise error.rejected() from None
@@ -255,10 +233,6 @@ class UpstreamBackend:
                 f"the upstream refused the request ({error.status}): check models.{self.name} "
                 "(upstream_model, api_key_env)",
                 retry_after_s=self._config.breaker_open_s,
-            ) from None
-        if progress.num_yielded > 0:
-            raise EngineUnavailable(
-                f"the upstream failed while answering: {exc}", retry_after_s=self._config.breaker_open_s
             ) from None
 
     def _unavailable(self, failure: _AttemptFailed | None) -> EngineUnavailable:
@@ -272,7 +246,7 @@ class UpstreamBackend:
         )
 
     async def _attempt(
-        self, replica: Replica, request: GenerationRequest, body: dict, progress: _Progress
+        self, replica: Replica, request: GenerationRequest, body: dict, progress: Progress
     ) -> AsyncGenerator[TokenEvent, None]:
         """One try on one replica; raises _AttemptFailed, yields events as chunks arrive."""
         assert self._session is not None  # generate() refuses before start and after shutdown
@@ -282,32 +256,31 @@ class UpstreamBackend:
         self._running[request.request_id] = attempt
         started_s = time.monotonic()
         try:
-            # sock_read bounds the wait for the response headers too; the stream's own deadlines follow.
-            timeout = aiohttp.ClientTimeout(
-                total=None,
-                connect=self._config.connect_timeout_s,
-                sock_read=max(self._config.first_token_timeout_s, self._config.idle_timeout_s),
-            )
-            async with self._session.post(
-                replica.base_url + request_path(request),
-                json=body,
-                timeout=timeout,
-                headers=self._headers(request.request_id),
-            ) as response:
-                attempt.response = response
+            # The response headers count against the first token's deadline; the stream's own follow.
+            async with asyncio.timeout(self._config.first_token_timeout_s):
+                attempt.response = await self._session.post(
+                    replica.base_url + request_path(request),
+                    json=body,
+                    timeout=aiohttp.ClientTimeout(total=None, connect=self._config.connect_timeout_s),
+                    headers=self._headers(request.request_id),
+                )
+            async with attempt.response as response:
                 if response.status != 200:
-                    raise self._http_failure(
-                        replica, response.status, await response.read(), response.headers.get("Retry-After")
-                    )
+                    raise await self._http_failure(replica, response)
                 async for event in self._relay(response, attempt, progress, started_s):
                     yield event
         except _AttemptFailed:
             raise
         except (aiohttp.ClientError, OSError, TimeoutError, MalformedStream) as exc:
             if attempt.is_aborted:
-                yield self._final(progress, FinishReason.ABORT)
+                yield self._final(progress, FinishReason.ABORT, replica)
                 return
-            raise self._transport_failure(replica, exc) from None
+            if progress.finish is None:
+                raise self._transport_failure(replica, exc) from None
+            # The finish chunk came, then the upstream stalled or dropped before its usage or [DONE]: complete.
+            self._record_success(replica)
+            progress.num_yielded += 1
+            yield self._final(progress, progress.finish, replica)
         finally:
             replica.num_in_flight -= 1
             if self._running.get(request.request_id) is attempt:
@@ -316,87 +289,69 @@ class UpstreamBackend:
                 attempt.response.close()  # left early (client gone): close now, never drain
 
     async def _relay(
-        self, response: aiohttp.ClientResponse, attempt: _Attempt, progress: _Progress, started_s: float
+        self, response: aiohttp.ClientResponse, attempt: _Attempt, progress: Progress, started_s: float
     ) -> AsyncGenerator[TokenEvent, None]:
         cfg, replica = self._config, attempt.replica
         deadline_s = started_s + cfg.first_token_timeout_s
 
         def timeout_s() -> float:
-            return cfg.idle_timeout_s if progress.num_yielded else max(0.0, deadline_s - time.monotonic())
+            if progress.finish is not None and progress.usage is not None:  # complete: [DONE] is a formality
+                return min(cfg.idle_timeout_s, _DONE_GRACE_S)
+            return cfg.idle_timeout_s if progress.has_output else max(0.0, deadline_s - time.monotonic())
 
         async for payload in sse_payloads(response, timeout_s):
             if attempt.is_aborted:  # aborted before the response arrived: it was not closed then
-                yield self._final(progress, FinishReason.ABORT)
+                yield self._final(progress, FinishReason.ABORT, replica)
                 return
             if payload is DONE or not isinstance(payload, dict):
                 break
             chunk = parse_chunk(payload)
             if isinstance(chunk, UpstreamError):
-                self._record_failure(replica, FailureKind.SERVER_ERROR, chunk.message)
-                raise _AttemptFailed(f"{replica.label}: error event: {chunk.message}", FailureKind.SERVER_ERROR, chunk)
-            event = self._apply(progress, chunk)
+                raise self._error_event(replica, chunk)
+            had_output = progress.has_output
+            event = progress.feed(chunk)
+            if progress.has_output and not had_output:  # the first text, reasoning or tool-call piece
+                replica.observe_ttft(time.monotonic() - started_s)
+            if progress.is_cut:
+                self._warn_once("upstream_ignored_max_tokens", replica, max_tokens=progress.output.max_tokens)
+                response.close()  # the upstream sees the connection close and stops generating
             if event is not None:
-                if not progress.num_yielded:  # the first text, reasoning or tool call
-                    replica.observe_ttft(time.monotonic() - started_s)
                 progress.num_yielded += 1
                 yield event
+            if progress.is_cut:
+                break
         if progress.finish is None:
             self._record_failure(replica, FailureKind.CONNECTION, "stream ended before finishing")
             raise _AttemptFailed(f"{replica.label}: the stream ended before finishing", FailureKind.CONNECTION)
         self._record_success(replica)
         progress.num_yielded += 1
-        yield self._final(progress, progress.finish)
+        yield self._final(progress, progress.finish, replica)
 
-    def _apply(self, progress: _Progress, chunk: Chunk) -> TokenEvent | None:
-        if chunk.usage is not None:
-            progress.usage = chunk.usage
-        for call in chunk.tool_calls:
-            name_and_args = progress.tool_calls.setdefault(call.index, ["", ""])
-            name_and_args[0] += call.name
-            name_and_args[1] += call.arguments
-        text = _reasoning_tags(progress, chunk) + chunk.text
-        if chunk.finish_reason is not None:
-            progress.finish = chunk.finish_reason
-            progress.stop_str = chunk.stop_str
-            if progress.is_reasoning:
-                text += THINK_CLOSE
-                progress.is_reasoning = False
-            if progress.tool_calls:  # complete now: relayed as the text our tool-call parser reads
-                text += tool_calls_text(progress.tool_calls)
-                progress.tool_calls = {}
-        if not text and not chunk.logprobs:
-            return None
-        progress.text_parts.append(text)
-        progress.num_completion_tokens += len(chunk.logprobs) or 1
-        # Counts so far are ours (one token per chunk, or per logprob): what a request cut short is billed on.
-        return TokenEvent(
-            text,
-            (),
-            progress.num_prompt_tokens,
-            0,
-            progress.num_completion_tokens,
-            usage_source=UsageSource.ESTIMATE,
-            logprobs=chunk.logprobs,
-        )
-
-    def _final(self, progress: _Progress, finish: FinishReason) -> TokenEvent:
-        """The last event, with the upstream's usage or our own count (and which it is)."""
+    def _final(self, progress: Progress, finish: FinishReason, replica: Replica) -> TokenEvent:
+        """The last event, with the upstream's usage when it is plausible, else our own count (and which it is)."""
+        prompt, cached, completion = progress.num_prompt_tokens, 0, progress.output.count()
+        source = self._counter.usage_source
         usage = progress.usage
-        if usage is not None and (usage.prompt_tokens or usage.completion_tokens):
-            prompt, cached, completion = usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens
-            source = UsageSource.UPSTREAM
-        else:
-            text = "".join(progress.text_parts)
-            prompt, cached, completion = progress.num_prompt_tokens, 0, self._counter.count(text) if text else 0
-            source = self._counter.usage_source
+        if usage is not None and (usage.prompt_tokens or usage.completion_tokens or usage.problem):
+            problem = usage_problem(usage, progress.usage_bounds(self._max_model_len))
+            if problem is None:
+                prompt, cached, completion = usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens
+                source = UsageSource.UPSTREAM
+            else:
+                self._warn_once("upstream_usage_implausible", replica, problem=problem, counted_by=source.value)
         self._num_prompt_tokens += prompt
         self._num_cached_tokens += cached
         self._num_generation_tokens += completion
         return TokenEvent("", (), prompt, cached, completion, finish, source, stop_str=progress.stop_str)
 
     # -- failures and health --------------------------------------------------------------
-    def _http_failure(self, replica: Replica, status: int, body: bytes, retry_after: str | None) -> _AttemptFailed:
-        error = classify_http_error(status, body, retry_after)
+    async def _http_failure(self, replica: Replica, response: aiohttp.ClientResponse) -> _AttemptFailed:
+        async with asyncio.timeout(self._config.idle_timeout_s):
+            body = b""
+            while len(body) < _MAX_ERROR_BYTES and (piece := await response.content.read(_MAX_ERROR_BYTES - len(body))):
+                body += piece
+        status = response.status
+        error = redacted(classify_http_error(status, body, response.headers.get("Retry-After")), self._secrets())
         kind = FailureKind.SERVER_ERROR if error.kind is ErrorKind.SERVER else None
         if kind is not None:
             self._record_failure(replica, kind, f"HTTP {status}")
@@ -404,12 +359,20 @@ class UpstreamBackend:
             log.error("upstream_refused", model=self.name, replica=replica.label, status=status, message=error.message)
         return _AttemptFailed(f"{replica.label}: HTTP {status}: {error.message}", kind, error)
 
+    def _error_event(self, replica: Replica, error: UpstreamError) -> _AttemptFailed:
+        """An error event in the stream: a server error counts against the replica's breaker."""
+        error = redacted(error, self._secrets())
+        kind = FailureKind.SERVER_ERROR if error.kind is ErrorKind.SERVER else None
+        if kind is not None:
+            self._record_failure(replica, kind, error.message)
+        return _AttemptFailed(f"{replica.label}: error event ({error.status}): {error.message}", kind, error)
+
     def _transport_failure(self, replica: Replica, exc: BaseException) -> _AttemptFailed:
         if isinstance(exc, aiohttp.ConnectionTimeoutError) or not isinstance(exc, TimeoutError):
             kind = FailureKind.SERVER_ERROR if isinstance(exc, MalformedStream) else FailureKind.CONNECTION
         else:
             kind = FailureKind.TIMEOUT
-        self._record_failure(replica, kind, f"{type(exc).__name__}: {exc}")
+        self._record_failure(replica, kind, redact(f"{type(exc).__name__}: {exc}", self._secrets()))
         return _AttemptFailed(f"{replica.label}: {kind.value} ({type(exc).__name__})", kind)
 
     def _record_failure(self, replica: Replica, kind: FailureKind, detail: str) -> None:
@@ -418,6 +381,12 @@ class UpstreamBackend:
         replica.breaker.record_failure(kind, time.monotonic())
         if not was_open and replica.breaker.state is BreakerState.OPEN:
             log.warning("upstream_replica_out", model=self.name, replica=replica.label, kind=kind.value, detail=detail)
+
+    def _warn_once(self, event: str, replica: Replica, **details: object) -> None:
+        """A replica's misbehaviour, logged the first time it is seen (then every request would repeat it)."""
+        if (event, replica.index) not in self._warned:
+            self._warned.add((event, replica.index))
+            log.warning(event, model=self.name, replica=replica.label, **details)
 
     def _record_success(self, replica: Replica) -> None:
         if replica.breaker.state is not BreakerState.CLOSED:
@@ -448,6 +417,9 @@ class UpstreamBackend:
             log.info("upstream_replica_probe_ok", model=self.name, replica=replica.label)
         else:
             replica.breaker.probe_failed(time.monotonic())
+
+    def _secrets(self) -> tuple[str, ...]:
+        return (self._api_key,) if self._api_key else ()
 
     def _headers(self, request_id: str | None = None) -> dict[str, str]:
         headers = {}

@@ -24,8 +24,9 @@ class EstimatingCounter:
     """Stands in for a tokenizer when the model has none locally: ~bytes/4 tokens."""
 
     usage_source = UsageSource.ESTIMATE
+    is_exact = False  # counts may be off either way: relayed output is cut only well past max_tokens
     eos_token_ids: tuple[int, ...] = ()
-    thinks = True  # the upstream's reasoning comes back as <think> text: split it (api/reasoning.py)
+    thinks = True  # no template to tell: the upstream's reasoning, as <think> text, is split (api/reasoning.py)
 
     def encode_chat(
         self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True, **options: Any
@@ -50,11 +51,14 @@ class TokenizerCounter:
     """The model's own tokenizer, loaded from a local folder: exact counts."""
 
     usage_source = UsageSource.TOKENIZER
-    thinks = True  # the upstream's reasoning comes back as <think> text: split it (api/reasoning.py)
+    is_exact = True  # a text's count (replacement characters aside) is at most the tokens generated for it
 
     def __init__(self, tokenizer: Tokenizer):
         self._tokenizer = tokenizer
         self.eos_token_ids = tokenizer.eos_token_ids
+        # A reasoning model (its template knows <think>) as a model served here: its answers carry
+        # reasoning_content, split from the upstream's reasoning relayed as <think> text.
+        self.thinks = tokenizer.thinks
 
     def encode_chat(
         self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True, **options: Any

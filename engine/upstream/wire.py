@@ -9,7 +9,9 @@ the request asks for them, so servers that know only OpenAI's fields are not dis
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -30,9 +32,13 @@ _FINISH = {
 
 @dataclass(frozen=True, slots=True)
 class Usage:
+    """As the upstream reported it: checked against what was sent and relayed before billing
+    (engine/upstream/usage.py)."""
+
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    problem: str | None = None  # a count that is not an integer: the counts are then 0 and unusable
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,29 +238,47 @@ def _tool_call_deltas(raw: Any) -> tuple[ToolCallDelta, ...]:
     return tuple(out)
 
 
-def tool_calls_text(calls: dict[int, list[str]]) -> str:
+def tool_calls_text(calls: dict[int, list[str]], *, is_cut: bool = False) -> str:
     """Streamed tool calls (index -> [name, arguments]) as Hermes/Qwen `<tool_call>` text: the
     form the front door's tool-call parser reads for upstream models (api/toolparse.py), so the
-    client gets `tool_calls` exactly as from a model served here."""
+    client gets `tool_calls` exactly as from a model served here.
+
+    `is_cut`: the answer ended at max_tokens. The last call, unless its arguments are complete,
+    is then written as a model served here would have left it: open, its arguments as far as they
+    got, so the parser makes of it what it makes of a native cut call (a forced call's partial
+    arguments, else text)."""
     parts = []
-    for _, (name, arguments) in sorted(calls.items()):
+    items = sorted(calls.items())
+    for i, (_, (name, arguments)) in enumerate(items):
         try:
             args = orjson.loads(arguments or "{}")
         except orjson.JSONDecodeError:
+            args = None
+        if is_cut and i == len(items) - 1 and (args is None or not arguments):
+            head = orjson.dumps({"name": name}).decode()[:-1]
+            parts.append(f'<tool_call>\n{head},"arguments": {arguments}')
+            break
+        if args is None:
             args = arguments  # passed on as the upstream wrote it
         parts.append("<tool_call>\n" + orjson.dumps({"name": name, "arguments": args}).decode() + "\n</tool_call>")
     return "\n".join(parts)
 
 
 def parse_usage(raw: Any) -> Usage | None:
+    """`usage` as reported; a count that is not an integer makes it unusable (`problem`)."""
     if not isinstance(raw, dict):
         return None
     details = raw.get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    try:
-        return Usage(int(raw.get("prompt_tokens") or 0), int(raw.get("completion_tokens") or 0), int(cached or 0))
-    except (TypeError, ValueError):
-        return None
+    values = {
+        "prompt_tokens": raw.get("prompt_tokens"),
+        "completion_tokens": raw.get("completion_tokens"),
+        "cached_tokens": details.get("cached_tokens") if isinstance(details, dict) else None,
+    }
+    for key, value in values.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            return Usage(0, 0, 0, problem=f"{key} is not an integer: {str(value)[:40]!r}")
+    prompt, completion, cached = (value or 0 for value in values.values())
+    return Usage(prompt, completion, cached)
 
 
 def classify_http_error(status: int, body: bytes, retry_after: str | None) -> UpstreamError:
@@ -291,3 +315,21 @@ def _seconds(value: str | None) -> float | None:
         return max(0.0, float(value)) if value else None
     except ValueError:
         return None
+
+
+_BEARER = re.compile(r"(?i)\bbearer\s+[^\s'\",;]+")
+_SECRET_KEY = re.compile(r"\bsk-[A-Za-z0-9_\-]{4,}")
+
+
+def redact(text: str, secrets: Iterable[str] = ()) -> str:
+    """An upstream's message with our API key (and anything that looks like a key) removed: some
+    servers echo the key they were sent in their 401 message."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "[redacted]")
+    text = _BEARER.sub("Bearer [redacted]", text)
+    return _SECRET_KEY.sub("sk-[redacted]", text)
+
+
+def redacted(error: UpstreamError, secrets: Iterable[str] = ()) -> UpstreamError:
+    return replace(error, message=redact(error.message, secrets))
