@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.native.kernels import AMX_FLAGS, KernelMode, resolve_amx_prefill, supported_modes
 from engine.native.loader import load_model_args
-from engine.native.model import AMX_MIN_ROWS
+from engine.native.model import AMX_MIN_ROWS, amx_rows
 from engine.types import EngineError, GenerationRequest, SamplingParams
 from native_harness import TEST_DEVICE
 from test_greedy_equality import engine_for
@@ -122,3 +122,25 @@ def test_amx_prefill_continues_into_the_fp32_decode_and_matches_greedy_mostly(bf
         outputs[name] = got
     first_tokens = [outputs["auto"][r][0] == outputs["off"][r][0] for r in outputs["off"]]
     assert sum(first_tokens) >= 2, outputs
+
+
+def test_amx_steps_run_with_few_distinct_row_counts():
+    """oneDNN compiles and keeps a kernel per matmul shape: a step's row count is rounded up, so
+    the cache stays small and warm instead of growing by one kernel per new count."""
+    counts = {amx_rows(m) for m in range(AMX_MIN_ROWS, 2049)}
+    assert len(counts) <= 45
+    for m in range(AMX_MIN_ROWS, 2049):
+        assert m <= amx_rows(m) < m + (16 if m <= 512 else 128)
+
+
+def test_a_padded_amx_matmul_gives_each_row_what_it_gives_unpadded():
+    from engine.native.cpu_ops import PackedLinear
+    from engine.native.model import linear
+
+    torch.manual_seed(0)
+    weight = torch.randn(96, 64)
+    # Only the bf16 copy is read on this path (no kernels: it runs wherever bf16 matmuls do).
+    packed = PackedLinear(torch.empty(0), None, 96, 64, kernels=None, amx=weight.to(torch.bfloat16))  # type: ignore[arg-type]
+    x = torch.randn(37, 64)  # padded to 48 rows
+    expected = torch.nn.functional.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16)).float()
+    torch.testing.assert_close(linear(x, packed), expected, rtol=1e-2, atol=1e-2)
