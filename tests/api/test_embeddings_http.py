@@ -11,7 +11,7 @@ import pytest
 
 from api.state import STATE
 from gateway.safety.embedder import default_model_dir
-from tests.api.helpers import assert_error
+from tests.api.helpers import assert_error, state_of
 
 MODEL = "all-minilm-l6-v2"
 TEXTS = [
@@ -194,3 +194,16 @@ async def test_every_kernel_path_gives_sentence_transformers_vectors(make_client
     client = await make_client(f'engine.kernel_isa="{isa}"')
     got = vectors(await (await embed(client, input=[*TEXTS, LONG])).json())
     np.testing.assert_allclose(got, reference([*TEXTS, LONG]), atol=1e-5)
+
+
+async def test_inputs_past_the_prompt_character_limit_are_refused_before_any_is_tokenized(make_client):
+    """512 inputs of 32,000 characters cost 8 s of CPU tokenizing before the token bucket said no."""
+    client = await make_client("server.max_prompt_chars=1000")
+    service = state_of(client).embeddings
+    tokenized = []
+    token_ids = service.token_ids
+    service.token_ids = lambda embedder, inputs: tokenized.append(inputs) or token_ids(embedder, inputs)
+    resp = await embed(client, input=["x" * 600, "y" * 600])
+    error = await assert_error(resp, 400, param="input")
+    assert "1200 characters" in error["message"] and "1000" in error["message"] and tokenized == []
+    assert (await embed(client, input=["x" * 400, "y" * 400])).status == 200 and len(tokenized) == 1
