@@ -195,7 +195,14 @@ async def generate_unary(
         await finish_quietly(state, job, RequestStatus.ERROR, None)
         log.error("request_failed", request_id=job.request_id, error=str(exc))
         raise engine_api_error(exc) from None
-    await finish_job(state, job, STATUS[finishes[0]], finishes[0])
+    # The answer is complete: a cancel landing now (a background response's) waits until it is
+    # billed and stored, so whoever handles the cancel finds the answer recorded (job.finished_as).
+    storing = asyncio.ensure_future(finish_job(state, job, STATUS[finishes[0]], finishes[0]))
+    try:
+        await asyncio.shield(storing)
+    except asyncio.CancelledError:
+        await storing
+        raise
     return finishes
 
 
@@ -212,6 +219,7 @@ async def finish_job(
     if job.recorded:
         return
     job.recorded = True
+    job.finished_as = finish
     end = time.monotonic()
     num_prompt = job.num_prompt_tokens if prompt_billed else 0
     cached = job.num_cached_tokens if prompt_billed else 0

@@ -24,6 +24,7 @@ from engine.registry import ModelHandle
 from engine.tokenizer import PromptTooLong, Tokenizer
 from engine.types import (
     ChatPrompt,
+    FinishReason,
     GenerationRequest,
     RequestRejected,
     SamplingParams,
@@ -73,6 +74,7 @@ class Job:
     # None: the model does not reason in <think> tags; else whether the prompt opened <think>
     reasoning_opened: bool | None = None
     recorded: bool = False  # set by the one finish path; a second call is a no-op
+    finished_as: FinishReason | None = None  # the finish reason that path recorded
     reported_prompt_tokens: int | None = None  # a backend's own count (an upstream's usage), if it reported one
     usage_source: UsageSource = UsageSource.ENGINE
     prompt_logprobs: tuple[TokenLogprob | None, ...] = ()  # when the request asked (a legacy completion's echo)

@@ -110,6 +110,7 @@ async def _serve_background(
         else:
             await finished(ctx, state, job, answer, finish)
     except asyncio.CancelledError:
+        finish = finish or job.finished_as  # cancelled while its complete answer was being stored
         if finish is not None and finish is not FinishReason.ABORT:  # a cancel too late: the answer stands
             _uncancel_current_task()
             try:

@@ -150,10 +150,19 @@ class AppState:
         429 `insufficient_quota` when answers already in flight hold the rest of it (each request
         may still cross the budget by its own cost, as the last one before it always could)."""
         org = job.principal.org
-        if org.budget_usd is None or spend is None:
+        if (
+            org.budget_usd is None or spend is None or job.fallback_reason == "over_budget"
+        ):  # the cheaper model serves it
             yield
             return
         in_flight = self.budget_in_flight_usd.get(org.id, 0.0)
+        if spend >= org.budget_usd:  # billed since the request's first check (its preparation can take seconds)
+            raise ApiError(
+                429,
+                "You exceeded your current budget; check your plan and billing details.",
+                "insufficient_quota",
+                "insufficient_quota",
+            )
         if in_flight > 0 and spend + in_flight >= org.budget_usd:
             raise ApiError(
                 429,

@@ -175,6 +175,34 @@ async def test_requests_sent_at_once_cannot_overspend_the_budget_many_times(make
     assert state_of(client).budget_in_flight_usd == {}  # every hold released once billed
 
 
+async def test_a_request_whose_preparation_outlasts_the_budget_is_refused_before_it_runs(make_client):
+    """Checked at arrival, then held at admission only against answers still in flight: requests
+    whose files took seconds to read each got in after the one before was billed (13x the budget)."""
+    client = await make_client("tiers.enterprise.budget_fallback=false")
+    state = state_of(client)
+    await state.store.create_org("slow", "enterprise", budget_usd=0.000001)
+    _key, secret = await state.store.create_key("slow")
+    headers = {"Authorization": f"Bearer {secret}"}
+    body = {"model": "echo", "messages": USER, "max_tokens": 20}
+    preparing, billed = asyncio.Event(), asyncio.Event()
+    month_spend_usd, calls = state.store.month_spend_usd, []
+
+    async def slow_spend(org_id):  # its 2nd read: at admission, after its files were read (held here)
+        calls.append(org_id)
+        if len(calls) == 2:
+            preparing.set()
+            await billed.wait()
+        return await month_spend_usd(org_id)
+
+    state.store.month_spend_usd = slow_spend
+    slow = asyncio.create_task(chat(client, {**body, "max_tokens": 19}, headers=headers))
+    await asyncio.wait_for(preparing.wait(), 10)
+    assert (await chat(client, body, headers=headers)).status == 200  # spends the whole budget
+    billed.set()
+    await assert_error(await slow, 429, code="insufficient_quota")
+    assert state.budget_in_flight_usd == {}
+
+
 @pytest.mark.parametrize(
     ("path", "body"),
     [

@@ -265,3 +265,29 @@ async def test_a_stream_the_engine_cut_ends_with_response_failed_and_is_stored_f
     assert [e.sequence_number for e in events] == list(range(len(events)))
     stored = await sdk.responses.retrieve(last.response.id)
     assert stored.status == "failed" and stored.error.code == "engine_error"
+
+
+async def test_a_cancel_landing_while_the_answer_is_billed_and_stored_leaves_it_completed(make_client):
+    """The window before the last: the cancel reaches the task while the ledger row and the turn of
+    its complete answer are being written (a race probe hit it once in 110 tries over HTTP)."""
+    client = await make_client()
+    sdk = await sdk_for(client)
+    store = state_of(client).store
+    release, reached = asyncio.Event(), asyncio.Event()
+    record_request = store.record_request
+
+    async def held_record(record):
+        if record.status.value == "finished":  # the whole answer was generated: hold its durable write
+            reached.set()
+            await release.wait()
+        return await record_request(record)
+
+    store.record_request = held_record
+    created = await sdk.responses.create(model="echo", input=TEXT, background=True)
+    await asyncio.wait_for(reached.wait(), 10)
+    cancel = asyncio.create_task(sdk.responses.cancel(created.id))
+    await asyncio.sleep(0.2)  # the cancel reaches the task while the write is held
+    release.set()
+    cancelled = await cancel
+    assert cancelled.status == "completed" and cancelled.output_text == TEXT
+    assert (await sdk.responses.retrieve(created.id)).output_text == TEXT
