@@ -60,7 +60,9 @@ async def stream_job(
         await _stream_error(await stream.open(), store_unavailable(), job, render_error, is_done=False)
     except (ClientGone, asyncio.CancelledError):
         is_cut = request.app[INFLIGHT].was_cut()
-        await finish_quietly(state, job, RequestStatus.ABORTED, FinishReason.ABORT)
+        await finish_quietly(
+            state, job, RequestStatus.ABORTED, FinishReason.ABORT, store_turn=not _refused(job, is_cut)
+        )
         if not is_cut:
             raise asyncio.CancelledError() from None
         if not stream.is_open:
@@ -147,14 +149,22 @@ def shutting_down(*, started: bool = True) -> ApiError:
     )
 
 
-async def finish_quietly(state: AppState, job: Job, status: RequestStatus, finish: FinishReason | None) -> None:
+def _refused(job: Job, is_cut: bool) -> bool:
+    """Still queued when the server stopped: the client gets a plain 503 inviting a retry, so its
+    turn is not stored (the retry would find its message twice)."""
+    return is_cut and job.admitted_s is None
+
+
+async def finish_quietly(
+    state: AppState, job: Job, status: RequestStatus, finish: FinishReason | None, *, store_turn: bool = True
+) -> None:
     """The finish path of an answer that already failed: bill only work done (nothing if it never left the
     queue, nor a relayed request whose upstream failed before anything was passed on); a store error is
     logged by the store, not raised."""
     relayed_nothing = job.model.config.backend == "openai" and job.first_token_s is None
     billed = job.admitted_s is not None and not (status is RequestStatus.ERROR and relayed_nothing)
     try:
-        await finish_job(state, job, status, finish, prompt_billed=billed)
+        await finish_job(state, job, status, finish, prompt_billed=billed, store_turn=store_turn)
     except StoreUnavailable:
         pass
 
@@ -187,7 +197,9 @@ async def generate_unary(
             answer.close()
     except asyncio.CancelledError:  # client went away (handler cancellation) or shutdown
         is_cut = request.app[INFLIGHT].was_cut()
-        await finish_quietly(state, job, RequestStatus.ABORTED, FinishReason.ABORT)
+        await finish_quietly(
+            state, job, RequestStatus.ABORTED, FinishReason.ABORT, store_turn=not _refused(job, is_cut)
+        )
         if is_cut:
             raise shutting_down(started=job.admitted_s is not None) from None
         raise
@@ -214,12 +226,14 @@ async def finish_job(
     *,
     prompt_billed: bool = True,
     store_answer: bool = True,
+    store_turn: bool = True,
 ) -> None:
     """The one place a request is billed and its messages stored (idempotent on request_id)."""
     if job.recorded:
         return
     job.recorded = True
     job.finished_as = finish
+    job.turn_stored = store_turn and job.chat.conversation_id is not None
     end = time.monotonic()
     num_prompt = job.num_prompt_tokens if prompt_billed else 0
     cached = job.num_cached_tokens if prompt_billed else 0
@@ -248,8 +262,8 @@ async def finish_job(
         total_ms=_ms(job.arrival_s, end),
         created_at=job.created_at,
         finished_at=time.time(),
-        conversation_id=job.chat.conversation_id,
-        new_messages=new_messages,
+        conversation_id=job.chat.conversation_id if store_turn else None,
+        new_messages=new_messages if store_turn else (),
         new_message_parts=new_parts,
         # A refused or filtered answer is stored too (the text sent, maybe none), so the
         # conversation shows what happened after a reload.

@@ -75,6 +75,7 @@ class Job:
     reasoning_opened: bool | None = None
     recorded: bool = False  # set by the one finish path; a second call is a no-op
     finished_as: FinishReason | None = None  # the finish reason that path recorded
+    turn_stored: bool = False  # that path wrote the turn into its conversation
     reported_prompt_tokens: int | None = None  # a backend's own count (an upstream's usage), if it reported one
     usage_source: UsageSource = UsageSource.ENGINE
     prompt_logprobs: tuple[TokenLogprob | None, ...] = ()  # when the request asked (a legacy completion's echo)

@@ -97,7 +97,7 @@ async def record_cut(ctx: ResponseContext, state: AppState, job: Job, answer: An
     fields |= {"output": output_items(answer, ctx.message_id), "usage": usage(job)}
     body = {**body_of(ctx, job, fields), **fields}  # the response object's own fields leave `error` out
     conversation_id = job.chat.conversation_id
-    if ctx.req.store and not ctx.stored and job.recorded and conversation_id is not None:
+    if ctx.req.store and not ctx.stored and job.turn_stored and conversation_id is not None:
         try:
             await asyncio.shield(_insert_cut(ctx, state, job, body))
         except StoreUnavailable:  # the store logged it; the turn stays, as a crash would leave it

@@ -73,3 +73,32 @@ def test_a_background_response_ends_failed_after_sigterm_and_after_kill_9(tiny_m
         after_kill = call(server, "GET", f"/v1/responses/{killed}")
         assert after_kill["status"] == "failed" and after_kill["error"]["code"] == "server_error", after_kill
         assert call(server, "GET", f"/v1/responses/{cut}")["error"]["code"] == "server_shutting_down"
+
+
+def test_a_turn_still_queued_at_sigterm_gets_503_and_is_not_stored(tiny_model_dir, tmp_path):
+    """The 503 invites a retry: its user message was stored anyway, so the retry found it twice."""
+    import threading
+    import urllib.error
+
+    args = ["--config", write_config(tmp_path, tiny_model_dir), "--db", str(tmp_path / "chat.db")]
+    fake = FakeBehaviour(token_delay_s=0.2, max_num_running=1)
+    server = ServerProcess(args, fake=fake, log_path=tmp_path / "first.log").start()
+    conversation = call(server, "POST", "/v1/conversations", {})["id"]
+    start_running(server)  # holds the one running slot
+    outcome: list = []
+    turn = {"model": "echo", "conversation_id": conversation, "messages": [{"role": "user", "content": "queued"}]}
+
+    def send() -> None:
+        try:
+            outcome.append(call(server, "POST", "/v1/chat/completions", turn))
+        except urllib.error.HTTPError as exc:
+            outcome.append((exc.code, json.loads(exc.read())["error"]["code"]))
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    time.sleep(1.0)  # queued behind the running answer
+    assert server.terminate() == 0
+    sender.join(30)
+    assert outcome == [(503, "server_shutting_down")], outcome
+    with ServerProcess(args, fake=fake, log_path=tmp_path / "second.log") as server:
+        assert call(server, "GET", f"/v1/conversations/{conversation}")["messages"] == []
