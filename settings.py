@@ -528,6 +528,12 @@ class FilesConfig:
         "wait for that reading, others wait their turn for at most max_extract_s, then get 503.",
         minimum=1,
     )
+    max_files_per_request: int = setting(
+        10,
+        "Most file parts (input_file in the Responses API) in one chat request, uploaded images among them; more is "
+        "refused with 400 too_many_files before any file is looked up or read.",
+        minimum=0,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -544,7 +550,10 @@ class ImagesConfig:
     )
     max_images_per_request: int = setting(8, "Most images in one chat request.", minimum=0)
     max_concurrent_decodes: int = setting(
-        2, "Most images decoded at once across all requests (threads of their own); others wait their turn.", minimum=1
+        2,
+        "Most images decoded, or read and checked, at once across all requests (threads of their own); others wait "
+        "their turn.",
+        minimum=1,
     )
     allow_remote_urls: bool = setting(
         False, "Fetch http(s) image URLs. Off: a server that fetches any URL is a door to SSRF."

@@ -1,11 +1,13 @@
 """Files and images of a chat request turned into model input, and documents fitted to the context.
 
-Owns step 3's attachment half: each `file` part becomes its extracted text between a header
-and a footer (media/extraction.py: cached per file, so the next turn renders the same prompt
-and hits the prefix cache); images are counted, then read and checked from their headers, and
-decoded only for a vision model: a model without vision gets a 400 naming it before any pixel
-is decoded. A document that does not fit the context is refused with the numbers, or cut to
-fit when the request says `truncation: "auto"` (the answer then lists what was left out).
+Owns step 3's attachment half: `file` parts are counted, then each becomes its extracted text
+between a header and a footer (media/extraction.py: cached per file, so the next turn renders
+the same prompt and hits the prefix cache); images are counted, then read and checked from their
+headers, and decoded only for a vision model: a model without vision gets a 400 naming it before
+any pixel is decoded. A file or image referenced many times in a request is read, checked and
+counted once. A document that does not fit the context is refused with the numbers, or cut to
+fit when the request says `truncation: "auto"` (the answer then lists what was left out); one
+certainly longer than the room is bounded (engine/token_bound.py), never tokenized whole.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,28 +28,44 @@ from api.errors import ApiError, bad_request, not_found, overloaded
 from api.job import Job, JobInputs, encode_chat, make_job
 from api.parts import FilePart, ImagePart, Part, TextPart, parse_parts, to_json
 from api.protocol import ChatMessage
-from engine.tokenizer import PromptTooLong
+from engine.tokenizer import PromptTooLong, Tokenizer
 from engine.torch_threads import side_executor
 from engine.types import IMAGE_PLACEHOLDER
 from media import documents, extraction, images
-from media.workers import run_blocking
 from settings import FilesConfig, ImagesConfig
 from store.blobs import Blobs, is_file_id
 from store.types import Message, StoredFile
 
 if TYPE_CHECKING:
+    from engine.upstream.counting import Counter
     from store.store import Store
 
 _MAX_FIT_TRIES = 3
+_CHARS_PER_TOKEN_GUESS = 4  # the first prefix tried when the start of a document is kept (then doubled)
+ImageSource = bytes | Path  # a data: URL's or fetched image's bytes, or an uploaded image's path
+
+
+@dataclass(slots=True)
+class Seen:
+    """What one request has read, by file id (an image without one by its URL): a file or image
+    referenced many times is looked up, read, checked and decoded once."""
+
+    files: dict[str, StoredFile] = field(default_factory=dict)
+    documents: dict[str, Document] = field(default_factory=dict)
+    image_sources: dict[str, ImageSource] = field(default_factory=dict)
+    decoded: dict[str, images.DecodedImage] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
 class AttachContext:
+    """One request's access to files and images (made per request: `seen` is that request's)."""
+
     store: Store
     blobs: Blobs
     org_id: str
     files: FilesConfig
     images: ImagesConfig
+    seen: Seen = field(default_factory=Seen)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +80,7 @@ class TruncatedFile:
     filename: str
     num_tokens: int
     num_tokens_kept: int
+    num_tokens_is_lower_bound: bool = False  # the file was not tokenized whole: it holds at least num_tokens
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -81,13 +100,13 @@ class Resolved:
 # Images are counted first (no bytes read), then each is read and its header checked (a bad
 # image gets its own 400), and only then, for a vision model, decoded: a model without vision
 # is refused before any pixel is decoded.
-ImageSource = bytes | Path  # a data: URL's or fetched image's bytes, or an uploaded image's path
-
-
 async def _owned(ctx: AttachContext, file_id: str, where: str) -> StoredFile:
-    stored = await ctx.store.get_file(ctx.org_id, file_id) if is_file_id(file_id) else None
+    stored = ctx.seen.files.get(file_id)
+    if stored is None and is_file_id(file_id):
+        stored = await ctx.store.get_file(ctx.org_id, file_id)
     if stored is None:
         raise not_found(f"No such File object: {file_id} ('{where}').", param=where)
+    ctx.seen.files[file_id] = stored
     return stored
 
 
@@ -107,6 +126,8 @@ def _image_parts(message: ChatMessage, stored: dict[int, StoredFile]) -> dict[in
 
 
 async def _document(ctx: AttachContext, stored: StoredFile, where: str) -> Document:
+    if stored.id in ctx.seen.documents:
+        return ctx.seen.documents[stored.id]
     cfg = ctx.files
     limits = documents.ExtractLimits(
         cfg.max_pdf_pages, cfg.max_document_chars, cfg.max_extract_s, cfg.max_extract_memory_bytes
@@ -127,7 +148,8 @@ async def _document(ctx: AttachContext, stored: StoredFile, where: str) -> Docum
         raise overloaded(
             f"The server is busy reading other files ({exc}); try again shortly.", retry_after_s=cfg.max_extract_s
         ) from None
-    return Document(stored, doc)
+    ctx.seen.documents[stored.id] = Document(stored, doc)
+    return ctx.seen.documents[stored.id]
 
 
 @contextlib.contextmanager
@@ -138,9 +160,17 @@ def _image_errors(where: str) -> Iterator[None]:
         raise bad_request(f"{exc.message} ('{where}')", param=where, code=exc.code) from None
 
 
+def _image_key(part: ImagePart | FilePart) -> str:
+    """The same image however often a request names it: its file id, else its URL."""
+    return part.file_id if part.file_id is not None else part.url or ""
+
+
 async def _image_source(ctx: AttachContext, part: ImagePart | FilePart) -> ImageSource:
-    """The image's bytes or path, its size, format and pixel count checked from the header."""
-    cfg, where = ctx.images, part.where
+    """The image's bytes or path, its size, structure, format and pixel count checked (once per
+    request for each image, however often it is named)."""
+    cfg, where, key = ctx.images, part.where, _image_key(part)
+    if key in ctx.seen.image_sources:
+        return ctx.seen.image_sources[key]
     with _image_errors(where):
         if isinstance(part, FilePart):  # its upload was looked up already (_stored_files)
             source: ImageSource = ctx.blobs.path(part.file_id)
@@ -152,7 +182,8 @@ async def _image_source(ctx: AttachContext, part: ImagePart | FilePart) -> Image
             source = images.decode_data_url(part.url, cfg)
         else:
             source = await images.fetch_remote(part.url, cfg)
-        await run_blocking(images.probe, source, cfg)
+        await images.probe_bounded(source, cfg)
+    ctx.seen.image_sources[key] = source
     return source
 
 
@@ -176,11 +207,18 @@ async def _resolve(
     for i, part in enumerate(message.parts):
         if i in image_parts:
             if sources is not None:
-                with _image_errors(image_parts[i].where):
-                    decoded.append(await images.decode_bounded(sources[i], ctx.images))
+                decoded.append(await _decoded(ctx, image_parts[i], sources[i]))
         elif isinstance(part, FilePart):
             documents_by_index[i] = await _document(ctx, stored[i], part.where)
     return Resolved(message, documents_by_index, decoded, sources is not None)
+
+
+async def _decoded(ctx: AttachContext, part: ImagePart | FilePart, source: ImageSource) -> images.DecodedImage:
+    key = _image_key(part)
+    if key not in ctx.seen.decoded:
+        with _image_errors(part.where):
+            ctx.seen.decoded[key] = await images.decode_bounded(source, ctx.images)
+    return ctx.seen.decoded[key]
 
 
 async def resolve(ctx: AttachContext, message: ChatMessage, *, with_images: bool = False) -> Resolved:
@@ -213,13 +251,28 @@ def render(resolved: Resolved, texts: dict[int, str] | None = None) -> str:
 
 
 # -- fitting documents to the context ------------------------------------------------------
+DocKey = tuple[int, int]  # (message index, part index)
+
+
 @dataclass(frozen=True, slots=True)
 class Prepared:
     job: Job
     truncated: tuple[TruncatedFile, ...]
 
 
-def _with_texts(inputs: JobInputs, resolved: list[Resolved], texts: dict[tuple[int, int], str]) -> JobInputs:
+@dataclass(frozen=True, slots=True)
+class DocTokens:
+    """A document's size: counted, or (a text certainly longer than the room for documents) a
+    lower bound from the tokenizer's bound (engine/token_bound.py), the text not tokenized."""
+
+    num_tokens: int
+    is_lower_bound: bool = False
+
+    def __str__(self) -> str:
+        return f"{'at least ' if self.is_lower_bound else ''}{self.num_tokens} tokens"
+
+
+def _with_texts(inputs: JobInputs, resolved: list[Resolved], texts: dict[DocKey, str]) -> JobInputs:
     messages = []
     for m_index, r in enumerate(resolved):
         if not r.message.parts:
@@ -230,19 +283,35 @@ def _with_texts(inputs: JobInputs, resolved: list[Resolved], texts: dict[tuple[i
     return dataclasses.replace(inputs, chat=dataclasses.replace(inputs.chat, messages=tuple(messages)))
 
 
-def _doc_tokens(inputs: JobInputs, resolved: list[Resolved]) -> dict[tuple[int, int], list[int]]:
-    tok = inputs.model.tokenizer
-    return {(m, i): tok.encode(d.doc.text) for m, r in enumerate(resolved) for i, d in r.documents.items()}
+def _doc_tokens(inputs: JobInputs, resolved: list[Resolved], room: int) -> dict[DocKey, DocTokens]:
+    """Each document's size against `room`, each file counted once however often it is attached."""
+    by_file: dict[str, DocTokens] = {}
+    for r in resolved:
+        for d in r.documents.values():
+            if d.stored.id not in by_file:
+                by_file[d.stored.id] = _count(inputs.model.tokenizer, d.doc.text, room)
+    return {(m, i): by_file[d.stored.id] for m, r in enumerate(resolved) for i, d in r.documents.items()}
 
 
-def _too_long(inputs: JobInputs, resolved: list[Resolved], ids: dict, room: int) -> ApiError:
+def _count(tok: Tokenizer | Counter, text: str, room: int) -> DocTokens:
+    """Tokenized and counted when the text may fit `room`; bounded when it certainly does not."""
+    if not isinstance(tok, Tokenizer):  # a relayed model's counter: no bound
+        return DocTokens(len(tok.encode(text)))
+    try:
+        ids = tok.encode_prompt(text, max_num_tokens=max(room, 0))
+    except PromptTooLong as exc:
+        return DocTokens(exc.num_tokens, is_lower_bound=True)
+    return DocTokens(len(ids) - len(tok.encode_prompt("")))  # less what a prompt gets added (a BOS)
+
+
+def _too_long(inputs: JobInputs, resolved: list[Resolved], sizes: dict[DocKey, DocTokens], room: int) -> ApiError:
     limit = min(inputs.model.max_model_len, inputs.tier.max_context_tokens)
-    sizes = ", ".join(f"{resolved[m].documents[i].stored.filename} is {len(t)} tokens" for (m, i), t in ids.items())
+    named = dict.fromkeys(f"{resolved[m].documents[i].stored.filename} is {size}" for (m, i), size in sizes.items())
     return ApiError(
         400,
-        f"The attached files do not fit this model's context of {limit} tokens: {sizes}; with the rest of the"
-        f" request, about {max(room, 0)} tokens of files fit. Send a shorter file, or set 'truncation': 'auto'"
-        f" to cut the files to fit. (model: {inputs.model.name})",
+        f"The attached files do not fit this model's context of {limit} tokens: {', '.join(named)}; with the rest"
+        f" of the request, about {max(room, 0)} tokens of files fit. Send a shorter file, or set 'truncation':"
+        f" 'auto' to cut the files to fit. (model: {inputs.model.name})",
         "invalid_request_error",
         "context_length_exceeded",
         "messages",
@@ -264,30 +333,47 @@ def _num_prompt_tokens(
     return len(encode_chat(inputs.model, context, (), inputs.chat.chat_template_kwargs, False, max_num_tokens))
 
 
-def _room_for_documents(inputs: JobInputs, resolved: list[Resolved], ids: dict) -> int:
+def _room_for_documents(inputs: JobInputs, resolved: list[Resolved], keys: list[DocKey]) -> int:
     """Tokens left for document text once everything else (headers included) is counted; below
     zero when the rest does not fit (the rest certainly longer than the room is not tokenized)."""
     limit, reserve = _budget(inputs)
     try:
-        return limit - reserve - _num_prompt_tokens(inputs, resolved, dict.fromkeys(ids, ""), limit - reserve)
+        return limit - reserve - _num_prompt_tokens(inputs, resolved, dict.fromkeys(keys, ""), limit - reserve)
     except PromptTooLong as exc:
         return limit - reserve - exc.num_tokens
 
 
-def _cut(inputs: JobInputs, resolved: list[Resolved], ids: dict, room: int) -> tuple[dict, list[TruncatedFile]]:
-    """Keep documents whole in order while they fit; cut the first that does not, drop the rest."""
+def _first_ids(tok: Tokenizer | Counter, text: str, num_tokens: int) -> list[int]:
+    """The ids of the text's first `num_tokens` tokens, from a prefix that holds more (tried at a
+    few characters a token, doubled until it does): a long document is not tokenized whole."""
+    num_chars = _CHARS_PER_TOKEN_GUESS * num_tokens
+    while True:
+        ids = tok.encode(text[:num_chars])
+        if len(ids) > num_tokens or num_chars >= len(text):
+            return ids[:num_tokens]
+        num_chars *= 2
+
+
+def _cut(
+    inputs: JobInputs, resolved: list[Resolved], sizes: dict[DocKey, DocTokens], room: int
+) -> tuple[dict[DocKey, str], list[TruncatedFile]]:
+    """Keep documents whole in order while they fit; cut the first that does not, drop the rest.
+    (A bounded size is above the room: such a document is never kept whole.)"""
     tok = inputs.model.tokenizer
     texts, cut = {}, []
-    for (m, i), doc_ids in ids.items():
-        keep = max(0, min(len(doc_ids), room))
+    for (m, i), size in sizes.items():
+        n = size.num_tokens
+        keep = max(0, min(n, room))
         room -= keep
-        if keep < len(doc_ids):
-            d = resolved[m].documents[i]
-            note = (
-                f"[... {len(doc_ids) - keep} of this file's {len(doc_ids)} tokens were left out to fit the context ...]"
-            )
-            texts[(m, i)] = f"{tok.decode(doc_ids[:keep])}\n{note}"
-            cut.append(TruncatedFile(d.stored.id, d.stored.filename, len(doc_ids), keep))
+        if keep == n:
+            continue
+        d = resolved[m].documents[i]
+        left_out = (
+            f"all but the first {keep} of this file's at least" if size.is_lower_bound else f"{n - keep} of this file's"
+        )
+        note = f"[... {left_out} {n} tokens were left out to fit the context ...]"
+        texts[(m, i)] = f"{tok.decode(_first_ids(tok, d.doc.text, keep) if keep else [])}\n{note}"
+        cut.append(TruncatedFile(d.stored.id, d.stored.filename, n, keep, size.is_lower_bound))
     return texts, cut
 
 
@@ -299,15 +385,15 @@ def fit(inputs: JobInputs, resolved: list[Resolved]) -> Prepared:
         if exc.code != "context_length_exceeded" or not any(r.documents for r in resolved):
             raise
         original = exc
-    ids = _doc_tokens(inputs, resolved)
-    room = _room_for_documents(inputs, resolved, ids)
+    room = _room_for_documents(inputs, resolved, [(m, i) for m, r in enumerate(resolved) for i in r.documents])
+    sizes = _doc_tokens(inputs, resolved, room)
     if inputs.chat.truncation != "auto":
-        raise _too_long(inputs, resolved, ids, room)
+        raise _too_long(inputs, resolved, sizes, room)
     if room <= 0:
         raise original  # even without the files the request does not fit
     limit, reserve = _budget(inputs)
     for _ in range(_MAX_FIT_TRIES):  # the cut notes and re-tokenized text add a few tokens: measure, shrink
-        texts, cut = _cut(inputs, resolved, ids, room)
+        texts, cut = _cut(inputs, resolved, sizes, room)
         excess = _num_prompt_tokens(inputs, resolved, texts) + reserve - limit
         if excess <= 0:
             return Prepared(make_job(_with_texts(inputs, resolved, texts)), tuple(cut))
@@ -316,6 +402,16 @@ def fit(inputs: JobInputs, resolved: list[Resolved]) -> Prepared:
 
 
 # -- the entry point from the chat handler ------------------------------------------------
+def _check_file_count(messages: tuple[ChatMessage, ...], cfg: FilesConfig) -> None:
+    num_files = sum(isinstance(p, FilePart) for m in messages for p in m.parts)
+    if num_files > cfg.max_files_per_request:
+        raise bad_request(
+            f"The request carries {num_files} file parts; the limit is {cfg.max_files_per_request}.",
+            param="messages",
+            code="too_many_files",
+        )
+
+
 def _check_image_count(num_images: int, cfg: ImagesConfig) -> None:
     if num_images > cfg.max_images_per_request:
         raise bad_request(
@@ -349,6 +445,7 @@ async def prepare_job(ctx: AttachContext, inputs: JobInputs) -> Prepared:
     """Resolve the new messages' attachments (and the history's), then tokenize and fit."""
     prompter = image_job.prompter_of(inputs.model)
     messages = inputs.chat.messages
+    _check_file_count(messages, ctx.files)  # before any file is looked up
     stored = [await _stored_files(ctx, m) for m in messages]
     wheres = [p.where for m, s in zip(messages, stored, strict=True) for p in _image_parts(m, s).values()]
     _check_image_count(len(wheres), ctx.images)  # before any image is read
