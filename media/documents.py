@@ -148,10 +148,13 @@ def read_cache(cache_path: Path, limits: ExtractLimits) -> DocumentText | None:
         return None
 
 
-def write_cache(cache_path: Path, limits: ExtractLimits, result: DocumentText | UnreadableDocument) -> None:
+def write_cache(
+    cache_path: Path, limits: ExtractLimits, result: DocumentText | UnreadableDocument, source: Path | None = None
+) -> None:
     """Remember a text or a refusal (blocking). Concurrent writers each use a temp file of their
     own, so the last rename wins whole; a crash can leave `<name>.<random>.tmp` behind, which
-    store/blobs.py sweeps."""
+    store/blobs.py sweeps. `source`: the file read; deleted meanwhile (its reading takes up to
+    files.max_extract_s), its text is not kept either."""
     entry: dict = {"limits": [limits.max_pdf_pages, limits.max_chars]}
     if isinstance(result, UnreadableDocument):
         entry.update(error=str(result), reader_limits=limits.reader_limits)
@@ -162,6 +165,8 @@ def write_cache(cache_path: Path, limits: ExtractLimits, result: DocumentText | 
     try:
         temp.write_text(json.dumps(entry), encoding="utf-8")
         os.replace(temp, cache_path)
+        if source is not None and not source.exists():  # deleted after this check: its delete removes this
+            cache_path.unlink(missing_ok=True)
     finally:
         temp.unlink(missing_ok=True)
 

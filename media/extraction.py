@@ -49,7 +49,7 @@ async def cached_extract(
         return cached
     if not documents.is_pdf(media_type):
         doc = await run_blocking(documents.read_text, path, media_type, limits)
-        await run_blocking(documents.write_cache, cache_path, limits, doc)
+        await run_blocking(documents.write_cache, cache_path, limits, doc, path)
         return doc
     return await _join(cache_path, lambda: _extract_pdf(path, cache_path, limits, max_concurrent))
 
@@ -98,7 +98,7 @@ async def _extract_pdf(path: Path, cache_path: Path, limits: ExtractLimits, max_
         if cached is not None:  # a reading that ended since this request looked left it
             return cached
         result = await _read_pdf_in_child(path, limits)
-        await run_blocking(documents.write_cache, cache_path, limits, result)
+        await run_blocking(documents.write_cache, cache_path, limits, result, path)
     finally:
         slots.release()
     if isinstance(result, UnreadableDocument):

@@ -151,3 +151,18 @@ def test_a_reader_dies_with_the_server_however_the_server_exits(tmp_path):
         time.sleep(0.05)
     os.kill(child_pid, signal.SIGKILL)
     raise AssertionError("the reader outlived the server")
+
+
+
+async def test_a_file_deleted_while_it_is_read_leaves_no_text_behind(tmp_path, spawned):
+    """Its delete removed the upload and its text (none yet); the reading, seconds later, wrote
+    the text of a file that no longer exists (kept until the hourly orphan sweep)."""
+    from media import documents
+
+    path = tmp_path / "doc.pdf"
+    path.write_bytes(make_pdf(["some text on a page"]))
+    doc = await extraction.cached_extract(path, tmp_path / "doc.txt", PDF, limits(), 2)
+    assert (tmp_path / "doc.txt").exists()  # kept while its file is there
+    path.unlink()  # store/blobs.py remove() ran while the next reading was under way
+    documents.write_cache(tmp_path / "again.txt", limits(), doc, path)
+    assert not (tmp_path / "again.txt").exists()
