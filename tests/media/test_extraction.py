@@ -153,7 +153,6 @@ def test_a_reader_dies_with_the_server_however_the_server_exits(tmp_path):
     raise AssertionError("the reader outlived the server")
 
 
-
 async def test_a_file_deleted_while_it_is_read_leaves_no_text_behind(tmp_path, spawned):
     """Its delete removed the upload and its text (none yet); the reading, seconds later, wrote
     the text of a file that no longer exists (kept until the hourly orphan sweep)."""
