@@ -698,9 +698,14 @@ class UpstreamConfig:
 
     connect_timeout_s: float = setting(5.0, "Seconds to open a connection to an upstream replica.", above=0)
     first_token_timeout_s: float = setting(
-        120.0, "Seconds an upstream may take to send its first chunk (prefill of a long prompt included).", above=0
+        120.0,
+        "Seconds from sending a request to an upstream to its first text, reasoning or tool-call piece "
+        "(response headers and prefill of a long prompt included).",
+        above=0,
     )
-    idle_timeout_s: float = setting(60.0, "Seconds an upstream stream may stay silent between two chunks.", above=0)
+    idle_timeout_s: float = setting(
+        60.0, "Seconds an upstream stream may send no data between two chunks (SSE comments do not count).", above=0
+    )
     max_attempts: int = setting(
         2, "Replicas tried for one request before its first token; never retried after a token was sent.", minimum=1
     )

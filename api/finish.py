@@ -233,7 +233,6 @@ async def finish_job(
         return
     job.recorded = True
     job.finished_as = finish
-    job.turn_stored = store_turn and job.chat.conversation_id is not None
     end = time.monotonic()
     num_prompt = job.num_prompt_tokens if prompt_billed else 0
     cached = job.num_cached_tokens if prompt_billed else 0
@@ -277,6 +276,7 @@ async def finish_job(
         finish_reason=finish.value if finish is not None else ("error" if status is RequestStatus.ERROR else None),
     )
     await state.record(job, record, finish)
+    job.turn_stored = store_turn and job.chat.conversation_id is not None
 
 
 def _ms(start: float, end: float | None) -> float | None:

@@ -90,7 +90,10 @@ async def record_cut(ctx: ResponseContext, state: AppState, job: Job, answer: An
     None), `failed` when the server stopped it (shutdown, an engine failure). Its turn is in the
     conversation already (the finish path stored what was generated), so with `store` its row
     is written too, as a finished one's is: the id the client saw resolves, and
-    previous_response_id can continue from it."""
+    previous_response_id can continue from it. An answer complete before the cut (billed and
+    stored as finished) stands: its row is the finished one."""
+    if job.finished_as is not None and job.finished_as is not FinishReason.ABORT:
+        return await asyncio.shield(finished(ctx, state, job, answer, job.finished_as))
     fields: dict[str, Any] = {"status": "cancelled", "error": None}
     if error is not None:
         fields = {"status": "failed", "error": {"code": error.code or "server_error", "message": error.message}}

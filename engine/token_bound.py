@@ -94,9 +94,9 @@ def _covers(model: dict, spec: dict, vocab: dict[str, int]) -> bool:
     dropped for want of a token, and no fused unknown token covering a run of them."""
     if model.get("type") != "BPE" or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
         return False
+    if model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256)):
+        return True  # every character has byte tokens: <unk> is never emitted, fused or not (Llama 2, Mistral)
     if model.get("unk_token") is not None:
         return not model.get("fuse_unk")
-    if model.get("byte_fallback"):
-        return all(f"<0x{b:02X}>" in vocab for b in range(256))
     byte_level = any(p.get("type") == "ByteLevel" for p in _pre_tokenizers(spec.get("pre_tokenizer")))
     return byte_level and all(c in vocab for c in pre_tokenizers.ByteLevel.alphabet())

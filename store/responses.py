@@ -38,9 +38,11 @@ _LIVE = (
 
 
 async def insert(conn: aiosqlite.Connection, org_id: str, response: StoredResponse) -> None:
+    # OR REPLACE: a response whose client left during its own final write is written again by
+    # the cut's path (api/responses_record.record_cut) with the same object; ids are random.
     await conn.execute(
-        "INSERT INTO responses (id, org_id, conversation_id, num_messages, body_json, input_items_json, created_at,"
-        " status) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        "INSERT OR REPLACE INTO responses (id, org_id, conversation_id, num_messages, body_json, input_items_json,"
+        " created_at, status) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
         (
             response.id,
             org_id,

@@ -48,8 +48,9 @@ def linear(
 ) -> torch.Tensor:
     if isinstance(weight, PackedLinear):
         if weight.amx is not None and x.shape[0] >= AMX_MIN_ROWS:
-            rows = x.shape[0]
-            padded = F.pad(x.to(torch.bfloat16), (0, 0, 0, amx_rows(rows) - rows))  # rows are independent
+            rows, padded = x.shape[0], x.to(torch.bfloat16)
+            if amx_rows(rows) > rows:  # rows are independent: the padding's results are dropped
+                padded = F.pad(padded, (0, 0, 0, amx_rows(rows) - rows))
             out = F.linear(padded, weight.amx)[:rows].float()
             return out if bias is None else out.add_(bias)
         return weight.kernels.packed_linear(x, weight, bias)

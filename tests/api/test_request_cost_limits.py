@@ -289,3 +289,25 @@ def test_trimming_with_the_bound_drops_what_the_plain_bisection_dropped(tokenize
             history += [ChatMessage("user", text_of(size, seed=i)), ChatMessage("assistant", "ok " * (size // 8))]
         new = (ChatMessage("user", "and now?"),)
         assert trim_history(model, history, new, budget) == old_trim(model, history, new, budget)  # type: ignore[arg-type]
+
+
+def test_a_sentencepiece_style_tokenizer_with_byte_fallback_gets_a_sound_bound():
+    """Llama 2 / Mistral layout: BPE with `<unk>`, fuse_unk and byte fallback. Its tokenizer.json
+    names an unknown token, but byte fallback means it is never emitted: the bound applies."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, normalizers, trainers
+
+    from engine.token_bound import TokenBound
+
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    tok = HFTokenizer(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", *byte_tokens])
+    tok.train_from_iterator(["the river runs to the sea", "a wide sea and a long river"] * 50, trainer)
+    bound = TokenBound.of(tok)
+    assert bound is not None
+    rng = random.Random(3)
+    for _ in range(200):
+        text = "".join(rng.choices(PIECES, k=rng.randint(1, 80)))
+        exact = len(tok.encode(text, add_special_tokens=False).ids)
+        assert bound.min_num_tokens(tok, text, is_literal=False, stop_above=10**9) <= exact, text

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 
 import openai
@@ -291,3 +292,37 @@ async def test_a_cancel_landing_while_the_answer_is_billed_and_stored_leaves_it_
     cancelled = await cancel
     assert cancelled.status == "completed" and cancelled.output_text == TEXT
     assert (await sdk.responses.retrieve(created.id)).output_text == TEXT
+
+
+async def test_a_stream_whose_client_leaves_while_its_complete_answer_is_recorded_stays_completed(make_client):
+    """The answer was billed and its turn stored; the client left during the response row's write:
+    the cut's path must not turn it into a `cancelled` one."""
+    client = await make_client()
+    state = state_of(client)
+    release, reached = asyncio.Event(), asyncio.Event()
+    insert_response = state.store.insert_response
+
+    async def held_insert(org_id, response):
+        reached.set()
+        await release.wait()
+        return await insert_response(org_id, response)
+
+    state.store.insert_response = held_insert
+    resp = await client.post("/v1/responses", json={"model": "echo", "input": TEXT, "stream": True})
+    response_id = None
+    async for line in resp.content:
+        if line.startswith(b"data: ") and b'"response.created"' in line:
+            response_id = json.loads(line[6:])["response"]["id"]
+            break
+    await asyncio.wait_for(reached.wait(), 10)
+    resp.close()  # the client leaves while the row is being written
+    await asyncio.sleep(0.2)
+    release.set()
+    org = await state.store.get_org("local")  # a keyless request from this machine
+    for _ in range(100):
+        stored = await state.store.get_response(org.id, response_id)
+        if stored is not None and stored.status != "in_progress":
+            break
+        await asyncio.sleep(0.05)
+    assert stored is not None and stored.status == "completed", stored
+    assert json.loads(stored.body_json)["output"][0]["content"][0]["text"] == TEXT
