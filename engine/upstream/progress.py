@@ -89,6 +89,9 @@ class Progress:
         self.num_prompt_tokens = len(request.prompt_token_ids)  # our own count
         self.output = OutputSize(counter, request.sampling.max_tokens)
         self._usage_source = counter.usage_source
+        # Our reasoning splitter runs only for a model that thinks in <think> tags (its template
+        # says so, or no tokenizer to tell): for any other, tags would reach the answer's content.
+        self._relays_reasoning = counter.thinks
         self._stop = request.sampling.stop
         self.finish: FinishReason | None = None
         self.usage: Usage | None = None
@@ -136,6 +139,8 @@ class Progress:
     def _reasoning_tags(self, chunk: Chunk) -> str:
         """An upstream's separate reasoning, relayed as the <think> text our reasoning splitter reads
         (api/reasoning.py), so the client gets `reasoning_content` as from a model served here."""
+        if chunk.reasoning and not self._relays_reasoning:
+            return ""  # counted (max_tokens, usage) but not shown: no reasoning_content for this model
         if chunk.reasoning:
             opened = "" if self.is_reasoning else THINK_OPEN
             self.is_reasoning = True

@@ -187,3 +187,17 @@ def test_a_relative_tokenizer_folder_is_found_beside_the_config_file(tmp_path):
     config.write_text('[models.up]\nbackend = "openai"\nurls = ["http://gpu-a:8000/v1"]\ntokenizer = "tok/qwen"\n')
     settings = load_settings(config)
     assert settings.models["up"].tokenizer == str(tmp_path / "conf" / "tok" / "qwen")
+
+
+async def test_reasoning_from_the_upstream_of_a_model_whose_template_has_no_think_tags_stays_out_of_the_content(
+    front, tiny_model_dir
+):
+    async def answer(send: Sender) -> None:
+        await send.data({"choices": [{"index": 0, "delta": {"reasoning_content": "let me see"}}]})
+        await send.data(chunk("Hello"))
+        await send.data(chunk("", finish="stop"))
+        await send.done()
+
+    client = await front(Upstream(answer), f'models.up.tokenizer="{tiny_model_dir}"')
+    message = (await (await chat(client)).json())["choices"][0]["message"]
+    assert message["content"] == "Hello" and "reasoning_content" not in message
