@@ -3,11 +3,8 @@ run at most images.max_concurrent_decodes at once."""
 
 from __future__ import annotations
 
-import asyncio
 import io
 import struct
-import threading
-import time
 import zlib
 
 import pytest
@@ -45,24 +42,3 @@ def test_decode_takes_bytes_or_a_path():
     Image.new("L", (5, 4), 7).save(buf, format="PNG")
     decoded = images.decode(buf.getvalue(), ImagesConfig())
     assert (decoded.width, decoded.height, decoded.image.mode) == (5, 4, "RGB")
-
-
-async def test_decodes_run_at_most_max_concurrent_decodes_at_once(monkeypatch):
-    running, most = 0, 0
-    lock = threading.Lock()
-
-    def slow_decode(source, cfg):
-        nonlocal running, most
-        with lock:
-            running += 1
-            most = max(most, running)
-        time.sleep(0.05)
-        with lock:
-            running -= 1
-        return source
-
-    monkeypatch.setattr(images, "decode", slow_decode)
-    cfg = ImagesConfig(max_concurrent_decodes=2)
-    done = await asyncio.gather(*(images.decode_bounded(bytes([i]), cfg) for i in range(6)))
-    assert len(done) == 6
-    assert most == 2
