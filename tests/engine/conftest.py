@@ -64,7 +64,12 @@ class TinyModels:
         if variant not in self._hf:
             from transformers import AutoModelForCausalLM
 
-            self._hf[variant] = AutoModelForCausalLM.from_pretrained(self.path(variant), dtype=torch.float32).eval()
+            # Eager attention: the plain formula in every transformers version. Before 5.23 the
+            # default (SDPA) silently skipped Gemma 2's attention-logit soft-cap, which made the
+            # reference, not the engine, wrong (seen on a GPU host's transformers 5.17).
+            self._hf[variant] = AutoModelForCausalLM.from_pretrained(
+                self.path(variant), dtype=torch.float32, attn_implementation="eager"
+            ).eval()
         return self._hf[variant]
 
     def greedy(self, variant: str, prompt: list[int], max_tokens: int, eos_token_id: int | None) -> list[int]:
