@@ -112,6 +112,9 @@ VARIANTS = {
     "on-w8a8": {"safety.enabled": "true", "safety.embed_dtype": "w8a8"},  # int8 weights and activations
     "on-noout": {"safety.enabled": "true", "safety.output_classifier": "false"},  # prompts screened, answers by rules
     "on-rules": {"safety.enabled": "true", "safety.classifier": "false"},  # the rules alone
+    # The classifier's threads where no native CPU engine runs (a GPU engine, --fake-engine): one, or two.
+    "on-t1": {"safety.enabled": "true", "safety.threads": "1"},
+    "on-t2": {"safety.enabled": "true", "safety.threads": "2"},
 }
 
 
@@ -194,24 +197,42 @@ async def warm_ttft(session, url: str, model: str, system: str, questions: list[
 
 
 async def one_round(model_dir: Path, variant: str, round_no: int, args, prompts: list[str], ttft_inputs) -> RoundResult:
-    import aiohttp
-
-    from testing.server_proc import ServerProcess
-
     settings = {**SERVER_SETTINGS, **dict(kv.split("=", 1) for kv in args.set), **VARIANTS[variant]}
-    system, questions = ttft_inputs
     with tempfile.TemporaryDirectory() as tmp:
         argv = ["--model", str(model_dir), "--db", str(Path(tmp) / "bench.db")]
         for key, value in settings.items():
             argv += ["--set", f"{key}={value}"]
-        with ServerProcess(argv, log_path=Path(tmp) / "server.log") as server:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
-                url = f"{server.base_url}/v1/chat/completions"
-                async with session.get(f"{server.base_url}/v1/models") as resp:
-                    model = (await resp.json())["data"][0]["id"]
-                await closed_loop(session, url, model, prompts[:8], 8, 8)  # warm-up
-                tok_s, filtered = await closed_loop(session, url, model, prompts, args.concurrency, args.output_len)
-                cold, warm = await warm_ttft(session, url, model, system, questions)
+        log_dir = args.server_log_dir or Path(tmp)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"server-{variant}-{round_no}.log"
+        try:
+            return await serve_round(argv, log_path, variant, round_no, args, prompts, ttft_inputs)
+        except BaseException:  # a failed or interrupted round shows what its server said last
+            print(f"round {variant} {round_no} failed; the end of {log_path}:", flush=True)
+            if log_path.exists():
+                print("\n".join(log_path.read_text(errors="replace").splitlines()[-40:]), flush=True)
+            raise
+
+
+async def serve_round(argv, log_path: Path, variant: str, round_no: int, args, prompts, ttft_inputs) -> RoundResult:
+    import aiohttp
+
+    from testing.server_proc import ServerProcess
+
+    system, questions = ttft_inputs
+    fake = None
+    if args.fake_engine:
+        from testing.fake_backend import FakeBehaviour
+
+        fake = FakeBehaviour()  # answers at once, on no CPU pool: what the gate sees beside a GPU engine
+    with ServerProcess(argv, log_path=log_path, fake=fake) as server:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+            url = f"{server.base_url}/v1/chat/completions"
+            async with session.get(f"{server.base_url}/v1/models") as resp:
+                model = (await resp.json())["data"][0]["id"]
+            await closed_loop(session, url, model, prompts[:8], 8, 8)  # warm-up
+            tok_s, filtered = await closed_loop(session, url, model, prompts, args.concurrency, args.output_len)
+            cold, warm = await warm_ttft(session, url, model, system, questions)
     return RoundResult(variant, round_no, tok_s, filtered, warm, cold)
 
 
@@ -259,7 +280,8 @@ def print_report(
     rounds: list[RoundResult], summary: dict, hf_tok_s: float | None, machine: dict, concurrency: int = 32
 ) -> None:
     isa = ", ".join(m.value for m in supported_modes()) or "no x86 kernels"
-    print(f"machine: {machine['cpu']} | kernels this CPU runs: {isa} | {machine['threads']} torch threads")
+    gpu = f" | engine on {machine['gpu']}" if machine.get("gpu") else ""
+    print(f"machine: {machine['cpu']}{gpu} | kernels this CPU runs: {isa} | {machine['threads']} torch threads")
     print(f"paths: {path_note(machine)}")
     print(
         f"{'server':8} {'round':>5} {f'{concurrency} streams tok/s':>17} {'filtered':>9} {'TTFT warm ms':>13} "
@@ -309,7 +331,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--system-len", type=int, default=1000)
     p.add_argument("--warm-requests", type=int, default=8)
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument(
+        "--fake-engine",
+        action="store_true",
+        help="serve with the tests' echoing fake backend instead of the engine: the gate's own cost beside an "
+        "engine that takes no CPU (as on a GPU host); implies --skip-transformers",
+    )
     p.add_argument("--json", type=Path, help="also write the JSON line to this file")
+    p.add_argument(
+        "--server-log-dir",
+        type=Path,
+        help="keep each server's log here (server-VARIANT-ROUND.log); a failed round prints its end either way",
+    )
     p.add_argument(
         "--set",
         action="append",
@@ -345,9 +378,17 @@ def main(argv: list[str] | None = None) -> dict:
     for i in range(args.rounds):
         for variant in variants:
             rounds.append(asyncio.run(one_round(model_dir, variant, i, args, prompts, ttft_inputs)))
-    hf = None if args.skip_transformers else in_own_thread(transformers_static, model_dir, tokenizer, args)
+    skip_hf = args.skip_transformers or args.fake_engine
+    hf = None if skip_hf else in_own_thread(transformers_static, model_dir, tokenizer, args)
     summary = summarize(rounds)
-    machine = {**machine_info(0.0), "settings": dict(kv.split("=", 1) for kv in args.set)}
+    chosen = dict(kv.split("=", 1) for kv in args.set)
+    engine_device = chosen.get("engine.device", "cpu")
+    if engine_device.startswith("cuda"):  # the engine's GPU named in the record (the gate stays on the CPU)
+        import torch
+
+        machine = {**machine_info(0.0, torch.device(engine_device)), "settings": chosen}
+    else:
+        machine = {**machine_info(0.0), "settings": chosen}
     print_report(rounds, summary, hf, machine, args.concurrency)
     record = {
         "machine": machine,

@@ -8,6 +8,8 @@
 #   OUT=some/dir bash scripts/cuda_check.sh   # where the logs and JSON go (default artifacts/cuda)
 #   DEVICE=cpu TEST_LIMIT=60 bash scripts/cuda_check.sh   # a dry run of the script itself on a CPU host
 #   STEPS="tests http" bash scripts/cuda_check.sh   # only these steps (default: all but http; WITH_HTTP=1 adds it)
+#   The server steps (safety, http) need the server's packages too: requirements.txt, or on a host
+#   where the GPU's torch comes with the image, its other packages as wheels on PYTHONPATH.
 #
 # Each step has a time limit and the next one runs whatever the last one did, so one run says
 # everything it can. The logs name the GPU, the driver, torch and transformers.
@@ -26,7 +28,8 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
     fi
     echo "== $name (limit ${limit}s): $*"
     local start=$SECONDS
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    # SIGINT first: Python prints where an overrunning step was (and benches stop their servers).
+    timeout -s INT -k 20 "$limit" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
     echo "== $name: rc=$rc after $((SECONDS - start))s"
     tail -n "${TAIL:-40}" "$OUT/$name.log"
@@ -56,6 +59,11 @@ step engine-nographs "${NOGRAPHS_LIMIT:-150}" $PY -m bench.bench_engine --device
 step profile "${PROFILE_LIMIT:-50}" $PY -m bench.step_profile --device "$DEVICE" --switch-intervals 0.005 --top 12
 step profile-nographs "${PROFILE_LIMIT:-50}" $PY -m bench.step_profile --device "$DEVICE" --cuda-graphs off \
     --switch-intervals 0.005 --top 12
+# The safety gate's cost on a GPU host (the classifier runs on the CPU beside the engine on the GPU):
+# the default configuration (safety on) against safety off, 32 streams, 28M reference. 512 requests
+# per round (64 take under a second on a GPU); transformers' CPU peer would say nothing here.
+step safety "${SAFETY_LIMIT:-240}" $PY -m bench.bench_safety --set engine.device="$DEVICE" --skip-transformers \
+    --num-requests "${SAFETY_REQUESTS:-512}" --json "$OUT/bench_safety.json" ${SAFETY_ARGS:-}
 if [ -n "${WITH_HTTP:-}" ] || [[ " ${STEPS:-} " == *" http "* ]]; then
     step http "${HTTP_LIMIT:-150}" $PY -m bench.bench_engine --device "$DEVICE" --sections http --json "$OUT/bench_http.json"
 fi
