@@ -639,6 +639,14 @@ class SafetyConfig:
     embed_cache_entries: int = setting(
         4096, "Per-message classifier features kept, so later turns do not re-embed history.", minimum=0
     )
+    threads: int = setting(
+        0,
+        "CPU threads for the classifier when no native engine runs on the CPU (the engine on a GPU, TensorRT-LLM, "
+        "relayed models); 0: all cores but two, at least two (one on a single core). Beside a native CPU engine "
+        "the classifier runs on the engine's threads between its steps and this is ignored. On a GPU host one "
+        "thread held the default configuration to 0.41x of safety off (bench/RESULTS.md).",
+        minimum=0,
+    )
     holdback_chars: int = setting(64, "Streamed text held back so that a blocked span is never sent.", minimum=0)
     output_classifier: bool = setting(
         True,

@@ -252,8 +252,18 @@ async def _make_state(settings: Settings, store: Store, models) -> AppState:
     safety = None
     if settings.safety.enabled:
         from gateway.safety import SafetyGate
+        from gateway.safety.gate import classifier_threads
 
-        safety = SafetyGate(settings.safety, registry=metrics.registry, kernel_isa=kernel_isa)
+        cpu_engine = any(getattr(handle.backend, "runs_on_cpu", False) for handle in models.values())
+        threads = classifier_threads(settings.safety.threads, cpu_engine)
+        if cpu_engine and settings.safety.threads > 1:
+            log.warning(
+                "safety_threads_ignored",
+                threads=settings.safety.threads,
+                detail="a native engine runs on the CPU: the classifier runs on its threads between its steps",
+            )
+        log.info("safety_classifier_threads", threads=threads, beside_cpu_engine=cpu_engine)
+        safety = SafetyGate(settings.safety, registry=metrics.registry, kernel_isa=kernel_isa, threads=threads)
     embedding_service = None
     if settings.embeddings.enabled:
         embedding_service = embeddings.EmbeddingsService(settings.embeddings, kernel_isa)

@@ -160,3 +160,38 @@ def side_executor() -> ThreadPoolExecutor:
 def pool_or_side_executor() -> Executor:
     """The CPU pool's owner when a native CPU engine runs, else the single-threaded workers."""
     return PoolOwnerExecutor(side_executor)
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _openmp_threads(num_threads: int) -> None:
+    """Worker initializer: torch ops called from this thread use `num_threads` OpenMP threads."""
+    lib = _openmp()
+    if lib is not None:
+        lib.omp_set_num_threads(num_threads)
+
+
+_threaded_executors: dict[int, ThreadPoolExecutor] = {}
+
+
+def threaded_executor(num_threads: int) -> ThreadPoolExecutor:
+    """One worker whose torch ops use `num_threads` OpenMP threads (its own pool), for side work
+    in a process where no native CPU engine owns the pool (the engine on a GPU, other backends):
+    there the single-threaded side workers would leave the other cores idle. Never use it beside a
+    native CPU engine: a second pool would slow every step of the engine (see above)."""
+    if num_threads <= 1:
+        return side_executor()
+    with _side_executor_lock:
+        executor = _threaded_executors.get(num_threads)
+        if executor is None:
+            executor = ThreadPoolExecutor(
+                1, f"side-torch-x{num_threads}", initializer=_openmp_threads, initargs=(num_threads,)
+            )
+            _threaded_executors[num_threads] = executor
+        return executor

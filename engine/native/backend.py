@@ -146,6 +146,17 @@ class NativeBackend:
         self._mean_prompt_tokens = 256.0  # running estimate for has_room()
 
     @property
+    def runs_on_cpu(self) -> bool:
+        """Whether this engine steps on the CPU (engine.device resolved), so that other torch work
+        in the process must take turns on its threads (engine/torch_threads.PoolOwner)."""
+        from engine.native.runner import resolve_device
+
+        try:
+            return resolve_device(self._config.device).type == "cpu"
+        except EngineError:  # CUDA asked for but absent: the engine will not start
+            return False
+
+    @property
     def max_model_len(self) -> int:
         """The context a request may use: the model's (or the configured max_model_len), or less
         once started where the whole KV cache holds fewer tokens (a sequence can never outgrow

@@ -54,6 +54,10 @@ class OnDemandBackend:
         return self._next.max_model_len
 
     @property
+    def runs_on_cpu(self) -> bool:  # loaded or not: its engine may step on the CPU at any time
+        return self._next.runs_on_cpu
+
+    @property
     def max_num_running(self) -> int:
         return self._next.max_num_running
 

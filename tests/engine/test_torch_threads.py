@@ -80,3 +80,20 @@ def test_an_owner_with_pending_work_does_not_release():
     owner.run_pending()
     assert future.result() == 7 and owner.release()
     assert PoolOwner.post(lambda: 7) is None
+
+
+def test_a_threaded_executor_runs_torch_on_its_own_thread_count_and_leaves_the_others():
+    from engine.torch_threads import _openmp, side_executor, threaded_executor
+
+    lib = _openmp()
+    assert lib is not None, "torch's OpenMP runtime was not found"
+    before = lib.omp_get_max_threads()
+
+    def count() -> tuple[int, str]:
+        torch.mm(torch.randn(256, 256), torch.randn(256, 256))
+        return lib.omp_get_max_threads(), threading.current_thread().name
+
+    assert threaded_executor(3).submit(count).result() == (3, "side-torch-x3_0")
+    assert threaded_executor(3) is threaded_executor(3)  # one worker per count, kept
+    assert threaded_executor(1) is side_executor()  # one thread: the single-threaded side workers
+    assert lib.omp_get_max_threads() == before
