@@ -12,6 +12,7 @@ slot and queue ticket exactly once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -97,8 +98,11 @@ async def admit_and_serve(request: web.Request, parse: Parse) -> web.StreamRespo
     num_bytes = request.content_length  # above max_body_bytes it was a 413 already
     if num_bytes is None:  # chunked: no size before reading it
         num_bytes = len(await read_body(request, cfg.body_timeout_s))
-    with state.admission.check(caller, request[REQUEST_ID], num_bytes) as grant:
+    with state.admission.check(caller, request[REQUEST_ID], num_bytes) as grant, contextlib.ExitStack() as held:
         chat, outlet = parse(await read_json(request), cfg)
+        if chat.conversation_id is not None:  # its turn: from reading the history to storing the answer
+            org_id = request[PRINCIPAL].org.id
+            held.callback(await state.turn_locks.acquire(org_id, chat.conversation_id, param="conversation_id"))
         return await serve_job(request, state, grant, chat, outlet)
 
 

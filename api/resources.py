@@ -315,8 +315,13 @@ async def truncate_conversation(request: web.Request) -> web.Response:
     keep = body.get("keep_messages") if isinstance(body, dict) else None
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
         raise bad_request("'keep_messages' must be a non-negative integer.", param="keep_messages")
-    if not await request.app[STATE].store.truncate_conversation(request[PRINCIPAL].org.id, cid, keep):
-        raise _conversation_missing(cid)
+    state, org_id = request.app[STATE], request[PRINCIPAL].org.id
+    release = await state.turn_locks.acquire(org_id, cid, param=None)  # not under a turn's feet (api/turn_lock.py)
+    try:
+        if not await state.store.truncate_conversation(org_id, cid, keep):
+            raise _conversation_missing(cid)
+    finally:
+        release()
     found = await request.app[STATE].store.get_billed_conversation(request[PRINCIPAL].org.id, cid)
     if found is None:  # deleted since the truncation
         raise _conversation_missing(cid)

@@ -62,7 +62,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             await read_json(request), max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars
         )
         org_id = request[PRINCIPAL].org.id
-        ctx = await _context(state, org_id, req)
+        ctx = await _context(state, org_id, req, owned)
         try:
             if req.background:  # the grant goes to the task that serves it
                 return await start_background(request, state, grant, ctx, owned.pop_all(), _refuse)
@@ -76,19 +76,31 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             raise input_error(exc, num_history=ctx.num_inline_messages) from None
 
 
-async def _context(state: AppState, org_id: str, req: ResponsesRequest) -> ResponseContext:
+async def _context(state: AppState, org_id: str, req: ResponsesRequest, owned: contextlib.ExitStack) -> ResponseContext:
     """The response's prompt (instructions, the history of previous_response_id, the input) and
     the conversation its turn goes into: the previous response's, a copy of the previous
-    response's part of it when that is not the latest (a branch), or a new one."""
+    response's part of it when that is not the latest (a branch), or a new one. A turn that goes
+    into the previous response's conversation holds it (api/turn_lock.py) until `owned` closes;
+    the choice between it and a branch is made holding it, so two requests continuing the same
+    latest response make one turn and one branch, never two turns in a row."""
     history: tuple[Message, ...] = ()
     conversation_id = created = None
     if req.previous_response_id is not None:
-        prev, conv = await _previous(state, org_id, req.previous_response_id)
+        release = None
+        if req.store:
+            named = await state.store.get_response(org_id, req.previous_response_id)
+            if named is None:
+                raise _previous_gone(req.previous_response_id)
+            release = await state.turn_locks.acquire(org_id, named.conversation_id, param="previous_response_id")
+            owned.callback(release)
+        prev, conv = await _previous(state, org_id, req.previous_response_id)  # as it is once no turn runs
         history = conv.messages[: prev.num_messages]
         if req.store and len(conv.messages) == prev.num_messages:
             conversation_id = conv.id
         elif req.store:  # an earlier response (a retry, a second answer, one after a deleted one)
             branch = await state.store.branch_conversation(org_id, conv.id, prev.num_messages, pending=True)
+            if release is not None:  # the copy is made: the original conversation is free again
+                release()
             if branch is None:  # deleted or cut meanwhile
                 raise _previous_gone(req.previous_response_id)
             conversation_id = created = branch.id

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from api.errors import ApiError, ratelimit_headers
 from api.job import Job
+from api.turn_lock import TurnLocks
 from engine.registry import ModelHandle
 from engine.types import FinishReason, TokenEvent
 from gateway.admission import Admission, Caller
@@ -49,6 +50,7 @@ class AppState:
     admission: Admission
     metrics: Metrics
     coalescer: Coalescer = field(default_factory=Coalescer)
+    turn_locks: TurnLocks = field(default_factory=TurnLocks)  # one turn at a time per conversation
     safety: SafetyGate | None = None  # when enabled
     tracing: Tracing | None = None  # telemetry.otlp_traces_endpoint set
     embeddings: EmbeddingsService | None = None  # embeddings.enabled
