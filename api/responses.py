@@ -27,7 +27,7 @@ import orjson
 from aiohttp import web
 
 from api import attachments, protocol
-from api.chat import Outlet, read_json, serve_job
+from api.chat import Outlet, parse_body, read_json, serve_job
 from api.errors import ApiError, bad_request, not_found, overloaded
 from api.finish import STATUS, finish_job, generate_unary, stream_job
 from api.generation import generate_choices, make_answer
@@ -58,8 +58,12 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     with contextlib.ExitStack() as owned:
         grant = owned.enter_context(state.admission.check(caller, request[REQUEST_ID], num_bytes))  # as chat
         cfg = state.settings.server
-        req = parse_responses_request(
-            await read_json(request), max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars
+        req = await parse_body(
+            functools.partial(
+                parse_responses_request, max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars
+            ),
+            await read_json(request),
+            num_bytes=num_bytes,
         )
         org_id = request[PRINCIPAL].org.id
         ctx = await _context(state, org_id, req, owned)

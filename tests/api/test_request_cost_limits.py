@@ -9,6 +9,7 @@ what fits, with the same result as before. The spies count what reached the toke
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import types
@@ -144,6 +145,7 @@ async def test_a_token_id_prompt_longer_than_the_context_is_refused_before_its_i
         param="prompt",
     )
     assert "5001 in the prompt" in err["message"] and decoded == []
+    assert "at least" not in err["message"]  # ids are counted: the figure is exact
     client = await make_client("server.max_prompt_chars=1000")
     await assert_error(
         await client.post("/v1/completions", json={"model": "echo", "prompt": [1] * 1001}),
@@ -311,3 +313,40 @@ def test_a_sentencepiece_style_tokenizer_with_byte_fallback_gets_a_sound_bound()
         text = "".join(rng.choices(PIECES, k=rng.randint(1, 80)))
         exact = len(tok.encode(text, add_special_tokens=False).ids)
         assert bound.min_num_tokens(tok, text, is_literal=False, stop_above=10**9) <= exact, text
+
+
+def wide_schema(num_chars: int) -> dict:
+    props, i = {}, 0
+    while len(json.dumps(props)) < num_chars:
+        props[f"field_{i}"] = {"type": "string", "enum": [f"value_{i}_{k}" for k in range(8)]}
+        i += 1
+    return {"type": "object", "properties": props}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+async def test_a_big_bodys_schemas_compile_off_the_event_loop(make_client, monkeypatch, path):
+    from api import tools
+
+    compiled: list[int] = []
+    real = tools.grammar_text
+
+    def spy(structured):
+        compiled.append(threading.get_ident())
+        return real(structured)
+
+    monkeypatch.setattr(tools, "grammar_text", spy)
+    client = await make_client("server.max_body_bytes=200000")
+    for num_chars, off_loop in ((300, False), (40_000, True)):  # around OFF_LOOP_CHARS (32,768) of body
+        compiled.clear()
+        schema = wide_schema(num_chars)
+        if path == "/v1/responses":
+            tool = {"type": "function", "name": "lookup", "parameters": schema}
+            body = {"model": "echo", "input": "hi", "tools": [tool], "max_output_tokens": 4}
+        else:
+            body = tools_body(path, "look it up")
+            body["tools"][0]["function"]["parameters"] = schema
+            body["max_tokens"] = 4
+        resp = await client.post(path, json=body)
+        if resp.status != 200:  # too long for the tier's 400-token context: parsed (compiled) first
+            assert (await resp.json())["error"]["code"] == "context_length_exceeded"
+        assert compiled and all((thread != threading.get_ident()) is off_loop for thread in compiled)
