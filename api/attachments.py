@@ -300,7 +300,7 @@ def _count(tok: Tokenizer | Counter, text: str, room: int) -> DocTokens:
     try:
         ids = tok.encode_prompt(text, max_num_tokens=max(room, 0))
     except PromptTooLong as exc:
-        return DocTokens(exc.num_tokens, is_lower_bound=True)
+        return DocTokens(exc.num_tokens, is_lower_bound=exc.is_lower_bound)
     return DocTokens(len(ids) - len(tok.encode_prompt("")))  # less what a prompt gets added (a BOS)
 
 

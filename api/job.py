@@ -433,7 +433,9 @@ def make_job(inp: JobInputs) -> Job:
         ids, context, dropped = _encode_prompt(inp, limit, limit - num_completion)
     except PromptTooLong as exc:  # certainly past the context: refused before it was tokenized
         resolve_max_tokens(chat, tier, inp.tier_name, 0)  # a max_tokens over the tier's is refused first, as before
-        raise context_too_long(exc.num_tokens, num_completion, limit, model.name, where, is_lower_bound=True) from None
+        raise context_too_long(
+            exc.num_tokens, num_completion, limit, model.name, where, is_lower_bound=exc.is_lower_bound
+        ) from None
     max_tokens = resolve_max_tokens(chat, tier, inp.tier_name, max(limit - len(ids), 0))
     check_fits(len(ids), max(max_tokens, 1), limit, model.name, where)
     now = time.monotonic()
@@ -516,7 +518,7 @@ def encode_raw_prompt(
     elif isinstance(prompt, str):
         ids, text = tokenizer.encode_prompt(prompt, max_num_tokens=max_num_tokens), prompt
     elif max_num_tokens is not None and len(prompt) > max_num_tokens:
-        raise PromptTooLong(len(prompt))
+        raise PromptTooLong(len(prompt), is_lower_bound=False)  # ids: counted, not bounded
     else:
         outside = next((t for t in prompt if not 0 <= t < tokenizer.vocab_size), None)
         if outside is not None:

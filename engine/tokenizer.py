@@ -28,11 +28,13 @@ class TokenizerLoadError(Exception):
 
 class PromptTooLong(Exception):
     """A prompt certainly longer than the tokens it was allowed: `num_tokens`, more than that
-    limit, is a lower bound on its length (it was not tokenized)."""
+    limit, is a lower bound on its length (it was not tokenized), or its exact length where
+    `is_lower_bound` is False (token ids, counted)."""
 
-    def __init__(self, num_tokens: int):
-        super().__init__(f"the prompt holds at least {num_tokens} tokens")
+    def __init__(self, num_tokens: int, *, is_lower_bound: bool = True):
+        super().__init__(f"the prompt holds {'at least ' if is_lower_bound else ''}{num_tokens} tokens")
         self.num_tokens = num_tokens
+        self.is_lower_bound = is_lower_bound
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
