@@ -9,7 +9,8 @@
 #   DEVICE=cpu TEST_LIMIT=60 bash scripts/cuda_check.sh   # a dry run of the script itself on a CPU host
 #   STEPS="tests http" bash scripts/cuda_check.sh   # only these steps (default: all but http; WITH_HTTP=1 adds it)
 #   The server steps (safety, http) need the server's packages too: requirements.txt, or on a host
-#   where the GPU's torch comes with the image, its other packages as wheels on PYTHONPATH.
+#   where the GPU's torch comes with the image, its other packages as wheels on PYTHONPATH
+#   (scripts/gpu_bundle.sh makes them, with the classifier's encoder, for a host without an index).
 #
 # Each step has a time limit and the next one runs whatever the last one did, so one run says
 # everything it can. The logs name the GPU, the driver, torch and transformers.
