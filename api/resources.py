@@ -309,15 +309,37 @@ async def delete_conversation(request: web.Request) -> web.Response:
 
 
 async def truncate_conversation(request: web.Request) -> web.Response:
-    """POST /v1/conversations/{id}/truncate {"keep_messages": N}: for edit-and-resend and regenerate."""
+    """POST /v1/conversations/{id}/truncate {"keep_messages": N, "expected_last_message_id": id}:
+    for edit-and-resend and regenerate. Waits for a turn in progress (api/turn_lock.py); with
+    `expected_last_message_id` (the web UI sends it) the cut is made only if the conversation
+    still ends with that message, else 409 `conversation_changed`: a turn stored meanwhile (one
+    another tab or client was already told is stored) is never cut by a count worked out
+    before it."""
     cid = request.match_info["conversation_id"]
     body = await read_json(request)
     keep = body.get("keep_messages") if isinstance(body, dict) else None
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
         raise bad_request("'keep_messages' must be a non-negative integer.", param="keep_messages")
+    expected = body.get("expected_last_message_id") if isinstance(body, dict) else None
+    if expected is not None and not isinstance(expected, str):
+        raise bad_request("'expected_last_message_id' must be a message id.", param="expected_last_message_id")
     state, org_id = request.app[STATE], request[PRINCIPAL].org.id
-    release = await state.turn_locks.acquire(org_id, cid, param=None)  # not under a turn's feet (api/turn_lock.py)
+    release = await state.turn_locks.acquire(org_id, cid, param=None)
     try:
+        if expected is not None:
+            current = await state.store.get_conversation(org_id, cid)
+            if current is None:
+                raise _conversation_missing(cid)
+            last = current.messages[-1].id if current.messages else None
+            if last != expected:
+                raise ApiError(
+                    409,
+                    "The conversation changed since it was read (another tab or client added or removed "
+                    "messages); read it again before cutting it.",
+                    "invalid_request_error",
+                    "conversation_changed",
+                    "expected_last_message_id",
+                )
         if not await state.store.truncate_conversation(org_id, cid, keep):
             raise _conversation_missing(cid)
     finally:

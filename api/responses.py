@@ -84,9 +84,10 @@ async def _context(state: AppState, org_id: str, req: ResponsesRequest, owned: c
     """The response's prompt (instructions, the history of previous_response_id, the input) and
     the conversation its turn goes into: the previous response's, a copy of the previous
     response's part of it when that is not the latest (a branch), or a new one. A turn that goes
-    into the previous response's conversation holds it (api/turn_lock.py) until `owned` closes;
-    the choice between it and a branch is made holding it, so two requests continuing the same
-    latest response make one turn and one branch, never two turns in a row."""
+    into the previous response's conversation holds it (api/turn_lock.py) until `owned` closes.
+    One that finds a turn running there branches at once: that turn will come after the response
+    it continues, as it would had it arrived later (two continuations of the latest response at
+    once make one turn and one branch, never two turns in a row)."""
     history: tuple[Message, ...] = ()
     conversation_id = created = None
     if req.previous_response_id is not None:
@@ -95,13 +96,14 @@ async def _context(state: AppState, org_id: str, req: ResponsesRequest, owned: c
             named = await state.store.get_response(org_id, req.previous_response_id)
             if named is None:
                 raise _previous_gone(req.previous_response_id)
-            release = await state.turn_locks.acquire(org_id, named.conversation_id, param="previous_response_id")
-            owned.callback(release)
-        prev, conv = await _previous(state, org_id, req.previous_response_id)  # as it is once no turn runs
+            release = state.turn_locks.try_acquire(org_id, named.conversation_id)
+            if release is not None:
+                owned.callback(release)
+        prev, conv = await _previous(state, org_id, req.previous_response_id)
         history = conv.messages[: prev.num_messages]
-        if req.store and len(conv.messages) == prev.num_messages:
+        if req.store and release is not None and len(conv.messages) == prev.num_messages:
             conversation_id = conv.id
-        elif req.store:  # an earlier response (a retry, a second answer, one after a deleted one)
+        elif req.store:  # an earlier response (a retry, a second answer, one after a deleted one), or a turn runs
             branch = await state.store.branch_conversation(org_id, conv.id, prev.num_messages, pending=True)
             if release is not None:  # the copy is made: the original conversation is free again
                 release()

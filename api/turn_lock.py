@@ -36,6 +36,13 @@ class TurnLocks:
     def is_held(self, org_id: str, conversation_id: str) -> bool:
         return (org_id, conversation_id) in self._held
 
+    def try_acquire(self, org_id: str, conversation_id: str) -> Callable[[], None] | None:
+        """Hold the conversation if no turn holds it now (its release), else None at once."""
+        key = (org_id, conversation_id)
+        if key in self._held:
+            return None
+        return self._hold(key)
+
     async def acquire(
         self, org_id: str, conversation_id: str, *, param: str | None, wait_s: float | None = None
     ) -> Callable[[], None]:
@@ -49,6 +56,9 @@ class TurnLocks:
                 await asyncio.wait_for(held.wait(), max(0.0, deadline - loop.time()))
             except TimeoutError:
                 raise conversation_locked(param) from None
+        return self._hold(key)
+
+    def _hold(self, key: tuple[str, str]) -> Callable[[], None]:
         released = asyncio.Event()
         self._held[key] = released
 

@@ -103,8 +103,13 @@ export const api = {
   createConversation: () => json("/v1/conversations", { method: "POST", body: {} }),
   renameConversation: (id, title) => json(conv(id), { method: "PATCH", body: { title } }),
   deleteConversation: (id) => json(conv(id), { method: "DELETE" }),
-  truncateConversation: (id, keepMessages) =>
-    json(`${conv(id)}/truncate`, { method: "POST", body: { keep_messages: keepMessages } }),
+  // With `expectedLastId`, the server cuts only a conversation that still ends with that
+  // message (else 409 conversation_changed): never a turn another tab stored meanwhile.
+  truncateConversation: (id, keepMessages, expectedLastId) =>
+    json(`${conv(id)}/truncate`, {
+      method: "POST",
+      body: { keep_messages: keepMessages, expected_last_message_id: expectedLastId || undefined },
+    }),
   usage: () => json("/v1/usage?group_by=model"),
   feedback: (id, messageId, body) =>
     json(`${conv(id)}/messages/${encodeURIComponent(messageId)}/feedback`, { method: "POST", body }),

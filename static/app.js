@@ -356,7 +356,8 @@ async function prepare(content, keep, redo, signal) {
   if (keep >= state.messages.length) return true;
   if (redo && !(await isInStep(state.conversationId))) return false;
   if (redo) await noteRedo(keep + 1, redo);
-  await api.truncateConversation(state.conversationId, keep);
+  const last = state.messages[state.messages.length - 1];
+  await api.truncateConversation(state.conversationId, keep, last && last.id);
   if (keep === 0 && redo && redo.edited_prompt != null) {
     await retitleAfterEdit(state.conversationId, state.messages[0].content, redo.edited_prompt);
   }
@@ -370,11 +371,15 @@ async function isInStep(id) {
   const theirs = stored.messages[stored.messages.length - 1];
   const mine = state.messages[state.messages.length - 1];
   if (stored.messages.length === state.messages.length && theirs && mine && theirs.id === mine.id) return true;
-  if (id !== state.conversationId) return false;
+  reloadChanged(id, stored);
+  return false;
+}
+
+function reloadChanged(id, stored) {
+  if (id !== state.conversationId) return;
   showConversation(stored);
   showBanner("This chat changed in another tab or window and was reloaded here; nothing was removed.",
              { isInfo: true });
-  return false;
 }
 
 async function deleteQuietly(id) {
@@ -416,7 +421,12 @@ async function send(content, keepMessages = null, redo = null) {
   } catch (error) {
     done();
     if (error.status === 404 && conversationId) conversationGone(conversationId, content);
-    else showError(error, () => send(content, keepMessages, redo));
+    else if (error.code === "conversation_changed" && conversationId) {
+      // Another tab stored a turn while this one cut: nothing was cut. An edit's text goes back
+      // in the box, and the view shows what is stored now.
+      if (redo && redo.edited_prompt != null) giveBack(content);
+      try { reloadChanged(conversationId, await api.getConversation(conversationId)); } catch { /* kept */ }
+    } else showError(error, () => send(content, keepMessages, redo));
     return;
   }
   if (!isReady || controller.signal.aborted) {

@@ -83,7 +83,9 @@ export function hideBanner() {
 // Retrying cannot help with a budget, a bad request or a missing conversation.
 export function showError(error, retry) {
   if (error.status === 401) openKeyDialog(error.message);
-  const canRetry = retry != null && error.code !== "insufficient_quota" && error.status !== 400 && error.status !== 404;
+  // A 400 or 404 repeats as it was, except a conversation busy with another turn (it frees up).
+  const isFinal = (error.status === 400 || error.status === 404) && error.code !== "conversation_locked";
+  const canRetry = retry != null && error.code !== "insufficient_quota" && !isFinal;
   showBanner(describe(error), { retry: canRetry ? retry : null, waitS: error.retryAfterS });
 }
 

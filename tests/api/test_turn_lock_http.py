@@ -128,3 +128,51 @@ async def test_two_responses_continuing_the_same_latest_response_make_one_turn_a
     assert conv_a == conv1 != conv_b
     assert [m[1] for m in await stored(client, conv1)] == ["river", "river", "sea", "sea"]
     assert [m[1] for m in await stored(client, conv_b)] == ["river", "river", "mountain", "mountain"]
+
+
+async def test_a_cut_that_waited_for_a_turn_cuts_nothing_that_turn_stored_when_it_names_the_last_message(
+    make_client,
+):
+    client = await make_client(behaviour=FakeBehaviour(is_gated=True))
+    backend = state_of(client).models["echo"].backend
+    cid = await new_conversation(client)
+    backend.release(1000)
+    assert (await client.post("/v1/chat/completions", json=turn(cid, "one"))).status == 200
+    seen = (await (await client.get(f"/v1/conversations/{cid}")).json())["messages"]  # a tab's view: 2 messages
+    backend.behaviour = FakeBehaviour(is_gated=True)
+    other_tab = asyncio.create_task(client.post("/v1/chat/completions", json=turn(cid, "two")))
+    await until(lambda: len(backend.requests) == 2)
+    body = {"keep_messages": 1, "expected_last_message_id": seen[-1]["id"]}  # regenerate "one"'s answer
+    cut = asyncio.create_task(client.post(f"/v1/conversations/{cid}/truncate", json=body))
+    await asyncio.sleep(0.1)
+    backend.release(1000)  # the other tab's turn ends and is stored while the cut waits
+    assert (await other_tab).status == 200
+    resp = await cut
+    assert resp.status == 409
+    assert (await resp.json())["error"]["code"] == "conversation_changed"
+    assert [m[1] for m in await stored(client, cid)] == ["one", "one", "two", "two"]  # nothing cut
+    latest = (await (await client.get(f"/v1/conversations/{cid}")).json())["messages"][-1]["id"]
+    body = {"keep_messages": 1, "expected_last_message_id": latest}
+    assert (await client.post(f"/v1/conversations/{cid}/truncate", json=body)).status == 200
+    assert await stored(client, cid) == [("user", "one")]
+
+
+async def test_continuing_an_older_response_while_a_turn_runs_branches_at_once(make_client, monkeypatch):
+    monkeypatch.setattr(turn_lock, "WAIT_S", 30.0)  # a wait would show as a timeout below
+    client = await make_client()
+    backend = state_of(client).models["echo"].backend
+    r1 = await (await client.post("/v1/responses", json={"model": "echo", "input": "river"})).json()
+    body = {"model": "echo", "input": "sea", "previous_response_id": r1["id"]}
+    r2 = await (await client.post("/v1/responses", json=body)).json()
+    backend.behaviour = FakeBehaviour(is_gated=True)
+    running = asyncio.create_task(
+        client.post("/v1/responses", json={**body, "input": "lake", "previous_response_id": r2["id"]})
+    )
+    await until(lambda: len(backend.requests) == 3)
+    older = asyncio.create_task(
+        client.post("/v1/responses", json={**body, "input": "hill", "previous_response_id": r1["id"]})
+    )
+    await until(lambda: len(backend.requests) == 4, timeout_s=2.0)  # not waiting for the running turn
+    backend.release(1000)
+    assert (await running).status == 200
+    assert (await (await older).json())["status"] == "completed"
