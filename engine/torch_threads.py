@@ -60,8 +60,18 @@ def single_threaded_torch() -> bool:
     if lib is None:
         log.debug("openmp_runtime_not_found")
         return False
+    _init_torch_threads()
     lib.omp_set_num_threads(1)
     return True
+
+
+def _init_torch_threads() -> None:
+    """Run torch's once-per-thread thread setup now: torch does it lazily at a thread's first
+    parallel op and sets the thread's OpenMP count to its process-wide one (engine.num_threads
+    or the cores), which would undo a count set on the thread before it."""
+    import torch
+
+    torch.get_num_threads()
 
 
 class PoolOwner:
@@ -174,6 +184,7 @@ def _openmp_threads(num_threads: int) -> None:
     """Worker initializer: torch ops called from this thread use `num_threads` OpenMP threads."""
     lib = _openmp()
     if lib is not None:
+        _init_torch_threads()
         lib.omp_set_num_threads(num_threads)
 
 

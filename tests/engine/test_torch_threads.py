@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from engine.torch_threads import PoolOwner, PoolOwnerExecutor, single_threaded_torch
+from engine.torch_threads import PoolOwner, PoolOwnerExecutor, _openmp, single_threaded_torch
 
 
 def test_limits_only_the_calling_thread():
@@ -17,12 +17,16 @@ def test_limits_only_the_calling_thread():
 
     def worker():
         seen["ok"] = single_threaded_torch()
-        torch.mm(torch.randn(64, 64), torch.randn(64, 64))
-        seen["threads"] = torch.get_num_threads()
+        torch.randn(1 << 20).mul(2).sum()  # parallel-sized: torch's lazy thread setup runs here
+        seen["threads"] = _openmp().omp_get_max_threads()
 
-    thread = threading.Thread(target=worker)
-    thread.start()
-    thread.join()
+    torch.set_num_threads(2)  # the process-wide count torch's lazy per-thread setup would apply
+    try:
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+    finally:
+        torch.set_num_threads(before)
     assert seen["ok"] and seen["threads"] == 1
     assert torch.get_num_threads() == before
 
@@ -90,10 +94,18 @@ def test_a_threaded_executor_runs_torch_on_its_own_thread_count_and_leaves_the_o
     before = lib.omp_get_max_threads()
 
     def count() -> tuple[int, str]:
-        torch.mm(torch.randn(256, 256), torch.randn(256, 256))
+        # An elementwise op large enough to run in parallel: torch's lazy per-thread setup,
+        # which once reset the worker's count to the process-wide one (1 here, as with
+        # engine.num_threads = 1).
+        torch.randn(1 << 20).mul(2).sum()
         return lib.omp_get_max_threads(), threading.current_thread().name
 
-    assert threaded_executor(3).submit(count).result() == (3, "side-torch-x3_0")
+    process_wide = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert threaded_executor(3).submit(count).result() == (3, "side-torch-x3_0")
+    finally:
+        torch.set_num_threads(process_wide)
     assert threaded_executor(3) is threaded_executor(3)  # one worker per count, kept
     assert threaded_executor(1) is side_executor()  # one thread: the single-threaded side workers
     assert lib.omp_get_max_threads() == before
