@@ -43,14 +43,12 @@ class TurnLocks:
             return None
         return self._hold(key)
 
-    async def acquire(
-        self, org_id: str, conversation_id: str, *, param: str | None, wait_s: float | None = None
-    ) -> Callable[[], None]:
-        """Hold the conversation, waiting up to `wait_s` (default WAIT_S) for a turn in progress;
-        returns its release (idempotent), to be called on the holder's one way out."""
+    async def acquire(self, org_id: str, conversation_id: str, *, param: str | None) -> Callable[[], None]:
+        """Hold the conversation, waiting up to WAIT_S for a turn in progress; returns its
+        release (idempotent), to be called on the holder's one way out."""
         key = (org_id, conversation_id)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + (WAIT_S if wait_s is None else wait_s)
+        deadline = loop.time() + WAIT_S
         while (held := self._held.get(key)) is not None:
             try:
                 await asyncio.wait_for(held.wait(), max(0.0, deadline - loop.time()))
