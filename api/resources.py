@@ -8,6 +8,7 @@ the store and the app state: parse query/body, call one store method, render one
 from __future__ import annotations
 
 import calendar
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from engine.registry import ModelHandle
 from engine.tokenizer import Tokenizer
 from store import money
 from store.conversations import AnswerUsage, new_message_id
+from store.feedback import FeedbackChange
 from store.types import Conversation, Message, NotFound
 
 _MAX_TITLE_CHARS = 200
@@ -308,6 +310,16 @@ async def delete_conversation(request: web.Request) -> web.Response:
     return _json({"id": cid, "object": "conversation.deleted", "deleted": True})
 
 
+def _feedback_note(value: object) -> tuple[str, FeedbackChange] | None:
+    """The truncate's optional `feedback`: {"message_id": ..., "regenerated": true, "edited_prompt": ...}
+    (api/feedback.py's fields) on the answer the cut replaces, recorded only if the cut is made."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("message_id"), str):
+        raise bad_request("'feedback' must be an object naming the answer's 'message_id'.", param="feedback")
+    return value["message_id"], feedback_api.parse_change({k: v for k, v in value.items() if k != "message_id"})
+
+
 async def truncate_conversation(request: web.Request) -> web.Response:
     """POST /v1/conversations/{id}/truncate {"keep_messages": N, "expected_last_message_id": id}:
     for edit-and-resend and regenerate. Waits for a turn in progress (api/turn_lock.py); with
@@ -323,6 +335,7 @@ async def truncate_conversation(request: web.Request) -> web.Response:
     expected = body.get("expected_last_message_id") if isinstance(body, dict) else None
     if expected is not None and not isinstance(expected, str):
         raise bad_request("'expected_last_message_id' must be a message id.", param="expected_last_message_id")
+    note = _feedback_note(body.get("feedback") if isinstance(body, dict) else None)
     state, org_id = request.app[STATE], request[PRINCIPAL].org.id
     release = await state.turn_locks.acquire(org_id, cid, param=None)
     try:
@@ -340,6 +353,9 @@ async def truncate_conversation(request: web.Request) -> web.Response:
                     "conversation_changed",
                     "expected_last_message_id",
                 )
+        if note is not None:  # on the answer being replaced, only when it is: best effort, as the endpoint's
+            with contextlib.suppress(NotFound):
+                await state.store.set_feedback(org_id, cid, *note)
         if not await state.store.truncate_conversation(org_id, cid, keep):
             raise _conversation_missing(cid)
     finally:

@@ -105,10 +105,11 @@ export const api = {
   deleteConversation: (id) => json(conv(id), { method: "DELETE" }),
   // With `expectedLastId`, the server cuts only a conversation that still ends with that
   // message (else 409 conversation_changed): never a turn another tab stored meanwhile.
-  truncateConversation: (id, keepMessages, expectedLastId) =>
+  // `feedback` ({message_id, regenerated, edited_prompt}) is recorded only if the cut is made.
+  truncateConversation: (id, keepMessages, expectedLastId, feedback) =>
     json(`${conv(id)}/truncate`, {
       method: "POST",
-      body: { keep_messages: keepMessages, expected_last_message_id: expectedLastId || undefined },
+      body: { keep_messages: keepMessages, expected_last_message_id: expectedLastId || undefined, feedback },
     }),
   usage: () => json("/v1/usage?group_by=model"),
   feedback: (id, messageId, body) =>

@@ -258,16 +258,17 @@ function actionsFor(index) {
   return actions;
 }
 
-// Records, before the turn is truncated, that the user asked for another answer or rewrote
-// the prompt of the answer at `index` (kept with the answer for evaluation: api/feedback.py).
-async function noteRedo(index, body) {
+// The note that the user asked for another answer or rewrote the prompt of the answer at
+// `index` (kept with the answer for evaluation: api/feedback.py), for the truncate to record
+// with its cut, so that a cut refused (another tab's turn came first) records nothing.
+const MAX_EDITED_PROMPT_CHARS = 100000;  // api/feedback.py's: a longer note would refuse the cut
+
+function redoNote(index, body) {
   const answer = state.messages[index];
-  if (!answer || answer.role !== "assistant" || !answer.id || !state.conversationId) return;
-  try {
-    await api.feedback(state.conversationId, answer.id, body);
-  } catch {
-    // Feedback is best effort: the user's regenerate or edit goes ahead without it.
-  }
+  if (!body || !answer || answer.role !== "assistant" || !answer.id) return undefined;
+  const note = { message_id: answer.id, ...body };
+  if (typeof note.edited_prompt === "string") note.edited_prompt = note.edited_prompt.slice(0, MAX_EDITED_PROMPT_CHARS);
+  return note;
 }
 
 // A repaint replaces the message buttons: focus goes to the same button of the same message
@@ -355,9 +356,8 @@ async function prepare(content, keep, redo, signal) {
   }
   if (keep >= state.messages.length) return true;
   if (redo && !(await isInStep(state.conversationId))) return false;
-  if (redo) await noteRedo(keep + 1, redo);
   const last = state.messages[state.messages.length - 1];
-  await api.truncateConversation(state.conversationId, keep, last && last.id);
+  await api.truncateConversation(state.conversationId, keep, last && last.id, redoNote(keep + 1, redo));
   if (keep === 0 && redo && redo.edited_prompt != null) {
     await retitleAfterEdit(state.conversationId, state.messages[0].content, redo.edited_prompt);
   }

@@ -176,3 +176,23 @@ async def test_continuing_an_older_response_while_a_turn_runs_branches_at_once(m
     backend.release(1000)
     assert (await running).status == 200
     assert (await (await older).json())["status"] == "completed"
+
+
+async def test_a_cuts_feedback_note_is_recorded_only_with_the_cut(make_client):
+    client = await make_client()
+    cid = await new_conversation(client)
+    assert (await client.post("/v1/chat/completions", json=turn(cid, "one"))).status == 200
+    messages = (await (await client.get(f"/v1/conversations/{cid}")).json())["messages"]
+    note = {"message_id": messages[1]["id"], "edited_prompt": "uno"}
+    refused = {"keep_messages": 0, "expected_last_message_id": "msg_not_the_last", "feedback": note}
+    assert (await client.post(f"/v1/conversations/{cid}/truncate", json=refused)).status == 409
+    store = state_of(client).store
+    assert await store.conversation_feedback(cid) == {}  # no edit happened: none recorded
+    bad = {"keep_messages": 0, "feedback": {"edited_prompt": "uno"}}
+    resp = await client.post(f"/v1/conversations/{cid}/truncate", json=bad)
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "feedback"
+    made = {"keep_messages": 0, "expected_last_message_id": messages[1]["id"], "feedback": note}
+    assert (await client.post(f"/v1/conversations/{cid}/truncate", json=made)).status == 200
+    (saved,) = (await store.conversation_feedback(cid)).values()
+    assert (saved.prompt, saved.answer, saved.edited_prompt) == ("one", "one", "uno")
+    assert await stored(client, cid) == []
