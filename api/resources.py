@@ -326,16 +326,18 @@ async def truncate_conversation(request: web.Request) -> web.Response:
     `expected_last_message_id` (the web UI sends it) the cut is made only if the conversation
     still ends with that message, else 409 `conversation_changed`: a turn stored meanwhile (one
     another tab or client was already told is stored) is never cut by a count worked out
-    before it."""
+    before it. An optional `feedback` note (the regenerate or edit being made) is recorded only
+    with the cut."""
     cid = request.match_info["conversation_id"]
-    body = await read_json(request)
-    keep = body.get("keep_messages") if isinstance(body, dict) else None
+    raw = await read_json(request)
+    body = raw if isinstance(raw, dict) else {}
+    keep = body.get("keep_messages")
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
         raise bad_request("'keep_messages' must be a non-negative integer.", param="keep_messages")
-    expected = body.get("expected_last_message_id") if isinstance(body, dict) else None
+    expected = body.get("expected_last_message_id")
     if expected is not None and not isinstance(expected, str):
         raise bad_request("'expected_last_message_id' must be a message id.", param="expected_last_message_id")
-    note = _feedback_note(body.get("feedback") if isinstance(body, dict) else None)
+    note = _feedback_note(body.get("feedback"))
     state, org_id = request.app[STATE], request[PRINCIPAL].org.id
     release = await state.turn_locks.acquire(org_id, cid, param=None)
     try:
@@ -360,7 +362,7 @@ async def truncate_conversation(request: web.Request) -> web.Response:
             raise _conversation_missing(cid)
     finally:
         release()
-    found = await request.app[STATE].store.get_billed_conversation(request[PRINCIPAL].org.id, cid)
+    found = await state.store.get_billed_conversation(org_id, cid)
     if found is None:  # deleted since the truncation
         raise _conversation_missing(cid)
     conv, billed = found

@@ -23,7 +23,6 @@ import structlog
 from engine.torch_threads import (
     PoolOwnerExecutor,
     available_cores,
-    pool_or_side_executor,
     side_executor,
     threaded_executor,
 )
@@ -49,7 +48,7 @@ def classifier_threads(configured: int, cpu_engine: bool) -> int:
     thread runs them on its own pool, between steps: a second pool would slow the engine), else
     `safety.threads`, or when 0 all cores but two (the event loop, the engine's launch thread),
     at least two where there are two: on 2 cores beside a fake engine that takes no CPU, two
-    threads gave the gate 1.4x the throughput of one although the event loop shares them."""
+    threads gave the gate 1.34x the throughput of one although the event loop shares them."""
     if cpu_engine:
         return 1
     if configured > 0:
@@ -125,11 +124,11 @@ class SafetyGate:
         # The built-in patterns are phrased as requests; answers get the operator's rules only.
         self._output_rules = RuleSet.merged(config.deny, allow, builtin=False)
         self._classifier = classifier if config.classifier else None
-        executor = (
-            pool_or_side_executor if threads <= 1 else lambda: PoolOwnerExecutor(lambda: threaded_executor(threads))
-        )
         self._batcher: MicroBatcher[ScoreJob, Verdict] = MicroBatcher(
-            self._run_batch, executor, weight=lambda job: job.num_chars, max_batch_weight=_MAX_BATCH_CHARS
+            self._run_batch,
+            lambda: PoolOwnerExecutor(lambda: threaded_executor(threads)),  # one thread: the side workers
+            weight=lambda job: job.num_chars,
+            max_batch_weight=_MAX_BATCH_CHARS,
         )
         # digest of the screened turns -> their verdict
         self._screened: OrderedDict[bytes, Verdict] = OrderedDict()

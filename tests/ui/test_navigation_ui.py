@@ -1,6 +1,7 @@
 """Moving between chats in the browser: Stop while a new chat is being created, deleting the
-open chat (here or in another tab), a stale tab's Regenerate, Back and Forward, switching while
-an answer streams, a link to an unknown chat and the browser tab's title."""
+open chat (here or in another tab), a stale tab's Regenerate (also while the other tab's answer
+streams), Back and Forward, switching while an answer streams, a link to an unknown chat and the
+browser tab's title."""
 
 from __future__ import annotations
 
@@ -111,6 +112,29 @@ def test_regenerate_in_a_stale_tab_reloads_instead_of_deleting_the_other_tabs_tu
         "from tab B",
     ]
     assert user_texts(page) == ["from tab A", "from tab B"]
+
+
+def test_regenerate_in_a_tab_behind_an_answer_still_streaming_keeps_that_answer(ui, browser, ui_server):
+    # Tab B's view matches what is stored while tab A's answer streams: its cut waits for A's turn
+    # (api/turn_lock.py), finds it stored (expected_last_message_id), cuts nothing and reloads.
+    page = ui.page
+    type_and_send(page, "hello")
+    wait_for_answer_done(page)
+    cid = conversation_id(page)
+    other = open_page(browser, ui_server.base_url, path=f"/#{cid}")
+    try:
+        other.page.locator("article.msg").nth(1).wait_for()
+        streaming = " ".join("w" for _ in range(25))  # the fake answers it word by word, for about 2 s
+        type_and_send(page, streaming)
+        wait_until(lambda: len(last_answer(page).locator(".msg-body").inner_text()) > 5)
+        other.page.get_by_role("button", name="Regenerate the answer").click()
+        wait_for_answer_done(page)
+        expect(other.page.get_by_role("alert")).to_contain_text("changed in another tab")
+        wait_for_answer_done(other.page, 30)
+        assert [m["content"] for m in stored_messages(ui_server, cid)] == ["hello", "hello", streaming, streaming]
+        assert user_texts(other.page) == ["hello", streaming]  # reloaded: A's turn is shown
+    finally:
+        other.close()
 
 
 def test_back_returns_to_the_chat_opened_before(ui):
