@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import orjson
 from aiohttp import web
 
-from api import attachments, protocol
+from api import attachments, chat_bodies, protocol
 from api.connections import read_body, reads_body_itself
 from api.errors import ApiError, bad_request, overloaded
 from api.files import BLOBS
@@ -201,11 +201,11 @@ def _extra_fields(job: Job) -> dict:
 
 async def _serve_stream(request: web.Request, state: AppState, job: Job, grant: Pass) -> web.StreamResponse:
     stream = LazyStream(request, lambda: state.response_headers(job))
-    created = protocol.now_s()
+    created = chat_bodies.now_s()
 
     def chunk(delta: dict, finish: str | None = None) -> dict:
         usage = usage_of(state, job) if job.chat.continuous_usage else None
-        return protocol.chunk_body(
+        return chat_bodies.chunk_body(
             job.completion_id, job.model.name, created, delta, finish, job.chat.include_usage, usage
         )
 
@@ -238,7 +238,7 @@ async def _serve_stream(request: web.Request, state: AppState, job: Job, grant: 
             await writer.data(body)
         if job.chat.include_usage:
             await writer.data(
-                protocol.usage_chunk_body(job.completion_id, job.model.name, created, usage_of(state, job))
+                chat_bodies.usage_chunk_body(job.completion_id, job.model.name, created, usage_of(state, job))
             )
         await writer.done()
 
@@ -248,10 +248,10 @@ async def _serve_stream(request: web.Request, state: AppState, job: Job, grant: 
 async def _serve_unary(request: web.Request, state: AppState, job: Job, grant: Pass) -> web.Response:
     answers = [make_answer(job) for _ in range(job.chat.n)]
     finishes = await generate_unary(request, state, job, grant, answers)
-    body = protocol.completion_body(
+    body = chat_bodies.completion_body(
         job.completion_id,
         job.model.name,
-        protocol.now_s(),
+        chat_bodies.now_s(),
         "".join(job.text_parts),
         answers[0].finish_reason(finishes[0]),
         usage_of(state, job),
@@ -269,7 +269,7 @@ def json_dumps(obj: object) -> str:
 
 
 def usage_of(state: AppState, job: Job) -> dict:
-    return protocol.usage_dict(
+    return chat_bodies.usage_dict(
         job.num_prompt_tokens,
         job.num_cached_tokens,
         job.num_completion_tokens,
@@ -282,11 +282,11 @@ async def _refuse(request: web.Request, state: AppState, job: Job, verdict) -> w
     """A prompt blocked before the engine: a refusal answer (or a 400 in error mode). The
     refusal is stored as the assistant message, with finish_reason content_filter."""
     refusal = await record_refusal(state, job, verdict)
-    usage = protocol.usage_dict(0, 0, 0, 0.0)
-    created = protocol.now_s()
+    usage = chat_bodies.usage_dict(0, 0, 0, 0.0)
+    created = chat_bodies.now_s()
     indices = range(job.chat.n)  # every choice asked for gets the refusal (code may index choices[1])
     if not job.chat.stream:
-        body = protocol.completion_body(
+        body = chat_bodies.completion_body(
             job.completion_id, job.model.name, created, refusal, "content_filter", usage, _extra_fields(job)
         )
         body["choices"] = [{**body["choices"][0], "index": i} for i in indices]
@@ -294,7 +294,7 @@ async def _refuse(request: web.Request, state: AppState, job: Job, verdict) -> w
     writer = await SSEWriter.open(request, state.response_headers(job))
 
     def chunk(index: int, delta: dict, finish: str | None = None) -> dict:
-        body = protocol.chunk_body(job.completion_id, job.model.name, created, delta, finish, job.chat.include_usage)
+        body = chat_bodies.chunk_body(job.completion_id, job.model.name, created, delta, finish, job.chat.include_usage)
         body["choices"][0]["index"] = index
         return body
 
@@ -303,7 +303,7 @@ async def _refuse(request: web.Request, state: AppState, job: Job, verdict) -> w
         await writer.data(chunk(i, {"content": refusal}))
         await writer.data(chunk(i, {}, "content_filter"))
     if job.chat.include_usage:
-        await writer.data(protocol.usage_chunk_body(job.completion_id, job.model.name, created, usage))
+        await writer.data(chat_bodies.usage_chunk_body(job.completion_id, job.model.name, created, usage))
     await writer.done()
     return writer._response
 

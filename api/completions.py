@@ -22,10 +22,11 @@ from typing import Any
 
 from aiohttp import web
 
-from api import protocol
+from api import chat_bodies, protocol
 from api.chat import Outlet, admit_and_serve, json_dumps, record_refusal, usage_of
 from api.connections import reads_body_itself
 from api.errors import bad_request
+from api.fields import kind_of
 from api.finish import STATUS, finish_job, generate_unary, stream_job
 from api.generation import generate_choices
 from api.job import Job
@@ -73,7 +74,7 @@ class CompletionRequest:
 def parse_completion_request(raw: Any, *, max_prompt_chars: int, max_n: int) -> CompletionRequest:
     """Validate a decoded JSON body; raise ApiError(400) naming the field on any problem."""
     if not isinstance(raw, dict):
-        raise bad_request(f"The request body must be a JSON object, got {protocol.kind_of(raw)}.", param=None)
+        raise bad_request(f"The request body must be a JSON object, got {kind_of(raw)}.", param=None)
     for key in raw:
         if key not in _SHARED and key not in _OWN:
             raise bad_request(f"Unrecognized request argument supplied: {key}", param=key, code="unknown_parameter")
@@ -83,7 +84,7 @@ def parse_completion_request(raw: Any, *, max_prompt_chars: int, max_n: int) -> 
     logprobs = _logprobs(raw.get("logprobs"))
     echo = raw.get("echo", False)
     if not isinstance(echo, bool) and echo is not None:
-        raise bad_request(f"'echo' must be a boolean, got {protocol.kind_of(echo)}.", param="echo")
+        raise bad_request(f"'echo' must be a boolean, got {kind_of(echo)}.", param="echo")
     if echo and logprobs is not None and raw.get("stream"):
         raise bad_request(
             "'echo' with 'logprobs' is answered unstreamed only on this server.",
@@ -137,9 +138,7 @@ def _prompt(value: Any, max_chars: int) -> str | tuple[int, ...]:
             param="prompt",
             code="unsupported_value",
         )
-    raise bad_request(
-        f"'prompt' must be a string or an array of token ids, got {protocol.kind_of(value)}.", param="prompt"
-    )
+    raise bad_request(f"'prompt' must be a string or an array of token ids, got {kind_of(value)}.", param="prompt")
 
 
 def _logprobs(value: Any) -> int | None:
@@ -261,7 +260,7 @@ async def _serve(echo: bool, request: web.Request, state: AppState, job: Job, gr
             choice.prepend_prompt(job.prompt_logprobs, job.gen.prompt_token_ids)
     body = _body(
         job,
-        protocol.now_s(),
+        chat_bodies.now_s(),
         [_choice(i, c.text, c.logprobs_obj(), f.value) for i, (c, f) in enumerate(zip(choices, finishes, strict=True))],
         usage_of(state, job),
     )
@@ -272,7 +271,7 @@ async def _serve_stream(
     request: web.Request, state: AppState, job: Job, grant: Pass, choices: list[TextChoice]
 ) -> web.StreamResponse:
     stream = LazyStream(request, lambda: state.response_headers(job))
-    created = protocol.now_s()
+    created = chat_bodies.now_s()
     include_usage = job.chat.include_usage
     writer: SSEWriter | None = None  # opened once admitted
 
@@ -313,8 +312,8 @@ async def _refuse(request: web.Request, state: AppState, job: Job, verdict) -> w
     """A prompt the safety gate blocked: the refusal as the completion's text, finish_reason
     content_filter (a 400 in the gate's error mode), as chat completions do."""
     refusal = await record_refusal(state, job, verdict)
-    usage = protocol.usage_dict(0, 0, 0, 0.0)
-    created = protocol.now_s()
+    usage = chat_bodies.usage_dict(0, 0, 0, 0.0)
+    created = chat_bodies.now_s()
     finish = FinishReason.CONTENT_FILTER.value
     indices = range(job.chat.n)  # every choice asked for gets the refusal
     if not job.chat.stream:

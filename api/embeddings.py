@@ -31,7 +31,7 @@ from aiohttp import web
 from api.chat import json_dumps, read_json
 from api.connections import reads_body_itself
 from api.errors import bad_request, not_found, overloaded
-from api.protocol import kind_of
+from api.fields import kind_of
 from api.state import PRINCIPAL, REQUEST_ID, STATE
 from engine.torch_threads import pool_or_side_executor, side_executor
 from engine.types import FinishReason

@@ -41,6 +41,7 @@ from api.attachments import OFF_LOOP_CHARS
 from api.chat import Outlet, admit_and_serve, json_dumps, read_json, record_refusal
 from api.connections import reads_body_itself
 from api.errors import ApiError, bad_request, not_found
+from api.fields import MAX_STOP_STRINGS, kind_of
 from api.finish import STATUS, finish_job, generate_unary, stream_job
 from api.generation import generate_choices, make_answer
 from api.job import Job, encode_chat, prompt_tools
@@ -53,7 +54,7 @@ from engine.types import FinishReason, TokenLogprob
 from gateway.admission import Pass
 from settings import ServerConfig
 
-MAX_STOP_SEQUENCES = protocol.MAX_STOP_STRINGS
+MAX_STOP_SEQUENCES = MAX_STOP_STRINGS
 
 # Our finish reasons as Anthropic's stop_reason (tool calls: "tool_use", set where they are seen).
 _STOP_REASON = {
@@ -102,7 +103,7 @@ _UNSUPPORTED = {
 def parse_messages_request(raw: Any, *, max_messages: int, max_prompt_chars: int, count_only: bool = False):
     """Validate an Anthropic Messages body into a ChatRequest; ApiError(400) naming the field."""
     if not isinstance(raw, dict):
-        raise bad_request(f"The request body must be a JSON object, got {protocol.kind_of(raw)}.", param=None)
+        raise bad_request(f"The request body must be a JSON object, got {kind_of(raw)}.", param=None)
     if not isinstance(raw.get("model"), str) or not raw["model"]:
         raise bad_request("'model' is required: the name of a model this server serves.", param="model")
     max_tokens = raw.get("max_tokens")

@@ -20,10 +20,10 @@ from aiohttp import web
 from api import feedback as feedback_api
 from api.chat import read_json
 from api.errors import ApiError, bad_request, not_found
+from api.fields import check_metadata
 from api.image_job import prompter_of
 from api.model_info import created_at, model_extras
 from api.paging import page_limit
-from api.protocol import check_metadata
 from api.state import PRINCIPAL, SETTINGS, STATE
 from engine.registry import ModelHandle
 from engine.tokenizer import Tokenizer

@@ -26,7 +26,7 @@ from dataclasses import replace
 import orjson
 from aiohttp import web
 
-from api import attachments, protocol
+from api import attachments, chat_bodies
 from api.chat import Outlet, parse_body, read_json, serve_job
 from api.errors import ApiError, bad_request, not_found, overloaded
 from api.finish import STATUS, finish_job, generate_unary, stream_job
@@ -127,7 +127,7 @@ async def _context(state: AppState, org_id: str, req: ResponsesRequest, owned: c
     return ResponseContext(
         replace(req, chat=chat),
         new_id("resp"),
-        protocol.now_s(),
+        chat_bodies.now_s(),
         new_id("msg"),
         num_history_messages=len(history),
         num_inline_messages=len(inline),

@@ -16,6 +16,7 @@ from typing import Any
 from api import protocol
 from api.answer import Answer
 from api.errors import ApiError, bad_request
+from api.fields import check_metadata, check_service_tier, parse_response_format, with_reasoning_effort
 from api.tools import ToolCall
 
 _KNOWN = {
@@ -78,7 +79,7 @@ def parse_responses_request(raw: Any, *, max_messages: int, max_prompt_chars: in
     for key in raw:
         if key not in _KNOWN:
             raise bad_request(f"Unrecognized request argument supplied: {key}", param=key, code="unknown_parameter")
-    protocol.check_metadata(raw.get("metadata"))
+    check_metadata(raw.get("metadata"))
     _check_ignored(raw)
     items = _input_items(raw.get("input"))
     instructions = raw.get("instructions")
@@ -133,7 +134,7 @@ def parse_responses_request(raw: Any, *, max_messages: int, max_prompt_chars: in
         chat,
         messages=chat.messages[1:] if instructions else chat.messages,  # checked with the input, placed later
         response_format=_text_format(raw.get("text")),
-        chat_template_kwargs=protocol.with_reasoning_effort(None, _effort(raw.get("reasoning")), "reasoning.effort"),
+        chat_template_kwargs=with_reasoning_effort(None, _effort(raw.get("reasoning")), "reasoning.effort"),
     )
     echo = {
         k: raw.get(k)
@@ -176,7 +177,7 @@ def _check_ignored(raw: dict) -> None:
     for name in _IGNORED_STRINGS:
         if raw.get(name) is not None and not isinstance(raw[name], str):
             raise bad_request(f"'{name}' must be a string.", param=name)
-    protocol.check_service_tier(raw.get("service_tier"))
+    check_service_tier(raw.get("service_tier"))
     options = raw.get("stream_options")
     if options is None:
         return
@@ -365,7 +366,7 @@ def _text_format(value: Any):
             f"'text.verbosity' must be one of low, medium, high; got {verbosity!r}.", param="text.verbosity"
         )
     fmt = value.get("format")
-    return None if fmt is None else protocol.parse_response_format(fmt, param="text.format")
+    return None if fmt is None else parse_response_format(fmt, param="text.format")
 
 
 # ---- rendering -------------------------------------------------------------------------

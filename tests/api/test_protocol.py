@@ -6,8 +6,9 @@ import math
 
 import pytest
 
+from api.chat_bodies import chunk_body, completion_body, usage_chunk_body, usage_dict
 from api.errors import ApiError
-from api.protocol import chunk_body, completion_body, parse_chat_request, usage_chunk_body, usage_dict
+from api.protocol import parse_chat_request
 
 MSG = [{"role": "user", "content": "hi"}]
 
