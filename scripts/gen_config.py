@@ -1,6 +1,6 @@
-"""Writes config.toml from settings.py: every setting with its declared default and help text.
+"""Writes config.toml from the settings package: every setting with its declared default and help text.
 
-settings.py is the one place for each setting's default and words; this script lays them out
+settings/ is the one place for each setting's default and words; this script lays them out
 as the commented config file, followed by the bundled demo models and the three tiers declared
 below. `python -m scripts.gen_config` rewrites config.toml; `--check` exits 1 if it differs
 (tests/test_settings.py checks the same).
@@ -118,7 +118,7 @@ _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def toml_value(value: Any) -> str:
-    """A default as TOML (the types settings.py declares: bool, int, float, str, list, dict)."""
+    """A default as TOML (the types the settings package declares: bool, int, float, str, list, dict)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):

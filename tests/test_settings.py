@@ -75,7 +75,7 @@ def test_every_setting_has_help():
 
 
 def test_config_toml_is_what_gen_config_writes_from_settings_py():
-    # The comments come from each setting's help text; edit settings.py, then run the script.
+    # The comments come from each setting's help text; edit settings/, then run the script.
     assert (ROOT / "config.toml").read_text(encoding="utf-8") == gen_config.render(), (
         "config.toml is stale: run .venv/bin/python -m scripts.gen_config"
     )

@@ -1,0 +1,225 @@
+"""Loading: the `Settings` of all sections, `load_settings` (config.toml read with tomllib,
+relative paths resolved, `--set section.key=value` overrides applied, unknown keys and wrong types
+rejected naming the key), `validate`, and `settings_help` for the docs. Declares no setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from settings.backends import EngineConfig, ModelConfig, TrtllmConfig, UpstreamConfig
+from settings.features import (
+    EmbeddingsConfig,
+    FilesConfig,
+    ImagesConfig,
+    SafetyConfig,
+    StoreConfig,
+    TelemetryConfig,
+)
+from settings.fields import ConfigError
+from settings.serving import QueueConfig, ServerConfig, TierConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    files: FilesConfig = field(default_factory=FilesConfig)
+    images: ImagesConfig = field(default_factory=ImagesConfig)
+    safety: SafetyConfig = field(default_factory=SafetyConfig)
+    trtllm: TrtllmConfig = field(default_factory=TrtllmConfig)
+    upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
+    embeddings: EmbeddingsConfig = field(default_factory=EmbeddingsConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    models: dict[str, ModelConfig] = field(default_factory=dict)
+    tiers: dict[str, TierConfig] = field(default_factory=dict)
+
+
+# Sections whose keys are user-chosen names (e.g. [models.demo-mini]), each of one type.
+_NAMED_SECTIONS: dict[str, type] = {"models": ModelConfig, "tiers": TierConfig}
+
+
+def load_settings(path: Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Settings:
+    """Parse the config file (if any), apply `section.key=value` overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+        _resolve_paths(raw, Path(path).resolve().parent)
+    for item in overrides:
+        _apply_override(raw, item)
+    return validate(_build(Settings, raw, ""))
+
+
+def validate(settings: Settings) -> Settings:
+    """`settings` when every value is one its setting allows (`setting(minimum=..., choices=...)`),
+    else a ConfigError naming the first that is not. Run at load, and again by server.py after the
+    --host/--port/--db flags are folded in."""
+    _check_allowed(settings, "")
+    return settings
+
+
+def _check_allowed(obj: Any, where: str) -> None:
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), _join(where, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_allowed(value, key)
+        elif where == "" and f.name in _NAMED_SECTIONS:
+            for name, item in value.items():
+                _check_allowed(item, _join(key, name))
+        elif (allowed := f.metadata.get("allowed")) is not None:
+            if isinstance(value, dict):
+                items = [(_join(key, k), v) for k, v in value.items()]
+            else:
+                items = [(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list) else [(key, value)]
+            for item_key, item in items:
+                if (problem := allowed.problem(item)) is not None:
+                    raise ConfigError(f"{item_key} {problem}")
+
+
+# Settings that name files or folders: (section, key, default, shipped). Relative values in a
+# config file are relative to that file's folder, so the server finds its files from any
+# working directory; so are the defaults of the user's data (the database), while the defaults
+# of what ships with the server (the web UI, the safety classifier) stay in the project's
+# folder, wherever the config file is (and so does a relative value of theirs that exists only
+# there). --set and --db/--model values stay relative to the working directory, as shell
+# arguments are.
+_PATH_SETTINGS = (
+    ("server", "static_dir", "static", True),
+    ("store", "path", "data/chat.db", False),
+    ("files", "dir", "", False),
+    ("safety", "classifier_path", "safety/classifier.npz", True),
+)
+PROJECT_DIR = Path(__file__).resolve().parents[1]  # the repository root, above this package
+
+
+def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
+    for section, key, default, shipped in _PATH_SETTINGS:
+        node = raw.setdefault(section, {})
+        if not isinstance(node, dict):
+            continue
+        value = node.get(key, default)
+        resolved = _resolve(value, base if key in node else PROJECT_DIR if shipped else base)
+        if shipped and key in node and not Path(resolved).exists() and Path(_resolve(value, PROJECT_DIR)).exists():
+            # A copy of config.toml moved out of the project names the shipped assets relative to
+            # the project ("static"): found there, not silently missing beside the copy.
+            resolved = _resolve(value, PROJECT_DIR)
+        node[key] = resolved
+    for model in (raw.get("models") or {}).values():
+        for key in ("path", "tokenizer"):  # a model's folder, or a relayed model's tokenizer folder
+            if isinstance(model, dict) and key in model:
+                model[key] = _resolve(model[key], base)
+
+
+def _resolve(value: Any, base: Path) -> Any:
+    """Relative non-empty paths become absolute under base; anything else is left as it is
+    (wrong types are reported by _build, naming the key)."""
+    if not isinstance(value, str) or not value or value.startswith(":") or Path(value).is_absolute():
+        return value
+    return str(base / value)
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) < 2 or not all(parts):
+        raise ConfigError(f"--set expects section.key=value, got {item!r}")
+    try:  # a TOML value (number, bool, quoted string, list); bare words are strings
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where or 'config'}: expected a table, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(f"unknown config key {_join(where, unknown[0])!r}")
+    kwargs = {}
+    for name, value in raw.items():
+        key = _join(where, name)
+        hint = hints[name]
+        if where == "" and name in _NAMED_SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key}: expected a table of named sections")
+            item_cls = _NAMED_SECTIONS[name]
+            kwargs[name] = {k: _build(item_cls, v, _join(key, k)) for k, v in value.items()}
+        elif isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, key)
+        else:
+            kwargs[name] = _coerce(hint, value, key)
+    return cls(**kwargs)
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _coerce(args[0], value, key)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        _, item = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table, got {value!r}")
+        return {k: _coerce(item, v, _join(key, k)) for k, v in value.items()}
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+    if hint is bool and not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if not isinstance(value, hint):
+        raise ConfigError(f"{key}: expected {hint.__name__}, got {value!r}")
+    return value
+
+
+def _join(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name
+
+
+def settings_help() -> list[tuple[str, Any, str]]:
+    """(key, default, help) for every declared setting; used by docs and a test."""
+    rows: list[tuple[str, Any, str]] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            hint = typing.get_type_hints(cls)[f.name]
+            if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+                walk(hint, _join(prefix, f.name))
+            elif prefix == "" and f.name in _NAMED_SECTIONS:
+                walk(_NAMED_SECTIONS[f.name], f"{f.name}.<name>")
+            else:
+                factory = f.default_factory  # MISSING (not callable) unless the field has one
+                default = factory() if callable(factory) else f.default
+                rows.append((_join(prefix, f.name), default, f.metadata.get("help", "")))
+
+    walk(Settings, "")
+    return rows
