@@ -23,8 +23,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_engine import machine_info  # noqa: E402
 from bench.bench_peers import Workload, build_model, run_ours, run_transformers  # noqa: E402
+from bench.machine import machine_info  # noqa: E402
 from engine.native.kernels import KernelMode, resolve_amx_prefill, supported_modes  # noqa: E402
 
 WORKLOADS = (Workload("qwen-390m", 1, 128, 32), Workload("qwen-390m", 8, 128, 32))

@@ -24,14 +24,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_engine import (  # noqa: E402
+from bench.machine import in_own_thread, machine_info, measure_matmul_peak_gflops  # noqa: E402
+from bench.workload import (  # noqa: E402
     REFERENCE,
     backend_generate,
     build_reference_model,
-    in_own_thread,
-    machine_info,
     make_requests,
-    measure_matmul_peak_gflops,
     run_load,
 )
 from engine.native.backend import NativeBackend  # noqa: E402

@@ -28,8 +28,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_engine import REFERENCE, machine_info, synchronize  # noqa: E402
 from bench.llamacpp_peer import make_prompts  # noqa: E402
+from bench.machine import machine_info, synchronize  # noqa: E402
+from bench.workload import REFERENCE  # noqa: E402
 from engine.native import kernels  # noqa: E402
 from engine.native.runner import resolve_device, resolve_dtype  # noqa: E402
 

@@ -1,7 +1,7 @@
 """The safety gate's cost over HTTP (part of `make bench`, issue #22): `server.py` with the
 default configuration (safety on) against the same server with `safety.enabled = false`, one run.
 
-Two workloads on the reference model's shape (bench_engine.REFERENCE, random weights) with the
+Two workloads on the reference model's shape (bench/workload.py's REFERENCE, random weights) with the
 bundled demo model's English tokenizer (vocabulary 4,096, so 28M parameters): random tokens of
 it read as English word salad, which the output classifier lets through, where the code-like
 text of bench_engine's tokenizer gets about 40% of the answers blocked as malware (a fair
@@ -33,13 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_engine import (  # noqa: E402
-    REFERENCE,
-    hf_static_batch,
-    in_own_thread,
-    machine_info,
-    make_chat_requests,
-)
+from bench.machine import in_own_thread, machine_info  # noqa: E402
+from bench.transformers_peer import hf_static_batch  # noqa: E402
+from bench.workload import REFERENCE, make_chat_requests  # noqa: E402
 from engine.native.kernels import cpu_flags, supported_modes  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 

@@ -93,9 +93,10 @@ def main(argv: list[str] | None = None) -> dict:
     390M model of Qwen2.5-0.5B's shape (bench/bench_peers.py, random weights, 32k vocabulary)."""
     import argparse
 
-    from bench.bench_engine import FULL as PLAN
-    from bench.bench_engine import engine_config, load_requests, parse_args, train_bench_tokenizer
+    from bench.bench_engine import engine_config, parse_args
     from bench.bench_peers import MODELS, build_model
+    from bench.workload import FULL as PLAN
+    from bench.workload import load_requests, train_bench_tokenizer
     from engine.tokenizer import Tokenizer
     from testing.tiny_model import write_tokenizer_files
 

@@ -1,6 +1,6 @@
 """torch.compile (inductor, CPU) against the engine's C kernels for decoding (issue #22).
 
-One run, the 30M reference model (bench_engine.REFERENCE, random weights), the same random
+One run, the 30M reference model (bench/workload.py's REFERENCE, random weights), the same random
 prompts for every path, greedy, EOS ignored: the engine in process (its kernel mode, and PyTorch
 ops), transformers eager, and transformers with a static KV cache and `torch.compile`d forward
 (inductor's default mode, and with `freezing`, which folds the weights and prepacks them for
@@ -22,9 +22,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_engine import machine_info  # noqa: E402
 from bench.bench_peers import Workload, build_model, run_ours, run_transformers  # noqa: E402
 from bench.llamacpp_peer import make_prompts  # noqa: E402
+from bench.machine import machine_info  # noqa: E402
 from engine.native import kernels  # noqa: E402
 
 

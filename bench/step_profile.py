@@ -26,10 +26,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_engine import (  # noqa: E402
+from bench.machine import in_own_thread  # noqa: E402
+from bench.workload import (  # noqa: E402
     backend_generate,
     build_reference_model,
-    in_own_thread,
     make_chat_requests,
     run_load,
 )

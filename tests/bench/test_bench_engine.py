@@ -1,10 +1,12 @@
-"""bench/bench_engine.py's pure parts: exact chat prompts, the FLOP count, the target checks."""
+"""The engine bench's pure parts: exact chat prompts and the FLOP count (bench/workload.py), the target checks
+(bench/engine_report.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.bench_engine import REFERENCE, LoadResult, checks, make_chat_requests, train_bench_tokenizer, workload_flops
+from bench.engine_report import checks
+from bench.workload import REFERENCE, LoadResult, make_chat_requests, train_bench_tokenizer, workload_flops
 from engine.tokenizer import Tokenizer
 from testing.tiny_model import write_tokenizer_files
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.bench_engine import REFERENCE, LoadResult
 from bench.bench_families import FAMILY_CONFIGS, rows_for
+from bench.workload import REFERENCE, LoadResult
 from engine.native.families import model_args_from_config
 
 
