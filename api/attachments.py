@@ -25,8 +25,9 @@ import orjson
 from api import image_job
 from api import tools as tooling
 from api.errors import ApiError, bad_request, not_found, overloaded
-from api.job import Job, JobInputs, encode_chat, make_job
+from api.job import Job, JobInputs, make_job
 from api.parts import FilePart, ImagePart, Part, TextPart, parse_parts, to_json
+from api.prompt import encode_chat
 from api.protocol import ChatMessage
 from engine.tokenizer import PromptTooLong, Tokenizer
 from engine.torch_threads import side_executor

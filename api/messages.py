@@ -44,7 +44,8 @@ from api.errors import ApiError, bad_request, not_found
 from api.fields import MAX_STOP_STRINGS, kind_of
 from api.finish import STATUS, finish_job, generate_unary, stream_job
 from api.generation import generate_choices, make_answer
-from api.job import Job, encode_chat, prompt_tools
+from api.job import Job
+from api.prompt import encode_chat, prompt_tools
 from api.sse import SSEWriter
 from api.state import PRINCIPAL, STATE, AppState
 from api.tools import ToolCall

@@ -271,7 +271,7 @@ def _check_no_effect_fields(raw: dict[str, Any]) -> None:
 # Fields a checkpoint's generation_config.json may default when the request leaves them unset.
 _DEFAULTABLE_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")
 
-# Set by the server (max_num_tokens: the tokenizer's bound on the prompt, api/job.py).
+# Set by the server (max_num_tokens: the tokenizer's bound on the prompt, api/prompt.py).
 _TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "max_num_tokens")
 
 

@@ -3,7 +3,7 @@
 Owns the three tool-call text formats models are trained on (Hermes/Qwen `<tool_call>` JSON,
 Llama 3 JSON, Mistral `[TOOL_CALLS]`), picked from the chat template or a per-model setting;
 the llguidance grammar that makes a `required` or named choice produce valid arguments; and
-the parser turning generated text into OpenAI `tool_calls`. Rendering prompts is api/job.py's work.
+the parser turning generated text into OpenAI `tool_calls`. Rendering prompts is api/prompt.py's work.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import torch
 
 from api.completions import DEFAULT_MAX_TOKENS
 from api.errors import ApiError
-from api.job import encode_raw_prompt
+from api.prompt import encode_raw_prompt
 from engine.tokenizer import Tokenizer
 from engine.upstream.counting import EstimatingCounter
 from settings import SafetyConfig

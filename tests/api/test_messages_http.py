@@ -18,7 +18,7 @@ import pytest
 
 from api.app import init
 from api.attachments import OFF_LOOP_CHARS
-from api.job import encode_chat
+from api.prompt import encode_chat
 from api.protocol import ChatMessage
 from settings import SafetyConfig
 from testing.fake_backend import FakeBehaviour, fake_backends

@@ -18,7 +18,7 @@ import pytest
 
 import engine.tokenizer as tokenizer_module
 from api.attachments import OFF_LOOP_CHARS
-from api.job import build_context, encode_chat, trim_history
+from api.prompt import build_context, encode_chat, trim_history
 from api.protocol import ChatMessage
 from engine.tokenizer import PromptTooLong, Tokenizer
 from tests.api.helpers import assert_error, state_of

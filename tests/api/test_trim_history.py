@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-import api.job as job_module
-from api.job import trim_history
+import api.prompt as prompt_module
+from api.prompt import trim_history
 from api.protocol import ChatMessage
 
 
@@ -28,7 +28,7 @@ def test_the_fewest_oldest_exchanges_that_fit_are_dropped_with_few_encodings(mon
         calls.append(len(context))
         return [0] * sum(len(m.content) for m in context)  # one "token" per character
 
-    monkeypatch.setattr(job_module, "encode_chat", encode_chat)
+    monkeypatch.setattr(prompt_module, "encode_chat", encode_chat)
     history, new = conversation(200), (ChatMessage("user", "now"),)
     ids, context, dropped = trim_history(None, history, new, budget)  # type: ignore[arg-type]
 
