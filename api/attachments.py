@@ -1,78 +1,49 @@
 """Files and images of a chat request turned into model input, and documents fitted to the context.
 
-Owns step 3's attachment half: `file` parts are counted, then each becomes its extracted text
-between a header and a footer (media/extraction.py: cached per file, so the next turn renders
-the same prompt and hits the prefix cache); images are counted, then read and checked from their
-headers, and decoded only for a vision model: a model without vision gets a 400 naming it before
-any pixel is decoded. A file or image referenced many times in a request is read, checked and
-counted once. A document that does not fit the context is refused with the numbers, or cut to
-fit when the request says `truncation: "auto"` (the answer then lists what was left out); one
-certainly longer than the room is bounded (engine/token_bound.py), never tokenized whole.
+Owns step 3's attachment half: `file` parts and images are counted, then resolved
+(api/attachment_parts.py: documents extracted, images read and checked, decoded only for a
+vision model): a model without vision gets a 400 naming it before any pixel is decoded. A
+document that does not fit the context is refused with the numbers, or cut to fit when the
+request says `truncation: "auto"` (the answer then lists what was left out); one certainly
+longer than the room is bounded (engine/token_bound.py), never tokenized whole.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import orjson
 
 from api import image_job
 from api import tools as tooling
-from api.errors import ApiError, bad_request, not_found, overloaded
+from api.attachment_parts import (
+    AttachContext,
+    Resolved,
+    image_parts,
+    image_sources,
+    render,
+    resolve,
+    resolve_from,
+    stored_files,
+)
+from api.errors import ApiError, bad_request
 from api.job import Job, JobInputs, make_job
 from api.parts import FilePart, ImagePart, Part, TextPart, parse_parts, to_json
 from api.prompt import encode_chat
 from api.protocol import ChatMessage
 from engine.tokenizer import PromptTooLong, Tokenizer
 from engine.torch_threads import side_executor
-from engine.types import IMAGE_PLACEHOLDER
-from media import documents, extraction, images
 from settings import FilesConfig, ImagesConfig
-from store.blobs import Blobs, is_file_id
-from store.types import Message, StoredFile
+from store.types import Message
 
 if TYPE_CHECKING:
     from engine.upstream.counting import Counter
-    from store.store import Store
 
 _MAX_FIT_TRIES = 3
 _CHARS_PER_TOKEN_GUESS = 4  # the first prefix tried when the start of a document is kept (then doubled)
-ImageSource = bytes | Path  # a data: URL's or fetched image's bytes, or an uploaded image's path
-
-
-@dataclass(slots=True)
-class Seen:
-    """What one request has read, by file id (an image without one by its URL): a file or image
-    referenced many times is looked up, read, checked and decoded once."""
-
-    files: dict[str, StoredFile] = field(default_factory=dict)
-    documents: dict[str, Document] = field(default_factory=dict)
-    image_sources: dict[str, ImageSource] = field(default_factory=dict)
-    decoded: dict[str, images.DecodedImage] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class AttachContext:
-    """One request's access to files and images (made per request: `seen` is that request's)."""
-
-    store: Store
-    blobs: Blobs
-    org_id: str
-    files: FilesConfig
-    images: ImagesConfig
-    seen: Seen = field(default_factory=Seen)
-
-
-@dataclass(frozen=True, slots=True)
-class Document:
-    stored: StoredFile
-    doc: documents.DocumentText
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,170 +56,6 @@ class TruncatedFile:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-@dataclass(slots=True)
-class Resolved:
-    """One message's parts, resolved: documents (by part index) and decoded images."""
-
-    message: ChatMessage
-    documents: dict[int, Document]
-    images: list[images.DecodedImage]
-    with_images: bool = False  # a vision model: images keep their place (IMAGE_PLACEHOLDER)
-
-
-# -- resolving parts ---------------------------------------------------------------------
-# Images are counted first (no bytes read), then each is read and its header checked (a bad
-# image gets its own 400), and only then, for a vision model, decoded: a model without vision
-# is refused before any pixel is decoded.
-async def _owned(ctx: AttachContext, file_id: str, where: str) -> StoredFile:
-    stored = ctx.seen.files.get(file_id)
-    if stored is None and is_file_id(file_id):
-        stored = await ctx.store.get_file(ctx.org_id, file_id)
-    if stored is None:
-        raise not_found(f"No such File object: {file_id} ('{where}').", param=where)
-    ctx.seen.files[file_id] = stored
-    return stored
-
-
-async def _stored_files(ctx: AttachContext, message: ChatMessage) -> dict[int, StoredFile]:
-    """The message's file parts by index, looked up (404 for an unknown or another organisation's id)."""
-    return {i: await _owned(ctx, p.file_id, p.where) for i, p in enumerate(message.parts) if isinstance(p, FilePart)}
-
-
-def _image_parts(message: ChatMessage, stored: dict[int, StoredFile]) -> dict[int, ImagePart | FilePart]:
-    """The message's images by part index: image parts, and file parts whose upload is an image."""
-    return {
-        i: p
-        for i, p in enumerate(message.parts)
-        if isinstance(p, ImagePart)
-        or (isinstance(p, FilePart) and i in stored and stored[i].media_type.startswith("image/"))
-    }
-
-
-async def _document(ctx: AttachContext, stored: StoredFile, where: str) -> Document:
-    if stored.id in ctx.seen.documents:
-        return ctx.seen.documents[stored.id]
-    cfg = ctx.files
-    limits = documents.ExtractLimits(
-        cfg.max_pdf_pages, cfg.max_document_chars, cfg.max_extract_s, cfg.max_extract_memory_bytes
-    )
-    try:
-        doc = await extraction.cached_extract(
-            ctx.blobs.path(stored.id),
-            ctx.blobs.text_path(stored.id),
-            stored.media_type,
-            limits,
-            cfg.max_concurrent_extractions,
-        )
-    except documents.UnreadableDocument as exc:
-        raise bad_request(
-            f"The file {stored.filename} ({stored.id}) cannot be read: {exc}.", param=where, code="unreadable_file"
-        ) from None
-    except extraction.ExtractionBusy as exc:
-        raise overloaded(
-            f"The server is busy reading other files ({exc}); try again shortly.", retry_after_s=cfg.max_extract_s
-        ) from None
-    ctx.seen.documents[stored.id] = Document(stored, doc)
-    return ctx.seen.documents[stored.id]
-
-
-@contextlib.contextmanager
-def _image_errors(where: str) -> Iterator[None]:
-    try:
-        yield
-    except images.ImageRejected as exc:
-        raise bad_request(f"{exc.message} ('{where}')", param=where, code=exc.code) from None
-
-
-def _image_key(part: ImagePart | FilePart) -> str:
-    """The same image however often a request names it: its file id, else its URL."""
-    return part.file_id if part.file_id is not None else part.url or ""
-
-
-async def _image_source(ctx: AttachContext, part: ImagePart | FilePart) -> ImageSource:
-    """The image's bytes or path, its size, structure, format and pixel count checked (once per
-    request for each image, however often it is named)."""
-    cfg, where, key = ctx.images, part.where, _image_key(part)
-    if key in ctx.seen.image_sources:
-        return ctx.seen.image_sources[key]
-    with _image_errors(where):
-        if isinstance(part, FilePart):  # its upload was looked up already (_stored_files)
-            source: ImageSource = ctx.blobs.path(part.file_id)
-        elif part.file_id is not None:
-            source = ctx.blobs.path((await _owned(ctx, part.file_id, where)).id)
-        elif part.url is None:  # parse_parts gives an image part a file_id or a url
-            raise bad_request(f"'{where}' has neither a file_id nor a url.", param=where)
-        elif part.url.startswith("data:"):
-            source = images.decode_data_url(part.url, cfg)
-        else:
-            source = await images.fetch_remote(part.url, cfg)
-        await images.probe_bounded(source, cfg)
-    ctx.seen.image_sources[key] = source
-    return source
-
-
-async def _image_sources(
-    ctx: AttachContext, message: ChatMessage, stored: dict[int, StoredFile]
-) -> dict[int, ImageSource]:
-    return {i: await _image_source(ctx, p) for i, p in _image_parts(message, stored).items()}
-
-
-async def _resolve(
-    ctx: AttachContext,
-    message: ChatMessage,
-    stored: dict[int, StoredFile],
-    sources: dict[int, ImageSource] | None,
-) -> Resolved:
-    """Documents extracted; images decoded when `sources` holds them (None: a model without
-    vision, whose images render as "[image]")."""
-    image_parts = _image_parts(message, stored)
-    documents_by_index: dict[int, Document] = {}
-    decoded: list[images.DecodedImage] = []
-    for i, part in enumerate(message.parts):
-        if i in image_parts:
-            if sources is not None:
-                decoded.append(await _decoded(ctx, image_parts[i], sources[i]))
-        elif isinstance(part, FilePart):
-            documents_by_index[i] = await _document(ctx, stored[i], part.where)
-    return Resolved(message, documents_by_index, decoded, sources is not None)
-
-
-async def _decoded(ctx: AttachContext, part: ImagePart | FilePart, source: ImageSource) -> images.DecodedImage:
-    key = _image_key(part)
-    if key not in ctx.seen.decoded:
-        with _image_errors(part.where):
-            ctx.seen.decoded[key] = await images.decode_bounded(source, ctx.images)
-    return ctx.seen.decoded[key]
-
-
-async def resolve(ctx: AttachContext, message: ChatMessage, *, with_images: bool = False) -> Resolved:
-    stored = await _stored_files(ctx, message)
-    sources = await _image_sources(ctx, message, stored) if with_images else None
-    return await _resolve(ctx, message, stored, sources)
-
-
-def render(resolved: Resolved, texts: dict[int, str] | None = None) -> str:
-    """The message's text with each document's block in place (`texts` overrides a document's text)."""
-    segments: list[str] = []
-    after_text = False  # consecutive text parts join with nothing between them, as plain content does
-    for i, part in enumerate(resolved.message.parts):
-        if isinstance(part, TextPart):
-            if after_text:
-                segments[-1] += part.text
-            else:
-                segments.append(part.text)
-            after_text = True
-            continue
-        after_text = False
-        if i in resolved.documents:
-            d = resolved.documents[i]
-            text = d.doc.text if texts is None or i not in texts else texts[i]
-            name = d.stored.filename
-            segments.append(f"{documents.header(name, d.stored.media_type, d.doc)}\n{text}\n{documents.footer(name)}")
-        else:
-            segments.append(IMAGE_PLACEHOLDER if resolved.with_images else "[image]")
-    return "\n\n".join(s for s in segments if s)
 
 
 # -- fitting documents to the context ------------------------------------------------------
@@ -447,14 +254,14 @@ async def prepare_job(ctx: AttachContext, inputs: JobInputs) -> Prepared:
     prompter = image_job.prompter_of(inputs.model)
     messages = inputs.chat.messages
     _check_file_count(messages, ctx.files)  # before any file is looked up
-    stored = [await _stored_files(ctx, m) for m in messages]
-    wheres = [p.where for m, s in zip(messages, stored, strict=True) for p in _image_parts(m, s).values()]
+    stored = [await stored_files(ctx, m) for m in messages]
+    wheres = [p.where for m, s in zip(messages, stored, strict=True) for p in image_parts(m, s).values()]
     _check_image_count(len(wheres), ctx.images)  # before any image is read
-    sources = [await _image_sources(ctx, m, s) for m, s in zip(messages, stored, strict=True)]
+    sources = [await image_sources(ctx, m, s) for m, s in zip(messages, stored, strict=True)]
     if wheres and prompter is None:  # read and checked, not decoded
         raise _no_vision(inputs, wheres[0])
     new = [
-        await _resolve(ctx, m, s, src if prompter is not None else None)
+        await resolve_from(ctx, m, s, src if prompter is not None else None)
         for m, s, src in zip(messages, stored, sources, strict=True)
     ]
     history, history_images = None, []

@@ -21,6 +21,7 @@ import orjson
 from aiohttp import web
 
 from api import attachments, chat_bodies, protocol
+from api.attachment_parts import AttachContext
 from api.connections import read_body, reads_body_itself
 from api.errors import ApiError, bad_request, overloaded
 from api.files import BLOBS
@@ -183,7 +184,7 @@ async def _prepare(state: AppState, principal, grant: Pass, chat: protocol.ChatR
         cache_salt=state.cache_salt(principal),
     )
     # Files and images (api/attachments.py): resolved, checked against the model, fitted to the context.
-    ctx = attachments.AttachContext(state.store, blobs, principal.org.id, state.settings.files, state.settings.images)
+    ctx = AttachContext(state.store, blobs, principal.org.id, state.settings.files, state.settings.images)
     prepared = await attachments.prepare_job(ctx, inputs)
     prepared.job.truncated_files = tuple(t.as_dict() for t in prepared.truncated)
     return prepared.job

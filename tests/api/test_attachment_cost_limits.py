@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 import engine.tokenizer as tokenizer_module
-from api import attachments
+from api import attachment_parts, attachments
 from api.app import init
 from engine.tokenizer import Tokenizer
 from media import extraction, images
@@ -83,7 +83,7 @@ async def chat(client, messages, **extra):
 async def test_more_file_parts_than_the_limit_are_refused_before_any_file_is_looked_up(make_client, monkeypatch):
     client = await make_client("files.max_files_per_request=2")
     file_id = await upload_text(client, "A short note.", "note.txt")
-    looked_up = spy_on(monkeypatch, attachments, "_owned")
+    looked_up = spy_on(monkeypatch, attachment_parts, "_owned")
     err = await assert_error(
         await chat(client, with_files(file_id, file_id, file_id)), 400, code="too_many_files", param="messages"
     )
