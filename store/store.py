@@ -1,4 +1,5 @@
-"""`Store`: the one object that owns the database, and the only door to it.
+"""`Store`: the one object that owns the database, and the only door to it (its conversation,
+feedback and stored-Response methods are in store/store_conversations.py, a mixin it subclasses).
 
 Reads run on a small pool of read-only connections; every write is a job for the single
 `Writer`. Authenticating a request reads no SQL while its key is in the `KeyCache` (re-read
@@ -22,16 +23,15 @@ import aiosqlite
 import structlog
 
 from settings import StoreConfig
-from store import conversations, feedback, files, keys, ledger, responses, schema
+from store import files, keys, ledger, schema
 from store.keycache import KeyCache, LiveKey
 from store.rows import fetch_all
+from store.store_conversations import StoreConversations
 from store.types import (
     INFERENCE_SCOPE,
     ApiKey,
-    Conversation,
     FileQuery,
     FileQuota,
-    Message,
     Org,
     Principal,
     RequestRecord,
@@ -53,7 +53,7 @@ UNSET: Any = _Unset()  # "leave as is", where None is a meaningful value
 PROBE_BYTES = 64 * 1024  # what a write probe commits: an answer and its messages, roughly
 
 
-class Store:
+class Store(StoreConversations):
     def __init__(self, path: Path, config: StoreConfig, write_conn: aiosqlite.Connection) -> None:
         self.path = path
         self.config = config
@@ -220,166 +220,6 @@ class Store:
             self._last_used[principal.key_id] = time.time()
         return principal
 
-    # --- conversations -------------------------------------------------------------------
-
-    async def create_conversation(
-        self,
-        org_id: str,
-        *,
-        title: str | None = None,
-        pending: bool = False,
-        metadata: dict[str, str] | None = None,
-        messages: tuple[Message, ...] = (),
-    ) -> Conversation:
-        """A conversation, starting with `messages` (oldest first; one transaction); without a title
-        it takes the first user message's. `pending`: created for a turn not yet stored; deleted at
-        the next start if it never is."""
-        job = functools.partial(
-            conversations.create, org_id=org_id, title=title, pending=pending, metadata=metadata, messages=messages
-        )
-        return await self._write(job)
-
-    async def branch_conversation(
-        self, org_id: str, conversation_id: str, num_messages: int, *, pending: bool = False
-    ) -> Conversation | None:
-        """A new conversation holding a copy of the first `num_messages` messages of this one, in one
-        transaction (a Responses call continuing from an earlier response); None if it is gone or shorter."""
-        job = functools.partial(
-            conversations.branch,
-            org_id=org_id,
-            conversation_id=conversation_id,
-            num_messages=num_messages,
-            pending=pending,
-        )
-        return await self._write(job)
-
-    async def delete_pending_conversations(self) -> int:
-        """At startup: drop conversations whose creating request died before its first turn."""
-        return await self._write(conversations.delete_pending)
-
-    async def list_conversations(
-        self, org_id: str, *, limit: int = 20, after: str | None = None
-    ) -> tuple[list[Conversation], bool]:
-        """A page, newest first, and whether more follow; raises NotFound for an unknown `after`."""
-        async with self._reader() as conn:
-            return await conversations.list_page(conn, org_id, max(1, limit), after)
-
-    async def get_conversation(
-        self, org_id: str, conversation_id: str, *, with_messages: bool = True
-    ) -> Conversation | None:
-        async with self._reader() as conn:
-            return await conversations.get(conn, org_id, conversation_id, with_messages)
-
-    async def get_billed_conversation(
-        self, org_id: str, conversation_id: str
-    ) -> tuple[Conversation, dict[str, conversations.AnswerUsage]] | None:
-        """The conversation with its messages, and each answer's ledger row by message id."""
-        async with self._reader() as conn:
-            return await conversations.get_billed(conn, org_id, conversation_id)
-
-    async def rename_conversation(self, org_id: str, conversation_id: str, title: str) -> Conversation | None:
-        return await self.update_conversation(org_id, conversation_id, title=title, metadata=None, set_metadata=False)
-
-    async def update_conversation(
-        self,
-        org_id: str,
-        conversation_id: str,
-        *,
-        title: str | None,
-        metadata: dict[str, str] | None,
-        set_metadata: bool,
-    ) -> Conversation | None:
-        """The title (None: unchanged) and, with `set_metadata`, the metadata; None if not found."""
-        job = functools.partial(
-            conversations.update,
-            org_id=org_id,
-            conversation_id=conversation_id,
-            title=title,
-            metadata=metadata,
-            set_metadata=set_metadata,
-        )
-        return await self._write(job)
-
-    async def discard_pending_conversation(self, org_id: str, conversation_id: str) -> bool:
-        """Delete at once (not a soft delete kept for the retention period) a conversation made
-        for a request refused before its first turn was stored; False if it got a turn since."""
-        job = functools.partial(conversations.discard_pending, org_id=org_id, conversation_id=conversation_id)
-        return await self._write(job)
-
-    async def delete_conversation(self, org_id: str, conversation_id: str) -> bool:
-        job = functools.partial(conversations.soft_delete, org_id=org_id, conversation_id=conversation_id)
-        return await self._write(job)
-
-    async def truncate_conversation(self, org_id: str, conversation_id: str, keep_messages: int) -> bool:
-        """Keep the first `keep_messages` messages, drop the rest (regenerate, edit and resend)."""
-        job = functools.partial(
-            conversations.truncate, org_id=org_id, conversation_id=conversation_id, keep_messages=keep_messages
-        )
-        return await self._write(job)
-
-    async def set_feedback(
-        self, org_id: str, conversation_id: str, message_id: str, change: feedback.FeedbackChange
-    ) -> feedback.Feedback:
-        """Rate or comment an answer, or record that it was regenerated or its prompt edited;
-        NotFound when the conversation or answer does not exist for this organisation."""
-        job = functools.partial(
-            feedback.upsert, org_id=org_id, conversation_id=conversation_id, message_id=message_id, change=change
-        )
-        return await self._write(job)
-
-    async def conversation_feedback(self, conversation_id: str) -> dict[str, feedback.Feedback]:
-        """message id -> feedback, for one conversation (the caller checked its organisation)."""
-        async with self._reader() as conn:
-            return await feedback.for_conversation(conn, conversation_id)
-
-    async def export_feedback(self, org_id: str | None = None) -> list[feedback.Feedback]:
-        async with self._reader() as conn:
-            return [row async for row in feedback.iterate(conn, org_id)]
-
-    async def insert_response(self, org_id: str, response: responses.StoredResponse) -> None:
-        await self._write(functools.partial(responses.insert, org_id=org_id, response=response))
-
-    async def update_response(
-        self, org_id: str, response_id: str, *, status: str, body_json: str, num_messages: int | None = None
-    ) -> bool:
-        return await self._write(
-            functools.partial(
-                responses.update,
-                org_id=org_id,
-                response_id=response_id,
-                status=status,
-                body_json=body_json,
-                num_messages=num_messages,
-            )
-        )
-
-    async def fail_unfinished_responses(self, error: dict[str, Any]) -> int:
-        return await self._write(functools.partial(responses.fail_unfinished, error=error))
-
-    async def get_response(self, org_id: str, response_id: str) -> responses.StoredResponse | None:
-        async with self._reader() as conn:
-            return await responses.get(conn, org_id, response_id)
-
-    async def delete_response(self, org_id: str, response_id: str) -> bool:
-        return await self._write(functools.partial(responses.delete, org_id=org_id, response_id=response_id))
-
-    async def purge_deleted(self, retention_days_by_tier: dict[str, int], now: float | None = None) -> int:
-        now = time.time() if now is None else now
-        job = functools.partial(conversations.purge, retention_days_by_tier=dict(retention_days_by_tier), now=now)
-        count = await self._write(job)
-        if count:
-            log.info("conversations_purged", num_conversations=count)
-        return count
-
-    async def run_purge_loop(self, retention_days_by_tier: dict[str, int]) -> None:
-        """Purge every `purge_interval_s` until cancelled (run it as a background task)."""
-        while True:
-            try:
-                await self.purge_deleted(retention_days_by_tier)
-            except StoreError as exc:
-                log.warning("conversation_purge_failed", error=str(exc))
-            await asyncio.sleep(self.config.purge_interval_s)
-
     # --- uploaded files (metadata; the bytes are store.blobs') ---------------------------
 
     async def insert_file(self, f: StoredFile, quota: FileQuota) -> StoredFile:
@@ -437,11 +277,6 @@ class Store:
                 error=str(exc),
             )
             raise
-
-    async def conversation_bytes(self, org_id: str) -> int:
-        """What the organisation's live conversations hold (their messages' text and parts)."""
-        async with self._reader() as conn:
-            return await conversations.stored_bytes(conn, org_id)
 
     async def month_spend_usd(self, org_id: str, now: float | None = None) -> float:
         """Cost of the organisation's requests in the calendar month (UTC) of `now`."""
