@@ -22,7 +22,7 @@ import orjson
 import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from api.errors import ApiError
 from settings import ServerConfig
@@ -313,6 +313,16 @@ async def _streamed_upload(request: web.Request, handler) -> web.StreamResponse:
             protocol.is_reading_body = False
 
 
+def malformed_body(request: web.Request, exc: HttpProcessingError | RequestPayloadError) -> ApiError:
+    """The 400 for a body that cannot be read as HTTP says: bad chunking or length, or a
+    `Content-Encoding` (gzip, deflate) whose bytes do not decode. The connection closes after it."""
+    request[CLOSE_AFTER] = True
+    cause = exc.__cause__ if isinstance(exc, RequestPayloadError) else exc  # the decoder's own error
+    message = (cause.message if isinstance(cause, HttpProcessingError) else str(exc))[:200]
+    log.warning("malformed_http", peer=request.remote, error=message)
+    return ApiError(400, f"Malformed request body: {message}", "invalid_request_error", "malformed_http")
+
+
 async def read_body(request: web.Request, timeout_s: float) -> bytes:
     """The whole body, read under `timeout_s` (408 and close past it); cached on the request."""
     protocol = request.protocol
@@ -327,12 +337,8 @@ async def read_body(request: web.Request, timeout_s: float) -> bytes:
         raise ApiError(
             408, f"The request body did not arrive within {timeout_s:g} s.", "invalid_request_error", "request_timeout"
         ) from None
-    except HttpProcessingError as exc:  # bad chunking, bad length
-        request[CLOSE_AFTER] = True
-        log.warning("malformed_http", peer=request.remote, error=exc.message[:200])
-        raise ApiError(
-            400, f"Malformed request body: {exc.message[:200]}", "invalid_request_error", "malformed_http"
-        ) from None
+    except (HttpProcessingError, RequestPayloadError) as exc:  # bad chunking or length; undecodable encoding
+        raise malformed_body(request, exc) from None
     finally:
         if isinstance(protocol, GuardedHandler):
             protocol.is_reading_body = False

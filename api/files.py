@@ -20,8 +20,9 @@ from urllib.parse import quote
 import structlog
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
-from api.connections import CLOSE_AFTER
+from api.connections import CLOSE_AFTER, malformed_body
 from api.errors import ApiError, bad_request, not_found
 from api.paging import page_limit, page_order
 from api.state import PRINCIPAL, SETTINGS, STATE
@@ -179,6 +180,8 @@ async def create_file(request: web.Request) -> web.Response:
             raise ApiError(
                 408, f"The upload sent nothing for {limits.idle_s:g} s.", "invalid_request_error", "request_timeout"
             ) from None
+        except RequestPayloadError as exc:  # bytes that its Content-Encoding does not decode
+            raise malformed_body(request, exc) from None
         except (ValueError, HttpProcessingError) as exc:  # aiohttp's parser: no boundary, a broken delimiter or header
             raise bad_request(f"The multipart body cannot be read: {exc}.", code="invalid_multipart") from None
         stored = await _commit(request, upload, limits.quota, (purpose, filename, media_type))

@@ -379,7 +379,7 @@ def _message(value: Any, index: int) -> ChatMessage:
     if not isinstance(value, dict):
         raise bad_request(f"'{where}' must be an object, got {kind_of(value)}.", param=where)
     role = value.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:  # a list or object is no role (nor hashable)
         raise bad_request(
             f"'{where}.role' must be one of system, developer, user, assistant, tool; got {role!r}.",
             param=f"{where}.role",

@@ -410,3 +410,18 @@ async def test_a_body_of_millions_of_empty_arrays_is_refused_before_it_is_parsed
     assert "100013 JSON arrays and objects" in error["message"]
     fits = {"model": "echo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     assert (await client.post("/v1/chat/completions", json=fits)).status == 200
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/embeddings", "/v1/files", "/v1/models"])
+async def test_a_body_whose_content_encoding_does_not_decode_is_a_400(make_client, path, encoding):
+    """Bytes sent as gzip or deflate that are neither: 400 malformed_http (was a 500 with a traceback)."""
+    client = await make_client()
+    method = client.get if path == "/v1/models" else client.post
+    content_type = "multipart/form-data; boundary=XX" if path == "/v1/files" else "application/json"
+    headers = {"Content-Type": content_type, "Content-Encoding": encoding}
+    resp = await method(path, data=b"these bytes are not compressed", headers=headers)
+    error = await assert_error(resp, 400, code="malformed_http")
+    assert encoding in error["message"]
+    fits = {"model": "echo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert (await chat(client, fits)).status == 200

@@ -85,6 +85,8 @@ def test_continuous_usage_stats_needs_include_usage():
         ({"messages": [{}]}, "messages[0].role"),
         ({"messages": ["x"]}, "messages[0]"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": [], "content": "x"}]}, "messages[0].role"),  # unhashable: was a 500
+        ({"messages": [{"role": {"a": 1}, "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
         ({"messages": MSG * 9}, "messages"),
