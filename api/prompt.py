@@ -10,13 +10,16 @@ from __future__ import annotations
 from typing import Any
 
 import jinja2
+import structlog
 
 from api.errors import bad_request
 from api.protocol import ChatMessage, ChatRequest, wire_options
 from api.tools import ChoiceMode, Tool, detect_format, template_takes_tools, tools_system_prompt
 from engine.registry import ModelHandle
-from engine.tokenizer import PromptTooLong, Tokenizer
+from engine.tokenizer import PromptTooLong, TemplateRefusal, Tokenizer
 from engine.types import ChatPrompt
+
+log = structlog.get_logger(__name__)
 
 
 def prompt_tools(chat: ChatRequest) -> tuple[Tool, ...]:
@@ -107,7 +110,8 @@ def encode_chat(
 ) -> list[int]:
     """Render through the chat template; tools go in as `tools=` (or a system message, for a
     template that ignores them); `template_kwargs` (a request's chat_template_kwargs) as template
-    variables: a template that fails on them is the client's error (400). `continue_final`: the
+    variables. A template that refuses the messages (its raise_exception) or fails on them or on
+    the kwargs is the client's error: a 400 naming which, with the template's words. `continue_final`: the
     last message is an assistant's prefill the answer continues (the prompt ends with its text).
     `max_num_tokens`: PromptTooLong, before tokenizing, for a prompt certainly longer (a model
     served here; a relayed model's counter counts in full)."""
@@ -127,29 +131,91 @@ def encode_chat(
     options: dict[str, Any] = {"continue_final_message": True} if continue_final else {}
     if max_num_tokens is not None and isinstance(model.tokenizer, Tokenizer):
         options["max_num_tokens"] = max_num_tokens
-    if not template_kwargs:
-        return _encode_chat(model, context, tools, options)
     try:
-        return _encode_chat(model, context, tools, {**template_kwargs, **options})
-    except (jinja2.TemplateError, TypeError, ValueError) as exc:
+        return _encode_chat(model, context, tools, {**(template_kwargs or {}), **options})
+    except TemplateRefusal as exc:  # the template's raise_exception: these messages are not its shape
         raise bad_request(
-            f"The chat template failed with these chat_template_kwargs: {exc}", param="chat_template_kwargs"
+            f"The chat template of '{model.name}' refuses these messages: {exc}", param="messages"
         ) from None
+    except _RENDER_ERRORS as exc:
+        raise _render_failed(model, context, tools, options, template_kwargs, exc) from None
+
+
+# What rendering a chat template raises on input it was not written for (beside TemplateRefusal):
+# an undefined variable, a wrong type, the sandbox's range limit.
+_RENDER_ERRORS = (jinja2.TemplateError, TypeError, ValueError, OverflowError)
+
+
+def _render_failed(
+    model: ModelHandle,
+    context: list[ChatMessage],
+    tools: tuple[Tool, ...],
+    options: dict[str, Any],
+    template_kwargs: dict[str, Any] | None,
+    exc: Exception,
+) -> Exception:
+    """The 400 for a template that failed: blamed on chat_template_kwargs when the messages
+    render without them, else on the messages (and logged: the template may be at fault)."""
+    if template_kwargs:
+        try:
+            _encode_chat(model, context, tools, options)
+        except Exception:  # it fails without them too: the messages are at fault
+            pass
+        else:
+            return bad_request(
+                f"The chat template failed with these chat_template_kwargs: {exc}", param="chat_template_kwargs"
+            )
+    log.warning("chat_template_failed", model=model.name, error=f"{type(exc).__name__}: {exc}"[:300])
+    return bad_request(f"The chat template of '{model.name}' cannot render these messages: {exc}", param="messages")
 
 
 def _encode_chat(model: ModelHandle, context: list[ChatMessage], tools: tuple[Tool, ...], kwargs: dict) -> list[int]:
     messages = [m.as_template_dict() for m in context]
     if not tools:
-        return model.tokenizer.encode_chat(messages, **kwargs)
+        return _render(model, messages, kwargs)
     template = getattr(model.tokenizer, "chat_template", None)  # None: an upstream model's token counter
     if template is None or template_takes_tools(template):
-        return model.tokenizer.encode_chat(messages, tools=[t.as_template_arg() for t in tools], **kwargs)
+        return _render(model, messages, {"tools": [t.as_template_arg() for t in tools], **kwargs})
     fmt = detect_format(template, model.config.tool_parser)
     prompt = {"role": "system", "content": tools_system_prompt(tools, fmt)}
     if messages and messages[0]["role"] == "system":
         prompt["content"] = messages[0]["content"] + "\n\n" + prompt["content"]
         messages = messages[1:]
-    return model.tokenizer.encode_chat([prompt, *messages], **kwargs)
+    return _render(model, [prompt, *messages], kwargs)
+
+
+def _render(model: ModelHandle, messages: list[dict[str, Any]], kwargs: dict) -> list[int]:
+    """encode_chat; a template that refuses the system role (Gemma 2's "System role not
+    supported") gets the leading system text at the head of the first user turn instead, as
+    Gemma 3's own template does with it."""
+    try:
+        return model.tokenizer.encode_chat(messages, **kwargs)
+    except TemplateRefusal:
+        folded = _system_folded(messages)
+        if folded is None:
+            raise
+        ids = model.tokenizer.encode_chat(folded, **kwargs)
+        if model.name not in _FOLDS_LOGGED:
+            _FOLDS_LOGGED.add(model.name)
+            log.info("chat_template_system_folded", model=model.name)
+        return ids
+
+
+_FOLDS_LOGGED: set[str] = set()  # models whose fold was logged (once each)
+
+
+def _system_folded(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The leading system messages' text joined to the first user message's; None when there is
+    no leading system text or no user message right after it to carry it."""
+    num_system = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    rest = messages[num_system:]
+    texts = [m["content"] for m in messages[:num_system]]
+    if not num_system or not rest or rest[0]["role"] != "user" or not all(isinstance(t, str) for t in texts):
+        return None
+    if not isinstance(rest[0]["content"], str):
+        return None
+    joined = "\n\n".join(t for t in [*texts, rest[0]["content"]] if t)
+    return [{**rest[0], "content": joined}, *rest[1:]]
 
 
 def encode_raw_prompt(

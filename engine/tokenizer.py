@@ -10,20 +10,29 @@ the default temperature / top_p / top_k / repetition_penalty from `generation_co
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Self
 
 import jinja2
+import structlog
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.token_bound import TokenBound
 
+log = structlog.get_logger(__name__)
+
 
 class TokenizerLoadError(Exception):
     """A missing or malformed tokenizer file, named in the message."""
+
+
+class TemplateRefusal(jinja2.exceptions.TemplateError):
+    """The chat template's own `raise_exception(...)`: it refuses these messages (a role it does
+    not take, such as Gemma 2's "System role not supported", or roles that do not alternate)."""
 
 
 class PromptTooLong(Exception):
@@ -42,7 +51,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
         raise TokenizerLoadError(f"{path}: cannot parse JSON: {exc}") from None
     if not isinstance(data, dict):
         raise TokenizerLoadError(f"{path}: expected a JSON object")
@@ -65,7 +74,7 @@ def _as_id_list(value: Any) -> list[int]:
 
 
 def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
+    raise TemplateRefusal(message)
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **_: Any) -> str:
@@ -102,6 +111,7 @@ class Tokenizer:
         self._literal_tok.encode_special_tokens = True
         self._bound = TokenBound.of(tokenizer)  # None: prompts are only counted exactly
         self.generation_defaults = generation_defaults or {}  # from generation_config.json
+        chat_template = chat_template if chat_template and chat_template.strip() else None  # "": a base model
         self._template = _compile_template(chat_template) if chat_template else None
         self.chat_template = chat_template
         self.bos_token = special_tokens.get("bos_token")
@@ -270,7 +280,10 @@ class Tokenizer:
 def _chat_template(path: Path, tok_cfg: dict[str, Any]) -> str | None:
     jinja_file = path / "chat_template.jinja"
     if jinja_file.exists():
-        return jinja_file.read_text(encoding="utf-8")
+        try:
+            return jinja_file.read_text(encoding="utf-8")
+        except (OSError, ValueError) as exc:  # ValueError: not UTF-8
+            raise TokenizerLoadError(f"{jinja_file}: cannot read: {exc}") from None
     template = tok_cfg.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -284,8 +297,16 @@ def _chat_template(path: Path, tok_cfg: dict[str, Any]) -> str | None:
 
 
 # Sampling defaults a checkpoint's generation_config.json may set, applied (as vLLM does) to a
-# request that leaves them unset; name -> the type each must have.
+# request that leaves them unset; name -> the type each must have. `do_sample` is not read (nor
+# by vLLM): a request's temperature 0 is greedy.
 GENERATION_DEFAULT_KEYS = {"temperature": float, "top_p": float, "top_k": int, "repetition_penalty": float}
+# The values a request may send (api/protocol.py): a default outside them is not applied.
+_GENERATION_DEFAULT_OK = {
+    "temperature": lambda v: 0 <= v <= 2,
+    "top_p": lambda v: 0 < v <= 1,
+    "top_k": lambda v: v >= -1 and v == int(v),
+    "repetition_penalty": lambda v: v > 0,
+}
 
 
 def _generation_defaults(path: Path) -> dict[str, float | int]:
@@ -293,10 +314,16 @@ def _generation_defaults(path: Path) -> dict[str, float | int]:
     defaults: dict[str, float | int] = {}
     for key, kind in GENERATION_DEFAULT_KEYS.items():
         value = cfg.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if key == "repetition_penalty" and not value > 0:
-                continue  # transformers refuses such a config too; serve without it
-            defaults[key] = kind(value)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            ok = False
+        else:
+            ok = _GENERATION_DEFAULT_OK[key](value)
+        if not ok:  # e.g. a negative temperature would invert sampling: serve without it, and say so
+            log.warning("generation_default_ignored", file=str(path / "generation_config.json"), key=key, value=value)
+            continue
+        defaults[key] = kind(value)
     return defaults
 
 

@@ -48,3 +48,40 @@ def test_every_eos_id_in_the_generation_config_is_kept(model):
 def test_a_model_without_defaults_keeps_openais(tiny_model_dir):
     s = sampling(SimpleNamespace(tokenizer=Tokenizer.from_dir(tiny_model_dir)))
     assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty) == (1.0, 1.0, None, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("temperature", -0.05),  # would divide the logits by a negative number: sampling inverted
+        ("temperature", 7),
+        ("top_p", 0),  # empty answers
+        ("top_p", 1.5),
+        ("top_k", -5),
+        ("top_k", 2.5),
+        ("repetition_penalty", 0),
+        ("temperature", "0.7"),
+        ("temperature", True),
+    ],
+)
+def test_a_default_a_request_could_not_send_is_not_applied(tiny_model_dir, tmp_path, key, value):
+    target = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, target)
+    gen = json.loads((target / "generation_config.json").read_text())
+    gen.update({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1, key: value})
+    (target / "generation_config.json").write_text(json.dumps(gen))
+    tokenizer = Tokenizer.from_dir(target)
+    assert key not in tokenizer.generation_defaults and len(tokenizer.generation_defaults) == 3
+    s = sampling(SimpleNamespace(tokenizer=tokenizer))
+    assert getattr(s, key) == {"temperature": 1.0, "top_p": 1.0, "top_k": None, "repetition_penalty": 1.0}[key]
+
+
+def test_tokenizer_files_that_are_not_utf8_are_a_load_error_naming_the_file(tiny_model_dir, tmp_path):
+    from engine.tokenizer import TokenizerLoadError
+
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        target = tmp_path / name
+        shutil.copytree(tiny_model_dir, target)
+        (target / name).write_bytes("{}".encode("utf-16"))
+        with pytest.raises(TokenizerLoadError, match=name):
+            Tokenizer.from_dir(target)

@@ -136,3 +136,73 @@ async def test_tokens_a_fine_tune_added_without_resizing_the_model_never_take_th
     assert resp.status == 200, await resp.text()
     resp = await client.post("/v1/chat/completions", json=chat)  # the engine still serves everyone
     assert resp.status == 200, await resp.text()
+
+
+# Gemma 2's template, shortened: it refuses the system role and roles that do not alternate.
+_GEMMA2_LIKE = (
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "<turn>{{ m['role'] }}\n{{ m['content'] }}</turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<turn>model\n{% endif %}"
+)
+
+
+def _with_template(tiny_model_dir, tmp_path, name: str, template: str):
+    folder = _copy(tiny_model_dir, tmp_path, name)
+    (folder / "chat_template.jinja").write_text(template)
+    return folder
+
+
+async def test_a_template_that_refuses_the_system_role_reads_it_in_the_first_user_turn(
+    aiohttp_client, tiny_model_dir, tmp_path
+):
+    """Gemma 2 refuses a system message with raise_exception: every OpenAI client's system prompt
+    was a 500. It now goes at the head of the first user turn (as Gemma 3's template puts it)."""
+    from api.prompt import encode_chat
+    from api.protocol import ChatMessage
+
+    folder = _with_template(tiny_model_dir, tmp_path, "g2", _GEMMA2_LIKE)
+    client = await aiohttp_client(init(native_settings(tmp_path, folder, name="g2")))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    for path, body in (
+        ("/v1/chat/completions", {"messages": messages, "max_tokens": 3}),
+        ("/v1/responses", {"instructions": "Be brief.", "input": "hi", "max_output_tokens": 3}),
+        ("/v1/messages", {"system": "Be brief.", "messages": messages[1:], "max_tokens": 3}),
+    ):
+        resp = await client.post(path, json={"model": "g2", **body})
+        assert resp.status == 200, (path, await resp.text())
+    model = state_of(client).models["g2"]
+    ids = encode_chat(model, [ChatMessage("system", "Be brief."), ChatMessage("user", "hi")])
+    assert ids == model.tokenizer.encode_chat([{"role": "user", "content": "Be brief.\n\nhi"}])
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+async def test_messages_a_template_refuses_are_a_400_in_its_words(aiohttp_client, tiny_model_dir, tmp_path, path):
+    folder = _with_template(tiny_model_dir, tmp_path, "g2", _GEMMA2_LIKE)
+    client = await aiohttp_client(init(native_settings(tmp_path, folder, name="g2")))
+    two_users = [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}]
+    resp = await client.post(path, json={"model": "g2", "max_tokens": 3, "messages": two_users})
+    assert resp.status == 400, await resp.text()
+    error = (await resp.json())["error"]  # OpenAI's envelope, or Anthropic's on /v1/messages
+    assert "Conversation roles must alternate" in error["message"] and "'g2'" in error["message"]
+    assert error.get("param", "messages") == "messages"
+
+
+async def test_a_template_that_breaks_on_the_messages_is_a_400_not_a_500(aiohttp_client, tiny_model_dir, tmp_path):
+    """A template bug (an undefined name's attribute, jinja's range limit) on these messages: a 400
+    naming the messages and quoting the error, logged for the operator; "" as a template is none."""
+    broken = "{% for m in messages %}{{ m.content }}{{ nothing.there }}{% endfor %}"
+    folder = _with_template(tiny_model_dir, tmp_path, "broken", broken)
+    client = await aiohttp_client(init(native_settings(tmp_path, folder, name="broken")))
+    body = {"model": "broken", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    error = await assert_error(await client.post("/v1/chat/completions", json=body), 400, param="messages")
+    assert "cannot render these messages" in error["message"] and "nothing" in error["message"]
+    resp = await client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"x": 1}})
+    await assert_error(resp, 400, param="messages")  # not the kwargs: the messages fail without them too
+    empty = _with_template(tiny_model_dir, tmp_path, "empty", "  \n")
+    (tmp_path / "second").mkdir()
+    client = await aiohttp_client(init(native_settings(tmp_path / "second", empty, name="empty")))
+    assert not state_of(client).models["empty"].serves_chat
+    resp = await client.post("/v1/chat/completions", json={**body, "model": "empty"})
+    await assert_error(resp, 400, code="model_not_chat")
