@@ -119,7 +119,9 @@ class OnDemandBackend:
                 try:
                     await backend.start()
                 except Exception as exc:  # this request fails with a 503; the next one tries again
-                    log.error("model_load_failed", model=self._name, error=str(exc))
+                    # The type and the traceback too: "division by zero" alone names no file or key.
+                    error = f"{type(exc).__name__}: {exc}"
+                    log.error("model_load_failed", model=self._name, error=error, exc_info=True)
                     raise ModelLoadFailed(self._name) from exc
                 self._loaded = backend
                 self.num_loads += 1
