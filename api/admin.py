@@ -21,7 +21,6 @@ cleared by the store on every key or organisation write.
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from typing import Any
@@ -34,6 +33,7 @@ from api.errors import ApiError, bad_request, not_found
 from api.resources import month_start, time_param, usage_body
 from api.state import PRINCIPAL, SETTINGS, STATE
 from settings import ORG_LIMITS, merge_org_limits
+from store.keys import MAX_BUDGET_USD, MAX_EXPIRES_IN_DAYS, MAX_ORG_NAME_CHARS
 from store.ledger import GROUP_BY
 from store.store import UNSET
 from store.types import INFERENCE_SCOPE, KEY_SCOPES, ApiKey, Conflict, NotFound, Org
@@ -42,7 +42,6 @@ log = structlog.get_logger(__name__)
 
 MAX_NAME_CHARS = 64
 MAX_KEY_NAME_CHARS = 200
-MAX_EXPIRES_IN_DAYS = 36_500.0
 ORG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _ORG_CREATE_FIELDS = ("name", "tier", "budget_usd", "limits")
 _ORG_UPDATE_FIELDS = ("tier", "budget_usd", "limits")
@@ -110,8 +109,8 @@ def _org_name(value: object, param: str) -> str:
 
 
 def _org_ref(value: object, param: str) -> str:
-    """The name of an existing organisation (the CLI may have made it with any name)."""
-    if not isinstance(value, str) or not value or len(value) > 4 * MAX_NAME_CHARS:
+    """The name of an existing organisation (the CLI may have made it with any name it allows)."""
+    if not isinstance(value, str) or not value or len(value) > MAX_ORG_NAME_CHARS:
         raise bad_request(f"'{param}' must name an organisation, got {str(value)[:80]!r}.", param=param)
     return value
 
@@ -126,9 +125,11 @@ def _tier(request: web.Request, value: object) -> str:
 def _budget(value: object) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+    # A range check, not isfinite: nan and inf fail it, and a huge JSON integer never becomes a float.
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_BUDGET_USD:
         raise bad_request(
-            f"'budget_usd' must be a number of US dollars >= 0 (per calendar month), or null for none; got {value!r}.",
+            f"'budget_usd' must be a number of US dollars >= 0 and at most {MAX_BUDGET_USD:,.0f} (per calendar month),"
+            f" or null for none; got {value!r}.",
             param="budget_usd",
         )
     return float(value)

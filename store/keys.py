@@ -25,6 +25,10 @@ MAX_LOOKUP_HASHES = 500  # per query: SQLite's host-parameter limit is 999 on ol
 PREFIX_CHARS = 11  # "sk-" plus 8 random characters (48 bits): unique in practice, checked anyway
 MIN_PREFIX_MATCH_CHARS = 6  # "sk-" plus 3: the least of a listed prefix that `find_keys` matches on
 MAX_SECRET_CHARS = 256  # longer strings are not ours; refuse before hashing them
+# Limits the CLI and the admin API both check before writing anything:
+MAX_ORG_NAME_CHARS = 100  # one column of `keys list`, one field of every log line
+MAX_BUDGET_USD = 1e12  # per month; to the nano-dollar that is 22 digits, within Decimal's 28 (1e19 is not)
+MAX_EXPIRES_IN_DAYS = 36_500.0  # 100 years: a later date does not fit a datetime
 
 _ORG_COLUMNS = "o.id, o.name, o.tier, o.budget_usd, o.limits_json, o.created_at"
 _KEY_COLUMNS = (
@@ -43,6 +47,17 @@ def hash_secret(secret: str) -> str:
 def is_well_formed(secret: str) -> bool:
     """Could be one of ours; anything else is refused without hashing or a lookup."""
     return secret.startswith(SECRET_PREFIX) and len(secret) <= MAX_SECRET_CHARS
+
+
+def org_name_problem(name: str) -> str | None:
+    """Why `name` cannot name a new organisation (blank, too long, a control character), or None."""
+    if not name.strip():
+        return "an organisation needs a name"
+    if len(name) > MAX_ORG_NAME_CHARS:
+        return f"an organisation's name is at most {MAX_ORG_NAME_CHARS} characters, got {len(name)}"
+    if not name.isprintable():  # tabs and newlines would break `keys list`'s columns and rows
+        return f"an organisation's name cannot hold tabs, newlines or other control characters, got {name!r}"
+    return None
 
 
 def org_from_row(row: sqlite3.Row | tuple[Any, ...], offset: int = 0) -> Org:

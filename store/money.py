@@ -6,7 +6,7 @@ SQLite stores them as REAL; every value written or summed is rounded to NANO_USD
 from __future__ import annotations
 
 from collections.abc import Iterable
-from decimal import ROUND_HALF_EVEN, Decimal
+from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 
 NANO_USD = Decimal("0.000000001")
 NUM_DECIMALS = 9
@@ -32,7 +32,10 @@ def format_usd(value: float | Decimal | None) -> str:
     """Plain decimal notation, never an exponent: $0, $0.000052, $1.25, $1,234.50."""
     if value is None:
         return "none"
-    amount = to_usd(value)
+    try:
+        amount = to_usd(value)
+    except InvalidOperation:  # 1e19 or more (a budget stored before MAX_BUDGET_USD): too many digits for nanos
+        return f"${Decimal(str(value)):,f}"
     if amount == 0:
         return "$0"
     if abs(amount) >= Decimal("0.01"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from store.keys import MAX_BUDGET_USD
 from tests.api.helpers import assert_error, state_of
 
 USER = [{"role": "user", "content": "Hello there, friend."}]
@@ -243,3 +244,19 @@ async def test_a_change_to_the_keyless_local_organisation_reaches_the_running_se
     assert resp.status == 200
     resp = await chat(client)
     assert resp.status == 200 and resp.headers["x-ratelimit-limit-requests"] == "5"
+
+
+async def test_a_budget_over_the_shared_maximum_is_refused_before_anything_is_written(admin):
+    # 1e19 and more crashed every later `orgs list` (too many digits for the nano-dollar).
+    client, secret = admin
+    h = bearer(secret)
+    for budget in (1e20, 2_000_000_000_000, MAX_BUDGET_USD * 1.5):
+        body = {"name": "huge", "tier": "free", "budget_usd": budget}
+        err = await assert_error(await client.post("/v1/admin/organizations", json=body, headers=h), 400)
+        assert err["param"] == "budget_usd" and "at most 1,000,000,000,000" in err["message"]
+    assert await state_of(client).store.get_org("huge") is None
+    await client.post("/v1/admin/organizations", json={"name": "acme", "tier": "free"}, headers=h)
+    patch = await client.patch("/v1/admin/organizations/acme", json={"budget_usd": 1e25}, headers=h)
+    await assert_error(patch, 400, param="budget_usd")
+    ok = await client.patch("/v1/admin/organizations/acme", json={"budget_usd": MAX_BUDGET_USD}, headers=h)
+    assert (await ok.json())["budget_usd"] == MAX_BUDGET_USD
