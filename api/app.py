@@ -36,7 +36,7 @@ from gateway.errors import GatewayError
 from gateway.metrics import Metrics
 from settings import ConfigError, Settings
 from store.lock import ServerLock
-from store.store import Store
+from store.store import Store, check_database_path, open_error
 from store.types import StoreError, StoreUnavailable
 
 log = structlog.get_logger(__name__)
@@ -175,6 +175,10 @@ async def _open_database(settings: Settings) -> tuple[Store, ServerLock]:
     CannotStart, in one line, when the file cannot be used (a newer schema, not a database, a
     folder, a read-only or full disk)."""
     path = Path(settings.store.path)
+    try:
+        check_database_path(path)  # before the lock, whose files would fail there less clearly
+    except StoreError as exc:
+        raise CannotStart(str(exc)) from None
     lock = ServerLock(path)
     try:
         lock.acquire()  # one server per database: a second one stops here with a clear message
@@ -184,10 +188,7 @@ async def _open_database(settings: Settings) -> tuple[Store, ServerLock]:
         return await Store.open(path, settings.store), lock
     except StoreError as exc:
         lock.release()
-        message = str(exc)
-        if not message.startswith("cannot open"):
-            message = f"cannot open the database {path}: {message}"
-        raise CannotStart(message) from None
+        raise CannotStart(open_error(path, exc)) from None
     except (OSError, sqlite3.Error) as exc:
         lock.release()
         raise CannotStart(f"cannot open the database {path}: {exc}") from None

@@ -227,6 +227,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (12, _V12_ANSWER_NOTES),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
+_V1_TABLES = ("orgs", "api_keys", "conversations", "messages", "usage", "org_month_spend", "meta")
 
 
 def sqlite_version_is_safe(version: str = sqlite3.sqlite_version) -> bool:
@@ -248,6 +249,7 @@ async def prepare(conn: aiosqlite.Connection, synchronous: str) -> None:
     mode = synchronous.upper()
     if mode not in SYNCHRONOUS_MODES:
         raise StoreError(f"store.synchronous must be one of {SYNCHRONOUS_MODES}, got {synchronous!r}")
+    await _check_is_ours(conn)  # before WAL, which another program's file would keep
     journal = await _scalar(conn, "PRAGMA journal_mode = WAL")
     if str(journal).lower() != "wal":
         raise StoreError(f"could not switch the database to WAL (journal_mode is {journal!r})")
@@ -279,6 +281,21 @@ async def migrate(conn: aiosqlite.Connection) -> int:
         log.info("store_migrated", schema_version=version)
         current = version
     return current
+
+
+async def _check_is_ours(conn: aiosqlite.Connection) -> None:
+    """Refuse another program's SQLite file: tables but no schema version of ours, or a version
+    without the tables it implies. Migrating it would add our tables beside its own."""
+    version = await _scalar(conn, "PRAGMA user_version")
+    if isinstance(version, int) and version > SCHEMA_VERSION:
+        return  # a newer server's: `migrate` says so
+    rows = await fetch_all(conn, "SELECT name FROM sqlite_master WHERE type = 'table'")
+    tables = sorted(name for name in (str(r[0]) for r in rows) if not name.startswith("sqlite_"))  # not SQLite's own
+    if (not version and not tables) or (version and all(t in tables for t in _V1_TABLES)):
+        return
+    path = next((str(r[2]) for r in await fetch_all(conn, "PRAGMA database_list") if r[1] == "main"), "the file")
+    has = f"it has tables: {', '.join(tables)}" if tables else "it has no tables"
+    raise StoreError(f"{path} is not this server's database ({has}); give --db a new path or this server's database")
 
 
 async def _scalar(conn: aiosqlite.Connection, sql: str) -> object:

@@ -71,9 +71,13 @@ class Store(StoreConversations):
     async def open(cls, path: Path, config: StoreConfig) -> Store:
         """Open (creating if needed), check, migrate, and start the writer."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        check_database_path(path)
         _log_sqlite_version()
-        write_conn = await aiosqlite.connect(path, isolation_level=None)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_conn = await aiosqlite.connect(path, isolation_level=None)
+        except (OSError, sqlite3.Error) as exc:  # a read-only or missing folder, a file we may not read
+            raise StoreError(f"cannot open the database {path}: {getattr(exc, 'strerror', None) or exc}") from exc
         store = cls(path, config, write_conn)
         try:
             await schema.configure(write_conn, busy_timeout_ms=config.busy_timeout_ms, is_reader=False)
@@ -382,6 +386,23 @@ class Store(StoreConversations):
             with contextlib.suppress(Exception):
                 await conn.close()
         self._read_conns.clear()
+
+
+def check_database_path(path: Path) -> None:
+    """StoreError, in one line, for a path that can never hold the database: a folder, or a path
+    through a file. Without it SQLite says only "unable to open database file"."""
+    with contextlib.suppress(OSError):  # a folder we may not look into: opening it says so
+        if path.is_dir():
+            raise StoreError(f"cannot open the database {path}: Is a directory; give a file in it: {path / 'chat.db'}")
+        parent = next((p for p in path.parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise StoreError(f"cannot open the database {path}: Not a directory ({parent} is a file)")
+
+
+def open_error(path: Path, exc: Exception) -> str:
+    """`cannot open the database PATH: why`, naming the path once whether or not `exc` names it."""
+    message = str(exc)
+    return message if str(path) in message else f"cannot open the database {path}: {message}"
 
 
 async def _write_probe(conn: aiosqlite.Connection, num_bytes: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sqlite3
 from pathlib import Path
 
@@ -70,6 +71,35 @@ async def test_a_file_that_is_not_a_database_is_refused(db_path: Path, store_con
     db_path.write_bytes(b"this is not an sqlite file at all" * 200)
     with pytest.raises(StoreError, match="cannot open"):
         await Store.open(db_path, store_config)
+
+
+@pytest.mark.asyncio
+async def test_another_programs_sqlite_file_is_refused_untouched(db_path: Path, store_config: StoreConfig) -> None:
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("CREATE TABLE notes (x)")
+    before = _schema(db_path)
+    with pytest.raises(StoreError) as raised:
+        await Store.open(db_path, store_config)
+    assert str(raised.value) == (
+        f"{db_path} is not this server's database (it has tables: notes);"
+        " give --db a new path or this server's database"
+    )
+    assert _schema(db_path) == before  # no migration beside its tables
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"  # nor WAL
+
+
+@pytest.mark.asyncio
+async def test_a_folder_or_a_path_through_a_file_is_refused_in_one_line(
+    tmp_path: Path, store_config: StoreConfig
+) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(
+        StoreError, match=f"^{re.escape(f'cannot open the database {tmp_path}: Is a directory')}; give a file in it"
+    ):
+        await Store.open(tmp_path, store_config)
+    with pytest.raises(StoreError, match=r"Not a directory \(.*/file is a file\)$"):
+        await Store.open(tmp_path / "file" / "chat.db", store_config)
 
 
 @pytest.mark.asyncio
