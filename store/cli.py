@@ -20,9 +20,15 @@ from typing import Any
 
 from settings import Settings, merge_org_limits
 from store.feedback import Feedback
-from store.keys import MIN_PREFIX_MATCH_CHARS, SECRET_PREFIX
+from store.keys import (
+    MAX_BUDGET_USD,
+    MAX_EXPIRES_IN_DAYS,
+    MIN_PREFIX_MATCH_CHARS,
+    SECRET_PREFIX,
+    org_name_problem,
+)
 from store.money import format_usd
-from store.store import UNSET, Store
+from store.store import UNSET, Store, check_database_path, open_error
 from store.types import INFERENCE_SCOPE, KEY_SCOPES, Conflict, NotFound, StoreError
 
 
@@ -46,7 +52,11 @@ def add_cli(subparsers: Any) -> None:
         " that organisation's budget (change it with `orgs set`)",
     )
     create.add_argument("--name", help="a label for the key")
-    create.add_argument("--expires-in-days", type=float, help="the key stops working after this many days")
+    create.add_argument(
+        "--expires-in-days",
+        type=_expires_in_days,
+        help=f"the key stops working after this many days (more than 0, at most {MAX_EXPIRES_IN_DAYS:g})",
+    )
     create.add_argument(
         "--scope",
         choices=KEY_SCOPES,
@@ -107,15 +117,42 @@ def add_cli(subparsers: Any) -> None:
 
 async def run_cli(args: argparse.Namespace, settings: Settings) -> int:
     """Run the parsed `keys`/`orgs`/`feedback`/`backup` command; returns the process exit code."""
-    path = Path(args.db or settings.store.path)
-    if _is_missing_database(args, path):
-        return _fail(f"no database at {path}; give the server's --db, or start the server once to create it")
+    try:
+        code = await _run(args, settings)
+        sys.stdout.flush()  # here, so that a closed pipe is caught below rather than at exit
+    except BrokenPipeError:
+        # The reader left (`keys list | head -2`): stop quietly. Python's docs ("Note on SIGPIPE"):
+        # point stdout at /dev/null so that the interpreter's last flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return code
+
+
+async def _run(args: argparse.Namespace, settings: Settings) -> int:
+    path, is_new = _database_path(args, settings)
+    problem = _problem_before_open(args, path, settings)
+    if problem is not None:
+        return _fail(problem)
     if args.store_cli == "backup":
         return _backup(path, args.out, settings)
     try:
         store = await Store.open(path, settings.store)
     except StoreError as exc:
-        return _fail(f"cannot open {path}: {exc}")
+        return _fail(open_error(path, exc))
+    try:
+        code = await _run_command(store, args, settings)
+    finally:
+        await store.close()
+    if is_new and code == 0:
+        made = "key" if args.store_cli == "keys" else "organisation"
+        sys.stderr.write(
+            f"note: created a new database at {path}; a server started with --db/--config elsewhere"
+            f" will not see this {made}\n"
+        )
+    return code
+
+
+async def _run_command(store: Store, args: argparse.Namespace, settings: Settings) -> int:
     try:
         if args.store_cli == "keys":
             return await _KEY_COMMANDS[args.keys_command](store, args, settings)
@@ -125,30 +162,25 @@ async def run_cli(args: argparse.Namespace, settings: Settings) -> int:
     except (NotFound, Conflict, ValueError) as exc:
         return _fail(str(exc))
     except StoreError as exc:
-        return _fail(f"the database could not be changed: {exc}")
-    finally:
-        await store.close()
+        return _fail(f"the database {store.path} could not be changed: {exc}")
 
 
 async def _keys_create(store: Store, args: argparse.Namespace, settings: Settings) -> int:
     org = await store.get_org(args.org)
     if org is None:
         if args.tier is None:
-            return _fail(f"organisation {args.org!r} does not exist; give --tier to create it")
-        _check_tier(args.tier, settings)
+            return _fail(f"organisation {args.org!r} does not exist in {store.path}; give --tier to create it")
         budget = None if args.budget is UNSET else args.budget
         org = await store.create_org(args.org, args.tier, budget_usd=budget)
-        _out(f"created organisation {org.name} (tier {org.tier}, budget {_money(org.budget_usd)})")
+        _out(f"created organisation {org.name} (tier {org.tier}, budget {_money(org.budget_usd)}) in {store.path}")
     elif (args.tier is not None and args.tier != org.tier) or (args.budget not in (UNSET, org.budget_usd)):
         return _fail(
             f"organisation {org.name!r} exists with tier {org.tier}, budget {_money(org.budget_usd)};"
             " change it with `orgs set`"
         )
-    if args.expires_in_days is not None and not args.expires_in_days > 0:
-        return _fail("--expires-in-days must be more than 0")
     expires_at = None if args.expires_in_days is None else time.time() + args.expires_in_days * 86400.0
     key, secret = await store.create_key(org.name, name=args.name, expires_at=expires_at, scope=args.scope)
-    _out(f"created {key.scope} key {key.display} ({key.id}) for {org.name}\n")
+    _out(f"created {key.scope} key {key.display} ({key.id}) for {org.name} in {store.path}\n")
     _out("secret (shown once, store it now):\n")
     _out(f"{secret}\n")
     return 0
@@ -187,7 +219,7 @@ async def _keys_revoke(store: Store, args: argparse.Namespace, settings: Setting
     key = live[0]
     if not await store.revoke_key(key.id):  # another process revoked it since the lookup
         return _fail(f"key {key.prefix} is already revoked")
-    _out(f"revoked {key.display} ({key.id})\n")
+    _out(f"revoked {key.display} ({key.id}) in {store.path}\n")
     return 0
 
 
@@ -198,9 +230,8 @@ async def _orgs_list(store: Store, args: argparse.Namespace, settings: Settings)
 
 
 async def _orgs_create(store: Store, args: argparse.Namespace, settings: Settings) -> int:
-    _check_tier(args.tier, settings)
     org = await store.create_org(args.name, args.tier, budget_usd=args.budget)
-    _out(f"created organisation {org.name} (tier {org.tier}, budget {_money(org.budget_usd)})\n")
+    _out(f"created organisation {org.name} (tier {org.tier}, budget {_money(org.budget_usd)}) in {store.path}\n")
     return 0
 
 
@@ -208,11 +239,12 @@ async def _orgs_set(store: Store, args: argparse.Namespace, settings: Settings) 
     org = await store.get_org(args.name)
     if org is None:
         return _fail(f"no organisation named {args.name!r}")
-    if args.tier is not None:
-        _check_tier(args.tier, settings)
     limits = _merge_limits(org.limits, args.limit) if args.limit else UNSET
     org = await store.update_org(args.name, tier=args.tier, budget_usd=args.budget, limits=limits)
-    _out(f"{org.name}: tier {org.tier}, budget {_money(org.budget_usd)}, limits {org.limits or '-'}\n")
+    limits_text = org.limits or "-"
+    _out(
+        f"changed {org.name} in {store.path}: tier {org.tier}, budget {_money(org.budget_usd)}, limits {limits_text}\n"
+    )
     return 0
 
 
@@ -236,15 +268,38 @@ async def _feedback_export(store: Store, args: argparse.Namespace, settings: Set
     return 0
 
 
+def _database_path(args: argparse.Namespace, settings: Settings) -> tuple[Path, bool]:
+    """The command's database file, absolute so that the lines naming it leave no doubt, and
+    whether it is not there yet."""
+    path = Path(os.path.abspath(args.db or settings.store.path))
+    return path, not path.exists()
+
+
+def _problem_before_open(args: argparse.Namespace, path: Path, settings: Settings) -> str | None:
+    """What stops the command before the database is opened (and, for a new one, created)."""
+    try:
+        check_database_path(path)
+        if getattr(args, "tier", None) is not None:
+            _check_tier(args.tier, settings)
+    except (StoreError, ValueError) as exc:
+        return str(exc)
+    if _is_missing_database(args, path):
+        return f"no database at {path}; give the server's --db, or start the server once to create it"
+    return None
+
+
 def _is_missing_database(args: argparse.Namespace, path: Path) -> bool:
     """No file at `path` for a command that reads or changes what is there. Opening it would create
     an empty database (and its folder) only to report nothing in it; the commands that create an
-    organisation may start a new one."""
+    organisation may start a new one (`keys create` only with --tier: without it there is no
+    organisation to give the key to)."""
     command = (args.store_cli, getattr(args, f"{args.store_cli}_command", None))
-    return command not in (("keys", "create"), ("orgs", "create")) and not path.is_file()
+    creates = command == ("orgs", "create") or (command == ("keys", "create") and args.tier is not None)
+    return not creates and not path.is_file()
 
 
 def _backup(path: Path, out: Path, settings: Settings) -> int:
+    out = Path(os.path.abspath(out))
     if out.exists():
         return _fail(f"{out} already exists; remove it or choose another --out")
     try:
@@ -326,14 +381,29 @@ def _budget(text: str) -> float | None:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value < 0:  # inf and nan parse as floats, and 1e400 is inf
-        raise argparse.ArgumentTypeError(f"budget must be a finite number >= 0 (USD) or 'none', got {text!r}")
+    if not math.isfinite(value) or not 0 <= value <= MAX_BUDGET_USD:  # inf and nan parse as floats, 1e400 is inf
+        raise argparse.ArgumentTypeError(
+            f"budget must be a finite number >= 0 and at most {MAX_BUDGET_USD:,.0f} (USD) or 'none', got {text!r}"
+        )
+    return value
+
+
+def _expires_in_days(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= MAX_EXPIRES_IN_DAYS:  # nan fails every comparison
+        raise argparse.ArgumentTypeError(
+            f"must be a number of days more than 0 and at most {MAX_EXPIRES_IN_DAYS:g}, got {text!r}"
+        )
     return value
 
 
 def _org_name(text: str) -> str:
-    if not text.strip():
-        raise argparse.ArgumentTypeError("an organisation needs a name")
+    problem = org_name_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
     return text
 
 
@@ -357,7 +427,12 @@ def _money(usd: float | None) -> str:
 
 
 def _time(t: float | None) -> str:
-    return "never" if t is None else dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    if t is None:
+        return "never"
+    try:
+        return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    except (OverflowError, OSError, ValueError):  # stored before MAX_EXPIRES_IN_DAYS was checked
+        return "after 9999-12-31" if t > 0 else "before 0001-01-01"
 
 
 def _out(text: str) -> None:

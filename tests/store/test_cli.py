@@ -154,7 +154,9 @@ def test_keys_commands_print_no_info_logs(tmp_path: Path) -> None:
     result = _server("keys", "create", "--org", "acme", "--tier", "free", "--db", str(tmp_path / "c.db"), cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1].startswith("sk-")
-    assert result.stderr == ""  # no "store_opened", no "store_migrated"
+    # No "store_opened", no "store_migrated": only the note that the file is new.
+    assert result.stderr.startswith(f"note: created a new database at {tmp_path / 'c.db'};")
+    assert len(result.stderr.splitlines()) == 1
 
 
 @pytest.mark.slow
