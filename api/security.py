@@ -243,7 +243,8 @@ async def _key_principal(request: web.Request):
     if principal is None:
         raise unauthorized(
             "Incorrect API key provided (unknown or revoked). "
-            "Create one with: .venv/bin/python server.py keys create --org NAME --tier free"
+            "Create one with: .venv/bin/python server.py keys create --org NAME --tier free, giving it the --db or"
+            " --config this server was started with."
         )
     return principal
 
@@ -287,13 +288,15 @@ async def _admin_principal(request: web.Request) -> Principal:
     if principal is None:
         raise unauthorized(
             "The admin API needs an admin key (Authorization: Bearer <key>). Create one with: "
-            ".venv/bin/python server.py keys create --org admin --tier free --scope admin"
+            ".venv/bin/python server.py keys create --org admin --tier free --scope admin, giving it the --db or"
+            " --config this server was started with."
         )
     if not principal.is_admin:
         raise ApiError(
             403,
             "The admin API needs an admin key; this key serves inference only. Create an admin key with: "
-            ".venv/bin/python server.py keys create --org admin --tier free --scope admin",
+            ".venv/bin/python server.py keys create --org admin --tier free --scope admin, giving it the --db or"
+            " --config this server was started with.",
             "permission_error",
             "admin_key_required",
         )

@@ -34,6 +34,15 @@ async def test_a_presented_unknown_revoked_or_expired_key_is_401_on_loopback_in_
     )
 
 
+async def test_an_unknown_keys_401_says_to_create_keys_with_the_servers_own_database(make_client):
+    # A key written to another database (`keys create` without the server's --db) is unknown here.
+    client = await make_client()
+    err = await assert_error(
+        await chat(client, {"Authorization": "Bearer sk-" + "x" * 40}), 401, code="invalid_api_key"
+    )
+    assert "server.py keys create --org NAME --tier free, giving it the --db or --config this server" in err["message"]
+
+
 async def test_without_a_key_loopback_is_served_as_the_local_organisation(make_client):
     client = await make_client()
     assert (await chat(client)).status == 200
