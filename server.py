@@ -42,11 +42,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_PATH_FLAGS = ("config", "serve_db", "db", "model", "out")  # dests of the flags that name a file or folder
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, with `--set` given before and after `serve` merged (later ones win)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     after_serve = vars(args).pop("serve_overrides", [])
     args.overrides = [*args.overrides, *after_serve]
+    for name in _PATH_FLAGS:  # `--db=~/x` reaches us with its ~: the shell expands only `--db ~/x`
+        value = getattr(args, name, None)
+        if isinstance(value, (str, Path)) and str(value).startswith("~"):
+            try:
+                setattr(args, name, type(value)(Path(value).expanduser()))
+            except RuntimeError as exc:  # ~nosuchuser
+                parser.error(f"cannot expand ~ in {value}: {exc}")
     return args
 
 

@@ -123,7 +123,11 @@ class ModelConfig:
     marked openai are its own.
     """
 
-    path: str = setting("", 'Local model folder in Hugging Face layout (backend = "openai": none needed).')
+    path: str = setting(
+        "",
+        "Local model folder in Hugging Face layout: config.json, tokenizer files, *.safetensors (not GGUF; nothing "
+        'is downloaded). backend = "openai": none needed.',
+    )
     backend: str = setting(
         "native",
         "native (the PyTorch engine), trtllm (NVIDIA GPU hosts, docs/trtllm.md), or openai (other OpenAI-compatible "

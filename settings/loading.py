@@ -1,6 +1,7 @@
-"""Loading: the `Settings` of all sections, `load_settings` (config.toml read with tomllib,
-relative paths resolved, `--set section.key=value` overrides applied, unknown keys and wrong types
-rejected naming the key), `validate`, and `settings_help` for the docs. Declares no setting.
+"""Loading: the `Settings` of all sections, `load_settings` (config.toml read with tomllib, ~
+expanded and relative paths resolved, `--set section.key=value` overrides applied, unknown keys
+and wrong types rejected naming the key), `validate`, and `settings_help` for the docs. Declares
+no setting.
 """
 
 from __future__ import annotations
@@ -52,16 +53,30 @@ def load_settings(path: Path | None, overrides: list[str] | tuple[str, ...] = ()
     """Parse the config file (if any), apply `section.key=value` overrides, validate."""
     raw: dict[str, Any] = {}
     if path is not None:
-        try:
-            raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+        raw = _read_toml(Path(path))
+        _expand_home(raw)  # "~/chat.db" is the home folder's, not a folder named ~ beside the file
         _resolve_paths(raw, Path(path).resolve().parent)
     for item in overrides:
         _apply_override(raw, item)
+    _expand_home(raw)  # the --set values
     return validate(_build(Settings, raw, ""))
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    """The config file's tables; ConfigError, one line, for a file that cannot be read as TOML."""
+    try:
+        # utf-8-sig: Windows editors (Notepad) save UTF-8 with a byte order mark, which TOML forbids
+        return tomllib.loads(path.read_text(encoding="utf-8-sig"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a folder, not a config file") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}): save it as UTF-8") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
 
 
 def validate(settings: Settings) -> Settings:
@@ -69,7 +84,24 @@ def validate(settings: Settings) -> Settings:
     else a ConfigError naming the first that is not. Run at load, and again by server.py after the
     --host/--port/--db flags are folded in."""
     _check_allowed(settings, "")
+    _check_host(settings.server.host)
     return settings
+
+
+def _check_host(host: str) -> None:
+    """server.host is one address or name, as the socket takes it. Empty listened on every
+    interface while the ready line said "http://:8000"; "[::1]" and "127.0.0.1:9000" ended in
+    "Name or service not known"."""
+    if not host:
+        raise ConfigError(
+            "server.host must not be empty: give 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)"
+        )
+    has_port = host.count(":") == 1  # an IPv6 address has two colons or more
+    if has_port or any(c in host for c in "[]/") or any(c.isspace() for c in host):
+        raise ConfigError(
+            f"server.host must be an address or host name alone (127.0.0.1, ::1, 0.0.0.0, localhost): without "
+            f"brackets, scheme or port (the port is server.port, --port); got {host!r}"
+        )
 
 
 def _check_allowed(obj: Any, where: str) -> None:
@@ -96,14 +128,40 @@ def _check_allowed(obj: Any, where: str) -> None:
 # of what ships with the server (the web UI, the safety classifier) stay in the project's
 # folder, wherever the config file is (and so does a relative value of theirs that exists only
 # there). --set and --db/--model values stay relative to the working directory, as shell
-# arguments are.
+# arguments are. A leading ~ is the home folder in every path setting, these and _HOME_ONLY
+# (a shell expands it in `--db ~/x` but not in `--db=~/x`, `--set` or a config file; left as it
+# was, it made a folder named ~ in the working directory).
 _PATH_SETTINGS = (
     ("server", "static_dir", "static", True),
     ("store", "path", "data/chat.db", False),
     ("files", "dir", "", False),
     ("safety", "classifier_path", "safety/classifier.npz", True),
 )
+_HOME_ONLY = (("server", "tls_cert_file"), ("server", "tls_key_file"), ("engine", "prefix_cache_dir"))
+_MODEL_PATHS = ("path", "tokenizer")  # a model's folder, or a relayed model's tokenizer folder
 PROJECT_DIR = Path(__file__).resolve().parents[1]  # the repository root, above this package
+
+
+def _home(value: Any, key: str) -> Any:
+    """`value` with a leading ~ (or ~user) made the home folder; anything else as it is."""
+    if not isinstance(value, str) or not value.startswith("~"):
+        return value
+    try:
+        return str(Path(value).expanduser())
+    except RuntimeError as exc:  # ~nosuchuser, or no home folder known
+        raise ConfigError(f"{key}: cannot expand ~ in {value!r}: {exc}") from None
+
+
+def _expand_home(raw: dict[str, Any]) -> None:
+    for section, key in [(s, k) for s, k, _, _ in _PATH_SETTINGS] + list(_HOME_ONLY):
+        node = raw.get(section)
+        if isinstance(node, dict) and key in node:
+            node[key] = _home(node[key], _join(section, key))
+    models = raw.get("models")
+    for name, model in models.items() if isinstance(models, dict) else ():
+        for key in _MODEL_PATHS:
+            if isinstance(model, dict) and key in model:
+                model[key] = _home(model[key], f"models.{name}.{key}")
 
 
 def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
@@ -118,8 +176,9 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
             # the project ("static"): found there, not silently missing beside the copy.
             resolved = _resolve(value, PROJECT_DIR)
         node[key] = resolved
-    for model in (raw.get("models") or {}).values():
-        for key in ("path", "tokenizer"):  # a model's folder, or a relayed model's tokenizer folder
+    models = raw.get("models")
+    for model in models.values() if isinstance(models, dict) else ():  # not a table: _build names it
+        for key in _MODEL_PATHS:
             if isinstance(model, dict) and key in model:
                 model[key] = _resolve(model[key], base)
 

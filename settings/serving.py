@@ -14,7 +14,11 @@ from settings.fields import setting
 class ServerConfig:
     """The HTTP server: address, request and connection limits, access control, logs."""
 
-    host: str = setting("127.0.0.1", "Interface to bind; 127.0.0.1 keeps the server on this machine.")
+    host: str = setting(
+        "127.0.0.1",
+        'Interface to bind, an address alone ("::1", not "[::1]"; the port is `port`); 127.0.0.1 keeps the server on '
+        "this machine.",
+    )
     port: int = setting(8000, "TCP port.", minimum=0, maximum=65535)
     max_body_bytes: int = setting(
         20_971_520,

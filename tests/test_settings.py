@@ -203,3 +203,58 @@ def test_a_copied_config_naming_the_shipped_web_ui_relatively_still_finds_it(tmp
     (copy.parent / "static").mkdir()  # one of the operator's own beside the copy wins
     assert load_settings(copy).server.static_dir == str(copy.parent / "static")
     assert load_settings(copy).store.path == str(copy.parent / "data" / "chat.db")  # data stays beside the copy
+
+
+def test_a_leading_tilde_in_any_path_setting_or_path_flag_is_the_home_folder(tmp_path, monkeypatch):
+    """`~/chat.db` in a config file, in --set or in `--db=~/x` (which the shell leaves alone) made a
+    folder named ~ in the working directory, where `rm -rf ~` is one typo from the home folder."""
+    import server
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    config = write(tmp_path, '[store]\npath = "~/chat.db"\n[models.m]\npath = "~/models/m"\n[files]\ndir = "~/files"\n')
+    settings = load_settings(config, ['server.tls_cert_file="~/cert.pem"', 'models.n.path="~/models/n"'])
+    assert settings.store.path == str(home / "chat.db") and settings.files.dir == str(home / "files")
+    assert settings.models["m"].path == str(home / "models" / "m")
+    assert settings.models["n"].path == str(home / "models" / "n")
+    assert settings.server.tls_cert_file == str(home / "cert.pem")
+    assert load_settings(None, ["store.path=~/other.db"]).store.path == str(home / "other.db")
+    args = server.parse_args(["--db=~/x.db", "--model=~/models/x", "--config=~/c.toml"])
+    assert args.config == home / "c.toml" and args.model == home / "models" / "x"
+    assert server.apply_cli(load_settings(None), args).store.path == str(home / "x.db")
+    assert server.parse_args(["keys", "list", "--db=~/x.db"]).db == str(home / "x.db")
+
+
+def test_a_config_file_that_cannot_be_read_as_toml_is_one_config_error_and_a_bom_is_accepted(tmp_path):
+    with pytest.raises(ConfigError, match="is a folder, not a config file"):
+        load_settings(tmp_path)
+    utf16 = tmp_path / "utf16.toml"
+    utf16.write_text("[server]\nport = 9000\n", encoding="utf-16")
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_settings(utf16)
+    with_bom = tmp_path / "bom.toml"
+    with_bom.write_text("[server]\nport = 9000\n", encoding="utf-8-sig")  # as Notepad saves UTF-8
+    assert load_settings(with_bom).server.port == 9000
+    for text in ("models = 5\n", 'models = "x"\n', "tiers = 5\n"):
+        with pytest.raises(ConfigError, match="expected a table of named sections"):
+            load_settings(write(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    "host, message",
+    [
+        ("", "server.host must not be empty"),
+        ("[::1]", "server.host must be an address or host name alone"),
+        ("127.0.0.1:9000", "without brackets, scheme or port (the port is server.port, --port); got '127.0.0.1:9000'"),
+        ("http://localhost", "server.host must be an address or host name alone"),
+    ],
+)
+def test_a_host_that_is_empty_or_carries_brackets_or_a_port_is_refused_saying_what_to_give(host, message):
+    """--host "" listened on every interface and printed "Open http://:8000"; "[::1]" and
+    "127.0.0.1:9000" ended in "Name or service not known"."""
+    import server
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        server.apply_cli(load_settings(None), server.parse_args(["--host", host]))
+    for good in ("::1", "0.0.0.0", "localhost", "127.0.0.1"):
+        assert server.apply_cli(load_settings(None), server.parse_args(["--host", good])).server.host == good
