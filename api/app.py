@@ -26,7 +26,7 @@ from api.connections import BIG_BODY_HINT, CLOSE_AFTER, make_body_deadline_middl
 from api.errors import ApiError, from_gateway, internal_error, overloaded
 from api.inflight import INFLIGHT, InFlight
 from api.security import add_cors_headers, check_startup, keyless_allowed, make_access_middleware
-from api.startup import CannotStart, build_info
+from api.startup import CannotStart, build_info, check_tiers
 from api.state import REQUEST_ID, SETTINGS, STATE, AppState
 from engine.registry import BackendFactory, build_models
 from engine.types import EngineError
@@ -229,12 +229,7 @@ async def _make_state(settings: Settings, store: Store, models) -> AppState:
     admission = build_admission(settings, {name: handle.backend for name, handle in models.items()}, metrics)
     register_upstream_metrics(metrics.registry, {name: handle.backend for name, handle in models.items()})
     local = None
-    if keyless_allowed(settings):
-        if settings.server.local_tier not in settings.tiers:
-            raise ConfigError(
-                f"server.local_tier: tier {settings.server.local_tier!r} is not declared under [tiers] (a --config "
-                "file replaces config.toml whole, tiers included: start from a copy of config.toml)"
-            )
+    if keyless_allowed(settings):  # its tier is declared (check_tiers)
         existing = await store.get_org("local")
         if existing is not None and existing.tier != settings.server.local_tier:
             log.warning(
@@ -295,6 +290,7 @@ async def _on_shutdown(app: web.Application) -> None:
 
 def init(settings: Settings, *, backend_factory: BackendFactory | None = None) -> web.Application:
     """The app. `backend_factory`: tests serve the native models with a stand-in through it."""
+    check_tiers(settings)  # here, not when the state is made: that is after every model has loaded
     check_startup(settings)
     app = web.Application(
         client_max_size=settings.server.max_body_bytes,

@@ -1,4 +1,5 @@
-"""What `server.py` checks and says before serving: model folders exist, the port is free
+"""What `server.py` checks and says before serving: model folders exist, tiers name declared
+models, the port is free
 (bound here, before anything loads, so "ready" is never followed by a bind error), and the
 short block a newcomer reads once the server is up: the URL to open, the models, their tiers.
 """
@@ -31,6 +32,25 @@ def check_model_folders(settings: Settings) -> None:
                 f"models.{name}.path: the folder {shown} does not exist (relative paths in a "
                 "config file are relative to that file's folder)"
             )
+
+
+def check_tiers(settings: Settings) -> None:
+    """A ConfigError for a tier or fallback naming an undeclared model, or a keyless local tier
+    not under [tiers]: before any model loads, not after every one has (a typo cost a full load)."""
+    from api.security import keyless_allowed
+
+    for tier_name, tier in settings.tiers.items():
+        for model in tier.models:
+            if model not in settings.models:
+                raise ConfigError(f"tiers.{tier_name}.models names undeclared model {model!r}")
+    for name, model_config in settings.models.items():
+        if model_config.fallback and model_config.fallback not in settings.models:
+            raise ConfigError(f"models.{name}.fallback names undeclared model {model_config.fallback!r}")
+    if keyless_allowed(settings) and settings.server.local_tier not in settings.tiers:
+        raise ConfigError(
+            f"server.local_tier: tier {settings.server.local_tier!r} is not declared under [tiers] (a --config "
+            "file replaces config.toml whole, tiers included: start from a copy of config.toml)"
+        )
 
 
 def check_web_ui(settings: Settings) -> None:

@@ -8,8 +8,10 @@ import asyncio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from api.app import init
+from settings import ConfigError
 from testing.fake_backend import FakeBehaviour
-from tests.api.helpers import assert_error, sse_events, state_of
+from tests.api.helpers import assert_error, echo_settings, sse_events, state_of
 
 USER = [{"role": "user", "content": "Hello there."}]
 LONG = [{"role": "user", "content": " ".join(["word"] * 40)}]
@@ -215,3 +217,21 @@ async def test_no_error_is_as_large_as_the_value_that_caused_it(make_client, pat
     client = await make_client("server.max_body_bytes=100000")
     resp = await client.post(path, json=body)
     assert 400 <= resp.status < 500 and len(await resp.read()) < 2000
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ('tiers.free.models=["echo2", "ecoh"]', "tiers.free.models names undeclared model 'ecoh'"),
+        ('models.echo.fallback="ecoh"', "models.echo.fallback names undeclared model 'ecoh'"),
+        ('server.local_tier="gold"', "server.local_tier: tier 'gold' is not declared under [tiers]"),
+    ],
+)
+def test_a_tier_or_fallback_naming_nothing_is_refused_before_any_model_is_built(
+    tmp_path, tiny_model_dir, override, message
+):
+    """A typo there was reported only once every model had loaded its weights: now `init`, which
+    builds nothing (the models load when the app starts), refuses it."""
+    with pytest.raises(ConfigError) as info:
+        init(echo_settings(tmp_path, tiny_model_dir, (override,)))
+    assert str(info.value).startswith(message)
