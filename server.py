@@ -176,10 +176,13 @@ def main(argv: list[str] | None = None, *, backend_factory=None) -> int:
         configure_logging("warning", json_lines=settings.server.log_json)
         return asyncio.run(run_cli(args, settings))
     configure_logging(settings.server.log_level, json_lines=settings.server.log_json)
-    if args.model is not None and not args.model.is_dir():
+    if args.model is not None:
+        from api.startup import model_folder_problem
+
         # Before check_model_folders, whose message is about paths in a config file.
-        sys.stderr.write(f"config error: --model: the folder {args.model.resolve()} does not exist\n")
-        return 1
+        if (problem := model_folder_problem(args.model, typed=str(args.model))) is not None:
+            sys.stderr.write(f"config error: --model: {problem}\n")
+            return 1
     from store.lock import DatabaseInUse
 
     try:

@@ -1,5 +1,5 @@
-"""What `server.py` checks and says before serving: model folders exist, tiers name declared
-models, the port is free
+"""What `server.py` checks and says before serving: model folders exist and are ones it can
+serve (not GGUF, not a repo id), tiers name declared models, the port is free
 (bound here, before anything loads, so "ready" is never followed by a bind error), and the
 short block a newcomer reads once the server is up: the URL to open, the models, their tiers.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import re
 import socket
 import tomllib
 from pathlib import Path
@@ -21,17 +22,52 @@ log = structlog.get_logger(__name__)
 _PATHLESS_BACKENDS = ("openai",)  # served from another server: no local folder
 
 
+_SERVED_LAYOUT = "a model folder in Hugging Face layout (config.json, tokenizer files, *.safetensors)"
+_GGUF_TAIL = (
+    f"GGUF is not read by this server: give {_SERVED_LAYOUT}, such as the model's original (unquantized) release; "
+    'or serve the GGUF with llama.cpp\'s llama-server and relay to it (backend = "openai", docs/scale-out.md)'
+)
+_REPO_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # one half of a Hugging Face repo id: owner/name
+
+
 def check_model_folders(settings: Settings) -> None:
     """A ConfigError naming the model and the folder looked for, before anything starts."""
     for name, model in settings.models.items():
         if model.backend in _PATHLESS_BACKENDS:
             continue
-        if not model.path or not Path(model.path).is_dir():
-            shown = Path(model.path).resolve() if model.path else "(empty)"
-            raise ConfigError(
-                f"models.{name}.path: the folder {shown} does not exist (relative paths in a "
-                "config file are relative to that file's folder)"
-            )
+        if not model.path:
+            raise ConfigError(f"models.{name}.path: empty: give {_SERVED_LAYOUT}")
+        problem = model_folder_problem(Path(model.path))
+        if problem is not None:
+            hint = "" if Path(model.path).exists() else " (relative paths in a config file are relative to its folder)"
+            raise ConfigError(f"models.{name}.path: {problem}{hint}")
+
+
+def model_folder_problem(path: Path, typed: str | None = None) -> str | None:
+    """Why `path` is not a model folder this server can serve, in words that say what to give
+    instead (a GGUF file, a Hugging Face repo id, a file), or None when it may be one (what is
+    inside is checked when the model is built). `typed`: the path as the user wrote it, when known
+    (--model); else a missing owner/name under an existing folder is taken for a possible repo id."""
+    shown = path.resolve()
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return f"{shown} is a GGUF file; {_GGUF_TAIL}"
+        return f"{shown} is a file, not a folder: give {_SERVED_LAYOUT}"
+    if path.is_dir():
+        has_weights = any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))
+        gguf_files = sorted(path.glob("*.gguf"))
+        if gguf_files and not has_weights:
+            return f"{shown} holds GGUF weights only ({gguf_files[0].name}); {_GGUF_TAIL}"
+        return None
+    repo_id = typed if typed is not None else f"{shown.parent.name}/{shown.name}"
+    owner, _, name = repo_id.partition("/")
+    if not shown.parent.exists() and _REPO_PART.fullmatch(owner) and _REPO_PART.fullmatch(name):
+        return (
+            f"the folder {shown} does not exist; if {repo_id} is a Hugging Face repo id: this server downloads "
+            f"nothing, so download the model first (hf download {repo_id} --local-dir models/{name}) and give "
+            "that folder"
+        )
+    return f"the folder {shown} does not exist"
 
 
 def check_tiers(settings: Settings) -> None:

@@ -206,3 +206,26 @@ async def test_a_template_that_breaks_on_the_messages_is_a_400_not_a_500(aiohttp
     assert not state_of(client).models["empty"].serves_chat
     resp = await client.post("/v1/chat/completions", json={**body, "model": "empty"})
     await assert_error(resp, 400, code="model_not_chat")
+
+
+def test_gguf_a_file_or_a_repo_id_given_as_a_model_folder_says_what_to_give_instead(tiny_model_dir, tmp_path):
+    from api.startup import check_model_folders
+
+    def problem(path) -> str:
+        with pytest.raises(ConfigError) as info:
+            check_model_folders(native_settings(tmp_path, path, name="m"))
+        assert str(info.value).startswith("models.m.path: ")
+        return str(info.value)
+
+    gguf = tmp_path / "tinyllama.Q4_K_M.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(100))
+    assert "is a GGUF file; GGUF is not read by this server" in problem(gguf)
+    gguf_only = tmp_path / "gguf-only"
+    shutil.copytree(tiny_model_dir, gguf_only)  # was: "tokenizer.json: missing", or the weights' absence
+    (gguf_only / "model.safetensors").unlink()
+    (gguf_only / "model-Q4_K_M.gguf").write_bytes(b"GGUF" + bytes(100))
+    assert "holds GGUF weights only (model-Q4_K_M.gguf)" in problem(gguf_only)
+    assert "is a file, not a folder" in problem(tiny_model_dir / "config.json")
+    repo_id = problem(tmp_path / "Qwen" / "Qwen3-0.6B")  # a relative "Qwen/Qwen3-0.6B", resolved
+    assert "downloads nothing" in repo_id and "hf download Qwen/Qwen3-0.6B --local-dir models/Qwen3-0.6B" in repo_id
+    assert "repo id" not in problem(tmp_path / "no-such-model")  # its folder exists: a plain missing folder

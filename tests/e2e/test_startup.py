@@ -5,6 +5,7 @@ the models and their tiers, and no SQLite warning is printed."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -24,9 +25,9 @@ EXIT_WITHIN_S = 120  # imports on a busy 2-core machine; a hang would be killed 
 pytestmark = pytest.mark.slow
 
 
-def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def _run(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, SERVER, *args], cwd=cwd, capture_output=True, text=True, timeout=EXIT_WITHIN_S
+        [sys.executable, SERVER, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=EXIT_WITHIN_S
     )
 
 
@@ -111,3 +112,28 @@ def test_keys_command_prints_no_sqlite_warning(tmp_path):
     result = _run(["--db", db, "orgs", "list"], tmp_path)
     assert result.returncode == 0, result.stderr
     assert "WAL-reset" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--host", ""], "config error: server.host must not be empty"),
+        (["--host", "[::1]"], "config error: server.host must be an address or host name alone"),
+        (["--config", "."], "is a folder, not a config file"),
+        (["--model", "Qwen/Qwen3-0.6B"], "downloads nothing, so download the model first (hf download Qwen/Qwen3-0.6B"),
+        (["--model", "x.Q4_K_M.gguf"], "x.Q4_K_M.gguf is a GGUF file; GGUF is not read by this server"),
+    ],
+)
+def test_a_mistaken_flag_stops_the_start_with_one_config_error_line(tmp_path, args, message):
+    (tmp_path / "x.Q4_K_M.gguf").write_bytes(b"GGUF" + bytes(100))
+    result = _run([*args, "--db", str(tmp_path / "chat.db")], tmp_path)
+    assert result.returncode == 1 and message in result.stderr
+    assert result.stderr.startswith("config error: ") and result.stderr.count("\n") == 1  # no traceback
+
+
+def test_a_tilde_in_db_is_the_home_folder_not_a_folder_named_tilde(tmp_path):
+    """`--db=~/chat.db` (the shell expands only `--db ~/chat.db`) made ./~/chat.db."""
+    env = {**os.environ, "HOME": str(tmp_path / "home")}
+    result = _run(["--db=~/chat.db", "orgs", "create", "acme", "--tier", "free"], tmp_path, env)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "home" / "chat.db").is_file() and not (tmp_path / "~").exists()
