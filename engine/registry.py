@@ -58,16 +58,19 @@ class ModelHandle:
 
 
 def _config_max_len(model_dir: Path, configured: int) -> int | None:
+    """The context to serve: models.<name>.max_model_len, else config.json's max_position_embeddings;
+    None when it gives none usable (the native engine's preflight names what is wrong)."""
     if configured > 0:
         return configured
     cfg_file = model_dir / "config.json"
-    if not cfg_file.exists():
+    if not cfg_file.is_file():
         return None
     try:
-        value = json.loads(cfg_file.read_text(encoding="utf-8")).get("max_position_embeddings")
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{cfg_file}: invalid JSON: {exc}") from None
-    return value if isinstance(value, int) else None
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{cfg_file}: cannot parse JSON: {exc}") from None
+    value = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def build_model(
@@ -102,6 +105,7 @@ def build_model(
     model_dir = Path(config.path)
     if not model_dir.is_dir():
         raise ConfigError(f"models.{name}.path: model folder not found: {model_dir}")
+    max_len = _config_max_len(model_dir, config.max_model_len)  # first: a config.json not UTF-8 is named
     try:
         tokenizer = Tokenizer.from_dir(model_dir)
     except TokenizerLoadError as exc:
@@ -116,7 +120,6 @@ def build_model(
         raise ConfigError(
             f"models.{name}.thinking_budget: {model_dir} does not think in <think> tags written as single tokens"
         )
-    max_len = _config_max_len(model_dir, config.max_model_len)
     stand_in = backend_factory(name, tokenizer, max_len) if backend_factory and config.backend == "native" else None
     backend: Backend
     if stand_in is not None:
@@ -127,7 +130,8 @@ def build_model(
         from engine.native.vision import is_llava
 
         try:
-            preflight(model_dir)  # before any model loads: a broken folder is one line, not a traceback
+            # before any model loads: a broken folder is one line, not a traceback
+            preflight(model_dir, max_model_len=config.max_model_len)
         except ModelLoadError as exc:
             raise ConfigError(f"models.{name}: {exc}") from None
 

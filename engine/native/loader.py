@@ -9,6 +9,8 @@ It fuses q/k/v and gate/up projections for fewer matmuls. Every failure names th
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,15 +95,72 @@ def load_model_args(model_dir: Path) -> ModelArgs:
         )
     from transformers import CONFIG_MAPPING
 
+    cfg = _without_auto_dtype(cfg, where)
     try:
         args = model_args_from_config(CONFIG_MAPPING[model_type].from_dict(cfg))
     except UnsupportedConfig as exc:
         raise ModelLoadError(f"{where}: {exc}") from None
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelLoadError(f"{where}: malformed value: {exc}") from None
+    except Exception as exc:  # transformers 5 checks types with huggingface_hub's strict dataclasses, own error types
+        raise ModelLoadError(f"{where}: malformed value: {_last_line(exc)}") from None
+    _check_model_args(args, where)
+    return args
+
+
+def _without_auto_dtype(cfg: dict[str, Any], where: Path) -> dict[str, Any]:
+    """cfg without a dtype of "auto" (unset: transformers looked it up as torch.auto); a ModelLoadError
+    for a dtype that names no torch dtype ("fp16", 123)."""
+    cfg = dict(cfg)
+    for key in ("dtype", "torch_dtype"):
+        value = cfg.get(key)
+        if value is None or value == "auto":
+            cfg.pop(key, None)
+        elif not isinstance(value, str) or not isinstance(getattr(torch, value, None), torch.dtype):
+            raise ModelLoadError(f"{where}: {key} must name a dtype (bfloat16, float16, float32); got {value!r}")
+    return cfg
+
+
+def _last_line(exc: Exception) -> str:
+    """The line of a multi-line validation error that says what is wrong, without its type name:
+    "Field 'rms_norm_eps' expected float, got int (value: 0)"."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+    return re.sub(r"^\w+(Error|Exception): ", "", lines[-1])
+
+
+# What the engine sizes tensors and loops by: (ModelArgs attribute, config.json key), each at least 1.
+_POSITIVE_COUNTS = (
+    ("vocab_size", "vocab_size"),
+    ("hidden_size", "hidden_size"),
+    ("intermediate_size", "intermediate_size"),
+    ("num_layers", "num_hidden_layers"),
+    ("num_heads", "num_attention_heads"),
+    ("num_kv_heads", "num_key_value_heads"),
+    ("head_dim", "head_dim"),
+    ("max_position_embeddings", "max_position_embeddings"),
+)
+
+
+def _check_model_args(args: ModelArgs, where: Path) -> None:
+    """Values transformers accepts but the engine cannot run: a zero or negative size (0 layers
+    divided by zero, a negative context failed in torch, a zero one refused every request), a
+    norm epsilon outside (0, 1), a rope base that is not a positive number."""
+    for attr, key in _POSITIVE_COUNTS:
+        if (value := getattr(args, attr)) < 1:
+            raise ModelLoadError(f"{where}: {key} must be 1 or more; got {value}")
+    if not 0 < args.rms_norm_eps < 1:
+        raise ModelLoadError(f"{where}: rms_norm_eps must be more than 0 and less than 1; got {args.rms_norm_eps}")
     if args.num_heads % args.num_kv_heads:
         raise ModelLoadError(f"{where}: num_attention_heads must be a multiple of num_key_value_heads")
-    return args
+    for layer in args.layers:
+        if layer.sliding_window is not None and layer.sliding_window < 1:
+            raise ModelLoadError(f"{where}: sliding_window must be 1 or more; got {layer.sliding_window}")
+    for _, params in args.rope_parameters:
+        for name, value in params:
+            if name in ("rope_theta", "factor") and not _is_positive_number(value):
+                raise ModelLoadError(f"{where}: {name} must be a number more than 0; got {value!r}")
+
+
+def _is_positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def checkpoint_dtype(model_dir: Path) -> torch.dtype | None:
@@ -138,14 +197,41 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
     return dict.fromkeys(_tensor_names(single), single)
 
 
-def preflight(model_dir: Path) -> None:
+# The most positions served from config.json's max_position_embeddings alone: the engine builds its
+# rope tables (and sizes its block tables) for the whole context up front, so a config saying 1e9
+# asked for tens of GB before the first request. Qwen2.5-1M's 1,010,000 is under it.
+MAX_POSITIONS_WITHOUT_MAX_MODEL_LEN = 1 << 20
+
+
+def preflight(model_dir: Path, *, max_model_len: int = 0) -> None:
     """What can be checked of a checkpoint without loading it, in well under a second: config.json
-    (a supported family with sane values) and the weight files (present, headers readable).
-    Raises ModelLoadError naming the problem; the server checks every model this way at start,
-    before loading any, so a broken folder stops it with one line instead of a traceback."""
-    load_model_args(model_dir)
-    for path in sorted(set(_weight_files(model_dir).values())):
-        _tensor_names(path)
+    (a supported family with sane values, a context the engine can size when `max_model_len`, the
+    configured one, is 0) and the weight files (present, headers readable, where the shard index
+    says). Raises ModelLoadError naming the problem; the server checks every model this way at
+    start, before loading any, so a broken folder stops it with one line instead of a traceback."""
+    args = load_model_args(model_dir)
+    if not max_model_len and args.max_position_embeddings > MAX_POSITIONS_WITHOUT_MAX_MODEL_LEN:
+        raise ModelLoadError(
+            f"{model_dir / 'config.json'}: max_position_embeddings {args.max_position_embeddings} is more than "
+            f"{MAX_POSITIONS_WITHOUT_MAX_MODEL_LEN} positions, which the engine would size its tables for up front: "
+            "set the model's max_model_len (models.<name>.max_model_len) to the context to serve"
+        )
+    files = _weight_files(model_dir)
+    names = {path: set(_tensor_names(path)) for path in sorted(set(files.values()))}
+    for name, path in files.items():
+        if name not in names[path]:  # a shard index that does not match its shards
+            actual = [other.name for other in sorted(model_dir.glob("*.safetensors")) if name in _names_or_empty(other)]
+            where = f"; it is in {actual[0]}" if actual else ""
+            raise ModelLoadError(
+                f"{model_dir / 'model.safetensors.index.json'}: lists {name} in {path.name}, which lacks it{where}"
+            )
+
+
+def _names_or_empty(path: Path) -> list[str]:
+    try:
+        return _tensor_names(path)
+    except ModelLoadError:
+        return []
 
 
 def _tensor_names(path: Path) -> list[str]:
@@ -181,7 +267,10 @@ class _TensorReader:
                 self._open[path] = safe_open(str(path), framework="pt", device="cpu")
             except Exception as exc:
                 raise ModelLoadError(f"{path}: cannot read safetensors: {exc}") from None
-        tensor = self._open[path].get_tensor(self._prefix + name)
+        try:
+            tensor = self._open[path].get_tensor(self._prefix + name)
+        except Exception as exc:  # safetensors' own error: the shard index placed the tensor in the wrong file
+            raise ModelLoadError(f"{path}: cannot read {name}: {exc}") from None
         if tuple(tensor.shape) != shape:
             raise ModelLoadError(f"{path}: {name} has shape {tuple(tensor.shape)}, config.json implies {shape}")
         return tensor.to(device=self._device, dtype=dtype or self.dtype)

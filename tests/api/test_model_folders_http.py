@@ -229,3 +229,22 @@ def test_gguf_a_file_or_a_repo_id_given_as_a_model_folder_says_what_to_give_inst
     repo_id = problem(tmp_path / "Qwen" / "Qwen3-0.6B")  # a relative "Qwen/Qwen3-0.6B", resolved
     assert "downloads nothing" in repo_id and "hf download Qwen/Qwen3-0.6B --local-dir models/Qwen3-0.6B" in repo_id
     assert "repo id" not in problem(tmp_path / "no-such-model")  # its folder exists: a plain missing folder
+
+
+def test_a_config_json_that_is_not_utf8_is_a_config_error(tiny_model_dir, tmp_path):
+    from engine.registry import build_models
+
+    bad = _copy(tiny_model_dir, tmp_path, "bad")
+    (bad / "config.json").write_bytes(b"\xff\xfe{\x00}")  # UTF-16 with its byte order mark
+    with pytest.raises(ConfigError, match=r"config\.json: cannot parse JSON: 'utf-8' codec can't decode"):
+        build_models(native_settings(tmp_path, bad, name="bad"))
+
+
+def test_a_context_too_long_to_size_up_front_stops_the_start_unless_max_model_len_is_set(tiny_model_dir, tmp_path):
+    from engine.registry import build_models
+
+    huge = _copy(tiny_model_dir, tmp_path, "huge", max_position_embeddings=10**9)  # was: 32 GB of rope tables
+    with pytest.raises(ConfigError, match=r"models\.huge: .*max_position_embeddings 1000000000 .*max_model_len"):
+        build_models(native_settings(tmp_path, huge, name="huge"))
+    models = build_models(native_settings(tmp_path, huge, name="huge", extra=("models.huge.max_model_len=256",)))
+    assert models["huge"].max_model_len == 256

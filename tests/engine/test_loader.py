@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 
 import pytest
@@ -184,3 +185,76 @@ def test_an_engine_on_cuda_keeps_sdpa_off_cudnn_and_the_switch_exists_in_this_to
         assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def _edit_config(model_dir, **changes):
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg.update(changes)
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        # transformers 5 refuses these through huggingface_hub's strict dataclasses (their own error types)
+        ({"max_position_embeddings": 4096.0}, "Field 'max_position_embeddings' expected int, got float"),
+        ({"max_position_embeddings": "512"}, "Field 'max_position_embeddings' expected int"),
+        ({"rms_norm_eps": None}, "Field 'rms_norm_eps' expected float"),
+        ({"tie_word_embeddings": 1}, "Field 'tie_word_embeddings' expected bool"),
+        ({"use_cache": None}, "Field 'use_cache' expected bool"),
+        ({"bos_token_id": [1, 2]}, "Field 'bos_token_id'"),
+        ({"initializer_range": 1}, "Field 'initializer_range' expected float"),
+        ({"head_dim": 15}, "even rotary dimension"),
+        ({"num_attention_heads": 3}, "not a multiple of the number of attention heads"),
+        ({"torch_dtype": "fp16"}, "torch_dtype must name a dtype (bfloat16, float16, float32); got 'fp16'"),
+        # ... and these it accepts, but the engine cannot run
+        ({"max_position_embeddings": 0}, "max_position_embeddings must be 1 or more; got 0"),
+        ({"max_position_embeddings": -5}, "max_position_embeddings must be 1 or more; got -5"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers must be 1 or more; got 0"),
+        ({"vocab_size": 0}, "vocab_size must be 1 or more"),
+        ({"rms_norm_eps": -1e-5}, "rms_norm_eps must be more than 0 and less than 1"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": "abc"}}, "rope_theta must be a number more than 0"),
+    ],
+)
+def test_a_config_value_the_engine_cannot_use_is_one_load_error_naming_config_json(model_copy, changes, message):
+    """Each was a traceback at start (or a server refusing every request for a context of 0)."""
+    if "torch_dtype" in changes:
+        _edit_config(model_copy, dtype=None)
+    _edit_config(model_copy, **changes)
+    with pytest.raises(ModelLoadError) as info:
+        load_model_args(model_copy)
+    assert str(info.value).startswith(f"{model_copy / 'config.json'}: ") and message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_a_dtype_of_auto_is_taken_as_unset(model_copy):
+    _edit_config(model_copy, dtype=None, torch_dtype="auto")  # transformers looked up torch.auto
+    assert load_model_args(model_copy).hidden_size > 0
+
+
+def test_a_context_too_long_to_size_up_front_needs_max_model_len(model_copy):
+    from engine.native.loader import MAX_POSITIONS_WITHOUT_MAX_MODEL_LEN, preflight
+
+    _edit_config(model_copy, max_position_embeddings=10**9)  # rope tables of tens of GB, before any request
+    with pytest.raises(ModelLoadError, match=r"max_position_embeddings 1000000000 is more than .*max_model_len"):
+        preflight(model_copy)
+    preflight(model_copy, max_model_len=4096)  # the engine sizes its tables for the configured context
+    _edit_config(model_copy, max_position_embeddings=MAX_POSITIONS_WITHOUT_MAX_MODEL_LEN)
+    preflight(model_copy)
+
+
+def test_a_shard_index_placing_a_tensor_in_the_wrong_shard_is_named_before_loading(tiny_models, tmp_path):
+    from engine.native.loader import preflight
+
+    sharded = tmp_path / "sharded"
+    tiny_models.reference(VARIANT).save_pretrained(sharded, max_shard_size="60KB")
+    index_file = sharded / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    name = next(n for n, shard in index["weight_map"].items() if shard == shards[0])
+    index["weight_map"][name] = shards[1]
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(ModelLoadError, match=rf"lists {re.escape(name)} in {shards[1]}, which lacks it; it is in"):
+        preflight(sharded)
+    with pytest.raises(ModelLoadError, match=rf"{shards[1]}: cannot read {re.escape(name)}"):
+        ModelRunner(sharded, CONFIG)  # loading without the preflight: the same, not safetensors' own error
