@@ -116,6 +116,14 @@ def build_model(
             model=name,
             detail="served on /v1/completions only (no chat_template in tokenizer_config.json or chat_template.jinja)",
         )
+    if not tokenizer.eos_token_ids:  # nothing ends an answer but its max_tokens
+        log.warning(
+            "model_without_eos_token",
+            model=name,
+            model_dir=str(model_dir),
+            detail="no eos_token_id in generation_config.json or config.json, and no eos_token in "
+            "tokenizer_config.json that tokenizer.json holds: every answer runs to max_tokens",
+        )
     if config.thinking_budget >= 0 and tokenizer.thinking_tag_ids() is None:
         raise ConfigError(
             f"models.{name}.thinking_budget: {model_dir} does not think in <think> tags written as single tokens"

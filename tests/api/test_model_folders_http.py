@@ -248,3 +248,29 @@ def test_a_context_too_long_to_size_up_front_stops_the_start_unless_max_model_le
         build_models(native_settings(tmp_path, huge, name="huge"))
     models = build_models(native_settings(tmp_path, huge, name="huge", extra=("models.huge.max_model_len=256",)))
     assert models["huge"].max_model_len == 256
+
+
+def test_a_model_with_no_eos_token_anywhere_is_served_with_a_warning_naming_it(tiny_model_dir, tmp_path):
+    """Every answer runs to max_tokens: say so at start, not after the first long answer."""
+    from structlog.testing import capture_logs
+
+    from engine.registry import build_models
+
+    folder = _copy(tiny_model_dir, tmp_path, "no-eos")
+    for name, key in (("config.json", "eos_token_id"), ("tokenizer_config.json", "eos_token")):
+        cfg = json.loads((folder / name).read_text())
+        cfg.pop(key, None)
+        (folder / name).write_text(json.dumps(cfg))
+    generation = folder / "generation_config.json"
+    if generation.exists():
+        cfg = json.loads(generation.read_text())
+        cfg.pop("eos_token_id", None)
+        generation.write_text(json.dumps(cfg))
+    with capture_logs() as logs:
+        build_models(native_settings(tmp_path, folder, name="no-eos"))
+    warnings = [line for line in logs if line["event"] == "model_without_eos_token"]
+    assert len(warnings) == 1 and warnings[0]["model"] == "no-eos"
+    assert "generation_config.json" in warnings[0]["detail"] and "tokenizer_config.json" in warnings[0]["detail"]
+    with capture_logs() as logs:
+        build_models(native_settings(tmp_path, tiny_model_dir))
+    assert not [line for line in logs if line["event"] == "model_without_eos_token"]
