@@ -9,13 +9,15 @@ from __future__ import annotations
 import errno
 import gc
 import re
+import shlex
 import socket
 import tomllib
 from pathlib import Path
 
 import structlog
 
-from settings import ConfigError, Settings
+from settings import PROJECT_DIR, ConfigError, Settings
+from settings.features import DEFAULT_STORE_PATH
 
 log = structlog.get_logger(__name__)
 
@@ -209,5 +211,10 @@ def ready_text(settings: Settings, *, is_keyless: bool) -> str:
     if is_keyless:
         lines.append(f"No API key needed from this machine (tier {settings.server.local_tier}). Ctrl-C stops.")
     else:
-        lines.append("API keys required: .venv/bin/python server.py keys create --org NAME --tier free. Ctrl-C stops.")
+        # The command as it must run for this server: `keys` without --db writes the default database.
+        db = Path(settings.store.path).resolve()
+        db_flag = "" if db == (PROJECT_DIR / DEFAULT_STORE_PATH).resolve() else f" --db {shlex.quote(str(db))}"
+        lines.append(
+            f"API keys required: .venv/bin/python server.py keys create{db_flag} --org NAME --tier free. Ctrl-C stops."
+        )
     return "\n".join(lines) + "\n"

@@ -8,12 +8,16 @@ from dataclasses import dataclass
 
 from settings.fields import setting
 
+DEFAULT_STORE_PATH = "data/chat.db"  # relative to the project folder (the shipped config.toml's)
+
 
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
     """The SQLite database of keys, conversations, files' metadata and the usage ledger."""
 
-    path: str = setting("data/chat.db", "SQLite database (keys, conversations, usage ledger); created on first start.")
+    path: str = setting(
+        DEFAULT_STORE_PATH, "SQLite database (keys, conversations, usage ledger); created on first start."
+    )
     synchronous: str = setting(
         "FULL",
         "SQLite synchronous mode. FULL: a finished answer and its ledger row survive power loss. NORMAL is faster.",
