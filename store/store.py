@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import shutil
 import sqlite3
 import time
 from collections.abc import AsyncIterator
@@ -51,6 +52,9 @@ class _Unset:
 
 UNSET: Any = _Unset()  # "leave as is", where None is a meaningful value
 PROBE_BYTES = 64 * 1024  # what a write probe commits: an answer and its messages, roughly
+# Below this much free space on the database's disk the probe reports it unwritable: writes that
+# fit in pages the file and its WAL already hold can succeed on a full disk, the next one not.
+MIN_FREE_BYTES = 16 * PROBE_BYTES
 
 
 class Store(StoreConversations):
@@ -308,8 +312,17 @@ class Store(StoreConversations):
 
         A tiny in-place update can succeed on a full disk while the next ledger row fails, so
         the probe makes the file (or its WAL) grow the way an answer with its messages does.
-        The freed pages stay in the file for the next real write.
+        The freed pages stay in the file for the next real write. A disk with less than
+        MIN_FREE_BYTES free is unwritable whatever the probe gets (it may fit in pages the file
+        or its WAL already hold: the answer after it does not).
         """
+        try:
+            free = shutil.disk_usage(self.path.parent).free
+        except OSError:
+            free = None  # the write below tells
+        if free is not None and free < MIN_FREE_BYTES:
+            self._writer.set_unwritable(StoreUnavailable(f"{free} bytes free on the disk holding {self.path}"))
+            return False
         with contextlib.suppress(StoreUnavailable):
             await self._write(functools.partial(_write_probe, num_bytes=PROBE_BYTES))
             await self._write(functools.partial(_write_probe, num_bytes=0))

@@ -158,6 +158,11 @@ class Writer:
         except sqlite3.Error as exc:
             log.error("store_rollback_failed", error=str(exc))
 
+    def set_unwritable(self, cause: BaseException) -> None:
+        """Unwritable, found without a transaction (the disk is full): the next commit that
+        succeeds sets it writable again."""
+        self._set_writable(False, cause)
+
     def _set_writable(self, is_writable: bool, cause: BaseException | None) -> None:
         if is_writable == self.is_writable:
             if cause is not None:

@@ -128,3 +128,24 @@ async def test_the_write_probe_fails_while_an_answer_sized_write_would_fail(db_p
         assert not store.is_writable
     finally:
         await store.close()
+
+
+async def test_a_disk_with_almost_no_room_left_is_unwritable_whatever_the_probe_fits_in(
+    db_path: Path, monkeypatch
+) -> None:
+    """A probe can fit in pages the file or its WAL already hold on a full disk: the server
+    started 'ready' and the first answer's write failed. The free space decides first."""
+    import shutil
+
+    from store import store as store_module
+
+    real = shutil.disk_usage
+    free = {"bytes": 1000}
+    monkeypatch.setattr(store_module.shutil, "disk_usage", lambda p: real(p)._replace(free=free["bytes"]))
+    store = await Store.open(db_path, StoreConfig())
+    try:
+        assert not store.is_writable  # /ready says so from the start
+        free["bytes"] = store_module.MIN_FREE_BYTES  # room again: the maintenance probe recovers
+        assert await store.probe_writable() is True and store.is_writable
+    finally:
+        await store.close()
