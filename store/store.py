@@ -70,6 +70,8 @@ class Store(StoreConversations):
         self._maintenance: asyncio.Task[None] | None = None
         self._key_refresh: asyncio.Task[None] | None = None
         self._is_closed = False
+        self._file_id: tuple[int, int] | None = None  # (device, inode) of the file opened
+        self._file_problem: str | None = None  # the file was deleted or replaced under us
 
     @classmethod
     async def open(cls, path: Path, config: StoreConfig) -> Store:
@@ -83,6 +85,7 @@ class Store(StoreConversations):
         except (OSError, sqlite3.Error) as exc:  # a read-only or missing folder, a file we may not read
             raise StoreError(f"cannot open the database {path}: {getattr(exc, 'strerror', None) or exc}") from exc
         store = cls(path, config, write_conn)
+        store._file_id = _file_id(path)
         try:
             await schema.configure(write_conn, busy_timeout_ms=config.busy_timeout_ms, is_reader=False)
             await schema.prepare(write_conn, config.synchronous)
@@ -130,8 +133,24 @@ class Store(StoreConversations):
 
     @property
     def is_writable(self) -> bool:
-        """False while the last write transaction failed for lack of a writable database."""
-        return self._writer.is_writable
+        """False while the last write transaction failed for lack of a writable database, and
+        for good once the file was deleted or replaced under the server (writes would go to a
+        file no longer at the path, lost at stop)."""
+        return self._writer.is_writable and self._file_problem is None
+
+    def _check_file(self) -> None:
+        """Notice, once, that the database file at the path is no longer the one opened."""
+        if self._file_problem is not None or self._file_id is None:
+            return
+        found = _file_id(self.path)
+        if found == self._file_id:
+            return
+        how = "deleted" if found is None else "replaced by another file"
+        self._file_problem = (
+            f"the database file {self.path} was {how} while the server runs: what it writes now would be "
+            "lost at stop. Stop the server, put the file back (or restore a backup), then start it"
+        )
+        log.error("store_file_gone", path=str(self.path), problem=how)
 
     # --- organisations and keys ----------------------------------------------------------
 
@@ -316,6 +335,9 @@ class Store(StoreConversations):
         MIN_FREE_BYTES free is unwritable whatever the probe gets (it may fit in pages the file
         or its WAL already hold: the answer after it does not).
         """
+        self._check_file()
+        if self._file_problem is not None:
+            return False
         try:
             free = shutil.disk_usage(self.path.parent).free
         except OSError:
@@ -389,6 +411,7 @@ class Store(StoreConversations):
         interval_s = max(0.05, self.config.last_used_flush_s)
         while True:
             await asyncio.sleep(interval_s)
+            self._check_file()
             with contextlib.suppress(StoreError):
                 await self._flush_last_used()
                 if not self.is_writable:
@@ -399,6 +422,14 @@ class Store(StoreConversations):
             with contextlib.suppress(Exception):
                 await conn.close()
         self._read_conns.clear()
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def check_database_path(path: Path) -> None:

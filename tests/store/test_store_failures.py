@@ -149,3 +149,26 @@ async def test_a_disk_with_almost_no_room_left_is_unwritable_whatever_the_probe_
         assert await store.probe_writable() is True and store.is_writable
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+async def test_a_database_file_deleted_or_replaced_under_the_server_makes_it_unwritable_for_good(
+    db_path: Path, make_record, how: str
+) -> None:
+    """Writes kept succeeding into the unlinked file and /ready stayed green: everything written
+    after it was lost at stop, and keys made meanwhile went to a new file the server never read."""
+    store = await Store.open(db_path, StoreConfig())
+    try:
+        org = await store.create_org("acme", "plus")
+        os.unlink(db_path)
+        if how == "replaced":
+            sqlite3.connect(db_path).close()
+        with structlog.testing.capture_logs() as logs:
+            assert await store.probe_writable() is False
+            assert await store.record_request(make_record(org.id)) is True  # the writer still commits...
+            assert not store.is_writable  # ...but /ready and admission say the store is gone
+            assert await store.probe_writable() is False
+        gone = [e for e in logs if e["event"] == "store_file_gone"]
+        assert len(gone) == 1 and gone[0]["problem"].startswith(how)
+    finally:
+        await store.close()
