@@ -273,7 +273,16 @@ class _TensorReader:
             raise ModelLoadError(f"{path}: cannot read {name}: {exc}") from None
         if tuple(tensor.shape) != shape:
             raise ModelLoadError(f"{path}: {name} has shape {tuple(tensor.shape)}, config.json implies {shape}")
+        if tensor.dtype not in _WEIGHT_DTYPES:  # cast as it is, an int8 or fp8 weight answered nothing
+            raise ModelLoadError(
+                f"{path}: {name} is stored as {str(tensor.dtype).removeprefix('torch.')}, a quantized weight with "
+                "no quantization_config in config.json to read it by: serve the checkpoint's bfloat16/float16 "
+                'release (engine.quantization = "int8" quantizes it at load)'
+            )
         return tensor.to(device=self._device, dtype=dtype or self.dtype)
+
+
+_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 class _LayerReader:

@@ -131,6 +131,19 @@ def test_shape_mismatch_names_the_tensor(model_copy):
         ModelRunner(model_copy, CONFIG)
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_a_quantized_weight_without_a_quantization_config_is_refused_by_name(model_copy, dtype):
+    """Cast to float as it was, such a checkpoint loaded and every answer came back empty."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(model_copy / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = tensors[name].clamp(-1, 1).to(dtype)
+    save_file(tensors, model_copy / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=rf"{re.escape(name)} is stored as {str(dtype)[6:]}, a quantized weight"):
+        ModelRunner(model_copy, CONFIG)
+
+
 def test_a_bias_the_engine_does_not_apply_is_refused(model_copy):
     # A Llama checkpoint with attention_bias=True has o_proj biases: loading it without them
     # would give wrong answers, so it must fail by name instead.
