@@ -173,7 +173,11 @@ def checkpoint_dtype(model_dir: Path) -> torch.dtype | None:
 
 
 def _weight_files(model_dir: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file, from the shard index or the single file."""
+    """Tensor name -> safetensors file: the single file when there is one (a stale shard index
+    beside it is not read, as in transformers), else the shard index's."""
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return dict.fromkeys(_tensor_names(single), single)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = _read_json(index).get("weight_map")
@@ -184,17 +188,14 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
             if not shard.is_file():
                 raise ModelLoadError(f"{shard}: missing (listed in {index.name})")
         return files
-    single = model_dir / "model.safetensors"
-    if not single.is_file():
-        pickled = any(model_dir.glob("pytorch_model*.bin"))
-        hint = (
-            " (pytorch_model.bin weights are not read: they are pickles, which can run code; convert them "
-            "with transformers: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir))"
-            if pickled
-            else ""
-        )
-        raise ModelLoadError(f"{model_dir}: no model.safetensors or model.safetensors.index.json{hint}")
-    return dict.fromkeys(_tensor_names(single), single)
+    pickled = any(model_dir.glob("pytorch_model*.bin"))
+    hint = (
+        " (pytorch_model.bin weights are not read: they are pickles, which can run code; convert them "
+        "with transformers: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir))"
+        if pickled
+        else ""
+    )
+    raise ModelLoadError(f"{model_dir}: no model.safetensors or model.safetensors.index.json{hint}")
 
 
 # The most positions served from config.json's max_position_embeddings alone: the engine builds its

@@ -117,6 +117,13 @@ def test_missing_shard_is_named(tiny_models, tmp_path):
         ModelRunner(sharded, CONFIG)
 
 
+def test_a_stale_shard_index_beside_a_single_file_is_not_read(model_copy):
+    """transformers loads model.safetensors first; the index left from a sharded save was refused here."""
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
+    (model_copy / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert ModelRunner(model_copy, CONFIG) is not None
+
+
 def test_corrupt_safetensors_is_named(model_copy):
     (model_copy / "model.safetensors").write_bytes(b"\x00" * 64)
     with pytest.raises(ModelLoadError, match=r"model\.safetensors: cannot read safetensors"):
