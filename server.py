@@ -110,10 +110,20 @@ def apply_cli(settings, args: argparse.Namespace):
         store = dataclasses.replace(store, path=db)
     models, tiers = settings.models, settings.tiers
     if args.model is not None:
-        name = args.model.resolve().name
+        name = model_name(args.model)
         models = {name: ModelConfig(path=str(args.model))}
         tiers = {t: dataclasses.replace(cfg, models=[name]) for t, cfg in settings.tiers.items()}
     return validate(dataclasses.replace(settings, server=server, store=store, models=models, tiers=tiers))
+
+
+def model_name(folder: Path) -> str:
+    """The name --model serves a folder as: the folder's own name, a symlink's rather than its
+    target's, and for a Hugging Face cache snapshot (models--Qwen--Qwen3-0.6B/snapshots/<commit>)
+    the repo's name rather than the commit's."""
+    path = Path(os.path.abspath(folder))  # ".." resolved, symlinks not
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.split("--")[-1]
+    return path.name
 
 
 def serve(settings, backend_factory=None) -> None:

@@ -258,3 +258,17 @@ def test_a_host_that_is_empty_or_carries_brackets_or_a_port_is_refused_saying_wh
         server.apply_cli(load_settings(None), server.parse_args(["--host", host]))
     for good in ("::1", "0.0.0.0", "localhost", "127.0.0.1"):
         assert server.apply_cli(load_settings(None), server.parse_args(["--host", good])).server.host == good
+
+
+def test_a_model_folder_given_by_a_symlink_or_from_the_hub_cache_is_served_by_its_own_name(tmp_path):
+    """Named after the symlink's target or the snapshot's commit, a model was called '3a1b...'."""
+    import server
+
+    target = tmp_path / "store" / "weights-v2"
+    target.mkdir(parents=True)
+    (tmp_path / "my-llama").symlink_to(target)
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen3-0.6B" / "snapshots" / "3a1b2c"
+    snapshot.mkdir(parents=True)
+    for folder, name in ((tmp_path / "my-llama", "my-llama"), (snapshot, "Qwen3-0.6B"), (target / "..", "store")):
+        settings = server.apply_cli(load_settings(None), server.parse_args(["--model", str(folder)]))
+        assert list(settings.models) == [name]
