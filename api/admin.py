@@ -33,7 +33,7 @@ from api.errors import ApiError, bad_request, not_found
 from api.resources import month_start, time_param, usage_body
 from api.state import PRINCIPAL, SETTINGS, STATE
 from settings import ORG_LIMITS, merge_org_limits
-from store.keys import MAX_BUDGET_USD, MAX_EXPIRES_IN_DAYS, MAX_ORG_NAME_CHARS
+from store.keys import MAX_BUDGET_USD, MAX_EXPIRES_IN_DAYS, MAX_ORG_NAME_CHARS, key_name_problem
 from store.ledger import GROUP_BY
 from store.store import UNSET
 from store.types import INFERENCE_SCOPE, KEY_SCOPES, ApiKey, Conflict, NotFound, Org
@@ -41,7 +41,6 @@ from store.types import INFERENCE_SCOPE, KEY_SCOPES, ApiKey, Conflict, NotFound,
 log = structlog.get_logger(__name__)
 
 MAX_NAME_CHARS = 64
-MAX_KEY_NAME_CHARS = 200
 ORG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _ORG_CREATE_FIELDS = ("name", "tier", "budget_usd", "limits")
 _ORG_UPDATE_FIELDS = ("tier", "budget_usd", "limits")
@@ -233,8 +232,10 @@ async def create_key(request: web.Request) -> web.Response:
     body = _object(await read_json(request), _KEY_CREATE_FIELDS)
     org = await _org_or_404(request, _org_ref(body.get("organization"), "organization"), "organization")
     name = body.get("name")
-    if name is not None and (not isinstance(name, str) or len(name) > MAX_KEY_NAME_CHARS):
-        raise bad_request(f"'name' must be a string of at most {MAX_KEY_NAME_CHARS} characters, or null.", param="name")
+    if name is not None and not isinstance(name, str):
+        raise bad_request("'name' must be a string, or null.", param="name")
+    if name is not None and (problem := key_name_problem(name)) is not None:
+        raise bad_request(f"'name': {problem}.", param="name")
     scope = body.get("scope", INFERENCE_SCOPE)
     if scope not in KEY_SCOPES:
         raise bad_request(f"'scope' must be one of {list(KEY_SCOPES)}, got {scope!r}.", param="scope")

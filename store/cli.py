@@ -25,6 +25,7 @@ from store.keys import (
     MAX_EXPIRES_IN_DAYS,
     MIN_PREFIX_MATCH_CHARS,
     SECRET_PREFIX,
+    key_name_problem,
     org_name_problem,
 )
 from store.money import format_usd
@@ -51,7 +52,7 @@ def add_cli(subparsers: Any) -> None:
         help="monthly budget in USD of a new organisation, or 'none'; for an existing one it must equal"
         " that organisation's budget (change it with `orgs set`)",
     )
-    create.add_argument("--name", help="a label for the key")
+    create.add_argument("--name", type=_key_name, help="a label for the key")
     create.add_argument(
         "--expires-in-days",
         type=_expires_in_days,
@@ -398,6 +399,13 @@ def _expires_in_days(text: str) -> float:
             f"must be a number of days more than 0 and at most {MAX_EXPIRES_IN_DAYS:g}, got {text!r}"
         )
     return value
+
+
+def _key_name(text: str) -> str:
+    problem = key_name_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
 
 
 def _org_name(text: str) -> str:

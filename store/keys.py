@@ -44,6 +44,9 @@ def hash_secret(secret: str) -> str:
     return hashlib.sha256(secret.encode("utf-8")).hexdigest()
 
 
+MAX_KEY_NAME_CHARS = 200  # a key's label (`keys create --name`, the admin API's "name")
+
+
 def is_well_formed(secret: str) -> bool:
     """Could be one of ours; anything else is refused without hashing or a lookup."""
     return secret.startswith(SECRET_PREFIX) and len(secret) <= MAX_SECRET_CHARS
@@ -57,6 +60,15 @@ def org_name_problem(name: str) -> str | None:
         return f"an organisation's name is at most {MAX_ORG_NAME_CHARS} characters, got {len(name)}"
     if not name.isprintable():  # tabs and newlines would break `keys list`'s columns and rows
         return f"an organisation's name cannot hold tabs, newlines or other control characters, got {name!r}"
+    return None
+
+
+def key_name_problem(name: str) -> str | None:
+    """Why `name` cannot label a key (too long, a control character), or None."""
+    if len(name) > MAX_KEY_NAME_CHARS:
+        return f"a key's name is at most {MAX_KEY_NAME_CHARS} characters, got {len(name)}"
+    if not name.isprintable():  # as an organisation's: `keys list` prints it in a column
+        return f"a key's name cannot hold tabs, newlines or other control characters, got {name!r}"
     return None
 
 

@@ -140,6 +140,8 @@ async def test_a_key_made_over_http_works_at_once_is_listed_without_its_secret_a
         ({"organization": "acme", "scope": "root"}, "scope"),
         ({"organization": "acme", "expires_in_days": 0}, "expires_in_days"),
         ({"organization": "acme", "name": 5}, "name"),
+        ({"organization": "acme", "name": "two\nlines"}, "name"),  # would break `keys list`'s rows
+        ({"organization": "acme", "name": "x" * 201}, "name"),
     ):
         status = 404 if param == "organization" else 400
         await assert_error(await client.post("/v1/admin/keys", json=body, headers=h), status, param=param)

@@ -165,6 +165,13 @@ def test_an_organisation_name_that_would_break_keys_list_is_refused(capsys, comm
     assert problem in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["two\nlines", "tab\tlabel", "x" * 201])
+def test_a_key_label_that_would_break_keys_list_is_refused(capsys, name):
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["keys", "create", "--org", "acme", "--tier", "free", "--name", name])
+    assert "a key's name" in capsys.readouterr().err
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
     "args",
