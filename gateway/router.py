@@ -177,8 +177,13 @@ class TierRouter:
 
     def _tier(self, tier_name: str) -> TierConfig:
         tier = self._tiers.get(tier_name)
-        if tier is None or not tier.models:
+        if tier is None:
             raise NotEnabled(Reason.TIER_NOT_ENABLED, f"The tier {tier_name!r} is not enabled on this server.")
+        if not tier.models:  # declared, but its models list is empty: say so, not "no such tier"
+            raise NotEnabled(
+                Reason.TIER_NOT_ENABLED,
+                f"The tier {tier_name!r} serves no models on this server (tiers.{tier_name}.models is empty).",
+            )
         return tier
 
     def _asked_model(self, tier: TierConfig, requested_model: str | None) -> str:

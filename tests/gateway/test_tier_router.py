@@ -159,8 +159,11 @@ async def test_a_request_too_big_for_every_queue_is_503():
 async def test_models_for_tier_lists_the_tiers_models_in_order_and_unknown_tiers_are_403():
     fx = Fixture()
     assert fx.router.models_for_tier("plus") == ["flagship", "mini"]
-    with pytest.raises(NotEnabled):
+    with pytest.raises(NotEnabled, match="not enabled"):
         fx.router.route("platinum", None)
+    router = TierRouter(MODELS, {**TIERS, "free": TierConfig(models=[])}, fx.queues)
+    with pytest.raises(NotEnabled, match=r"serves no models .*tiers\.free\.models is empty"):
+        router.route("free", None)
 
 
 async def test_a_model_without_a_queue_is_skipped():
