@@ -210,9 +210,9 @@ def _system_folded(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | Non
     num_system = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
     rest = messages[num_system:]
     texts = [m["content"] for m in messages[:num_system]]
-    if not num_system or not rest or rest[0]["role"] != "user" or not all(isinstance(t, str) for t in texts):
+    if not num_system or not rest or rest[0]["role"] != "user":
         return None
-    if not isinstance(rest[0]["content"], str):
+    if not all(isinstance(t, str) for t in [*texts, rest[0]["content"]]):
         return None
     joined = "\n\n".join(t for t in [*texts, rest[0]["content"]] if t)
     return [{**rest[0], "content": joined}, *rest[1:]]

@@ -76,14 +76,9 @@ def check_tiers(settings: Settings) -> None:
     """A ConfigError for a tier or fallback naming an undeclared model, or a keyless local tier
     not under [tiers]: before any model loads, not after every one has (a typo cost a full load)."""
     from api.security import keyless_allowed
+    from gateway.router import check_model_names
 
-    for tier_name, tier in settings.tiers.items():
-        for model in tier.models:
-            if model not in settings.models:
-                raise ConfigError(f"tiers.{tier_name}.models names undeclared model {model!r}")
-    for name, model_config in settings.models.items():
-        if model_config.fallback and model_config.fallback not in settings.models:
-            raise ConfigError(f"models.{name}.fallback names undeclared model {model_config.fallback!r}")
+    check_model_names(settings.models, settings.tiers)
     if keyless_allowed(settings) and settings.server.local_tier not in settings.tiers:
         raise ConfigError(
             f"server.local_tier: tier {settings.server.local_tier!r} is not declared under [tiers] (a --config "

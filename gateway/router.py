@@ -36,6 +36,17 @@ class Route:
     fallback_reason: str | None = None
 
 
+def check_model_names(models: Mapping[str, ModelConfig], tiers: Mapping[str, TierConfig]) -> None:
+    """A ConfigError for a tier or a fallback naming a model that is not declared."""
+    for tier_name, tier in tiers.items():
+        for model in tier.models:
+            if model not in models:
+                raise ConfigError(f"tiers.{tier_name}.models names undeclared model {model!r}")
+    for name, model_config in models.items():
+        if model_config.fallback and model_config.fallback not in models:
+            raise ConfigError(f"models.{name}.fallback names undeclared model {model_config.fallback!r}")
+
+
 class TierRouter:
     def __init__(
         self,
@@ -43,13 +54,7 @@ class TierRouter:
         tiers: Mapping[str, TierConfig],
         queues: Mapping[str, ModelQueue],
     ):
-        for tier_name, tier in tiers.items():
-            for model in tier.models:
-                if model not in models:
-                    raise ConfigError(f"tiers.{tier_name}.models names undeclared model {model!r}")
-        for name, model_config in models.items():
-            if model_config.fallback and model_config.fallback not in models:
-                raise ConfigError(f"models.{name}.fallback names undeclared model {model_config.fallback!r}")
+        check_model_names(models, tiers)
         self._models = models
         self._tiers = tiers
         self._queues = queues

@@ -17,6 +17,7 @@ from typing import Any
 
 from settings.backends import EngineConfig, ModelConfig, TrtllmConfig, UpstreamConfig
 from settings.features import (
+    DEFAULT_STORE_PATH,
     EmbeddingsConfig,
     FilesConfig,
     ImagesConfig,
@@ -133,7 +134,7 @@ def _check_allowed(obj: Any, where: str) -> None:
 # was, it made a folder named ~ in the working directory).
 _PATH_SETTINGS = (
     ("server", "static_dir", "static", True),
-    ("store", "path", "data/chat.db", False),
+    ("store", "path", DEFAULT_STORE_PATH, False),
     ("files", "dir", "", False),
     ("safety", "classifier_path", "safety/classifier.npz", True),
 )

@@ -71,7 +71,7 @@ class Store(StoreConversations):
         self._key_refresh: asyncio.Task[None] | None = None
         self._is_closed = False
         self._file_id: tuple[int, int] | None = None  # (device, inode) of the file opened
-        self._file_problem: str | None = None  # the file was deleted or replaced under us
+        self._file_problem: str | None = None  # how the file went: deleted or replaced under us
 
     @classmethod
     async def open(cls, path: Path, config: StoreConfig) -> Store:
@@ -145,12 +145,14 @@ class Store(StoreConversations):
         found = _file_id(self.path)
         if found == self._file_id:
             return
-        how = "deleted" if found is None else "replaced by another file"
-        self._file_problem = (
-            f"the database file {self.path} was {how} while the server runs: what it writes now would be "
-            "lost at stop. Stop the server, put the file back (or restore a backup), then start it"
+        self._file_problem = "deleted" if found is None else "replaced by another file"
+        log.error(
+            "store_file_gone",
+            path=str(self.path),
+            problem=self._file_problem,
+            detail="what the server writes now would be lost at stop: stop it, put the file back "
+            "(or restore a backup), then start it",
         )
-        log.error("store_file_gone", path=str(self.path), problem=how)
 
     # --- organisations and keys ----------------------------------------------------------
 
