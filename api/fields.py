@@ -6,6 +6,7 @@ nothing here knows a whole request, tokenizes or touches the engine.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -92,7 +93,8 @@ def parse_response_format(value: Any, param: str = "response_format") -> Structu
         raise bad_request(f"'{where}.schema' must be a JSON schema object.", param=f"{where}.schema")
     if not isinstance(spec.get("strict", False), (bool, type(None))):
         raise bad_request(f"'{where}.strict' must be a boolean.", param=f"{where}.strict")
-    text = tooling.schema_text(schema)
+    # Objects that list their keys get no others (as a forced call's arguments): see tools.closed.
+    text = tooling.schema_text(tooling.closed(copy.deepcopy(schema), close_bare=False))
     tooling.check_schema(text, f"{where}.schema")
     return StructuredOutput(StructuredKind.JSON_SCHEMA, text)
 

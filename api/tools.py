@@ -224,7 +224,7 @@ def forced_call_grammar(
     chosen = [t for t in tools if choice.mode is not ChoiceMode.NAMED or t.name == choice.name]
     args_key = "parameters" if fmt is ToolFormat.LLAMA3_JSON else "arguments"
     defs = {
-        f"tool_{i}": _closed(_rebase_refs(json.loads(t.parameters), f"#/$defs/tool_{i}")) for i, t in enumerate(chosen)
+        f"tool_{i}": closed(_rebase_refs(json.loads(t.parameters), f"#/$defs/tool_{i}")) for i, t in enumerate(chosen)
     }
     variants = [
         {
@@ -263,33 +263,39 @@ _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 _NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
-def _closed(node: Any, *, is_part: bool = False) -> Any:
+def closed(node: Any, *, is_part: bool = False, close_bare: bool = True) -> Any:
     """`node` with every object schema that does not say `additionalProperties` closed to its
-    listed properties, in place. Plain JSON Schema allows any other key, and under a forced
-    call a model free to keep adding keys may never close the call (vLLM's guided decoding
-    closes them too); a schema that wants other keys says so with `additionalProperties`.
-    Left open: an object combined with others (`allOf` beside or around it: each part lists
-    only some of the keys) and one that requires a key it does not list."""
+    listed properties, in place. Plain JSON Schema allows any other key, and a model free to
+    keep adding keys may never close the object (a forced call, a response format: vLLM's
+    guided decoding closes them too); a schema that wants other keys says so with
+    `additionalProperties`. Left open: an object combined with others (`allOf` beside or
+    around it: each part lists only some of the keys), one that requires a key it does not
+    list, and with `close_bare=False` (a response format, where `{"type": "object"}` means any
+    object) one that lists no properties; a tool's bare object means no arguments."""
     if isinstance(node, list):
         for item in node:
-            _closed(item, is_part=is_part)
+            closed(item, is_part=is_part, close_bare=close_bare)
     elif isinstance(node, dict):
-        if not is_part and _is_closable(node):
+        if not is_part and _is_closable(node, close_bare):
             node["additionalProperties"] = False
         for key, value in node.items():
             if key in _NAMED_SCHEMAS and isinstance(value, dict):  # names to schemas: each value is one
-                _closed(list(value.values()))
+                closed(list(value.values()), close_bare=close_bare)
             elif key not in _DATA_KEYWORDS:
-                _closed(value, is_part=key == "allOf")
+                closed(value, is_part=key == "allOf", close_bare=close_bare)
     return node
 
 
-def _is_closable(node: dict) -> bool:
+def _is_closable(node: dict, close_bare: bool) -> bool:
     if "additionalProperties" in node or "patternProperties" in node or "allOf" in node:
         return False
     listed = node.get("properties")
     if listed is None:  # only a bare {"type": "object"}: no arguments
-        return node.get("type") == "object" and not any(k in node for k in ("$ref", "anyOf", "oneOf", "required"))
+        return (
+            close_bare
+            and node.get("type") == "object"
+            and not any(k in node for k in ("$ref", "anyOf", "oneOf", "required"))
+        )
     required = node.get("required")
     return isinstance(listed, dict) and all(k in listed for k in (required if isinstance(required, list) else ()))
 

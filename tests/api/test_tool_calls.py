@@ -9,6 +9,7 @@ import llguidance
 import pytest
 from tokenizers import Tokenizer
 
+from api.fields import parse_response_format
 from api.toolparse import ToolCallParser
 from api.tools import ChoiceMode, Tool, ToolChoice, ToolFormat, detect_format, forced_call_grammar, parse_tools
 from engine.grammar import grammar_text
@@ -184,3 +185,29 @@ def test_a_bare_object_schema_is_closed_to_no_arguments():
     spec = forced_call_grammar((tool,), ToolChoice(ChoiceMode.REQUIRED), ToolFormat.LLAMA3_JSON, False).spec
     closed = json.loads(spec.split("%json ", 1)[1])["$defs"]["tool_0"]
     assert closed == {"type": "object", "additionalProperties": False}
+
+
+@pytest.mark.parametrize(
+    ("schema", "extra_key_allowed"),
+    [
+        ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, False),  # pydantic's shape
+        ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True}, True),
+        ({"type": "object"}, True),  # a bare object: any JSON object, as json_object gives
+    ],
+)
+def test_a_response_formats_objects_that_list_their_keys_get_no_others(schema, extra_key_allowed, tiny_model_dir):
+    """As a forced call's arguments: plain JSON Schema would let a model keep adding keys (the demo
+    model wrote `{"name":..., "population":8, "IGPLet's...":892, ...}` to max_tokens)."""
+    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    llt = llguidance.LLTokenizer(tok.to_str())
+    fmt = parse_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert fmt is not None
+    grammar = grammar_text(fmt)
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(llt, grammar, log_level=0)
+        return matcher.consume_tokens(tok.encode(text).ids) and not matcher.is_error()
+
+    assert accepts('{"a":1}')
+    assert accepts('{"a":1,"b":2}') is extra_key_allowed
+    assert "additionalProperties" not in json.dumps(schema) or schema.get("additionalProperties") is True  # unchanged
