@@ -141,6 +141,37 @@ def opt_float(raw: dict[str, Any], key: str, default: float, lo: float, hi: floa
     return float(value)
 
 
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias (OpenAI's range of each bias: -100 to 100)
+
+
+def parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `{"<token id>": bias}` -> (id, bias) pairs sorted by id; each bias in [-100, 100].
+    Whether an id is in the model's vocabulary is checked by the backend (a 400 before the stream)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise bad_request(
+            f"'logit_bias' must be an object mapping token ids to biases, got {kind_of(value)}.", param="logit_bias"
+        )
+    if len(value) > MAX_LOGIT_BIAS:
+        raise bad_request(
+            f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} token ids, got {len(value)}.", param="logit_bias"
+        )
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 9):
+            raise bad_request(
+                f"'logit_bias' keys must be token ids (non-negative integers, as strings), got {key!r}.",
+                param="logit_bias",
+            )
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise bad_request(
+                f"'logit_bias[{key}]' must be a number from -100 to 100, got {bias!r}.", param="logit_bias"
+            )
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
+
+
 def parse_stop(value: Any) -> tuple[str, ...]:
     if value is None:
         return ()

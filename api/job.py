@@ -224,6 +224,7 @@ def sampling_from(
         min_tokens=min(chat.min_tokens, max_tokens),
         ignore_eos=chat.ignore_eos,
         thinking=thinking,
+        logit_bias=chat.logit_bias,
     )
 
 

@@ -24,6 +24,7 @@ from api.fields import (
     opt_float,
     opt_int,
     opt_str,
+    parse_logit_bias,
     parse_response_format,
     parse_stop,
     parse_stream_options,
@@ -37,7 +38,6 @@ MAX_TOP_LOGPROBS = 20
 
 # Fields we accept but ignore when they carry their default (harmless for a text chat).
 _IGNORED_DEFAULTS: dict[str, tuple[Any, ...] | None] = {
-    "logit_bias": (None, {}),
     "store": (None, False),
     "metadata": None,  # OpenAI's shape is checked (check_metadata); its values are not used
     "modalities": (None, ["text"]),
@@ -46,6 +46,7 @@ _IGNORED_DEFAULTS: dict[str, tuple[Any, ...] | None] = {
 }
 _KNOWN = {
     "model",
+    "logit_bias",
     "messages",
     "max_tokens",
     "max_completion_tokens",
@@ -155,6 +156,7 @@ class ChatRequest:
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. {"enable_thinking": false}
     repetition_penalty: float = 1.0  # vLLM's extension (transformers' semantics); 1: off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, sorted by id
     # The last message is an assistant's prefill the answer continues (vLLM's extension; Anthropic's
     # Messages API whenever the last message is the assistant's): the answer holds only the continuation.
     continue_final_message: bool = False
@@ -235,6 +237,7 @@ def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int, ma
             _chat_template_kwargs(raw.get("chat_template_kwargs")), raw.get("reasoning_effort"), "reasoning_effort"
         ),
         repetition_penalty=_repetition_penalty(raw),
+        logit_bias=parse_logit_bias(raw.get("logit_bias")),
         continue_final_message=_continue_final_message(raw, messages),
         thinking_token_budget=opt_int(raw, "thinking_token_budget", 0),
         sampling_fields_set=frozenset(k for k in _DEFAULTABLE_SAMPLING_FIELDS if raw.get(k) is not None),

@@ -104,6 +104,9 @@ class SamplingParams:
     # (a legacy completion's echo with logprobs: what evaluation harnesses score). The native engine only.
     prompt_logprobs: int | None = None
     thinking: ThinkingBudget | None = None  # None: the model thinks as long as it likes
+    # OpenAI's logit_bias: (token id, bias) pairs added to those tokens' logits before anything
+    # else (-100 in practice bans a token, +100 makes it all but certain); sorted by id.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def is_greedy(self) -> bool:

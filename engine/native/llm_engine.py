@@ -134,6 +134,12 @@ class LLMEngine:
                 "has tokens the model was not resized for; leave them out of the text)",
                 param="messages",
             )
+        biased = [t for t, _ in request.sampling.logit_bias if t >= vocab_size]
+        if biased:
+            raise RequestRejected(
+                f"'logit_bias' names the token id {biased[0]}; this model's ids run from 0 to {vocab_size - 1}",
+                param="logit_bias",
+            )
         if thinking is not None and max(thinking.open_id, thinking.close_id, *thinking.forced_ids) >= vocab_size:
             raise RequestRejected(
                 f"the thinking budget's tags or message hold a token id outside the model's {vocab_size} logits",

@@ -1,12 +1,12 @@
 """Turns one step's logits into next tokens, one row per sequence, honouring SamplingParams.
 
-Order: repetition penalty, presence/frequency penalties, min_tokens (stop ids masked), the grammar's token mask
-(structured outputs), a forced token (a spent thinking budget: every other token masked), then
-greedy argmax or temperature, top-k, top-p and a draw. A seeded request draws from a generator
-seeded by (seed, position), so its output does not depend on what else shares the batch or on
-preemption. Logprobs, when asked for, are those of the distribution sampled from after
-temperature (and penalties and masks), before top-k/top-p; greedy rows report the unscaled
-distribution (a forced token's logprob is 0).
+Order: logit_bias, repetition penalty, presence/frequency penalties, min_tokens (stop ids
+masked), the grammar's token mask (structured outputs), a forced token (a spent thinking
+budget: every other token masked), then greedy argmax or temperature, top-k, top-p and a draw.
+A seeded request draws from a generator seeded by (seed, position), so its output does not
+depend on what else shares the batch or on preemption. Logprobs, when asked for, are those of
+the distribution sampled from after temperature (and biases, penalties and masks), before
+top-k/top-p; greedy rows report the unscaled distribution (a forced token's logprob is 0).
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ class Sampler:
         return tokens
 
     def _process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-        """Penalties, min_tokens, grammar masks, then argmax or a draw; on logits that this owns."""
+        """Biases, penalties, min_tokens, grammar masks, then argmax or a draw; on logits that this owns."""
+        _apply_logit_bias(logits, rows)
         _apply_repetition_penalty(logits, rows)
         _apply_penalties(logits, rows)
         _mask_stop_tokens_before_min(logits, rows)
@@ -179,6 +180,7 @@ def _needs_processing(row: SamplingRow) -> bool:
     p = row.params
     return (
         not p.is_greedy
+        or bool(p.logit_bias)
         or p.repetition_penalty != 1.0
         or p.presence_penalty != 0.0
         or p.frequency_penalty != 0.0
@@ -192,6 +194,16 @@ def _needs_processing(row: SamplingRow) -> bool:
 
 def _also_allowed(rows: list[SamplingRow]) -> list[tuple[int, SamplingRow]]:
     return [(i, r) for i, r in enumerate(rows) if r.grammar is not None and r.also_allowed is not None]
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """OpenAI's logit_bias: each listed token's bias added to its logit (ids the engine checked
+    are below the vocabulary; one beyond the logits, as a backstop, is skipped)."""
+    for i, r in enumerate(rows):
+        pairs = [(t, b) for t, b in r.params.logit_bias if t < logits.shape[1]]
+        if pairs:
+            ids = torch.tensor([t for t, _ in pairs], device=logits.device)
+            logits[i].index_add_(0, ids, torch.tensor([b for _, b in pairs], device=logits.device))
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -9,7 +9,7 @@ with are kept, and its choice after the last kept one is the step's extra token.
 the greedy output without speculation; a step produces 1 to k + 1 tokens.
 
 Torch-free: the scheduler proposes, the runner returns each row's argmax, and `verify` keeps
-what the model agreed with. Only plain greedy requests speculate (no sampling, penalties,
+what the model agreed with. Only plain greedy requests speculate (no sampling, penalties, logit_bias,
 logprobs, grammar, stop strings, pending min_tokens or thinking budget), only while their
 sequence is the only one running and none waits (with more, the step is no longer bound by
 reading weights), and only while at least a quarter of their drafts were kept (after 16).
@@ -77,6 +77,7 @@ def eligible(seq: Sequence) -> bool:
         and s.logprobs is None
         and s.structured is None
         and seq.grammar is None
+        and not s.logit_bias
         and s.repetition_penalty == 1.0
         and s.presence_penalty == 0.0
         and s.frequency_penalty == 0.0

@@ -184,6 +184,12 @@ class TrtllmBackend:
                 param="echo",
                 code="unsupported_value",
             )
+        if request.sampling.logit_bias:
+            raise RequestRejected(
+                "logit_bias is applied by the native engine only (and relayed to upstream servers)",
+                param="logit_bias",
+                code="unsupported_value",
+            )
         if request.sampling.thinking is not None:
             raise RequestRejected(
                 "a thinking budget (thinking_token_budget; the Messages API's thinking.budget_tokens) is applied by "

@@ -115,6 +115,7 @@ def request_body(request: GenerationRequest, upstream_model: str) -> dict[str, A
         "min_tokens": s.min_tokens or None,
         "ignore_eos": s.ignore_eos or None,
         "stop_token_ids": list(s.stop_token_ids) or None,
+        "logit_bias": {str(t): b for t, b in s.logit_bias} or None,  # ids of the model's tokenizer: the upstream's
         "logprobs": True if s.logprobs is not None else None,
         "top_logprobs": s.logprobs,
     }

@@ -346,3 +346,24 @@ async def test_n_choices_share_the_prompt_and_a_seed_repeats_them(sdk, sdk_clien
     assert texts == [c.message.content for c in out.choices]
     next_seed = await sdk.chat.completions.create(n=2, **{**kw, "seed": 12})  # a seed sweep: no repeats
     assert next_seed.choices[0].message.content != out.choices[1].message.content
+
+
+async def test_logit_bias_forces_a_token_and_out_of_range_entries_are_400s(sdk, sdk_client):
+    tokenizer = state_of(sdk_client).models["tiny"].tokenizer
+    forced = tokenizer.encode("the")[-1]
+    for create, body in (
+        (sdk.completions.create, {"prompt": "Once upon"}),
+        (sdk.chat.completions.create, {"messages": ASK}),
+    ):
+        answer = await create(model="tiny", max_tokens=4, temperature=0, logit_bias={str(forced): 100}, **body)
+        text = answer.choices[0].text if hasattr(answer.choices[0], "text") else answer.choices[0].message.content
+        assert text == tokenizer.decode([forced] * 4)
+    for bias, says in (
+        ({"99999999": 5}, "the token id 99999999; this model's ids run from 0 to"),
+        ({"-3": 5}, "non-negative integers"),
+        ({"12": 101}, "from -100 to 100"),
+        ({"12": "high"}, "from -100 to 100"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=says) as exc:
+            await sdk.chat.completions.create(model="tiny", messages=ASK, max_tokens=2, stream=True, logit_bias=bias)
+        assert exc.value.body["param"] == "logit_bias"

@@ -289,3 +289,12 @@ async def test_stats_keep_flowing_after_an_idle_period_ends_the_stats_iterator(s
     await anext(stream)
     assert await eventually(lambda: backend.stats().num_kv_blocks_free < 4096)
     await stream.aclose()
+
+
+async def test_a_logit_bias_is_refused_naming_it(start_trtllm):
+    backend = await start_trtllm()
+    request = make_request(ids(backend)[:6], max_tokens=1)
+    request = replace(request, sampling=replace(request.sampling, logit_bias=((3, -100.0),)))
+    with pytest.raises(RequestRejected, match="native engine only") as exc:
+        backend.check_request(request)
+    assert exc.value.param == "logit_bias"

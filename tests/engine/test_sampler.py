@@ -159,3 +159,30 @@ def test_greedy_ties_go_to_the_first_index_in_float32_and_bfloat16():
     logits = torch.tensor([[0.0, 3.0, 1.0, 3.0] + [0.0] * (VOCAB - 4)])
     for dtype in (torch.float32, torch.bfloat16):
         assert Sampler(VOCAB)(logits.to(dtype), [row(temperature=0.0)]) == [1]
+
+
+def test_logit_bias_bans_and_forces_tokens_in_a_batch_of_plain_greedy_rows():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0, 0, 0, 0, 0, 0, 0]] * 3)
+    rows = [
+        row(temperature=0.0),  # plain argmax: 1
+        row(temperature=0.0, logit_bias=((1, -100.0),)),  # banned: the runner-up
+        row(temperature=0.0, logit_bias=((0, 7.0), (3, 2.0))),  # 0 + 7 beats 5
+    ]
+    assert Sampler(VOCAB, seed=0)(logits, rows) == [1, 2, 0]
+    draws = [Sampler(VOCAB)(logits[:1], [row(temperature=1.0, logit_bias=((7, 100.0),))])[0] for _ in range(20)]
+    assert set(draws) == {7}  # sampled too: +100 makes it all but certain
+
+
+def test_logprobs_are_those_of_the_biased_distribution():
+    logits = logits_of(*([0.0] * VOCAB))
+    sink: list = []
+    r = SamplingRow(
+        SamplingParams(max_tokens=5, temperature=0.0, logprobs=1, logit_bias=((4, 3.0),)),
+        [1],
+        1,
+        frozenset(),
+        logprobs_sink=sink,
+    )
+    assert Sampler(VOCAB)(logits, [r]) == [4]
+    expected = torch.log_softmax(torch.tensor([0.0] * 4 + [3.0] + [0.0] * 5), -1)[4].item()
+    assert abs(sink[0].logprob - expected) < 1e-5

@@ -286,3 +286,9 @@ def test_a_legacy_completion_chunk_gives_its_text_and_logprobs():
     (lp,) = chunk.logprobs
     assert lp.token.text == " there" and lp.logprob == -0.25
     assert [(t.text, v) for t, v in lp.top_logprobs] == [(" there", -0.25), (" here", -1.5)]
+
+
+def test_logit_bias_is_relayed_with_its_ids_as_strings():
+    body = request_body(make_request(SamplingParams(max_tokens=8, logit_bias=((5, -100.0), (17, 2.5)))), "m")
+    assert body["logit_bias"] == {"5": -100.0, "17": 2.5}
+    assert "logit_bias" not in request_body(make_request(SamplingParams(max_tokens=8)), "m")
