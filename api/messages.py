@@ -16,7 +16,6 @@ a stop sequence ended the answer (a relayed model: when its server says which, a
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from typing import Any
 
@@ -24,22 +23,20 @@ import orjson
 from aiohttp import web
 
 from api import protocol
-from api import tools as tooling
 from api.answer import Answer
-from api.attachments import OFF_LOOP_CHARS
 from api.chat import Outlet, admit_and_serve, json_dumps, read_json, record_refusal
 from api.connections import reads_body_itself
-from api.errors import ApiError, not_found
+from api.errors import ApiError
 from api.finish import STATUS, finish_job, generate_unary, stream_job
 from api.generation import generate_choices, make_answer
 from api.job import Job
 from api.messages_request import parse_messages_request
-from api.prompt import encode_chat, prompt_tools
+from api.prompt import prompt_tools
 from api.sse import SSEWriter
-from api.state import PRINCIPAL, STATE, AppState
+from api.state import STATE, AppState
+from api.token_count import charge_one_request, count_prompt, model_to_count_for
 from api.tools import ToolCall
 from api.waiting import LazyStream, wait_admitted
-from engine.torch_threads import side_executor
 from engine.types import FinishReason, TokenLogprob
 from gateway.admission import Pass
 from settings import ServerConfig
@@ -295,30 +292,17 @@ async def create_message(request: web.Request) -> web.StreamResponse:
 
 async def count_tokens(request: web.Request) -> web.Response:
     """{"input_tokens": N}: the request's prompt as this server renders it for the model (no
-    generation, nothing billed). It counts as a request against the caller's per-minute limit
-    (no tokens), so it cannot be called without bound."""
-    state = request.app[STATE]
-    cfg = state.settings.server
-    caller = state.caller(request[PRINCIPAL])
-    limiter = state.admission.limiter
-    limiter.settle(limiter.acquire(caller.key, caller.tier_name, caller.tier, 0, caller.overrides), 0)
+    generation, nothing billed; one request against the caller's per-minute limit)."""
+    headers = charge_one_request(request)
+    cfg = request.app[STATE].settings.server
     chat = parse_messages_request(
         await read_json(request), max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars, count_only=True
     )
-    tier_name, _ = state.tier_of(request[PRINCIPAL])
-    if chat.model not in state.admission.router.models_for_tier(tier_name):
-        raise not_found(
-            f"The model '{chat.model}' does not exist or you do not have access to it.",
-            code="model_not_found",
-        )
-    model = state.models[chat.model]
-    tools = prompt_tools(chat)
-    args = (model, list(chat.messages), tools, chat.chat_template_kwargs, chat.continue_final_message)
-    if sum(len(m.content) for m in chat.messages) + tooling.num_chars(tools) < OFF_LOOP_CHARS:
-        ids = encode_chat(*args)
-    else:  # as for a generating request: a long prompt (its tools' text too) is tokenized off the loop
-        ids = await asyncio.get_running_loop().run_in_executor(side_executor(), encode_chat, *args)
-    return web.json_response({"input_tokens": len(ids)}, dumps=json_dumps, headers=state.limit_headers(caller))
+    model = model_to_count_for(request, chat.model)
+    num_tokens = await count_prompt(
+        model, list(chat.messages), prompt_tools(chat), chat.chat_template_kwargs, chat.continue_final_message
+    )
+    return web.json_response({"input_tokens": num_tokens}, dumps=json_dumps, headers=headers)
 
 
 def add_routes(app: web.Application) -> None:

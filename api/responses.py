@@ -1,4 +1,5 @@
-"""The Responses API: POST /v1/responses, GET/DELETE /v1/responses/{id}, GET .../input_items.
+"""The Responses API: POST /v1/responses, GET/DELETE /v1/responses/{id}, GET .../input_items,
+POST /v1/responses/input_tokens.
 
 A response is served by the chat completions' request path (`chat.serve_job`: routing, budget,
 context, safety, admission, priority queue, generation, billing); only its rendering differs.
@@ -27,12 +28,13 @@ import orjson
 from aiohttp import web
 
 from api import attachments, chat_bodies
-from api.chat import Outlet, parse_body, read_json, serve_job
+from api.chat import Outlet, json_dumps, parse_body, read_json, serve_job
 from api.errors import ApiError, bad_request, not_found, overloaded
 from api.finish import STATUS, finish_job, generate_unary, stream_job
 from api.generation import generate_choices, make_answer
 from api.job import Job
 from api.paging import page_limit, page_order
+from api.prompt import prompt_tools
 from api.protocol import ChatMessage
 from api.responses_background import BACKGROUND, start_background, stop_all_background, stop_background
 from api.responses_record import ResponseContext, body_of, dumps, finished, record_cut
@@ -40,6 +42,7 @@ from api.responses_stream import FINAL_EVENT, EventStream, replay
 from api.responses_wire import ResponsesRequest, input_error, input_item_object, new_id, parse_responses_request
 from api.sse import SSE_HEADERS, SSEWriter
 from api.state import PRINCIPAL, REQUEST_ID, STATE, AppState
+from api.token_count import charge_one_request, count_prompt, model_to_count_for
 from api.waiting import LazyStream, wait_admitted
 from engine.types import FinishReason
 from gateway.admission import Pass
@@ -133,6 +136,33 @@ async def _context(state: AppState, org_id: str, req: ResponsesRequest, owned: c
         num_inline_messages=len(inline),
         new_conversation=created,
     )
+
+
+async def count_input_tokens(request: web.Request) -> web.Response:
+    """POST /v1/responses/input_tokens (OpenAI's): the tokens the request's prompt would take
+    (its instructions, the history of previous_response_id, its input and tools) as this server
+    renders it for the model, as `{"object": "response.input_tokens", "input_tokens": N}`.
+    Nothing is generated, stored or billed; one request against the per-minute limit."""
+    headers = charge_one_request(request)
+    state = request.app[STATE]
+    cfg = state.settings.server
+    req = parse_responses_request(
+        await read_json(request), max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars
+    )
+    model = model_to_count_for(request, req.chat.model)
+    history: tuple[ChatMessage, ...] = ()
+    if req.previous_response_id is not None:
+        prev, conv = await _previous(state, request[PRINCIPAL].org.id, req.previous_response_id)
+        history = tuple(attachments.history_message(m) for m in conv.messages[: prev.num_messages])
+    first = [ChatMessage("system", req.instructions)] if req.instructions else []
+    try:
+        num_tokens = await count_prompt(
+            model, [*first, *history, *req.chat.messages], prompt_tools(req.chat), req.chat.chat_template_kwargs
+        )
+    except ApiError as exc:  # name the field as this request spelled it
+        raise input_error(exc, num_instructions=len(first), num_history=len(history)) from None
+    body = {"object": "response.input_tokens", "input_tokens": num_tokens}
+    return web.json_response(body, dumps=json_dumps, headers=headers)
 
 
 async def _previous(state: AppState, org_id: str, response_id: str) -> tuple[StoredResponse, Conversation]:
@@ -354,6 +384,7 @@ def add_routes(app: web.Application) -> None:
     app[BACKGROUND] = {}
     app.on_shutdown.append(stop_all_background)  # after app.py's, which sets `draining`
     app.router.add_post("/v1/responses", create_response)
+    app.router.add_post("/v1/responses/input_tokens", count_input_tokens)  # before the {response_id} routes
     app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     app.router.add_get("/v1/responses/{response_id}", get_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)

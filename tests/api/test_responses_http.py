@@ -263,3 +263,30 @@ async def test_an_include_value_not_served_here_is_a_400_naming_it(make_sdk):
             model="tiny", input="x", stream=True, include=[LOGPROBS, "file_search_call.results"]
         )
     assert exc.value.param == "include" and "'file_search_call.results'" in exc.value.message
+
+
+async def test_input_tokens_counts_the_prompt_a_response_would_take_history_and_tools_included(make_sdk):
+    _, sdk = await make_sdk()
+    acme = sdk["acme"]
+    ask = dict(model="tiny", instructions=LONG, input="What is a river?")
+    counted = await acme.responses.input_tokens.count(**ask)
+    assert counted.object == "response.input_tokens"
+    first = await acme.responses.create(**ask, max_output_tokens=4, temperature=0)
+    assert counted.input_tokens == first.usage.input_tokens
+    follow = dict(model="tiny", previous_response_id=first.id, input="And the sea?")
+    counted = await acme.responses.input_tokens.count(**follow)
+    answered = await acme.responses.create(**follow, max_output_tokens=2, temperature=0)
+    alone = await acme.responses.input_tokens.count(model="tiny", input="And the sea?")
+    assert counted.input_tokens == answered.usage.input_tokens > alone.input_tokens + 5  # the history is counted
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
+    with_tool = await acme.responses.input_tokens.count(model="tiny", input="What is a river?", tools=[tool])
+    without = await acme.responses.input_tokens.count(model="tiny", input="What is a river?")
+    assert with_tool.input_tokens > without.input_tokens
+    with pytest.raises(openai.NotFoundError):  # another organisation's response
+        await sdk["other"].responses.input_tokens.count(**follow)
+    with pytest.raises(openai.NotFoundError):
+        await acme.responses.input_tokens.count(model="nope", input="hi")
+    with pytest.raises(openai.BadRequestError) as exc:
+        await acme.responses.input_tokens.count(model="tiny", input=[{"type": "message", "role": "user"}])
+    assert exc.value.body["param"].startswith("input")
+    assert len((await acme.responses.input_items.list(first.id)).data) == 1  # nothing was stored by counting
