@@ -90,7 +90,12 @@ def _add_serve_flags(parser: argparse.ArgumentParser, *, is_subcommand: bool) ->
         "--db", dest="serve_db", default=default, metavar="FILE", help="SQLite database file (store.path)"
     )
     parser.add_argument(
-        "--model", type=Path, default=default, metavar="DIR", help="serve this local model folder for every tier"
+        "--model",
+        type=Path,
+        default=default,
+        metavar="DIR",
+        help="serve this local model folder as the only model, for every tier, named by the folder (the settings of "
+        "[models.NAME] for that name, in the config file or --set models.NAME.KEY=VALUE, apply to it)",
     )
 
 
@@ -111,9 +116,31 @@ def apply_cli(settings, args: argparse.Namespace):
     models, tiers = settings.models, settings.tiers
     if args.model is not None:
         name = model_name(args.model)
-        models = {name: ModelConfig(path=str(args.model))}
+        _check_model_overrides(args.overrides, name)
+        # The file's and --set's [models.<name>] settings of the served name apply; the other models
+        # are not served, so there is nothing to fall back to.
+        served = settings.models.get(name, ModelConfig())
+        models = {name: dataclasses.replace(served, path=str(args.model), fallback="")}
         tiers = {t: dataclasses.replace(cfg, models=[name]) for t, cfg in settings.tiers.items()}
     return validate(dataclasses.replace(settings, server=server, store=store, models=models, tiers=tiers))
+
+
+def _check_model_overrides(overrides: list[str], name: str) -> None:
+    """With --model, a `--set models.<other>...` would be dropped with the model it names, and
+    --model gives the path and leaves no fallback: ConfigError for those, naming what --model serves."""
+    from settings import ConfigError
+
+    for item in overrides:
+        parts = item.partition("=")[0].strip().split(".")
+        if parts[0] != "models" or len(parts) < 2:
+            continue
+        if parts[1] != name:
+            raise ConfigError(
+                f"--set {item}: --model serves one model, named {name!r} (its folder's name); set "
+                f"models.{name}.<key>, or declare the models in a config file instead of --model"
+            )
+        if len(parts) > 2 and parts[2] in ("path", "fallback"):
+            raise ConfigError(f"--set {item}: with --model, the model's path is --model's and it has no fallback")
 
 
 def model_name(folder: Path) -> str:

@@ -118,7 +118,8 @@ class EngineConfig:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """One [models.<name>] section per model; `.venv/bin/python server.py --model DIR` replaces all of them with DIR.
+    """One [models.<name>] section per model; `.venv/bin/python server.py --model DIR` serves DIR alone, with the
+    settings of the section named as --model names DIR (its folder's name), but for its path and fallback.
     A model served by other OpenAI-compatible servers (backend = "openai") needs no path; the keys
     marked openai are its own.
     """

@@ -192,6 +192,28 @@ def test_the_port_flag_is_checked_like_the_setting():
         server.apply_cli(load_settings(None), args)
 
 
+def test_the_model_flag_keeps_the_settings_of_the_model_it_serves_and_refuses_sets_of_others(tmp_path):
+    """--model built its model from its path alone: `--set models.<name>.max_model_len=512` and the
+    config file's section of that name were dropped without a word."""
+    import server
+
+    folder = tmp_path / "my-llama"
+    config = write(tmp_path, '[models.my-llama]\nprice_output_per_mtok = 2.0\nfallback = "other"\n[models.other]\n')
+    args = server.parse_args(["--model", str(folder), "--set", "models.my-llama.max_model_len=512"])
+    settings = server.apply_cli(load_settings(config, args.overrides), args)
+    assert list(settings.models) == ["my-llama"]
+    served = settings.models["my-llama"]
+    assert (served.max_model_len, served.price_output_per_mtok) == (512, 2.0)
+    assert (served.path, served.fallback) == (str(folder), "")  # the other models are not served
+    for item, message in [
+        ("models.other.max_model_len=512", "--model serves one model, named 'my-llama'"),
+        ("models.my-llama.path=/elsewhere", "the model's path is --model's"),
+    ]:
+        args = server.parse_args(["--model", str(folder), "--set", item])
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            server.apply_cli(load_settings(config, args.overrides), args)
+
+
 def test_a_copied_config_naming_the_shipped_web_ui_relatively_still_finds_it(tmp_path):
     """config.toml says static_dir = "static": a copy elsewhere served a 404 UI without a word."""
     copy = tmp_path / "etc" / "config.toml"
