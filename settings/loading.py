@@ -129,16 +129,19 @@ def _check_allowed(obj: Any, where: str) -> None:
 # of what ships with the server (the web UI, the safety classifier) stay in the project's
 # folder, wherever the config file is (and so does a relative value of theirs that exists only
 # there). --set and --db/--model values stay relative to the working directory, as shell
-# arguments are. A leading ~ is the home folder in every path setting, these and _HOME_ONLY
-# (a shell expands it in `--db ~/x` but not in `--db=~/x`, `--set` or a config file; left as it
-# was, it made a folder named ~ in the working directory).
+# arguments are. A leading ~ is the home folder in every path setting (a shell expands it in
+# `--db ~/x` but not in `--db=~/x`, `--set` or a config file; left as it was, it made a folder
+# named ~ in the working directory).
 _PATH_SETTINGS = (
     ("server", "static_dir", "static", True),
+    ("server", "tls_cert_file", "", False),
+    ("server", "tls_key_file", "", False),
     ("store", "path", DEFAULT_STORE_PATH, False),
     ("files", "dir", "", False),
+    ("engine", "prefix_cache_dir", "auto", False),
     ("safety", "classifier_path", "safety/classifier.npz", True),
 )
-_HOME_ONLY = (("server", "tls_cert_file"), ("server", "tls_key_file"), ("engine", "prefix_cache_dir"))
+_NOT_PATHS = ("auto",)  # words a path setting takes instead of a path (engine.prefix_cache_dir = "auto")
 _MODEL_PATHS = ("path", "tokenizer")  # a model's folder, or a relayed model's tokenizer folder
 PROJECT_DIR = Path(__file__).resolve().parents[1]  # the repository root, above this package
 
@@ -154,7 +157,7 @@ def _home(value: Any, key: str) -> Any:
 
 
 def _expand_home(raw: dict[str, Any]) -> None:
-    for section, key in [(s, k) for s, k, _, _ in _PATH_SETTINGS] + list(_HOME_ONLY):
+    for section, key, _, _ in _PATH_SETTINGS:
         node = raw.get(section)
         if isinstance(node, dict) and key in node:
             node[key] = _home(node[key], _join(section, key))
@@ -187,9 +190,9 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
 def _resolve(value: Any, base: Path) -> Any:
     """Relative non-empty paths become absolute under base; anything else is left as it is
     (wrong types are reported by _build, naming the key)."""
-    if not isinstance(value, str) or not value or value.startswith(":") or Path(value).is_absolute():
+    if not isinstance(value, str) or not value or value in _NOT_PATHS or value.startswith(":"):  # ":memory:"
         return value
-    return str(base / value)
+    return value if Path(value).is_absolute() else str(base / value)
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:

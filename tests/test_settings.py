@@ -247,6 +247,30 @@ def test_a_leading_tilde_in_any_path_setting_or_path_flag_is_the_home_folder(tmp
     assert server.parse_args(["keys", "list", "--db=~/x.db"]).db == str(home / "x.db")
 
 
+def test_tls_files_and_the_prefix_cache_folder_are_read_from_the_config_files_folder(tmp_path, monkeypatch):
+    """store.path was read from the config file's folder but the TLS files and prefix_cache_dir from
+    the working directory: the same config started from another folder found no certificate."""
+    home, etc, elsewhere = tmp_path / "home", tmp_path / "etc", tmp_path / "elsewhere"
+    etc.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(elsewhere)
+    config = etc / "c.toml"
+    config.write_text(
+        '[server]\ntls_cert_file = "certs/cert.pem"\ntls_key_file = "~/key.pem"\n'
+        '[store]\npath = "data/chat.db"\n[engine]\nprefix_cache_dir = "cache"\n'
+    )
+    settings = load_settings(config)
+    assert settings.store.path == str(etc / "data" / "chat.db")
+    assert settings.server.tls_cert_file == str(etc / "certs" / "cert.pem")
+    assert settings.server.tls_key_file == str(home / "key.pem")
+    assert settings.engine.prefix_cache_dir == str(etc / "cache")
+    for word in ("auto", ""):  # not paths: beside the database, and not kept
+        config.write_text(f'[engine]\nprefix_cache_dir = "{word}"\n')
+        assert load_settings(config).engine.prefix_cache_dir == word
+    assert load_settings(config, ["engine.prefix_cache_dir=cache"]).engine.prefix_cache_dir == "cache"  # --set: cwd
+
+
 def test_a_config_file_that_cannot_be_read_as_toml_is_one_config_error_and_a_bom_is_accepted(tmp_path):
     with pytest.raises(ConfigError, match="is a folder, not a config file"):
         load_settings(tmp_path)
