@@ -7,7 +7,9 @@ its SHA-256, a display prefix and the last four characters.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
 import secrets
 import sqlite3
 import time
@@ -72,13 +74,24 @@ def key_name_problem(name: str) -> str | None:
     return None
 
 
+def stored_bound(value: float | None) -> float | None:
+    """A stored expiry or budget as it acts: infinity (written before the limits above were checked)
+    or NaN bounds nothing, so None, as a key that never expires and an organisation without a budget
+    are shown (JSON has no Infinity, `keys list` said "expires after 9999-12-31"); minus infinity has
+    passed, so 0."""
+    if value is None or math.isfinite(value):
+        return value
+    return 0.0 if value < 0 else None
+
+
 def org_from_row(row: sqlite3.Row | tuple[Any, ...], offset: int = 0) -> Org:
     id_, name, tier, budget, limits_json, created_at = tuple(row)[offset : offset + 6]
-    return Org(id_, name, tier, budget, orjson.loads(limits_json), created_at)
+    return Org(id_, name, tier, stored_bound(budget), orjson.loads(limits_json), created_at)
 
 
 def key_from_row(row: sqlite3.Row | tuple[Any, ...]) -> ApiKey:
-    return ApiKey(*tuple(row)[:10])
+    key = ApiKey(*tuple(row)[:10])
+    return dataclasses.replace(key, expires_at=stored_bound(key.expires_at))
 
 
 # --- reads ------------------------------------------------------------------------------
@@ -142,7 +155,7 @@ async def find_live_keys(conn: aiosqlite.Connection, key_hashes: list[str]) -> d
         )
         for row in rows:
             key_hash, key_id, expires_at, scope = tuple(row)[:4]
-            found[key_hash] = LiveKey(Principal(key_id, org_from_row(row, offset=4), scope), expires_at)
+            found[key_hash] = LiveKey(Principal(key_id, org_from_row(row, offset=4), scope), stored_bound(expires_at))
     return found
 
 

@@ -3,6 +3,10 @@ nothing else, and what they change holds from the next request on."""
 
 from __future__ import annotations
 
+import json
+import math
+import sqlite3
+
 import pytest
 
 from store.keys import MAX_BUDGET_USD
@@ -262,3 +266,36 @@ async def test_a_budget_over_the_shared_maximum_is_refused_before_anything_is_wr
     await assert_error(patch, 400, param="budget_usd")
     ok = await client.patch("/v1/admin/organizations/acme", json={"budget_usd": MAX_BUDGET_USD}, headers=h)
     assert (await ok.json())["budget_usd"] == MAX_BUDGET_USD
+
+
+def strict_json(text: str) -> object:
+    """`text` parsed as JSON is: Infinity and NaN, which Python's json writes and reads, refused."""
+
+    def refuse(word: str) -> object:
+        raise ValueError(f"{word} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+async def test_an_infinite_expiry_or_budget_in_the_database_is_null_in_valid_json(admin):
+    """An expires_at or budget_usd of infinity (stored before their limits were checked) came back as
+    JSON Infinity, which JSON parsers (JavaScript's, jq, Go's) refuse: null, never and none, as shown
+    for a key or an organisation without one."""
+    client, secret = admin
+    store = state_of(client).store
+    await store.create_org("acme", "free")
+    key, user_secret = await store.create_key("acme")
+    with sqlite3.connect(store.path) as conn:
+        conn.execute("UPDATE api_keys SET expires_at = ? WHERE id = ?", (math.inf, key.id))
+        conn.execute("UPDATE orgs SET budget_usd = ? WHERE name = 'acme'", (math.inf,))
+    h = bearer(secret)
+    keys = strict_json(await (await client.get("/v1/admin/keys?organization=acme", headers=h)).text())
+    assert [(k["expires_at"], k["status"]) for k in keys["data"]] == [(None, "active")]
+    orgs = strict_json(await (await client.get("/v1/admin/organizations", headers=h)).text())
+    assert [o["budget_usd"] for o in orgs["data"] if o["name"] == "acme"] == [None]
+    org = strict_json(await (await client.get("/v1/admin/organizations/acme", headers=h)).text())
+    assert (org["budget_usd"], org["month_spend_usd"]) == (None, 0.0)
+    usage = strict_json(await (await client.get("/v1/usage", headers=bearer(user_secret))).text())
+    assert usage["budget"]["budget_usd"] is None
+    revoked = strict_json(await (await client.delete(f"/v1/admin/keys/{key.id}", headers=h)).text())
+    assert (revoked["expires_at"], revoked["status"]) == (None, "revoked")

@@ -7,6 +7,7 @@ those checks still list; a closed output pipe ends the command quietly."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sqlite3
 import subprocess
@@ -197,6 +198,22 @@ async def test_values_stored_before_the_checks_still_list(tmp_path, capsys):
     assert "budget $10,000,000,000,000,000,000,000,000 " in capsys.readouterr().out
     assert await _cli("keys", "list", "--db", str(db)) == 0
     assert " expires after 9999-12-31 " in capsys.readouterr().out
+
+
+@pytest.mark.asyncio
+async def test_an_infinite_expiry_or_budget_stored_lists_as_never_and_none(tmp_path, capsys):
+    """Infinity in the database read "expires after 9999-12-31" and "budget $Infinity"."""
+    db = tmp_path / "chat.db"
+    assert await _cli("keys", "create", "--org", "acme", "--tier", "free", "--db", str(db)) == 0
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE orgs SET budget_usd = ?", (math.inf,))
+        conn.execute("UPDATE api_keys SET expires_at = ?", (math.inf,))
+    capsys.readouterr()
+    assert await _cli("orgs", "list", "--db", str(db)) == 0
+    assert " budget none " in capsys.readouterr().out
+    assert await _cli("keys", "list", "--db", str(db)) == 0
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if " acme " in line]
+    assert " active " in row and "expire" not in row
 
 
 @pytest.mark.slow
