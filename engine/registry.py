@@ -107,7 +107,7 @@ def build_model(
         raise ConfigError(f"models.{name}.path: model folder not found: {model_dir}")
     max_len = _config_max_len(model_dir, config.max_model_len)  # first: a config.json not UTF-8 is named
     try:
-        tokenizer = Tokenizer.from_dir(model_dir)
+        tokenizer = Tokenizer.from_dir(model_dir, chat_template_name=config.chat_template_name)
     except TokenizerLoadError as exc:
         raise ConfigError(f"models.{name}: {exc}") from None
     if tokenizer.chat_template is None:  # a base model: text completions only
@@ -161,7 +161,7 @@ def build_model(
         if is_llava(model_dir):  # a vision model: the API places images through its tokenizer
             from engine.native.image_prompt import ImageTokenizer
 
-            tokenizer = ImageTokenizer.for_model(model_dir)
+            tokenizer = ImageTokenizer.for_model(model_dir, chat_template_name=config.chat_template_name)
     else:
         from engine.trtllm.backend import TrtllmBackend  # optional extra: import only when configured
 

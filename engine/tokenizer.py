@@ -3,8 +3,9 @@
 Owns `tokenizer.json` (via the `tokenizers` library), the chat template (rendered with
 jinja2 the way transformers' `apply_chat_template` renders it) and the EOS ids. It accepts
 both layouts users bring: the template inside `tokenizer_config.json` or in
-`chat_template.jinja`; EOS ids from `generation_config.json`, `config.json` and the tokenizer;
-the default temperature / top_p / top_k / repetition_penalty from `generation_config.json`.
+`chat_template.jinja`, named templates among them (one chosen by name, else "default"); EOS ids
+from `generation_config.json`, `config.json` and the tokenizer; the default temperature / top_p /
+top_k / repetition_penalty from `generation_config.json`.
 """
 
 from __future__ import annotations
@@ -126,7 +127,9 @@ class Tokenizer:
         self._thinking_tag_ids = (tag_ids[0][0], tag_ids[1][0]) if single else None
 
     @classmethod
-    def from_dir(cls, path: Path | str) -> Self:
+    def from_dir(cls, path: Path | str, *, chat_template_name: str = "") -> Self:
+        """The folder's tokenizer, rendering chats with its chat template called `chat_template_name`
+        (models.<name>.chat_template_name), else the one called "default"."""
         path = Path(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.exists():
@@ -136,7 +139,7 @@ class Tokenizer:
         except Exception as exc:  # tokenizers raises a bare Exception on bad files
             raise TokenizerLoadError(f"{tok_file}: cannot load: {exc}") from None
         tok_cfg = _read_json(path / "tokenizer_config.json") or {}
-        template = _chat_template(path, tok_cfg)
+        template = _chat_template(path, tok_cfg, chat_template_name)
         special = {k: _token_text(tok_cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
         eos_ids = _eos_ids(path, tokenizer, special["eos_token"])
         return cls(tokenizer, template, special, eos_ids, _generation_defaults(path))
@@ -277,23 +280,59 @@ class Tokenizer:
         )
 
 
-def _chat_template(path: Path, tok_cfg: dict[str, Any]) -> str | None:
-    jinja_file = path / "chat_template.jinja"
-    if jinja_file.exists():
-        try:
-            return jinja_file.read_text(encoding="utf-8")
-        except (OSError, ValueError) as exc:  # ValueError: not UTF-8
-            raise TokenizerLoadError(f"{jinja_file}: cannot read: {exc}") from None
+def _chat_template(path: Path, tok_cfg: dict[str, Any], name: str) -> str | None:
+    """The template chats are rendered with: the one called `name` (the model's chat_template_name),
+    else the one called "default", or None (a base model). A folder whose templates have none called
+    "default" is refused naming them, as transformers refuses it ("multiple chat templates with no
+    default specified"), rather than one of them used unasked."""
+    templates = _named_templates(path, tok_cfg)
+    names = ", ".join(repr(n) for n in templates)
+    if name:
+        if name not in templates:
+            have = f"its chat templates are {names}" if templates else "it has no chat template"
+            raise TokenizerLoadError(f"{path}: chat_template_name is {name!r}, but {have}")
+        return templates[name]
+    if templates and "default" not in templates:
+        raise TokenizerLoadError(
+            f"{path}: its chat templates are named {names}, none of them 'default': choose the one to serve "
+            "with the model's chat_template_name setting"
+        )
+    return templates.get("default")
+
+
+def _named_templates(path: Path, tok_cfg: dict[str, Any]) -> dict[str, str]:
+    """The folder's chat templates by name, a lone one called "default". transformers' files come
+    first (chat_template.jinja, the default, and additional_chat_templates/<name>.jinja), then
+    tokenizer_config.json's chat_template (a string, or a list of {"name", "template"}), then
+    chat_template.json's."""
+    files = {"default": path / "chat_template.jinja"} if (path / "chat_template.jinja").exists() else {}
+    extra_dir = path / "additional_chat_templates"
+    if extra_dir.is_dir():
+        files |= {f.name.removesuffix(".jinja"): f for f in sorted(extra_dir.glob("*.jinja"))}
+    if files:
+        return {name: _read_template(file) for name, file in files.items()}
     template = tok_cfg.get("chat_template")
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default") or next(iter(named.values()), None)
     legacy = _read_json(path / "chat_template.json")
     if template is None and legacy is not None:
         template = legacy.get("chat_template")
-    if template is not None and not isinstance(template, str):
-        raise TokenizerLoadError(f"{path / 'tokenizer_config.json'}: chat_template is not a string")
-    return template
+    if template is None:
+        return {}
+    # A list: [{"name": "default", "template": ...}, {"name": "tool_use", "template": ...}]
+    entries = template if isinstance(template, list) else [{"name": "default", "template": template}]
+    named: dict[str, str] = {}
+    for entry in (e for e in entries if isinstance(e, dict)):
+        name, text = entry.get("name"), entry.get("template")
+        if not isinstance(name, str) or not isinstance(text, str):
+            raise TokenizerLoadError(f"{path / 'tokenizer_config.json'}: chat_template is not a string")
+        named[name] = text
+    return named
+
+
+def _read_template(file: Path) -> str:
+    try:
+        return file.read_text(encoding="utf-8")
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8
+        raise TokenizerLoadError(f"{file}: cannot read: {exc}") from None
 
 
 # Sampling defaults a checkpoint's generation_config.json may set, applied (as vLLM does) to a

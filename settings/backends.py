@@ -143,6 +143,13 @@ class ModelConfig:
     price_cached_input_per_mtok: float = setting(0.0, "USD per million prompt tokens served from cache.", minimum=0)
     price_output_per_mtok: float = setting(0.0, "USD per million completion tokens.", minimum=0)
     fallback: str = setting("", "Model to serve this model's tier traffic when it is saturated; empty: none.")
+    chat_template_name: str = setting(
+        "",
+        "Which of the model folder's named chat templates renders its chats (tokenizer_config.json's chat_template "
+        'list, or additional_chat_templates/<name>.jinja), e.g. "tool_use"; empty: the one named "default" (a '
+        "folder whose templates have none so named is refused at start, naming them). One template serves every "
+        'request: unlike transformers, "tool_use" is not picked for requests with tools unless named here.',
+    )
     tool_parser: str = setting(
         "auto",
         "How the model writes tool calls: auto (picked from the chat template), hermes (<tool_call> JSON, as Qwen "

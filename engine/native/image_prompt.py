@@ -62,8 +62,8 @@ class ImageTokenizer(Tokenizer):
     image_prompter: ImagePrompter
 
     @classmethod
-    def for_model(cls, model_dir: Path) -> ImageTokenizer:
-        tokenizer = cls.from_dir(model_dir)
+    def for_model(cls, model_dir: Path, *, chat_template_name: str = "") -> ImageTokenizer:
+        tokenizer = cls.from_dir(model_dir, chat_template_name=chat_template_name)
         tokenizer.image_prompter = ImagePrompter.from_dir(model_dir)
         return tokenizer
 

@@ -29,7 +29,7 @@ def build_upstream_model(name: str, config: ModelConfig, upstream: UpstreamConfi
         if not folder.is_dir():
             raise ConfigError(f"models.{name}.tokenizer: folder not found: {folder}")
         try:
-            tokenizer = Tokenizer.from_dir(folder)
+            tokenizer = Tokenizer.from_dir(folder, chat_template_name=config.chat_template_name)
         except TokenizerLoadError as exc:
             raise ConfigError(f"models.{name}.tokenizer: {exc}") from None
         if tokenizer.chat_template is None:

@@ -208,6 +208,20 @@ async def test_a_template_that_breaks_on_the_messages_is_a_400_not_a_500(aiohttp
     await assert_error(resp, 400, code="model_not_chat")
 
 
+def test_named_chat_templates_without_a_default_stop_the_start_unless_the_model_chooses_one(tiny_model_dir, tmp_path):
+    from engine.registry import build_models
+
+    folder = _copy(tiny_model_dir, tmp_path, "named")
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tok_config["chat_template"] = [{"name": "tool_use", "template": "[tool_use]" + tok_config["chat_template"]}]
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    with pytest.raises(ConfigError, match=r"^models\.named: .*none of them 'default'.*chat_template_name"):
+        build_models(native_settings(tmp_path, folder, name="named"))
+    chosen = native_settings(tmp_path, folder, name="named", extra=('models.named.chat_template_name="tool_use"',))
+    tokenizer = build_models(chosen)["named"].tokenizer
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]).startswith("[tool_use]")
+
+
 def test_gguf_a_file_or_a_repo_id_given_as_a_model_folder_says_what_to_give_instead(tiny_model_dir, tmp_path):
     from api.startup import check_model_folders
 

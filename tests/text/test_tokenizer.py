@@ -66,6 +66,52 @@ def test_template_in_chat_template_jinja_file_is_used(tiny_model_dir, tmp_path):
     assert Tokenizer.from_dir(d).apply_chat_template(CHAT[:2]).endswith("<|im_start|>assistant\n")
 
 
+def _with_named_templates(tiny_model_dir, tmp_path, names: tuple[str, ...]):
+    """A copy of the tiny model whose tokenizer_config.json lists chat templates by these names,
+    each the tiny template with its name before the first turn."""
+    d = tmp_path / "named"
+    shutil.copytree(tiny_model_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [{"name": n, "template": f"[{n}]" + CHAT_TEMPLATE} for n in names]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_named_chat_templates_without_a_default_are_refused_naming_them_unless_one_is_chosen(tiny_model_dir, tmp_path):
+    """A chat_template list with no template named "default" rendered with the first, unasked;
+    transformers refuses it. The model's chat_template_name chooses one, as transformers' chat_template=NAME."""
+    from transformers import AutoTokenizer
+
+    d = _with_named_templates(tiny_model_dir, tmp_path, ("rag", "tool_use"))
+    with pytest.raises(ValueError, match="multiple chat templates with no default specified"):
+        AutoTokenizer.from_pretrained(d).apply_chat_template(CHAT, tokenize=False)
+    with pytest.raises(TokenizerLoadError, match=r"'rag', 'tool_use', none of them 'default'.*chat_template_name"):
+        Tokenizer.from_dir(d)
+    expected = AutoTokenizer.from_pretrained(d).apply_chat_template(
+        CHAT, tokenize=False, add_generation_prompt=True, chat_template="tool_use"
+    )
+    assert Tokenizer.from_dir(d, chat_template_name="tool_use").apply_chat_template(CHAT) == expected
+    assert expected.startswith("[tool_use]")
+    with pytest.raises(TokenizerLoadError, match="chat_template_name is 'chat', but its chat templates are 'rag', "):
+        Tokenizer.from_dir(d, chat_template_name="chat")
+
+
+def test_the_default_of_named_templates_serves_unless_another_is_chosen_in_either_layout(tiny_model_dir, tmp_path):
+    """transformers' own layouts: a list in tokenizer_config.json, or chat_template.jinja (the
+    default) with additional_chat_templates/<name>.jinja beside it."""
+    d = _with_named_templates(tiny_model_dir, tmp_path, ("tool_use", "default"))
+    assert Tokenizer.from_dir(d).apply_chat_template(CHAT).startswith("[default]")
+    assert Tokenizer.from_dir(d, chat_template_name="tool_use").apply_chat_template(CHAT).startswith("[tool_use]")
+    (d / "chat_template.jinja").write_text("[file]" + CHAT_TEMPLATE)
+    (d / "additional_chat_templates").mkdir()
+    (d / "additional_chat_templates" / "rag.jinja").write_text("[rag file]" + CHAT_TEMPLATE)
+    assert Tokenizer.from_dir(d).apply_chat_template(CHAT).startswith("[file]")
+    assert Tokenizer.from_dir(d, chat_template_name="rag").apply_chat_template(CHAT).startswith("[rag file]")
+    (d / "chat_template.jinja").unlink()
+    with pytest.raises(TokenizerLoadError, match="named 'rag', none of them 'default'"):
+        Tokenizer.from_dir(d)
+
+
 def test_eos_ids_come_from_generation_config(tiny_model_dir):
     tok = Tokenizer.from_dir(tiny_model_dir)
     assert tok.eos_token_ids == (tok.token_to_id("<|im_end|>"),)
