@@ -224,7 +224,8 @@ def forced_call_grammar(
     chosen = [t for t in tools if choice.mode is not ChoiceMode.NAMED or t.name == choice.name]
     args_key = "parameters" if fmt is ToolFormat.LLAMA3_JSON else "arguments"
     defs = {
-        f"tool_{i}": closed(_rebase_refs(json.loads(t.parameters), f"#/$defs/tool_{i}")) for i, t in enumerate(chosen)
+        f"tool_{i}": tightened(_rebase_refs(json.loads(t.parameters), f"#/$defs/tool_{i}"))
+        for i, t in enumerate(chosen)
     }
     variants = [
         {
@@ -263,27 +264,48 @@ _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 _NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
-def closed(node: Any, *, is_part: bool = False, close_bare: bool = True) -> Any:
-    """`node` with every object schema that does not say `additionalProperties` closed to its
-    listed properties, in place. Plain JSON Schema allows any other key, and a model free to
-    keep adding keys may never close the object (a forced call, a response format: vLLM's
-    guided decoding closes them too); a schema that wants other keys says so with
-    `additionalProperties`. Left open: an object combined with others (`allOf` beside or
-    around it: each part lists only some of the keys), one that requires a key it does not
-    list, and with `close_bare=False` (a response format, where `{"type": "object"}` means any
-    object) one that lists no properties; a tool's bare object means no arguments."""
+# I-JSON's (RFC 7493) safe integers: what a JSON parser in any language reads exactly.
+MAX_SAFE_INTEGER = 2**53 - 1
+
+
+def tightened(node: Any, *, is_part: bool = False, close_bare: bool = True) -> Any:
+    """`node` made safe to decode under, in place: objects closed and integers bounded.
+
+    Every object schema that does not say `additionalProperties` is closed to its listed
+    properties. Plain JSON Schema allows any other key, and a model free to keep adding keys may
+    never close the object (a forced call, a response format: vLLM's guided decoding closes them
+    too); a schema that wants other keys says so with `additionalProperties`. Left open: an
+    object combined with others (`allOf` beside or around it: each part lists only some of the
+    keys), one that requires a key it does not list, and with `close_bare=False` (a response
+    format, where `{"type": "object"}` means any object) one that lists no properties; a tool's
+    bare object means no arguments.
+
+    An integer without a `minimum` or `maximum` gets I-JSON's safe bound (+-(2^53-1), at most 16
+    digits): unbounded, a small model that starts repeating digits writes one number until
+    max_tokens and the JSON never closes."""
     if isinstance(node, list):
         for item in node:
-            closed(item, is_part=is_part, close_bare=close_bare)
+            tightened(item, is_part=is_part, close_bare=close_bare)
     elif isinstance(node, dict):
         if not is_part and _is_closable(node, close_bare):
             node["additionalProperties"] = False
+        _bound_integer(node)
         for key, value in node.items():
             if key in _NAMED_SCHEMAS and isinstance(value, dict):  # names to schemas: each value is one
-                closed(list(value.values()), close_bare=close_bare)
+                tightened(list(value.values()), close_bare=close_bare)
             elif key not in _DATA_KEYWORDS:
-                closed(value, is_part=key == "allOf", close_bare=close_bare)
+                tightened(value, is_part=key == "allOf", close_bare=close_bare)
     return node
+
+
+def _bound_integer(node: dict) -> None:
+    kind = node.get("type")
+    if kind != "integer" and not (isinstance(kind, list) and "integer" in kind):
+        return
+    if "minimum" not in node and "exclusiveMinimum" not in node:
+        node["minimum"] = -MAX_SAFE_INTEGER
+    if "maximum" not in node and "exclusiveMaximum" not in node:
+        node["maximum"] = MAX_SAFE_INTEGER
 
 
 def _is_closable(node: dict, close_bare: bool) -> bool:

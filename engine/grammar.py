@@ -235,8 +235,10 @@ def _explain(message: str) -> str:
 
 
 def schema_text(schema: dict) -> str:
-    """Canonical JSON text for a schema, so that equal schemas share one cache entry."""
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    """Compact JSON text for a schema, its keys in the order given: the grammar writes an object's
+    properties in the schema's order (a "reasoning" before its "answer" must stay first), and a
+    tool's parameters reach the template as the client wrote them."""
+    return json.dumps(schema, separators=(",", ":"))
 
 
 def _without_deleting_normalizers(tokenizer_json: str) -> str:

@@ -211,3 +211,51 @@ def test_a_response_formats_objects_that_list_their_keys_get_no_others(schema, e
     assert accepts('{"a":1}')
     assert accepts('{"a":1,"b":2}') is extra_key_allowed
     assert "additionalProperties" not in json.dumps(schema) or schema.get("additionalProperties") is True  # unchanged
+
+
+def test_integers_without_bounds_get_the_safe_range_and_bounds_given_stay(tiny_model_dir):
+    """A small model repeating digits would otherwise write one number until max_tokens."""
+    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    llt = llguidance.LLTokenizer(tok.to_str())
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}, "m": {"type": ["integer", "null"], "minimum": 5}},
+        "required": ["n"],
+    }
+    fmt = parse_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert fmt is not None
+    tightened = json.loads(fmt.spec)["properties"]
+    assert tightened["n"] == {"type": "integer", "minimum": -(2**53 - 1), "maximum": 2**53 - 1}
+    assert tightened["m"]["minimum"] == 5 and tightened["m"]["maximum"] == 2**53 - 1
+    grammar = grammar_text(fmt)
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(llt, grammar, log_level=0)
+        return matcher.consume_tokens(tok.encode(text).ids) and not matcher.is_error()
+
+    assert accepts('{"n":9007199254740991}') and accepts('{"n":-42,"m":null}')
+    assert not accepts('{"n":9007199254740992}') and not accepts('{"n":1,"m":4}')
+
+
+def test_a_schemas_properties_are_written_in_the_order_given_and_a_tool_shows_its_own_order(tiny_model_dir):
+    """A "reasoning" property placed before its "answer" is generated first (they were sorted by name)."""
+    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    llt = llguidance.LLTokenizer(tok.to_str())
+    schema = {
+        "type": "object",
+        "properties": {"reasoning": {"type": "string"}, "answer": {"type": "integer"}},
+        "required": ["reasoning", "answer"],
+    }
+    fmt = parse_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert fmt is not None
+    grammar = grammar_text(fmt)
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(llt, grammar, log_level=0)
+        return matcher.consume_tokens(tok.encode(text).ids) and not matcher.is_error()
+
+    assert accepts('{"reasoning":"two and two","answer":4}')
+    assert not accepts('{"answer":4,')
+    (tool,) = parse_tools([{"type": "function", "function": {"name": "f", "parameters": schema}}])
+    assert list(json.loads(tool.parameters)) == ["type", "properties", "required"]
+    assert list(json.loads(tool.parameters)["properties"]) == ["reasoning", "answer"]
