@@ -202,7 +202,9 @@ async def test_a_client_that_leaves_stops_its_pdf_reader(make_client, monkeypatc
 
 
 async def test_busy_pdf_readers_give_503_with_retry_after(make_client):
-    client = await make_client("files.max_extract_s=0.2", "files.max_concurrent_extractions=1")
+    # The wait for a slot is bounded by max_extract_s, and so is the reading after it: 3 s leaves a
+    # loaded machine time to start the reader (0.2 s timed the second reading out under load).
+    client = await make_client("files.max_extract_s=3", "files.max_concurrent_extractions=1")
     pdf_id = await upload_pdf(client, make_pdf(["Hello"]))
     slots = extraction._SLOTS.semaphore(1)
     await slots.acquire()  # another request's PDF holds the only reader
