@@ -2,7 +2,9 @@
 checked and decoded, and the message rendered with each document's text in place.
 
 `file` parts become their extracted text between a header and a footer (media/extraction.py:
-cached per file, so the next turn renders the same prompt and hits the prefix cache); images are
+cached per file, so the next turn renders the same prompt and hits the prefix cache; the most
+recently used texts also in memory, media/text_memory.py, so a conversation's files are not read
+from disk again every turn); images are
 checked from their headers, and decoded only for a vision model. A file or image referenced many
 times in a request is read, checked and decoded once (`Seen`). Counting parts, refusing images
 for a model without vision and fitting documents to the context are api/attachments.py's.
@@ -21,6 +23,7 @@ from api.parts import FilePart, ImagePart, TextPart
 from api.protocol import ChatMessage
 from engine.types import IMAGE_PLACEHOLDER
 from media import documents, extraction, images
+from media.text_memory import TextMemory
 from settings import FilesConfig, ImagesConfig
 from store.blobs import Blobs, is_file_id
 from store.types import StoredFile
@@ -52,6 +55,7 @@ class AttachContext:
     org_id: str
     files: FilesConfig
     images: ImagesConfig
+    texts: TextMemory
     seen: Seen = field(default_factory=Seen)
 
 
@@ -106,13 +110,24 @@ async def _document(ctx: AttachContext, stored: StoredFile, where: str) -> Docum
     limits = documents.ExtractLimits(
         cfg.max_pdf_pages, cfg.max_document_chars, cfg.max_extract_s, cfg.max_extract_memory_bytes
     )
+    doc = ctx.texts.get(stored.id, limits)
+    if doc is None:
+        doc = await _extracted(ctx, stored, limits, where)
+        ctx.texts.put(stored.id, limits, doc)
+    ctx.seen.documents[stored.id] = Document(stored, doc)
+    return ctx.seen.documents[stored.id]
+
+
+async def _extracted(
+    ctx: AttachContext, stored: StoredFile, limits: documents.ExtractLimits, where: str
+) -> documents.DocumentText:
     try:
-        doc = await extraction.cached_extract(
+        return await extraction.cached_extract(
             ctx.blobs.path(stored.id),
             ctx.blobs.text_path(stored.id),
             stored.media_type,
             limits,
-            cfg.max_concurrent_extractions,
+            ctx.files.max_concurrent_extractions,
         )
     except documents.UnreadableDocument as exc:
         raise bad_request(
@@ -120,10 +135,9 @@ async def _document(ctx: AttachContext, stored: StoredFile, where: str) -> Docum
         ) from None
     except extraction.ExtractionBusy as exc:
         raise overloaded(
-            f"The server is busy reading other files ({exc}); try again shortly.", retry_after_s=cfg.max_extract_s
+            f"The server is busy reading other files ({exc}); try again shortly.",
+            retry_after_s=ctx.files.max_extract_s,
         ) from None
-    ctx.seen.documents[stored.id] = Document(stored, doc)
-    return ctx.seen.documents[stored.id]
 
 
 @contextlib.contextmanager

@@ -211,10 +211,13 @@ def fit(inputs: JobInputs, resolved: list[Resolved]) -> Prepared:
 
 # -- the entry point from the chat handler ------------------------------------------------
 def _check_file_count(messages: tuple[ChatMessage, ...], cfg: FilesConfig) -> None:
+    """`messages`: the request's own, not a stored history's (its files are bounded otherwise: each
+    read once and kept, looked up in one read a turn, only those the organisation still keeps)."""
     num_files = sum(isinstance(p, FilePart) for m in messages for p in m.parts)
     if num_files > cfg.max_files_per_request:
         raise bad_request(
-            f"The request carries {num_files} file parts; the limit is {cfg.max_files_per_request}.",
+            f"The request carries {num_files} file parts; the limit is {cfg.max_files_per_request}"
+            " (files.max_files_per_request; files in a conversation's earlier turns do not count).",
             param="messages",
             code="too_many_files",
         )
@@ -253,7 +256,7 @@ async def prepare_job(ctx: AttachContext, inputs: JobInputs) -> Prepared:
     """Resolve the new messages' attachments (and the history's), then tokenize and fit."""
     prompter = image_job.prompter_of(inputs.model)
     messages = inputs.chat.messages
-    _check_file_count(messages, ctx.files)  # before any file is looked up
+    _check_file_count(messages[inputs.chat.num_history_messages :], ctx.files)  # before any file is looked up
     stored = [await stored_files(ctx, m) for m in messages]
     wheres = [p.where for m, s in zip(messages, stored, strict=True) for p in image_parts(m, s).values()]
     _check_image_count(len(wheres), ctx.images)  # before any image is read
@@ -266,6 +269,7 @@ async def prepare_job(ctx: AttachContext, inputs: JobInputs) -> Prepared:
     ]
     history, history_images = None, []
     if inputs.history is not None:
+        await _look_up_files(ctx, inputs.history)
         rendered = [await _history_message(ctx, m, prompter is not None) for m in inputs.history]
         history = tuple(r.message for r in rendered)
         history_images = [img for r in rendered for img in r.images]
@@ -284,15 +288,27 @@ async def prepare_job(ctx: AttachContext, inputs: JobInputs) -> Prepared:
     return prepared
 
 
+async def _look_up_files(ctx: AttachContext, messages: tuple[ChatMessage, ...]) -> None:
+    """The stored history's files, looked up in one read into `ctx.seen` (resolving them then
+    asks the store nothing): a long conversation's files cost no read each."""
+    file_ids = dict.fromkeys(
+        p.file_id for m in messages for p in m.parts if isinstance(p, (FilePart, ImagePart)) and p.file_id is not None
+    )
+    missing = [file_id for file_id in file_ids if file_id not in ctx.seen.files]
+    if missing:
+        ctx.seen.files.update(await ctx.store.get_files(ctx.org_id, missing))
+
+
 async def _history_message(ctx: AttachContext, message: ChatMessage, with_images: bool) -> Resolved:
     """A stored message with parts renders as it did on its own turn (so the prefix cache hits);
-    a deleted file says so; images stay images for a vision model (remote ones are not fetched again)."""
+    a deleted file says so; images stay images for a vision model (remote ones are not fetched again).
+    Its files were looked up already (`_look_up_files`)."""
     if not message.parts:
         return Resolved(message, {}, [])
     kept: list[Part] = []
     for part in message.parts:
         file_id = part.file_id if isinstance(part, (FilePart, ImagePart)) else None
-        if file_id is not None and await ctx.store.get_file(ctx.org_id, file_id) is None:
+        if file_id is not None and file_id not in ctx.seen.files:
             kept.append(TextPart(f"\n[The file {file_id} is no longer available.]\n"))
         elif isinstance(part, ImagePart) and (
             not with_images or not (part.file_id or (part.url or "").startswith("data:"))

@@ -24,7 +24,7 @@ from api import attachments, chat_bodies, protocol
 from api.attachment_parts import AttachContext
 from api.connections import read_body, reads_body_itself
 from api.errors import ApiError, bad_request, overloaded
-from api.files import BLOBS
+from api.files import BLOBS, TEXTS
 from api.finish import STATUS, finish_job, generate_unary, shutting_down, stream_job
 from api.generation import generate_choices, make_answer
 from api.inflight import INFLIGHT
@@ -134,7 +134,7 @@ async def serve_job(
     inflight = request.app[INFLIGHT]
     with inflight.track():  # a shutdown waits for a request still reading its files, then answers it
         try:
-            job = await _prepare(state, principal, grant, chat, request.app[BLOBS])
+            job = await _prepare(state, principal, grant, chat, request.app)
         except asyncio.CancelledError:
             if inflight.was_cut():
                 raise shutting_down(started=False) from None
@@ -163,7 +163,7 @@ async def serve_job(
         grant.num_tokens_used = job.num_prompt_tokens + job.num_completion_tokens if grant.is_admitted else 0
 
 
-async def _prepare(state: AppState, principal, grant: Pass, chat: protocol.ChatRequest, blobs) -> Job:
+async def _prepare(state: AppState, principal, grant: Pass, chat: protocol.ChatRequest, app: web.Application) -> Job:
     assert grant.route is not None
     history = None
     if chat.conversation_id is not None:
@@ -184,7 +184,8 @@ async def _prepare(state: AppState, principal, grant: Pass, chat: protocol.ChatR
         cache_salt=state.cache_salt(principal),
     )
     # Files and images (api/attachments.py): resolved, checked against the model, fitted to the context.
-    ctx = AttachContext(state.store, blobs, principal.org.id, state.settings.files, state.settings.images)
+    files, images = state.settings.files, state.settings.images
+    ctx = AttachContext(state.store, app[BLOBS], principal.org.id, files, images, app[TEXTS])
     prepared = await attachments.prepare_job(ctx, inputs)
     prepared.job.truncated_files = tuple(t.as_dict() for t in prepared.truncated)
     return prepared.job

@@ -2,7 +2,8 @@
 
 Owns the upload path's limits: the file size and the organisation's quota are checked while
 the body streams (the upload is cut off as soon as it passes either), and the tier's
-retention sets `expires_at`. Bytes live in `Blobs` (on disk, by id), metadata in the store.
+retention sets `expires_at`. Bytes live in `Blobs` (on disk, by id), metadata in the store,
+recently used extracted texts in `TextMemory` (forgotten when the file goes).
 Another organisation's file, or an expired one, is a 404.
 """
 
@@ -26,6 +27,7 @@ from api.connections import CLOSE_AFTER, malformed_body
 from api.errors import ApiError, bad_request, not_found
 from api.paging import page_limit, page_order
 from api.state import PRINCIPAL, SETTINGS, STATE
+from media.text_memory import TextMemory
 from settings import ConfigError, Settings
 from store.blobs import Blobs, Upload, is_file_id, new_file_id
 from store.types import FileQuery, FileQuota, QuotaExceeded, StoredFile, StoreError
@@ -33,6 +35,7 @@ from store.types import FileQuery, FileQuota, QuotaExceeded, StoredFile, StoreEr
 log = structlog.get_logger(__name__)
 
 BLOBS = web.AppKey("blobs", Blobs)
+TEXTS = web.AppKey("texts", TextMemory)
 PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "evals")
 CHUNK_BYTES = 65_536
 _MULTIPART_OVERHEAD_BYTES = 16_384  # boundaries, part headers and the purpose field
@@ -304,15 +307,19 @@ async def delete_file(request: web.Request) -> web.Response:
     if not await request.app[STATE].store.delete_file(stored.org_id, stored.id):
         raise not_found(f"No such File object: {file_id}", param="file_id")
     request.app[BLOBS].remove(stored.id)
+    request.app[TEXTS].forget(stored.id)
     return web.json_response({"id": stored.id, "object": "file", "deleted": True})
 
 
 # -- lifecycle ----------------------------------------------------------------------------
-async def purge_once(store, blobs: Blobs, now: float | None = None) -> int:
-    """Remove expired files (rows, then bytes) and orphaned bytes; returns how many files went."""
+async def purge_once(store, blobs: Blobs, now: float | None = None, texts: TextMemory | None = None) -> int:
+    """Remove expired files (rows, then bytes, then texts in memory) and orphaned bytes; returns how
+    many files went."""
     expired = await store.purge_expired_files(now)
     for file_id in expired:
         blobs.remove(file_id)
+        if texts is not None:
+            texts.forget(file_id)
     blobs.sweep_orphans(await store.file_ids())
     if expired:
         log.info("expired_files_purged", num_files=len(expired))
@@ -328,11 +335,12 @@ async def _files_ctx(app: web.Application) -> AsyncIterator[None]:
         where = "files.dir" if settings.files.dir else "files.dir (empty: beside the database)"
         raise ConfigError(f"{where}: cannot keep uploaded files in {root}: {exc.strerror or exc}") from None
     store = app[STATE].store
+    app[TEXTS] = texts = TextMemory(settings.files.max_text_memory_chars)
 
     async def loop() -> None:
         while True:
             try:
-                await purge_once(store, blobs)
+                await purge_once(store, blobs, texts=texts)
             except (StoreError, OSError) as exc:
                 log.warning("file_purge_failed", error=str(exc))
             await asyncio.sleep(settings.store.purge_interval_s)

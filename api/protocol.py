@@ -178,6 +178,10 @@ class ChatRequest:
     # The Responses API's `instructions`: placed first, before any stored history; screened with
     # the prompt, never dropped to fit the context and never stored with the turn.
     instructions: tuple[ChatMessage, ...] = ()
+    # The Responses API with store: false: the first messages are the stored history of
+    # previous_response_id, sent in the messages; their files, like a stored conversation's, are not
+    # counted toward files.max_files_per_request (api/attachments.py).
+    num_history_messages: int = 0
 
 
 def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int, max_n: int = 1) -> ChatRequest:

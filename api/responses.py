@@ -126,6 +126,7 @@ async def _context(state: AppState, org_id: str, req: ResponsesRequest, owned: c
         messages=inline + req.chat.messages,
         instructions=(ChatMessage("system", req.instructions),) if req.instructions else (),
         conversation_id=conversation_id,
+        num_history_messages=len(inline),
     )
     return ResponseContext(
         replace(req, chat=chat),

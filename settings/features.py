@@ -84,10 +84,18 @@ class FilesConfig:
         "wait for that reading, others wait their turn for at most max_extract_s, then get 503.",
         minimum=1,
     )
+    max_text_memory_chars: int = setting(
+        16_000_000,
+        "Most characters of extracted file text kept in memory (the most recently used files'), so that a "
+        "conversation's files are not read from disk again on every turn; each file is read from disk once "
+        "either way. 0: none kept.",
+        minimum=0,
+    )
     max_files_per_request: int = setting(
         10,
         "Most file parts (input_file in the Responses API) in one chat request, uploaded images among them; more is "
-        "refused with 400 too_many_files before any file is looked up or read.",
+        "refused with 400 too_many_files before any file is looked up or read. The files of a conversation's "
+        "earlier turns do not count (see max_text_memory_chars).",
         minimum=0,
     )
 

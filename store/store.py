@@ -264,6 +264,11 @@ class Store(StoreConversations):
         async with self._reader() as conn:
             return await files.get(conn, org_id, file_id, time.time())
 
+    async def get_files(self, org_id: str, file_ids: list[str]) -> dict[str, StoredFile]:
+        """The organisation's live files among `file_ids`, by id (one read for many)."""
+        async with self._reader() as conn:
+            return await files.get_many(conn, org_id, file_ids, time.time())
+
     async def list_files(self, org_id: str, query: FileQuery) -> tuple[list[StoredFile], bool]:
         async with self._reader() as conn:
             return await files.list_page(conn, org_id, time.time(), query)

@@ -17,6 +17,7 @@ from PIL import Image
 import engine.tokenizer as tokenizer_module
 from api import attachment_parts, attachments
 from api.app import init
+from api.files import TEXTS
 from engine.tokenizer import Tokenizer
 from media import extraction, images
 from testing.tiny_llava import build_tiny_llava
@@ -106,6 +107,71 @@ async def test_a_file_attached_many_times_is_read_once_and_rendered_each_time(ma
     assert (
         num_added > 2 * num_text_tokens
     )  # each copy is in the prompt, with its header and footer  # the later lookups are answered from what was read
+
+
+async def test_a_conversations_files_are_looked_up_in_one_read_a_turn_and_their_text_kept_in_memory(
+    make_client, monkeypatch
+):
+    client = await make_client()
+    notes = [f"Note {n}: the code is {n}{n}{n}." for n in range(3)]
+    file_ids = [await upload_text(client, note, f"note{n}.txt") for n, note in enumerate(notes)]
+    conv = (await (await client.post("/v1/conversations", json={})).json())["id"]
+    assert (await chat(client, with_files(*file_ids), conversation_id=conv)).status == 200
+    looked_up = spy_on(monkeypatch, state_of(client).store, "get_file")
+    read = spy_on(monkeypatch, extraction, "cached_extract")
+    num_note_tokens = sum(len(state_of(client).models["echo"].tokenizer.encode(note)) for note in notes)
+    for question in ("And the first code?", "And the last?"):
+        resp = await chat(client, [{"role": "user", "content": question}], conversation_id=conv)
+        assert resp.status == 200, await resp.text()
+        assert (await resp.json())["usage"]["prompt_tokens"] > num_note_tokens  # the files are in the history
+    assert looked_up == []  # one read of the store for all of the history's files (Store.get_files)
+    assert read == []  # neither extracted nor read from the cache beside the upload again: kept in memory
+
+
+async def test_a_deleted_files_text_leaves_memory_and_the_history_says_it_is_gone(make_client):
+    client = await make_client()
+    file_id = await upload_text(client, "The meeting is at noon.", "meeting.txt")
+    conv = (await (await client.post("/v1/conversations", json={})).json())["id"]
+    assert (await chat(client, with_files(file_id), conversation_id=conv)).status == 200
+    texts = client.server.app[TEXTS]
+    assert len(texts) == 1 and texts.num_chars == len("The meeting is at noon.")
+    assert (await client.delete(f"/v1/files/{file_id}")).status == 200
+    assert len(texts) == 0 and texts.num_chars == 0
+    resp = await chat(client, [{"role": "user", "content": "When?"}], conversation_id=conv)
+    assert resp.status == 200, await resp.text()
+    assert len(texts) == 0
+
+
+async def test_files_of_earlier_turns_do_not_count_toward_max_files_per_request(make_client):
+    client = await make_client("files.max_files_per_request=2")
+    file_ids = [await upload_text(client, f"Note {n}.", f"note{n}.txt") for n in range(5)]
+    conv = (await (await client.post("/v1/conversations", json={})).json())["id"]
+    assert (await chat(client, with_files(*file_ids[:2]), conversation_id=conv)).status == 200
+    assert (await chat(client, with_files(*file_ids[2:4]), conversation_id=conv)).status == 200
+    err = await assert_error(
+        await chat(client, with_files(*file_ids[:3]), conversation_id=conv), 400, code="too_many_files"
+    )
+    assert "3 file parts; the limit is 2 (files.max_files_per_request" in err["message"]
+
+
+def input_files(*file_ids: str) -> list[dict]:
+    content = [{"type": "input_text", "text": "Read: "}, *({"type": "input_file", "file_id": f} for f in file_ids)]
+    return [{"role": "user", "content": content}]
+
+
+async def test_previous_responses_files_do_not_count_toward_the_limit_whether_stored_or_not(make_client):
+    client = await make_client("files.max_files_per_request=2")
+    file_ids = [await upload_text(client, f"Note {n}.", f"note{n}.txt") for n in range(5)]
+    body = {"model": "echo", "max_output_tokens": 16}
+    first = await client.post("/v1/responses", json={**body, "input": input_files(*file_ids[:2])})
+    assert first.status == 200, await first.text()
+    previous = (await first.json())["id"]
+    for store in (True, False):
+        more = {**body, "input": input_files(file_ids[4]), "previous_response_id": previous, "store": store}
+        resp = await client.post("/v1/responses", json=more)
+        assert resp.status == 200, (store, await resp.text())
+    too_many = {**body, "input": input_files(*file_ids[2:5]), "previous_response_id": previous, "store": False}
+    await assert_error(await client.post("/v1/responses", json=too_many), 400, code="too_many_files")
 
 
 async def test_a_document_far_past_the_context_attached_ten_times_is_bounded_once_never_tokenized(

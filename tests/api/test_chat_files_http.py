@@ -10,7 +10,7 @@ import asyncio
 import os
 import threading
 
-from api.files import BLOBS
+from api.files import BLOBS, TEXTS
 from media import extraction
 from testing.pdf import make_pdf
 from tests.api.helpers import assert_error, state_of
@@ -60,6 +60,9 @@ async def test_extracted_text_is_cached_per_file(make_client):
     cache = client.server.app[BLOBS].text_path(file_id)
     assert '"first version"' in cache.read_text()
     cache.write_text(cache.read_text().replace("first version", "from the cache"))
+    answer = (await (await chat(client, file_message(file_id))).json())["choices"][0]["message"]["content"]
+    assert "first version" in answer  # kept in memory: not even the cache file is read again
+    client.server.app[TEXTS].forget(file_id)  # as when other files' texts pushed it out of memory
     answer = (await (await chat(client, file_message(file_id))).json())["choices"][0]["message"]["content"]
     assert "from the cache" in answer  # not extracted again
 
