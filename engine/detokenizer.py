@@ -1,11 +1,13 @@
-"""Incremental detokenization, and the one stop-string filter every backend uses.
+"""Incremental detokenization, and the one stop-string filter and logprob gate every backend uses.
 
 `StopStringFilter` turns a request's cumulative output text into deltas that never contain
 any part of a stop string (the tail that could still become one is held back); the native
 backend feeds it from `IncrementalDetokenizer`, the TensorRT-LLM adapter from the executor's
 cumulative text. The detokenizer turns generated token ids into whole characters (a multi-byte
-character split across tokens is held until complete). Neither decides when generation ends
-beyond reporting a stop-string hit.
+character split across tokens is held until complete) and knows where each token's text starts.
+`LogprobGate` lets a token's logprob out with the first of its text that is sent, so the
+logprobs sent are exactly those of the content's tokens. None of them decides when generation
+ends beyond reporting a stop-string hit.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import bisect
 from collections.abc import Sequence
 
 from engine.tokenizer import Tokenizer
+from engine.types import TokenLogprob
 
 # Prompt tokens kept as decoding context, so tokenizers that drop a leading space at the
 # start of a decode (SentencePiece-style) still produce the right first word.
@@ -27,6 +30,7 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._ids: list[int] = context
+        self._num_context = len(context)
         self._prefix_offset = 0  # start of the decoding window in _ids
         self._read_offset = len(context)  # tokens before this are already in _text
         self._text = ""  # all generated text decoded so far
@@ -58,7 +62,11 @@ class IncrementalDetokenizer:
     def num_tokens_emitted(self) -> int:
         """How many generated tokens the emitted text holds: those whose text starts before its end.
         Tokens past a stop string's start, and trailing tokens without text (EOS), are not counted."""
-        return bisect.bisect_left(self._starts, self._stop.num_emitted_chars)
+        return self.num_tokens_before(self._stop.num_emitted_chars)
+
+    def num_tokens_before(self, num_chars: int) -> int:
+        """How many generated tokens have text that starts within the first `num_chars` characters."""
+        return bisect.bisect_left(self._starts, num_chars)
 
     def flush(self) -> str:
         """At the end of generation: everything still held back (unless stopped)."""
@@ -67,8 +75,8 @@ class IncrementalDetokenizer:
         window = self._tokenizer.decode(self._ids[self._prefix_offset :])
         prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
         if len(window) > len(prefix):
-            self._text += window[len(prefix) :]
-            self._prefix_offset = self._read_offset = len(self._ids)
+            self._text += self._take(prefix, window)
+            self._prefix_offset = self._read_offset
         text, _ = self._emit(final=True)
         return text
 
@@ -76,10 +84,20 @@ class IncrementalDetokenizer:
         prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
         window = self._tokenizer.decode(self._ids[self._prefix_offset :])
         if len(window) > len(prefix) and not window.endswith("\ufffd"):
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
-            return window[len(prefix) :]
+            return self._take(prefix, window)
         return ""  # an incomplete UTF-8 sequence, or a token that adds no text yet
+
+    def _take(self, prefix: str, window: str) -> str:
+        """The window's new text, its tokens now read. Tokens held back for what looked like an
+        incomplete character get the start of their own text: bytes of one character share its
+        start, but a byte that completed nothing is a U+FFFD of its own, and the next token's text
+        starts after it."""
+        for i in range(self._read_offset + 1, len(self._ids)):  # none unless tokens were held
+            part = self._tokenizer.decode(self._ids[self._prefix_offset : i])
+            own = len(part) if window.startswith(part) else len(part.rstrip("\ufffd"))
+            self._starts[i - self._num_context] = len(self._text) + max(own - len(prefix), 0)
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return window[len(prefix) :]
 
     def _emit(self, *, final: bool) -> tuple[str, bool]:
         text = self._stop.update(self._text, final=final)
@@ -122,3 +140,22 @@ class StopStringFilter:
         end = max(start, min(end, len(text)))
         self._num_emitted_chars = end
         return text[start:end]
+
+
+class LogprobGate:
+    """Holds each token's logprob until some of the token's text is sent, so the logprobs sent are
+    those of the content's tokens, in order: a token a stop string cuts is in (its text starts in
+    the content), the stop string's own tokens and those after it are not, nor a final EOS (no text).
+    The caller says how many tokens the text sent so far holds (`IncrementalDetokenizer`)."""
+
+    def __init__(self) -> None:
+        self._held: list[TokenLogprob] = []
+        self._num_released = 0
+
+    def release(self, new: Sequence[TokenLogprob], num_tokens_sent: int) -> tuple[TokenLogprob, ...]:
+        """The logprobs to send now: of the tokens up to `num_tokens_sent`, not sent before."""
+        self._held.extend(new)
+        num = num_tokens_sent - self._num_released
+        released, self._held = self._held[:num], self._held[num:]
+        self._num_released += len(released)
+        return tuple(released)

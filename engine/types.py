@@ -182,7 +182,10 @@ class TokenEvent:
     num_completion_tokens: int
     finish_reason: FinishReason | None = None
     usage_source: UsageSource = UsageSource.ENGINE
-    logprobs: tuple[TokenLogprob, ...] = ()  # one per generated token (of token_ids, where ids exist), when asked
+    # When asked: one per generated token whose text is in the output, each on the event whose text
+    # holds the token's first character (engine/detokenizer.py's LogprobGate; a relayed model's as
+    # its upstream sends them); none for a stop string's tokens or those after it, nor a final EOS.
+    logprobs: tuple[TokenLogprob, ...] = ()
     # When sampling.prompt_logprobs asked: one per prompt token (None for the first), on the first event only.
     prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
     stop_str: str | None = None  # the stop string that ended the answer (finish_reason STOP), when one did

@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import structlog
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, LogprobGate
 from engine.native import prefix_store
 from engine.native.llm_engine import LLMEngine, RequestOutput
 from engine.native.loader import load_model_args
@@ -33,7 +33,6 @@ from engine.types import (
     GenerationRequest,
     RequestRejected,
     TokenEvent,
-    TokenLogprob,
     check_fits_context,
 )
 from settings import EngineConfig
@@ -71,8 +70,7 @@ class _Stream:
         self.detokenizer = IncrementalDetokenizer(tokenizer, request.sampling.stop, request.prompt_token_ids)
         self.last = TokenEvent("", (), len(request.prompt_token_ids), 0, 0)
         self.done = False
-        self._held_logprobs: list[TokenLogprob] = []  # of tokens whose text is not emitted yet
-        self._num_logprobs_released = 0
+        self._logprobs = LogprobGate()  # a token's logprob goes out with its text
 
     def advance(self, out: RequestOutput) -> TokenEvent:
         text, hit_stop = self.detokenizer.push(out.new_token_ids)
@@ -86,23 +84,12 @@ class _Stream:
             out.num_cached_tokens,
             out.num_completion_tokens,
             reason,
-            logprobs=self._release_logprobs(out.logprobs),
+            logprobs=self._logprobs.release(out.logprobs, self.detokenizer.num_tokens_emitted),
             prompt_logprobs=out.prompt_logprobs,
             stop_str=self.detokenizer.matched_stop if hit_stop else None,
         )
         self.done = reason is not None
         return self.last
-
-    def _release_logprobs(self, new: tuple[TokenLogprob, ...]) -> tuple[TokenLogprob, ...]:
-        """The logprobs of the tokens whose text is now sent, so that they match the content: a
-        token's goes out with its text; those of tokens past a stop string and of a final EOS never."""
-        if not new and not self._held_logprobs:
-            return ()
-        self._held_logprobs.extend(new)
-        num = self.detokenizer.num_tokens_emitted - self._num_logprobs_released
-        released, self._held_logprobs = self._held_logprobs[:num], self._held_logprobs[num:]
-        self._num_logprobs_released += len(released)
-        return tuple(released)
 
     def finish_aborted(self) -> None:
         if not self.done:

@@ -285,7 +285,7 @@ class TrtllmBackend:
             raise EngineError(f"TensorRT-LLM is not accepting requests: {exc}") from exc
         except Exception as exc:
             raise EngineError(f"TensorRT-LLM refused the request: {exc}") from exc
-        flight = Flight(request, handle, self._api.RequestError, on_progress=self._count)
+        flight = Flight(request, handle, self._api.RequestError, on_progress=self._count, tokenizer=self._tokenizer)
         self._in_flight[request.request_id] = flight
         self._num_prompt_tokens += len(request.prompt_token_ids)
         flight.start()

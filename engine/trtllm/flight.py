@@ -2,7 +2,9 @@
 
 The reader task turns each in-place update of the RequestOutput (read `*_diff` before the next
 step) into one TokenEvent on a queue, so an abort that TensorRT-LLM never confirms can still
-end the stream. It does not own admission or the in-flight cap; the backend does.
+end the stream. Stop strings are cut from TensorRT-LLM's cumulative text and each token's logprob
+goes out with its text, as in the native backend (engine/detokenizer.py). It does not own
+admission or the in-flight cap; the backend does.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from typing import Any
 
 import structlog
 
-from engine.detokenizer import StopStringFilter
+from engine.detokenizer import IncrementalDetokenizer, LogprobGate, StopStringFilter
+from engine.tokenizer import Tokenizer
 from engine.trtllm.mapping import map_finish_reason, token_logprobs
 from engine.types import (
     EngineError,
@@ -39,6 +42,7 @@ class Flight:
         request_error: type[BaseException],
         *,
         on_progress: ProgressCallback,
+        tokenizer: Tokenizer,
     ):
         self.request = request
         self.handle = handle  # tensorrt_llm RequestOutput, updated in place by each step
@@ -49,6 +53,14 @@ class Flight:
         self._request_error = request_error
         self._on_progress = on_progress
         self._stop = StopStringFilter(request.sampling.stop)
+        # Where each token's text starts (decoded here too, only when logprobs are asked), so that
+        # a token's logprob goes out with its text and none past a stop string's start.
+        self._token_starts = (
+            None
+            if request.sampling.logprobs is None
+            else IncrementalDetokenizer(tokenizer, prompt_token_ids=request.prompt_token_ids)
+        )
+        self._logprob_gate = LogprobGate()
         self._is_final_queued = False
         self._is_abort_requested = False
         self._reader: asyncio.Task | None = None
@@ -142,6 +154,7 @@ class Flight:
         # The cumulative text, not text_diff: at a stop word TensorRT-LLM shortens `text`,
         # and a text_diff already sent cannot be taken back.
         text = self._stop.update(output.text or "", final=finished)
+        logprobs = self._sent_logprobs(new_ids, logprobs)
         if self._stop.stopped:
             if not finished:
                 self.request_abort()  # a stop string that did not fall on token boundaries
@@ -171,6 +184,14 @@ class Flight:
                 num_logprobs=len(entries),
             )
         return token_logprobs(new_ids, entries, num_top)
+
+    def _sent_logprobs(self, new_ids: tuple[int, ...], logprobs: tuple[TokenLogprob, ...]) -> tuple[TokenLogprob, ...]:
+        """Of the logprobs so far, those of the tokens whose text was now sent."""
+        if self._token_starts is None:
+            return ()
+        self._token_starts.push(new_ids)
+        num_sent = self._token_starts.num_tokens_before(self._stop.num_emitted_chars)
+        return self._logprob_gate.release(logprobs, num_sent)
 
     def _update_cached(self, cached: Any) -> int:
         """Fold RequestOutput.cached_tokens (1.1+) into our count; return the increase."""

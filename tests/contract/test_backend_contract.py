@@ -1,7 +1,7 @@
 """The backend contract: what every backend must do, run against each one in `BACKENDS`.
 
-Streaming order, finish reasons, stop strings, abort frees the request, usage counts,
-errors and admission checks, through the `Backend` protocol only. Greedy decoding with
+Streaming order, finish reasons, stop strings and the logprobs beside them, abort frees the
+request, usage counts, errors and admission checks, through the `Backend` protocol only. Greedy decoding with
 EOS ignored keeps the runs deterministic and short on the tiny random model.
 """
 
@@ -155,3 +155,29 @@ async def test_health_is_true_while_serving_and_stats_count_generated_tokens(bac
     before = backend.stats().num_generation_tokens
     await collect(backend, make_request(prompt_ids(backend_under_test), max_tokens=6))
     assert backend.stats().num_generation_tokens - before >= 6
+
+
+def _content_tokens(tokenizer, token_ids: list[int], content: str) -> list[int]:
+    """The shortest run of the generated tokens whose text holds the whole content: the tokens whose
+    text contributes to it (one straddling its end included), none past it."""
+    for n in range(len(token_ids) + 1):
+        if tokenizer.decode(token_ids[:n]).startswith(content):
+            return token_ids[:n]
+    raise AssertionError(f"the tokens never spell the content {content!r}")
+
+
+async def test_logprobs_cover_exactly_the_tokens_of_the_text_a_stop_string_cuts(backend_under_test):
+    """A stop string inside a token or across tokens: the logprobs sent are those of the tokens
+    whose text is in the content, the one it cuts included, none of the stop string's own or after."""
+    backend, tokenizer = backend_under_test.backend, backend_under_test.tokenizer
+    prompt = prompt_ids(backend_under_test)
+    reference = await collect(backend, make_request(prompt, max_tokens=24, logprobs=0))
+    ids, text = [t for e in reference for t in e.token_ids], joined_text(reference)
+    assert [lp.token for e in reference for lp in e.logprobs] == ids  # no stop string: every token's
+    for start in range(1, min(len(text) - 2, 16)):
+        stop = text[start : start + 2]
+        events = await collect(backend, make_request(prompt, max_tokens=24, logprobs=0, stop=(stop,)))
+        content = joined_text(events)
+        assert content == text[: text.find(stop)], stop
+        sent = [lp.token for e in events for lp in e.logprobs]
+        assert sent == _content_tokens(tokenizer, ids, content), (stop, content)

@@ -207,7 +207,9 @@ async def test_logprobs_arrive_one_per_token_with_top_alternatives_best_first(ba
     b.check_request(request)
     events = await collect(b, request)
     assert b._llm.submissions[-1].sampling_params.logprobs == 3
-    pairs = [(t, lp) for e in events for t, lp in zip(e.token_ids, e.logprobs, strict=True)]
+    # A token's logprob rides with its text (engine/detokenizer.py's LogprobGate): paired over the stream.
+    token_ids, logprobs = [t for e in events for t in e.token_ids], [lp for e in events for lp in e.logprobs]
+    pairs = list(zip(token_ids, logprobs, strict=True))
     assert len(pairs) == 6
     for token_id, lp in pairs:
         assert lp.token_id == token_id and len(lp.top_logprobs) == 3
