@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from api.answer import Answer
 from api.job import Job
+from api.prompt import chat_template_of, prompt_tools
 from api.reasoning import ReasoningSplitter, ThinkingCounter
 from api.state import AppState
 from api.toolparse import ToolCallParser
@@ -28,7 +29,7 @@ def make_answer(job: Job) -> Answer:
     chat, tokenizer = job.chat, job.model.tokenizer
     parser = None
     if chat.tools and chat.tool_choice.mode is not ChoiceMode.NONE:
-        fmt = detect_format(getattr(tokenizer, "chat_template", None), job.model.config.tool_parser)
+        fmt = detect_format(chat_template_of(job.model, prompt_tools(chat)), job.model.config.tool_parser)
         forced = chat.tool_choice.mode in (ChoiceMode.REQUIRED, ChoiceMode.NAMED)
         only = chat.tool_choice.name if chat.tool_choice.mode is ChoiceMode.NAMED else None
         if forced and only is None and len(chat.tools) == 1:

@@ -18,6 +18,7 @@ from api.errors import ApiError, bad_request, not_found
 from api.prompt import (
     build_context,
     chat_prompt,
+    chat_template_of,
     encode_chat,
     encode_raw_prompt,
     prompt_tools,
@@ -26,9 +27,9 @@ from api.prompt import (
 )
 from api.protocol import ChatMessage, ChatRequest
 from api.reasoning import prompt_opens_thinking
-from api.tools import ChoiceMode, detect_format, forced_call_grammar
+from api.tools import ChoiceMode, Tool, detect_format, forced_call_grammar
 from engine.registry import ModelHandle
-from engine.tokenizer import PromptTooLong, Tokenizer
+from engine.tokenizer import PromptTooLong, Tokenizer, knows_thinking
 from engine.types import (
     FinishReason,
     GenerationRequest,
@@ -204,7 +205,7 @@ def sampling_from(
     the prompt opened the thinking (see thinking_budget)."""
     structured = chat.response_format
     if chat.tool_choice.mode in (ChoiceMode.REQUIRED, ChoiceMode.NAMED) and model is not None:
-        fmt = detect_format(getattr(model.tokenizer, "chat_template", None), model.config.tool_parser)
+        fmt = detect_format(chat_template_of(model, prompt_tools(chat)), model.config.tool_parser)
         structured = forced_call_grammar(chat.tools, chat.tool_choice, fmt, chat.parallel_tool_calls)
     thinking = None
     if model is not None and thinking_opened is not None:
@@ -297,7 +298,7 @@ def make_job(inp: JobInputs) -> Job:
     max_tokens = resolve_max_tokens(chat, tier, inp.tier_name, max(limit - len(ids), 0))
     check_fits(len(ids), max(max_tokens, 1), limit, model.name, where)
     now = time.monotonic()
-    opened = None if chat.raw_prompt is not None else _reasoning_opened(model, ids)
+    opened = None if chat.raw_prompt is not None else _reasoning_opened(model, prompt_tools(chat), ids)
     gen = GenerationRequest(
         request_id=inp.request_id,
         prompt_token_ids=tuple(ids),
@@ -356,8 +357,13 @@ def _encode_prompt(inp: JobInputs, limit: int, max_prompt_tokens: int) -> tuple[
     return encode_chat(model, context, tools, kwargs, chat.continue_final_message, max_prompt_tokens), context, 0
 
 
-def _reasoning_opened(model: ModelHandle, ids: list[int]) -> bool | None:
-    if not getattr(model.tokenizer, "thinks", False):
+def _reasoning_opened(model: ModelHandle, tools: tuple[Tool, ...], ids: list[int]) -> bool | None:
+    """None when the prompt's template (chat_template_of) knows no <think>, else whether the prompt opened it."""
+    if isinstance(model.tokenizer, Tokenizer):
+        thinks = knows_thinking(chat_template_of(model, tools))
+    else:  # a relayed model's counter
+        thinks = getattr(model.tokenizer, "thinks", False)
+    if not thinks:
         return None
     return prompt_opens_thinking(model.tokenizer.decode(ids[-8:], skip_special_tokens=False))
 

@@ -26,6 +26,15 @@ def prompt_tools(chat: ChatRequest) -> tuple[Tool, ...]:
     return chat.tools if chat.tool_choice.mode is not ChoiceMode.NONE else ()
 
 
+def chat_template_of(model: ModelHandle, tools: tuple[Tool, ...]) -> str | None:
+    """The chat template text a prompt with these tools (prompt_tools) renders with: the model's
+    tool_use template for one with tools, when it has one (Tokenizer.chat_template_for), else its
+    template. Its tool-call format and thinking are read from it. None for a relayed model's
+    counter (its upstream's template is unknown here) or a base model."""
+    tokenizer = model.tokenizer
+    return tokenizer.chat_template_for(has_tools=bool(tools)) if isinstance(tokenizer, Tokenizer) else None
+
+
 def build_context(
     history: list[ChatMessage], new: tuple[ChatMessage, ...], first: tuple[ChatMessage, ...] = ()
 ) -> list[ChatMessage]:
@@ -173,15 +182,17 @@ def _encode_chat(model: ModelHandle, context: list[ChatMessage], tools: tuple[To
     messages = [m.as_template_dict() for m in context]
     if not tools:
         return _render(model, messages, kwargs)
-    template = getattr(model.tokenizer, "chat_template", None)  # None: an upstream model's token counter
+    with_tools = {"tools": [t.as_template_arg() for t in tools], **kwargs}
+    template = chat_template_of(model, tools)  # None: an upstream model's token counter
     if template is None or template_takes_tools(template):
-        return _render(model, messages, {"tools": [t.as_template_arg() for t in tools], **kwargs})
+        return _render(model, messages, with_tools)
     fmt = detect_format(template, model.config.tool_parser)
     prompt = {"role": "system", "content": tools_system_prompt(tools, fmt)}
     if messages and messages[0]["role"] == "system":
         prompt["content"] = messages[0]["content"] + "\n\n" + prompt["content"]
         messages = messages[1:]
-    return _render(model, [prompt, *messages], kwargs)
+    # `tools=` still: it picks the template chosen above, which reads none of it
+    return _render(model, [prompt, *messages], with_tools)
 
 
 def _render(model: ModelHandle, messages: list[dict[str, Any]], kwargs: dict) -> list[int]:

@@ -3,9 +3,10 @@
 Owns `tokenizer.json` (via the `tokenizers` library), the chat template (rendered with
 jinja2 the way transformers' `apply_chat_template` renders it) and the EOS ids. It accepts
 both layouts users bring: the template inside `tokenizer_config.json` or in
-`chat_template.jinja`, named templates among them (one chosen by name, else "default"); EOS ids
-from `generation_config.json`, `config.json` and the tokenizer; the default temperature / top_p /
-top_k / repetition_penalty from `generation_config.json`.
+`chat_template.jinja`, named templates among them (one chosen by name, else "default", and
+"tool_use" for chats with tools as transformers picks it); EOS ids from `generation_config.json`,
+`config.json` and the tokenizer; the default temperature / top_p / top_k / repetition_penalty from
+`generation_config.json`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Self
@@ -45,6 +47,25 @@ class PromptTooLong(Exception):
         super().__init__(f"the prompt holds {'at least ' if is_lower_bound else ''}{num_tokens} tokens")
         self.num_tokens = num_tokens
         self.is_lower_bound = is_lower_bound
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTemplates:
+    """The templates a model renders chats with: `default` (None: a base model), and `tool_use`
+    for chats with tools when the folder has one so named and chat_template_name chose none, as
+    transformers' apply_chat_template picks it for a call with tools."""
+
+    default: str | None
+    tool_use: str | None = None
+
+
+def knows_thinking(template: str | None) -> bool:
+    """Whether a chat template knows <think>...</think> reasoning (Qwen3, R1 distills, ...)."""
+    return template is not None and "</think>" in template
+
+
+def _non_blank(template: str | None) -> str | None:
+    return template if template and template.strip() else None
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -100,7 +121,7 @@ class Tokenizer:
     def __init__(
         self,
         tokenizer: HFTokenizer,
-        chat_template: str | None,
+        chat_templates: ChatTemplates,
         special_tokens: dict[str, str | None],
         eos_token_ids: tuple[int, ...],
         generation_defaults: dict[str, float | int] | None = None,
@@ -112,9 +133,9 @@ class Tokenizer:
         self._literal_tok.encode_special_tokens = True
         self._bound = TokenBound.of(tokenizer)  # None: prompts are only counted exactly
         self.generation_defaults = generation_defaults or {}  # from generation_config.json
-        chat_template = chat_template if chat_template and chat_template.strip() else None  # "": a base model
-        self._template = _compile_template(chat_template) if chat_template else None
-        self.chat_template = chat_template
+        self.chat_template = _non_blank(chat_templates.default)  # None ("" too): a base model
+        self.tool_use_template = _non_blank(chat_templates.tool_use)  # None: chat_template renders tools too
+        self._compiled = {t: _compile_template(t) for t in (self.chat_template, self.tool_use_template) if t}
         self.bos_token = special_tokens.get("bos_token")
         self.eos_token = special_tokens.get("eos_token")
         self.eos_token_ids = eos_token_ids
@@ -129,7 +150,8 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path: Path | str, *, chat_template_name: str = "") -> Self:
         """The folder's tokenizer, rendering chats with its chat template called `chat_template_name`
-        (models.<name>.chat_template_name), else the one called "default"."""
+        (models.<name>.chat_template_name), else the one called "default" (and those with tools
+        with the one called "tool_use", if any)."""
         path = Path(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.exists():
@@ -139,15 +161,24 @@ class Tokenizer:
         except Exception as exc:  # tokenizers raises a bare Exception on bad files
             raise TokenizerLoadError(f"{tok_file}: cannot load: {exc}") from None
         tok_cfg = _read_json(path / "tokenizer_config.json") or {}
-        template = _chat_template(path, tok_cfg, chat_template_name)
+        templates = _chat_templates(path, tok_cfg, chat_template_name)
         special = {k: _token_text(tok_cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
         eos_ids = _eos_ids(path, tokenizer, special["eos_token"])
-        return cls(tokenizer, template, special, eos_ids, _generation_defaults(path))
+        return cls(tokenizer, templates, special, eos_ids, _generation_defaults(path))
+
+    def chat_template_for(self, *, has_tools: bool) -> str | None:
+        """The template text a chat renders with: the tool_use one for a chat with tools (passed
+        as `tools=`) when the model has one, else chat_template. Everything that reads the template
+        of a request (its tool-call format, its thinking) reads this one."""
+        if has_tools and self.tool_use_template is not None:
+            return self.tool_use_template
+        return self.chat_template
 
     @property
     def thinks(self) -> bool:
-        """Whether the chat template knows <think>...</think> reasoning (Qwen3, R1 distills, ...)."""
-        return self.chat_template is not None and "</think>" in self.chat_template
+        """Whether any chat template of this model knows <think> reasoning (whether a request's
+        does: `knows_thinking(chat_template_for(...))`)."""
+        return any(knows_thinking(t) for t in self._compiled)
 
     def thinking_tag_ids(self) -> tuple[int, int] | None:
         """The ids of <think> and </think> when each is one token of this vocabulary (as in Qwen3,
@@ -268,9 +299,12 @@ class Tokenizer:
         tools: list[dict] | None = None,
         **template_kwargs: Any,
     ) -> str:
-        if self._template is None:
+        """The chat rendered through chat_template_for: given `tools` (an empty list too, as
+        transformers), the tool_use template."""
+        template = self.chat_template_for(has_tools=tools is not None)
+        if template is None:
             raise TokenizerLoadError("this model has no chat template")
-        return self._template.render(
+        return self._compiled[template].render(
             **template_kwargs,
             messages=messages,
             tools=tools,
@@ -280,24 +314,25 @@ class Tokenizer:
         )
 
 
-def _chat_template(path: Path, tok_cfg: dict[str, Any], name: str) -> str | None:
-    """The template chats are rendered with: the one called `name` (the model's chat_template_name),
-    else the one called "default", or None (a base model). A folder whose templates have none called
-    "default" is refused naming them, as transformers refuses it ("multiple chat templates with no
-    default specified"), rather than one of them used unasked."""
+def _chat_templates(path: Path, tok_cfg: dict[str, Any], name: str) -> ChatTemplates:
+    """The templates chats are rendered with: the one called `name` (the model's chat_template_name)
+    for every chat, else the one called "default" (None: a base model) and the one called
+    "tool_use" for chats with tools. A folder whose templates have none called "default" is refused
+    naming them, as transformers refuses it ("multiple chat templates with no default specified")
+    for a chat without tools, rather than one of them used unasked."""
     templates = _named_templates(path, tok_cfg)
     names = ", ".join(repr(n) for n in templates)
     if name:
         if name not in templates:
             have = f"its chat templates are {names}" if templates else "it has no chat template"
             raise TokenizerLoadError(f"{path}: chat_template_name is {name!r}, but {have}")
-        return templates[name]
+        return ChatTemplates(templates[name])
     if templates and "default" not in templates:
         raise TokenizerLoadError(
             f"{path}: its chat templates are named {names}, none of them 'default': choose the one to serve "
             "with the model's chat_template_name setting"
         )
-    return templates.get("default")
+    return ChatTemplates(templates.get("default"), templates.get("tool_use"))
 
 
 def _named_templates(path: Path, tok_cfg: dict[str, Any]) -> dict[str, str]:

@@ -145,10 +145,10 @@ class ModelConfig:
     fallback: str = setting("", "Model to serve this model's tier traffic when it is saturated; empty: none.")
     chat_template_name: str = setting(
         "",
-        "Which of the model folder's named chat templates renders its chats (tokenizer_config.json's chat_template "
-        'list, or additional_chat_templates/<name>.jinja), e.g. "tool_use"; empty: the one named "default" (a '
-        "folder whose templates have none so named is refused at start, naming them). One template serves every "
-        'request: unlike transformers, "tool_use" is not picked for requests with tools unless named here.',
+        "Which of the model folder's named chat templates renders all its chats (tokenizer_config.json's "
+        'chat_template list, or additional_chat_templates/<name>.jinja), e.g. "tool_use"; empty: as transformers, '
+        'the one named "tool_use" for requests with tools (tool_choice not "none") if there is one, else the one '
+        'named "default" (a folder whose templates have none so named is refused at start, naming them).',
     )
     tool_parser: str = setting(
         "auto",

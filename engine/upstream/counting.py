@@ -63,7 +63,13 @@ class TokenizerCounter:
     def encode_chat(
         self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True, **options: Any
     ) -> list[int]:
-        ids = self._tokenizer.encode_chat([dict(m) for m in messages], add_generation_prompt=add_generation_prompt)
+        # Tools are counted as JSON with the other options (so requests with different tools have
+        # different ids: the coalescer's key); the template gets an empty list, to render as for a
+        # chat with tools (with its tool_use template, if any, as an upstream given this folder does).
+        tools: list[dict] | None = [] if "tools" in options else None
+        ids = self._tokenizer.encode_chat(
+            [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tools=tools
+        )
         if options:
             ids += self._tokenizer.encode(orjson.dumps(options, default=str).decode())
         return ids

@@ -18,7 +18,7 @@ import engine.tokenizer as tokenizer_module
 from api import attachment_parts, attachments
 from api.app import init
 from api.files import TEXTS
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import ChatTemplates, Tokenizer
 from media import extraction, images
 from testing.tiny_llava import build_tiny_llava
 from testing.tiny_model import train_tokenizer
@@ -229,7 +229,7 @@ def test_a_count_is_exact_for_a_tokenizer_that_adds_a_bos_and_bounded_past_the_r
     hf.post_processor = processors.TemplateProcessing(
         single="<bos> $A", special_tokens=[("<bos>", hf.token_to_id("<bos>"))]
     )
-    tok = Tokenizer(hf, None, {}, ())
+    tok = Tokenizer(hf, ChatTemplates(None), {}, ())
     assert tok.encode_prompt("hello")[0] == hf.token_to_id("<bos>")
     short, long = "hello there, " * 20, text_of(20_000)
     assert attachments._count(tok, short, 1000) == attachments.DocTokens(len(tok.encode(short)))

@@ -112,6 +112,28 @@ def test_the_default_of_named_templates_serves_unless_another_is_chosen_in_eithe
         Tokenizer.from_dir(d)
 
 
+def test_a_chat_with_tools_renders_with_the_tool_use_template_as_transformers_picks_it(tiny_model_dir, tmp_path):
+    """transformers' apply_chat_template(tools=...) with no template named picks "tool_use" when
+    there is one; chat_template_name (its chat_template=NAME) serves every chat instead."""
+    from transformers import AutoTokenizer
+
+    d = _with_named_templates(tiny_model_dir, tmp_path, ("default", "tool_use"))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    hf = AutoTokenizer.from_pretrained(d)
+    for name, chat_tools in (("", None), ("", tools), ("default", tools)):
+        expected = hf.apply_chat_template(
+            CHAT, tokenize=False, add_generation_prompt=True, tools=chat_tools, chat_template=name or None
+        )
+        assert Tokenizer.from_dir(d, chat_template_name=name).apply_chat_template(CHAT, tools=chat_tools) == expected
+    assert Tokenizer.from_dir(d).apply_chat_template(CHAT, tools=tools).startswith("[tool_use]")
+    assert Tokenizer.from_dir(d).chat_template_for(has_tools=True).startswith("[tool_use]")
+    (d / "chat_template.jinja").write_text("[file]" + CHAT_TEMPLATE)
+    (d / "additional_chat_templates").mkdir()
+    (d / "additional_chat_templates" / "tool_use.jinja").write_text("[tool_use file]" + CHAT_TEMPLATE)
+    assert Tokenizer.from_dir(d).apply_chat_template(CHAT, tools=tools).startswith("[tool_use file]")
+    assert Tokenizer.from_dir(d).apply_chat_template(CHAT).startswith("[file]")
+
+
 def test_eos_ids_come_from_generation_config(tiny_model_dir):
     tok = Tokenizer.from_dir(tiny_model_dir)
     assert tok.eos_token_ids == (tok.token_to_id("<|im_end|>"),)
