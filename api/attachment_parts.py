@@ -4,7 +4,8 @@ checked and decoded, and the message rendered with each document's text in place
 `file` parts become their extracted text between a header and a footer (media/extraction.py:
 cached per file, so the next turn renders the same prompt and hits the prefix cache; the most
 recently used texts also in memory, media/text_memory.py, so a conversation's files are not read
-from disk again every turn); images are
+from disk again every turn); a file sent inline is decoded and read the same way
+(api/inline_files.py), its text kept in memory by its bytes' hash; images are
 checked from their headers, and decoded only for a vision model. A file or image referenced many
 times in a request is read, checked and decoded once (`Seen`). Counting parts, refusing images
 for a model without vision and fitting documents to the context are api/attachments.py's.
@@ -18,12 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from api import inline_files
 from api.errors import bad_request, not_found, overloaded
-from api.parts import FilePart, ImagePart, TextPart
+from api.parts import FilePart, ImagePart, InlineFilePart, TextPart
 from api.protocol import ChatMessage
 from engine.types import IMAGE_PLACEHOLDER
 from media import documents, extraction, images
 from media.text_memory import TextMemory
+from media.workers import run_blocking
 from settings import FilesConfig, ImagesConfig
 from store.blobs import Blobs, is_file_id
 from store.types import StoredFile
@@ -61,7 +64,10 @@ class AttachContext:
 
 @dataclass(frozen=True, slots=True)
 class Document:
-    stored: StoredFile
+    key: str  # the file id; a file sent inline: inline_files.InlineFile.key
+    file_id: str | None  # None: sent inline
+    filename: str
+    media_type: str
     doc: documents.DocumentText
 
 
@@ -103,36 +109,53 @@ def image_parts(message: ChatMessage, stored: dict[int, StoredFile]) -> dict[int
     }
 
 
+def _limits(cfg: FilesConfig) -> documents.ExtractLimits:
+    return documents.ExtractLimits(
+        cfg.max_pdf_pages, cfg.max_document_chars, cfg.max_extract_s, cfg.max_extract_memory_bytes
+    )
+
+
 async def _document(ctx: AttachContext, stored: StoredFile, where: str) -> Document:
     if stored.id in ctx.seen.documents:
         return ctx.seen.documents[stored.id]
-    cfg = ctx.files
-    limits = documents.ExtractLimits(
-        cfg.max_pdf_pages, cfg.max_document_chars, cfg.max_extract_s, cfg.max_extract_memory_bytes
-    )
+    limits = _limits(ctx.files)
     doc = ctx.texts.get(stored.id, limits)
     if doc is None:
-        doc = await _extracted(ctx, stored, limits, where)
+        with _extraction_errors(ctx, f"{stored.filename} ({stored.id})", where):
+            doc = await extraction.cached_extract(
+                ctx.blobs.path(stored.id),
+                ctx.blobs.text_path(stored.id),
+                stored.media_type,
+                limits,
+                ctx.files.max_concurrent_extractions,
+            )
         ctx.texts.put(stored.id, limits, doc)
-    ctx.seen.documents[stored.id] = Document(stored, doc)
+    ctx.seen.documents[stored.id] = Document(stored.id, stored.id, stored.filename, stored.media_type, doc)
     return ctx.seen.documents[stored.id]
 
 
-async def _extracted(
-    ctx: AttachContext, stored: StoredFile, limits: documents.ExtractLimits, where: str
-) -> documents.DocumentText:
+async def _inline_document(ctx: AttachContext, part: InlineFilePart) -> Document:
+    """A file sent inline: decoded and checked (off the loop: up to max_file_bytes), then read as
+    an upload is, unless its text is in memory (an earlier turn, or earlier in this request)."""
+    file = await run_blocking(inline_files.decode, part, ctx.files.max_file_bytes)
+    if file.key in ctx.seen.documents:
+        return ctx.seen.documents[file.key]
+    limits = _limits(ctx.files)
+    doc = ctx.texts.get(file.key, limits)
+    if doc is None:
+        with _extraction_errors(ctx, file.filename, part.param):
+            doc = await inline_files.read(file, ctx.blobs, limits, ctx.files.max_concurrent_extractions)
+        ctx.texts.put(file.key, limits, doc)
+    ctx.seen.documents[file.key] = Document(file.key, None, file.filename, file.media_type, doc)
+    return ctx.seen.documents[file.key]
+
+
+@contextlib.contextmanager
+def _extraction_errors(ctx: AttachContext, name: str, where: str) -> Iterator[None]:
     try:
-        return await extraction.cached_extract(
-            ctx.blobs.path(stored.id),
-            ctx.blobs.text_path(stored.id),
-            stored.media_type,
-            limits,
-            ctx.files.max_concurrent_extractions,
-        )
+        yield
     except documents.UnreadableDocument as exc:
-        raise bad_request(
-            f"The file {stored.filename} ({stored.id}) cannot be read: {exc}.", param=where, code="unreadable_file"
-        ) from None
+        raise bad_request(f"The file {name} cannot be read: {exc}.", param=where, code="unreadable_file") from None
     except extraction.ExtractionBusy as exc:
         raise overloaded(
             f"The server is busy reading other files ({exc}); try again shortly.",
@@ -198,6 +221,8 @@ async def resolve_from(
                 decoded.append(await _decoded(ctx, image_at[i], sources[i]))
         elif isinstance(part, FilePart):
             documents_by_index[i] = await _document(ctx, stored[i], part.where)
+        elif isinstance(part, InlineFilePart):
+            documents_by_index[i] = await _inline_document(ctx, part)
     return Resolved(message, documents_by_index, decoded, sources is not None)
 
 
@@ -231,8 +256,8 @@ def render(resolved: Resolved, texts: dict[int, str] | None = None) -> str:
         if i in resolved.documents:
             d = resolved.documents[i]
             text = d.doc.text if texts is None or i not in texts else texts[i]
-            name = d.stored.filename
-            segments.append(f"{documents.header(name, d.stored.media_type, d.doc)}\n{text}\n{documents.footer(name)}")
+            name = d.filename
+            segments.append(f"{documents.header(name, d.media_type, d.doc)}\n{text}\n{documents.footer(name)}")
         else:
             segments.append(IMAGE_PLACEHOLDER if resolved.with_images else "[image]")
     return "\n\n".join(s for s in segments if s)

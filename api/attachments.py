@@ -31,7 +31,7 @@ from api.attachment_parts import (
 )
 from api.errors import ApiError, bad_request
 from api.job import Job, JobInputs, make_job
-from api.parts import FilePart, ImagePart, Part, TextPart, parse_parts, to_json
+from api.parts import FILE_PARTS, FilePart, ImagePart, Part, TextPart, parse_parts, to_json
 from api.prompt import encode_chat
 from api.protocol import ChatMessage
 from engine.tokenizer import PromptTooLong, Tokenizer
@@ -48,7 +48,7 @@ _CHARS_PER_TOKEN_GUESS = 4  # the first prefix tried when the start of a documen
 
 @dataclass(frozen=True, slots=True)
 class TruncatedFile:
-    file_id: str
+    file_id: str | None  # None: a file sent inline
     filename: str
     num_tokens: int
     num_tokens_kept: int
@@ -96,9 +96,9 @@ def _doc_tokens(inputs: JobInputs, resolved: list[Resolved], room: int) -> dict[
     by_file: dict[str, DocTokens] = {}
     for r in resolved:
         for d in r.documents.values():
-            if d.stored.id not in by_file:
-                by_file[d.stored.id] = _count(inputs.model.tokenizer, d.doc.text, room)
-    return {(m, i): by_file[d.stored.id] for m, r in enumerate(resolved) for i, d in r.documents.items()}
+            if d.key not in by_file:
+                by_file[d.key] = _count(inputs.model.tokenizer, d.doc.text, room)
+    return {(m, i): by_file[d.key] for m, r in enumerate(resolved) for i, d in r.documents.items()}
 
 
 def _count(tok: Tokenizer | Counter, text: str, room: int) -> DocTokens:
@@ -114,7 +114,7 @@ def _count(tok: Tokenizer | Counter, text: str, room: int) -> DocTokens:
 
 def _too_long(inputs: JobInputs, resolved: list[Resolved], sizes: dict[DocKey, DocTokens], room: int) -> ApiError:
     limit = min(inputs.model.max_model_len, inputs.tier.max_context_tokens)
-    named = dict.fromkeys(f"{resolved[m].documents[i].stored.filename} is {size}" for (m, i), size in sizes.items())
+    named = dict.fromkeys(f"{resolved[m].documents[i].filename} is {size}" for (m, i), size in sizes.items())
     return ApiError(
         400,
         f"The attached files do not fit this model's context of {limit} tokens: {', '.join(named)}; with the rest"
@@ -181,7 +181,7 @@ def _cut(
         )
         note = f"[... {left_out} {n} tokens were left out to fit the context ...]"
         texts[(m, i)] = f"{tok.decode(_first_ids(tok, d.doc.text, keep) if keep else [])}\n{note}"
-        cut.append(TruncatedFile(d.stored.id, d.stored.filename, n, keep, size.is_lower_bound))
+        cut.append(TruncatedFile(d.file_id, d.filename, n, keep, size.is_lower_bound))
     return texts, cut
 
 
@@ -213,7 +213,7 @@ def fit(inputs: JobInputs, resolved: list[Resolved]) -> Prepared:
 def _check_file_count(messages: tuple[ChatMessage, ...], cfg: FilesConfig) -> None:
     """`messages`: the request's own, not a stored history's (its files are bounded otherwise: each
     read once and kept, looked up in one read a turn, only those the organisation still keeps)."""
-    num_files = sum(isinstance(p, FilePart) for m in messages for p in m.parts)
+    num_files = sum(isinstance(p, FILE_PARTS) for m in messages for p in m.parts)  # uploaded or sent inline
     if num_files > cfg.max_files_per_request:
         raise bad_request(
             f"The request carries {num_files} file parts; the limit is {cfg.max_files_per_request}"

@@ -29,6 +29,7 @@ from api.finish import STATUS, finish_job, generate_unary, shutting_down, stream
 from api.generation import generate_choices, make_answer
 from api.inflight import INFLIGHT
 from api.job import Job, JobInputs, conversation_not_found
+from api.parts import num_inline_chars
 from api.sse import SSEWriter
 from api.state import PRINCIPAL, REQUEST_ID, SETTINGS, STATE, AppState
 from api.waiting import LazyStream, wait_admitted
@@ -128,7 +129,9 @@ async def serve_job(
     principal = request[PRINCIPAL]
     state.admission.route(grant, chat.model)  # a saturated queue refuses before any store read
     if chat.conversation_id is not None:  # the turn will be stored: within the organisation's cap
-        await state.check_conversation_storage(principal, sum(len(m.content) for m in chat.messages))
+        # Files sent inline are stored with their message (parts_json), and counted with it.
+        num_chars = sum(len(m.content) + num_inline_chars(m.parts) for m in chat.messages)
+        await state.check_conversation_storage(principal, num_chars)
     if await state.over_budget(principal):
         state.admission.route(grant, chat.model, over_budget=True)
     inflight = request.app[INFLIGHT]

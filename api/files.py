@@ -81,12 +81,17 @@ def sniff_media_type(head: bytes, declared: str | None, filename: str) -> str:
     return mimetypes.guess_type(filename)[0] or "application/octet-stream"
 
 
-def clean_filename(raw: str | None) -> str:
+def printable_name(raw: str | None) -> str:
+    """The name without folders or control characters, at most 255 characters ('' if none is left)."""
     name = (raw or "").replace("\\", "/").rsplit("/", 1)[-1]
-    name = "".join(ch for ch in name if unicodedata.category(ch)[0] != "C").strip()
+    return "".join(ch for ch in name if unicodedata.category(ch)[0] != "C").strip()[:_MAX_FILENAME_CHARS]
+
+
+def clean_filename(raw: str | None) -> str:
+    name = printable_name(raw)
     if not name:
         raise bad_request("The file part must have a filename.", param="file")
-    return name[:_MAX_FILENAME_CHARS]
+    return name
 
 
 def _quota_error(message: str) -> ApiError:

@@ -1,8 +1,10 @@
 """Anthropic's Messages API request: a POST /v1/messages body validated into the `ChatRequest`
 that chat completions serve, each error naming Anthropic's field.
 
-`system`, `messages` of text, image, `tool_use` and `tool_result` blocks (assistant `tool_use`
-blocks become earlier tool calls, `tool_result` blocks tool messages), `tools` with
+`system`, `messages` of text, image, `document`, `tool_use` and `tool_result` blocks (assistant
+`tool_use` blocks become earlier tool calls, `tool_result` blocks tool messages, a `document`'s
+base64, text or content source a file part sent inline, its `file` source an uploaded file's
+`file_id`; their errors name the block's `source`), `tools` with
 `input_schema` and `tool_choice` become their chat-completion fields. A reasoning model (one
 whose template knows <think>) thinks only when the request's `thinking` is enabled, as
 Anthropic's models do: its template gets `enable_thinking`, and `budget_tokens` caps the thinking
@@ -16,6 +18,7 @@ serves or renders an answer (api/messages.py).
 
 from __future__ import annotations
 
+import base64
 from dataclasses import replace
 from typing import Any
 
@@ -24,6 +27,7 @@ import orjson
 from api import protocol
 from api.errors import bad_request
 from api.fields import MAX_STOP_STRINGS, kind_of
+from api.parts import is_data_url, named
 
 MAX_STOP_SEQUENCES = MAX_STOP_STRINGS
 
@@ -44,7 +48,8 @@ def parse_messages_request(raw: Any, *, max_messages: int, max_prompt_chars: int
     max_tokens = raw.get("max_tokens")
     if not count_only and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
         raise bad_request(f"'max_tokens' is required and must be at least 1, got {max_tokens!r}.", param="max_tokens")
-    chat: dict[str, Any] = {"model": raw["model"], "messages": _messages(raw), "stream": raw.get("stream", False)}
+    messages, sources = _messages(raw)
+    chat: dict[str, Any] = {"model": raw["model"], "messages": messages, "stream": raw.get("stream", False)}
     if not count_only:
         chat["max_tokens"] = max_tokens
     for key in ("temperature", "top_p", "top_k"):  # the same names and meaning as chat completions'
@@ -79,6 +84,7 @@ def parse_messages_request(raw: Any, *, max_messages: int, max_prompt_chars: int
     if chat["stream"] is True:
         chat["stream_options"] = {"include_usage": True}
     parsed = protocol.parse_chat_request(chat, max_messages=max_messages + 1, max_prompt_chars=max_prompt_chars)
+    parsed = replace(parsed, messages=_named_sources(parsed.messages, sources))
     last = parsed.messages[-1] if parsed.messages else None
     return replace(
         parsed,
@@ -113,8 +119,14 @@ def _thinking_budget(value: Any) -> int | None:
     return budget
 
 
-def _messages(raw: dict[str, Any]) -> list[dict[str, Any]]:
+# (chat message index, part index) -> the document block's source there, as the request spelled it
+Sources = dict[tuple[int, int], str]
+_SOURCE = "_source"  # marks a document's chat part until _messages records where it is
+
+
+def _messages(raw: dict[str, Any]) -> tuple[list[dict[str, Any]], Sources]:
     out: list[dict[str, Any]] = []
+    sources: Sources = {}
     system = raw.get("system")
     if system is not None:
         out.append({"role": "system", "content": _text_of(system, "system")})
@@ -132,10 +144,24 @@ def _messages(raw: dict[str, Any]) -> list[dict[str, Any]]:
         elif isinstance(content, list):
             converted = _blocks(message["role"], content, f"{where}.content")
             _check_results(converted, content, made, f"{where}.content")
+            for m, chat_message in enumerate(converted, start=len(out)):
+                parts = chat_message["content"] if isinstance(chat_message["content"], list) else []
+                sources.update({(m, j): p.pop(_SOURCE) for j, p in enumerate(parts) if _SOURCE in p})
             out.extend(converted)
         else:
             raise bad_request(f"'{where}.content' must be a string or an array of content blocks.", param=where)
-    return out
+    return out, sources
+
+
+def _named_sources(messages: tuple[protocol.ChatMessage, ...], sources: Sources) -> tuple[protocol.ChatMessage, ...]:
+    """Each document's file part names its errors (an unreadable or too large file, an unknown
+    file_id) as `messages[i].content[j].source`, not the chat message it became."""
+    out = list(messages)
+    for (m, j), where in sources.items():
+        parts = list(out[m].parts)
+        parts[j] = named(parts[j], where)
+        out[m] = replace(out[m], parts=tuple(parts))
+    return tuple(out)
 
 
 def _check_results(converted: list[dict[str, Any]], blocks: list, made: set[str], where: str) -> None:
@@ -164,6 +190,8 @@ def _blocks(role: str, blocks: list, where: str) -> list[dict[str, Any]]:
             parts.append({"type": "text", "text": block["text"]})
         elif kind == "image" and role == "user":
             parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), at)}})
+        elif kind == "document" and role == "user":
+            parts.extend(_document(block, at))
         elif kind == "tool_use" and role == "assistant":
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
                 raise bad_request(f"'{at}' needs an 'id' and a 'name'.", param=at)
@@ -188,9 +216,74 @@ def _blocks(role: str, blocks: list, where: str) -> list[dict[str, Any]]:
         out.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
     elif parts or not results:
         only_text = all(p["type"] == "text" for p in parts)
-        content: Any = "\n\n".join(p["text"] for p in parts) if only_text else parts
+        content: Any = "\n\n".join(p["text"] for p in parts) if only_text else _separated(parts)
         out.append({"role": "user", "content": content})
     return out
+
+
+def _separated(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Adjacent text blocks of a user message with files or images joined with a blank line, as a
+    message of text blocks only is (chat's text parts run together)."""
+    out: list[dict[str, Any]] = []
+    for part in parts:
+        if out and part["type"] == "text" and out[-1]["type"] == "text":
+            out[-1] = {"type": "text", "text": f"{out[-1]['text']}\n\n{part['text']}"}
+        else:
+            out.append(part)
+    return out
+
+
+def _document(block: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """A document block as a chat file part (inline, or an uploaded file's id), then its
+    `context` as text. Citations are not made here: asking for them is refused."""
+    citations = block.get("citations")
+    if isinstance(citations, dict) and citations.get("enabled"):
+        raise bad_request(
+            f"'{where}.citations' cannot be enabled: this server does not cite documents; send the block without"
+            " it, or with {'enabled': false}.",
+            param=f"{where}.citations",
+            code="unsupported_value",
+        )
+    title, context = block.get("title"), block.get("context")
+    for name, value in (("title", title), ("context", context)):
+        if value is not None and not isinstance(value, str):
+            raise bad_request(f"'{where}.{name}' must be a string.", param=f"{where}.{name}")
+    part = {
+        "type": "file",
+        "file": _document_file(block.get("source"), f"{where}.source", title),
+        _SOURCE: f"{where}.source",
+    }
+    return [part, {"type": "text", "text": f"Document context: {context}"}] if context else [part]
+
+
+def _document_file(source: Any, where: str, title: str | None) -> dict[str, Any]:
+    """A document's source as chat's `file` object: base64 data as a data: URL (its type sniffed
+    as an upload's), text as text/plain, an uploaded file's id. URLs are not fetched."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    name = {"filename": title} if title else {}
+    if kind == "base64" and isinstance(source.get("data"), str):
+        media = source.get("media_type") if isinstance(source.get("media_type"), str) else ""
+        if is_data_url(f"data:{media};base64,"):  # the data is checked when it is decoded
+            return {**name, "file_data": f"data:{media};base64,{source['data']}"}
+    if kind in ("text", "content"):
+        text = source.get("data") if kind == "text" else _text_of(source.get("content"), f"{where}.content")
+        if isinstance(text, str):
+            encoded = base64.b64encode(text.encode()).decode()
+            return {**name, "file_data": f"data:text/plain;base64,{encoded}"}
+    if kind == "file" and isinstance(source.get("file_id"), str) and source["file_id"]:
+        return {"file_id": source["file_id"]}
+    if kind == "url":
+        raise bad_request(
+            f"'{where}': this server does not fetch documents from URLs; send the document as a base64 or text"
+            " source, or upload it with POST /v1/files and send a file source with its file_id.",
+            param=where,
+            code="file_url_not_allowed",
+        )
+    raise bad_request(
+        f"'{where}' must be a base64 source (media_type, data), a text source (data), a content source or a"
+        " file source (file_id); a base64 source's media_type is a media type such as application/pdf.",
+        param=where,
+    )
 
 
 def _image_url(source: Any, where: str) -> str:

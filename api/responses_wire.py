@@ -17,6 +17,7 @@ from api import protocol
 from api.answer import Answer
 from api.errors import ApiError, bad_request
 from api.fields import check_metadata, check_service_tier, parse_response_format, with_reasoning_effort
+from api.parts import InlineFilePart, named
 from api.tools import ToolCall
 
 _KNOWN = {
@@ -132,7 +133,7 @@ def parse_responses_request(raw: Any, *, max_messages: int, max_prompt_chars: in
         raise input_error(exc, num_instructions=1 if instructions else 0) from None
     chat = replace(
         chat,
-        messages=chat.messages[1:] if instructions else chat.messages,  # checked with the input, placed later
+        messages=_named_parts(chat.messages[1:] if instructions else chat.messages),  # checked with the input
         response_format=_text_format(raw.get("text")),
         chat_template_kwargs=with_reasoning_effort(None, _effort(raw.get("reasoning")), "reasoning.effort"),
     )
@@ -170,6 +171,20 @@ def input_error(exc: ApiError, *, num_instructions: int = 0, num_history: int = 
     else:
         param = f"input[{index - num_instructions - num_history}]{match.group(2).replace('.file.', '.')}"
     return replace(exc, param=param, message=exc.message.replace(exc.param or "", param))
+
+
+def _named_parts(messages: tuple[protocol.ChatMessage, ...]) -> tuple[protocol.ChatMessage, ...]:
+    """The input's file and image parts name their errors as the input spells them
+    (`input[i].content[j]`, `...file_data`): the request path meets them after the instructions and
+    the history of previous_response_id, where their chat index is no longer the input's."""
+    out = []
+    for i, message in enumerate(messages):
+        parts = tuple(
+            named(p, f"input[{i}].content[{j}]{'.file_data' if isinstance(p, InlineFilePart) else ''}")
+            for j, p in enumerate(message.parts)
+        )
+        out.append(replace(message, parts=parts))
+    return tuple(out)
 
 
 def _check_ignored(raw: dict) -> None:

@@ -53,7 +53,9 @@ class FilesConfig:
     dir: str = setting("", 'Folder of uploaded files, one per id; empty: "files" beside the database (data/files).')
     max_file_bytes: int = setting(
         20_971_520,
-        "Largest upload (20 MiB); refused with 413 as soon as the upload passes it, never held whole in memory.",
+        "Largest upload (20 MiB); refused with 413 as soon as the upload passes it, never held whole in memory. "
+        "Also the largest file sent inline in a request (file_data, an Anthropic document block; 400 "
+        "file_too_large), within server.max_body_bytes.",
         minimum=1,
     )
     max_pdf_pages: int = setting(
@@ -88,12 +90,14 @@ class FilesConfig:
         16_000_000,
         "Most characters of extracted file text kept in memory (the most recently used files'), so that a "
         "conversation's files are not read from disk again on every turn; each file is read from disk once "
-        "either way. 0: none kept.",
+        "either way (a file sent inline, kept by its bytes' hash, is read again from its message when its text "
+        "is not here). 0: none kept.",
         minimum=0,
     )
     max_files_per_request: int = setting(
         10,
-        "Most file parts (input_file in the Responses API) in one chat request, uploaded images among them; more is "
+        "Most file parts (input_file in the Responses API, document blocks in Anthropic's), uploaded or sent "
+        "inline, in one chat request, uploaded images among them; more is "
         "refused with 400 too_many_files before any file is looked up or read. The files of a conversation's "
         "earlier turns do not count (see max_text_memory_chars).",
         minimum=0,

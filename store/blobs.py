@@ -2,7 +2,8 @@
 
 `Blobs` owns the folder: an upload streams into `.partial/` (hashed and counted as it goes,
 never held whole in memory) and is renamed to its id only when complete; removing a file
-also removes its cached text. Files written beside a blob (its cached text) go through
+also removes its cached text. A file sent inline in a request is written to `.partial/` too, only
+while it is read (`scratch_path`), then removed. Files written beside a blob (its cached text) go through
 `<name>.<random>.tmp`, which a crash can leave behind: the sweep removes those once stale. It
 knows nothing of owners or quotas (that is SQLite's part).
 """
@@ -80,6 +81,11 @@ class Blobs:
 
     def start_upload(self) -> Upload:
         return Upload(self)
+
+    def scratch_path(self) -> Path:
+        """A new name in `.partial/` for bytes kept only while a request reads them (the caller
+        removes it; one left by a crash goes with the sweep)."""
+        return self.root / _PARTIAL / f"inline-{secrets.token_hex(8)}.part"
 
     def path(self, file_id: str) -> Path:
         if not is_file_id(file_id):  # ids are the only names, so no path can escape the folder

@@ -203,7 +203,13 @@ async def _error(resp, status: int, kind: str) -> str:
             {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document"}]}]},
             "invalid_request_error",
             400,
-            "document",
+            "param: messages[0].content[0].source",
+        ),
+        (
+            {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "search_result"}]}]},
+            "invalid_request_error",
+            400,
+            "'search_result' block is not supported",
         ),
         (
             {"max_tokens": 5, "messages": ASK, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
