@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ class ModelLoadError(EngineError):
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
     """One decoder layer. The four matmul weights are plain tensors as loaded; on CPUs with the
-    compiled kernels the runner swaps them for cpu_ops.PackedLinear (model.prepare_linear_layers).
+    compiled kernels the runner swaps them for cpu_ops.PackedLinear (model.LinearPreparer, as each layer is read).
     A norm the family does not have is None; Gemma's (1 + weight) is stored as that sum."""
 
     input_norm: torch.Tensor | None  # [hidden] before attention (None: OLMo 2)
@@ -286,6 +287,10 @@ class _TensorReader:
 _WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
+def _as_read(layer: LayerWeights) -> LayerWeights:
+    return layer
+
+
 class _LayerReader:
     """Reads one layer's tensors under the family's names and shapes."""
 
@@ -348,15 +353,23 @@ class _LayerReader:
 
 
 def load_model_weights(
-    model_dir: Path, args: ModelArgs, dtype: torch.dtype, device: torch.device, *, name_prefix: str = ""
+    model_dir: Path,
+    args: ModelArgs,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    name_prefix: str = "",
+    prepare: Callable[[LayerWeights], LayerWeights] | None = None,
 ) -> ModelWeights:
-    """`name_prefix`: where the language model sits in a larger checkpoint (LLaVA: 'language_model.')."""
+    """`name_prefix`: where the language model sits in a larger checkpoint (LLaVA: 'language_model.').
+    `prepare` turns each decoder layer into what the model runs on (packed, quantized) as soon as it
+    is read, so that only one layer is held as read at a time (model.LinearPreparer.layer)."""
     model_dir = Path(model_dir)
     files = _weight_files(model_dir)
     if name_prefix:
         files = {name.removeprefix(name_prefix): path for name, path in files.items() if name.startswith(name_prefix)}
     reader = _TensorReader(files, dtype, device, name_prefix)
-    layers = [_LayerReader(reader, args, i).layer() for i in range(args.num_layers)]
+    layers = [(prepare or _as_read)(_LayerReader(reader, args, i).layer()) for i in range(args.num_layers)]
     h = args.hidden_size
     embed = reader.get("model.embed_tokens.weight", (args.vocab_size, h))
     tied = args.tie_word_embeddings or not reader.has("lm_head.weight")

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from engine.native.attention import AttentionMetadata, AttentionSpec, paged_attention, write_kv_cache
 from engine.native.cpu_ops import CpuKernels, DecodeStack, PackedLinear, StackLayer, StackShape
 from engine.native.families import Activation, ModelArgs, QKNorm
-from engine.native.loader import ModelWeights
+from engine.native.loader import LayerWeights, ModelWeights
 from engine.native.quant import Quantization, W4A8Weight, fake_quantize, quantize_activations
 
 log = structlog.get_logger(__name__)
@@ -59,57 +59,59 @@ def linear(
     return F.linear(x, weight, bias)
 
 
-def prepare_linear_layers(
-    weights: ModelWeights, cpu: CpuKernels | None, quantization: Quantization, args: ModelArgs, *, amx: bool = False
-) -> ModelWeights:
-    """Every matmul weight packed for the compiled kernels (cpu given; the originals are released),
-    and quantized as asked. Without kernels, int8 or int4 weights are rounded and kept as floats
-    (int4: with its inputs rounded as the kernels round them), so every path computes the same model.
+class LinearPreparer:
+    """Every matmul weight packed for the compiled kernels (cpu given) and quantized as asked,
+    one decoder layer at a time as the loader reads them (loader.load_model_weights's `prepare`),
+    so that a layer's float32 originals are released before the next is read: the load's peak
+    is the prepared model plus one float32 layer, not the whole model in float32 besides (a 7B
+    checkpoint served as int8 peaked past 28 GB). Without kernels, int8 or int4 weights are rounded
+    and kept as floats (int4: with its inputs rounded as the kernels round them), so every path
+    computes the same model.
 
     The embedding table stays as it is (a lookup, not a matmul); a tied lm_head gets its own
-    packed copy of it. For the fused path (Llama-like layers with kernels), the residual
+    packed copy of it (`head`). For the fused path (Llama-like layers with kernels), the residual
     multiplier is folded into o_proj and down. `amx` (engine.amx_prefill, kernels and no
     quantization): each decoder layer's packed weight also keeps a bf16 copy for `linear`'s AMX
     path; the lm_head does not (logits stay fp32).
     """
-    if cpu is not None and args.is_llama_like:  # Model runs the fused path on these weights
-        weights = _fold_residual_multiplier(weights, args.residual_multiplier)
-    if cpu is None and quantization is Quantization.NONE:
-        return weights
-    # int4 keeps the lm_head at int8, as llama.cpp's Q4_0 files keep their output matrix wider:
-    # the logits are where 4-bit rounding costs the most.
-    head_quantization = Quantization.INT8 if quantization is Quantization.INT4 else quantization
 
-    def prepare(weight, quantization=quantization, amx=amx):
-        if cpu is not None:
-            packed = cpu.pack_linear(weight, quantization)
-            return dataclasses.replace(packed, amx=weight.to(torch.bfloat16).contiguous()) if amx else packed
+    def __init__(self, cpu: CpuKernels | None, quantization: Quantization, args: ModelArgs, *, amx: bool = False):
+        self._cpu, self._quantization, self._amx = cpu, quantization, amx
+        # Model runs the fused path on these weights: the residual multiplier folded in.
+        self._multiplier = args.residual_multiplier if cpu is not None and args.is_llama_like else 1.0
+
+    def layer(self, layer: LayerWeights) -> LayerWeights:
+        if self._multiplier != 1.0:
+            layer = dataclasses.replace(
+                layer, o_proj=layer.o_proj * self._multiplier, down=layer.down * self._multiplier
+            )
+        if self._cpu is None and self._quantization is Quantization.NONE:
+            return layer
+        return dataclasses.replace(
+            layer,
+            qkv=self._prepare(layer.qkv),
+            o_proj=self._prepare(layer.o_proj),
+            gate_up=self._prepare(layer.gate_up),
+            down=self._prepare(layer.down),
+        )
+
+    def head(self, weights: ModelWeights) -> ModelWeights:
+        """The lm_head prepared (its layers were, as they were read). int4 keeps the lm_head at
+        int8, as llama.cpp's Q4_0 files keep their output matrix wider: the logits are where 4-bit
+        rounding costs the most."""
+        if self._cpu is None and self._quantization is Quantization.NONE:
+            return weights
+        quantization = Quantization.INT8 if self._quantization is Quantization.INT4 else self._quantization
+        return dataclasses.replace(weights, lm_head=self._prepare(weights.lm_head, quantization, amx=False))
+
+    def _prepare(self, weight, quantization: Quantization | None = None, amx: bool | None = None):
+        quantization = self._quantization if quantization is None else quantization
+        if self._cpu is not None:
+            packed = self._cpu.pack_linear(weight, quantization)
+            keep_bf16 = self._amx if amx is None else amx
+            return dataclasses.replace(packed, amx=weight.to(torch.bfloat16).contiguous()) if keep_bf16 else packed
         rounded = fake_quantize(weight, quantization)
         return W4A8Weight(rounded) if quantization is Quantization.INT4 else rounded
-
-    layers = tuple(
-        dataclasses.replace(
-            layer,
-            qkv=prepare(layer.qkv),
-            o_proj=prepare(layer.o_proj),
-            gate_up=prepare(layer.gate_up),
-            down=prepare(layer.down),
-        )
-        for layer in weights.layers
-    )
-    return dataclasses.replace(weights, layers=layers, lm_head=prepare(weights.lm_head, head_quantization, amx=False))
-
-
-def _fold_residual_multiplier(weights: ModelWeights, multiplier: float) -> ModelWeights:
-    """o_proj and down scaled by the residual multiplier (Granite), so that the fused CPU path,
-    which adds each branch to the residual stream as it is, computes x + multiplier * branch."""
-    if multiplier == 1.0:
-        return weights
-    layers = tuple(
-        dataclasses.replace(layer, o_proj=layer.o_proj * multiplier, down=layer.down * multiplier)
-        for layer in weights.layers
-    )
-    return dataclasses.replace(weights, layers=layers)
 
 
 def rope_inv_freq(args: ModelArgs, key: str, max_positions: int) -> tuple[torch.Tensor, float]:
@@ -143,7 +145,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 class Model:
     """cpu: the compiled kernels of the runner's KernelMode (cpu_ops.py): the matmuls run from
     packed weights and the step's small operations as compiled calls; needs fp32 on the CPU and
-    weights from prepare_linear_layers with the same kernels. None: PyTorch ops."""
+    weights from LinearPreparer with the same kernels. None: PyTorch ops."""
 
     def __init__(self, args: ModelArgs, weights: ModelWeights, max_positions: int, *, cpu: CpuKernels | None = None):
         self.args = args
@@ -154,7 +156,7 @@ class Model:
         # other families' prefill steps use the general path. Decode-only steps: one C call.
         self.fused_cpu_ops = self.packed and args.is_llama_like
         self.uses_decode_stack = self.packed and args.fits_decode_stack
-        # engine.amx_prefill: prepare_linear_layers gave the packed weights a bf16 copy
+        # engine.amx_prefill: LinearPreparer gave the packed weights a bf16 copy
         self.amx = bool(weights.layers) and getattr(weights.layers[0].qkv, "amx", None) is not None
         self._stack: DecodeStack | None = None  # built on the first decode-only step
         device, dtype = weights.embed.device, weights.embed.dtype

@@ -21,7 +21,7 @@ from engine.native.cuda_graphs import DecodeGraphs
 from engine.native.families import ModelArgs
 from engine.native.kernels import KernelMode
 from engine.native.loader import checkpoint_dtype, load_model_args, load_model_weights
-from engine.native.model import Model, prepare_linear_layers
+from engine.native.model import LinearPreparer, Model
 from engine.native.quant import Quantization
 from engine.native.sampler import Sampler, SamplingRow, SeenTokens, prompt_logprobs
 from engine.native.scheduler import ScheduledBatch
@@ -138,14 +138,18 @@ class ModelRunner:
         # A LLaVA checkpoint: the language model under 'language_model.', plus the vision tower.
         self.vision = VisionTower(Path(model_dir), self.dtype, self.device) if is_llava(Path(model_dir)) else None
         prefix = "language_model." if self.vision is not None else ""
-        weights = load_model_weights(Path(model_dir), self.args, self.dtype, self.device, name_prefix=prefix)
         self.amx_prefill = kernels.resolve_amx_prefill(
             config.amx_prefill,
             mode=self.kernel_mode,
             is_quantized=self.quantization is not Quantization.NONE,
             checkpoint_dtype=saved_dtype,
         )
-        weights = prepare_linear_layers(weights, self.cpu, self.quantization, self.args, amx=self.amx_prefill)
+        preparer = LinearPreparer(self.cpu, self.quantization, self.args, amx=self.amx_prefill)
+        weights = preparer.head(
+            load_model_weights(
+                Path(model_dir), self.args, self.dtype, self.device, name_prefix=prefix, prepare=preparer.layer
+            )
+        )
         self.model = Model(self.args, weights, self.max_model_len, cpu=self.cpu)
         self.sliding_window = self.args.sliding_window
         # KV groups (block_manager.py): one for every layer, or, when sliding layers mix with

@@ -278,3 +278,30 @@ def test_a_shard_index_placing_a_tensor_in_the_wrong_shard_is_named_before_loadi
         preflight(sharded)
     with pytest.raises(ModelLoadError, match=rf"{shards[1]}: cannot read {re.escape(name)}"):
         ModelRunner(sharded, CONFIG)  # loading without the preflight: the same, not safetensors' own error
+
+
+@pytest.mark.parametrize("native_kernels", [True, False])
+def test_each_layer_is_prepared_as_it_is_read_so_the_load_never_holds_two_layers_as_read(
+    tiny_models, monkeypatch, native_kernels
+):
+    """int8 from a float checkpoint: the load's peak is the quantized model plus one layer as read
+    (a whole model in float32 first would need 28 GB for a 7B checkpoint served as int8)."""
+    import weakref
+
+    from engine.native import loader
+
+    read: list[weakref.ref] = []
+    alive_at_each_read: list[int] = []
+    as_read = loader._LayerReader.layer
+
+    def layer(self):
+        alive_at_each_read.append(sum(ref() is not None for ref in read))
+        out = as_read(self)
+        read.extend(weakref.ref(t) for t in (out.qkv, out.o_proj, out.gate_up, out.down))
+        return out
+
+    monkeypatch.setattr(loader._LayerReader, "layer", layer)
+    config = EngineConfig(device="cpu", kv_cache_bytes=1 << 20, quantization="int8", native_kernels=native_kernels)
+    runner = ModelRunner(tiny_models.path(VARIANT), config)
+    assert len(alive_at_each_read) == runner.args.num_layers >= 2
+    assert alive_at_each_read == [0] * runner.args.num_layers
