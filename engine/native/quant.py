@@ -67,12 +67,22 @@ def quantize_int4(weight: torch.Tensor) -> Int8Weight:
     return _round(grouped, extreme / -8.0, -8, 7, weight.shape[1])
 
 
+# Rows rounded at a time: each row's groups are independent, and the float temporaries of a whole
+# large matrix (a 152k-token lm_head: three of 1.2 GB each) would set the load's peak.
+_QUANTIZE_ROWS = 4096
+
+
 def quantize(weight: torch.Tensor, quantization: Quantization) -> Int8Weight:
     if quantization is Quantization.INT4:
-        return quantize_int4(weight)
-    if quantization is Quantization.INT8:
-        return quantize_int8(weight)
-    raise ValueError(f"{quantization.value} is not a quantization")
+        rows = quantize_int4
+    elif quantization is Quantization.INT8:
+        rows = quantize_int8
+    else:
+        raise ValueError(f"{quantization.value} is not a quantization")
+    if weight.shape[0] <= _QUANTIZE_ROWS:
+        return rows(weight)
+    parts = [rows(weight[i : i + _QUANTIZE_ROWS]) for i in range(0, weight.shape[0], _QUANTIZE_ROWS)]
+    return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]))
 
 
 def dequantize(weight: Int8Weight) -> torch.Tensor:

@@ -59,3 +59,16 @@ def test_int8_costs_little_quality_on_the_demo_model():
     quality = measure(limit=4, max_tokens=16)
     assert quality.perplexity_quantized < 1.05 * quality.perplexity_fp32, quality
     assert quality.greedy_agreement >= 0.5, quality
+
+
+@pytest.mark.parametrize("quantization", [Quantization.INT8, Quantization.INT4])
+def test_a_tall_matrix_is_rounded_in_row_chunks_with_the_same_result(quantization, monkeypatch):
+    """Rows are independent: chunking bounds the load's float temporaries and changes no value."""
+    from engine.native import quant
+
+    weight = torch.randn(2 * 64 + 5, 70)  # ragged: neither rows nor inputs a multiple of the chunk or group
+    whole = quant.quantize(weight, quantization)
+    monkeypatch.setattr(quant, "_QUANTIZE_ROWS", 64)
+    chunked = quant.quantize(weight, quantization)
+    assert torch.equal(chunked.q, whole.q) and torch.equal(chunked.scales, whole.scales)
+    assert chunked.q.shape == (2 * 64 + 5, 70) and chunked.scales.shape == (2 * 64 + 5, 3)
