@@ -82,7 +82,9 @@ class EngineConfig:
         "kernels. Measured on a 390M model, "
         "2 cores: the first token of a 1,024-token prompt 3.5x sooner (bench/RESULTS.md). "
         '"auto": on for checkpoints stored in bfloat16 (the copy is then exact and '
-        'the activations round as on a GPU), off for fp32 ones; "on" also for fp32 checkpoints; "off". Only with '
+        "the activations round as on a GPU) whose float32 weights and copies take at most 60% of the memory "
+        'available at start (else off, logged amx_prefill_off_for_memory), off for fp32 ones; "on" also for fp32 '
+        'checkpoints and whatever the memory; "off". Only with '
         'the avx512 kernels and unquantized weights ("on" otherwise is an error at start).',
         choices=("auto", "on", "off"),
     )

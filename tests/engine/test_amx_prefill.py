@@ -144,3 +144,16 @@ def test_a_padded_amx_matmul_gives_each_row_what_it_gives_unpadded():
     x = torch.randn(37, 64)  # padded to 48 rows
     expected = torch.nn.functional.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16)).float()
     torch.testing.assert_close(linear(x, packed), expected, rtol=1e-2, atol=1e-2)
+
+
+@needs_amx
+def test_auto_drops_the_bf16_copies_when_they_would_not_leave_room_and_on_keeps_them(bf16_model_dir, monkeypatch):
+    """A 3.1B model on 24 GB took 18.6 GB with the copies: "auto" leaves them out when the float32
+    weights and the copies would take more than 60% of the memory available."""
+    from engine.native import runner
+
+    monkeypatch.setattr(runner, "free_memory_bytes", lambda device: 1024)  # 1 KiB available: the tiny model needs more
+    auto = engine_for(bf16_model_dir, num_blocks=48, amx_prefill="auto")
+    assert not auto.runner.amx_prefill and auto.runner.model.weights.layers[0].qkv.amx is None
+    on = engine_for(bf16_model_dir, num_blocks=48, amx_prefill="on")
+    assert on.runner.amx_prefill and on.runner.model.weights.layers[0].qkv.amx is not None
