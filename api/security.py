@@ -21,6 +21,7 @@ from aiohttp import web
 from api.errors import ApiError, unauthorized
 from api.state import PRINCIPAL, SETTINGS, STATE
 from settings import ConfigError, Settings
+from store.keys import is_key_shaped
 from store.types import Principal
 
 # Paths a load balancer probes with whatever Host it likes; they disclose nothing.
@@ -228,8 +229,12 @@ def _preflight(request: web.Request, settings: Settings) -> web.Response:
     return web.Response(status=204, headers=headers)
 
 
-async def _key_principal(request: web.Request):
-    """The principal of the presented key; None when no key was sent. Invalid keys raise 401."""
+async def _key_principal(request: web.Request, keyless_peer: bool):
+    """The principal of the presented key; None when no key was sent. Invalid keys raise 401.
+    `keyless_peer` (the keyless mode serves this peer): a placeholder that is no key of ours in
+    shape (the openai SDK must send something; tutorials for other local servers send "EMPTY" or
+    "ollama") counts as no key; one shaped like ours still has to be valid (a typo or a revoked key
+    must not pass unnoticed)."""
     header = request.headers.get("Authorization", "")
     if header:
         scheme, _, secret = header.partition(" ")
@@ -237,7 +242,7 @@ async def _key_principal(request: web.Request):
             raise unauthorized("Malformed Authorization header; expected 'Bearer <API key>'.")
     else:
         secret = request.headers.get("x-api-key", "")  # how Anthropic's SDK sends its key
-    if not secret.strip():
+    if not secret.strip() or (keyless_peer and not is_key_shaped(secret.strip())):
         return None
     principal = await request.app[STATE].store.authenticate(secret.strip())
     if principal is None:
@@ -270,7 +275,7 @@ async def _check_metrics_access(request: web.Request) -> None:
     header = request.headers.get("Authorization", "")
     if token and hmac.compare_digest(header.encode(), f"Bearer {token}".encode()):
         return
-    principal = await _key_principal(request)
+    principal = await _key_principal(request, keyless_peer=False)
     if principal is None:
         raise unauthorized("/metrics needs an API key or server.metrics_token when the server is not loopback-only.")
     if principal.is_admin:  # admin keys manage organisations, nothing else (docs/security.md)
@@ -284,7 +289,7 @@ async def _check_metrics_access(request: web.Request) -> None:
 
 async def _admin_principal(request: web.Request) -> Principal:
     """/v1/admin/ takes admin keys only, from any peer; never the keyless local mode."""
-    principal = await _key_principal(request)
+    principal = await _key_principal(request, keyless_peer=False)
     if principal is None:
         raise unauthorized(
             "The admin API needs an admin key (Authorization: Bearer <key>). Create one with: "
@@ -326,8 +331,9 @@ def make_access_middleware(settings: Settings):
         elif is_admin_path(request.path):
             request[PRINCIPAL] = await _admin_principal(request)
         elif request.path.startswith("/v1/"):
-            principal = await _key_principal(request)
-            if principal is None and _is_keyless_peer(request, policy):
+            keyless_peer = _is_keyless_peer(request, policy)
+            principal = await _key_principal(request, keyless_peer)
+            if principal is None and keyless_peer:
                 principal = await request.app[STATE].keyless_principal()
             if principal is None:
                 raise unauthorized("You didn't provide an API key. Send 'Authorization: Bearer <API key>'.")

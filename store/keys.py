@@ -38,8 +38,27 @@ _KEY_COLUMNS = (
 )
 
 
+# A presented secret of "sk-" and at least this many URL-safe characters is taken for one of our
+# keys (43 after "sk-"), mistyped or cut short included; shorter ones are placeholders.
+_KEY_SHAPED_BODY_CHARS = 32
+
+
 def new_secret() -> str:
     return SECRET_PREFIX + secrets.token_urlsafe(32)
+
+
+def is_key_shaped(secret: str) -> bool:
+    """Whether `secret` has the shape of the keys this server makes ("sk-" and 43 URL-safe
+    characters; from 32 on, so that a key mistyped or cut short still counts as one). What else
+    clients send where a local server needs no key (vLLM's "EMPTY", llama.cpp's
+    "sk-no-key-required", "ollama", "lm-studio") is a placeholder, not a key."""
+    body = secret.removeprefix(SECRET_PREFIX)
+    return (
+        secret.startswith(SECRET_PREFIX)
+        and len(body) >= _KEY_SHAPED_BODY_CHARS
+        and body.isascii()
+        and all(c.isalnum() or c in "-_" for c in body)
+    )
 
 
 def hash_secret(secret: str) -> str:

@@ -27,11 +27,25 @@ async def test_a_presented_unknown_revoked_or_expired_key_is_401_on_loopback_in_
     assert (await chat(client, {"Authorization": f"Bearer {secret}"})).status == 200
     assert await store.revoke_key(key.prefix)
     _key, expired = await store.create_key("acme", expires_at=time.time() - 1)
-    for bad in (secret, expired, "sk-made-up-" + "x" * 30, "anything", "local"):
+    for bad in (secret, expired, "sk-made-up-" + "x" * 30, secret[:-5]):  # shaped like a key: typos and cuts too
         await assert_error(await chat(client, {"Authorization": f"Bearer {bad}"}), 401, code="invalid_api_key")
     await assert_error(
         await client.get("/v1/models", headers={"Authorization": f"Bearer {secret}"}), 401, code="invalid_api_key"
     )
+
+
+@pytest.mark.parametrize("placeholder", ["EMPTY", "sk-no-key-required", "ollama", "lm-studio", "local", "sk-xxx"])
+async def test_a_placeholder_key_is_no_key_so_loopback_serves_it_as_local_unless_keys_are_required(
+    make_client, placeholder
+):
+    """The openai SDK must send some key; tutorials for other local servers send these."""
+    headers = {"Authorization": f"Bearer {placeholder}"}
+    keyless = await make_client()
+    answered = await chat(keyless, headers)
+    assert answered.status == 200
+    assert (await keyless.get("/v1/models", headers={"x-api-key": placeholder})).status == 200  # Anthropic's header
+    required = await make_client("server.require_keys=true")
+    await assert_error(await chat(required, headers), 401, code="invalid_api_key")
 
 
 async def test_an_unknown_keys_401_says_to_create_keys_with_the_servers_own_database(make_client):
