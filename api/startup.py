@@ -204,7 +204,10 @@ def ready_text(settings: Settings, *, is_keyless: bool) -> str:
         tiers = [tier for tier, cfg in settings.tiers.items() if name in cfg.models]
         lines.append(f"  model {name}: tiers {', '.join(tiers) if tiers else '(none: not served)'}")
     if is_keyless:
-        lines.append(f"No API key needed from this machine (tier {settings.server.local_tier}). Ctrl-C stops.")
+        lines.append(
+            f"No API key needed from this machine (tier {settings.server.local_tier}; a client that must send one"
+            " can send EMPTY). Ctrl-C stops."
+        )
     else:
         # The command as it must run for this server: `keys` without --db writes the default database.
         db = Path(settings.store.path).resolve()

@@ -95,7 +95,9 @@ def test_config_paths_resolve_against_the_config_file_and_ready_block_names_url_
             == f"Ready. Open http://127.0.0.1:{port} in a browser (OpenAI-compatible API: http://127.0.0.1:{port}/v1).\n"
         )
         assert proc.stdout.readline() == "  model tiny: tiers free, enterprise\n"
-        assert "No API key needed from this machine (tier enterprise)" in proc.stdout.readline()
+        assert "No API key needed from this machine (tier enterprise; a client that must send one can send EMPTY)" in (
+            proc.stdout.readline()
+        )
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=10) as resp:
             assert resp.status == 200
         assert (conf / "data" / "chat.db").is_file() and not (elsewhere / "data").exists()
