@@ -319,7 +319,8 @@ def _is_closable(node: dict, close_bare: bool) -> bool:
             and not any(k in node for k in ("$ref", "anyOf", "oneOf", "required"))
         )
     required = node.get("required")
-    return isinstance(listed, dict) and all(k in listed for k in (required if isinstance(required, list) else ()))
+    names = required if isinstance(required, list) else ()  # not names (a number, a list): the grammar's 400
+    return isinstance(listed, dict) and all(isinstance(k, str) and k in listed for k in names)
 
 
 def _rebase_refs(node: Any, root: str) -> Any:

@@ -9,6 +9,7 @@ import llguidance
 import pytest
 from tokenizers import Tokenizer
 
+from api.errors import ApiError
 from api.fields import parse_response_format
 from api.toolparse import ToolCallParser
 from api.tools import ChoiceMode, Tool, ToolChoice, ToolFormat, detect_format, forced_call_grammar, parse_tools
@@ -259,3 +260,12 @@ def test_a_schemas_properties_are_written_in_the_order_given_and_a_tool_shows_it
     (tool,) = parse_tools([{"type": "function", "function": {"name": "f", "parameters": schema}}])
     assert list(json.loads(tool.parameters)) == ["type", "properties", "required"]
     assert list(json.loads(tool.parameters)["properties"]) == ["reasoning", "answer"]
+
+
+@pytest.mark.parametrize("required", [[["a"]], [{"x": 1}], [5]])
+def test_a_response_format_whose_required_holds_no_names_is_a_400_naming_the_schema(required):
+    """An unhashable entry was looked up among the properties while closing the object (a 500)."""
+    schema = {"type": "object", "properties": {"a": {}}, "required": required}
+    with pytest.raises(ApiError) as exc:
+        parse_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert exc.value.status == 400 and exc.value.param == "response_format.json_schema.schema"
