@@ -93,6 +93,7 @@ def parse_response_format(value: Any, param: str = "response_format") -> Structu
         raise bad_request(f"'{where}.schema' must be a JSON schema object.", param=f"{where}.schema")
     if not isinstance(spec.get("strict", False), (bool, type(None))):
         raise bad_request(f"'{where}.strict' must be a boolean.", param=f"{where}.strict")
+    tooling.check_nesting(schema, f"{where}.schema")
     # Objects that list their keys get no others, integers a bound (as a forced call's arguments): tools.tightened.
     text = tooling.schema_text(tooling.tightened(copy.deepcopy(schema), close_bare=False))
     tooling.check_schema(text, f"{where}.schema")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from api.errors import bad_request
-from engine.grammar import GrammarError, grammar_text, schema_text
+from engine.grammar import GrammarError, check_json_depth, grammar_text, schema_text
 from engine.types import StructuredKind, StructuredOutput
 
 MAX_TOOLS = 128
@@ -117,7 +117,16 @@ def _tool(value: Any, where: str) -> Tool:
         params = {"type": "object", "properties": {}}
     elif "type" not in params and "properties" in params:  # arguments are always an object
         params = {"type": "object", **params}
+    check_nesting(params, f"{where}.function.parameters")
     return Tool(name, description, schema_text(params))  # its schema is compiled once the tools' size is checked
+
+
+def check_nesting(schema: dict, param: str) -> None:
+    """400 for a schema nested too deeply to copy, close or write as text (a RecursionError, a 500)."""
+    try:
+        check_json_depth(schema)
+    except GrammarError as exc:
+        raise bad_request(f"'{param}': {exc}", param=param, code="unsupported_value") from None
 
 
 def check_schema(text: str, param: str) -> None:

@@ -41,6 +41,10 @@ _MATCHER_CACHE_ENTRIES = 32
 MAX_SCHEMA_CHARS = 100_000  # of its JSON text
 MAX_SCHEMA_NODES = 5_000  # objects in it (subschemas and property maps)
 MAX_SCHEMA_DEPTH = 64  # objects inside objects on the deepest path, a $ref followed as a step down
+# Arrays and objects inside each other anywhere in a schema, its data (enum, const) too: what the
+# recursive walks before compiling (a copy, closing objects, JSON text) can take. MAX_SCHEMA_DEPTH
+# levels of schema hold at most about three each (an object, its properties map, an anyOf array).
+MAX_JSON_DEPTH = 256
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values are data, not schemas
 _NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
@@ -71,6 +75,18 @@ def grammar_text(structured: StructuredOutput) -> str:
             "the schema cannot be compiled: no finite JSON value satisfies it (each value must contain another)"
         )
     return grammar
+
+
+def check_json_depth(value: object) -> None:
+    """GrammarError when `value` nests arrays and objects more than MAX_JSON_DEPTH deep.
+    Iterative: what it refuses would exhaust the stack of the recursive walks that follow."""
+    todo: list[tuple[object, int]] = [(value, 1)]
+    while todo:
+        node, level = todo.pop()
+        if level > MAX_JSON_DEPTH:
+            raise GrammarError(f"the schema nests too deeply: more than {MAX_JSON_DEPTH} arrays and objects")
+        items = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        todo.extend((item, level + 1) for item in items if isinstance(item, (dict, list)))
 
 
 def check_schema_size(text: str) -> None:

@@ -269,3 +269,29 @@ def test_a_response_format_whose_required_holds_no_names_is_a_400_naming_the_sch
     with pytest.raises(ApiError) as exc:
         parse_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
     assert exc.value.status == 400 and exc.value.param == "response_format.json_schema.schema"
+
+
+def _deep_schema() -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(400):  # schemas inside schemas: the copy before closing them recursed
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def _deep_data() -> dict:
+    value: list = []
+    for _ in range(990):  # data, within what the body's parser reads: the schema's JSON text recursed
+        value = [value]
+    return {"type": "object", "properties": {"a": {"enum": [value]}}}
+
+
+@pytest.mark.parametrize("make_schema", [_deep_schema, _deep_data])
+def test_a_schema_nested_past_what_is_walked_is_a_400_for_a_response_format_and_a_tool(make_schema):
+    """Each was a RecursionError (a 500)."""
+    schema = make_schema()
+    with pytest.raises(ApiError) as exc:
+        parse_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert exc.value.status == 400 and "nests too deeply" in exc.value.message
+    with pytest.raises(ApiError) as exc:
+        parse_tools([{"type": "function", "function": {"name": "f", "parameters": schema}}])
+    assert exc.value.status == 400 and exc.value.param == "tools[0].function.parameters"
