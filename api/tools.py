@@ -308,13 +308,28 @@ def tightened(node: Any, *, is_part: bool = False, close_bare: bool = True) -> A
 
 
 def _bound_integer(node: dict) -> None:
+    """The safe bound on each open side, unless the values are listed (const, enum) or the other
+    side's bound lies beyond it (a minimum of 10^20 asks for big numbers): either way the safe
+    bound would refuse what the schema allows (a 400: no value satisfies it)."""
     kind = node.get("type")
     if kind != "integer" and not (isinstance(kind, list) and "integer" in kind):
         return
-    if "minimum" not in node and "exclusiveMinimum" not in node:
+    if "const" in node or "enum" in node:
+        return
+    low, high = _bound(node, "minimum", "exclusiveMinimum"), _bound(node, "maximum", "exclusiveMaximum")
+    if low is None and (high is None or high > -MAX_SAFE_INTEGER):
         node["minimum"] = -MAX_SAFE_INTEGER
-    if "maximum" not in node and "exclusiveMaximum" not in node:
+    if high is None and (low is None or low < MAX_SAFE_INTEGER):
         node["maximum"] = MAX_SAFE_INTEGER
+
+
+def _bound(node: dict, inclusive: str, exclusive: str) -> float | None:
+    """The schema's bound on one side, None where it sets none; one that is no number (draft 4's
+    boolean exclusiveMinimum, a string) reads as 0, within the safe range (the grammar judges it)."""
+    if inclusive not in node and exclusive not in node:
+        return None
+    value = node.get(inclusive, node.get(exclusive))
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
 
 
 def _is_closable(node: dict, close_bare: bool) -> bool:

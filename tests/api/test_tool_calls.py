@@ -295,3 +295,22 @@ def test_a_schema_nested_past_what_is_walked_is_a_400_for_a_response_format_and_
     with pytest.raises(ApiError) as exc:
         parse_tools([{"type": "function", "function": {"name": "f", "parameters": schema}}])
     assert exc.value.status == 400 and exc.value.param == "tools[0].function.parameters"
+
+
+@pytest.mark.parametrize(
+    ("schema", "value"),
+    [
+        ({"type": "integer", "minimum": 2**53}, str(2**53 + 7)),
+        ({"type": "integer", "exclusiveMaximum": -(2**53)}, str(-(2**53) - 7)),
+        ({"type": ["integer", "null"], "minimum": 10**16}, str(10**16)),
+        ({"type": "integer", "const": 2**60}, str(2**60)),
+        ({"type": "integer", "enum": [2**60, -(2**60)]}, str(-(2**60))),
+    ],
+)
+def test_integers_listed_or_bounded_beyond_the_safe_range_keep_their_values(schema, value, tiny_model_dir):
+    """The safe bound was added beside them: no value satisfied the schema, a 400 for a valid one."""
+    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    fmt = parse_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert fmt is not None
+    matcher = llguidance.LLMatcher(llguidance.LLTokenizer(tok.to_str()), grammar_text(fmt), log_level=0)
+    assert matcher.consume_tokens(tok.encode(value).ids) and not matcher.is_error()
