@@ -158,7 +158,7 @@ def parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         raise bad_request(
             f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} token ids, got {len(value)}.", param="logit_bias"
         )
-    pairs = []
+    pairs: dict[int, float] = {}
     for key, bias in value.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 9):
             raise bad_request(
@@ -169,8 +169,10 @@ def parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
             raise bad_request(
                 f"'logit_bias[{key}]' must be a number from -100 to 100, got {bias!r}.", param="logit_bias"
             )
-        pairs.append((int(key), float(bias)))
-    return tuple(sorted(pairs))
+        if int(key) in pairs:  # "05" and "5": their biases would add up past 100
+            raise bad_request(f"'logit_bias' names the token id {int(key)} twice.", param="logit_bias")
+        pairs[int(key)] = float(bias)
+    return tuple(sorted(pairs.items()))
 
 
 def parse_stop(value: Any) -> tuple[str, ...]:

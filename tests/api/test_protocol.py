@@ -139,6 +139,7 @@ def test_continuous_usage_stats_needs_include_usage():
         ({"messages": MSG, "safety_identifier": ["u"]}, "safety_identifier"),
         ({"messages": MSG, "verbosity": "extreme"}, "verbosity"),
         ({"messages": MSG, "service_tier": "bogus"}, "service_tier"),
+        ({"messages": MSG, "logit_bias": {"05": 100, "5": 100}}, "logit_bias"),  # one id twice: 200 in all
     ],
 )
 def test_invalid_request_is_a_400_naming_the_field(body, param):
