@@ -320,6 +320,20 @@ async def _history_message(ctx: AttachContext, message: ChatMessage, with_images
     return Resolved(ChatMessage(message.role, render(resolved)), {}, resolved.images)
 
 
+async def read_files(
+    ctx: AttachContext, history: tuple[ChatMessage, ...], messages: tuple[ChatMessage, ...]
+) -> list[ChatMessage]:
+    """The prompt's messages with each file's text in place, as a token count reads them (nothing
+    generated): `history` (a stored conversation's) as prepare_job renders it, the request's own
+    `messages` under the same checks (file count, the file's owner, the readers' limits and
+    refusals). Images are not read: each counts as "[image]", not as a vision model's tokens."""
+    _check_file_count(messages, ctx.files)
+    await _look_up_files(ctx, history)
+    old = [(await _history_message(ctx, m, with_images=False)).message for m in history]
+    new = [ChatMessage(m.role, render(await resolve(ctx, m))) if m.parts else m for m in messages]
+    return [*old, *new]
+
+
 def history_message(m: Message) -> ChatMessage:
     """A stored message as a chat message, with its parts when it was sent with attachments."""
     if m.parts_json is None:

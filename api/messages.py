@@ -34,7 +34,7 @@ from api.messages_request import parse_messages_request
 from api.prompt import prompt_tools
 from api.sse import SSEWriter
 from api.state import STATE, AppState
-from api.token_count import charge_one_request, count_prompt, model_to_count_for
+from api.token_count import charge_one_request, count_prompt, model_to_count_for, read_files
 from api.tools import ToolCall
 from api.waiting import LazyStream, wait_admitted
 from engine.types import FinishReason, TokenLogprob
@@ -299,8 +299,9 @@ async def count_tokens(request: web.Request) -> web.Response:
         await read_json(request), max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars, count_only=True
     )
     model = model_to_count_for(request, chat.model)
+    messages = await read_files(request, (), chat.messages)
     num_tokens = await count_prompt(
-        model, list(chat.messages), prompt_tools(chat), chat.chat_template_kwargs, chat.continue_final_message
+        model, messages, prompt_tools(chat), chat.chat_template_kwargs, chat.continue_final_message
     )
     return web.json_response({"input_tokens": num_tokens}, dumps=json_dumps, headers=headers)
 

@@ -42,7 +42,7 @@ from api.responses_stream import FINAL_EVENT, EventStream, replay
 from api.responses_wire import ResponsesRequest, input_error, input_item_object, new_id, parse_responses_request
 from api.sse import SSE_HEADERS, SSEWriter
 from api.state import PRINCIPAL, REQUEST_ID, STATE, AppState
-from api.token_count import charge_one_request, count_prompt, model_to_count_for
+from api.token_count import charge_one_request, count_prompt, model_to_count_for, read_files
 from api.waiting import LazyStream, wait_admitted
 from engine.types import FinishReason
 from gateway.admission import Pass
@@ -155,11 +155,10 @@ async def count_input_tokens(request: web.Request) -> web.Response:
     if req.previous_response_id is not None:
         prev, conv = await _previous(state, request[PRINCIPAL].org.id, req.previous_response_id)
         history = tuple(attachments.history_message(m) for m in conv.messages[: prev.num_messages])
-    first = [ChatMessage("system", req.instructions)] if req.instructions else []
+    first = (ChatMessage("system", req.instructions),) if req.instructions else ()
     try:
-        num_tokens = await count_prompt(
-            model, [*first, *history, *req.chat.messages], prompt_tools(req.chat), req.chat.chat_template_kwargs
-        )
+        messages = await read_files(request, (*first, *history), req.chat.messages)
+        num_tokens = await count_prompt(model, messages, prompt_tools(req.chat), req.chat.chat_template_kwargs)
     except ApiError as exc:  # name the field as this request spelled it
         raise input_error(exc, num_instructions=len(first), num_history=len(history)) from None
     body = {"object": "response.input_tokens", "input_tokens": num_tokens}

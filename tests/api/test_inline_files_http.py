@@ -224,3 +224,38 @@ async def test_inline_files_count_toward_max_files_per_request_with_uploaded_one
     ]
     await assert_error(await chat(client, [{"role": "user", "content": content}]), 400, code="too_many_files")
     assert (await chat(client, inline_message(NOTES, "text/plain"))).status == 200
+
+
+async def test_token_counts_read_files_as_the_answer_does_and_refuse_what_it_refuses(make_client):
+    """Both counters counted a message's text parts only: a file (inline, uploaded, or in the
+    history of previous_response_id) added nothing, and one the answer refuses counted as well."""
+    client = await make_client(*ROOMY)
+    key = await _key(client)
+    pdf = {"type": "input_file", "filename": "report.pdf", "file_data": data_url(PDF, "application/pdf")}
+    ask = {"model": "echo", "input": [{"role": "user", "content": [{"type": "input_text", "text": "Read:"}, pdf]}]}
+    async with openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=key, max_retries=0) as sdk:
+        counted = await sdk.responses.input_tokens.count(**ask)
+        answered = await sdk.responses.create(**ask, max_output_tokens=4)
+        assert counted.input_tokens == answered.usage.input_tokens  # type: ignore[union-attr]
+        follow = {"model": "echo", "input": "And?", "previous_response_id": answered.id}
+        counted = await sdk.responses.input_tokens.count(**follow)
+        assert counted.input_tokens == (await sdk.responses.create(**follow)).usage.input_tokens  # type: ignore[union-attr]
+        bad = {"type": "input_file", "file_data": "data:text/plain;base64,!!"}
+        with pytest.raises(openai.BadRequestError) as caught:
+            await sdk.responses.input_tokens.count(model="echo", input=[{"role": "user", "content": [bad]}])
+        assert caught.value.body["param"] == "input[0].content[0].file_data"  # type: ignore[index]
+    file_id = (await (await upload(client, NOTES, headers={"Authorization": f"Bearer {key}"})).json())["id"]
+    blocks = [
+        {"type": "document", "source": {"type": "file", "file_id": file_id}},
+        {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "Notes: all good."}},
+        {"type": "text", "text": "Summarize both."},
+    ]
+    messages = [{"role": "user", "content": blocks}]
+    async with anthropic.AsyncAnthropic(base_url=str(client.make_url("")), api_key=key, max_retries=0) as sdk:
+        counted_msg = await sdk.messages.count_tokens(model="echo", messages=messages)  # type: ignore[arg-type]
+        msg = await sdk.messages.create(model="echo", max_tokens=4, messages=messages)  # type: ignore[arg-type]
+        assert counted_msg.input_tokens == msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0)
+        unknown = [{"type": "document", "source": {"type": "file", "file_id": "file-" + "0" * 24}}]
+        with pytest.raises(anthropic.NotFoundError):
+            await sdk.messages.count_tokens(model="echo", messages=[{"role": "user", "content": unknown}])
+    assert all(name.startswith(file_id) for name in _left_on_disk(client))  # the upload and its text; no scratch
