@@ -193,8 +193,12 @@ def fit(inputs: JobInputs, resolved: list[Resolved]) -> Prepared:
         if exc.code != "context_length_exceeded" or not any(r.documents for r in resolved):
             raise
         original = exc
-    room = _room_for_documents(inputs, resolved, [(m, i) for m, r in enumerate(resolved) for i in r.documents])
-    sizes = _doc_tokens(inputs, resolved, room)
+    keys = [(m, i) for m, r in enumerate(resolved) for i in r.documents]
+    sized, room = inputs, _room_for_documents(inputs, resolved, keys)
+    if room <= 0 and inputs.history:  # the whole stored history leaves none: make_job drops its oldest turns
+        sized = dataclasses.replace(inputs, history=())
+        room = _room_for_documents(sized, resolved, keys)
+    sizes = _doc_tokens(sized, resolved, room)
     if inputs.chat.truncation != "auto":
         raise _too_long(inputs, resolved, sizes, room)
     if room <= 0:
@@ -202,7 +206,7 @@ def fit(inputs: JobInputs, resolved: list[Resolved]) -> Prepared:
     limit, reserve = _budget(inputs)
     for _ in range(_MAX_FIT_TRIES):  # the cut notes and re-tokenized text add a few tokens: measure, shrink
         texts, cut = _cut(inputs, resolved, sizes, room)
-        excess = _num_prompt_tokens(inputs, resolved, texts) + reserve - limit
+        excess = _num_prompt_tokens(sized, resolved, texts) + reserve - limit
         if excess <= 0:
             return Prepared(make_job(_with_texts(inputs, resolved, texts)), tuple(cut))
         room -= excess

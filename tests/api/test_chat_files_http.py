@@ -90,6 +90,21 @@ async def test_truncation_auto_cuts_the_file_and_says_what_was_left_out(make_cli
     await assert_error(await chat(client, file_message(file_id), truncation="sometimes"), 400, param="truncation")
 
 
+async def test_truncation_auto_cuts_a_new_file_when_the_stored_history_leaves_no_room(make_client):
+    """The room for files was measured beside the whole stored history (which the answer drops from
+    its oldest turn to fit): a history holding a long file left none, a 400 despite 'auto'."""
+    client = await make_client()
+    long_text = " ".join(f"word{i}" for i in range(1500)).encode()
+    file_id = (await (await upload(client, long_text, filename="long.txt")).json())["id"]
+    conv = await (await client.post("/v1/conversations", json={})).json()
+    for turn in range(2):
+        resp = await chat(client, file_message(file_id), truncation="auto", max_tokens=32, conversation_id=conv["id"])
+        assert resp.status == 200, (turn, await resp.text())
+        body = await resp.json()
+        assert body["truncated_files"][0]["num_tokens_kept"] > 0 and body["usage"]["prompt_tokens"] + 32 <= 400
+    assert body["history_messages_dropped"] == 2  # the first turn's file and answer made room
+
+
 async def test_unknown_or_foreign_file_is_404_and_binary_file_is_400(make_client):
     client = await make_client()
     file_id = (await (await upload(client, b"mine")).json())["id"]
