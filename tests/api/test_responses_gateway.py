@@ -91,7 +91,7 @@ async def test_truncation_is_taken_and_echoed_as_on_chat_completions(make_client
 
 async def test_errors_name_the_input_field_not_the_chat_message_it_became(make_client):
     client = await make_client()
-    part = {"type": "input_file", "filename": "d.pdf", "file_data": "data:application/pdf;base64,AAAA"}
+    part = {"type": "input_file", "filename": "d.pdf", "file_data": "data:application/pdf;base64,@@@@"}
     items = [{"role": "user", "content": [{"type": "input_text", "text": "Summarize"}, part]}]
     resp = await respond(client, {"input": items, "instructions": "Be brief."})
     body = await assert_error(resp, 400, param="input[0].content[1].file_data")
