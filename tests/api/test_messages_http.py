@@ -264,7 +264,9 @@ async def test_a_key_is_read_from_x_api_key_and_a_wrong_one_is_an_authentication
     resp = await client.post("/v1/messages", json=body, headers={"x-api-key": key})
     assert resp.status == 200 and (await resp.json())["content"][0]["text"] == "hello there"  # the fake echoes
     await _error(
-        await client.post("/v1/messages", json=body, headers={"x-api-key": "sk-" + "w" * 43}), 401, "authentication_error"
+        await client.post("/v1/messages", json=body, headers={"x-api-key": "sk-" + "w" * 43}),
+        401,
+        "authentication_error",
     )
 
 
