@@ -128,10 +128,29 @@ async def serve_job(
     route, budget, context, safety, admission, generation, billing."""
     principal = request[PRINCIPAL]
     state.admission.route(grant, chat.model)  # a saturated queue refuses before any store read
-    if chat.conversation_id is not None:  # the turn will be stored: within the organisation's cap
-        # Files sent inline are stored with their message (parts_json), and counted with it.
-        num_chars = sum(len(m.content) + num_inline_chars(m.parts) for m in chat.messages)
-        await state.check_conversation_storage(principal, num_chars)
+    if chat.conversation_id is None:
+        return await _serve_job(request, state, grant, chat, outlet)
+    # The turn will be stored: within the organisation's cap. Files sent inline are stored with
+    # their message (parts_json), and counted with it.
+    num_chars = sum(len(m.content) + num_inline_chars(m.parts) for m in chat.messages)
+    await state.check_conversation_storage(principal, num_chars)  # counts the turn in its estimate
+    job_box: list[Job] = []
+    try:
+        return await _serve_job(request, state, grant, chat, outlet, job_box)
+    finally:
+        if not (job_box and job_box[0].turn_stored):  # refused or failed: the estimate re-reads the store
+            state.forget_conversation_bytes(principal.org.id)
+
+
+async def _serve_job(
+    request: web.Request,
+    state: AppState,
+    grant: Pass,
+    chat: protocol.ChatRequest,
+    outlet: Outlet | None,
+    job_box: list[Job] | None = None,
+) -> web.StreamResponse:
+    principal = request[PRINCIPAL]
     if await state.over_budget(principal):
         state.admission.route(grant, chat.model, over_budget=True)
     inflight = request.app[INFLIGHT]
@@ -142,6 +161,8 @@ async def serve_job(
             if inflight.was_cut():
                 raise shutting_down(started=False) from None
             raise
+    if job_box is not None:
+        job_box.append(job)
     if state.tracing is not None:
         job.trace_parent = state.tracing.parent_of(request.headers)
     verdict = await state.screen_prompt(job)

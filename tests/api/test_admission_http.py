@@ -199,3 +199,25 @@ async def test_an_organisations_conversations_are_held_to_its_tiers_storage_cap(
     assert (await client.delete(f"/v1/conversations/{cid}", headers=headers)).status == 200
     again = await client.post("/v1/conversations", json={"items": items}, headers=headers)
     assert again.status == 201  # deleting gave the room back
+
+
+async def test_a_turn_refused_after_the_storage_check_leaves_no_room_taken(make_client):
+    """The check counts the turn in the organisation's estimate before it is served; a turn then
+    refused (here: a file that does not exist) was still counted until the next read of the store,
+    so the next turn that fits was refused as over the cap."""
+    client = await make_client("tiers.free.conversation_storage_bytes=1000")
+    store = state_of(client).store
+    await store.create_org("cheap", "free")
+    _key, secret = await store.create_key("cheap")
+    headers = {"Authorization": f"Bearer {secret}"}
+    first = await client.post(
+        "/v1/conversations", json={"items": [{"role": "user", "content": "x" * 500}]}, headers=headers
+    )
+    cid = (await first.json())["id"]
+    missing = {"type": "file", "file": {"file_id": "file-0123456789abcdef01234567"}}
+    refused = [{"role": "user", "content": [{"type": "text", "text": "y" * 300}, missing]}]
+    body = {"model": "echo2", "messages": refused, "conversation_id": cid}
+    assert (await client.post("/v1/chat/completions", json=body, headers=headers)).status == 404
+    fits = {"model": "echo2", "messages": [{"role": "user", "content": "z" * 300}], "conversation_id": cid}
+    resp = await client.post("/v1/chat/completions", json=fits, headers=headers)
+    assert resp.status == 200, await resp.text()  # 500 + 300 of 1000 (and the answer)
