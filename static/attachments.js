@@ -288,6 +288,11 @@ export function attachmentsElement(parts) {
         chip.querySelector(".attachment-name").textContent = info.filename;
         chip.querySelector(".attachment-detail").textContent = formatBytes(info.bytes);
       }).catch(() => { chip.querySelector(".attachment-detail").textContent = "no longer available"; });
+    } else if (part.type === "file" && part.file && typeof part.file.file_data === "string") {
+      // Sent inline by an API client (file_data, a document block): its size from the base64 text.
+      const data = part.file.file_data;
+      const base64 = data.slice(data.indexOf(",") + 1);
+      row.append(chipElement(part.file.filename || "document", `${formatBytes(Math.floor(base64.length * 3 / 4))}, sent inline`));
     }
   }
   return row;

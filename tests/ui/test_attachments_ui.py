@@ -111,3 +111,43 @@ def test_a_file_over_the_limit_is_refused_before_upload(browser, vision_server):
         assert not [u for u in watched.requests if u.endswith("/v1/files") and "limit" not in u]
     finally:
         watched.close()
+
+
+def test_a_file_an_api_client_sent_inline_shows_as_a_chip_with_its_name_and_size(browser, vision_server):
+    """An API client's file_data (or an Anthropic document block) is stored in its message: the
+    web UI lists it with the other attachments instead of leaving it out."""
+    import base64
+    import json
+    import urllib.error
+    import urllib.request
+
+    def post(path: str, body: dict) -> dict:
+        request = urllib.request.Request(
+            f"{vision_server.base_url}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            raise AssertionError(exc.read().decode()) from None
+
+    data = base64.b64encode(b"The meeting is at noon. " * 10).decode()
+    part = {"type": "file", "file": {"filename": "minutes.txt", "file_data": f"data:text/plain;base64,{data}"}}
+    conv = post("/v1/conversations", {})["id"]
+    body = {
+        "model": "vision",
+        "conversation_id": conv,
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "When is it?"}, part]}],
+    }
+    assert post("/v1/chat/completions", body)["choices"]
+    watched = open_page(browser, vision_server.base_url, path=f"/#{conv}")
+    page = watched.page
+    try:
+        user = page.locator("article.msg-user").last
+        user.locator(".msg-attachments .attachment").wait_for()
+        assert user.locator(".attachment-name").all_inner_texts() == ["minutes.txt"]
+        assert user.locator(".attachment-detail").inner_text() == "240 B, sent inline"
+        assert not watched.page_errors
+    finally:
+        watched.close()
