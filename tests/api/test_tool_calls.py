@@ -4,6 +4,7 @@ the forced-call grammar of each format accepting what the parser reads back."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import llguidance
 import pytest
@@ -14,6 +15,7 @@ from api.fields import parse_response_format
 from api.toolparse import ToolCallParser
 from api.tools import ChoiceMode, Tool, ToolChoice, ToolFormat, detect_format, forced_call_grammar, parse_tools
 from engine.grammar import grammar_text
+from engine.types import StructuredOutput
 
 TOOLS = parse_tools(
     [
@@ -188,6 +190,21 @@ def test_a_bare_object_schema_is_closed_to_no_arguments():
     assert closed == {"type": "object", "additionalProperties": False}
 
 
+def format_accepts(schema: dict, model_dir) -> tuple[StructuredOutput, Callable[[str], bool]]:
+    """The response format for `schema`, and whether its grammar takes a text whole (in the tiny model's tokens)."""
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    llt = llguidance.LLTokenizer(tok.to_str())
+    fmt = parse_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert fmt is not None
+    grammar = grammar_text(fmt)
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(llt, grammar, log_level=0)
+        return matcher.consume_tokens(tok.encode(text).ids) and not matcher.is_error()
+
+    return fmt, accepts
+
+
 @pytest.mark.parametrize(
     ("schema", "extra_key_allowed"),
     [
@@ -199,16 +216,7 @@ def test_a_bare_object_schema_is_closed_to_no_arguments():
 def test_a_response_formats_objects_that_list_their_keys_get_no_others(schema, extra_key_allowed, tiny_model_dir):
     """As a forced call's arguments: plain JSON Schema would let a model keep adding keys (the demo
     model wrote `{"name":..., "population":8, "IGPLet's...":892, ...}` to max_tokens)."""
-    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
-    llt = llguidance.LLTokenizer(tok.to_str())
-    fmt = parse_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
-    assert fmt is not None
-    grammar = grammar_text(fmt)
-
-    def accepts(text: str) -> bool:
-        matcher = llguidance.LLMatcher(llt, grammar, log_level=0)
-        return matcher.consume_tokens(tok.encode(text).ids) and not matcher.is_error()
-
+    _, accepts = format_accepts(schema, tiny_model_dir)
     assert accepts('{"a":1}')
     assert accepts('{"a":1,"b":2}') is extra_key_allowed
     assert "additionalProperties" not in json.dumps(schema) or schema.get("additionalProperties") is True  # unchanged
@@ -216,45 +224,27 @@ def test_a_response_formats_objects_that_list_their_keys_get_no_others(schema, e
 
 def test_integers_without_bounds_get_the_safe_range_and_bounds_given_stay(tiny_model_dir):
     """A small model repeating digits would otherwise write one number until max_tokens."""
-    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
-    llt = llguidance.LLTokenizer(tok.to_str())
     schema = {
         "type": "object",
         "properties": {"n": {"type": "integer"}, "m": {"type": ["integer", "null"], "minimum": 5}},
         "required": ["n"],
     }
-    fmt = parse_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
-    assert fmt is not None
+    fmt, accepts = format_accepts(schema, tiny_model_dir)
     tightened = json.loads(fmt.spec)["properties"]
     assert tightened["n"] == {"type": "integer", "minimum": -(2**53 - 1), "maximum": 2**53 - 1}
     assert tightened["m"]["minimum"] == 5 and tightened["m"]["maximum"] == 2**53 - 1
-    grammar = grammar_text(fmt)
-
-    def accepts(text: str) -> bool:
-        matcher = llguidance.LLMatcher(llt, grammar, log_level=0)
-        return matcher.consume_tokens(tok.encode(text).ids) and not matcher.is_error()
-
     assert accepts('{"n":9007199254740991}') and accepts('{"n":-42,"m":null}')
     assert not accepts('{"n":9007199254740992}') and not accepts('{"n":1,"m":4}')
 
 
 def test_a_schemas_properties_are_written_in_the_order_given_and_a_tool_shows_its_own_order(tiny_model_dir):
     """A "reasoning" property placed before its "answer" is generated first (they were sorted by name)."""
-    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
-    llt = llguidance.LLTokenizer(tok.to_str())
     schema = {
         "type": "object",
         "properties": {"reasoning": {"type": "string"}, "answer": {"type": "integer"}},
         "required": ["reasoning", "answer"],
     }
-    fmt = parse_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
-    assert fmt is not None
-    grammar = grammar_text(fmt)
-
-    def accepts(text: str) -> bool:
-        matcher = llguidance.LLMatcher(llt, grammar, log_level=0)
-        return matcher.consume_tokens(tok.encode(text).ids) and not matcher.is_error()
-
+    _, accepts = format_accepts(schema, tiny_model_dir)
     assert accepts('{"reasoning":"two and two","answer":4}')
     assert not accepts('{"answer":4,')
     (tool,) = parse_tools([{"type": "function", "function": {"name": "f", "parameters": schema}}])
