@@ -6,7 +6,6 @@ those checks still list; a closed output pipe ends the command quietly."""
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sqlite3
@@ -17,22 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from settings import Settings, TierConfig
-from store.cli import add_cli, run_cli
 from store.keys import MAX_ORG_NAME_CHARS
+from tests.store.cli_helpers import cli_parser
+from tests.store.cli_helpers import run as _cli
 
 ROOT = Path(__file__).resolve().parents[2]
-SETTINGS = Settings(tiers={"free": TierConfig()})
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser()
-    add_cli(parser.add_subparsers(dest="command", required=True))
-    return parser
-
-
-async def _cli(*argv: str) -> int:
-    return await run_cli(_parser().parse_args(argv), SETTINGS)
 
 
 def _out_lines(capsys: pytest.CaptureFixture) -> tuple[list[str], str]:
@@ -138,14 +126,14 @@ async def test_a_schema_version_without_our_tables_is_not_our_database_either(tm
 @pytest.mark.parametrize("budget", ["1e19", "1e25", "1000000000001"])
 def test_a_budget_over_a_trillion_dollars_is_refused_before_anything_is_written(capsys, command, budget):
     with pytest.raises(SystemExit):
-        _parser().parse_args([*command, budget])
+        cli_parser().parse_args([*command, budget])
     assert "budget must be a finite number >= 0 and at most 1,000,000,000,000 (USD)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("days", ["0", "-1", "nan", "inf", "1e300", "3000000", "soon"])
 def test_expires_in_days_must_be_more_than_0_and_at_most_100_years(capsys, days):
     with pytest.raises(SystemExit):
-        _parser().parse_args(["keys", "create", "--org", "acme", "--tier", "free", f"--expires-in-days={days}"])
+        cli_parser().parse_args(["keys", "create", "--org", "acme", "--tier", "free", f"--expires-in-days={days}"])
     assert f"must be a number of days more than 0 and at most 36500, got {days!r}" in capsys.readouterr().err
 
 
@@ -162,14 +150,14 @@ def test_expires_in_days_must_be_more_than_0_and_at_most_100_years(capsys, days)
 )
 def test_an_organisation_name_that_would_break_keys_list_is_refused(capsys, command, name, problem):
     with pytest.raises(SystemExit):
-        _parser().parse_args([*command, name])
+        cli_parser().parse_args([*command, name])
     assert problem in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["two\nlines", "tab\tlabel", "x" * 201])
 def test_a_key_label_that_would_break_keys_list_is_refused(capsys, name):
     with pytest.raises(SystemExit):
-        _parser().parse_args(["keys", "create", "--org", "acme", "--tier", "free", "--name", name])
+        cli_parser().parse_args(["keys", "create", "--org", "acme", "--tier", "free", "--name", name])
     assert "a key's name" in capsys.readouterr().err
 
 

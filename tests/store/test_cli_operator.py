@@ -5,48 +5,35 @@ sees through another name for the same database."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import sqlite3
 
 import pytest
 
-from settings import Settings, TierConfig
-from store.cli import add_cli, run_cli
 from store.lock import DatabaseInUse, ServerLock
 from store.store import Store
-
-SETTINGS = Settings(tiers={"free": TierConfig()})
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser()
-    add_cli(parser.add_subparsers(dest="command", required=True))
-    return parser
-
-
-async def _cli(*argv: str) -> int:
-    return await run_cli(_parser().parse_args(argv), SETTINGS)
+from tests.store.cli_helpers import cli_parser
+from tests.store.cli_helpers import run as _cli
 
 
 @pytest.mark.parametrize("budget", ["inf", "-inf", "1e400", "nan", "-1", "lots"])
 @pytest.mark.parametrize("command", [["keys", "create", "--org", "acme"], ["orgs", "create", "acme"]])
 def test_every_budget_argument_must_be_a_finite_number_at_least_0(capsys, command, budget):
     with pytest.raises(SystemExit):
-        _parser().parse_args([*command, "--tier", "free", f"--budget={budget}"])
+        cli_parser().parse_args([*command, "--tier", "free", f"--budget={budget}"])
     assert "budget must be a finite number >= 0" in capsys.readouterr().err
 
 
 def test_orgs_set_refuses_an_infinite_budget_too(capsys):
     with pytest.raises(SystemExit):
-        _parser().parse_args(["orgs", "set", "acme", "--budget", "inf"])
+        cli_parser().parse_args(["orgs", "set", "acme", "--budget", "inf"])
     assert "budget must be a finite number >= 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", [["keys", "create", "--org", " "], ["orgs", "create", ""]])
 def test_an_organisation_needs_a_name(capsys, command):
     with pytest.raises(SystemExit):
-        _parser().parse_args([*command, "--tier", "free"])
+        cli_parser().parse_args([*command, "--tier", "free"])
     assert "an organisation needs a name" in capsys.readouterr().err
 
 
