@@ -84,7 +84,8 @@ class EngineConfig:
         '"auto": on for checkpoints stored in bfloat16 (the copy is then exact and '
         "the activations round as on a GPU) whose float32 weights and copies take at most 60% of the memory "
         'available at start (else off, logged amx_prefill_off_for_memory), off for fp32 ones; "on" also for fp32 '
-        'checkpoints and whatever the memory; "off". Only with '
+        'checkpoints and whatever the memory; "off" (greedy answers then do not depend on what shares the batch: '
+        "with AMX, decode rows sharing a long prompt's step and recomputed answers run in bf16). Only with "
         'the avx512 kernels and unquantized weights ("on" otherwise is an error at start).',
         choices=("auto", "on", "off"),
     )
