@@ -64,25 +64,43 @@ class AppState:
     # every STORAGE_READ_S: the cap is checked before each write without a scan each time.
     _conversation_bytes: dict[str, tuple[int, float]] = field(default_factory=dict)
     _local_read_s: float = -math.inf  # loop time local_principal's organisation was last read
+    _local_reading: asyncio.Future[Principal] | None = None  # that read, while under way
 
     async def keyless_principal(self) -> Principal | None:
         """The keyless `local` organisation's principal, its tier, budget and limits re-read at
         most every store.key_cache_s (as keys' are), so `orgs set local` or the admin API
-        reaches a running server."""
+        reaches a running server. Requests arriving while it is read wait for that read: served
+        on the old one, a burst right after a budget change passed the new budget several times."""
         local = self.local_principal
         if local is None:
             return None
-        now = asyncio.get_running_loop().time()
-        if now - self._local_read_s >= self.settings.store.key_cache_s:
+        reading = self._local_reading
+        if reading is None:
+            now = asyncio.get_running_loop().time()
+            if now - self._local_read_s < self.settings.store.key_cache_s:
+                return local
             self._local_read_s = now
-            org = await self.store.get_org(local.org.name)
-            if org is not None:
-                self.local_principal = local = Principal(None, org)
-        return local
+            reading = self._local_reading = asyncio.ensure_future(self._read_local_org(local))
+            reading.add_done_callback(self._local_read_done)
+        return await asyncio.shield(reading)  # one caller's disconnect does not cancel the others' read
+
+    async def _read_local_org(self, local: Principal) -> Principal:
+        org = await self.store.get_org(local.org.name)
+        if org is not None and self.local_principal is local:  # not replaced meanwhile
+            self.local_principal = local = Principal(None, org)
+        return self.local_principal or local
+
+    def _local_read_done(self, reading: asyncio.Future) -> None:
+        if self._local_reading is reading:
+            self._local_reading = None
+        if not reading.cancelled() and reading.exception() is not None:
+            self._local_read_s = -math.inf  # failed (the store was unavailable): the next request reads again
 
     def forget_local_org(self) -> None:
-        """Re-read the local organisation on its next request (it was just changed here)."""
+        """Re-read the local organisation on its next request (it was just changed here). A read
+        already under way may predate the change: the next request starts its own."""
         self._local_read_s = -math.inf
+        self._local_reading = None
 
     # -- identity and policy ---------------------------------------------------------
     def tier_of(self, principal: Principal) -> tuple[str, TierConfig]:

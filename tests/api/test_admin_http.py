@@ -3,6 +3,7 @@ nothing else, and what they change holds from the next request on."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import sqlite3
@@ -299,3 +300,26 @@ async def test_an_infinite_expiry_or_budget_in_the_database_is_null_in_valid_jso
     assert usage["budget"]["budget_usd"] is None
     revoked = strict_json(await (await client.delete(f"/v1/admin/keys/{key.id}", headers=h)).text())
     assert (revoked["expires_at"], revoked["status"]) == (None, "revoked")
+
+
+async def test_a_burst_right_after_the_keyless_organisations_budget_changes_is_held_to_the_new_budget(make_client):
+    """The first request after a change re-reads the `local` organisation; requests arriving while
+    it read were served on the old one: 40 of a burst passed a budget meant for about 14. They
+    now wait for that one read."""
+    client = await make_client("tiers.free.budget_fallback=false", "tiers.enterprise.budget_fallback=false")
+    store = state_of(client).store
+    await store.create_org("ops", "free")
+    _key, admin_secret = await store.create_key("ops", scope="admin")
+    assert (await chat(client)).status == 200  # the keyless organisation exists and was read
+    resp = await client.patch("/v1/admin/organizations/local", json={"budget_usd": 0.0}, headers=bearer(admin_secret))
+    assert resp.status == 200
+    get_org = store.get_org
+
+    async def slow_get_org(name):  # a read that takes a while (a busy database)
+        await asyncio.sleep(0.2)
+        return await get_org(name)
+
+    store.get_org = slow_get_org
+    burst = await asyncio.gather(*(chat(client) for _ in range(10)))
+    assert [r.status for r in burst] == [429] * 10
+    assert state_of(client).local_principal.org.budget_usd == 0.0
