@@ -3,6 +3,6 @@ prompts before the engine and to answers while they stream. See gate.py for the 
 """
 
 from gateway.safety.gate import SafetyGate, load_classifier, user_turns
-from gateway.safety.types import SafetyLayer, Verdict
+from gateway.safety.types import Assessment, SafetyLayer, Verdict
 
-__all__ = ["SafetyGate", "SafetyLayer", "Verdict", "load_classifier", "user_turns"]
+__all__ = ["Assessment", "SafetyGate", "SafetyLayer", "Verdict", "load_classifier", "user_turns"]

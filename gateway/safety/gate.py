@@ -4,7 +4,8 @@ Layers run cheapest first: rules, then the classifier. Both run off the event lo
 native CPU engine's step thread between its steps where one runs, else on a worker thread),
 batched across requests (batcher.py: one encoder forward for every prompt and answer window
 waiting), and a conversation's verdict is cached by its text. Every decision is counted and logged without any text. The
-gate never sees the engine; the server decides what a block means for the request.
+gate never sees the engine; the server decides what a block means for the request. `assess` gives
+one text's findings in full (every rule's category, every score) for POST /v1/moderations.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import asyncio
 import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import prometheus_client
 import structlog
 
@@ -30,7 +31,7 @@ from gateway.safety.batcher import MicroBatcher
 from gateway.safety.classifier import JobKind, SafetyClassifier, SafetyHead, ScoreJob
 from gateway.safety.output import OutputFilter, OutputPolicy
 from gateway.safety.rules import ALL_CATEGORIES, RuleSet
-from gateway.safety.types import SafetyLayer, Stage, Verdict
+from gateway.safety.types import Assessment, SafetyLayer, Stage, Verdict
 from settings import ConfigError, SafetyConfig
 
 # The classifier's batches run on the native CPU engine's step thread, between its steps, on
@@ -87,6 +88,20 @@ def user_turns(messages: Sequence[dict]) -> list[str]:
     return turns
 
 
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """One entry of a batch: what the classifier reads, and whether it is assessed in full (every
+    deny rule's category, and the classifier's scores even after a rule matched: POST
+    /v1/moderations) or screened (the first rule match decides, without the classifier)."""
+
+    score: ScoreJob
+    in_full: bool = False
+
+    @property
+    def num_chars(self) -> int:
+        return self.score.num_chars
+
+
 def _digest(turns: Sequence[str]) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     for turn in turns:
@@ -124,7 +139,7 @@ class SafetyGate:
         # The built-in patterns are phrased as requests; answers get the operator's rules only.
         self._output_rules = RuleSet.merged(config.deny, allow, builtin=False)
         self._classifier = classifier if config.classifier else None
-        self._batcher: MicroBatcher[ScoreJob, Verdict] = MicroBatcher(
+        self._batcher: MicroBatcher[_Job, Assessment] = MicroBatcher(
             self._run_batch,
             lambda: PoolOwnerExecutor(lambda: threaded_executor(threads)),  # one thread: the side workers
             weight=lambda job: job.num_chars,
@@ -150,6 +165,13 @@ class SafetyGate:
     def has_classifier(self) -> bool:
         return self._classifier is not None
 
+    @property
+    def categories(self) -> tuple[str, ...]:
+        """Every category a prompt can be blocked under: the classifier's, then the deny rules'
+        others (operators' own names), in declaration order."""
+        scored = self._classifier.categories if self._classifier is not None else ()
+        return scored + tuple(c for c in self._prompt_rules.categories if c not in scored)
+
     async def start(self) -> None:
         """Load the embedder and the head, off the event loop. Until then only rules apply."""
         if self.config.classifier and self._classifier is None:
@@ -163,7 +185,7 @@ class SafetyGate:
             key = _digest(recent)
             cached = self._screened.get(key)
             if cached is None:
-                verdict = await self._batcher.submit(ScoreJob(recent, JobKind.TURNS))
+                verdict = (await self._batcher.submit(_Job(ScoreJob(recent, JobKind.TURNS)))).verdict
                 if self._classifier is not None or not self.config.classifier:  # not before start() loaded it
                     self._remember(key, verdict)
             else:
@@ -172,6 +194,15 @@ class SafetyGate:
         self._screen_seconds.observe(time.perf_counter() - started_s)
         self._record(Stage.PROMPT, verdict, tier)
         return verdict
+
+    async def assess(self, text: str, *, tier: str) -> Assessment:
+        """`text` read as a conversation's only user turn, every layer in full (POST
+        /v1/moderations): its verdict is the one screen_prompt gives that conversation. Batched
+        with the prompts and answer windows waiting; its turn joins the classifier's turn cache (a
+        text moderated and then sent is encoded once); counted under the stage "moderation"."""
+        assessment = await self._batcher.submit(_Job(ScoreJob((text,), JobKind.TURNS), in_full=True))
+        self._record(Stage.MODERATION, assessment.verdict, tier)
+        return assessment
 
     def _remember(self, key: bytes, verdict: Verdict) -> None:
         self._screened[key] = verdict
@@ -203,24 +234,35 @@ class SafetyGate:
     def threshold(self, category: str) -> float:
         return self.config.thresholds.get(category, self.config.threshold)
 
-    def _run_batch(self, jobs: list[ScoreJob]) -> list[Verdict]:
+    def _run_batch(self, jobs: list[_Job]) -> list[Assessment]:
         """Blocking (a worker thread): per job, rules first for prompts (answers' rules run in
-        the output filter), then one classifier pass for every job the rules let through."""
-        verdicts: list[Verdict | None] = [None] * len(jobs)
-        for i, job in enumerate(jobs):
-            if job.kind is JobKind.TURNS:
-                match = self._prompt_rules.first_match("\n\n".join(job.texts))
-                if match is not None:
-                    verdicts[i] = Verdict.block(SafetyLayer.RULES, match.category)
-                elif self._classifier is None:
-                    verdicts[i] = Verdict.allow()
-        todo = [i for i, v in enumerate(verdicts) if v is None]
-        if todo:
-            assert self._classifier is not None  # TEXT jobs come only with a classifier
-            scores = self._classifier.score([jobs[i] for i in todo])
-            for i, job_scores in zip(todo, scores, strict=True):
-                verdicts[i] = self._judge(job_scores, self._threshold_for(jobs[i].kind))
-        return verdicts  # type: ignore[return-value]  # every slot is filled above
+        the output filter), then one classifier pass for every job the rules let through and
+        every job assessed in full."""
+        matched = [self._rule_categories(job) for job in jobs]
+        todo = [i for i, job in enumerate(jobs) if job.in_full or not matched[i]]
+        scored: dict[int, dict[str, float]] = {}
+        if todo and self._classifier is not None:  # TEXT jobs come only with a classifier
+            categories = self._classifier.categories
+            scores = self._classifier.score([jobs[i].score for i in todo])
+            scored = {i: dict(zip(categories, s.tolist(), strict=True)) for i, s in zip(todo, scores, strict=True)}
+        return [self._assessment(job, matched[i], scored.get(i)) for i, job in enumerate(jobs)]
+
+    def _rule_categories(self, job: _Job) -> tuple[str, ...]:
+        """The prompt rules' categories that match a conversation's turns: the first only unless
+        the job is assessed in full; none for answer windows."""
+        if job.score.kind is not JobKind.TURNS:
+            return ()
+        text = "\n\n".join(job.score.texts)
+        if job.in_full:
+            return self._prompt_rules.matched_categories(text)
+        match = self._prompt_rules.first_match(text)
+        return () if match is None else (match.category,)
+
+    def _assessment(self, job: _Job, rules: tuple[str, ...], scores: dict[str, float] | None) -> Assessment:
+        threshold = self._threshold_for(job.score.kind)
+        over = tuple(c for c, score in (scores or {}).items() if score >= threshold(c) and c not in rules)
+        verdict = Verdict.block(SafetyLayer.RULES, rules[0]) if rules else self._judge(scores or {}, threshold)
+        return Assessment(verdict, rules, scores, rules + over)
 
     def _threshold_for(self, kind: JobKind) -> Callable[[str], float]:
         if kind is JobKind.TURNS:
@@ -228,12 +270,11 @@ class SafetyGate:
         return lambda _category: self.config.output_threshold
 
     async def _classify_output(self, text: str) -> Verdict:
-        return await self._batcher.submit(ScoreJob((text,), JobKind.TEXT))
+        return (await self._batcher.submit(_Job(ScoreJob((text,), JobKind.TEXT)))).verdict
 
-    def _judge(self, scores: np.ndarray, threshold: Callable[[str], float]) -> Verdict:
-        assert self._classifier is not None
+    def _judge(self, scores: Mapping[str, float], threshold: Callable[[str], float]) -> Verdict:
         best: tuple[float, str] | None = None
-        for category, score in zip(self._classifier.categories, scores.tolist(), strict=True):
+        for category, score in scores.items():
             if score >= threshold(category) and (best is None or score > best[0]):
                 best = (score, category)
         return Verdict.allow() if best is None else Verdict.block(SafetyLayer.CLASSIFIER, best[1], best[0])

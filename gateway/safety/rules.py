@@ -117,9 +117,24 @@ class RuleSet:
     def is_empty(self) -> bool:
         return not self._deny
 
+    @property
+    def categories(self) -> tuple[str, ...]:
+        """The categories that have deny patterns, in declaration order."""
+        return tuple(self._deny)
+
     def first_match(self, text: str) -> RuleMatch | None:
         """The first complete deny match in `text`, categories in declaration order."""
         return self.scan(text, 0, final=True).match
+
+    def matched_categories(self, text: str) -> tuple[str, ...]:
+        """Every category with a complete deny match in `text`, in declaration order (the first
+        is first_match's)."""
+        matched = []
+        for category, patterns in self._deny.items():
+            masked = self._mask(text, category)
+            if any(pattern.search(masked) for pattern in patterns):
+                matched.append(category)
+        return tuple(matched)
 
     def scan(self, text: str, pos: int, *, final: bool) -> ScanResult:
         """Deny matches starting at or after `pos` (earlier text gives \\b its context).

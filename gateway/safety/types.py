@@ -6,6 +6,7 @@ Plain data only; nothing here loads a model or touches the event loop.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 # Categories the classifier head is trained on (see safety/README.md). Operators' deny rules
@@ -24,6 +25,7 @@ class SafetyLayer(enum.StrEnum):
 class Stage(enum.StrEnum):
     PROMPT = "prompt"  # screening a conversation before the engine
     OUTPUT = "output"  # filtering a streamed answer
+    MODERATION = "moderation"  # assessing a text for POST /v1/moderations
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,3 +48,17 @@ class Verdict:
 
 
 _ALLOW = Verdict(allowed=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Assessment:
+    """Every layer's finding on one text read as a prompt (SafetyGate.assess): `verdict` is what
+    screening it would decide; `rule_categories` every category a deny rule matched, in
+    declaration order; `scores` the classifier's probability per category (None without a
+    classifier); `flagged` the categories that block it: the rules' matches, then the classifier's
+    categories at or over their thresholds. `verdict` blocks exactly when `flagged` is not empty."""
+
+    verdict: Verdict
+    rule_categories: tuple[str, ...]
+    scores: Mapping[str, float] | None
+    flagged: tuple[str, ...]

@@ -141,3 +141,15 @@ async def test_a_cancelled_caller_does_not_hold_up_the_others():
         doomed.cancel()
         assert await batcher.submit(2) == 4
         assert doomed.cancelled()
+
+
+async def test_assess_gives_the_classifiers_scores_even_after_a_rule_matched(classifier):
+    gate = SafetyGate(SafetyConfig(), classifier=classifier)
+    ruled = await gate.assess("How do I make a pipe bomb?", tier="f")
+    assert ruled.verdict.layer == SafetyLayer.RULES and ruled.rule_categories == ("weapons",)
+    assert ruled.scores is not None and set(ruled.scores) == set(classifier.categories)
+    scored = await gate.assess(HARMFUL, tier="f")
+    assert scored.rule_categories == () and scored.flagged == ("weapons",)
+    assert scored.verdict == await gate.screen_prompt([user(HARMFUL)], tier="f")
+    assert scored.verdict.score == scored.scores["weapons"]
+    assert (await gate.assess(BENIGN, tier="f")).flagged == ()

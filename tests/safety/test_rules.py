@@ -92,3 +92,12 @@ def test_match_touching_the_end_stays_pending_until_more_text_arrives():
 def test_scan_position_keeps_word_boundary_context_of_earlier_text():
     rules = RuleSet({"weapons": [r"\bbomb\b"]}, {})
     assert rules.scan("abomb here", 1, final=True).match is None
+
+
+def test_matched_categories_lists_every_matching_category_first_match_first():
+    rules = RuleSet.merged({"secrets": [r"\bbluebird\b"]}, {}, builtin=True)
+    text = "Project bluebird: how do I build a pipe bomb, and write me a keylogger"
+    assert rules.matched_categories(text) == ("weapons", "malware", "secrets")
+    assert rules.first_match(text).category == "weapons"
+    assert rules.matched_categories("How do I make a bath bomb?") == ()
+    assert rules.categories == ("weapons", "self_harm", "malware", "sexual_minors", "hate", "secrets")
