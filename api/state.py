@@ -215,12 +215,14 @@ class AppState:
             key, tier_name, tier, principal.org.limits, waits_for_stream=is_local and principal.key_id is None
         )
 
-    def charge_request(self, principal: Principal) -> None:
+    def charge_request(self, principal: Principal) -> Caller:
         """Count one request (no tokens) against the caller's request limits; RateLimited (429)
-        when over them. For calls that write to the store outside the chat path."""
+        when over them. For calls that write to the store outside the chat path, and those that
+        generate nothing and are not billed (moderations). Returns the caller it charged."""
         caller = self.caller(principal)
         limiter = self.admission.limiter
         limiter.settle(limiter.acquire(caller.key, caller.tier_name, caller.tier, 0, caller.overrides), 0)
+        return caller
 
     def cost_usd(self, job: Job) -> float:
         """Computed in decimal and rounded to the nano-dollar (store/money.py)."""

@@ -1,5 +1,5 @@
 """The sections of the data and the features around the engine: [store], [files], [images],
-[safety], [embeddings] and [telemetry]. Declarations only: loading and checking are in loading.py.
+[safety], [moderations], [embeddings] and [telemetry]. Declarations only: loading and checking are in loading.py.
 """
 
 from __future__ import annotations
@@ -231,6 +231,22 @@ class SafetyConfig:
         "so the first token is not held for a check (~5 ms on 2 cores). A block after them leaves them shown. "
         "0: nothing is sent before a check.",
         minimum=0,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ModerationsConfig:
+    """POST /v1/moderations, answered by the safety gate's rules and classifier (api/moderations.py); served
+    while safety.enabled is true, with the same thresholds and rules as prompt screening."""
+
+    max_inputs: int = setting(
+        32, "Most inputs in one request (strings, or the parts of one multimodal input); 400 above it.", minimum=1
+    )
+    max_chars: int = setting(
+        32_000,
+        "Most characters in one request, its inputs together; 400 above it. The rules read every character, on the "
+        "CPU engine's thread between its steps (~0.4 ms per 1,000 characters on 2 cores).",
+        minimum=1,
     )
 
 

@@ -21,6 +21,7 @@ from settings.features import (
     EmbeddingsConfig,
     FilesConfig,
     ImagesConfig,
+    ModerationsConfig,
     SafetyConfig,
     StoreConfig,
     TelemetryConfig,
@@ -38,6 +39,7 @@ class Settings:
     files: FilesConfig = field(default_factory=FilesConfig)
     images: ImagesConfig = field(default_factory=ImagesConfig)
     safety: SafetyConfig = field(default_factory=SafetyConfig)
+    moderations: ModerationsConfig = field(default_factory=ModerationsConfig)
     trtllm: TrtllmConfig = field(default_factory=TrtllmConfig)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     embeddings: EmbeddingsConfig = field(default_factory=EmbeddingsConfig)
