@@ -2,7 +2,8 @@
 
 `init(settings)` returns a `web.Application`; long-lived parts (store, models, queues,
 router, safety gate) start in `cleanup_ctx` and stop in reverse order. Routes come from
-`api/resources.py` (with chat completions), `api/files.py` and `api/responses.py`. The
+`api/resources.py` (with chat completions), `api/files.py`, `api/responses.py` and the
+other endpoint modules (completions, messages, embeddings, moderations). The
 middlewares here (and the access middleware of `api/security.py`) are the only places that
 stamp request ids, check Host/Origin and authenticate; errors are rendered as described in
 `api/errors.py`.
@@ -21,7 +22,18 @@ import structlog
 from aiohttp import web
 from prometheus_client import Gauge
 
-from api import admin, chat, completions, embeddings, files, messages, resources, responses, responses_background
+from api import (
+    admin,
+    chat,
+    completions,
+    embeddings,
+    files,
+    messages,
+    moderations,
+    resources,
+    responses,
+    responses_background,
+)
 from api.connections import BIG_BODY_HINT, CLOSE_AFTER, make_body_deadline_middleware
 from api.errors import ApiError, from_gateway, internal_error, overloaded
 from api.inflight import INFLIGHT, InFlight
@@ -314,4 +326,5 @@ def init(settings: Settings, *, backend_factory: BackendFactory | None = None) -
     completions.add_routes(app)
     messages.add_routes(app)
     embeddings.add_routes(app)
+    moderations.add_routes(app)
     return app
