@@ -273,15 +273,10 @@ async def prepare_job(ctx: AttachContext, inputs: JobInputs) -> Prepared:
     ]
     history, history_images = None, []
     if inputs.history is not None:
-        await _look_up_files(ctx, inputs.history)
-        rendered = [await _history_message(ctx, m, prompter is not None) for m in inputs.history]
+        rendered = await _rendered_history(ctx, inputs.history, with_images=prompter is not None)
         history = tuple(r.message for r in rendered)
         history_images = [img for r in rendered for img in r.images]
-    fitted = dataclasses.replace(inputs, history=history)
-    if _num_chars(fitted, new) < OFF_LOOP_CHARS:
-        prepared = fit(fitted, new)
-    else:  # tokenizing a long prompt takes tens to hundreds of ms: not on the loop other streams share
-        prepared = await asyncio.get_running_loop().run_in_executor(side_executor(), fit, fitted, new)
+    prepared = await _fit_off_loop(dataclasses.replace(inputs, history=history), new)
     job = prepared.job
     if prompter is not None:
         await image_job.place_images(job, prompter, [*history_images, *(img for r in new for img in r.images)])
@@ -290,6 +285,32 @@ async def prepare_job(ctx: AttachContext, inputs: JobInputs) -> Prepared:
         orjson.dumps(to_json(m.parts)).decode() if m.parts else None for m in inputs.chat.messages
     )
     return prepared
+
+
+async def prepare_count(ctx: AttachContext, inputs: JobInputs) -> Job:
+    """The job `inputs` would make, for a token count (nothing generated): the files read and the
+    prompt fitted to the context as prepare_job fits it (fit: a stored history's oldest turns
+    dropped, documents cut or refused per `truncation`, the same 400s). Images are not read: each
+    counts as "[image]", not as a vision model's tokens."""
+    _check_file_count(inputs.chat.messages[inputs.chat.num_history_messages :], ctx.files)
+    new = [await resolve(ctx, m) for m in inputs.chat.messages]
+    history = None
+    if inputs.history is not None:
+        history = tuple(r.message for r in await _rendered_history(ctx, inputs.history, with_images=False))
+    return (await _fit_off_loop(dataclasses.replace(inputs, history=history), new)).job
+
+
+async def _fit_off_loop(inputs: JobInputs, new: list[Resolved]) -> Prepared:
+    """fit; a long prompt on a worker thread (tokenizing it takes tens to hundreds of ms: not on
+    the loop other streams share)."""
+    if _num_chars(inputs, new) < OFF_LOOP_CHARS:
+        return fit(inputs, new)
+    return await asyncio.get_running_loop().run_in_executor(side_executor(), fit, inputs, new)
+
+
+async def _rendered_history(ctx: AttachContext, history: tuple[ChatMessage, ...], with_images: bool) -> list[Resolved]:
+    await _look_up_files(ctx, history)
+    return [await _history_message(ctx, m, with_images) for m in history]
 
 
 async def _look_up_files(ctx: AttachContext, messages: tuple[ChatMessage, ...]) -> None:
@@ -324,18 +345,12 @@ async def _history_message(ctx: AttachContext, message: ChatMessage, with_images
     return Resolved(ChatMessage(message.role, render(resolved)), {}, resolved.images)
 
 
-async def read_files(
-    ctx: AttachContext, history: tuple[ChatMessage, ...], messages: tuple[ChatMessage, ...]
-) -> list[ChatMessage]:
-    """The prompt's messages with each file's text in place, as a token count reads them (nothing
-    generated): `history` (a stored conversation's) as prepare_job renders it, the request's own
-    `messages` under the same checks (file count, the file's owner, the readers' limits and
+async def read_files(ctx: AttachContext, messages: tuple[ChatMessage, ...]) -> list[ChatMessage]:
+    """The messages with each file's text in place, as a token count reads them (nothing
+    generated), under the same checks (file count, the file's owner, the readers' limits and
     refusals). Images are not read: each counts as "[image]", not as a vision model's tokens."""
     _check_file_count(messages, ctx.files)
-    await _look_up_files(ctx, history)
-    old = [(await _history_message(ctx, m, with_images=False)).message for m in history]
-    new = [ChatMessage(m.role, render(await resolve(ctx, m))) if m.parts else m for m in messages]
-    return [*old, *new]
+    return [ChatMessage(m.role, render(await resolve(ctx, m))) if m.parts else m for m in messages]
 
 
 def history_message(m: Message) -> ChatMessage:

@@ -34,15 +34,14 @@ from api.finish import STATUS, finish_job, generate_unary, stream_job
 from api.generation import generate_choices, make_answer
 from api.job import Job
 from api.paging import page_limit, page_order
-from api.prompt import prompt_tools
-from api.protocol import ChatMessage
+from api.protocol import ChatMessage, ChatRequest
 from api.responses_background import BACKGROUND, start_background, stop_all_background, stop_background
 from api.responses_record import ResponseContext, body_of, dumps, finished, record_cut
 from api.responses_stream import FINAL_EVENT, EventStream, replay
 from api.responses_wire import ResponsesRequest, input_error, input_item_object, new_id, parse_responses_request
 from api.sse import SSE_HEADERS, SSEWriter
 from api.state import PRINCIPAL, REQUEST_ID, STATE, AppState
-from api.token_count import charge_one_request, count_prompt, model_to_count_for, read_files
+from api.token_count import charge_one_request, count_as_served, model_to_count_for
 from api.waiting import LazyStream, wait_admitted
 from engine.types import FinishReason
 from gateway.admission import Pass
@@ -118,31 +117,37 @@ async def _context(state: AppState, org_id: str, req: ResponsesRequest, owned: c
         conversation_id = created = (
             await state.store.create_conversation(org_id, title=title_from(first), pending=True)
         ).id
-    # Stored: the request path loads the conversation's history itself (trimmed to fit the
-    # context, files and images as notes). Not stored: the history goes in with the input.
-    inline = () if conversation_id is not None else tuple(attachments.history_message(m) for m in history)
-    chat = replace(
-        req.chat,
-        messages=inline + req.chat.messages,
-        instructions=(ChatMessage("system", req.instructions),) if req.instructions else (),
-        conversation_id=conversation_id,
-        num_history_messages=len(inline),
-    )
+    chat = replace(_prompt_chat(req, history, is_stored=conversation_id is not None), conversation_id=conversation_id)
     return ResponseContext(
         replace(req, chat=chat),
         new_id("resp"),
         chat_bodies.now_s(),
         new_id("msg"),
         num_history_messages=len(history),
-        num_inline_messages=len(inline),
+        num_inline_messages=chat.num_history_messages,
         new_conversation=created,
+    )
+
+
+def _prompt_chat(req: ResponsesRequest, history: tuple[Message, ...], *, is_stored: bool) -> ChatRequest:
+    """The request as the chat request path takes it: the instructions first, then the input.
+    Stored: the request path loads the conversation's history itself (trimmed to fit the context,
+    files and images as notes). Not stored: the history goes in with the input, whole."""
+    inline = () if is_stored else tuple(attachments.history_message(m) for m in history)
+    return replace(
+        req.chat,
+        messages=inline + req.chat.messages,
+        instructions=(ChatMessage("system", req.instructions),) if req.instructions else (),
+        num_history_messages=len(inline),
     )
 
 
 async def count_input_tokens(request: web.Request) -> web.Response:
     """POST /v1/responses/input_tokens (OpenAI's): the tokens the request's prompt would take
     (its instructions, the history of previous_response_id, its input and tools) as this server
-    renders it for the model, as `{"object": "response.input_tokens", "input_tokens": N}`.
+    renders it for the model and fits it to the context (a stored history's oldest turns dropped,
+    files cut per `truncation`; what the request would refuse as too long is the same 400), as
+    `{"object": "response.input_tokens", "input_tokens": N}`: the response's usage.input_tokens.
     Nothing is generated, stored or billed; one request against the per-minute limit."""
     headers = charge_one_request(request)
     state = request.app[STATE]
@@ -151,16 +156,16 @@ async def count_input_tokens(request: web.Request) -> web.Response:
         await read_json(request), max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars
     )
     model = model_to_count_for(request, req.chat.model)
-    history: tuple[ChatMessage, ...] = ()
+    history: tuple[Message, ...] = ()
     if req.previous_response_id is not None:
         prev, conv = await _previous(state, request[PRINCIPAL].org.id, req.previous_response_id)
-        history = tuple(attachments.history_message(m) for m in conv.messages[: prev.num_messages])
-    first = (ChatMessage("system", req.instructions),) if req.instructions else ()
+        history = conv.messages[: prev.num_messages]
+    chat = _prompt_chat(req, history, is_stored=req.store)  # as _context: stored iff `store`
+    stored = tuple(attachments.history_message(m) for m in history) if req.store else None
     try:
-        messages = await read_files(request, (*first, *history), req.chat.messages)
-        num_tokens = await count_prompt(model, messages, prompt_tools(req.chat), req.chat.chat_template_kwargs)
+        num_tokens = await count_as_served(request, model, chat, stored)
     except ApiError as exc:  # name the field as this request spelled it
-        raise input_error(exc, num_instructions=len(first), num_history=len(history)) from None
+        raise input_error(exc, num_history=chat.num_history_messages) from None
     body = {"object": "response.input_tokens", "input_tokens": num_tokens}
     return web.json_response(body, dumps=json_dumps, headers=headers)
 

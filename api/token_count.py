@@ -1,7 +1,8 @@
 """Counting a prompt's tokens without generating: POST /v1/messages/count_tokens (Anthropic's)
 and POST /v1/responses/input_tokens (OpenAI's). Each counts as a request against the caller's
 per-minute limit (no tokens), so it cannot be called without bound; nothing is billed or stored.
-Files count with their text, read as for a generating request (and refused as there).
+Files count with their text, read as for a generating request (and refused as there); a Responses
+count fits the prompt to the context with the request path's own code (count_as_served).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from api.attachment_parts import AttachContext
 from api.attachments import OFF_LOOP_CHARS
 from api.errors import not_found
 from api.files import BLOBS, TEXTS
+from api.job import JobInputs
 from api.prompt import encode_chat
-from api.protocol import ChatMessage
-from api.state import PRINCIPAL, STATE
+from api.protocol import ChatMessage, ChatRequest
+from api.state import PRINCIPAL, REQUEST_ID, STATE
 from engine.registry import ModelHandle
 from engine.torch_threads import side_executor
 
@@ -42,15 +44,40 @@ def model_to_count_for(request: web.Request, name: str | None) -> ModelHandle:
     return state.models[name]
 
 
-async def read_files(
-    request: web.Request, history: tuple[ChatMessage, ...], messages: tuple[ChatMessage, ...]
-) -> list[ChatMessage]:
-    """The messages with their files read, as a generating request reads them (api/attachments.py):
-    a file's text counts, and a file the answer would refuse is refused here too."""
+def _attach_context(request: web.Request) -> AttachContext:
     state = request.app[STATE]
     files, images = state.settings.files, state.settings.images
-    ctx = AttachContext(state.store, request.app[BLOBS], request[PRINCIPAL].org.id, files, images, request.app[TEXTS])
-    return await attachments.read_files(ctx, history, messages)
+    return AttachContext(state.store, request.app[BLOBS], request[PRINCIPAL].org.id, files, images, request.app[TEXTS])
+
+
+async def read_files(request: web.Request, messages: tuple[ChatMessage, ...]) -> list[ChatMessage]:
+    """The messages with their files read, as a generating request reads them (api/attachments.py):
+    a file's text counts, and a file the answer would refuse is refused here too."""
+    return await attachments.read_files(_attach_context(request), messages)
+
+
+async def count_as_served(
+    request: web.Request, model: ModelHandle, chat: ChatRequest, history: tuple[ChatMessage, ...] | None
+) -> int:
+    """The prompt tokens serving `chat` on `model` would take: its files read and the prompt fitted
+    to the context by the request path's own code (attachments.prepare_count, then make_job): a
+    stored `history` (None: none is stored) loses its oldest turns as it would, files are cut or
+    refused per `truncation`, and what the request would refuse (a prompt past the context) is the
+    same 400. A long prompt is tokenized off the loop, as there."""
+    state, principal = request.app[STATE], request[PRINCIPAL]
+    tier_name, tier = state.tier_of(principal)
+    inputs = JobInputs(
+        request_id=request[REQUEST_ID],
+        principal=principal,
+        tier_name=tier_name,
+        tier=tier,
+        chat=chat,
+        model=model,
+        fallback_from=None,
+        history=history,
+        cache_salt=state.cache_salt(principal),
+    )
+    return (await attachments.prepare_count(_attach_context(request), inputs)).num_prompt_tokens
 
 
 async def count_prompt(

@@ -226,6 +226,26 @@ async def test_inline_files_count_toward_max_files_per_request_with_uploaded_one
     assert (await chat(client, inline_message(NOTES, "text/plain"))).status == 200
 
 
+async def test_input_tokens_fits_a_long_file_as_the_response_does_per_truncation(make_client):
+    """The count counted a file far past the context whole: the response refuses it (truncation
+    'disabled', the default) or cuts it ('auto'); the count gives the same 400, or the cut count."""
+    client = await make_client()  # the enterprise tier's context here: 400 tokens
+    key = await _key(client)
+    long_text = " ".join(f"word{i}" for i in range(1500)).encode()
+    file = {"type": "input_file", "filename": "long.txt", "file_data": data_url(long_text, "text/plain")}
+    ask = {"model": "echo", "input": [{"role": "user", "content": [{"type": "input_text", "text": "Read:"}, file]}]}
+    async with openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=key, max_retries=0) as sdk:
+        refusals = []
+        for call in (sdk.responses.input_tokens.count, sdk.responses.create):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await call(**ask)  # type: ignore[operator]
+            refusals.append(refused.value.body)
+        assert refusals[0] == refusals[1] and refusals[0]["code"] == "context_length_exceeded"  # type: ignore[index]
+        counted = await sdk.responses.input_tokens.count(**ask, truncation="auto")  # type: ignore[arg-type]
+        answered = await sdk.responses.create(**ask, truncation="auto")  # type: ignore[arg-type]
+        assert counted.input_tokens == answered.usage.input_tokens < 400  # type: ignore[union-attr]
+
+
 async def test_token_counts_read_files_as_the_answer_does_and_refuse_what_it_refuses(make_client):
     """Both counters counted a message's text parts only: a file (inline, uploaded, or in the
     history of previous_response_id) added nothing, and one the answer refuses counted as well."""

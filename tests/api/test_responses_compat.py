@@ -338,6 +338,28 @@ async def test_a_long_conversation_drops_its_oldest_turns_but_keeps_the_instruct
     assert prompt[-1]["content"].startswith("turn 4") and not any("turn 0" in m["content"] for m in prompt)
 
 
+async def test_input_tokens_of_a_long_chain_counts_the_trimmed_prompt_the_response_takes(make_client):
+    """The count counted the whole stored history of previous_response_id, more than the answer's
+    usage once the request dropped its oldest turns to fit; it fits the prompt as the request does.
+    Unstored, the history goes in whole: too long, both are the same 400."""
+    client = await make_client("tiers.enterprise.max_context_tokens=160")
+    sdk = await sdk_for(client)
+    backend = state_of(client).models["echo"].backend
+    words = " ".join(f"w{i}" for i in range(30))
+    last = await chain(sdk, *[(f"turn {n}: {words}", "Be brief.") for n in range(4)])
+    follow = dict(model="echo", input=f"turn 4: {words}", instructions="Be brief.", previous_response_id=last.id)
+    counted = await sdk.responses.input_tokens.count(**follow)
+    answered = await sdk.responses.create(**follow)
+    assert not any("turn 0" in m["content"] for m in backend.requests[-1].chat.messages)  # trimmed
+    assert counted.input_tokens == answered.usage.input_tokens
+    refusals = []
+    for call in (sdk.responses.input_tokens.count, sdk.responses.create):  # the SDK's count takes no `store`
+        with pytest.raises(openai.BadRequestError) as refused:
+            await call(**follow, extra_body={"store": False})
+        refusals.append((refused.value.status_code, refused.value.body))
+    assert refusals[0] == refusals[1] and refusals[0][1]["code"] == "context_length_exceeded"
+
+
 async def test_a_conversations_first_items_are_held_to_a_prompts_size(make_client):
     """Items had no size limit: a 2 MB conversation made every later turn re-tokenize it."""
     client = await make_client("server.max_prompt_chars=1000")
