@@ -414,12 +414,12 @@ def _eos_ids(path: Path, tokenizer: HFTokenizer, eos_token: str | None) -> tuple
     return tuple(ids)
 
 
-_GIL_FREE_CHARS = 8192  # longer texts are encoded through encode_batch, which releases the GIL
+GIL_FREE_CHARS = 8192  # longer texts are encoded through encode_batch, which releases the GIL
 
 
 def _encode(tok: HFTokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
     """`tok.encode(text).ids`; a long text through `encode_batch` (the same ids), which lets
     the event loop run while a worker thread tokenizes (`encode` holds the GIL throughout)."""
-    if len(text) < _GIL_FREE_CHARS:
+    if len(text) < GIL_FREE_CHARS:
         return tok.encode(text, add_special_tokens=add_special_tokens).ids
     return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids

@@ -273,14 +273,14 @@ class UpstreamBackend:
             raise
         except (aiohttp.ClientError, OSError, TimeoutError, MalformedStream) as exc:
             if attempt.is_aborted:
-                yield self._final(progress, FinishReason.ABORT, replica)
+                yield await self._final(progress, FinishReason.ABORT, replica)
                 return
             if progress.finish is None:
                 raise self._transport_failure(replica, exc) from None
             # The finish chunk came, then the upstream stalled or dropped before its usage or [DONE]: complete.
             self._record_success(replica)
             progress.num_yielded += 1
-            yield self._final(progress, progress.finish, replica)
+            yield await self._final(progress, progress.finish, replica)
         finally:
             replica.num_in_flight -= 1
             if self._running.get(request.request_id) is attempt:
@@ -301,7 +301,7 @@ class UpstreamBackend:
 
         async for payload in sse_payloads(response, timeout_s):
             if attempt.is_aborted:  # aborted before the response arrived: it was not closed then
-                yield self._final(progress, FinishReason.ABORT, replica)
+                yield await self._final(progress, FinishReason.ABORT, replica)
                 return
             if payload is DONE or not isinstance(payload, dict):
                 break
@@ -309,7 +309,7 @@ class UpstreamBackend:
             if isinstance(chunk, UpstreamError):
                 raise self._error_event(replica, chunk)
             had_output = progress.has_output
-            event = progress.feed(chunk)
+            event = await progress.feed(chunk)
             if progress.has_output and not had_output:  # the first text, reasoning or tool-call piece
                 replica.observe_ttft(time.monotonic() - started_s)
             if progress.is_cut:
@@ -325,11 +325,12 @@ class UpstreamBackend:
             raise _AttemptFailed(f"{replica.label}: the stream ended before finishing", FailureKind.CONNECTION)
         self._record_success(replica)
         progress.num_yielded += 1
-        yield self._final(progress, progress.finish, replica)
+        yield await self._final(progress, progress.finish, replica)
 
-    def _final(self, progress: Progress, finish: FinishReason, replica: Replica) -> TokenEvent:
-        """The last event, with the upstream's usage when it is plausible, else our own count (and which it is)."""
-        prompt, cached, completion = progress.num_prompt_tokens, 0, progress.output.count()
+    async def _final(self, progress: Progress, finish: FinishReason, replica: Replica) -> TokenEvent:
+        """The last event, with the upstream's usage when it is plausible, else our own count (and
+        which it is); the output is counted only then."""
+        prompt, cached, completion = progress.num_prompt_tokens, 0, None
         source = self._counter.usage_source
         usage = progress.usage
         if usage is not None and (usage.prompt_tokens or usage.completion_tokens or usage.problem):
@@ -339,6 +340,8 @@ class UpstreamBackend:
                 source = UsageSource.UPSTREAM
             else:
                 self._warn_once("upstream_usage_implausible", replica, problem=problem, counted_by=source.value)
+        if completion is None:
+            completion = await progress.output.count()
         self._num_prompt_tokens += prompt
         self._num_cached_tokens += cached
         self._num_generation_tokens += completion

@@ -247,11 +247,11 @@ def test_special_token_text_stays_plain_and_the_template_special_whatever_runs_b
 
 
 def test_a_long_text_encodes_to_the_same_ids_off_the_gil(tiny_model_dir):
-    from engine.tokenizer import _GIL_FREE_CHARS
+    from engine.tokenizer import GIL_FREE_CHARS
 
     tok = Tokenizer.from_dir(tiny_model_dir)
-    text = "Hello café 🙂 and more words. " * (_GIL_FREE_CHARS // 20)
+    text = "Hello café 🙂 and more words. " * (GIL_FREE_CHARS // 20)
     from tokenizers import Tokenizer as HF
 
     plain = HF.from_file(str(tiny_model_dir / "tokenizer.json")).encode(text, add_special_tokens=False).ids
-    assert len(text) >= _GIL_FREE_CHARS and tok.encode(text) == plain
+    assert len(text) >= GIL_FREE_CHARS and tok.encode(text) == plain

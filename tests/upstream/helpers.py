@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from engine.tokenizer import Tokenizer
 from engine.types import ChatPrompt, GenerationRequest, SamplingParams
 from engine.upstream.backend import UpstreamBackend
-from engine.upstream.counting import Counter, EstimatingCounter
+from engine.upstream.counting import Counter, EstimatingCounter, TokenizerCounter
 from settings import ModelConfig, UpstreamConfig
 
 USAGE = {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14}
@@ -39,6 +41,18 @@ def chunk(
     if tool_calls is not None:
         delta["tool_calls"] = tool_calls
     return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+class ThreadRecordingCounter(TokenizerCounter):
+    """The tokenizer's counter, recording each count's text length and the thread it ran on."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        super().__init__(tokenizer)
+        self.counts: list[tuple[int, int]] = []
+
+    def count(self, text: str) -> int:
+        self.counts.append((len(text), threading.get_ident()))
+        return super().count(text)
 
 
 class Sender:

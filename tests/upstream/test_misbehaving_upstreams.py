@@ -5,6 +5,7 @@ errors after the first token, stalls after a complete answer."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import structlog
@@ -13,7 +14,18 @@ from engine.tokenizer import Tokenizer
 from engine.types import EngineUnavailable, FinishReason, RequestRejected, UsageSource
 from engine.upstream.breaker import FailureKind
 from engine.upstream.counting import TokenizerCounter
-from tests.upstream.helpers import USAGE, Sender, Upstream, backend_for, chunk, collect, request, serve_upstream
+from engine.upstream.progress import OFF_LOOP_CHARS
+from tests.upstream.helpers import (
+    USAGE,
+    Sender,
+    ThreadRecordingCounter,
+    Upstream,
+    backend_for,
+    chunk,
+    collect,
+    request,
+    serve_upstream,
+)
 
 
 async def forever(send: Sender) -> None:
@@ -43,6 +55,34 @@ async def test_an_upstream_that_ignores_max_tokens_is_cut_there_with_length_and_
     last = events[-1]
     assert last.finish_reason is FinishReason.LENGTH and last.num_completion_tokens <= 10
     assert last.usage_source is UsageSource.ESTIMATE
+
+
+async def test_with_a_tokenizer_a_long_answer_is_cut_at_exactly_max_tokens_recounted_off_the_loop(
+    aiohttp_server, tiny_model_dir
+):
+    """The relay recounts the whole output near max_tokens; a long recount runs on a worker thread
+    (it held every other stream on the loop), and the answer is cut where it was: at the first
+    sentence that would take it past max_tokens, billed at the tokenizer's count of what was relayed."""
+    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    counter, plain = ThreadRecordingCounter(tokenizer), TokenizerCounter(tokenizer)
+    sentences = [f" Sentence {i}: the river flows to the sea." for i in range(1000)]
+
+    async def ignores_max_tokens(send: Sender) -> None:
+        for sentence in sentences:
+            await send.data(chunk(sentence))
+
+    limit = plain.count("".join(sentences[:400])) + 5
+    async with backend_for(await serve_upstream(aiohttp_server, Upstream(ignores_max_tokens)), counter) as backend:
+        events = await collect(backend, request(max_tokens=limit))
+    relayed = "".join(e.text for e in events)
+    num_relayed = len(events) - 1
+    assert relayed == "".join(sentences[:num_relayed])
+    assert plain.count(relayed) <= limit < plain.count(relayed + sentences[num_relayed])
+    last = events[-1]
+    assert last.finish_reason is FinishReason.LENGTH and last.usage_source is UsageSource.TOKENIZER
+    assert last.num_completion_tokens == plain.count(relayed)
+    long_ones = [thread for num_chars, thread in counter.counts if num_chars >= OFF_LOOP_CHARS]
+    assert long_ones and threading.get_ident() not in long_ones
 
 
 async def test_one_huge_chunk_past_max_tokens_is_not_relayed(aiohttp_server):
