@@ -30,6 +30,8 @@ from api import (
     files,
     messages,
     moderations,
+    ollama,
+    ollama_models,
     resources,
     responses,
     responses_background,
@@ -37,7 +39,7 @@ from api import (
 from api.connections import BIG_BODY_HINT, CLOSE_AFTER, make_body_deadline_middleware
 from api.errors import ApiError, from_gateway, internal_error, overloaded
 from api.inflight import INFLIGHT, InFlight
-from api.security import add_cors_headers, check_startup, keyless_allowed, make_access_middleware
+from api.security import add_cors_headers, check_startup, is_api_path, keyless_allowed, make_access_middleware
 from api.startup import CannotStart, build_info, check_tiers
 from api.state import REQUEST_ID, SETTINGS, STATE, AppState
 from engine.registry import BackendFactory, build_models
@@ -80,7 +82,7 @@ async def _stamp_headers(request: web.Request, response: web.StreamResponse) -> 
         response.headers["Connection"] = "close"  # the hook runs after aiohttp chose the header
     response.headers.setdefault("X-Content-Type-Options", "nosniff")
     response.headers["Server"] = "selfhosted-chat"  # not aiohttp's and Python's versions
-    if request.path.startswith("/v1/"):
+    if is_api_path(request.path):
         add_cors_headers(request, response, request.app[SETTINGS])
     else:
         response.headers.setdefault("Content-Security-Policy", CSP)
@@ -133,9 +135,15 @@ def _from_http_exception(exc: web.HTTPException) -> ApiError:
 
 
 def error_response(request: web.Request, error: ApiError) -> web.Response:
-    """OpenAI's error envelope; Anthropic's on its Messages API, whose clients read that one."""
+    """OpenAI's error envelope; Anthropic's on its Messages API and Ollama's on its native API,
+    whose clients read those."""
     headers = {"X-Request-Id": request.get(REQUEST_ID, ""), **error.headers}
-    body = messages.error_body(error) if messages.is_messages_path(request.path) else error.body()
+    if messages.is_messages_path(request.path):
+        body = messages.error_body(error)
+    elif ollama.is_ollama_path(request.path):
+        body = ollama.error_body(error)
+    else:
+        body = error.body()
     return web.json_response(body, status=error.status, headers=headers)
 
 
@@ -327,4 +335,6 @@ def init(settings: Settings, *, backend_factory: BackendFactory | None = None) -
     messages.add_routes(app)
     embeddings.add_routes(app)
     moderations.add_routes(app)
+    ollama.add_routes(app)
+    ollama_models.add_routes(app)
     return app

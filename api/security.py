@@ -29,6 +29,13 @@ HOST_EXEMPT_PATHS = ("/health", "/ready")
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 ADMIN_PREFIX = "/v1/admin/"  # api/admin.py: admin keys only, and admin keys nowhere else
+# The API's paths: OpenAI's and Anthropic's under /v1/, Ollama's native API under /api/ (api/ollama.py).
+API_PREFIXES = ("/v1/", "/api/")
+
+
+def is_api_path(path: str) -> bool:
+    """Authenticated as the API (keys or the keyless loopback mode), with CORS headers on answers."""
+    return path.startswith(API_PREFIXES)
 
 
 def is_admin_path(path: str) -> bool:
@@ -330,7 +337,7 @@ def make_access_middleware(settings: Settings):
             await _check_metrics_access(request)
         elif is_admin_path(request.path):
             request[PRINCIPAL] = await _admin_principal(request)
-        elif request.path.startswith("/v1/"):
+        elif is_api_path(request.path):
             keyless_peer = _is_keyless_peer(request, policy)
             principal = await _key_principal(request, keyless_peer)
             if principal is None and keyless_peer:

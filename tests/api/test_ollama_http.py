@@ -1,0 +1,446 @@
+"""Ollama's native API (/api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version) on
+the chat completions' request path.
+
+Against the fake backend (which echoes the last user message): NDJSON framing, options mapped onto
+sampling, tools as Ollama's tool_calls, format, images, every 400 and 404 in Ollama's error shape,
+the gateway's 429 with Retry-After, an error after the stream opened, the load call, the same
+authentication as /v1 (a non-loopback peer without a key is refused), the ledger, and the
+official `ollama` client. Against the native engine: a streamed chat's counts equal the ledger's.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import jsonschema
+import ollama
+import orjson
+import pytest
+from aiohttp import web
+from PIL import Image
+
+from api.app import init
+from api.ollama_request import parse_chat
+from engine.types import StructuredKind
+from settings import SafetyConfig
+from testing.fake_backend import FakeBehaviour, fake_backends
+from tests.api.helpers import THINKS, echo_settings, state_of
+
+ASK = [{"role": "user", "content": "hello there"}]
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_SCHEMA}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+ROOM = ("tiers.enterprise.max_tokens=200", "tiers.enterprise.max_context_tokens=1000")
+
+
+def _lines(raw: bytes) -> list[dict]:
+    """An NDJSON body: one JSON object per line, each line ended by a newline."""
+    text = raw.decode()
+    assert text.endswith("\n"), "every object ends with a newline"
+    return [orjson.loads(line) for line in text.split("\n")[:-1]]
+
+
+async def _stream(client, path: str, body: dict) -> list[dict]:
+    resp = await client.post(path, json=body)
+    assert resp.status == 200, await resp.text()
+    assert resp.content_type == "application/x-ndjson"
+    return _lines(await resp.read())
+
+
+async def _error(resp, status: int) -> str:
+    """Ollama's error shape: {"error": "message"}, with our request id."""
+    assert resp.status == status, await resp.text()
+    assert resp.headers["X-Request-Id"].startswith("req_")
+    body = await resp.json()
+    assert set(body) == {"error"} and isinstance(body["error"], str) and body["error"]
+    return body["error"]
+
+
+async def _ledger(client, headers=None) -> dict:
+    return (await (await client.get("/v1/usage", headers=headers or {})).json())["total"]
+
+
+# -- /api/chat and /api/generate ------------------------------------------------------------
+
+
+async def test_chat_streams_by_default_as_ndjson_ending_with_done_and_the_ledgers_counts(make_client):
+    client = await make_client()
+    lines = await _stream(client, "/api/chat", {"model": "echo", "messages": ASK})
+    *pieces, last = lines
+    assert all(p["done"] is False and p["model"] == "echo" and p["created_at"].endswith("Z") for p in pieces)
+    assert all(p["message"]["role"] == "assistant" for p in lines)
+    assert "".join(p["message"]["content"] for p in pieces) == "hello there"
+    assert last["done"] is True and last["done_reason"] == "stop" and last["message"]["content"] == ""
+    for key in ("total_duration", "load_duration", "prompt_eval_duration", "eval_duration"):
+        assert isinstance(last[key], int) and last[key] >= 0
+    assert last["total_duration"] >= last["eval_duration"] > 0
+    total = await _ledger(client)
+    assert total["num_requests"] == 1
+    assert (last["prompt_eval_count"], last["eval_count"]) == (total["prompt_tokens"], total["completion_tokens"])
+
+
+async def test_chat_unstreamed_is_one_object_billed_as_a_chat_completion_is(make_client):
+    client = await make_client()
+    resp = await client.post("/api/chat", json={"model": "echo", "messages": ASK, "stream": False})
+    assert resp.status == 200 and resp.content_type == "application/json"
+    body = await resp.json()
+    assert body["message"] == {"role": "assistant", "content": "hello there"} and body["done"] is True
+    chat = await (await client.post("/v1/chat/completions", json={"model": "echo", "messages": ASK})).json()
+    assert body["prompt_eval_count"] == chat["usage"]["prompt_tokens"]
+    assert body["eval_count"] == chat["usage"]["completion_tokens"]
+    total = await _ledger(client)
+    assert total["num_requests"] == 2
+    assert total["prompt_tokens"] == 2 * body["prompt_eval_count"]
+    assert total["completion_tokens"] == 2 * body["eval_count"]
+
+
+async def test_generate_answers_in_response_with_the_template_or_raw(make_client):
+    client = await make_client()
+    lines = await _stream(
+        client, "/api/generate", {"model": "echo", "prompt": "why is the sky blue", "system": "Be brief."}
+    )
+    assert "".join(p["response"] for p in lines) == "why is the sky blue" and lines[-1]["done"] is True
+    model = state_of(client).models["echo"]
+    prompt = model.tokenizer.decode(model.backend.requests[-1].prompt_token_ids, skip_special_tokens=False)
+    assert "<|im_start|>system\nBe brief.<|im_end|>" in prompt
+    templated = "<|im_start|>user\nraw words<|im_end|>\n<|im_start|>assistant\n"  # the client's own template
+    resp = await client.post("/api/generate", json={"model": "echo", "prompt": templated, "raw": True, "stream": False})
+    assert (await resp.json())["response"] == "raw words"
+    raw_prompt = model.tokenizer.decode(model.backend.requests[-1].prompt_token_ids, skip_special_tokens=False)
+    assert raw_prompt.removeprefix(model.tokenizer.bos_token or "") == templated  # as sent: no template
+
+
+async def test_options_map_onto_sampling_and_num_predict_is_a_cap(make_client):
+    client = await make_client()  # enterprise: max_tokens 64
+    options = {
+        "temperature": 0.3,
+        "top_p": 0.8,
+        "top_k": 7,
+        "seed": 42,
+        "num_predict": 4096,
+        "stop": ["zzz"],
+        "repeat_penalty": 1.2,
+        "presence_penalty": 0.5,
+        "num_ctx": 8192,  # checked, not used
+        "mirostat": 2,  # unknown here: ignored, as Ollama ignores options it does not know
+    }
+    resp = await client.post("/api/chat", json={"model": "echo", "messages": ASK, "stream": False, "options": options})
+    assert resp.status == 200, await resp.text()
+    sampling = state_of(client).models["echo"].backend.requests[-1].sampling
+    assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed) == (0.3, 0.8, 7, 42)
+    assert (sampling.stop, sampling.repetition_penalty, sampling.presence_penalty) == (("zzz",), 1.2, 0.5)
+    assert sampling.max_tokens == 64  # the tier's cap, not a 400
+    resp = await client.post(
+        "/api/chat", json={"model": "echo", "messages": ASK, "stream": False, "options": {"num_predict": 2, "seed": -1}}
+    )
+    body = await resp.json()
+    assert body["done_reason"] == "length" and body["eval_count"] == 2
+    assert state_of(client).models["echo"].backend.requests[-1].sampling.seed is None  # -1: random
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_tool_call_comes_back_in_ollamas_shape_with_arguments_as_an_object(make_client, stream):
+    client = await make_client(*ROOM)
+    body = {"model": "echo", "messages": [{"role": "user", "content": CALL}], "tools": [WEATHER], "stream": stream}
+    if stream:
+        lines = await _stream(client, "/api/chat", body)
+        calls = [c for line in lines for c in line["message"].get("tool_calls", ())]
+        final = lines[-1]
+    else:
+        final = await (await client.post("/api/chat", json=body)).json()
+        calls = final["message"]["tool_calls"]
+    assert len(calls) == 1
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert calls[0]["function"]["arguments"] == {"city": "Paris", "unit": "c"}  # an object, not JSON text
+    assert final["done_reason"] == "stop"
+
+
+async def test_a_tool_history_is_rendered_with_its_result_matched_by_tool_name(make_client):
+    client = await make_client(*ROOM)
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}}],
+        },
+        {"role": "tool", "tool_name": "get_weather", "content": "sunny, 21 C"},
+        {"role": "user", "content": "thanks"},
+    ]
+    resp = await client.post(
+        "/api/chat", json={"model": "echo", "messages": history, "tools": [WEATHER], "stream": False}
+    )
+    assert resp.status == 200, await resp.text()
+    (chat_request,) = state_of(client).models["echo"].backend.requests
+    model = state_of(client).models["echo"]
+    prompt = model.tokenizer.decode(chat_request.prompt_token_ids, skip_special_tokens=False)
+    assert "sunny, 21 C" in prompt and "Paris" in prompt
+    parsed = parse_chat(
+        {"model": "echo", "messages": history}, known=frozenset({"echo"}), max_messages=10, max_prompt_chars=1000
+    )
+    call, result = parsed.chat.messages[1], parsed.chat.messages[2]
+    assert call.tool_calls[0].id == result.tool_call_id == "call_1_0"
+    assert orjson.loads(call.tool_calls[0].arguments) == {"city": "Paris", "unit": "c"}
+
+
+async def test_format_json_and_a_json_schema_constrain_the_answer(make_client):
+    client = await make_client()
+    for fmt, kind in (("json", StructuredKind.JSON_OBJECT), (WEATHER_SCHEMA, StructuredKind.JSON_SCHEMA)):
+        resp = await client.post("/api/generate", json={"model": "echo", "prompt": "x", "format": fmt, "stream": False})
+        assert resp.status == 200, await resp.text()
+        structured = state_of(client).models["echo"].backend.requests[-1].sampling.structured
+        assert structured is not None and structured.kind is kind
+
+
+def _png() -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4), (255, 0, 0)).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+async def test_images_for_a_model_without_vision_are_refused_naming_the_image(make_client):
+    client = await make_client()
+    messages = [{"role": "user", "content": "what is this?", "images": [_png()]}]
+    message = await _error(await client.post("/api/chat", json={"model": "echo", "messages": messages}), 400)
+    assert "does not accept images" in message and "messages[0].images[0]" in message
+    generate = {"model": "echo", "prompt": "what is this?", "images": [_png()]}
+    assert "(param: images[0])" in await _error(await client.post("/api/generate", json=generate), 400)
+    assert state_of(client).models["echo"].backend.requests == []
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "where"),
+    [
+        ("/api/chat", {"messages": ASK, "model": None}, "model"),
+        ("/api/chat", {"messages": "hello"}, "messages"),
+        ("/api/chat", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ("/api/chat", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        (
+            "/api/chat",
+            {"messages": [{"role": "user", "content": "x", "images": ["bm90IGFuIGltYWdl"]}]},
+            "messages[0].images[0]",
+        ),
+        ("/api/chat", {"messages": [{"role": "assistant", "content": "x", "images": [_png()]}]}, "messages[0].images"),
+        (
+            "/api/chat",
+            {"messages": [{"role": "assistant", "tool_calls": [{"function": {}}]}]},
+            "messages[0].tool_calls[0]",
+        ),
+        ("/api/chat", {"messages": ASK, "stream": "yes"}, "stream"),
+        ("/api/chat", {"messages": ASK, "options": [1]}, "options"),
+        ("/api/chat", {"messages": ASK, "options": {"temperature": 3}}, "options.temperature"),
+        ("/api/chat", {"messages": ASK, "options": {"top_p": 0}}, "options.top_p"),
+        ("/api/chat", {"messages": ASK, "options": {"top_k": "many"}}, "options.top_k"),
+        ("/api/chat", {"messages": ASK, "options": {"num_predict": 0}}, "options.num_predict"),
+        ("/api/chat", {"messages": ASK, "options": {"num_ctx": -5}}, "options.num_ctx"),
+        ("/api/chat", {"messages": ASK, "options": {"stop": ["a", "b", "c", "d", "e"]}}, "options.stop"),
+        ("/api/chat", {"messages": ASK, "options": {"repeat_penalty": 0}}, "options.repeat_penalty"),
+        ("/api/chat", {"messages": ASK, "format": "yaml"}, "format"),
+        ("/api/chat", {"messages": ASK, "format": {"type": "object", "properties": 5}}, "format.schema"),
+        ("/api/chat", {"messages": ASK, "think": "very"}, "think"),
+        ("/api/chat", {"messages": ASK, "tools": [{"function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+        ("/api/generate", {"prompt": "x", "suffix": "return y"}, "suffix"),
+        ("/api/generate", {"prompt": "x", "template": "{{ .Prompt }}"}, "template"),
+        ("/api/generate", {"prompt": "x", "context": [1, 2, 3]}, "context"),
+        ("/api/generate", {"prompt": 5}, "prompt"),
+        ("/api/generate", {"prompt": "x", "raw": True, "images": [_png()]}, "images"),
+    ],
+)
+async def test_bad_input_is_a_400_in_ollamas_shape_before_anything_runs(make_client, path, fields, where):
+    client = await make_client()
+    body = {"model": "echo", **fields}
+    message = await _error(await client.post(path, json={k: v for k, v in body.items() if v is not None}), 400)
+    assert f"(param: {where})" in message
+    assert state_of(client).models["echo"].backend.requests == []
+
+
+async def test_an_unknown_model_is_a_404_and_the_latest_tag_names_the_model(make_client):
+    client = await make_client()
+    for path, body in (("/api/chat", {"messages": ASK}), ("/api/generate", {"prompt": "x"}), ("/api/show", {})):
+        await _error(await client.post(path, json={"model": "llama3.2", **body}), 404)
+    resp = await client.post("/api/chat", json={"model": "echo:latest", "messages": ASK, "stream": False})
+    assert resp.status == 200 and (await resp.json())["model"] == "echo:latest"  # the client's name, repeated
+    await _error(await client.post("/api/pull", json={"model": "llama3.2"}), 501)
+
+
+async def test_no_messages_or_an_empty_prompt_is_ollamas_load_call(make_client):
+    client = await make_client()
+    chat = await (await client.post("/api/chat", json={"model": "echo", "messages": []})).json()
+    assert chat["done"] is True and chat["done_reason"] == "load" and chat["message"]["content"] == ""
+    generate = await (await client.post("/api/generate", json={"model": "echo:latest"})).json()
+    assert generate == {**generate, "response": "", "done": True, "done_reason": "load", "model": "echo:latest"}
+    await _error(await client.post("/api/generate", json={"model": "nope"}), 404)
+    assert state_of(client).models["echo"].backend.requests == []
+
+
+async def test_the_gateways_429_comes_in_ollamas_shape_with_retry_after(make_client):
+    client = await make_client("tiers.enterprise.requests_per_minute=1")
+    assert (await client.post("/api/chat", json={"model": "echo", "messages": ASK, "stream": False})).status == 200
+    resp = await client.post("/api/chat", json={"model": "echo", "messages": ASK})
+    await _error(resp, 429)
+    assert int(resp.headers["Retry-After"]) >= 1
+
+
+async def test_a_failure_after_the_stream_opened_is_an_error_line(make_client):
+    client = await make_client(behaviour=FakeBehaviour(fail_after=2))
+    body = {"model": "echo", "messages": [{"role": "user", "content": "one two three four"}]}
+    lines = await _stream(client, "/api/chat", body)
+    assert set(lines[-1]) == {"error"} and isinstance(lines[-1]["error"], str)
+    assert all(not line.get("done") for line in lines)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_blocked_prompt_gets_the_refusal_unbilled(make_client, stream):
+    client = await make_client("safety.enabled=true", "safety.classifier=false")
+    body = {"model": "echo", "messages": [{"role": "user", "content": "how do I kill myself"}], "stream": stream}
+    if stream:
+        lines = await _stream(client, "/api/chat", body)
+        text, final = "".join(line["message"]["content"] for line in lines), lines[-1]
+    else:
+        final = await (await client.post("/api/chat", json=body)).json()
+        text = final["message"]["content"]
+    assert text == SafetyConfig().refusal_messages["self_harm"]
+    assert final["done_reason"] == "content_filter" and final["prompt_eval_count"] == 0
+    assert state_of(client).models["echo"].backend.requests == []
+
+
+@pytest.fixture
+async def thinker(aiohttp_client, tmp_path, thinking_model_dir):
+    return await aiohttp_client(init(echo_settings(tmp_path, thinking_model_dir), backend_factory=fake_backends()))
+
+
+async def test_a_reasoning_models_thinking_is_the_thinking_field_and_think_false_turns_it_off(thinker):
+    body = {"model": "echo", "messages": THINKS, "stream": False, "think": True}
+    message = (await (await thinker.post("/api/chat", json=body)).json())["message"]
+    assert message == {"role": "assistant", "content": "Three words here.", "thinking": "Count the words.\n"}
+    lines = await _stream(thinker, "/api/generate", {"model": "echo", "prompt": THINKS[0]["content"], "think": True})
+    assert "".join(line.get("thinking", "") for line in lines) == "Count the words.\n"
+    model = state_of(thinker).models["echo"]
+    await thinker.post("/api/chat", json={**body, "think": False})
+    prompt = model.tokenizer.decode(model.backend.requests[-1].prompt_token_ids, skip_special_tokens=False)
+    assert prompt.endswith("<think>\n\n</think>\n\n")  # the template was told enable_thinking=false
+
+
+# -- the models -----------------------------------------------------------------------------
+
+
+async def test_tags_show_ps_and_version_describe_the_tiers_models(make_client):
+    client = await make_client()
+    names = [m["name"] for m in (await (await client.get("/api/tags")).json())["models"]]
+    assert names == ["echo:latest", "echo2:latest", "all-minilm-l6-v2:latest"]  # local: the enterprise tier
+    entry = (await (await client.get("/api/tags")).json())["models"][0]
+    assert entry["model"] == "echo:latest" and entry["size"] > 0 and len(entry["digest"]) == 64
+    assert entry["details"]["family"] == "llama" and entry["details"]["format"] == "safetensors"
+    show = await (await client.post("/api/show", json={"model": "echo"})).json()
+    assert show["model_info"]["llama.context_length"] == 400  # the tier's max_context_tokens caps the model's
+    assert show["model_info"]["general.parameter_count"] > 0
+    assert show["capabilities"] == ["completion", "tools"] and "im_start" in show["template"]
+    ps = (await (await client.get("/api/ps")).json())["models"]
+    assert [m["name"] for m in ps] == ["echo:latest", "echo2:latest"] and ps[0]["context_length"] == 400
+    assert (await (await client.get("/api/version")).json())["version"]
+    store = state_of(client).store
+    await store.create_org("cheap", "free")
+    key = (await store.create_key("cheap"))[1]
+    free = await (await client.get("/api/tags", headers={"Authorization": f"Bearer {key}"})).json()
+    assert [m["name"] for m in free["models"]] == ["echo2:latest", "all-minilm-l6-v2:latest"]
+    await _error(
+        await client.post("/api/show", json={"model": "echo"}, headers={"Authorization": f"Bearer {key}"}), 404
+    )
+
+
+# -- who may call ---------------------------------------------------------------------------
+
+
+@web.middleware
+async def _from_afar(request: web.Request, handler):
+    """The request as if it came from another machine (not loopback)."""
+    return await handler(request.clone(remote="203.0.113.9"))
+
+
+@pytest.mark.parametrize("extra", [(), ("server.require_keys=true",)])
+async def test_a_request_without_a_key_from_another_machine_is_401_in_ollamas_shape(
+    aiohttp_client, tmp_path, tiny_model_dir, extra
+):
+    app = init(echo_settings(tmp_path, tiny_model_dir, extra), backend_factory=fake_backends())
+    app.middlewares.insert(0, _from_afar)
+    client = await aiohttp_client(app)
+    for method, path in (("GET", "/api/tags"), ("GET", "/api/version"), ("POST", "/api/chat")):
+        resp = await client.request(method, path, json={"model": "echo", "messages": ASK})
+        assert "API key" in await _error(resp, 401)
+    store = state_of(client).store
+    await store.create_org("acme", "enterprise")
+    key = (await store.create_key("acme"))[1]
+    body = {"model": "echo", "messages": ASK, "stream": False}
+    resp = await client.post("/api/chat", json=body, headers={"Authorization": f"Bearer {key}"})
+    assert resp.status == 200, await resp.text()
+    assert (await _ledger(client, {"Authorization": f"Bearer {key}"}))["num_requests"] == 1
+
+
+async def test_the_api_has_the_host_and_origin_checks_and_the_ui_is_still_served(make_client):
+    client = await make_client()
+    await _error(await client.get("/api/tags", headers={"Host": "attacker.example"}), 403)
+    resp = await client.post(
+        "/api/chat", json={"model": "echo", "messages": ASK}, headers={"Origin": "https://evil.example"}
+    )
+    await _error(resp, 403)
+    assert (await client.get("/")).status == 200
+    assert (await client.get("/static/app.js")).status == 200
+
+
+# -- the official client --------------------------------------------------------------------
+
+
+async def test_the_ollama_python_client_chats_generates_lists_and_shows(make_client):
+    client = await make_client(*ROOM)
+    sdk = ollama.AsyncClient(host=str(client.make_url("")).rstrip("/"))
+    answer = await sdk.chat(model="echo", messages=ASK)
+    assert answer.message.content == "hello there" and answer.done and answer.eval_count > 0
+    pieces = [part async for part in await sdk.chat(model="echo", messages=ASK, stream=True)]
+    assert "".join(p.message.content or "" for p in pieces) == "hello there" and pieces[-1].done_reason == "stop"
+    called = await sdk.chat(
+        model="echo", messages=[{"role": "user", "content": CALL}], tools=[WEATHER], format=None, options={"seed": 1}
+    )
+    assert called.message.tool_calls[0].function.arguments == {"city": "Paris", "unit": "c"}
+    generated = await sdk.generate(model="echo", prompt="tell me", options={"temperature": 0})
+    assert generated.response == "tell me"
+    listed = await sdk.list()
+    assert [m.model for m in listed.models][:2] == ["echo:latest", "echo2:latest"]
+    shown = await sdk.show("echo")
+    context = min(state_of(client).models["echo"].max_model_len, 1000)  # the model's, within the tier's
+    assert "tools" in shown.capabilities and shown.modelinfo["llama.context_length"] == context
+    with pytest.raises(ollama.ResponseError) as caught:
+        await sdk.chat(model="llama3.2", messages=ASK)
+    assert caught.value.status_code == 404 and "llama3.2" in caught.value.error
+
+
+# -- the native engine ----------------------------------------------------------------------
+
+
+async def test_a_streamed_chat_on_the_native_engine_counts_what_the_ledger_bills(native_client):
+    body = {"model": "tiny", "messages": ASK, "options": {"temperature": 0, "num_predict": 8}}
+    lines = await _stream(native_client, "/api/chat", body)
+    *pieces, last = lines
+    assert pieces and all(line["done"] is False for line in pieces) and last["done"] is True
+    text = "".join(p["message"]["content"] for p in pieces)
+    chat = {"model": "tiny", "messages": ASK, "temperature": 0, "max_tokens": 8}
+    expected = await (await native_client.post("/v1/chat/completions", json=chat)).json()
+    assert text == expected["choices"][0]["message"]["content"]
+    assert last["done_reason"] == expected["choices"][0]["finish_reason"]
+    total = await _ledger(native_client)
+    assert total["num_requests"] == 2
+    assert last["prompt_eval_count"] == expected["usage"]["prompt_tokens"] == total["prompt_tokens"] // 2
+    assert last["eval_count"] == expected["usage"]["completion_tokens"] == total["completion_tokens"] // 2
+
+
+async def test_a_json_schema_format_is_honoured_on_the_native_engine(native_client):
+    body = {"model": "tiny", "messages": ASK, "format": WEATHER_SCHEMA, "stream": False, "options": {"num_predict": 60}}
+    resp = await native_client.post("/api/chat", json=body)
+    assert resp.status == 200, await resp.text()
+    answer = await resp.json()
+    jsonschema.validate(orjson.loads(answer["message"]["content"]), WEATHER_SCHEMA)
