@@ -31,6 +31,7 @@ from api import (
     messages,
     moderations,
     ollama,
+    ollama_embed,
     ollama_models,
     resources,
     responses,
@@ -336,5 +337,6 @@ def init(settings: Settings, *, backend_factory: BackendFactory | None = None) -
     embeddings.add_routes(app)
     moderations.add_routes(app)
     ollama.add_routes(app)
+    ollama_embed.add_routes(app)
     ollama_models.add_routes(app)
     return app

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -57,6 +59,21 @@ class EmbeddingsRequest:
     model: str
     inputs: tuple[str | tuple[int, ...], ...]
     base64: bool
+    truncate: bool = True  # False: an input past MAX_TOKENS is a 400 whatever embeddings.truncate says
+
+
+@dataclass(frozen=True, slots=True)
+class Embedded:
+    """One request's vectors, as billed: what each API renders in its own shape."""
+
+    request: EmbeddingsRequest
+    vectors: np.ndarray  # [num_inputs, DIMENSIONS]
+    num_tokens: int
+    total_s: float
+    headers: dict[str, str]  # the caller's rate-limit headers
+
+
+ParseEmbeddings = Callable[[object, EmbeddingsConfig], EmbeddingsRequest]
 
 
 def parse_request(raw: object, cfg: EmbeddingsConfig) -> EmbeddingsRequest:
@@ -144,8 +161,11 @@ class EmbeddingsService:
                 self._embedder = await asyncio.get_running_loop().run_in_executor(side_executor(), load)
             return self._embedder
 
-    def token_ids(self, embedder: MiniLmEmbedder, inputs: tuple[str | tuple[int, ...], ...]) -> list[list[int]]:
-        """Each input's ids without [CLS] and [SEP], cut to fit (or a 400 naming the input)."""
+    def token_ids(
+        self, embedder: MiniLmEmbedder, inputs: tuple[str | tuple[int, ...], ...], *, truncate: bool = True
+    ) -> list[list[int]]:
+        """Each input's ids without [CLS] and [SEP], cut to fit (or a 400 naming the input, when
+        this request or embeddings.truncate says not to cut)."""
         body, vocab = MAX_TOKENS - 2, embedder.vocab_size
         out = []
         for i, item in enumerate(inputs):
@@ -160,7 +180,7 @@ class EmbeddingsService:
                         param="input",
                     )
                 ids = list(item)
-            if len(ids) > body and not self.cfg.truncate:
+            if len(ids) > body and not (truncate and self.cfg.truncate):
                 more = " or more" if isinstance(item, str) and len(item) > _HEAD_CHARS else ""
                 raise bad_request(
                     f"'input[{i}]' has {len(ids) + 2}{more} tokens; {self.cfg.model} reads at most {MAX_TOKENS} "
@@ -187,8 +207,9 @@ class EmbeddingsService:
         return np.concatenate(parts)
 
 
-@reads_body_itself
-async def create_embeddings(request: web.Request) -> web.Response:
+async def embed_request(request: web.Request, parse: ParseEmbeddings) -> Embedded:
+    """The embeddings path every API shares: limits, budget, `parse` (the body into a request),
+    tokenize, encode, bill in the usage ledger."""
     state = request.app[STATE]
     service = state.embeddings
     if service is None:
@@ -205,7 +226,7 @@ async def create_embeddings(request: web.Request) -> web.Response:
     try:
         if await state.over_budget(principal):  # no cheaper embeddings model to fall back to
             raise OverQuota("You exceeded your current budget; check your plan and billing details.")
-        req = parse_request(await read_json(request), service.cfg)
+        req = parse(await read_json(request), service.cfg)
         _check_num_chars(req, state.settings.server.max_prompt_chars)
         if req.model != service.cfg.model:
             raise not_found(
@@ -220,13 +241,15 @@ async def create_embeddings(request: web.Request) -> web.Response:
             )
         embedder = await service.embedder()
         loop = asyncio.get_running_loop()  # a megabyte of text takes tens of ms to tokenize: off the loop
-        id_lists = await loop.run_in_executor(side_executor(), service.token_ids, embedder, req.inputs)
+        tokenize = functools.partial(service.token_ids, embedder, req.inputs, truncate=req.truncate)
+        id_lists = await loop.run_in_executor(side_executor(), tokenize)
         num_tokens = sum(len(ids) + 2 for ids in id_lists)
         limiter.top_up(reservation, num_tokens)  # 429 when the token buckets cannot take them
         vectors = await service.embed(embedder, id_lists)
         num_tokens_used = num_tokens
     finally:
         limiter.settle(reservation, num_tokens_used)
+    total_s = time.monotonic() - arrival
     record = RequestRecord(
         request_id=request[REQUEST_ID],
         org_id=principal.org.id,
@@ -240,7 +263,7 @@ async def create_embeddings(request: web.Request) -> web.Response:
         cost_usd=float(money.cost_usd(((num_tokens_used, service.cfg.price_input_per_mtok),))),
         queue_ms=None,
         ttft_ms=None,
-        total_ms=round((time.monotonic() - arrival) * 1000.0, 3),
+        total_ms=round(total_s * 1000.0, 3),
         created_at=created_at,
         finished_at=time.time(),
     )
@@ -250,10 +273,19 @@ async def create_embeddings(request: web.Request) -> web.Response:
         raise overloaded(
             "The usage ledger cannot be written; try again later.", retry_after_s=30, code="store_unavailable"
         ) from None
-    data = [{"object": "embedding", "index": i, "embedding": _encoded(v, req.base64)} for i, v in enumerate(vectors)]
-    usage = {"prompt_tokens": num_tokens_used, "total_tokens": num_tokens_used}
-    body = {"object": "list", "data": data, "model": req.model, "usage": usage}
-    return web.json_response(body, dumps=json_dumps, headers=state.limit_headers(caller))
+    return Embedded(req, vectors, num_tokens_used, total_s, state.limit_headers(caller))
+
+
+@reads_body_itself
+async def create_embeddings(request: web.Request) -> web.Response:
+    done = await embed_request(request, parse_request)
+    data = [
+        {"object": "embedding", "index": i, "embedding": _encoded(v, done.request.base64)}
+        for i, v in enumerate(done.vectors)
+    ]
+    usage = {"prompt_tokens": done.num_tokens, "total_tokens": done.num_tokens}
+    body = {"object": "list", "data": data, "model": done.request.model, "usage": usage}
+    return web.json_response(body, dumps=json_dumps, headers=done.headers)
 
 
 def _encoded(vector: np.ndarray, as_base64: bool) -> list[float] | str:

@@ -202,7 +202,7 @@ async def test_inputs_past_the_prompt_character_limit_are_refused_before_any_is_
     service = state_of(client).embeddings
     tokenized = []
     token_ids = service.token_ids
-    service.token_ids = lambda embedder, inputs: tokenized.append(inputs) or token_ids(embedder, inputs)
+    service.token_ids = lambda embedder, inputs, **kw: tokenized.append(inputs) or token_ids(embedder, inputs, **kw)
     resp = await embed(client, input=["x" * 600, "y" * 600])
     error = await assert_error(resp, 400, param="input")
     assert "1200 characters" in error["message"] and "1000" in error["message"] and tokenized == []

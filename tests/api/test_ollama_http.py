@@ -14,6 +14,7 @@ import base64
 import io
 
 import jsonschema
+import numpy as np
 import ollama
 import orjson
 import pytest
@@ -325,6 +326,30 @@ async def test_a_reasoning_models_thinking_is_the_thinking_field_and_think_false
     await thinker.post("/api/chat", json={**body, "think": False})
     prompt = model.tokenizer.decode(model.backend.requests[-1].prompt_token_ids, skip_special_tokens=False)
     assert prompt.endswith("<think>\n\n</think>\n\n")  # the template was told enable_thinking=false
+
+
+# -- embeddings -----------------------------------------------------------------------------
+
+
+async def test_embed_answers_the_vectors_of_v1_embeddings_billed_the_same(make_client):
+    client = await make_client()
+    texts = ["Paris is the capital of France.", "The report is due on Friday."]
+    resp = await client.post("/api/embed", json={"model": "all-minilm-l6-v2:latest", "input": texts})
+    assert resp.status == 200, await resp.text()
+    body = await resp.json()
+    openai_body = await (await client.post("/v1/embeddings", json={"model": "all-minilm-l6-v2", "input": texts})).json()
+    expected = np.asarray([d["embedding"] for d in openai_body["data"]])
+    np.testing.assert_allclose(np.asarray(body["embeddings"]), expected, atol=1e-6)
+    assert body["prompt_eval_count"] == openai_body["usage"]["prompt_tokens"] and body["total_duration"] > 0
+    total = await _ledger(client)
+    assert (total["num_requests"], total["prompt_tokens"]) == (2, 2 * body["prompt_eval_count"])
+    legacy = await (await client.post("/api/embeddings", json={"model": "all-minilm-l6-v2", "prompt": texts[0]})).json()
+    np.testing.assert_allclose(legacy["embedding"], expected[0], atol=1e-6)
+    long_text = " ".join(f"word{i} and more" for i in range(200))
+    strict = {"model": "all-minilm-l6-v2", "input": long_text, "truncate": False}
+    assert "(param: input)" in await _error(await client.post("/api/embed", json=strict), 400)
+    assert (await client.post("/api/embed", json={**strict, "truncate": True})).status == 200
+    await _error(await client.post("/api/embed", json={"model": "nomic-embed-text", "input": "x"}), 404)
 
 
 # -- the models -----------------------------------------------------------------------------
