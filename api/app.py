@@ -2,8 +2,8 @@
 
 `init(settings)` returns a `web.Application`; long-lived parts (store, models, queues,
 router, safety gate) start in `cleanup_ctx` and stop in reverse order. Routes come from
-`api/resources.py` (with chat completions), `api/files.py`, `api/responses.py` and the
-other endpoint modules (completions, messages, embeddings, moderations). The
+`api/resources.py` (with chat completions), `api/files.py`, `api/responses.py` and the API
+modules beside them (completions, messages, embeddings, moderations, Ollama's). The
 middlewares here (and the access middleware of `api/security.py`) are the only places that
 stamp request ids, check Host/Origin and authenticate; errors are rendered as described in
 `api/errors.py`.

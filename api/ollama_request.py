@@ -305,12 +305,12 @@ def _named_images(
         return messages
     out = list(messages)
     for m, message in enumerate(messages):
-        found = [j for j, part in enumerate(message.parts) if isinstance(part, ImagePart)]
-        if found:
-            parts = list(message.parts)
-            for n, j in enumerate(found):
-                parts[j] = named(parts[j], images.get((m, n), parts[j].where))  # type: ignore[union-attr]
-            out[m] = replace(message, parts=tuple(parts))
+        parts, num_images = list(message.parts), 0
+        for j, part in enumerate(parts):
+            if isinstance(part, ImagePart):
+                parts[j] = named(part, images.get((m, num_images), part.where))
+                num_images += 1
+        out[m] = replace(message, parts=tuple(parts))
     return tuple(out)
 
 

@@ -45,7 +45,9 @@ class ServerConfig:
     local_tier: str = setting(
         "enterprise", "Tier of requests without a key (only on loopback, or with allow_public_without_keys)."
     )
-    require_keys: bool = setting(False, "true: every /v1 request needs an API key, even on 127.0.0.1.")
+    require_keys: bool = setting(
+        False, "true: every API request (/v1, and Ollama's /api) needs an API key, even on 127.0.0.1."
+    )
     cors_origins: list[str] = setting(
         [],
         'Origins (besides the UI\'s own) whose browser pages may call the API (CORS), e.g. ["http://localhost:3000"] '

@@ -26,7 +26,8 @@ from api.ollama_request import parse_chat
 from engine.types import StructuredKind
 from settings import SafetyConfig
 from testing.fake_backend import FakeBehaviour, fake_backends
-from tests.api.helpers import THINKS, echo_settings, state_of
+from testing.tiny_llava import build_tiny_llava
+from tests.api.helpers import THINKS, echo_settings, native_settings, state_of
 
 ASK = [{"role": "user", "content": "hello there"}]
 WEATHER_SCHEMA = {
@@ -469,3 +470,29 @@ async def test_a_json_schema_format_is_honoured_on_the_native_engine(native_clie
     assert resp.status == 200, await resp.text()
     answer = await resp.json()
     jsonschema.validate(orjson.loads(answer["message"]["content"]), WEATHER_SCHEMA)
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory):
+    return build_tiny_llava(tmp_path_factory.mktemp("llava-ollama") / "tiny-llava")
+
+
+async def test_images_reach_a_vision_model_as_chat_completions_image_parts_do(aiohttp_client, tmp_path, llava_dir):
+    client = await aiohttp_client(init(native_settings(tmp_path, llava_dir, "llava")))
+    image = _png()
+    body = {"model": "llava", "stream": False, "options": {"temperature": 0, "num_predict": 6}}
+    resp = await client.post(
+        "/api/chat", json={**body, "messages": [{"role": "user", "content": "What is this?", "images": [image]}]}
+    )
+    assert resp.status == 200, await resp.text()
+    answer = await resp.json()
+    parts = [
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},  # images first, as Ollama
+        {"type": "text", "text": "What is this?"},
+    ]
+    chat = {"model": "llava", "temperature": 0, "max_tokens": 6, "messages": [{"role": "user", "content": parts}]}
+    expected = await (await client.post("/v1/chat/completions", json=chat)).json()
+    assert answer["message"]["content"] == expected["choices"][0]["message"]["content"]
+    assert answer["prompt_eval_count"] == expected["usage"]["prompt_tokens"]
+    shown = await (await client.post("/api/show", json={"model": "llava"})).json()
+    assert "vision" in shown["capabilities"]
