@@ -472,6 +472,15 @@ async def test_a_json_schema_format_is_honoured_on_the_native_engine(native_clie
     jsonschema.validate(orjson.loads(answer["message"]["content"]), WEATHER_SCHEMA)
 
 
+async def test_logprobs_come_with_each_token_on_the_native_engine(native_client):
+    body = {"model": "tiny", "messages": ASK, "stream": False, "logprobs": True, "top_logprobs": 2}
+    answer = await (await native_client.post("/api/chat", json={**body, "options": {"num_predict": 4}})).json()
+    assert len(answer["logprobs"]) == answer["eval_count"] == 4
+    assert all(len(lp["top_logprobs"]) == 2 and lp["logprob"] <= 0 for lp in answer["logprobs"])
+    lines = await _stream(native_client, "/api/chat", {**body, "stream": True, "options": {"num_predict": 4}})
+    assert sum(len(line.get("logprobs", ())) for line in lines) == 4
+
+
 @pytest.fixture(scope="module")
 def llava_dir(tmp_path_factory):
     return build_tiny_llava(tmp_path_factory.mktemp("llava-ollama") / "tiny-llava")
