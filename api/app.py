@@ -40,7 +40,14 @@ from api import (
 from api.connections import BIG_BODY_HINT, CLOSE_AFTER, make_body_deadline_middleware
 from api.errors import ApiError, from_gateway, internal_error, overloaded
 from api.inflight import INFLIGHT, InFlight
-from api.security import add_cors_headers, check_startup, is_api_path, keyless_allowed, make_access_middleware
+from api.security import (
+    add_cors_headers,
+    check_startup,
+    is_api_path,
+    is_ollama_path,
+    keyless_allowed,
+    make_access_middleware,
+)
 from api.startup import CannotStart, build_info, check_tiers
 from api.state import REQUEST_ID, SETTINGS, STATE, AppState
 from engine.registry import BackendFactory, build_models
@@ -141,7 +148,7 @@ def error_response(request: web.Request, error: ApiError) -> web.Response:
     headers = {"X-Request-Id": request.get(REQUEST_ID, ""), **error.headers}
     if messages.is_messages_path(request.path):
         body = messages.error_body(error)
-    elif ollama.is_ollama_path(request.path):
+    elif is_ollama_path(request.path):
         body = ollama.error_body(error)
     else:
         body = error.body()

@@ -30,6 +30,7 @@ from api.generation import generate_choices, make_answer
 from api.inflight import INFLIGHT
 from api.job import Job, JobInputs, conversation_not_found
 from api.parts import num_inline_chars
+from api.security import is_ollama_path
 from api.sse import SSEWriter
 from api.state import PRINCIPAL, REQUEST_ID, SETTINGS, STATE, AppState
 from api.waiting import LazyStream, wait_admitted
@@ -41,8 +42,18 @@ from store.types import RequestStatus
 _STRUCTURE_CONTAINERS = 100_000  # arrays and objects a body may hold beyond brackets in its text
 
 
+def _takes_body_as_json(request: web.Request) -> bool:
+    """JSON bodies come as application/json (or untyped). Ollama's documented examples and the
+    scripts written from them send JSON with `curl -d`, typed as a form: Ollama's paths take any
+    type from a client that is not a browser page (a page's cross-site post always carries Origin,
+    and the content type is what would let it skip CORS's preflight)."""
+    if request.content_type in ("application/json", ""):
+        return True
+    return is_ollama_path(request.path) and "Origin" not in request.headers
+
+
 async def read_json(request: web.Request) -> object:
-    if request.content_type not in ("application/json", ""):
+    if not _takes_body_as_json(request):
         raise bad_request(
             f"Content-Type must be application/json, got {request.content_type}.", code="invalid_content_type"
         )

@@ -52,10 +52,6 @@ _DONE_REASON = {
 }
 
 
-def is_ollama_path(path: str) -> bool:
-    return path.startswith("/api/")
-
-
 def error_body(error: ApiError) -> dict[str, str]:
     """An ApiError in Ollama's shape: {"error": "message"} (the field it names, if any, in it)."""
     return {"error": error.message if error.param is None else f"{error.message} (param: {error.param})"}

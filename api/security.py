@@ -30,12 +30,17 @@ SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 ADMIN_PREFIX = "/v1/admin/"  # api/admin.py: admin keys only, and admin keys nowhere else
 # The API's paths: OpenAI's and Anthropic's under /v1/, Ollama's native API under /api/ (api/ollama.py).
-API_PREFIXES = ("/v1/", "/api/")
+OLLAMA_PREFIX = "/api/"  # api/ollama.py: Ollama's native API
+API_PREFIXES = ("/v1/", OLLAMA_PREFIX)
 
 
 def is_api_path(path: str) -> bool:
     """Authenticated as the API (keys or the keyless loopback mode), with CORS headers on answers."""
     return path.startswith(API_PREFIXES)
+
+
+def is_ollama_path(path: str) -> bool:
+    return path.startswith(OLLAMA_PREFIX)
 
 
 def is_admin_path(path: str) -> bool:

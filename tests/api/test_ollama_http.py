@@ -87,6 +87,23 @@ async def test_chat_streams_by_default_as_ndjson_ending_with_done_and_the_ledger
     assert (last["prompt_eval_count"], last["eval_count"]) == (total["prompt_tokens"], total["completion_tokens"])
 
 
+async def test_json_posted_as_a_form_as_ollamas_curl_examples_do_is_read_unless_a_page_sent_it(make_client):
+    """`curl http://localhost:11434/api/chat -d '{...}'` (Ollama's docs) types the body as a form; a
+    browser page's form post carries Origin, and stays refused (it would skip CORS's preflight)."""
+    client = await make_client()
+    body = orjson.dumps({"model": "echo", "messages": ASK, "stream": False})
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    resp = await client.post("/api/chat", data=body, headers=form)
+    assert resp.status == 200, await resp.text()
+    assert (await resp.json())["message"]["content"] == "hello there"
+    page = {**form, "Origin": f"http://{client.host}:{client.port}"}
+    assert "Content-Type must be application/json" in await _error(
+        await client.post("/api/chat", data=body, headers=page), 400
+    )
+    resp = await client.post("/v1/chat/completions", data=body, headers=form)  # OpenAI's API: JSON only
+    assert resp.status == 400 and (await resp.json())["error"]["code"] == "invalid_content_type"
+
+
 async def test_chat_unstreamed_is_one_object_billed_as_a_chat_completion_is(make_client):
     client = await make_client()
     resp = await client.post("/api/chat", json={"model": "echo", "messages": ASK, "stream": False})
