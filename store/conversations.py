@@ -21,7 +21,9 @@ from store.rows import fetch_all
 from store.types import Conversation, Message, NotFound
 
 MAX_TITLE_CHARS = 80
-_CONV_COLUMNS = "id, org_id, title, created_at, updated_at, metadata_json"
+# A conversation's columns, read from `conversations c` (conversation_of makes the value).
+CONV_COLUMNS = "c.id, c.org_id, c.title, c.created_at, c.updated_at, c.metadata_json"
+PAGE_ORDER = "c.updated_at DESC, c.id DESC"  # newest first: every page of conversations, listed or found
 _LIVE = "org_id = ? AND id = ? AND deleted_at IS NULL"
 _MESSAGE_COLUMNS = "m.id, m.role, m.content, m.created_at, m.tokens, m.model, m.parts_json, m.finish_reason"
 _NUM_MESSAGE_COLUMNS = _MESSAGE_COLUMNS.count(",") + 1
@@ -94,11 +96,11 @@ async def get_billed(
 
 
 async def _conversation(conn: aiosqlite.Connection, org_id: str, conversation_id: str) -> Conversation | None:
-    rows = await fetch_all(conn, f"SELECT {_CONV_COLUMNS} FROM conversations WHERE {_LIVE}", (org_id, conversation_id))
-    return _conversation_of(rows[0]) if rows else None
+    rows = await fetch_all(conn, f"SELECT {CONV_COLUMNS} FROM conversations c WHERE {_LIVE}", (org_id, conversation_id))
+    return conversation_of(rows[0]) if rows else None
 
 
-def _conversation_of(row: Any) -> Conversation:
+def conversation_of(row: Any) -> Conversation:
     metadata = json.loads(row["metadata_json"]) if row["metadata_json"] is not None else {}
     return Conversation(row["id"], row["org_id"], row["title"], row["created_at"], row["updated_at"], metadata=metadata)
 
@@ -107,23 +109,27 @@ async def list_page(
     conn: aiosqlite.Connection, org_id: str, limit: int, after: str | None
 ) -> tuple[list[Conversation], bool]:
     """Newest first by (updated_at, id); `after` is the last id of the previous page."""
-    where, params = "org_id = ? AND deleted_at IS NULL", [org_id]
-    if after is not None:
-        cursor_rows = await fetch_all(
-            conn, "SELECT updated_at FROM conversations WHERE org_id = ? AND id = ?", (org_id, after)
-        )
-        if not cursor_rows:
-            raise NotFound(f"no conversation {after!r} to page after")
-        updated_at = cursor_rows[0][0]
-        where += " AND (updated_at < ? OR (updated_at = ? AND id < ?))"
-        params += [updated_at, updated_at, after]
+    after_sql, after_params = await page_after(conn, org_id, after)
     rows = await fetch_all(
         conn,
-        f"SELECT {_CONV_COLUMNS} FROM conversations WHERE {where} ORDER BY updated_at DESC, id DESC LIMIT ?",
-        (*params, limit + 1),
+        f"SELECT {CONV_COLUMNS} FROM conversations c WHERE c.org_id = ? AND c.deleted_at IS NULL{after_sql}"
+        f" ORDER BY {PAGE_ORDER} LIMIT ?",
+        (org_id, *after_params, limit + 1),
     )
-    page = [_conversation_of(r) for r in rows[:limit]]
+    page = [conversation_of(r) for r in rows[:limit]]
     return page, len(rows) > limit
+
+
+async def page_after(conn: aiosqlite.Connection, org_id: str, after: str | None) -> tuple[str, list[Any]]:
+    """The condition (` AND ...`, on conversations `c`) and its parameters that start a page after
+    conversation `after` in PAGE_ORDER; nothing for the first page. NotFound: no such conversation."""
+    if after is None:
+        return "", []
+    rows = await fetch_all(conn, "SELECT updated_at FROM conversations WHERE org_id = ? AND id = ?", (org_id, after))
+    if not rows:
+        raise NotFound(f"no conversation {after!r} to page after")
+    updated_at = rows[0][0]
+    return " AND (c.updated_at < ? OR (c.updated_at = ? AND c.id < ?))", [updated_at, updated_at, after]
 
 
 # --- writes (inside the writer's transaction) -------------------------------------------

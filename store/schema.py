@@ -211,6 +211,51 @@ ALTER TABLE usage ADD COLUMN fallback_reason TEXT;
 ALTER TABLE usage ADD COLUMN history_messages_dropped INTEGER NOT NULL DEFAULT 0 CHECK (history_messages_dropped >= 0);
 """
 
+# Search (GET /v1/conversations?q=): FTS5 indexes of message text and titles, kept by triggers,
+# so that every write path (a turn, a branch's copy, a truncated tail, a rename, a purge or a
+# pending conversation discarded: messages go by ON DELETE CASCADE, which fires their trigger)
+# updates them in its own transaction. External content: the text stays in `messages` and
+# `conversations`, the index holds only its trigrams, keyed by the row's rowid (the store never
+# VACUUMs, which may renumber rowids; `backup` copies pages). The indexes span every
+# organisation: store/search.py scopes each query by joining `conversations` on org_id and
+# deleted_at, as every read does; a soft-deleted conversation leaves the index when purged.
+#
+# Trigram, not unicode61 words with prefix queries: the text is found as a substring,
+# case-insensitively (non-ASCII letters too), in any script (CJK has no spaces for unicode61 to
+# split words at), as "contains the text" promises. Text of 1-2 characters has no trigram:
+# store/search.py looks for it in titles only. The price is size, measured with
+# bench/bench_search.py (bench/RESULTS.md, "Conversation search"): 2,000 conversations of 10
+# messages, 6.6 M characters of text (a 9.1 MB messages table), took a 20.7 MB trigram index
+# (3.1 bytes a character); unicode61 would take 3.4 MB, trigram with detail=column (no phrase
+# queries, so no substring check) 15.3 MB. Titles add 0.4 MB.
+_V13_SEARCH = """
+CREATE VIRTUAL TABLE message_search USING fts5(content, content='messages', tokenize='trigram');
+CREATE VIRTUAL TABLE title_search USING fts5(title, content='conversations', tokenize='trigram');
+CREATE TRIGGER message_search_insert AFTER INSERT ON messages BEGIN
+    INSERT INTO message_search (rowid, content) VALUES (new.rowid, new.content);
+END;
+CREATE TRIGGER message_search_delete AFTER DELETE ON messages BEGIN
+    INSERT INTO message_search (message_search, rowid, content) VALUES ('delete', old.rowid, old.content);
+END;
+CREATE TRIGGER message_search_update AFTER UPDATE OF content ON messages BEGIN
+    INSERT INTO message_search (message_search, rowid, content) VALUES ('delete', old.rowid, old.content);
+    INSERT INTO message_search (rowid, content) VALUES (new.rowid, new.content);
+END;
+CREATE TRIGGER title_search_insert AFTER INSERT ON conversations BEGIN
+    INSERT INTO title_search (rowid, title) VALUES (new.rowid, new.title);
+END;
+CREATE TRIGGER title_search_delete AFTER DELETE ON conversations BEGIN
+    INSERT INTO title_search (title_search, rowid, title) VALUES ('delete', old.rowid, old.title);
+END;
+CREATE TRIGGER title_search_update AFTER UPDATE OF title ON conversations WHEN old.title IS NOT new.title BEGIN
+    INSERT INTO title_search (title_search, rowid, title) VALUES ('delete', old.rowid, old.title);
+    INSERT INTO title_search (rowid, title) VALUES (new.rowid, new.title);
+END;
+-- Existing databases: index what is there already.
+INSERT INTO message_search (message_search) VALUES ('rebuild');
+INSERT INTO title_search (title_search) VALUES ('rebuild');
+"""
+
 # (version, script); version N leaves `PRAGMA user_version = N`.
 MIGRATIONS: tuple[tuple[int, str], ...] = (
     (1, _V1),
@@ -225,6 +270,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (10, _V10_CONVERSATION_METADATA),
     (11, _V11_REASONING_TOKENS),
     (12, _V12_ANSWER_NOTES),
+    (13, _V13_SEARCH),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 _V1_TABLES = ("orgs", "api_keys", "conversations", "messages", "usage", "org_month_spend", "meta")

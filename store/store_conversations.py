@@ -1,9 +1,9 @@
-"""`StoreConversations`: the `Store` methods for conversations, feedback on their answers, the
-Responses stored with them, and purging deleted ones (a mixin: `Store` subclasses it).
+"""`StoreConversations`: the `Store` methods for conversations, searching them, feedback on their
+answers, the Responses stored with them, and purging deleted ones (a mixin: `Store` subclasses it).
 
 Each method is one read on a read connection or one job for the single writer, through the
 `_reader` and `_write` that `Store` (store/store.py) provides; the SQL is in store/conversations.py,
-store/feedback.py and store/responses.py. It holds no state and opens no connection of its own.
+store/search.py, store/feedback.py and store/responses.py. It holds no state and opens no connection of its own.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import aiosqlite
 import structlog
 
 from settings import StoreConfig
-from store import conversations, feedback, responses
-from store.types import Conversation, Message, StoreError
+from store import conversations, feedback, responses, search
+from store.types import Conversation, ConversationHit, Message, StoreError
 from store.writer import Job, T
 
 log = structlog.get_logger(__name__)
@@ -77,6 +77,14 @@ class StoreConversations:
         """A page, newest first, and whether more follow; raises NotFound for an unknown `after`."""
         async with self._reader() as conn:
             return await conversations.list_page(conn, org_id, max(1, limit), after)
+
+    async def search_conversations(
+        self, org_id: str, text: str, *, limit: int = 20, after: str | None = None
+    ) -> tuple[list[ConversationHit], bool]:
+        """A page of the conversations whose title or messages contain `text` (literal, no NUL),
+        in the list's order, and whether more follow; raises NotFound for an unknown `after`."""
+        async with self._reader() as conn:
+            return await search.search_page(conn, org_id, text, max(1, limit), after)
 
     async def get_conversation(
         self, org_id: str, conversation_id: str, *, with_messages: bool = True

@@ -116,6 +116,16 @@ class Conversation:
 
 
 @dataclass(frozen=True, slots=True)
+class ConversationHit:
+    """A conversation that search found: its latest message holding the text, and that message's
+    text around the match (plain text, whitespace collapsed); both None when only its title did."""
+
+    conversation: Conversation
+    message_id: str | None
+    snippet: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class RequestRecord:
     """Everything written when a request ends: one ledger row and, with a conversation, its turn."""
 

@@ -23,7 +23,8 @@ def _request_ids(db_path: Path) -> set[str]:
 
 
 async def test_a_full_disk_raises_store_unavailable_and_loses_nothing_acknowledged(db_path: Path, make_record) -> None:
-    store = await Store.open(db_path, StoreConfig(max_db_bytes=256 * 1024))
+    store = await Store.open(db_path, StoreConfig(max_db_bytes=512 * 1024))  # room for the write probe
+    assert store.is_writable
     org = await store.create_org("acme", "plus")
     conv = await store.create_conversation(org.id)
     acknowledged: set[str] = set()

@@ -12,6 +12,7 @@ from settings import StoreConfig
 from store.schema import SCHEMA_VERSION, sqlite_version_is_safe
 from store.store import Store
 from store.types import StoreError
+from tests.store.schema_helpers import drop_search_index
 
 
 def _schema(path: Path) -> list[tuple]:
@@ -130,6 +131,7 @@ async def test_keys_made_before_scopes_existed_serve_inference_after_the_upgrade
         conn.execute("ALTER TABLE usage DROP COLUMN fallback_reason")  # schema 12
         conn.execute("ALTER TABLE usage DROP COLUMN history_messages_dropped")
         conn.execute("ALTER TABLE conversations DROP COLUMN metadata_json")  # schema 10
+        drop_search_index(conn)  # schema 13
         conn.execute("PRAGMA user_version = 7")
 
     store = await Store.open(db_path, store_config)
