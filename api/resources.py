@@ -11,6 +11,7 @@ import calendar
 import contextlib
 import math
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -30,10 +31,11 @@ from engine.tokenizer import Tokenizer
 from store import money
 from store.conversations import AnswerUsage, new_message_id
 from store.feedback import FeedbackChange
-from store.types import Conversation, Message, NotFound
+from store.types import Conversation, ConversationHit, Message, NotFound
 
 _MAX_TITLE_CHARS = 200
 MAX_INITIAL_ITEMS = 20  # OpenAI's: items added to a conversation at a time
+MAX_SEARCH_CHARS = 200  # GET /v1/conversations?q=: the longest text searched for
 _CREATE_FIELDS = ("title", "items", "metadata")  # POST /v1/conversations: OpenAI's items and metadata, our title
 _ITEM_ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -245,15 +247,21 @@ def _item(item: object, where: str) -> tuple[str, str]:
 
 
 async def list_conversations(request: web.Request) -> web.Response:
+    """The organisation's conversations, newest first, a page at a time; with `q` (ours), only
+    those whose title or messages contain that text, each with `message_id` and `snippet`."""
     limit = page_limit(request.query, default=20, maximum=100)
     after = request.query.get("after")
+    text = _search_text(request.query)
+    store, org_id = request.app[STATE].store, request[PRINCIPAL].org.id
     try:
-        convs, has_more = await request.app[STATE].store.list_conversations(
-            request[PRINCIPAL].org.id, limit=limit, after=after
-        )
+        if text:
+            hits, has_more = await store.search_conversations(org_id, text, limit=limit, after=after)
+            data = [_hit_obj(h) for h in hits]
+        else:
+            convs, has_more = await store.list_conversations(org_id, limit=limit, after=after)
+            data = [_conversation_obj(c, with_messages=False) for c in convs]
     except NotFound:
         raise not_found(f"No conversation found with id '{after}' (the 'after' cursor).", param="after") from None
-    data = [_conversation_obj(c, with_messages=False) for c in convs]
     return _json(
         {
             "object": "list",
@@ -263,6 +271,27 @@ async def list_conversations(request: web.Request) -> web.Response:
             "last_id": data[-1]["id"] if data else None,
         }
     )
+
+
+def _search_text(query: Mapping[str, str]) -> str:
+    """`q`: the text to look for, literally (never a query language), spaces at its ends
+    dropped; '' when absent or blank (the plain list). Too long, or a NUL, is a 400 naming it."""
+    text = query.get("q", "").strip()
+    if len(text) > MAX_SEARCH_CHARS:
+        raise bad_request(f"'q' may have at most {MAX_SEARCH_CHARS} characters, got {len(text)}.", param="q")
+    if "\x00" in text:  # SQLite's FTS5 ends a query string there
+        raise bad_request("'q' must not contain a NUL character.", param="q")
+    return text
+
+
+def _hit_obj(hit: ConversationHit) -> dict:
+    """A conversation search found, as listed, with the latest message that holds the text and
+    that text around the match (plain text; both null when only the title holds it)."""
+    return {
+        **_conversation_obj(hit.conversation, with_messages=False),
+        "message_id": hit.message_id,
+        "snippet": hit.snippet,
+    }
 
 
 async def get_conversation(request: web.Request) -> web.Response:
