@@ -99,6 +99,10 @@ export const api = {
   models: () => json("/v1/models"),
   listConversations: (afterId) =>
     json(`/v1/conversations?limit=${PAGE_SIZE}${afterId ? `&after=${encodeURIComponent(afterId)}` : ""}`),
+  // Our extension of the list: the conversations whose title or messages hold `text`.
+  searchConversations: (text, afterId) =>
+    json(`/v1/conversations?limit=${PAGE_SIZE}&q=${encodeURIComponent(text)}`
+      + `${afterId ? `&after=${encodeURIComponent(afterId)}` : ""}`),
   getConversation: (id) => json(conv(id)),
   createConversation: () => json("/v1/conversations", { method: "POST", body: {} }),
   renameConversation: (id, title) => json(conv(id), { method: "PATCH", body: { title } }),

@@ -74,7 +74,7 @@ function fromStored(message) {
 }
 
 const sidebar = new Sidebar({
-  onOpen: (id) => { drawer.close(); openConversation(id, "push"); },
+  onOpen: (id, messageId) => { drawer.close(); openConversation(id, "push", messageId); },
   // The open chat's answer stops before the chat is deleted; then a new chat takes its place.
   onDeleting: (id) => { if (id === state.conversationId) leaveStream(); },
   onDeleted: (id) => { if (id === state.conversationId) newChat("replace"); },
@@ -177,7 +177,8 @@ function showConversation(conversation) {
   scrollToBottom();
 }
 
-async function openConversation(id, how = "replace") {
+// `messageId`: a search hit's message, shown instead of the conversation's end.
+async function openConversation(id, how = "replace", messageId = undefined) {
   if (id === state.conversationId && state.controller) return;  // already on screen, answering
   leaveStream();
   try {
@@ -185,6 +186,9 @@ async function openConversation(id, how = "replace") {
     hideBanner();
     setConversation(conversation.id, displayTitle(conversation), how);
     showConversation(conversation);
+    const index = messageId ? state.messages.findIndex((m) => m.id === messageId) : -1;
+    const found = document.querySelector(`#messages article[data-index="${index}"]`);
+    if (found) found.scrollIntoView({ block: "center" });
   } catch (error) {
     if (error.status !== 404) {
       showError(error, null);

@@ -416,6 +416,8 @@ def test_the_first_conversation_focus_ring_is_not_clipped(ui):
     with_a_chat(page, "first in the list")
     page.locator("#new-chat").focus()
     page.keyboard.press("Tab")
+    assert page.evaluate("document.activeElement.id") == "conversation-search"  # the search box comes first
+    page.keyboard.press("Tab")
     first = page.locator("#conversation-list .conv-open").first
     assert first.evaluate("(e) => e === document.activeElement")
     ring = first.evaluate(RING_CLIP_JS)
