@@ -51,10 +51,12 @@ class _Unset:
 
 
 UNSET: Any = _Unset()  # "leave as is", where None is a meaningful value
-PROBE_BYTES = 256 * 1024  # what a write probe commits: an answer and its messages, with their search index, roughly
+# What a write probe commits: an answer and its messages, roughly, with their search index
+# (about 3 bytes a character of text, store/schema.py's migration 13).
+PROBE_BYTES = 256 * 1024
 # Below this much free space on the database's disk the probe reports it unwritable: writes that
 # fit in pages the file and its WAL already hold can succeed on a full disk, the next one not.
-MIN_FREE_BYTES = 16 * PROBE_BYTES
+MIN_FREE_BYTES = 1024 * 1024
 
 
 class Store(StoreConversations):
