@@ -157,3 +157,29 @@ def test_auto_drops_the_bf16_copies_when_they_would_not_leave_room_and_on_keeps_
     assert not auto.runner.amx_prefill and auto.runner.model.weights.layers[0].qkv.amx is None
     on = engine_for(bf16_model_dir, num_blocks=48, amx_prefill="on")
     assert on.runner.amx_prefill and on.runner.model.weights.layers[0].qkv.amx is not None
+
+
+@pytest.mark.parametrize(
+    ("q_len", "kv_len", "masked"), [(37, 37, False), (37, 100, True), (48, 64, True), (33, 33, True)]
+)
+def test_a_padded_prefill_chunk_attends_as_unpadded_with_shapes_in_few_sizes(q_len, kv_len, masked):
+    """PyTorch's bf16 flash kernel keeps a compiled GEMM per block shape with no bound: chunks are
+    padded to multiples of 16 queries and keys so few shapes exist, and the padding changes
+    nothing a real query sees (checked in fp32, where the kernel's own rounding is exact enough)."""
+    from engine.native.attention import AMX_ATTENTION_ROWS, padded_for_amx
+
+    torch.manual_seed(0)
+    qs, keys, values = torch.randn(4, q_len, 16), torch.randn(2, kv_len, 16), torch.randn(2, kv_len, 16)
+    mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len) if masked else None
+    pq, pk, pv, pmask = padded_for_amx(qs, keys, values, mask)
+    assert pq.shape[1] % AMX_ATTENTION_ROWS == 0 and pk.shape[1] % AMX_ATTENTION_ROWS == 0 == pv.shape[1] % 16
+    assert pk.shape[1] - kv_len < AMX_ATTENTION_ROWS and pq.shape[1] - q_len < AMX_ATTENTION_ROWS
+
+    def attend(q, k, v, m):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=m, is_causal=m is None, enable_gqa=True
+        )[0]
+
+    padded = attend(pq, pk, pv, pmask)
+    assert not padded.isnan().any()  # padded queries see a key too
+    torch.testing.assert_close(padded[:, :q_len], attend(qs, keys, values, mask), rtol=1e-5, atol=1e-5)
