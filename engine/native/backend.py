@@ -9,6 +9,7 @@ it; its blocks are freed at the next step boundary.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import math
 import queue
 import threading
@@ -414,11 +415,27 @@ class NativeBackend:
         return True
 
 
+IDLE_TRIM_S = 1.0  # a step thread idle this long after working hands the C heap's free pages back
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc keeps them otherwise; elsewhere this
+    is skipped). A CPU engine's steps free large temporaries among the long-lived arrays of the
+    safety classifier's cache, which runs on the same thread: glibc then keeps hundreds of MB it
+    cannot return on its own (a soak on the Intel AMX VM: RssAnon +490 MB over 1,250 requests for
+    +37 MB of live data; trimmed, it followed the live data)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class _StepThread:
     """The thread that builds and steps every native engine of one device, one step each in
-    turn, and sleeps when none has work. It exits when its last engine leaves, so that its
-    OpenMP pool goes with it. The CPU's step thread also runs other code's CPU work between
-    steps (engine/torch_threads.PoolOwner: the safety classifier), on the same pool."""
+    turn, and sleeps when none has work (trimming the C heap once it has been idle IDLE_TRIM_S).
+    It exits when its last engine leaves, so that its OpenMP pool goes with it. The CPU's step
+    thread also runs other code's CPU work between steps (engine/torch_threads.PoolOwner: the
+    safety classifier), on the same pool."""
 
     _registry: ClassVar[dict[str, _StepThread]] = {}
     _registry_lock = threading.Lock()
@@ -430,6 +447,7 @@ class _StepThread:
         self._members: list[NativeBackend] = []
         self.side_work = PoolOwner(self.wakeup) if key == "cpu" else None
         self.thread = threading.Thread(target=self._run, name=f"native-engine-step-{key}", daemon=True)
+        self.num_trims = 0
 
     @classmethod
     def attach(cls, key: str, backend: NativeBackend, ready: asyncio.Future) -> _StepThread:
@@ -448,6 +466,7 @@ class _StepThread:
     def _run(self) -> None:
         if self.side_work is not None:
             PoolOwner.claim(self.side_work)
+        worked = False  # stepped since the heap was last trimmed
         while True:
             self.wakeup.clear()
             with self._registry_lock:
@@ -474,5 +493,11 @@ class _StepThread:
                 if self.side_work is not None:
                     PoolOwner.claim(self.side_work)  # a new engine arrived: stay the owner
                 continue
+            worked = worked or busy
             if not busy:
-                self.wakeup.wait()
+                if worked and not self.wakeup.wait(IDLE_TRIM_S):  # idle since: the heap's free pages go back
+                    trim_heap()
+                    self.num_trims += 1
+                    worked = False
+                elif not worked:
+                    self.wakeup.wait()

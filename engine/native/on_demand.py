@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import gc
 from collections.abc import AsyncGenerator, Callable
 
 import structlog
 
-from engine.native.backend import NativeBackend
+from engine.native.backend import NativeBackend, trim_heap
 from engine.types import EngineError, EngineStats, GenerationRequest, ModelLoadFailed, TokenEvent
 
 log = structlog.get_logger(__name__)
@@ -153,10 +152,6 @@ class OnDemandBackend:
 
 
 def _give_memory_back() -> None:
-    """Free the engine now (not at the next collection) and hand the C heap's free pages back
-    to the system (glibc keeps them otherwise; elsewhere this is skipped)."""
+    """Free the engine now (not at the next collection) and hand the C heap's free pages back."""
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    trim_heap()

@@ -323,3 +323,27 @@ def test_logprobs_go_out_with_their_text_never_for_a_final_eos_or_past_a_stop_st
     assert text == "the river runs " and sent == words[: len(sent)]
     # each token sent holds text of the content (the last one may also hold the stop's start), none after it
     assert len(tokenizer.decode(sent[:-1])) < len(text) <= len(tokenizer.decode(sent)) < len(text) + len("down")
+
+
+async def test_the_step_thread_hands_the_heaps_free_pages_back_once_after_work_then_sleeps(backend, monkeypatch):
+    """Steps free large temporaries among long-lived arrays, and glibc keeps such pages: once the
+    thread has been idle IDLE_TRIM_S after working it trims the heap, once, and then sleeps."""
+    import engine.native.backend as native_backend
+
+    monkeypatch.setattr(native_backend, "IDLE_TRIM_S", 0.05)
+    stepper = backend._stepper
+    await collect(backend, request("warm", [5, 6, 7], max_tokens=4))
+    await _trims_reach(stepper, stepper.num_trims or 1)
+    trims = stepper.num_trims
+    await asyncio.sleep(0.3)
+    assert stepper.num_trims == trims  # nothing ran since: no trim again
+    await collect(backend, request("again", [5, 6, 7], max_tokens=4))
+    await _trims_reach(stepper, trims + 1)
+
+
+async def _trims_reach(stepper, count: int) -> None:
+    for _ in range(500):
+        if stepper.num_trims >= count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{stepper.num_trims} trims, expected {count}")
