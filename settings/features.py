@@ -205,7 +205,10 @@ class SafetyConfig:
         choices=("auto", "float32", "bfloat16", "int8", "w8a8"),
     )
     embed_cache_entries: int = setting(
-        4096, "Per-message classifier features kept, so later turns do not re-embed history.", minimum=0
+        4096,
+        "Per-message classifier features kept, so later turns do not re-embed history (about 27 KB for a "
+        "260-token message: about 110 MB when all 4,096 are held).",
+        minimum=0,
     )
     threads: int = setting(
         0,
