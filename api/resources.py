@@ -13,13 +13,13 @@ import math
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Literal, overload
 
-import orjson
 from aiohttp import web
 
 from api import feedback as feedback_api
 from api.chat import read_json
+from api.conversation_objects import conversation_obj, read_conversation
 from api.errors import ApiError, bad_request, not_found
 from api.fields import check_metadata
 from api.image_job import prompter_of
@@ -29,9 +29,9 @@ from api.state import PRINCIPAL, SETTINGS, STATE
 from engine.registry import ModelHandle
 from engine.tokenizer import Tokenizer
 from store import money
-from store.conversations import AnswerUsage, new_message_id
+from store.conversations import new_message_id
 from store.feedback import FeedbackChange
-from store.types import Conversation, ConversationHit, Message, NotFound
+from store.types import ConversationHit, Message, NotFound
 
 _MAX_TITLE_CHARS = 200
 MAX_INITIAL_ITEMS = 20  # OpenAI's: items added to a conversation at a time
@@ -111,58 +111,6 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 # -- conversations -----------------------------------------------------------------------
-def _message_obj(m: Message, billed: AnswerUsage | None = None) -> dict:
-    obj: dict[str, Any] = {
-        "id": m.id,
-        "object": "conversation.message",
-        "role": m.role,
-        "content": m.content,
-        "created_at": int(m.created_at),
-        "tokens": m.tokens,
-        "model": m.model,
-    }
-    if m.parts_json is not None:  # sent with files or images: the parts as sent (file ids, image refs)
-        obj["parts"] = orjson.loads(m.parts_json)
-    if m.finish_reason is not None:  # assistant messages: stop, length, content_filter, abort or error
-        obj["finish_reason"] = m.finish_reason
-    if billed is not None:  # extensions, from the ledger row of the request that wrote the answer
-        obj["usage"] = _usage_obj(billed)
-        if billed.fallback_from is not None:
-            obj["fallback_from"] = billed.fallback_from
-            if billed.fallback_reason is not None:
-                obj["fallback_reason"] = billed.fallback_reason
-        if billed.history_messages_dropped:  # the prompt left out the conversation's oldest messages
-            obj["history_messages_dropped"] = billed.history_messages_dropped
-    return obj
-
-
-def _usage_obj(billed: AnswerUsage) -> dict:
-    """The chat completion's usage as billed."""
-    return {
-        "prompt_tokens": billed.prompt_tokens,
-        "completion_tokens": billed.completion_tokens,
-        "total_tokens": billed.prompt_tokens + billed.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": billed.cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": billed.reasoning_tokens},
-        "cost_usd": round(billed.cost_usd, 9),
-    }
-
-
-def _conversation_obj(c: Conversation, *, with_messages: bool, billed: dict[str, AnswerUsage] | None = None) -> dict:
-    obj: dict[str, Any] = {
-        "id": c.id,
-        "object": "conversation",
-        "title": c.title,
-        "created_at": int(c.created_at),  # unix seconds, as OpenAI's
-        "updated_at": int(c.updated_at),
-        "metadata": c.metadata,
-    }
-    if with_messages:
-        usage = billed or {}
-        obj["messages"] = [_message_obj(m, usage.get(m.id)) for m in c.messages]
-    return obj
-
-
 @overload
 def _title(body: object, *, required: Literal[True]) -> str: ...
 @overload
@@ -203,7 +151,7 @@ async def create_conversation(request: web.Request) -> web.Response:
     conv = await state.store.create_conversation(
         request[PRINCIPAL].org.id, title=title, metadata=body.get("metadata"), messages=messages
     )
-    return _json(_conversation_obj(conv, with_messages=True), status=201)
+    return _json(conversation_obj(conv, with_messages=True), status=201)
 
 
 def _initial_messages(items: object, max_items: int, max_chars: int) -> tuple[Message, ...]:
@@ -259,7 +207,7 @@ async def list_conversations(request: web.Request) -> web.Response:
             data = [_hit_obj(h) for h in hits]
         else:
             convs, has_more = await store.list_conversations(org_id, limit=limit, after=after)
-            data = [_conversation_obj(c, with_messages=False) for c in convs]
+            data = [conversation_obj(c, with_messages=False) for c in convs]
     except NotFound:
         raise not_found(f"No conversation found with id '{after}' (the 'after' cursor).", param="after") from None
     return _json(
@@ -288,7 +236,7 @@ def _hit_obj(hit: ConversationHit) -> dict:
     """A conversation search found, as listed, with the latest message that holds the text and
     that text around the match (plain text; both null when only the title holds it)."""
     return {
-        **_conversation_obj(hit.conversation, with_messages=False),
+        **conversation_obj(hit.conversation, with_messages=False),
         "message_id": hit.message_id,
         "snippet": hit.snippet,
     }
@@ -296,16 +244,9 @@ def _hit_obj(hit: ConversationHit) -> dict:
 
 async def get_conversation(request: web.Request) -> web.Response:
     cid = request.match_info["conversation_id"]
-    store = request.app[STATE].store
-    found = await store.get_billed_conversation(request[PRINCIPAL].org.id, cid)
-    if found is None:
+    obj = await read_conversation(request.app[STATE].store, request[PRINCIPAL].org.id, cid)
+    if obj is None:
         raise _conversation_missing(cid)
-    conv, billed = found
-    obj = _conversation_obj(conv, with_messages=True, billed=billed)
-    rated = await store.conversation_feedback(cid)
-    for message in obj["messages"]:
-        if message["id"] in rated:  # what the user said about this answer (api/feedback.py)
-            message["feedback"] = feedback_api.feedback_obj(rated[message["id"]])
     return _json(obj)
 
 
@@ -328,7 +269,7 @@ async def update_conversation(request: web.Request) -> web.Response:
     )
     if conv is None:
         raise _conversation_missing(cid)
-    return _json(_conversation_obj(conv, with_messages=False))
+    return _json(conversation_obj(conv, with_messages=False))
 
 
 async def delete_conversation(request: web.Request) -> web.Response:
@@ -395,7 +336,7 @@ async def truncate_conversation(request: web.Request) -> web.Response:
     if found is None:  # deleted since the truncation
         raise _conversation_missing(cid)
     conv, billed = found
-    return _json(_conversation_obj(conv, with_messages=True, billed=billed))
+    return _json(conversation_obj(conv, with_messages=True, billed=billed))
 
 
 # -- usage -------------------------------------------------------------------------------
