@@ -17,6 +17,7 @@ from typing import Literal, overload
 
 from aiohttp import web
 
+from api import export as export_api
 from api import feedback as feedback_api
 from api.chat import read_json
 from api.conversation_objects import conversation_obj, read_conversation
@@ -409,6 +410,7 @@ def add_routes(app: web.Application, chat_handler) -> None:
     app.router.add_post("/v1/chat/completions", chat_handler)
     app.router.add_post("/v1/conversations", create_conversation)
     app.router.add_get("/v1/conversations", list_conversations)
+    export_api.add_routes(app)  # before /v1/conversations/{conversation_id}
     app.router.add_get("/v1/conversations/{conversation_id}", get_conversation)
     app.router.add_patch("/v1/conversations/{conversation_id}", update_conversation)
     app.router.add_post("/v1/conversations/{conversation_id}", update_conversation)  # OpenAI's update

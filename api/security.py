@@ -202,6 +202,7 @@ CORS_EXPOSE_HEADERS = ", ".join(
         "x-fallback-from",
         "x-fallback-reason",
         "x-history-messages-dropped",
+        "Content-Disposition",  # an export's filename
         *(f"x-ratelimit-{what}-{unit}" for what in ("limit", "remaining", "reset") for unit in ("requests", "tokens")),
     ]
 )

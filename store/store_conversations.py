@@ -78,6 +78,14 @@ class StoreConversations:
         async with self._reader() as conn:
             return await conversations.list_page(conn, org_id, max(1, limit), after)
 
+    async def list_conversations_created(
+        self, org_id: str, *, limit: int, before: tuple[float, str] | None = None
+    ) -> list[Conversation]:
+        """A page of live conversations, newest created first, after `before` (the previous page's
+        last created_at and id); stable under new turns, for reading them all (the export)."""
+        async with self._reader() as conn:
+            return await conversations.list_created_page(conn, org_id, max(1, limit), before)
+
     async def search_conversations(
         self, org_id: str, text: str, *, limit: int = 20, after: str | None = None
     ) -> tuple[list[ConversationHit], bool]:

@@ -53,6 +53,26 @@ async def test_list_is_newest_first_and_pages_cover_everything_once(store: Store
     assert keys == sorted(keys, reverse=True)
 
 
+async def test_pages_by_creation_miss_no_conversation_that_changes_while_they_are_read(store: Store) -> None:
+    org = await store.create_org("acme", "plus")
+    created = [await store.create_conversation(org.id, title=f"c{i}") for i in range(5)]
+    other = await store.create_org("other", "plus")
+    await store.create_conversation(other.id, title="theirs")
+
+    first = await store.list_conversations_created(org.id, limit=2)
+    # Meanwhile the oldest gets a new title (a new updated_at) and one not yet read is deleted.
+    await store.rename_conversation(org.id, created[0].id, "renamed")
+    assert await store.delete_conversation(org.id, created[1].id)
+    rest: list = []
+    before = (first[-1].created_at, first[-1].id)
+    while page := await store.list_conversations_created(org.id, limit=2, before=before):
+        rest += page
+        before = (page[-1].created_at, page[-1].id)
+
+    assert [c.id for c in first + rest] == [c.id for c in created[::-1] if c is not created[1]]
+    assert rest[-1].title == "renamed"
+
+
 async def test_a_new_turn_moves_the_conversation_to_the_top_and_titles_it(store: Store, make_record) -> None:
     org = await store.create_org("acme", "plus")
     old = await store.create_conversation(org.id)
