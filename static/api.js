@@ -95,6 +95,29 @@ async function json(path, options) {
 
 const conv = (id) => `/v1/conversations/${encodeURIComponent(id)}`;
 
+// The name a download is saved as: Content-Disposition's filename* (RFC 6266, UTF-8) where it
+// has one, else its plain filename.
+export function filenameOf(disposition, fallback) {
+  const extended = /filename\*=UTF-8''([^;\s]+)/i.exec(disposition || "");
+  if (extended) {
+    try { return decodeURIComponent(extended[1]); } catch { /* malformed: the plain name */ }
+  }
+  const plain = /filename="([^"]*)"/i.exec(disposition || "");
+  return plain && plain[1] ? plain[1] : fallback;
+}
+
+// A file the API answers with (an export): its body as a Blob and the name it is saved as.
+async function download(path, fallbackName) {
+  const response = await send(path);
+  let blob;
+  try {
+    blob = await response.blob();
+  } catch (error) {
+    throw networkFailure(error);  // the body stopped short: never save half a file
+  }
+  return { blob, filename: filenameOf(response.headers.get("Content-Disposition"), fallbackName) };
+}
+
 export const api = {
   models: () => json("/v1/models"),
   listConversations: (afterId) =>
@@ -116,6 +139,10 @@ export const api = {
       body: { keep_messages: keepMessages, expected_last_message_id: expectedLastId || undefined, feedback },
     }),
   usage: () => json("/v1/usage?group_by=model"),
+  // Our extension: `format` is "markdown" or "json".
+  exportConversation: (id, format) => download(`${conv(id)}/export?format=${encodeURIComponent(format)}`,
+    format === "json" ? "conversation.json" : "conversation.md"),
+  exportAll: () => download("/v1/conversations/export", "conversations.json"),
   feedback: (id, messageId, body) =>
     json(`${conv(id)}/messages/${encodeURIComponent(messageId)}/feedback`, { method: "POST", body }),
 };

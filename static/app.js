@@ -7,6 +7,7 @@ import { announce } from "./announce.js";
 import { api, getKey, isAbort, streamChat } from "./api.js";
 import { Attachments, textOf } from "./attachments.js";
 import { icon } from "./icons.js";
+import { Downloads } from "./downloads.js";
 import { Drawer } from "./drawer.js";
 import { describe, hideBanner, initKeyDialog, showBanner, showError } from "./notices.js";
 import { Sidebar, confirmAction, displayTitle } from "./sidebar.js";
@@ -82,6 +83,10 @@ const sidebar = new Sidebar({
   onError: (error) => showError(error, null),
 });
 
+const downloads = new Downloads({
+  conversationId: () => state.conversationId, onError: (error) => showError(error, null),
+});
+
 // ---- models and usage ------------------------------------------------------------------
 // Only chat models are offered: a base model (`chat: false`) answers /v1/completions only.
 async function loadModels() {
@@ -142,6 +147,7 @@ function setConversation(id, title, how = "replace") {
   state.editingIndex = null;
   showTitle(id ? title : "New chat");
   sidebar.setActive(id);
+  downloads.showFor(id);
   const hash = id ? `#${id}` : "";
   if (window.location.hash === hash) return;
   const url = `${window.location.pathname}${window.location.search}${hash}`;
