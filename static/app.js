@@ -1,7 +1,7 @@
 // The chat UI's entry point: boot (key, models, conversations), moving between chats (the
 // address names the open one; Back returns), the send/stop/regenerate/edit flow against the
-// public API and the model picker. The server's stored conversation is the truth; after each
-// answer the view is re-synced from it.
+// public API (the model picker is models.js). The server's stored conversation is the truth;
+// after each answer the view is re-synced from it.
 
 import { announce } from "./announce.js";
 import { api, getKey, isAbort, streamChat } from "./api.js";
@@ -9,13 +9,13 @@ import { Attachments, textOf } from "./attachments.js";
 import { icon } from "./icons.js";
 import { Downloads } from "./downloads.js";
 import { Drawer } from "./drawer.js";
+import { ModelPicker } from "./models.js";
 import { describe, hideBanner, initKeyDialog, showBanner, showError } from "./notices.js";
 import { Sidebar, confirmAction, displayTitle } from "./sidebar.js";
 import {
   focusAt, focusPlace, plural, editInPlace, renderMessages, scrollToBottom, setBusy, streamingTarget,
 } from "./view.js";
 import { refreshUsage } from "./usage.js";
-import { paintWelcome } from "./welcome.js";
 
 const $ = (id) => document.getElementById(id);
 const el = {
@@ -28,27 +28,15 @@ $("attach").replaceChildren(icon("paperclip"));
 const attachments = new Attachments({
   button: $("attach"), input: $("attach-input"), list: $("attachments"), dropZone: document.querySelector(".main"),
   onChange: () => { el.send.disabled = attachments.isUploading; },
-  modelOf: () => state.models.get(el.model.value),
+  modelOf: () => picker.current(),
 });
 const drawer = new Drawer({
   sidebar: $("sidebar"), backdrop: $("sidebar-backdrop"), open: $("open-sidebar"), close: $("close-sidebar"),
   first: el.newChat, behind: document.querySelector(".main"),
 });
-const MODEL_STORAGE = "chat.model";
-const THINKING_STORAGE = "chat.thinking";
-const BRIEF_THINKING_TOKENS = 256;  // "Thinks briefly": the server closes the thinking after this many tokens
 const SYNC_ATTEMPTS = 5;
 const SYNC_RETRY_MS = 300;
 const SILENCE_HINT_MS = 30000;  // no byte of the answer for this long: say the server may be stuck
-
-// localStorage may throw (privacy modes); the model choice is then simply not remembered.
-function loadSetting(name) {
-  try { return localStorage.getItem(name); } catch { return null; }
-}
-
-function saveSetting(name, value) {
-  try { localStorage.setItem(name, value); } catch { /* not remembered */ }
-}
 
 const state = {
   conversationId: null,
@@ -56,7 +44,6 @@ const state = {
                       //  historyDropped?, contextLength?, errorText?}
   controller: null,   // AbortController of the answer being streamed; null once the view left it
   editingIndex: null, // the user message whose edit box is open (one at a time)
-  models: new Map(),  // id -> /v1/models entry (max_model_len, description, example_prompts)
 };
 
 // A stored message (snake_case finish_reason, fallback_from, ...) in the view's shape. An
@@ -68,7 +55,7 @@ function fromStored(message) {
   if (message.fallback_reason) view.fallbackReason = message.fallback_reason;
   if (message.history_messages_dropped) {  // the "earlier messages no longer fit" note, after a reload too
     view.historyDropped = message.history_messages_dropped;
-    const model = state.models.get(message.model);
+    const model = picker.models.get(message.model);
     view.contextLength = model ? model.max_model_len : null;
   }
   return view;
@@ -87,52 +74,11 @@ const downloads = new Downloads({
   conversationId: () => state.conversationId, onError: (error) => showError(error, null),
 });
 
-// ---- models and usage ------------------------------------------------------------------
-// Only chat models are offered: a base model (`chat: false`) answers /v1/completions only.
-async function loadModels() {
-  const data = (await api.models()).data.filter((m) => m.chat !== false);
-  state.models = new Map(data.map((m) => [m.id, m]));
-  el.model.replaceChildren(...data.map((m) => new Option(m.id, m.id)));
-  el.model.disabled = data.length === 0;
-  selectModel(loadSetting(MODEL_STORAGE));
-  showWelcome();
-}
-
-// Puts the picker on `id` where it is offered (the user's own choice, or the model an opened
-// conversation used); otherwise leaves it where it is. Never remembered: only the user's
-// change in the picker is.
-function selectModel(id) {
-  if (!state.models.has(id) || el.model.value === id) return;
-  el.model.value = id;
-  showWelcome();
-}
-
-function showWelcome() {
-  paintWelcome(state.models.get(el.model.value), (text) => { el.input.focus(); send(text); });
-  showThinkingChoice();
-}
-
-// A reasoning model (/v1/models says `reasoning`) gets a thinking choice; "briefly" only where
-// the server can cap its thinking.
-function showThinkingChoice() {
-  const model = state.models.get(el.model.value);
-  const reasoning = model && model.reasoning;
-  el.thinkingPicker.hidden = !reasoning;
-  const brief = el.thinking.querySelector('option[value="brief"]');
-  brief.hidden = brief.disabled = !(reasoning && reasoning.thinking_token_budget);
-  const saved = loadSetting(THINKING_STORAGE) || "";
-  el.thinking.value = saved === "brief" && brief.disabled ? "" : saved;
-}
-
-function thinkingOptions() {
-  if (el.thinkingPicker.hidden) return {};
-  if (el.thinking.value === "off") return { reasoning_effort: "none" };
-  if (el.thinking.value === "brief") return { thinking_token_budget: BRIEF_THINKING_TOKENS };
-  return {};
-}
-
-el.model.addEventListener("change", () => { saveSetting(MODEL_STORAGE, el.model.value); showWelcome(); });
-el.thinking.addEventListener("change", () => saveSetting(THINKING_STORAGE, el.thinking.value));
+// ---- models ----------------------------------------------------------------------------
+const picker = new ModelPicker(
+  { model: el.model, thinking: el.thinking, thinkingPicker: el.thinkingPicker },
+  (text) => { el.input.focus(); send(text); },
+);
 
 // ---- conversations ---------------------------------------------------------------------
 function showTitle(title) {
@@ -168,7 +114,7 @@ function newChat(how = "push") {
   leaveStream();
   hideBanner();
   setConversation(null, null, how);
-  selectModel(loadSetting(MODEL_STORAGE));  // a new chat starts on the user's model, not the last one opened
+  picker.selectRemembered();  // a new chat starts on the user's model, not the last one opened
   state.messages = [];
   paint();
   el.input.focus();
@@ -178,7 +124,7 @@ function showConversation(conversation) {
   state.messages = conversation.messages.map(fromStored);
   // The next turn continues on the model that wrote the last answer, where still offered.
   const lastAnswer = conversation.messages.findLast((m) => m.role === "assistant" && m.model);
-  if (lastAnswer) selectModel(lastAnswer.model);
+  if (lastAnswer) picker.select(lastAnswer.model);
   paint();
   scrollToBottom();
 }
@@ -326,7 +272,7 @@ function setStreaming(isStreaming) {
   el.send.hidden = isStreaming;
   el.stop.hidden = !isStreaming;
   el.stop.disabled = false;
-  el.model.disabled = el.thinking.disabled = isStreaming;
+  picker.setDisabled(isStreaming);
   setBusy(isStreaming);
   if (!isStreaming) el.status.textContent = "";
 }
@@ -508,8 +454,8 @@ async function streamAnswer(conversationId, content, keep, controller) {
   const silence = silenceWatch();
   try {
     const result = await streamChat({
-      model: el.model.value || null, content, conversationId, signal: controller.signal,
-      options: thinkingOptions(),
+      model: picker.value || null, content, conversationId, signal: controller.signal,
+      options: picker.thinkingOptions(),
       onComment: (comment) => { silence.reset(); onComment(comment); },
       onDelta: (text) => { silence.reset(); el.status.textContent = ""; answer.content += text; target.append(text); },
       onReasoning: (text) => {
@@ -519,7 +465,7 @@ async function streamAnswer(conversationId, content, keep, controller) {
         target.appendReasoning(text);
       },
     });
-    const model = state.models.get(result.model);
+    const model = picker.models.get(result.model);
     Object.assign(answer, { model: result.model, usage: result.usage, fallbackFrom: result.fallbackFrom,
                             fallbackReason: result.fallbackReason, finishReason: result.finishReason,
                             historyDropped: result.historyDropped, contextLength: model ? model.max_model_len : null });
@@ -609,7 +555,7 @@ async function boot() {
   hideBanner();
   el.openKey.textContent = getKey() ? "Change API key\u2026" : "Use an API key\u2026";
   try {
-    await loadModels();
+    await picker.load();
   } catch (error) {
     showError(error, boot);
     return;
