@@ -27,6 +27,8 @@ class Answer:
         parser: ToolCallParser | None,
         logprobs: int | None,
         reasoning: ReasoningSplitter | None = None,
+        *,
+        legacy_functions: bool = False,
     ):
         self._tokenizer = tokenizer
         self._parser = parser
@@ -37,6 +39,8 @@ class Answer:
         self.tool_calls: list[ToolCall] = []
         self.logprobs: list[dict] = []
         self._pending: list[TokenLogprob] = []  # logprobs of tokens whose text is still held back
+        # The deprecated `functions` API (api/legacy_functions.py): one call, as `function_call`.
+        self._legacy_functions = legacy_functions
 
     def feed(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> list[dict[str, Any]]:
         """Deltas (possibly none) for this piece of text; the first carries the pending logprobs."""
@@ -67,6 +71,11 @@ class Answer:
             out.append({"delta": {"content": parsed.content}})
         for call in parsed.calls:
             index = len(self.tool_calls)
+            if self._legacy_functions:
+                if index == 0:  # the old API names one call: any further one is dropped
+                    self.tool_calls.append(call)
+                    out.append({"delta": {"function_call": {"name": call.name, "arguments": call.arguments}}})
+                continue
             self.tool_calls.append(call)
             out.append({"delta": {"tool_calls": [{"index": index, **call.as_dict()}]}})
         if out and self._pending and self._wants_logprobs:
@@ -104,7 +113,11 @@ class Answer:
             msg["reasoning_content"] = "".join(self.reasoning_parts)
         if self.tool_calls:
             msg["content"] = content or None
-            msg["tool_calls"] = [c.as_dict() for c in self.tool_calls]
+            if self._legacy_functions:
+                call = self.tool_calls[0]
+                msg["function_call"] = {"name": call.name, "arguments": call.arguments}
+            else:
+                msg["tool_calls"] = [c.as_dict() for c in self.tool_calls]
         return msg
 
     def logprobs_obj(self) -> dict[str, Any] | None:
@@ -112,5 +125,5 @@ class Answer:
 
     def finish_reason(self, finish: FinishReason) -> str:
         if self.tool_calls and finish is FinishReason.STOP:
-            return "tool_calls"
+            return "function_call" if self._legacy_functions else "tool_calls"
         return finish.value

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -20,7 +21,7 @@ from typing import Any, TypeVar
 import orjson
 from aiohttp import web
 
-from api import attachments, chat_bodies, protocol
+from api import attachments, chat_bodies, legacy_functions, protocol
 from api.attachment_parts import AttachContext
 from api.connections import read_body, reads_body_itself
 from api.errors import ApiError, bad_request, overloaded
@@ -92,10 +93,20 @@ async def parse_body(parse: Callable[..., T], raw: object, *args: Any, num_bytes
 @reads_body_itself
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     def parse(raw: object, cfg: ServerConfig) -> tuple[protocol.ChatRequest, Outlet | None]:
-        chat = protocol.parse_chat_request(
-            raw, max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars, max_n=cfg.max_n
-        )
-        return chat, None
+        if not (isinstance(raw, dict) and legacy_functions.uses_functions(raw)):
+            return protocol.parse_chat_request(
+                raw, max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars, max_n=cfg.max_n
+            ), None
+        try:
+            chat = protocol.parse_chat_request(
+                legacy_functions.as_tools_request(raw),
+                max_messages=cfg.max_messages,
+                max_prompt_chars=cfg.max_prompt_chars,
+                max_n=cfg.max_n,
+            )
+        except ApiError as error:
+            raise legacy_functions.in_old_names(error) from None
+        return dataclasses.replace(chat, legacy_functions=True), None
 
     return await admit_and_serve(request, parse)
 

@@ -36,7 +36,7 @@ def make_answer(job: Job) -> Answer:
             only = chat.tools[0].name
         parser = ToolCallParser(fmt, frozenset(t.name for t in chat.tools), forced=forced, forced_name=only)
     reasoning = None if job.reasoning_opened is None else ReasoningSplitter(in_thinking=job.reasoning_opened)
-    return Answer(tokenizer, parser, chat.logprobs, reasoning)
+    return Answer(tokenizer, parser, chat.logprobs, reasoning, legacy_functions=chat.legacy_functions)
 
 
 async def generate_choices(

@@ -182,6 +182,9 @@ class ChatRequest:
     # previous_response_id, sent in the messages; their files, like a stored conversation's, are not
     # counted toward files.max_files_per_request (api/attachments.py).
     num_history_messages: int = 0
+    # OpenAI's deprecated `functions` (api/legacy_functions.py): the call comes back as
+    # `message.function_call`, finish_reason "function_call".
+    legacy_functions: bool = False
 
 
 def parse_chat_request(raw: Any, *, max_messages: int, max_prompt_chars: int, max_n: int = 1) -> ChatRequest:
