@@ -248,7 +248,8 @@ def _messages(value: Any, max_messages: int) -> tuple[list[dict[str, Any]], dict
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ROLES:
             raise bad_request(f"'{where}.role' must be one of {', '.join(ROLES)}; got {role!r}.", param=f"{where}.role")
-        text = message.get("content") or ""
+        text = message.get("content")
+        text = "" if text is None else text  # a falsy content of another type (false, 0, []) is a 400 too
         if not isinstance(text, str):
             raise bad_request(f"'{where}.content' must be a string, got {kind_of(text)}.", param=f"{where}.content")
         urls = _images(message.get("images"), f"{where}.images")
@@ -256,9 +257,10 @@ def _messages(value: Any, max_messages: int) -> tuple[list[dict[str, Any]], dict
             raise bad_request(f"Only user messages may carry images ('{where}.images').", param=f"{where}.images")
         images.update({(i, j): f"{where}.images[{j}]" for j in range(len(urls))})
         chat: dict[str, Any] = {"role": role, "content": _with_images(text, urls)}
-        if role == "assistant" and message.get("tool_calls"):
-            chat["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls", i)
-            calls.extend((c["id"], c["function"]["name"]) for c in chat["tool_calls"])
+        made = _tool_calls(message.get("tool_calls"), f"{where}.tool_calls", i) if role == "assistant" else []
+        if made:  # null and [] are no calls; any other value that is not an array is a 400
+            chat["tool_calls"] = made
+            calls.extend((c["id"], c["function"]["name"]) for c in made)
         if role == "tool":
             chat["tool_call_id"] = _answered_call(message, calls, i)
         out.append(chat)  # an assistant's earlier `thinking` is not sent back to the model
@@ -317,6 +319,8 @@ def _named_images(
 def _tool_calls(value: Any, where: str, index: int) -> list[dict[str, Any]]:
     """An assistant's earlier calls (arguments as an object) in OpenAI's shape, each with an id
     (Ollama's clients send none: the tool message answering it is matched by name)."""
+    if value is None:
+        return []
     if not isinstance(value, list):
         raise bad_request(f"'{where}' must be an array of tool calls.", param=where)
     out = []

@@ -240,6 +240,9 @@ async def test_images_for_a_model_without_vision_are_refused_naming_the_image(ma
         ("/api/chat", {"messages": "hello"}, "messages"),
         ("/api/chat", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ("/api/chat", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ("/api/chat", {"messages": [{"role": "user", "content": False}]}, "messages[0].content"),
+        ("/api/chat", {"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
+        ("/api/chat", {"messages": [{"role": "assistant", "tool_calls": {}}, *ASK]}, "messages[0].tool_calls"),
         (
             "/api/chat",
             {"messages": [{"role": "user", "content": "x", "images": ["bm90IGFuIGltYWdl"]}]},
