@@ -25,7 +25,9 @@ R = TypeVar("R")
 class MicroBatcher(Generic[J, R]):
     """`run_batch(jobs) -> results` (same order) runs in `executor`, one batch at a time. A
     batch takes pending jobs in arrival order until their `weight` reaches `max_batch_weight`
-    (always at least one). A failed batch fails each of its jobs with the same exception."""
+    (always at least one), those for which `urgent(job)` is true before the others (so a flood
+    of background work, such as many moderation inputs, never holds up a prompt's screening).
+    A failed batch fails each of its jobs with the same exception."""
 
     def __init__(
         self,
@@ -34,11 +36,13 @@ class MicroBatcher(Generic[J, R]):
         *,
         weight: Callable[[J], int],
         max_batch_weight: int,
+        urgent: Callable[[J], bool] | None = None,
     ):
         self._run_batch = run_batch
         self._executor = executor
         self._weight = weight
         self._max_batch_weight = max_batch_weight
+        self._urgent = urgent
         self._pending: list[tuple[J, asyncio.Future]] = []  # guarded by _lock (the batch's thread takes from it)
         self._lock = threading.Lock()
         self._drainer: asyncio.Task | None = None
@@ -87,6 +91,9 @@ class MicroBatcher(Generic[J, R]):
         """The next batch: pending jobs whose callers still wait, up to the weight limit."""
         with self._lock:
             live = [(job, future) for job, future in self._pending if not future.done()]
+            if self._urgent is not None:  # stable: the urgent jobs, then the others, each in arrival order
+                urgent = self._urgent
+                live.sort(key=lambda pair: not urgent(pair[0]))
             total, n = 0, 0
             for job, _ in live:
                 if n and total + self._weight(job) > self._max_batch_weight:

@@ -144,6 +144,9 @@ class SafetyGate:
             lambda: PoolOwnerExecutor(lambda: threaded_executor(threads)),  # one thread: the side workers
             weight=lambda job: job.num_chars,
             max_batch_weight=_MAX_BATCH_CHARS,
+            # Prompts and answer windows before moderation inputs: POST /v1/moderations (32 inputs
+            # of 1,000 characters a request, from any tier) must not stall every tier's chats.
+            urgent=lambda job: not job.in_full,
         )
         # digest of the screened turns -> their verdict
         self._screened: OrderedDict[bytes, Verdict] = OrderedDict()
@@ -198,8 +201,9 @@ class SafetyGate:
     async def assess(self, text: str, *, tier: str) -> Assessment:
         """`text` read as a conversation's only user turn, every layer in full (POST
         /v1/moderations): its verdict is the one screen_prompt gives that conversation. Batched
-        with the prompts and answer windows waiting; its turn joins the classifier's turn cache (a
-        text moderated and then sent is encoded once); counted under the stage "moderation"."""
+        with the prompts and answer windows waiting (which go first); its turn joins the
+        classifier's turn cache (a text moderated and then sent is encoded once); counted under
+        the stage "moderation"."""
         assessment = await self._batcher.submit(_Job(ScoreJob((text,), JobKind.TURNS), in_full=True))
         self._record(Stage.MODERATION, assessment.verdict, tier)
         return assessment

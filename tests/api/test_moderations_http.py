@@ -3,6 +3,7 @@ the HTTP API and the `openai` SDK. `flagged` is what the gate does to the same t
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import openai
@@ -87,6 +88,25 @@ async def test_the_inputs_are_judged_in_one_batch_off_the_event_loop(make_client
     results = await results_of(client, [BENIGN[0], CLASSIFIER_BLOCKED, BENIGN[1]])
     assert [r["flagged"] for r in results] == [False, True, False]
     assert len(threads) == 1 and threads[0] is not threading.main_thread()
+
+
+async def test_a_prompt_is_screened_before_moderation_inputs_that_came_first(make_client):
+    """The gate's batches are shared: a caller's 32 long inputs (several batches of the
+    classifier) must not hold up another caller's prompt queued behind them."""
+    client = await make_client(*WITH_CLASSIFIER)
+    gate = state_of(client).safety
+    batches: list[list[bool]] = []
+    run_batch = gate._batcher._run_batch
+
+    def spy(jobs):
+        batches.append([job.in_full for job in jobs])  # in_full: a moderation input
+        return run_batch(jobs)
+
+    gate._batcher._run_batch = spy
+    flood = [asyncio.ensure_future(gate.assess(f"{i} " + "many words " * 90, tier="free")) for i in range(32)]
+    prompt = asyncio.ensure_future(gate.screen_prompt([{"role": "user", "content": BENIGN[0]}], tier="free"))
+    assert (await prompt).allowed and len(await asyncio.gather(*flood)) == 32
+    assert len(batches) > 3 and batches[0][0] is False  # the prompt went in the first batch
 
 
 async def test_the_shape_is_openais_and_the_sdk_reads_it(make_client):
