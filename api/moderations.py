@@ -89,7 +89,8 @@ def _check_model(value: object) -> None:
     if value is None:
         return
     if not isinstance(value, str) or not value:
-        raise bad_request(f"'model' must be a model name string, got {kind_of(value)}.", param="model")
+        got = "an empty string" if value == "" else kind_of(value)
+        raise bad_request(f"'model' must be a model name string, got {got}.", param="model")
     if value != MODEL and not value.startswith(_MODEL_ALIASES):
         raise not_found(
             f"The model '{value}' does not exist or you do not have access to it (moderation: '{MODEL}', "

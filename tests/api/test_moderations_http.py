@@ -169,6 +169,7 @@ async def test_without_the_classifier_the_rules_alone_judge_and_operator_categor
         ({"input": [{"type": "audio"}]}, 400, "input[0]", "'audio'"),
         ({"input": [{"type": "text", "text": 5}]}, 400, "input[0].text", "must be a string"),
         ({"input": "x", "model": 5}, 400, "model", "model name string"),
+        ({"input": "x", "model": ""}, 400, "model", "got an empty string"),
         ({"input": "x", "model": "gpt-4o"}, 404, "model", "does not exist"),
     ],
 )  # fmt: skip
