@@ -6,7 +6,7 @@ Ollama's default tag (`tiny:latest`; requests may leave it out), and the embeddi
 embeddings are served. What a model folder tells is filled in, read once per process: `size`
 (the safetensors files' bytes), `details` (family from config.json's model_type, format
 "safetensors", parameter count and dtype from the safetensors headers), `modified_at`
-(config.json's time), `digest` (sha256 of config.json and the safetensors headers: names,
+(config.json's time), `digest` (sha256 of config.json and the safetensors tensors: names,
 shapes, dtypes; not of the weights' bytes). A relayed model (backend "openai") has no folder:
 those fields are empty. /api/show adds `model_info` (architecture, parameter count, context
 length as the caller's tier may use it, layer and head counts), the chat `template`, the
@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-import struct
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from safetensors import SafetensorError, safe_open
 
 from api.chat import json_dumps, read_json
 from api.errors import ApiError, bad_request, not_found
@@ -34,18 +34,17 @@ from api.ollama_request import resolve_model
 from api.state import PRINCIPAL, STATE, AppState
 from engine.registry import ModelHandle
 from engine.tokenizer import Tokenizer
+from gateway.safety.embedder import default_model_dir
 
 # The Ollama API level whose request and answer shapes this server follows; clients gate
 # features (structured outputs, `think`, tool calls) on /api/version.
 OLLAMA_VERSION = "0.12.6"
-_MAX_HEADER_BYTES = 100_000_000  # a safetensors header larger than this is not read
 _SAMPLING_NAMES = {
     "temperature": "temperature",
     "top_p": "top_p",
     "top_k": "top_k",
     "repetition_penalty": "repeat_penalty",
 }
-_EMBEDDING_DETAILS = {"format": "safetensors", "family": "bert", "families": ["bert"], "parameter_size": "22.7M"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,14 +70,13 @@ def checkpoint(model_dir: str) -> Checkpoint:
     num_bytes = num_params = 0
     dtypes: dict[str, int] = {}
     for file in sorted(folder.glob("*.safetensors")):
-        header = _safetensors_header(file)
-        digest.update(orjson.dumps(header, option=orjson.OPT_SORT_KEYS))
+        tensors = _tensor_shapes(file)
+        digest.update(orjson.dumps(tensors))
         num_bytes += file.stat().st_size
-        for name, tensor in header.items():
-            if name != "__metadata__" and isinstance(tensor, dict):
-                count = math.prod(tensor.get("shape", ()))
-                num_params += count
-                dtypes[tensor.get("dtype", "")] = dtypes.get(tensor.get("dtype", ""), 0) + count
+        for _name, dtype, shape in tensors:
+            count = math.prod(shape)
+            num_params += count
+            dtypes[dtype] = dtypes.get(dtype, 0) + count
     modified = datetime.fromtimestamp((folder / "config.json").stat().st_mtime, UTC)
     config = orjson.loads(raw_config)
     return Checkpoint(
@@ -91,15 +89,15 @@ def checkpoint(model_dir: str) -> Checkpoint:
     )
 
 
-def _safetensors_header(file: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file (8 bytes of length, then the JSON): no tensor is read."""
+def _tensor_shapes(file: Path) -> list[tuple[str, str, list[int]]]:
+    """(name, dtype, shape) of each tensor a safetensors file holds, from its header (the
+    safetensors library maps the file; no tensor is read); none for a file it cannot open."""
     try:
-        with file.open("rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = orjson.loads(f.read(length)) if length <= _MAX_HEADER_BYTES else {}
-    except (OSError, struct.error, orjson.JSONDecodeError):
-        return {}
-    return header if isinstance(header, dict) else {}
+        with safe_open(str(file), framework="numpy") as f:
+            slices = [(name, f.get_slice(name)) for name in sorted(f.keys())]
+            return [(name, s.get_dtype(), list(s.get_shape())) for name, s in slices]
+    except (OSError, SafetensorError):
+        return []
 
 
 def parameter_size(num_params: int) -> str:
@@ -142,7 +140,8 @@ def _embedding_entry(state: AppState) -> dict[str, Any] | None:
     if state.embeddings is None:
         return None
     name = tagged(state.embeddings.cfg.model)
-    details = {"parent_model": "", **_EMBEDDING_DETAILS, "quantization_level": state.embeddings.cfg.dtype.upper()}
+    ckpt = checkpoint(str(default_model_dir()))  # the bundled all-MiniLM-L6-v2's own folder
+    details = {**_details(ckpt), "quantization_level": state.embeddings.cfg.dtype.upper()}
     return {"name": name, "model": name, "modified_at": None, "size": 0, "digest": "", "details": details}
 
 
