@@ -126,19 +126,23 @@ async def list_created_page(
     """Newest created first by (created_at, id), which never change: paging by them neither skips
     nor repeats a conversation that gets a turn meanwhile, as PAGE_ORDER's updated_at would move
     it past the cursor (the export reads all pages). `before`: the last page's last (created_at, id)."""
+    rows = await fetch_all(conn, *created_page_query(org_id, limit, before))
+    return [conversation_of(r) for r in rows]
+
+
+def created_page_query(org_id: str, limit: int, before: tuple[float, str] | None) -> tuple[str, tuple[Any, ...]]:
+    """list_created_page's SQL and parameters (read in order from the conversations_created index)."""
     after_sql = ""
     params: list[Any] = [org_id]
     if before is not None:
         created_at, last_id = before
         after_sql = " AND (c.created_at < ? OR (c.created_at = ? AND c.id < ?))"
         params += [created_at, created_at, last_id]
-    rows = await fetch_all(
-        conn,
+    sql = (
         f"SELECT {CONV_COLUMNS} FROM conversations c WHERE c.org_id = ? AND c.deleted_at IS NULL{after_sql}"
-        " ORDER BY c.created_at DESC, c.id DESC LIMIT ?",
-        (*params, limit),
+        " ORDER BY c.created_at DESC, c.id DESC LIMIT ?"
     )
-    return [conversation_of(r) for r in rows]
+    return sql, (*params, limit)
 
 
 async def page_after(conn: aiosqlite.Connection, org_id: str, after: str | None) -> tuple[str, list[Any]]:

@@ -256,6 +256,13 @@ INSERT INTO message_search (message_search) VALUES ('rebuild');
 INSERT INTO title_search (title_search) VALUES ('rebuild');
 """
 
+# The export (api/export.py) reads an organisation's conversations newest created first, a page
+# at a time by (created_at, id); without this index each page sorted all of them again.
+_V14_CREATED_ORDER = """
+CREATE INDEX conversations_created ON conversations(org_id, created_at DESC, id DESC)
+    WHERE deleted_at IS NULL;
+"""
+
 # (version, script); version N leaves `PRAGMA user_version = N`.
 MIGRATIONS: tuple[tuple[int, str], ...] = (
     (1, _V1),
@@ -271,6 +278,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (11, _V11_REASONING_TOKENS),
     (12, _V12_ANSWER_NOTES),
     (13, _V13_SEARCH),
+    (14, _V14_CREATED_ORDER),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 _V1_TABLES = ("orgs", "api_keys", "conversations", "messages", "usage", "org_month_spend", "meta")

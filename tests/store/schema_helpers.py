@@ -17,3 +17,8 @@ def drop_search_index(conn: sqlite3.Connection) -> None:
         conn.execute(f"DROP TABLE {table}")
     left = conn.execute("SELECT name FROM sqlite_master WHERE name LIKE '%search%'").fetchall()
     assert not left, left
+
+
+def drop_created_index(conn: sqlite3.Connection) -> None:
+    """Schema 14's index gone: the file as schema 13 left it (no user_version set, as above)."""
+    conn.execute("DROP INDEX conversations_created")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from store.conversations import created_page_query
 from store.store import Store
 from store.types import NotFound
 
@@ -71,6 +72,15 @@ async def test_pages_by_creation_miss_no_conversation_that_changes_while_they_ar
 
     assert [c.id for c in first + rest] == [c.id for c in created[::-1] if c is not created[1]]
     assert rest[-1].title == "renamed"
+
+
+@pytest.mark.parametrize("before", [None, (1.0, "conv_x")])
+async def test_a_page_by_creation_is_read_in_order_from_an_index_not_sorted(store: Store, before) -> None:
+    # Without an index in (org, created_at, id) order every page of an export sorted all the
+    # organisation's conversations again: thousands of them made the export quadratic.
+    sql, params = created_page_query("org_x", 50, before)
+    plan = " | ".join(r[3] for r in await store._write_conn.execute_fetchall(f"EXPLAIN QUERY PLAN {sql}", params))
+    assert "conversations_created" in plan and "TEMP B-TREE" not in plan, plan
 
 
 async def test_a_new_turn_moves_the_conversation_to_the_top_and_titles_it(store: Store, make_record) -> None:

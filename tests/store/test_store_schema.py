@@ -12,7 +12,7 @@ from settings import StoreConfig
 from store.schema import SCHEMA_VERSION, sqlite_version_is_safe
 from store.store import Store
 from store.types import StoreError
-from tests.store.schema_helpers import drop_search_index
+from tests.store.schema_helpers import drop_created_index, drop_search_index
 
 
 def _schema(path: Path) -> list[tuple]:
@@ -131,6 +131,7 @@ async def test_keys_made_before_scopes_existed_serve_inference_after_the_upgrade
         conn.execute("ALTER TABLE usage DROP COLUMN fallback_reason")  # schema 12
         conn.execute("ALTER TABLE usage DROP COLUMN history_messages_dropped")
         conn.execute("ALTER TABLE conversations DROP COLUMN metadata_json")  # schema 10
+        drop_created_index(conn)  # schema 14
         drop_search_index(conn)  # schema 13
         conn.execute("PRAGMA user_version = 7")
 
@@ -143,3 +144,25 @@ async def test_keys_made_before_scopes_existed_serve_inference_after_the_upgrade
             await store.create_key("acme", scope="root")
     finally:
         await store.close()
+
+
+@pytest.mark.asyncio
+async def test_a_schema_13_file_gets_the_creation_order_index_and_exports_as_before(
+    db_path: Path, store_config: StoreConfig
+) -> None:
+    store = await Store.open(db_path, store_config)
+    org = await store.create_org("acme", "plus")
+    made = [await store.create_conversation(org.id, title=f"c{i}") for i in range(3)]
+    await store.close()
+    with sqlite3.connect(db_path) as conn:
+        drop_created_index(conn)
+        conn.execute("PRAGMA user_version = 13")
+
+    store = await Store.open(db_path, store_config)
+    try:
+        assert [c.id for c in await store.list_conversations_created(org.id, limit=10)] == [c.id for c in made[::-1]]
+    finally:
+        await store.close()
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 14
+        assert conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'conversations_created'").fetchone()
