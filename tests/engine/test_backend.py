@@ -347,3 +347,16 @@ async def _trims_reach(stepper, count: int) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"{stepper.num_trims} trims, expected {count}")
+
+
+async def test_a_step_thread_busy_without_a_pause_still_trims_the_heap_between_steps(backend, monkeypatch):
+    """Under constant load no idle second comes: then it trims between two steps every BUSY_TRIM_S."""
+    import engine.native.backend as native_backend
+
+    monkeypatch.setattr(native_backend, "IDLE_TRIM_S", 3600.0)  # no idle trim in this test
+    monkeypatch.setattr(native_backend, "BUSY_TRIM_S", 0.0)  # a trim after every busy step
+    stepper = backend._stepper
+    trims = stepper.num_trims
+    events = await collect(backend, request("long", [5, 6, 7], max_tokens=24))
+    assert sum(len(e.token_ids) for e in events) == 24
+    assert stepper.num_trims - trims >= 12  # about one per decode step, while the request ran
