@@ -17,6 +17,7 @@ from typing import Literal, overload
 
 from aiohttp import web
 
+from api import branch as branch_api
 from api import export as export_api
 from api import feedback as feedback_api
 from api.chat import read_json
@@ -416,6 +417,7 @@ def add_routes(app: web.Application, chat_handler) -> None:
     app.router.add_post("/v1/conversations/{conversation_id}", update_conversation)  # OpenAI's update
     app.router.add_delete("/v1/conversations/{conversation_id}", delete_conversation)
     app.router.add_post("/v1/conversations/{conversation_id}/truncate", truncate_conversation)
+    branch_api.add_routes(app)
     app.router.add_get("/v1/usage", usage)
     feedback_api.add_routes(app)
     _add_static(app)

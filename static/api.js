@@ -138,6 +138,9 @@ export const api = {
       method: "POST",
       body: { keep_messages: keepMessages, expected_last_message_id: expectedLastId || undefined, feedback },
     }),
+  // Our extension: a new conversation holding a copy of this one up to and including `messageId`.
+  branchConversation: (id, messageId) =>
+    json(`${conv(id)}/branch`, { method: "POST", body: { message_id: messageId } }),
   usage: () => json("/v1/usage?group_by=model"),
   // Our extension: `format` is "markdown" or "json".
   exportConversation: (id, format) => download(`${conv(id)}/export?format=${encodeURIComponent(format)}`,

@@ -153,6 +153,18 @@ async function openConversation(id, how = "replace", messageId = undefined) {
   }
 }
 
+// "Branch": a new chat holding this one up to that message opens; the original stays as it was.
+async function branchFrom(messageId) {
+  try {
+    const conversation = await api.branchConversation(state.conversationId, messageId);
+    sidebar.upsert(conversation);
+    setConversation(conversation.id, displayTitle(conversation), "push");
+    showConversation(conversation);
+  } catch (error) {
+    showError(error, null);
+  }
+}
+
 // Re-reads the stored conversation; keeps live-only details (notes, the live usage with its
 // thinking count) of messages that are still there. An aborted answer is stored a moment
 // after the abort, so wait for `expectedCount` messages a few times before giving up.
@@ -205,6 +217,7 @@ function actionsFor(index) {
   if (isLast && (msg.role === "assistant" || msg.role === "user")) actions.onRegenerate = () => regenerate();
   if (isLast && msg.role === "assistant" && msg.finishReason === "length") actions.onContinue = () => send("Continue");
   if (msg.role === "assistant" && msg.id && state.conversationId) {
+    actions.onBranch = () => branchFrom(msg.id);
     actions.feedback = {
       conversationId: state.conversationId, message: msg,
       onSaved: (feedback) => { msg.feedback = feedback; paint(); },

@@ -137,7 +137,7 @@ function roleLabel(role) {
   return { user: "You", assistant: "Assistant", system: "System" }[role] || role;
 }
 
-// Builds one message; `actions` = {onEdit?, onRegenerate?, onContinue?, feedback?, isLocked?}
+// Builds one message; `actions` = {onEdit?, onRegenerate?, onContinue?, onBranch?, feedback?, isLocked?}
 // for the buttons it may show (feedback: the arguments of feedbackControls).
 export function messageElement(msg, index, actions) {
   const article = document.createElement("article");
@@ -184,6 +184,11 @@ export function messageElement(msg, index, actions) {
     const label = msg.role === "assistant" ? "Regenerate" : "Retry";
     buttons.append(actionButton({ action: "regenerate", label, ariaLabel: `${label} the answer` },
                                 actions.onRegenerate, locked));
+  }
+  if (actions.onBranch) {
+    buttons.append(actionButton({ action: "branch", label: "Branch",
+                                  ariaLabel: `Branch a new chat from message ${index + 1}` },
+                                actions.onBranch, locked));
   }
   if (actions.feedback) buttons.append(feedbackControls(actions.feedback));
   footer.append(buttons);

@@ -196,15 +196,29 @@ async def create(
 
 
 async def branch(
-    conn: aiosqlite.Connection, org_id: str, conversation_id: str, num_messages: int, pending: bool
+    conn: aiosqlite.Connection,
+    org_id: str,
+    conversation_id: str,
+    num_messages: int,
+    pending: bool,
+    title: str | None = None,
+    last_message_id: str | None = None,
 ) -> Conversation | None:
     """A new conversation holding a copy of the first `num_messages` messages (new ids, the same
-    answers' ledger rows), to continue from an earlier turn; None if the source is gone or shorter."""
+    answers' ledger rows), to continue from an earlier turn, titled `title` (None: the source's);
+    None if the source is gone or shorter, or its last copied message is not `last_message_id`
+    (when given: cut and written again since it was read)."""
     source = await get(conn, org_id, conversation_id, with_messages=False)
     counted = await fetch_all(conn, "SELECT count(*) FROM messages WHERE conversation_id = ?", (conversation_id,))
     if source is None or counted[0][0] < num_messages:
         return None
-    conv = await insert(conn, org_id, source.title, pending=pending, metadata=source.metadata)
+    if last_message_id is not None:
+        last = await fetch_all(
+            conn, "SELECT id FROM messages WHERE conversation_id = ? AND seq = ?", (conversation_id, num_messages - 1)
+        )
+        if not last or last[0][0] != last_message_id:
+            return None
+    conv = await insert(conn, org_id, title or source.title, pending=pending, metadata=source.metadata)
     await conn.execute(
         "INSERT INTO messages (id, conversation_id, seq, role, content, created_at, tokens, model, request_id,"
         " parts_json, finish_reason)"

@@ -54,16 +54,27 @@ class StoreConversations:
         return await self._write(job)
 
     async def branch_conversation(
-        self, org_id: str, conversation_id: str, num_messages: int, *, pending: bool = False
+        self,
+        org_id: str,
+        conversation_id: str,
+        num_messages: int,
+        *,
+        pending: bool = False,
+        title: str | None = None,
+        last_message_id: str | None = None,
     ) -> Conversation | None:
         """A new conversation holding a copy of the first `num_messages` messages of this one, in one
-        transaction (a Responses call continuing from an earlier response); None if it is gone or shorter."""
+        transaction (a Responses call continuing from an earlier response, the web UI's "Branch");
+        titled `title` (None: the source's); None if it is gone or shorter, or its last copied message is
+        not `last_message_id` (when given)."""
         job = functools.partial(
             conversations.branch,
             org_id=org_id,
             conversation_id=conversation_id,
             num_messages=num_messages,
             pending=pending,
+            title=title,
+            last_message_id=last_message_id,
         )
         return await self._write(job)
 

@@ -69,6 +69,21 @@ async def test_a_branch_copies_the_first_messages_into_a_new_pending_conversatio
     assert await store.branch_conversation(other.id, source.id, 2) is None
 
 
+async def test_a_branch_through_a_named_message_is_not_made_once_that_message_was_cut(store, make_record):
+    """The web UI's branch names its last message: a conversation cut and written again between
+    the read and the copy has other messages at that place, and is not copied."""
+    org = await store.ensure_org("acme", "free")
+    source = await store.create_conversation(org.id, title="rivers", messages=tuple(_message(i) for i in range(4)))
+    named = await store.branch_conversation(org.id, source.id, 2, title="mine", last_message_id="msg_1")
+    assert named is not None and named.title == "mine"
+    assert await store.truncate_conversation(org.id, source.id, 1)
+    await store.record_request(make_record(org.id, conversation_id=source.id, new_messages=(("user", "other"),)))
+    assert await store.branch_conversation(org.id, source.id, 2, last_message_id="msg_1") is None
+    second = (await store.get_conversation(org.id, source.id)).messages[1]
+    assert second.content == "other"
+    assert await store.branch_conversation(org.id, source.id, 2, last_message_id=second.id) is not None
+
+
 async def test_conversations_made_before_metadata_existed_have_none_after_the_upgrade(db_path, store_config):
     store = await Store.open(db_path, store_config)
     org = await store.ensure_org("acme", "free")

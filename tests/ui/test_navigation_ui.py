@@ -207,3 +207,29 @@ def test_the_browser_tab_shows_the_chats_title(ui):
     assert page.title().startswith("Plans for the weekend")
     page.get_by_role("button", name="New chat").click()
     assert page.title() == "Chat"
+
+
+def test_branch_opens_a_new_chat_up_to_that_answer_and_back_returns_to_the_original(ui, ui_server):
+    page = ui.page
+    type_and_send(page, "first question")
+    wait_for_answer_done(page)
+    type_and_send(page, "second question")
+    wait_for_answer_done(page)
+    source = conversation_id(page)
+    wait_until(lambda: len(stored_messages(ui_server, source)) == 4)
+    first_answer = page.locator("article.msg-assistant").first
+    first_answer.get_by_role("button", name="Branch a new chat from message 2").click()
+    wait_until(lambda: conversation_id(page) != source and user_texts(page) == ["first question"])
+    branch = conversation_id(page)
+    assert stored_messages(ui_server, branch)[0]["content"] == "first question"
+    assert len(stored_messages(ui_server, branch)) == 2 and len(stored_messages(ui_server, source)) == 4
+    expect(page.locator(f'#conversation-list li[data-id="{branch}"] .conv-open')).to_have_text(
+        "Branch \u00b7 first question"
+    )
+    expect(page.locator("#chat-title")).to_have_text("Branch \u00b7 first question")
+    type_and_send(page, "another way")
+    wait_for_answer_done(page)
+    assert user_texts(page) == ["first question", "another way"]
+    page.go_back()
+    wait_until(lambda: user_texts(page) == ["first question", "second question"])
+    assert conversation_id(page) == source
