@@ -187,7 +187,7 @@ export function messageElement(msg, index, actions) {
   }
   if (actions.onBranch) {
     buttons.append(actionButton({ action: "branch", label: "Branch",
-                                  ariaLabel: `Branch a new chat from message ${index + 1}` },
+                                  ariaLabel: `Branch from message ${index + 1}` },
                                 actions.onBranch, locked));
   }
   if (actions.feedback) buttons.append(feedbackControls(actions.feedback));

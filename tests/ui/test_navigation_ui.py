@@ -218,7 +218,7 @@ def test_branch_opens_a_new_chat_up_to_that_answer_and_back_returns_to_the_origi
     source = conversation_id(page)
     wait_until(lambda: len(stored_messages(ui_server, source)) == 4)
     first_answer = page.locator("article.msg-assistant").first
-    first_answer.get_by_role("button", name="Branch a new chat from message 2").click()
+    first_answer.get_by_role("button", name="Branch from message 2").click()
     wait_until(lambda: conversation_id(page) != source and user_texts(page) == ["first question"])
     branch = conversation_id(page)
     assert stored_messages(ui_server, branch)[0]["content"] == "first question"
