@@ -6,9 +6,10 @@ cached per file, so the next turn renders the same prompt and hits the prefix ca
 recently used texts also in memory, media/text_memory.py, so a conversation's files are not read
 from disk again every turn); a file sent inline is decoded and read the same way
 (api/inline_files.py), its text kept in memory by its bytes' hash; images are
-checked from their headers, and decoded only for a vision model. A file or image referenced many
-times in a request is read, checked and decoded once (`Seen`). Counting parts, refusing images
-for a model without vision and fitting documents to the context are api/attachments.py's.
+checked from their headers, and decoded only for a vision model's answer (a token count keeps
+their place undecoded, a remote one unfetched). A file or image referenced many times in a
+request is read, checked and decoded once (`Seen`). Counting parts, refusing images for a model
+without vision and fitting documents to the context are api/attachments.py's.
 """
 
 from __future__ import annotations
@@ -176,9 +177,10 @@ def _image_key(part: ImagePart | FilePart) -> str:
     return part.file_id if part.file_id is not None else part.url or ""
 
 
-async def _image_source(ctx: AttachContext, part: ImagePart | FilePart) -> ImageSource:
+async def _image_source(ctx: AttachContext, part: ImagePart | FilePart, fetch: bool) -> ImageSource | None:
     """The image's bytes or path, its size, structure, format and pixel count checked (once per
-    request for each image, however often it is named)."""
+    request for each image, however often it is named). Not `fetch` (a token count): a remote
+    URL is only checked against the settings (scheme, fetching on, host allowed), not fetched (None)."""
     cfg, where, key = ctx.images, part.where, _image_key(part)
     if key in ctx.seen.image_sources:
         return ctx.seen.image_sources[key]
@@ -191,6 +193,9 @@ async def _image_source(ctx: AttachContext, part: ImagePart | FilePart) -> Image
             raise bad_request(f"'{where}' has neither a file_id nor a url.", param=where)
         elif part.url.startswith("data:"):
             source = images.decode_data_url(part.url, cfg)
+        elif not fetch:
+            images.check_remote_url(part.url, cfg)
+            return None
         else:
             source = await images.fetch_remote(part.url, cfg)
         await images.probe_bounded(source, cfg)
@@ -199,9 +204,11 @@ async def _image_source(ctx: AttachContext, part: ImagePart | FilePart) -> Image
 
 
 async def image_sources(
-    ctx: AttachContext, message: ChatMessage, stored: dict[int, StoredFile]
+    ctx: AttachContext, message: ChatMessage, stored: dict[int, StoredFile], *, fetch: bool = True
 ) -> dict[int, ImageSource]:
-    return {i: await _image_source(ctx, p) for i, p in image_parts(message, stored).items()}
+    """The message's images read and checked, by part index (not `fetch`: remote ones checked, left out)."""
+    sources = {i: await _image_source(ctx, p, fetch) for i, p in image_parts(message, stored).items()}
+    return {i: source for i, source in sources.items() if source is not None}
 
 
 async def resolve_from(
@@ -209,15 +216,18 @@ async def resolve_from(
     message: ChatMessage,
     stored: dict[int, StoredFile],
     sources: dict[int, ImageSource] | None,
+    *,
+    decode: bool = True,
 ) -> Resolved:
     """Documents extracted; images decoded when `sources` holds them (None: a model without
-    vision, whose images render as "[image]")."""
+    vision, whose images render as "[image]"). Not `decode` (a token count): the images keep their
+    place, IMAGE_PLACEHOLDER, which the model's tokenizer counts as its image tokens, none decoded."""
     image_at = image_parts(message, stored)
     documents_by_index: dict[int, Document] = {}
     decoded: list[images.DecodedImage] = []
     for i, part in enumerate(message.parts):
         if i in image_at:
-            if sources is not None:
+            if sources is not None and decode:
                 decoded.append(await _decoded(ctx, image_at[i], sources[i]))
         elif isinstance(part, FilePart):
             documents_by_index[i] = await _document(ctx, stored[i], part.where)
@@ -234,10 +244,12 @@ async def _decoded(ctx: AttachContext, part: ImagePart | FilePart, source: Image
     return ctx.seen.decoded[key]
 
 
-async def resolve(ctx: AttachContext, message: ChatMessage, *, with_images: bool = False) -> Resolved:
+async def resolve(
+    ctx: AttachContext, message: ChatMessage, *, with_images: bool = False, decode: bool = True
+) -> Resolved:
     stored = await stored_files(ctx, message)
-    sources = await image_sources(ctx, message, stored) if with_images else None
-    return await resolve_from(ctx, message, stored, sources)
+    sources = await image_sources(ctx, message, stored, fetch=decode) if with_images else None
+    return await resolve_from(ctx, message, stored, sources, decode=decode)
 
 
 def render(resolved: Resolved, texts: dict[int, str] | None = None) -> str:

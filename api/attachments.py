@@ -2,7 +2,8 @@
 
 Owns step 3's attachment half: `file` parts and images are counted, then resolved
 (api/attachment_parts.py: documents extracted, images read and checked, decoded only for a
-vision model): a model without vision gets a 400 naming it before any pixel is decoded. A
+vision model): a model without vision gets a 400 naming it before any pixel is decoded; a token
+count makes the same checks, its images kept in place as the model's image tokens, none decoded. A
 document that does not fit the context is refused with the numbers, or cut to fit when the
 request says `truncation: "auto"` (the answer then lists what was left out); one certainly
 longer than the room is bounded (engine/token_bound.py), never tokenized whole.
@@ -40,6 +41,7 @@ from settings import FilesConfig, ImagesConfig
 from store.types import Message
 
 if TYPE_CHECKING:
+    from engine.registry import ModelHandle
     from engine.upstream.counting import Counter
 
 _MAX_FIT_TRIES = 3
@@ -236,9 +238,9 @@ def _check_image_count(num_images: int, cfg: ImagesConfig) -> None:
         )
 
 
-def _no_vision(inputs: JobInputs, where: str) -> ApiError:
+def _no_vision(model: ModelHandle, where: str) -> ApiError:
     return bad_request(
-        f"The model '{inputs.model.name}' does not accept images; send text or files, or use a vision model.",
+        f"The model '{model.name}' does not accept images; send text or files, or use a vision model.",
         param=where,
         code="image_input_not_supported",
     )
@@ -256,21 +258,31 @@ def _num_chars(inputs: JobInputs, new: list[Resolved]) -> int:
     return text + ids + tooling.num_chars(chat.tools) + sum(len(d.doc.text) for r in new for d in r.documents.values())
 
 
-async def prepare_job(ctx: AttachContext, inputs: JobInputs) -> Prepared:
-    """Resolve the new messages' attachments (and the history's), then tokenize and fit."""
-    prompter = image_job.prompter_of(inputs.model)
-    messages = inputs.chat.messages
-    _check_file_count(messages[inputs.chat.num_history_messages :], ctx.files)  # before any file is looked up
+async def _resolve_new(
+    ctx: AttachContext, model: ModelHandle, messages: tuple[ChatMessage, ...], num_inline_history: int, *, decode: bool
+) -> list[Resolved]:
+    """The request's messages resolved under the answer's checks, in its order: the file count, the
+    files' owners, the image count, each image read and checked, then a model without vision refused.
+    A vision model's images are decoded; not `decode` (a token count): they keep their place
+    undecoded, a remote one checked against the settings but not fetched (api/attachment_parts.py)."""
+    prompter = image_job.prompter_of(model)
+    _check_file_count(messages[num_inline_history:], ctx.files)  # before any file is looked up
     stored = [await stored_files(ctx, m) for m in messages]
     wheres = [p.where for m, s in zip(messages, stored, strict=True) for p in image_parts(m, s).values()]
     _check_image_count(len(wheres), ctx.images)  # before any image is read
-    sources = [await image_sources(ctx, m, s) for m, s in zip(messages, stored, strict=True)]
+    sources = [await image_sources(ctx, m, s, fetch=decode) for m, s in zip(messages, stored, strict=True)]
     if wheres and prompter is None:  # read and checked, not decoded
-        raise _no_vision(inputs, wheres[0])
-    new = [
-        await resolve_from(ctx, m, s, src if prompter is not None else None)
+        raise _no_vision(model, wheres[0])
+    return [
+        await resolve_from(ctx, m, s, src if prompter is not None else None, decode=decode)
         for m, s, src in zip(messages, stored, sources, strict=True)
     ]
+
+
+async def prepare_job(ctx: AttachContext, inputs: JobInputs) -> Prepared:
+    """Resolve the new messages' attachments (and the history's), then tokenize and fit."""
+    prompter = image_job.prompter_of(inputs.model)
+    new = await _resolve_new(ctx, inputs.model, inputs.chat.messages, inputs.chat.num_history_messages, decode=True)
     history, history_images = None, []
     if inputs.history is not None:
         rendered = await _rendered_history(ctx, inputs.history, with_images=prompter is not None)
@@ -290,13 +302,15 @@ async def prepare_job(ctx: AttachContext, inputs: JobInputs) -> Prepared:
 async def prepare_count(ctx: AttachContext, inputs: JobInputs) -> Job:
     """The job `inputs` would make, for a token count (nothing generated): the files read and the
     prompt fitted to the context as prepare_job fits it (fit: a stored history's oldest turns
-    dropped, documents cut or refused per `truncation`, the same 400s). Images are not read: each
-    counts as "[image]", not as a vision model's tokens."""
-    _check_file_count(inputs.chat.messages[inputs.chat.num_history_messages :], ctx.files)
-    new = [await resolve(ctx, m) for m in inputs.chat.messages]
+    dropped, documents cut or refused per `truncation`, the same 400s). A vision model's images
+    count as its image tokens, each checked as for an answer but neither decoded nor fetched; a
+    model without vision refuses them as there."""
+    with_images = image_job.prompter_of(inputs.model) is not None
+    new = await _resolve_new(ctx, inputs.model, inputs.chat.messages, inputs.chat.num_history_messages, decode=False)
     history = None
     if inputs.history is not None:
-        history = tuple(r.message for r in await _rendered_history(ctx, inputs.history, with_images=False))
+        rendered = await _rendered_history(ctx, inputs.history, with_images, decode=False)
+        history = tuple(r.message for r in rendered)
     return (await _fit_off_loop(dataclasses.replace(inputs, history=history), new)).job
 
 
@@ -308,9 +322,11 @@ async def _fit_off_loop(inputs: JobInputs, new: list[Resolved]) -> Prepared:
     return await asyncio.get_running_loop().run_in_executor(side_executor(), fit, inputs, new)
 
 
-async def _rendered_history(ctx: AttachContext, history: tuple[ChatMessage, ...], with_images: bool) -> list[Resolved]:
+async def _rendered_history(
+    ctx: AttachContext, history: tuple[ChatMessage, ...], with_images: bool, *, decode: bool = True
+) -> list[Resolved]:
     await _look_up_files(ctx, history)
-    return [await _history_message(ctx, m, with_images) for m in history]
+    return [await _history_message(ctx, m, with_images, decode) for m in history]
 
 
 async def _look_up_files(ctx: AttachContext, messages: tuple[ChatMessage, ...]) -> None:
@@ -324,10 +340,10 @@ async def _look_up_files(ctx: AttachContext, messages: tuple[ChatMessage, ...]) 
         ctx.seen.files.update(await ctx.store.get_files(ctx.org_id, missing))
 
 
-async def _history_message(ctx: AttachContext, message: ChatMessage, with_images: bool) -> Resolved:
+async def _history_message(ctx: AttachContext, message: ChatMessage, with_images: bool, decode: bool) -> Resolved:
     """A stored message with parts renders as it did on its own turn (so the prefix cache hits);
-    a deleted file says so; images stay images for a vision model (remote ones are not fetched again).
-    Its files were looked up already (`_look_up_files`)."""
+    a deleted file says so; images stay images for a vision model (remote ones are not fetched again:
+    "[image]"), decoded unless for a token count. Its files were looked up already (`_look_up_files`)."""
     if not message.parts:
         return Resolved(message, {}, [])
     kept: list[Part] = []
@@ -341,16 +357,18 @@ async def _history_message(ctx: AttachContext, message: ChatMessage, with_images
             kept.append(TextPart("[image]"))
         else:
             kept.append(part)
-    resolved = await resolve(ctx, ChatMessage(message.role, message.content, tuple(kept)), with_images=with_images)
+    kept_message = ChatMessage(message.role, message.content, tuple(kept))
+    resolved = await resolve(ctx, kept_message, with_images=with_images, decode=decode)
     return Resolved(ChatMessage(message.role, render(resolved)), {}, resolved.images)
 
 
-async def read_files(ctx: AttachContext, messages: tuple[ChatMessage, ...]) -> list[ChatMessage]:
-    """The messages with each file's text in place, as a token count reads them (nothing
-    generated), under the same checks (file count, the file's owner, the readers' limits and
-    refusals). Images are not read: each counts as "[image]", not as a vision model's tokens."""
-    _check_file_count(messages, ctx.files)
-    return [ChatMessage(m.role, render(await resolve(ctx, m))) if m.parts else m for m in messages]
+async def read_files(ctx: AttachContext, model: ModelHandle, messages: tuple[ChatMessage, ...]) -> list[ChatMessage]:
+    """The messages with each file's text in place, as a token count reads them for `model`
+    (nothing generated), under an answer's checks (file and image counts, the file's owner, the
+    readers' limits and refusals, each image checked, a model without vision refusing images).
+    A vision model's images keep their place (its image tokens), neither decoded nor fetched."""
+    new = await _resolve_new(ctx, model, messages, 0, decode=False)
+    return [ChatMessage(r.message.role, render(r)) if r.message.parts else r.message for r in new]
 
 
 def history_message(m: Message) -> ChatMessage:

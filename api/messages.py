@@ -299,7 +299,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         await read_json(request), max_messages=cfg.max_messages, max_prompt_chars=cfg.max_prompt_chars, count_only=True
     )
     model = model_to_count_for(request, chat.model)
-    messages = await read_files(request, chat.messages)
+    messages = await read_files(request, model, chat.messages)
     num_tokens = await count_prompt(
         model, messages, prompt_tools(chat), chat.chat_template_kwargs, chat.continue_final_message
     )

@@ -1,7 +1,8 @@
 """Counting a prompt's tokens without generating: POST /v1/messages/count_tokens (Anthropic's)
 and POST /v1/responses/input_tokens (OpenAI's). Each counts as a request against the caller's
 per-minute limit (no tokens), so it cannot be called without bound; nothing is billed or stored.
-Files count with their text, read as for a generating request (and refused as there); a Responses
+Files count with their text, read as for a generating request (and refused as there), and a vision
+model's images as its image tokens (checked as there, neither decoded nor fetched); a Responses
 count fits the prompt to the context with the request path's own code (count_as_served).
 """
 
@@ -50,10 +51,11 @@ def _attach_context(request: web.Request) -> AttachContext:
     return AttachContext(state.store, request.app[BLOBS], request[PRINCIPAL].org.id, files, images, request.app[TEXTS])
 
 
-async def read_files(request: web.Request, messages: tuple[ChatMessage, ...]) -> list[ChatMessage]:
-    """The messages with their files read, as a generating request reads them (api/attachments.py):
-    a file's text counts, and a file the answer would refuse is refused here too."""
-    return await attachments.read_files(_attach_context(request), messages)
+async def read_files(request: web.Request, model: ModelHandle, messages: tuple[ChatMessage, ...]) -> list[ChatMessage]:
+    """The messages with their files read, as a generating request on `model` reads them
+    (api/attachments.py): a file's text counts, a vision model's image its image tokens, and a file
+    or image the answer would refuse is refused here too."""
+    return await attachments.read_files(_attach_context(request), model, messages)
 
 
 async def count_as_served(

@@ -1,6 +1,6 @@
 """Images in chat messages over HTTP: every refusal (bad data URL, undecodable bytes, too large,
 too many pixels, decompression bomb, remote URL when off or host not allowed, too many images,
-another organisation's image) and a model without vision named in its 400."""
+another organisation's image) and a model without vision named in its 400, the token counts' too."""
 
 from __future__ import annotations
 
@@ -164,3 +164,23 @@ async def test_uploaded_images_by_file_id_and_their_isolation(make_client):
     await assert_error(await chat(client, image_message({"file_id": file_id}), headers=other), 404)
     three = [{"role": "user", "content": [{"type": "image_url", "image_url": {"file_id": file_id}}] * 3}]
     await assert_error(await chat(client, three), 400, code="too_many_images")
+
+
+async def test_token_counts_refuse_images_for_a_model_without_vision_as_the_answer_does(make_client):
+    client = await make_client()
+    image = png_bytes()
+    responses = {
+        "model": "echo",
+        "input": [{"role": "user", "content": [{"type": "input_image", "image_url": data_url(image)}]}],
+    }
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(image).decode()}
+    messages = {"model": "echo", "messages": [{"role": "user", "content": [{"type": "image", "source": source}]}]}
+    for answer_path, count_path, body in (
+        ("/v1/responses", "/v1/responses/input_tokens", responses),
+        ("/v1/messages", "/v1/messages/count_tokens", {**messages, "max_tokens": 4}),
+    ):
+        answer = await client.post(answer_path, json=body)
+        count = await client.post(count_path, json=body)
+        assert answer.status == count.status == 400, await count.text()
+        answer_error, count_error = (await answer.json())["error"], (await count.json())["error"]
+        assert count_error == answer_error and "'echo' does not accept images" in count_error["message"]

@@ -1,17 +1,22 @@
 """Images through the whole server into the native LLaVA engine (tiny random checkpoint):
 image tokens are counted and billed, the next turn with the same image hits the prefix cache,
 a different picture of the same size does not, typed "<image>" text makes no image slot, and
-too many images are refused before any is decoded."""
+too many images are refused before any is decoded. The token-count endpoints count each image
+(new or in a previous response's history) as the answer's usage does, and refuse one as it does."""
 
 from __future__ import annotations
 
+import base64
+
 import pytest
+from aiohttp import web
 
 from api.app import init
 from engine.types import IMAGE_PLACEHOLDER
 from media import images
 from testing.tiny_llava import build_tiny_llava
 from tests.api.helpers import native_settings, state_of
+from tests.api.test_files_http import other_org_headers, upload
 from tests.api.test_images_http import data_url, png_bytes
 
 NUM_IMAGE_TOKENS = 16
@@ -85,3 +90,112 @@ async def test_too_many_images_are_refused_before_any_is_decoded(client, monkeyp
     )
     assert resp.status == 400 and (await resp.json())["error"]["code"] == "too_many_images"
     assert decoded == []
+
+
+# -- token counts: each image is its image tokens, as in the answer's usage ----------------
+def input_image(image: bytes | str | None = None, file_id: str | None = None) -> dict:
+    """An image part of a Responses input: its bytes (sent as a data: URL), a URL, or an upload's id."""
+    if file_id is not None:
+        return {"type": "input_image", "file_id": file_id}
+    return {"type": "input_image", "image_url": data_url(image) if isinstance(image, bytes) else image}
+
+
+async def respond(client, **body) -> dict:
+    resp = await client.post("/v1/responses", json={"model": "llava", "temperature": 0, "max_output_tokens": 4, **body})
+    assert resp.status == 200, await resp.text()
+    return await resp.json()
+
+
+async def count_input(client, **body) -> int:
+    resp = await client.post("/v1/responses/input_tokens", json={"model": "llava", **body})
+    assert resp.status == 200, await resp.text()
+    return (await resp.json())["input_tokens"]
+
+
+async def test_input_tokens_counts_each_image_as_the_image_tokens_a_response_spends(client, monkeypatch):
+    decode, decoded = images.decode, []
+    monkeypatch.setattr(images, "decode", lambda source, cfg: decoded.append(source) or decode(source, cfg))
+    red, green = png_bytes((40, 30), (200, 30, 30)), png_bytes((30, 40), (30, 200, 30))
+    form = {"purpose": "vision", "filename": "green.png", "content_type": "image/png"}
+    green_id = (await (await upload(client, green, **form)).json())["id"]
+    text_only = await count_input(client, input="What is in these pictures?")
+    for num_images, images_sent in ((1, [input_image(red)]), (2, [input_image(red), input_image(file_id=green_id)])):
+        ask = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "What is in these pictures?"}]}]}
+        ask["input"][0]["content"] += images_sent
+        num_decoded = len(decoded)
+        counted = await count_input(client, **ask)
+        assert len(decoded) == num_decoded  # counted without decoding an image
+        assert counted == (await respond(client, **ask))["usage"]["input_tokens"]
+        assert counted >= text_only + num_images * NUM_IMAGE_TOKENS and len(decoded) > num_decoded
+
+
+async def test_input_tokens_counts_a_previous_responses_images_as_the_next_response_does(client):
+    picture = png_bytes((40, 30), (30, 30, 200))
+    content = [{"type": "input_text", "text": "Describe this picture."}, input_image(picture)]
+    first = await respond(client, input=[{"role": "user", "content": content}])
+    for store in (True, False):  # stored: the conversation's history; not stored: the history sent inline
+        follow = {"input": "And its colors?", "previous_response_id": first["id"], "store": store}
+        counted = await count_input(client, **follow)
+        assert counted == (await respond(client, **follow))["usage"]["input_tokens"]
+        assert counted > first["usage"]["input_tokens"]  # the first prompt's image among them
+
+
+async def test_count_tokens_counts_each_image_as_the_image_tokens_a_message_spends(client):
+    def image_block(image: bytes) -> dict:
+        source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(image).decode()}
+        return {"type": "image", "source": source}
+
+    red, green = png_bytes((40, 30), (200, 30, 30)), png_bytes((30, 40), (30, 200, 30))
+    blocks = [{"type": "text", "text": "What is in these pictures?"}, image_block(red), image_block(green)]
+    body = {"model": "llava", "messages": [{"role": "user", "content": blocks}]}
+    counted = await client.post("/v1/messages/count_tokens", json=body)
+    assert counted.status == 200, await counted.text()
+    answered = await client.post("/v1/messages", json={**body, "max_tokens": 4, "temperature": 0})
+    assert answered.status == 200, await answered.text()
+    usage = (await answered.json())["usage"]  # Anthropic's input_tokens leave out those read from cache
+    assert (await counted.json())["input_tokens"] == usage["input_tokens"] + usage["cache_read_input_tokens"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] >= 2 * NUM_IMAGE_TOKENS
+
+
+async def test_input_tokens_refuses_an_image_as_the_response_does(client):
+    other = await other_org_headers(client)
+    form = {"purpose": "vision", "filename": "theirs.png", "content_type": "image/png"}
+    theirs = (await (await upload(client, png_bytes(), headers=other, **form)).json())["id"]
+    refused = [
+        (400, {"image_url": "data:image/png;base64,@@@not-base64@@@"}),
+        (400, {"image_url": "https://example.com/cat.png"}),  # fetching is off (the default): never fetched
+        (400, {"image_url": data_url(b"not a picture")}),
+        (404, {"file_id": theirs}),  # another organisation's upload
+    ]
+    for status, ref in refused:
+        body = {"model": "llava", "input": [{"role": "user", "content": [{"type": "input_image", **ref}]}]}
+        answer = await client.post("/v1/responses", json=body)
+        count = await client.post("/v1/responses/input_tokens", json=body)
+        assert answer.status == count.status == status, await count.text()
+        assert (await count.json())["error"] == (await answer.json())["error"]
+
+
+async def test_a_remote_image_is_counted_without_fetching_it_and_in_a_history_as_the_response_renders_it(
+    aiohttp_client, aiohttp_server, tmp_path, llava_dir
+):
+    fetched: list[str] = []
+
+    async def serve(request: web.Request) -> web.Response:
+        fetched.append(request.path)
+        return web.Response(body=png_bytes((40, 30), (90, 90, 30)), content_type="image/png")
+
+    remote = web.Application()
+    remote.router.add_get("/{name}", serve)
+    server = await aiohttp_server(remote)
+    extra = ("images.allow_remote_urls=true", 'images.remote_allow_hosts=["127.0.0.1"]')
+    client = await aiohttp_client(init(native_settings(tmp_path, llava_dir, "llava", extra)))
+    content = [{"type": "input_text", "text": "Describe this picture."}]
+    ask = {"input": [{"role": "user", "content": [*content, input_image(f"http://127.0.0.1:{server.port}/p.png")]}]}
+    counted = await count_input(client, **ask)
+    assert fetched == []  # the count is fixed per image: nothing to fetch
+    first = await respond(client, **ask)
+    assert counted == first["usage"]["input_tokens"] and fetched == ["/p.png"]
+    follow = {"input": "And its colors?", "previous_response_id": first["id"]}
+    counted = await count_input(client, **follow)
+    assert counted == (await respond(client, **follow))["usage"]["input_tokens"]  # a remote one: "[image]"
+    assert fetched == ["/p.png"]
