@@ -1,14 +1,14 @@
-"""A message's file and image parts resolved: files looked up, documents extracted, images read,
-checked and decoded, and the message rendered with each document's text in place.
+"""A message's file and image parts resolved: files looked up, documents extracted, images read
+and checked, and the message rendered with each document's text in place.
 
 `file` parts become their extracted text between a header and a footer (media/extraction.py:
 cached per file, so the next turn renders the same prompt and hits the prefix cache; the most
 recently used texts also in memory, media/text_memory.py, so a conversation's files are not read
 from disk again every turn); a file sent inline is decoded and read the same way
 (api/inline_files.py), its text kept in memory by its bytes' hash; images are
-checked from their headers, and decoded only for a vision model's answer (a token count keeps
-their place undecoded, a remote one unfetched). A file or image referenced many times in a
-request is read, checked and decoded once (`Seen`). Counting parts, refusing images for a model
+checked from their headers and, for a vision model's answer, named by their bytes' sha256 for
+api/image_job.py to decode (a token count keeps their place, a remote one unfetched). A file or
+image referenced many times in a request is read and checked once (`Seen`). Counting parts, refusing images for a model
 without vision and fitting documents to the context are api/attachments.py's.
 """
 
@@ -17,11 +17,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from api import inline_files
 from api.errors import bad_request, not_found, overloaded
+from api.image_job import ImageSource, ReadImage, image_errors
 from api.parts import FilePart, ImagePart, InlineFilePart, TextPart
 from api.protocol import ChatMessage
 from engine.types import IMAGE_PLACEHOLDER
@@ -36,18 +36,15 @@ if TYPE_CHECKING:
     from store.store import Store
 
 
-ImageSource = bytes | Path  # a data: URL's or fetched image's bytes, or an uploaded image's path
-
-
 @dataclass(slots=True)
 class Seen:
     """What one request has read, by file id (an image without one by its URL): a file or image
-    referenced many times is looked up, read, checked and decoded once."""
+    referenced many times is looked up, read and checked once."""
 
     files: dict[str, StoredFile] = field(default_factory=dict)
     documents: dict[str, Document] = field(default_factory=dict)
     image_sources: dict[str, ImageSource] = field(default_factory=dict)
-    decoded: dict[str, images.DecodedImage] = field(default_factory=dict)
+    read_images: dict[str, ReadImage] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,17 +71,17 @@ class Document:
 
 @dataclass(slots=True)
 class Resolved:
-    """One message's parts, resolved: documents (by part index) and decoded images."""
+    """One message's parts, resolved: documents (by part index) and images read (for a vision model's answer)."""
 
     message: ChatMessage
     documents: dict[int, Document]
-    images: list[images.DecodedImage]
+    images: list[ReadImage]
     with_images: bool = False  # a vision model: images keep their place (IMAGE_PLACEHOLDER)
 
 
 # Images are counted first (no bytes read, api/attachments.py), then each is read and its header
-# checked (a bad image gets its own 400), and only then, for a vision model, decoded: a model
-# without vision is refused before any pixel is decoded.
+# checked (a bad image gets its own 400), and only then, for a vision model, decoded (api/image_job.py,
+# once the prompt is fitted): a model without vision is refused before any pixel is decoded.
 async def _owned(ctx: AttachContext, file_id: str, where: str) -> StoredFile:
     stored = ctx.seen.files.get(file_id)
     if stored is None and is_file_id(file_id):
@@ -164,14 +161,6 @@ def _extraction_errors(ctx: AttachContext, name: str, where: str) -> Iterator[No
         ) from None
 
 
-@contextlib.contextmanager
-def _image_errors(where: str) -> Iterator[None]:
-    try:
-        yield
-    except images.ImageRejected as exc:
-        raise bad_request(f"{exc.message} ('{where}')", param=where, code=exc.code) from None
-
-
 def _image_key(part: ImagePart | FilePart) -> str:
     """The same image however often a request names it: its file id, else its URL."""
     return part.file_id if part.file_id is not None else part.url or ""
@@ -184,7 +173,7 @@ async def _image_source(ctx: AttachContext, part: ImagePart | FilePart, fetch: b
     cfg, where, key = ctx.images, part.where, _image_key(part)
     if key in ctx.seen.image_sources:
         return ctx.seen.image_sources[key]
-    with _image_errors(where):
+    with image_errors(where):
         if isinstance(part, FilePart):  # its upload was looked up already (stored_files)
             source: ImageSource = ctx.blobs.path(part.file_id)
         elif part.file_id is not None:
@@ -219,29 +208,31 @@ async def resolve_from(
     *,
     decode: bool = True,
 ) -> Resolved:
-    """Documents extracted; images decoded when `sources` holds them (None: a model without
-    vision, whose images render as "[image]"). Not `decode` (a token count): the images keep their
-    place, IMAGE_PLACEHOLDER, which the model's tokenizer counts as its image tokens, none decoded."""
+    """Documents extracted; images read for the answer (`ReadImage`: decoded by api/image_job.py)
+    when `sources` holds them (None: a model without vision, whose images render as "[image]").
+    Not `decode` (a token count): the images keep their place, IMAGE_PLACEHOLDER, which the
+    model's tokenizer counts as its image tokens, none read for decoding."""
     image_at = image_parts(message, stored)
     documents_by_index: dict[int, Document] = {}
-    decoded: list[images.DecodedImage] = []
+    read: list[ReadImage] = []
     for i, part in enumerate(message.parts):
         if i in image_at:
             if sources is not None and decode:
-                decoded.append(await _decoded(ctx, image_at[i], sources[i]))
+                read.append(await _read(ctx, image_at[i], sources[i]))
         elif isinstance(part, FilePart):
             documents_by_index[i] = await _document(ctx, stored[i], part.where)
         elif isinstance(part, InlineFilePart):
             documents_by_index[i] = await _inline_document(ctx, part)
-    return Resolved(message, documents_by_index, decoded, sources is not None)
+    return Resolved(message, documents_by_index, read, sources is not None)
 
 
-async def _decoded(ctx: AttachContext, part: ImagePart | FilePart, source: ImageSource) -> images.DecodedImage:
+async def _read(ctx: AttachContext, part: ImagePart | FilePart, source: ImageSource) -> ReadImage:
+    """The image with its bytes' digest, which names it in the model's prepared images
+    (api/image_job.py decodes it there, only when it is in the prompt and not prepared already)."""
     key = _image_key(part)
-    if key not in ctx.seen.decoded:
-        with _image_errors(part.where):
-            ctx.seen.decoded[key] = await images.decode_bounded(source, ctx.images)
-    return ctx.seen.decoded[key]
+    if key not in ctx.seen.read_images:
+        ctx.seen.read_images[key] = ReadImage(source, await run_blocking(images.digest_of, source), part.where)
+    return ctx.seen.read_images[key]
 
 
 async def resolve(

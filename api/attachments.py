@@ -291,7 +291,9 @@ async def prepare_job(ctx: AttachContext, inputs: JobInputs) -> Prepared:
     prepared = await _fit_off_loop(dataclasses.replace(inputs, history=history), new)
     job = prepared.job
     if prompter is not None:
-        await image_job.place_images(job, prompter, [*history_images, *(img for r in new for img in r.images)])
+        await image_job.place_images(
+            job, prompter, [*history_images, *(img for r in new for img in r.images)], ctx.images
+        )
     job.new_messages = tuple((m.role, m.content) for m in inputs.chat.messages)
     job.new_message_parts = tuple(
         orjson.dumps(to_json(m.parts)).decode() if m.parts else None for m in inputs.chat.messages

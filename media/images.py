@@ -114,6 +114,12 @@ async def fetch_remote(url: str, cfg: ImagesConfig) -> bytes:
         raise ImageRejected(f"Fetching the image failed: {type(exc).__name__}.", "image_fetch_failed") from None
 
 
+def digest_of(source: bytes | Path) -> str:
+    """sha256 of the image's encoded bytes (blocking: reads an uploaded file): the same bytes
+    however they came (data: URL, upload), so a model's prepared image is found again by it."""
+    return hashlib.sha256(source if isinstance(source, bytes) else source.read_bytes()).hexdigest()
+
+
 def probe(source: bytes | Path, cfg: ImagesConfig) -> tuple[int, int]:
     """(width, height) after checking bytes, structure (`check_structure`), format and declared
     pixel count: nothing is decoded (blocking: reads the file, walks its headers)."""

@@ -123,6 +123,12 @@ class ImagesConfig:
         "their turn.",
         minimum=1,
     )
+    prepared_cache_mb: int = setting(
+        128,
+        "Per vision model: images kept decoded and preprocessed (by their bytes' sha256), so an image in a "
+        "conversation's history is not decoded again each turn (a 336x336 CLIP input takes 1.3 MB; 0: none kept).",
+        minimum=0,
+    )
     allow_remote_urls: bool = setting(
         False, "Fetch http(s) image URLs. Off: a server that fetches any URL is a door to SSRF."
     )

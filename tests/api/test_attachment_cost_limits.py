@@ -291,7 +291,8 @@ def llava_dir(tmp_path_factory):
 async def test_a_vision_model_decodes_an_image_named_twice_once_and_reads_it_twice(
     aiohttp_client, tmp_path, llava_dir, monkeypatch
 ):
-    client = await aiohttp_client(init(native_settings(tmp_path, llava_dir, "llava")))
+    extra = ("images.prepared_cache_mb=0",)  # else the second request finds it prepared by the first
+    client = await aiohttp_client(init(native_settings(tmp_path, llava_dir, "llava", extra)))
     decoded: list = []
     real = images.decode
     monkeypatch.setattr(images, "decode", lambda source, cfg: decoded.append(source) or real(source, cfg))

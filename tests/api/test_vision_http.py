@@ -199,3 +199,51 @@ async def test_a_remote_image_is_counted_without_fetching_it_and_in_a_history_as
     counted = await count_input(client, **follow)
     assert counted == (await respond(client, **follow))["usage"]["input_tokens"]  # a remote one: "[image]"
     assert fetched == ["/p.png"]
+
+
+# -- prepared images: a conversation's earlier images are not decoded again each turn --------
+def counting_decodes(monkeypatch) -> list:
+    decode, decoded = images.decode, []
+    monkeypatch.setattr(images, "decode", lambda source, cfg: decoded.append(source) or decode(source, cfg))
+    return decoded
+
+
+async def two_turns(client) -> list[str]:
+    """A conversation whose first turn sends two pictures and whose next two turns send text."""
+    cid = (await (await client.post("/v1/conversations", json={})).json())["id"]
+    first = with_image("Compare these pictures.", png_bytes((40, 30), (10, 120, 200)))
+    first["content"].append({"type": "image_url", "image_url": {"url": data_url(png_bytes((30, 40), (200, 0, 90)))}})
+    answers = [(await ask(client, [first], conversation_id=cid))["choices"][0]["message"]["content"]]
+    for text in ("Which is brighter?", "And which is taller?"):
+        body = await ask(client, [{"role": "user", "content": text}], conversation_id=cid, max_tokens=8)
+        answers.append(body["choices"][0]["message"]["content"])
+    return answers
+
+
+async def test_a_conversations_earlier_images_are_prepared_once_and_answer_as_if_decoded_again(
+    aiohttp_client, tmp_path, llava_dir, monkeypatch
+):
+    decoded = counting_decodes(monkeypatch)
+    cached = await aiohttp_client(init(native_settings(tmp_path / "a", llava_dir, "llava")))
+    answers = await two_turns(cached)
+    assert len(decoded) == 2  # the first turn's two pictures; the next turns found them prepared
+    prepared = state_of(cached).models["llava"].tokenizer.image_prompter.prepared
+    assert len(prepared) == 2 and prepared.num_hits == 4
+
+    decoded.clear()
+    extra = ("images.prepared_cache_mb=0",)
+    uncached = await aiohttp_client(init(native_settings(tmp_path / "b", llava_dir, "llava", extra)))
+    assert await two_turns(uncached) == answers  # greedy: the same answers as decoding each turn
+    assert len(decoded) == 6
+
+
+async def test_an_image_that_fails_to_decode_past_its_header_is_a_400_naming_its_part(client):
+    whole = png_bytes((40, 30), (10, 120, 200))
+    cut = whole[: len(whole) - 30]  # the header and the start of the pixels: probe passes, decoding fails
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={"model": "llava", "messages": [with_image("What is this?", cut)], "max_tokens": 2},
+    )
+    assert resp.status == 400, await resp.text()
+    error = (await resp.json())["error"]
+    assert error["code"] == "invalid_image" and error["param"] == "messages[0].content[1]"

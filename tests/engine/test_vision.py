@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from engine.native.image_processor import ClipImageProcessor
+from engine.native.image_prompt import PreparedImages
 from engine.native.llm_engine import LLMEngine
 from engine.native.loader import load_model_args
 from engine.types import GenerationRequest, ImageInput, SamplingParams
@@ -157,3 +158,19 @@ def test_same_image_next_turn_hits_the_prefix_cache_and_a_different_image_does_n
     other = run(engine, [request("t3", other_ids + first + follow, other_images)])["t3"]
     assert other[1] <= first_images[0].offset  # nothing from the image onwards was shared
     assert other[0] == hf_greedy(reference, other_ids + first + follow, other_images, 8)
+
+
+def test_prepared_images_keep_the_most_recently_used_within_their_byte_cap():
+    prepared = PreparedImages()
+    pixels = {name: np.zeros(1000, dtype=np.float32) for name in "abcd"}  # 4,000 bytes each
+    for name in "abc":
+        prepared.put(name, (f"hash-{name}", pixels[name]), max_bytes=10_000)
+    assert len(prepared) == 2 and prepared.get("a") is None  # the oldest went past 10,000 bytes
+    assert prepared.get("b") == ("hash-b", pixels["b"]) and prepared.num_hits == 1
+    prepared.put("d", ("hash-d", pixels["d"]), max_bytes=10_000)
+    assert prepared.get("c") is None and prepared.get("b") is not None  # b was used since c came
+    assert prepared.num_bytes == 8000
+    prepared.put("e", ("hash-e", np.zeros(5000, dtype=np.float32)), max_bytes=10_000)  # larger than the cap
+    assert prepared.get("e") is None and prepared.num_bytes == 8000
+    prepared.put("f", ("hash-f", pixels["a"]), max_bytes=0)  # a cap of 0 keeps nothing new
+    assert prepared.get("f") is None
