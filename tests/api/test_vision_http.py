@@ -247,3 +247,18 @@ async def test_an_image_that_fails_to_decode_past_its_header_is_a_400_naming_its
     assert resp.status == 400, await resp.text()
     error = (await resp.json())["error"]
     assert error["code"] == "invalid_image" and error["param"] == "messages[0].content[1]"
+
+
+async def test_an_image_in_history_trimmed_out_of_the_context_is_not_decoded(
+    aiohttp_client, tmp_path, llava_dir, monkeypatch
+):
+    extra = ("images.prepared_cache_mb=0",)  # nothing kept: each image in the prompt is decoded again
+    client = await aiohttp_client(init(native_settings(tmp_path, llava_dir, "llava", extra)))
+    decoded = counting_decodes(monkeypatch)
+    cid = (await (await client.post("/v1/conversations", json={})).json())["id"]
+    await ask(client, [with_image("Describe this picture.", png_bytes((40, 30)))], conversation_id=cid)
+    await ask(client, [{"role": "user", "content": "And its colors?"}], conversation_id=cid)
+    assert len(decoded) == 2  # the picture is still in the context of the second turn
+    long = " ".join(["colour"] * 115)  # alone it fits the 512-token context; with the first turn it does not
+    body = await ask(client, [{"role": "user", "content": long}], conversation_id=cid, max_tokens=2)
+    assert body["history_messages_dropped"] >= 2 and len(decoded) == 2
