@@ -160,6 +160,7 @@ async function branchFrom(messageId) {
     sidebar.upsert(conversation);
     setConversation(conversation.id, displayTitle(conversation), "push");
     showConversation(conversation);
+    el.input.focus();  // the branch is there to be continued
   } catch (error) {
     showError(error, null);
   }

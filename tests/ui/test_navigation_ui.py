@@ -227,6 +227,7 @@ def test_branch_opens_a_new_chat_up_to_that_answer_and_back_returns_to_the_origi
         "Branch \u00b7 first question"
     )
     expect(page.locator("#chat-title")).to_have_text("Branch \u00b7 first question")
+    expect(page.get_by_label("Message", exact=True)).to_be_focused()
     type_and_send(page, "another way")
     wait_for_answer_done(page)
     assert user_texts(page) == ["first question", "another way"]
