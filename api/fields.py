@@ -19,6 +19,7 @@ MAX_STOP_CHARS = 256
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")  # OpenAI's; one tier of service here
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+MAX_TITLE_CHARS = 200  # a conversation's title as a client sets it (create, update, import)
 
 
 def kind_of(value: Any) -> str:
@@ -26,24 +27,25 @@ def kind_of(value: Any) -> str:
     return names.get(type(value), "a number")
 
 
-def check_metadata(value: Any) -> None:
-    """OpenAI's `metadata`: null, or at most 16 string keys (64 characters) to strings (512)."""
+def check_metadata(value: Any, param: str = "metadata") -> None:
+    """OpenAI's `metadata`: null, or at most 16 string keys (64 characters) to strings (512).
+    `param`: where the field is, as its errors name it (`data[2].metadata` in an import)."""
     if value is None:
         return
     if not isinstance(value, dict):
-        raise bad_request(f"'metadata' must be an object of strings, got {kind_of(value)}.", param="metadata")
+        raise bad_request(f"'{param}' must be an object of strings, got {kind_of(value)}.", param=param)
     if len(value) > MAX_METADATA_PAIRS:
-        raise bad_request(f"'metadata' may have at most {MAX_METADATA_PAIRS} keys, got {len(value)}.", param="metadata")
+        raise bad_request(f"'{param}' may have at most {MAX_METADATA_PAIRS} keys, got {len(value)}.", param=param)
     for key, item in value.items():
         if len(key) > MAX_METADATA_KEY_CHARS:
             raise bad_request(
-                f"'metadata' keys are at most {MAX_METADATA_KEY_CHARS} characters; {key[:20]!r}... is longer.",
-                param="metadata",
+                f"'{param}' keys are at most {MAX_METADATA_KEY_CHARS} characters; {key[:20]!r}... is longer.",
+                param=param,
             )
         if not isinstance(item, str) or len(item) > MAX_METADATA_VALUE_CHARS:
             raise bad_request(
-                f"'metadata.{key}' must be a string of at most {MAX_METADATA_VALUE_CHARS} characters.",
-                param=f"metadata.{key}",
+                f"'{param}.{key}' must be a string of at most {MAX_METADATA_VALUE_CHARS} characters.",
+                param=f"{param}.{key}",
             )
 
 

@@ -18,12 +18,13 @@ from typing import Literal, overload
 from aiohttp import web
 
 from api import branch as branch_api
+from api import conversation_import
 from api import export as export_api
 from api import feedback as feedback_api
 from api.chat import read_json
 from api.conversation_objects import conversation_obj, read_conversation
 from api.errors import ApiError, bad_request, not_found
-from api.fields import check_metadata
+from api.fields import MAX_TITLE_CHARS, check_metadata
 from api.image_job import prompter_of
 from api.model_info import created_at, model_extras
 from api.paging import page_limit
@@ -35,7 +36,6 @@ from store.conversations import new_message_id
 from store.feedback import FeedbackChange
 from store.types import ConversationHit, Message, NotFound
 
-_MAX_TITLE_CHARS = 200
 MAX_INITIAL_ITEMS = 20  # OpenAI's: items added to a conversation at a time
 MAX_SEARCH_CHARS = 200  # GET /v1/conversations?q=: the longest text searched for
 _CREATE_FIELDS = ("title", "items", "metadata")  # POST /v1/conversations: OpenAI's items and metadata, our title
@@ -125,8 +125,8 @@ def _title(body: object, *, required: bool) -> str | None:
         return None
     if not isinstance(title, str) or not title.strip():
         raise bad_request("'title' must be a non-empty string.", param="title")
-    if len(title) > _MAX_TITLE_CHARS:
-        raise bad_request(f"'title' may have at most {_MAX_TITLE_CHARS} characters, got {len(title)}.", param="title")
+    if len(title) > MAX_TITLE_CHARS:
+        raise bad_request(f"'title' may have at most {MAX_TITLE_CHARS} characters, got {len(title)}.", param="title")
     return title.strip()
 
 
@@ -411,7 +411,8 @@ def add_routes(app: web.Application, chat_handler) -> None:
     app.router.add_post("/v1/chat/completions", chat_handler)
     app.router.add_post("/v1/conversations", create_conversation)
     app.router.add_get("/v1/conversations", list_conversations)
-    export_api.add_routes(app)  # before /v1/conversations/{conversation_id}
+    export_api.add_routes(app)  # these two before /v1/conversations/{conversation_id}
+    conversation_import.add_routes(app)
     app.router.add_get("/v1/conversations/{conversation_id}", get_conversation)
     app.router.add_patch("/v1/conversations/{conversation_id}", update_conversation)
     app.router.add_post("/v1/conversations/{conversation_id}", update_conversation)  # OpenAI's update

@@ -140,7 +140,8 @@ class AppState:
             raise ApiError(
                 400,
                 f"Conversation storage is full: your conversations hold {stored:,} characters of the {cap:,} your "
-                "tier keeps. Delete conversations you no longer need.",
+                f"tier keeps{f', and this would add {adding:,}' if adding else ''}. Delete conversations you no "
+                "longer need.",
                 "invalid_request_error",
                 "conversation_quota_exceeded",
             )

@@ -18,7 +18,7 @@ from typing import Any
 import aiosqlite
 
 from store.rows import fetch_all
-from store.types import Conversation, Message, NotFound
+from store.types import Conversation, ImportedConversation, Message, NotFound
 
 MAX_TITLE_CHARS = 80
 # A conversation's columns, read from `conversations c` (conversation_of makes the value).
@@ -332,7 +332,19 @@ async def append_turn(
     seq_rows = await fetch_all(
         conn, "SELECT coalesce(max(seq) + 1, 0) FROM messages WHERE conversation_id = ?", (conversation_id,)
     )
-    first_seq = seq_rows[0][0]
+    await _insert_messages(conn, conversation_id, seq_rows[0][0], messages, request_id)
+    if title is None:
+        title = next((title_from(m.content) for m in messages if m.role == "user"), None)
+    latest = max([updated_at, *(m.created_at for m in messages)])
+    await conn.execute(
+        "UPDATE conversations SET title = ?, updated_at = ?, pending = 0 WHERE id = ?", (title, latest, conversation_id)
+    )
+    return True
+
+
+async def _insert_messages(
+    conn: aiosqlite.Connection, conversation_id: str, first_seq: int, messages: list[Message], request_id: str | None
+) -> None:
     await conn.executemany(
         "INSERT INTO messages (id, conversation_id, seq, role, content, created_at, tokens, model, request_id,"
         " parts_json, finish_reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -353,10 +365,23 @@ async def append_turn(
             for i, m in enumerate(messages)
         ],
     )
-    if title is None:
-        title = next((title_from(m.content) for m in messages if m.role == "user"), None)
-    latest = max([updated_at, *(m.created_at for m in messages)])
-    await conn.execute(
-        "UPDATE conversations SET title = ?, updated_at = ?, pending = 0 WHERE id = ?", (title, latest, conversation_id)
-    )
-    return True
+
+
+async def insert_imported(
+    conn: aiosqlite.Connection, org_id: str, imported: list[ImportedConversation]
+) -> list[Conversation]:
+    """Store conversations read from an export, each under a new id, keeping their titles, metadata,
+    times and messages (in order; no ledger row: nothing was billed here). One job, so all or none."""
+    created = []
+    for item in imported:
+        conv_id = f"conv_{secrets.token_hex(12)}"
+        conv = Conversation(conv_id, org_id, item.title, item.created_at, item.updated_at, metadata=item.metadata)
+        metadata_json = json.dumps(item.metadata) if item.metadata else None
+        await conn.execute(
+            "INSERT INTO conversations (id, org_id, title, created_at, updated_at, pending, metadata_json)"
+            " VALUES (?, ?, ?, ?, ?, 0, ?)",
+            (conv_id, org_id, item.title, item.created_at, item.updated_at, metadata_json),
+        )
+        await _insert_messages(conn, conv.id, 0, list(item.messages), request_id=None)
+        created.append(conv)
+    return created

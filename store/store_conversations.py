@@ -19,7 +19,7 @@ import structlog
 
 from settings import StoreConfig
 from store import conversations, feedback, responses, search
-from store.types import Conversation, ConversationHit, Message, StoreError
+from store.types import Conversation, ConversationHit, ImportedConversation, Message, StoreError
 from store.writer import Job, T
 
 log = structlog.get_logger(__name__)
@@ -52,6 +52,11 @@ class StoreConversations:
             conversations.create, org_id=org_id, title=title, pending=pending, metadata=metadata, messages=messages
         )
         return await self._write(job)
+
+    async def import_conversations(self, org_id: str, imported: list[ImportedConversation]) -> list[Conversation]:
+        """Store conversations read from an export under new ids, in one transaction: all of them
+        or, on any failure, none. Returned in the same order, without their messages."""
+        return await self._write(functools.partial(conversations.insert_imported, org_id=org_id, imported=imported))
 
     async def branch_conversation(
         self,

@@ -116,6 +116,18 @@ class Conversation:
 
 
 @dataclass(frozen=True, slots=True)
+class ImportedConversation:
+    """A conversation read from an export, to be stored under a new id (and its messages under
+    theirs): its title, metadata and times as the file gives them; messages oldest first."""
+
+    title: str | None
+    created_at: float
+    updated_at: float
+    metadata: dict[str, str]
+    messages: tuple[Message, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class ConversationHit:
     """A conversation that search found: its latest message holding the text, and that message's
     text around the match (plain text, whitespace collapsed); both None when only its title did."""

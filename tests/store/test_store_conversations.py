@@ -10,7 +10,7 @@ import pytest
 
 from store.conversations import created_page_query
 from store.store import Store
-from store.types import NotFound
+from store.types import ImportedConversation, Message, NotFound
 
 pytestmark = pytest.mark.asyncio
 
@@ -204,3 +204,32 @@ async def test_a_billed_read_gives_each_answer_its_ledger_row_and_nothing_else(
     assert (usage.cost_usd, usage.fallback_from) == (pytest.approx(0.000123), "demo-large")
     other = await store.create_org("other", "plus")
     assert await store.get_billed_conversation(other.id, conv.id) is None
+
+
+async def test_imported_conversations_keep_their_times_and_messages_under_new_ids(store: Store) -> None:
+    org = await store.create_org("acme", "plus")
+    answer = Message("msg_a", "assistant", "the answer", 1_600_000_010.0, tokens=3, model="m", finish_reason="stop")
+    imported = [
+        ImportedConversation(
+            "Old",
+            1_600_000_000.0,
+            1_600_000_020.0,
+            {"k": "v"},
+            (Message("msg_q", "user", "q", 1_600_000_005.0), answer),
+        ),
+        ImportedConversation(None, 1_600_000_001.0, 1_600_000_001.0, {}, ()),
+    ]
+    old, empty = await store.import_conversations(org.id, imported)
+
+    stored = await store.get_conversation(org.id, old.id)
+    assert stored is not None and (stored.title, stored.created_at, stored.updated_at) == (
+        "Old",
+        1_600_000_000.0,
+        1_600_000_020.0,
+    )
+    assert stored.metadata == {"k": "v"} and stored.messages[1] == answer  # in order, as given
+    assert [m.content for m in stored.messages] == ["q", "the answer"]
+    assert (await store.get_conversation(org.id, empty.id)) == empty
+    assert await store.get_billed_conversation(org.id, old.id) == (stored, {})  # no ledger row: never billed
+    hits, _ = await store.search_conversations(org.id, "answer")
+    assert [h.conversation.id for h in hits] == [old.id]
