@@ -71,15 +71,16 @@ function networkFailure(cause) {
   return new ApiFailure({ isNetwork: true, message: `Network error: ${cause && cause.message ? cause.message : cause}` });
 }
 
-async function send(path, { method = "GET", body, signal, accept } = {}) {
+// `body`: a value sent as JSON; `jsonFile`: a Blob that holds JSON already, sent as it is.
+async function send(path, { method = "GET", body, jsonFile, signal, accept } = {}) {
   const extra = {};
-  if (body !== undefined) extra["Content-Type"] = "application/json";
+  if (body !== undefined || jsonFile !== undefined) extra["Content-Type"] = "application/json";
   if (accept) extra.Accept = accept;
   let response;
   try {
     response = await fetch(path, {
       method, signal, cache: "no-store", headers: headers(extra),
-      body: body === undefined ? undefined : JSON.stringify(body),
+      body: jsonFile !== undefined ? jsonFile : body === undefined ? undefined : JSON.stringify(body),
     });
   } catch (error) {
     throw isAbort(error) ? error : networkFailure(error);
@@ -146,6 +147,8 @@ export const api = {
   exportConversation: (id, format) => download(`${conv(id)}/export?format=${encodeURIComponent(format)}`,
     format === "json" ? "conversation.json" : "conversation.md"),
   exportAll: () => download("/v1/conversations/export", "conversations.json"),
+  // Our extension: a file either export saved, stored as new conversations (all or none).
+  importConversations: (file) => json("/v1/conversations/import", { method: "POST", jsonFile: file }),
   feedback: (id, messageId, body) =>
     json(`${conv(id)}/messages/${encodeURIComponent(messageId)}/feedback`, { method: "POST", body }),
 };

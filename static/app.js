@@ -9,6 +9,7 @@ import { Attachments, textOf } from "./attachments.js";
 import { icon } from "./icons.js";
 import { Downloads } from "./downloads.js";
 import { Drawer } from "./drawer.js";
+import { Imports } from "./imports.js";
 import { ModelPicker } from "./models.js";
 import { describe, hideBanner, initKeyDialog, showBanner, showError } from "./notices.js";
 import { Sidebar, confirmAction, displayTitle } from "./sidebar.js";
@@ -73,6 +74,7 @@ const sidebar = new Sidebar({
 const downloads = new Downloads({
   conversationId: () => state.conversationId, onError: (error) => showError(error, null),
 });
+new Imports({ onImported: () => sidebar.refresh(), onError: (error) => showError(error, null) });
 
 // ---- models ----------------------------------------------------------------------------
 const picker = new ModelPicker(
