@@ -1,6 +1,6 @@
 // The chat UI's entry point: boot (key, models, conversations), moving between chats (the
 // address names the open one; Back returns), the send/stop/regenerate/edit flow against the
-// public API (the model picker is models.js). The server's stored conversation is the truth;
+// public API (the model picker is models.js; a turn's pure helpers, turns.js). The server's stored conversation is the truth;
 // after each answer the view is re-synced from it.
 
 import { announce } from "./announce.js";
@@ -16,6 +16,7 @@ import { Sidebar, confirmAction, displayTitle } from "./sidebar.js";
 import {
   focusAt, focusPlace, plural, editInPlace, renderMessages, scrollToBottom, setBusy, streamingTarget,
 } from "./view.js";
+import { fromStored, provisionalTitle, redoNote } from "./turns.js";
 import { refreshUsage } from "./usage.js";
 
 const $ = (id) => document.getElementById(id);
@@ -46,21 +47,6 @@ const state = {
   controller: null,   // AbortController of the answer being streamed; null once the view left it
   editingIndex: null, // the user message whose edit box is open (one at a time)
 };
-
-// A stored message (snake_case finish_reason, fallback_from, ...) in the view's shape. An
-// answer's `usage` is the chat completion's, as billed (its thinking count included).
-function fromStored(message) {
-  const view = { ...message };
-  if (message.finish_reason) view.finishReason = message.finish_reason;
-  if (message.fallback_from) view.fallbackFrom = message.fallback_from;
-  if (message.fallback_reason) view.fallbackReason = message.fallback_reason;
-  if (message.history_messages_dropped) {  // the "earlier messages no longer fit" note, after a reload too
-    view.historyDropped = message.history_messages_dropped;
-    const model = picker.models.get(message.model);
-    view.contextLength = model ? model.max_model_len : null;
-  }
-  return view;
-}
 
 const sidebar = new Sidebar({
   onOpen: (id, messageId) => { drawer.close(); openConversation(id, "push", messageId); },
@@ -123,7 +109,7 @@ function newChat(how = "push") {
 }
 
 function showConversation(conversation) {
-  state.messages = conversation.messages.map(fromStored);
+  state.messages = conversation.messages.map((m) => fromStored(m, picker.models));
   // The next turn continues on the model that wrote the last answer, where still offered.
   const lastAnswer = conversation.messages.findLast((m) => m.role === "assistant" && m.model);
   if (lastAnswer) picker.select(lastAnswer.model);
@@ -181,8 +167,8 @@ async function syncFromServer(id, expectedCount) {
   if (id !== state.conversationId) return;
   state.messages = conversation.messages.map((stored, i) => {
     const local = state.messages[i];
-    if (!local || local.role !== stored.role) return fromStored(stored);
-    return { ...local, ...fromStored(stored), usage: local.usage || stored.usage };
+    if (!local || local.role !== stored.role) return fromStored(stored, picker.models);
+    return { ...local, ...fromStored(stored, picker.models), usage: local.usage || stored.usage };
   });
   showTitle(displayTitle(conversation));
   sidebar.upsert(conversation);
@@ -190,15 +176,6 @@ async function syncFromServer(id, expectedCount) {
 }
 
 // ---- sending ---------------------------------------------------------------------------
-const PROVISIONAL_TITLE_CHARS = 80;
-
-function provisionalTitle(content) {
-  const words = content.split(/\s+/).filter(Boolean).join(" ");
-  // As the server derives it (store/conversations.py, title_from), so the two can be compared.
-  return words.length <= PROVISIONAL_TITLE_CHARS ? words
-    : `${words.slice(0, PROVISIONAL_TITLE_CHARS - 1).trimEnd()}\u2026`;
-}
-
 // A title derived from the first message follows that message's edit; one the user chose stays.
 async function retitleAfterEdit(id, oldText, newText) {
   const conversation = sidebar.items.find((c) => c.id === id);
@@ -228,19 +205,6 @@ function actionsFor(index) {
     };
   }
   return actions;
-}
-
-// The note that the user asked for another answer or rewrote the prompt of the answer at
-// `index` (kept with the answer for evaluation: api/feedback.py), for the truncate to record
-// with its cut, so that a cut refused (another tab's turn came first) records nothing.
-const MAX_EDITED_PROMPT_CHARS = 100000;  // api/feedback.py's: a longer note would refuse the cut
-
-function redoNote(index, body) {
-  const answer = state.messages[index];
-  if (!body || !answer || answer.role !== "assistant" || !answer.id) return undefined;
-  const note = { message_id: answer.id, ...body };
-  if (typeof note.edited_prompt === "string") note.edited_prompt = note.edited_prompt.slice(0, MAX_EDITED_PROMPT_CHARS);
-  return note;
 }
 
 // A repaint replaces the message buttons: focus goes to the same button of the same message
@@ -329,7 +293,7 @@ async function prepare(content, keep, redo, signal) {
   if (keep >= state.messages.length) return true;
   if (redo && !(await isInStep(state.conversationId))) return false;
   const last = state.messages[state.messages.length - 1];
-  await api.truncateConversation(state.conversationId, keep, last && last.id, redoNote(keep + 1, redo));
+  await api.truncateConversation(state.conversationId, keep, last && last.id, redoNote(state.messages[keep + 1], redo));
   if (keep === 0 && redo && redo.edited_prompt != null) {
     await retitleAfterEdit(state.conversationId, state.messages[0].content, redo.edited_prompt);
   }
