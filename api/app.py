@@ -114,13 +114,13 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(request, _from_http_exception(exc))
+        return error_response(request, _from_http_exception(exc, request.path))
     except Exception:
         log.exception("unhandled_error", path=request.path)
         return error_response(request, internal_error())
 
 
-def _from_http_exception(exc: web.HTTPException) -> ApiError:
+def _from_http_exception(exc: web.HTTPException, path: str) -> ApiError:
     if exc.status == 413:
         return ApiError(
             413,
@@ -129,9 +129,8 @@ def _from_http_exception(exc: web.HTTPException) -> ApiError:
             "request_too_large",
         )
     if exc.status == 404:
-        return ApiError(
-            404, "Unknown URL. See /v1/models and /v1/chat/completions.", "invalid_request_error", "unknown_url"
-        )
+        see = "/api/tags and /api/chat" if is_ollama_path(path) else "/v1/models and /v1/chat/completions"
+        return ApiError(404, f"Unknown URL. See {see}.", "invalid_request_error", "unknown_url")
     if exc.status == 405:
         return ApiError(
             405,
@@ -142,17 +141,20 @@ def _from_http_exception(exc: web.HTTPException) -> ApiError:
     return ApiError(exc.status, exc.reason, "invalid_request_error", None)
 
 
+def error_body_for(path: str, error: ApiError) -> dict:
+    """The error envelope the clients of `path` read: Anthropic's on its Messages API, Ollama's on its
+    native API, OpenAI's elsewhere (and for "", no path read). The connection guard renders malformed
+    HTTP with it too (api/connections.py)."""
+    if messages.is_messages_path(path):
+        return messages.error_body(error)
+    if is_ollama_path(path):
+        return ollama.error_body(error)
+    return error.body()
+
+
 def error_response(request: web.Request, error: ApiError) -> web.Response:
-    """OpenAI's error envelope; Anthropic's on its Messages API and Ollama's on its native API,
-    whose clients read those."""
     headers = {"X-Request-Id": request.get(REQUEST_ID, ""), **error.headers}
-    if messages.is_messages_path(request.path):
-        body = messages.error_body(error)
-    elif is_ollama_path(request.path):
-        body = ollama.error_body(error)
-    else:
-        body = error.body()
-    return web.json_response(body, status=error.status, headers=headers)
+    return web.json_response(error_body_for(request.path, error), status=error.status, headers=headers)
 
 
 async def _lifecycle(app: web.Application, backend_factory: BackendFactory | None) -> AsyncIterator[None]:

@@ -1,9 +1,10 @@
-"""Connections: header and body deadlines, total and per-address caps, malformed HTTP in our envelope.
+"""Connections: header and body deadlines, total and per-address caps, malformed HTTP in our envelopes.
 
 aiohttp has no deadline for a request's headers or body and no connection cap, so a few hundred
 slow clients can hold every slot. `GuardedHandler` (aiohttp's protocol, one per connection)
-closes a connection whose headers do not arrive in time and renders parser errors as OpenAI
-errors; `ConnectionGuard` admits connections under the caps, evicting the oldest idle one first;
+closes a connection whose headers do not arrive in time and renders parser errors in the
+envelope of the path's API (the app's `error_body_for`: Ollama's on /api/, OpenAI's where no path
+was read); `ConnectionGuard` admits connections under the caps, evicting the oldest idle one first;
 `body_deadline_middleware` reads every body under its deadline before a handler sees it, but for
 handlers marked `reads_body_itself` (chat completions), which refuse cheaply first and then read
 it with `read_body` under the same deadline.
@@ -15,13 +16,16 @@ import asyncio
 import os
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
 import orjson
 import structlog
 from aiohttp import web
+from aiohttp.http import RawRequestMessage
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from api.errors import ApiError
@@ -32,6 +36,9 @@ log = structlog.get_logger(__name__)
 CLOSE_AFTER = web.RequestKey("close_after", bool)  # answer, then close the connection
 LOG_EVERY_S = 5.0  # a biting cap is logged at most this often (with the count in between)
 _EVICTABLE_AFTER_S = 5.0  # an answer the client has not read for this long may lose its slot to a new client
+_SNIFF_BYTES = 64  # of a request's first line: its method and enough of its path to pick an error envelope
+# The error body for a request path ("" when none was read): the app's renderer, api/app.py.
+ErrorBody = Callable[[str, ApiError], dict]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +71,9 @@ class ConnectionLimits:
         return limits
 
 
-def _raw_error(status: int, reason: str, error: ApiError) -> bytes:
+def _raw_error(status: int, reason: str, body_json: dict) -> bytes:
     """A whole HTTP/1.1 error response for a connection we will not hand to aiohttp."""
-    body = orjson.dumps(error.body())
+    body = orjson.dumps(body_json)
     head = (
         f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
@@ -154,12 +161,25 @@ class ConnectionGuard:
         )
 
 
+def _target_path(head: bytes | bytearray) -> str:
+    """The path of a request line's target (the start of it), or "" when it has none."""
+    parts = head.lstrip(b"\r\n").split(b" ", 2)
+    if len(parts) < 2 or not parts[1].startswith(b"/"):
+        return ""
+    return parts[1].split(b"?", 1)[0].decode("latin-1")
+
+
 class GuardedHandler(RequestHandler):
     """aiohttp's per-connection protocol with admission, a header deadline and envelope errors."""
 
-    def __init__(self, manager, *, guard: ConnectionGuard, **kwargs) -> None:
+    def __init__(self, manager, *, guard: ConnectionGuard, error_body: ErrorBody, **kwargs) -> None:
         super().__init__(manager, **kwargs)
         self._guard = guard
+        self._error_body = error_body
+        # aiohttp's parser errors lose the request: its path is read from these first bytes of the head being
+        # parsed (after a pipelined request in the same packet: none, OpenAI's envelope).
+        self._head = bytearray()
+        self._body: StreamReader | None = None  # of the last request whose head was parsed
         self._peer = "?"
         self._is_admitted = False
         self._header_timer: asyncio.TimerHandle | None = None
@@ -193,7 +213,8 @@ class GuardedHandler(RequestHandler):
         if not self._guard.admit(self, self._peer):
             error = ApiError(503, "Too many connections; try again shortly.", "server_error", "too_many_connections")
             # A stream transport (uvloop's does not subclass asyncio.WriteTransport): it has write().
-            cast(asyncio.Transport, transport).write(_raw_error(503, "Service Unavailable", error))
+            # No byte of a request was read: no path, OpenAI's envelope.
+            cast(asyncio.Transport, transport).write(_raw_error(503, "Service Unavailable", error.body()))
             transport.close()
             return
         self._is_admitted = True
@@ -210,7 +231,22 @@ class GuardedHandler(RequestHandler):
     def data_received(self, data: bytes) -> None:
         if self._header_timer is None and not self._request_in_progress and not self._messages:
             self._start_header_timer()  # the first bytes of a (next) request
+        if (self._body is None or self._body.is_eof()) and len(self._head) < _SNIFF_BYTES:
+            self._head += data[: _SNIFF_BYTES - len(self._head)]  # bytes of a head, not of a body
+        num_messages = len(self._messages)
         super().data_received(data)
+        for message, body in list(self._messages)[num_messages:]:
+            if isinstance(message, RawRequestMessage):
+                self._head.clear()
+                self._body = body
+            elif self._body is not None and not self._body.is_eof():
+                # A body that stops parsing after its head arrived (a bad chunk size): aiohttp queues the error
+                # as a next request, and the handler's read waited for the body deadline (408). The read fails
+                # now (400 in the path's envelope); the connection closes after the answer, not lingering. On
+                # the next turn of the loop: a chunk's end in this packet woke the read already, and it waits
+                # again without looking for an exception.
+                self._lingering_time = 0.0
+                self._loop.call_soon(self._body.set_exception, message.exc)
         if self._messages:  # a whole request head arrived
             self._cancel_header_timer()
 
@@ -234,33 +270,40 @@ class GuardedHandler(RequestHandler):
             "invalid_request_error",
             "request_timeout",
         )
-        self.transport.write(_raw_error(408, "Request Timeout", error))
+        self.transport.write(_raw_error(408, "Request Timeout", self._error_body(_target_path(self._head), error)))
         self.force_close()
 
     def handle_error(
         self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None
     ) -> web.StreamResponse:
-        """Malformed HTTP (aiohttp's parser) and unexpected failures, in OpenAI's envelope."""
+        """Malformed HTTP (aiohttp's parser, whose `request` has no path: the head's first bytes have it)
+        and unexpected failures, in the envelope of the path's API."""
         if status >= 500:
             log.error("http_error", peer=self._peer, status=status, error=repr(exc))
             error = ApiError(
                 status, "The server had an error while processing your request.", "server_error", "internal_error"
             )
+            path = request.path
         else:
             text = message or (exc.message if isinstance(exc, HttpProcessingError) else str(exc)) or "Bad request"
             log.warning("malformed_http", peer=self._peer, status=status, error=text[:200])
             error = ApiError(status, f"Malformed HTTP request: {text[:200]}", "invalid_request_error", "malformed_http")
-        response = web.json_response(error.body(), status=status, headers={"Server": "selfhosted-chat"})
+            path = _target_path(self._head)  # aiohttp's stand-in request for a parser error has none
+        body = self._error_body(path, error)
+        response = web.json_response(body, status=status, headers={"Server": "selfhosted-chat"})
         response.force_close()
         return response
 
 
-def make_protocol_factory(server: web.Server, guard: ConnectionGuard, **kwargs):
-    """What `loop.create_server` calls per connection: aiohttp's handler, guarded."""
+def make_protocol_factory(server: web.Server, guard: ConnectionGuard, error_body: ErrorBody, **kwargs):
+    """What `loop.create_server` calls per connection: aiohttp's handler, guarded, rendering its
+    errors with `error_body` (the app's, which picks the envelope by path)."""
     handler_kwargs = {**server._kwargs, **kwargs}  # the runner's settings (access log, debug, limits)
 
     def factory() -> GuardedHandler:
-        return GuardedHandler(server, loop=asyncio.get_running_loop(), guard=guard, **handler_kwargs)
+        return GuardedHandler(
+            server, loop=asyncio.get_running_loop(), guard=guard, error_body=error_body, **handler_kwargs
+        )
 
     return factory
 

@@ -2,10 +2,11 @@
 
 `api` raises `ApiError` (or a helper below); the gateway raises its own plain types
 (`gateway.errors`), which `from_gateway` maps to status, envelope and headers through the
-one table `GATEWAY_ERRORS`. Every error body is `ApiError.body()`: the error middleware
-(`api/app.py`) sends it as JSON, a stream that has already opened sends it as one SSE `data:`
-frame (`api/chat.py`), and the connection guard writes it raw on a connection aiohttp never
-read a request from (`api/connections.py`).
+one table `GATEWAY_ERRORS`. Every error body is `ApiError.body()`, or Anthropic's or Ollama's
+envelope of it on their paths (`error_body_for`, `api/app.py`): the error middleware sends it as
+JSON, a stream that has already opened sends it as one SSE `data:` frame (`api/chat.py`), and the
+connection guard writes it for malformed HTTP and on a connection aiohttp never read a request
+from (`api/connections.py`).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import socket
 import structlog
 from aiohttp import web
 
+from api.app import error_body_for
 from api.connections import ConnectionGuard, ConnectionLimits, make_protocol_factory
 from api.inflight import INFLIGHT
 from api.security import tls_context
@@ -56,7 +57,7 @@ async def run(app: web.Application, settings: Settings, sock: socket.socket | No
         guard = ConnectionGuard(ConnectionLimits.from_config(cfg))
         loop = asyncio.get_running_loop()
         assert runner.server is not None  # made by setup()
-        factory = make_protocol_factory(runner.server, guard)
+        factory = make_protocol_factory(runner.server, guard, error_body_for)
         # HTTPS: a handshake must end within the header deadline (a connection is guarded once it has).
         context = tls_context(settings)
         handshake_s = cfg.header_timeout_s if context is not None else None

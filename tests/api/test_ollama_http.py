@@ -10,6 +10,7 @@ official `ollama` client. Against the native engine: a streamed chat's counts eq
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 
@@ -21,7 +22,8 @@ import pytest
 from aiohttp import web
 from PIL import Image
 
-from api.app import init
+from api.app import error_body_for, init
+from api.connections import ConnectionGuard, ConnectionLimits, make_protocol_factory
 from api.ollama_request import parse_chat
 from engine.types import StructuredKind
 from settings import SafetyConfig
@@ -398,6 +400,87 @@ async def test_tags_show_ps_and_version_describe_the_tiers_models(make_client):
     await _error(
         await client.post("/api/show", json={"model": "echo"}, headers={"Authorization": f"Bearer {key}"}), 404
     )
+
+
+# -- malformed HTTP and the router's errors ----------------------------------------------------
+
+
+@pytest.fixture
+async def guarded_port(tmp_path, tiny_model_dir):
+    """The app behind the connection guard, as server.py serves it (aiohttp_client's server has none):
+    its port. The deadlines are short, so that a request that would wait for them fails in seconds."""
+    settings = echo_settings(tmp_path, tiny_model_dir, ("server.body_timeout_s=3",))
+    runner = web.AppRunner(init(settings, backend_factory=fake_backends()), handler_cancellation=True)
+    await runner.setup()
+    guard = ConnectionGuard(ConnectionLimits(max_connections=16, max_per_client=16, header_timeout_s=1.0))
+    factory = make_protocol_factory(runner.server, guard, error_body_for)
+    server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
+    yield server.sockets[0].getsockname()[1]
+    server.close()
+    await runner.cleanup()
+
+
+async def _exchange(port: int, parts: list[bytes]) -> tuple[int, dict]:
+    """Send raw bytes in parts (a pause between them: separate packets); the answer's status and JSON
+    body, read until the server closes the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        for i, part in enumerate(parts):
+            if i:
+                await asyncio.sleep(0.2)
+            writer.write(part)
+            await writer.drain()
+        response = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    head, _, body = response.partition(b"\r\n\r\n")
+    assert b"application/json" in head, response
+    return int(head.split(b" ", 2)[1]), orjson.loads(body)
+
+
+_HEAD = b"Host: 127.0.0.1\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+_BAD_CHUNK = b"zz\r\nhello\r\n0\r\n\r\n"  # "zz" is no chunk size
+
+
+@pytest.mark.parametrize(
+    ("path", "parts", "status"),
+    [
+        ("/api/chat", [b"POST /api/chat HTTP/1.1\r\n" + _HEAD + _BAD_CHUNK], 400),  # aiohttp's parser answers
+        ("/api/chat", [b"POST /api/chat HTTP/1.1\r\n" + _HEAD, _BAD_CHUNK], 400),  # the handler's read fails
+        ("/api/generate", [b"POST /api/generate HTTP/1.1\r\n" + _HEAD + b"5\r\nhello\r", b"\n" + _BAD_CHUNK], 400),
+        ("/api/show", [b"POST /api/show HTTP/1.1\r\n" + _HEAD, _BAD_CHUNK], 400),
+        ("/api/tags", [b"GET /api/tags HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 10_000 + b"\r\n\r\n"], 400),
+        ("/api/tags", [b"GET /api/tags HTTP/1.1\r\nHost: 127.0.0.1\r\n"], 408),  # the header deadline
+        ("/v1/chat/completions", [b"POST /v1/chat/completions HTTP/1.1\r\n" + _HEAD, _BAD_CHUNK], 400),
+        ("/v1/chat/completions", [b"POST /v1/chat/completions HTTP/1.1\r\n" + _HEAD + _BAD_CHUNK], 400),
+    ],
+)
+async def test_malformed_http_is_answered_at_once_in_the_envelope_of_the_paths_api(guarded_port, path, parts, status):
+    """A bad chunk size came back in OpenAI's envelope on /api/ paths when it arrived with the head, and
+    as a 408 after the body deadline when it arrived after it (as most clients send a body)."""
+    got, body = await _exchange(guarded_port, parts)
+    assert got == status, body
+    if path.startswith("/api/"):
+        assert set(body) == {"error"} and isinstance(body["error"], str) and body["error"]
+    else:
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+    if status == 400:
+        assert "Malformed" in str(body["error"])
+
+
+async def test_the_routers_and_body_errors_on_api_paths_are_in_ollamas_shape(make_client):
+    client = await make_client("server.max_body_bytes=1000")
+    assert "/api/tags" in await _error(await client.get("/api/pull-everything"), 404)  # not /v1/'s routes
+    await _error(await client.get("/api/chat"), 405)
+    await _error(await client.delete("/api/tags"), 405)
+    await _error(await client.post("/api/chat", data=b"{" * 2000, headers={"Content-Type": "application/json"}), 413)
+
+    async def chunks():  # no Content-Length: the limit bites while reading
+        yield b"{" * 2000
+
+    await _error(await client.post("/api/show", data=chunks(), headers={"Content-Type": "application/json"}), 413)
+    gzip = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    assert "gzip" in await _error(await client.post("/api/chat", data=b"not gzip", headers=gzip), 400)
 
 
 # -- who may call ---------------------------------------------------------------------------
