@@ -13,7 +13,9 @@ OpenAI path; after the stream has opened, one `{"error": ...}` line ends it.
 
 `prompt_eval_count` is every prompt token (prefix-cache hits included), as the usage ledger
 bills them; `load_duration` is 0 (models stay loaded as configured); the model name answers
-repeat the client's (`tiny:latest` is `tiny`).
+repeat the client's (`tiny:latest` is `tiny`). The unload call (`keep_alive` 0, nothing to
+generate) unloads a model loaded on demand (`idle_unload_s`); a model that stays loaded is not,
+and its answer says so ("load", not "unload").
 """
 
 from __future__ import annotations
@@ -230,20 +232,28 @@ async def _refuse(req: OllamaRequest, request: web.Request, state: AppState, job
     return writer._response
 
 
-def _load_answer(request: web.Request, load: LoadOnly) -> web.Response:
+async def _load_answer(request: web.Request, load: LoadOnly) -> web.Response:
     """Ollama's "load the model" call: done at once (models stay loaded as configured), or 404
-    for a model the caller's tier cannot use."""
+    for a model the caller's tier cannot use. Its "unload" call (keep_alive 0): a model loaded on
+    demand is unloaded (once the requests running on it end), done_reason "unload"; one that stays
+    loaded as configured is not, and the answer says "load", as the load call's does."""
     state = request.app[STATE]
     tier_name, _ = state.tier_of(request[PRINCIPAL])
     names = state.admission.router.models_for_tier(tier_name)
-    if resolve_model(load.model, frozenset(names)) not in names:
+    name = resolve_model(load.model, frozenset(names))
+    if name not in names:
         raise not_found(f"model '{load.model}' not found (see /api/tags)", code="model_not_found", param="model")
+    unload = getattr(state.models[name].backend, "unload", None)  # a model loaded on demand (idle_unload_s)
+    done_reason = "load"
+    if load.is_unload and unload is not None:
+        await unload()
+        done_reason = "unload"
     body: dict[str, Any] = {"model": load.model, "created_at": now_rfc3339()}
     if load.endpoint is Endpoint.CHAT:
         body["message"] = {"role": "assistant", "content": ""}
     else:
         body["response"] = ""
-    return web.json_response({**body, "done": True, "done_reason": "load"}, dumps=json_dumps)
+    return web.json_response({**body, "done": True, "done_reason": done_reason}, dumps=json_dumps)
 
 
 # -- the routes ---------------------------------------------------------------------------
@@ -262,7 +272,7 @@ async def _admit(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
     try:
         return await admit_and_serve(request, parse)
     except LoadOnly as load:
-        return _load_answer(request, load)
+        return await _load_answer(request, load)
 
 
 @reads_body_itself

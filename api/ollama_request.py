@@ -10,10 +10,11 @@ the template's `enable_thinking`; "low"/"medium"/"high": a reasoning effort), `l
 `num_predict` (-1 and -2: as many as the context and the tier allow), `stop`, `repeat_penalty`,
 `presence_penalty`, `frequency_penalty`. `num_ctx` is checked and ignored: the context is the
 model's, as the tier caps it (a prompt that does not fit is a 400, never cut). Other options
-(`min_p`, `mirostat`, `num_gpu`...) and `keep_alive` are ignored, as Ollama ignores options it
-does not know. `num_predict` is a cap, as the Messages API's max_tokens: Ollama's clients ask
-for more than a tier allows. A body with no messages (/api/chat) or an empty prompt
-(/api/generate) is Ollama's "load the model" call (`LoadOnly`).
+(`min_p`, `mirostat`, `num_gpu`...) are ignored, as Ollama ignores options it does not know, and
+so is `keep_alive`, except on a load call. `num_predict` is a cap, as the Messages API's max_tokens:
+Ollama's clients ask for more than a tier allows. A body with no messages (/api/chat) or an empty
+prompt (/api/generate) is Ollama's "load the model" call (`LoadOnly`), or its "unload" call with
+`keep_alive` 0.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -51,6 +53,8 @@ _NUMBER_OPTIONS = {  # option: (chat field, lowest, highest)
     "presence_penalty": ("presence_penalty", -2.0, 2.0),
     "frequency_penalty": ("frequency_penalty", -2.0, 2.0),
 }
+# A zero Go duration, as Ollama reads `keep_alive` ("0", "0s", "0m0s"; a number is seconds).
+_ZERO_DURATION = re.compile(r"[+-]?(0|((0+(\.0*)?|\.0+)(ns|us|µs|μs|ms|s|m|h))+)")
 _UNSUPPORTED_GENERATE = {
     "suffix": "fill-in-the-middle is not served here; send the text before the gap as the prompt",
     "template": "each model's own chat template is used; send 'raw': true with a prompt already templated",
@@ -71,12 +75,22 @@ class OllamaRequest:
 
 
 class LoadOnly(Exception):
-    """Ollama's "load the model" call: nothing to generate; the answer is done at once."""
+    """Ollama's "load the model" call, or with `keep_alive` 0 its "unload" call: nothing to generate."""
 
-    def __init__(self, model: str, endpoint: Endpoint):
+    def __init__(self, model: str, endpoint: Endpoint, *, is_unload: bool):
         super().__init__(model)
         self.model = model
         self.endpoint = endpoint
+        self.is_unload = is_unload
+
+
+def is_zero_keep_alive(value: Any) -> bool:
+    """`keep_alive` 0: seconds as a number, or a Go duration string ("0", "0s")."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int | float):
+        return value == 0
+    return isinstance(value, str) and _ZERO_DURATION.fullmatch(value) is not None
 
 
 def resolve_model(name: str, known: frozenset[str]) -> str:
@@ -93,7 +107,7 @@ def parse_chat(raw: Any, *, known: frozenset[str], max_messages: int, max_prompt
     if not raw.get("messages"):
         if raw.get("messages") is not None and not isinstance(raw["messages"], list):
             raise bad_request(f"'messages' must be an array, got {kind_of(raw['messages'])}.", param="messages")
-        raise LoadOnly(model, Endpoint.CHAT)
+        raise LoadOnly(model, Endpoint.CHAT, is_unload=is_zero_keep_alive(raw.get("keep_alive")))
     messages, images = _messages(raw["messages"], max_messages)
     chat = _common(raw, model, known, messages)
     if raw.get("tools") is not None:
@@ -112,7 +126,7 @@ def parse_generate(raw: Any, *, known: frozenset[str], max_prompt_chars: int) ->
     images = _images(raw.get("images"), "images")
     is_raw = opt_bool(raw, "raw", False)
     if not prompt and (is_raw or (not system and not images)):  # raw mode ignores `system`, as Ollama does
-        raise LoadOnly(model, Endpoint.GENERATE)
+        raise LoadOnly(model, Endpoint.GENERATE, is_unload=is_zero_keep_alive(raw.get("keep_alive")))
     if is_raw and images:
         raise bad_request("'images' need the model's chat template; send them with 'raw': false.", param="images")
     user: dict[str, Any] = {"role": "user", "content": _with_images(prompt, images)}

@@ -3,9 +3,9 @@
 On a machine that serves several models but cannot hold them all in memory at once, a model
 costs nothing until someone asks for it: the first request loads it (that request waits, its
 stream sending heartbeats), and once `idle_unload_s` passed without a request running it is
-unloaded and its memory freed. Each load is a fresh NativeBackend; its stop writes the prefix
-cache and the next load reads it back (engine.prefix_cache_dir), so a model that comes back
-answers a known conversation warm.
+unloaded and its memory freed (`unload`, Ollama's keep_alive 0, does it without the wait). Each
+load is a fresh NativeBackend; its stop writes the prefix cache and the next load reads it back
+(engine.prefix_cache_dir), so a model that comes back answers a known conversation warm.
 
 One lock orders loads and unloads: a request arriving while the model unloads waits for the
 unload, then loads it again. A failed load fails the requests waiting for it (a 5xx each) and
@@ -40,6 +40,7 @@ class OnDemandBackend:
         self._num_running = 0  # requests between entering generate and leaving it
         self._idle_timer: asyncio.TimerHandle | None = None
         self._unloading: asyncio.Task[None] | None = None
+        self._is_unload_asked = False  # unload when the running requests end, not idle_unload_s later
         self._is_stopped = False
         self.num_loads = 0
         self.num_unloads = 0  # finished: the engine stopped and its memory handed back
@@ -96,7 +97,15 @@ class OnDemandBackend:
         finally:
             self._num_running -= 1
             if self._num_running == 0 and not self._is_stopped:
-                self._idle_timer = asyncio.get_running_loop().call_later(self._idle_unload_s, self._start_unload)
+                delay_s = 0.0 if self._is_unload_asked else self._idle_unload_s
+                self._idle_timer = asyncio.get_running_loop().call_later(delay_s, self._start_unload)
+
+    async def unload(self) -> None:
+        """Unload now, or, with requests running on it, as soon as the last one ends (Ollama's
+        keep_alive 0); the next request loads it again, as after an idle unload."""
+        self._cancel_idle_timer()
+        self._is_unload_asked = True
+        await self._unload_if_idle()
 
     def abort(self, request_id: str) -> None:
         if self._loaded is not None:
@@ -142,9 +151,10 @@ class OnDemandBackend:
                 await self._unload()
 
     async def _unload(self) -> None:
+        is_asked, self._is_unload_asked = self._is_unload_asked, False
         backend, self._loaded = self._loaded, None
         if backend is not None:
-            log.info("model_unloading", model=self._name, idle_unload_s=self._idle_unload_s)
+            log.info("model_unloading", model=self._name, idle_unload_s=self._idle_unload_s, is_asked=is_asked)
             await backend.shutdown()
             del backend
             await asyncio.to_thread(_give_memory_back)

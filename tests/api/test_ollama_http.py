@@ -24,7 +24,7 @@ from PIL import Image
 
 from api.app import error_body_for, init
 from api.connections import ConnectionGuard, ConnectionLimits, make_protocol_factory
-from api.ollama_request import parse_chat
+from api.ollama_request import is_zero_keep_alive, parse_chat
 from engine.types import StructuredKind
 from settings import SafetyConfig
 from testing.fake_backend import FakeBehaviour, fake_backends
@@ -301,6 +301,23 @@ async def test_no_messages_or_an_empty_prompt_is_ollamas_load_call(make_client):
     assert generate == {**generate, "response": "", "done": True, "done_reason": "load", "model": "echo:latest"}
     await _error(await client.post("/api/generate", json={"model": "nope"}), 404)
     assert state_of(client).models["echo"].backend.requests == []
+
+
+async def test_keep_alive_0_does_not_unload_a_model_that_stays_loaded_and_the_answer_says_load(make_client):
+    client = await make_client()
+    for path, body in (("/api/generate", {}), ("/api/chat", {"messages": []})):
+        resp = await client.post(path, json={"model": "echo", "keep_alive": 0, **body})
+        assert (await resp.json())["done_reason"] == "load"
+    assert [m["name"] for m in (await (await client.get("/api/ps")).json())["models"]][:1] == ["echo:latest"]
+
+
+@pytest.mark.parametrize(
+    ("keep_alive", "is_zero"),
+    [(0, True), (0.0, True), ("0", True), ("0s", True), ("0m0s", True), ("-0", True), (False, False)]
+    + [(None, False), (-1, False), (300, False), ("5m", False), ("", False), ("0x", False), ("00", False)],
+)
+def test_keep_alive_is_zero_as_ollama_reads_a_duration(keep_alive, is_zero):
+    assert is_zero_keep_alive(keep_alive) is is_zero
 
 
 async def test_the_gateways_429_comes_in_ollamas_shape_with_retry_after(make_client):
@@ -582,6 +599,35 @@ async def test_logprobs_come_with_each_token_on_the_native_engine(native_client)
     assert all(len(lp["top_logprobs"]) == 2 and lp["logprob"] <= 0 for lp in answer["logprobs"])
     lines = await _stream(native_client, "/api/chat", {**body, "stream": True, "options": {"num_predict": 4}})
     assert sum(len(line.get("logprobs", ())) for line in lines) == 4
+
+
+async def test_keep_alive_0_unloads_a_model_loaded_on_demand_once_its_running_requests_end(
+    aiohttp_client, tmp_path, tiny_model_dir
+):
+    """Ollama's unload call (nothing to generate, keep_alive 0) answered "load" and unloaded nothing;
+    a model loaded on demand (idle_unload_s) is now unloaded, at once when idle, else when its
+    running requests end (not idle_unload_s later)."""
+    settings = native_settings(tmp_path, tiny_model_dir, extra=("models.tiny.idle_unload_s=600",))
+    client = await aiohttp_client(init(settings), server_kwargs={"handler_cancellation": True})
+    backend = state_of(client).models["tiny"].backend
+    body = {"model": "tiny", "messages": ASK, "stream": False, "options": {"num_predict": 2}}
+    assert (await client.post("/api/chat", json=body)).status == 200 and backend.is_loaded
+    answer = await (await client.post("/api/generate", json={"model": "tiny:latest", "keep_alive": 0})).json()
+    assert answer["done_reason"] == "unload" and answer["response"] == "" and answer["done"] is True
+    assert not backend.is_loaded and backend.num_unloads == 1
+    assert (await (await client.get("/api/ps")).json())["models"] == []
+    stream = {"model": "tiny", "messages": ASK, "stream": True, "max_tokens": 400, "ignore_eos": True}
+    running = await client.post("/v1/chat/completions", json=stream)
+    assert running.status == 200 and b"data:" in await running.content.readline()  # loaded again, generating
+    answer = await (await client.post("/api/chat", json={"model": "tiny", "messages": [], "keep_alive": "0s"})).json()
+    assert answer["done_reason"] == "unload" and answer["message"] == {"role": "assistant", "content": ""}
+    assert backend.is_loaded  # the stream still runs on it
+    assert (await running.read()).rstrip().endswith(b"data: [DONE]")
+    for _ in range(500):
+        if backend.num_unloads == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert backend.num_unloads == 2 and not backend.is_loaded
 
 
 @pytest.fixture(scope="module")
