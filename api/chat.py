@@ -353,7 +353,7 @@ async def _refuse(request: web.Request, state: AppState, job: Job, verdict) -> w
     if job.chat.include_usage:
         await writer.data(chat_bodies.usage_chunk_body(job.completion_id, job.model.name, created, usage))
     await writer.done()
-    return writer._response
+    return writer.response
 
 
 async def record_refusal(state: AppState, job: Job, verdict) -> str:

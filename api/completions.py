@@ -326,7 +326,7 @@ async def _refuse(request: web.Request, state: AppState, job: Job, verdict) -> w
     if job.chat.include_usage:
         await writer.data(_body(job, created, [], usage))
     await writer.done()
-    return writer._response
+    return writer.response
 
 
 def add_routes(app: web.Application) -> None:

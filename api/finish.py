@@ -76,7 +76,7 @@ async def stream_job(
     except (EngineError, RequestRejected, ApiError) as exc:
         await finish_quietly(state, job, RequestStatus.ERROR, None)
         await _stream_error(await stream.open(), exc, job, render_error)
-    return (await stream.open())._response
+    return (await stream.open()).response
 
 
 # Writes an error's frames into an open stream (the end itself, [DONE] or not, is _stream_error's).

@@ -275,7 +275,7 @@ async def _refuse(request: web.Request, state: AppState, job: Job, verdict) -> w
     )
     await writer.data({"type": "message_stop"})
     await writer.done()
-    return writer._response
+    return writer.response
 
 
 # -- the routes ---------------------------------------------------------------------------

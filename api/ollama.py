@@ -229,7 +229,7 @@ async def _refuse(req: OllamaRequest, request: web.Request, state: AppState, job
     await writer.data(_body(req, job, {"content": refusal}, False))
     await writer.data(_final(req, job, {}, "content_filter", _counts(job, billed=False)))
     await writer.done()
-    return writer._response
+    return writer.response
 
 
 async def _load_answer(request: web.Request, load: LoadOnly) -> web.Response:

@@ -291,7 +291,7 @@ async def _refuse(ctx: ResponseContext, request: web.Request, state: AppState, j
     await events.event("response.created", response={**body, "status": "in_progress", "output": [], "usage": None})
     await events.event("response.incomplete", response=body)
     await writer.done()
-    return writer._response
+    return writer.response
 
 
 def replace_usage(job: Job) -> Job:

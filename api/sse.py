@@ -25,6 +25,11 @@ class SSEWriter:
     def __init__(self, response: web.StreamResponse):
         self._response = response
 
+    @property
+    def response(self) -> web.StreamResponse:
+        """The prepared response the frames go to: what the handler returns to aiohttp."""
+        return self._response
+
     @classmethod
     async def open(cls, request: web.Request, headers: dict[str, str]) -> SSEWriter:
         response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
