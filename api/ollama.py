@@ -13,9 +13,9 @@ OpenAI path; after the stream has opened, one `{"error": ...}` line ends it.
 
 `prompt_eval_count` is every prompt token (prefix-cache hits included), as the usage ledger
 bills them; `load_duration` is 0 (models stay loaded as configured); the model name answers
-repeat the client's (`tiny:latest` is `tiny`). The unload call (`keep_alive` 0, nothing to
-generate) unloads a model loaded on demand (`idle_unload_s`); a model that stays loaded is not,
-and its answer says so ("load", not "unload").
+repeat the client's (`tiny:latest` is `tiny`). The load call (nothing to generate) loads a
+model loaded on demand (`idle_unload_s`) now; the unload call (`keep_alive` 0 too) unloads it; a
+model that stays loaded is not, and its answer says so ("load", not "unload").
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ from api.answer import Answer
 from api.chat import Outlet, admit_and_serve, json_dumps, record_refusal
 from api.connections import reads_body_itself
 from api.errors import ApiError, not_found
-from api.finish import STATUS, finish_job, generate_unary, stream_job
+from api.finish import STATUS, engine_api_error, finish_job, generate_unary, stream_job
 from api.generation import generate_choices, make_answer
 from api.job import Job
 from api.ollama_request import Endpoint, LoadOnly, OllamaRequest, parse_chat, parse_generate, resolve_model
 from api.sse import SSEWriter
 from api.state import PRINCIPAL, STATE, AppState
 from api.waiting import LazyStream, wait_admitted
-from engine.types import FinishReason, TokenLogprob
+from engine.types import EngineError, FinishReason, TokenLogprob
 from gateway.admission import Pass
 from settings import ServerConfig
 
@@ -233,21 +233,27 @@ async def _refuse(req: OllamaRequest, request: web.Request, state: AppState, job
 
 
 async def _load_answer(request: web.Request, load: LoadOnly) -> web.Response:
-    """Ollama's "load the model" call: done at once (models stay loaded as configured), or 404
-    for a model the caller's tier cannot use. Its "unload" call (keep_alive 0): a model loaded on
-    demand is unloaded (once the requests running on it end), done_reason "unload"; one that stays
-    loaded as configured is not, and the answer says "load", as the load call's does."""
+    """Ollama's "load the model" call: a model loaded on demand is loaded now (503 if it cannot
+    be), one that stays loaded as configured is there already; 404 for a model the caller's tier
+    cannot use. Its "unload" call (keep_alive 0): a model loaded on demand is unloaded (once the
+    requests running on it end), done_reason "unload"; one that stays loaded as configured is
+    not, and the answer says "load", as the load call's does."""
     state = request.app[STATE]
     tier_name, _ = state.tier_of(request[PRINCIPAL])
     names = state.admission.router.models_for_tier(tier_name)
     name = resolve_model(load.model, frozenset(names))
     if name not in names:
         raise not_found(f"model '{load.model}' not found (see /api/tags)", code="model_not_found", param="model")
-    unload = getattr(state.models[name].backend, "unload", None)  # a model loaded on demand (idle_unload_s)
+    backend = state.models[name].backend
+    # A model loaded on demand (idle_unload_s) has both; one that stays loaded has neither.
+    load_now, unload_now = getattr(backend, "load", None), getattr(backend, "unload", None)
     done_reason = "load"
-    if load.is_unload and unload is not None:
-        await unload()
-        done_reason = "unload"
+    if load_now is not None and unload_now is not None:
+        try:
+            await (unload_now() if load.is_unload else load_now())
+        except EngineError as exc:  # it could not be loaded: 503, as a request would get
+            raise engine_api_error(exc) from None
+        done_reason = "unload" if load.is_unload else "load"
     body: dict[str, Any] = {"model": load.model, "created_at": now_rfc3339()}
     if load.endpoint is Endpoint.CHAT:
         body["message"] = {"role": "assistant", "content": ""}

@@ -100,6 +100,16 @@ class OnDemandBackend:
                 delay_s = 0.0 if self._is_unload_asked else self._idle_unload_s
                 self._idle_timer = asyncio.get_running_loop().call_later(delay_s, self._start_unload)
 
+    async def load(self) -> None:
+        """Load now, with nothing to generate (Ollama's load call), so the next request does not
+        wait for it; unused, it unloads idle_unload_s later as after a request. ModelLoadFailed
+        as for a request."""
+        self._is_unload_asked = False
+        await self._ensure_loaded()
+        if self._num_running == 0 and not self._is_stopped:
+            self._cancel_idle_timer()
+            self._idle_timer = asyncio.get_running_loop().call_later(self._idle_unload_s, self._start_unload)
+
     async def unload(self) -> None:
         """Unload now, or, with requests running on it, as soon as the last one ends (Ollama's
         keep_alive 0); the next request loads it again, as after an idle unload."""

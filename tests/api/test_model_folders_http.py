@@ -108,6 +108,8 @@ async def test_a_model_loaded_on_demand_that_cannot_load_is_a_503_naming_it(aioh
     resp = await client.post("/v1/chat/completions", json={**body, "stream": True})
     events, _ = await sse_events(resp)
     assert events[-1] != "[DONE]" and events[-1]["error"]["code"] == "model_load_failed"
+    resp = await client.post("/api/generate", json={"model": "tiny"})  # Ollama's load call: the same 503
+    assert resp.status == 503 and "'tiny' could not be loaded" in (await resp.json())["error"]
     assert state_of(client).models["tiny"].backend.num_loads == 0
     assert (await client.get("/health")).status == 200
 

@@ -632,6 +632,26 @@ async def test_keep_alive_0_unloads_a_model_loaded_on_demand_once_its_running_re
     assert backend.num_unloads == 2 and not backend.is_loaded
 
 
+async def test_the_load_call_loads_a_model_loaded_on_demand_and_it_unloads_when_idle_again(
+    aiohttp_client, tmp_path, tiny_model_dir
+):
+    """Ollama's load call (nothing to generate) answered "load" at once and loaded nothing: the
+    first real request then waited for the load it was meant to spare."""
+    settings = native_settings(tmp_path, tiny_model_dir, extra=("models.tiny.idle_unload_s=0.3",))
+    client = await aiohttp_client(init(settings))
+    backend = state_of(client).models["tiny"].backend
+    assert not backend.is_loaded
+    answer = await (await client.post("/api/generate", json={"model": "tiny"})).json()
+    assert answer["done_reason"] == "load" and backend.is_loaded and backend.num_loads == 1
+    body = {"model": "tiny", "messages": ASK, "stream": False, "options": {"num_predict": 2}}
+    assert (await client.post("/api/chat", json=body)).status == 200 and backend.num_loads == 1  # no second load
+    for _ in range(250):
+        if backend.num_unloads == 1:
+            break
+        await asyncio.sleep(0.02)
+    assert not backend.is_loaded and backend.num_unloads == 1  # unused: unloaded idle_unload_s later
+
+
 @pytest.fixture(scope="module")
 def llava_dir(tmp_path_factory):
     return build_tiny_llava(tmp_path_factory.mktemp("llava-ollama") / "tiny-llava")
