@@ -470,6 +470,7 @@ _BAD_CHUNK = b"zz\r\nhello\r\n0\r\n\r\n"  # "zz" is no chunk size
         ("/api/tags", [b"GET /api/tags HTTP/1.1\r\nHost: 127.0.0.1\r\n"], 408),  # the header deadline
         ("/v1/chat/completions", [b"POST /v1/chat/completions HTTP/1.1\r\n" + _HEAD, _BAD_CHUNK], 400),
         ("/v1/chat/completions", [b"POST /v1/chat/completions HTTP/1.1\r\n" + _HEAD + _BAD_CHUNK], 400),
+        ("/v1/messages", [b"POST /v1/messages HTTP/1.1\r\n" + _HEAD + _BAD_CHUNK], 400),  # Anthropic's envelope
     ],
 )
 async def test_malformed_http_is_answered_at_once_in_the_envelope_of_the_paths_api(guarded_port, path, parts, status):
@@ -479,6 +480,8 @@ async def test_malformed_http_is_answered_at_once_in_the_envelope_of_the_paths_a
     assert got == status, body
     if path.startswith("/api/"):
         assert set(body) == {"error"} and isinstance(body["error"], str) and body["error"]
+    elif path == "/v1/messages":
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
     else:
         assert set(body["error"]) == {"message", "type", "param", "code"}
     if status == 400:
