@@ -17,6 +17,7 @@ from typing import Any
 
 import aiosqlite
 
+from store import shares
 from store.rows import fetch_all
 from store.types import Conversation, ImportedConversation, Message, NotFound
 
@@ -230,14 +231,15 @@ async def branch(
 
 
 async def stored_bytes(conn: aiosqlite.Connection, org_id: str) -> int:
-    """Characters of message text and attachment references in the organisation's live conversations."""
+    """Characters of message text and attachment references in the organisation's live conversations,
+    and of its share links' snapshots (copies of such text)."""
     rows = await fetch_all(
         conn,
         "SELECT coalesce(sum(length(m.content) + coalesce(length(m.parts_json), 0)), 0) FROM messages m"
         " JOIN conversations c ON c.id = m.conversation_id WHERE c.org_id = ? AND c.deleted_at IS NULL",
         (org_id,),
     )
-    return int(rows[0][0])
+    return int(rows[0][0]) + await shares.stored_chars(conn, org_id)
 
 
 async def discard_pending(conn: aiosqlite.Connection, org_id: str, conversation_id: str) -> bool:
@@ -276,10 +278,14 @@ async def update(
 
 
 async def soft_delete(conn: aiosqlite.Connection, org_id: str, conversation_id: str) -> bool:
+    """Mark it deleted (purged after the tier's retention); its share links go at once."""
     cursor = await conn.execute(
         f"UPDATE conversations SET deleted_at = ? WHERE {_LIVE}", (time.time(), org_id, conversation_id)
     )
-    return cursor.rowcount > 0
+    if cursor.rowcount == 0:
+        return False
+    await shares.delete_for_conversation(conn, conversation_id)
+    return True
 
 
 async def truncate(conn: aiosqlite.Connection, org_id: str, conversation_id: str, keep_messages: int) -> bool:

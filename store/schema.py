@@ -263,6 +263,28 @@ CREATE INDEX conversations_created ON conversations(org_id, created_at DESC, id 
     WHERE deleted_at IS NULL;
 """
 
+# Share links (api/shares.py): a read-only snapshot of a conversation, reachable without a key by
+# its link's token. The snapshot is a copy (the public JSON as it is served), so later turns,
+# edits and regenerations never change what a link shows; its text counts against the tier's
+# conversation storage (store/conversations.py, stored_bytes). A revoked share's row is deleted,
+# and so are a conversation's shares when it is deleted (soft_delete) or purged (the cascade).
+_V15_SHARES = """
+CREATE TABLE shares (
+    id              TEXT PRIMARY KEY,       -- share_<hex>: names it to its organisation (list, update, revoke)
+    token           TEXT NOT NULL UNIQUE,   -- the link's secret (secrets, 192 bits); never derived from an id
+    org_id          TEXT NOT NULL REFERENCES orgs(id),
+    conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    title           TEXT,                   -- the conversation's title when the snapshot was taken
+    num_messages    INTEGER NOT NULL CHECK (num_messages >= 0),  -- the conversation's messages it covers
+    last_message_id TEXT NOT NULL,          -- the last of them
+    snapshot_json   TEXT NOT NULL,          -- GET /v1/shared/{token}'s body
+    created_at      REAL NOT NULL,
+    snapshot_at     REAL NOT NULL           -- when the snapshot was taken (again, by an update)
+) STRICT;
+CREATE INDEX shares_org ON shares(org_id, created_at DESC, id DESC);
+CREATE INDEX shares_conversation ON shares(conversation_id);
+"""
+
 # (version, script); version N leaves `PRAGMA user_version = N`.
 MIGRATIONS: tuple[tuple[int, str], ...] = (
     (1, _V1),
@@ -279,6 +301,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (12, _V12_ANSWER_NOTES),
     (13, _V13_SEARCH),
     (14, _V14_CREATED_ORDER),
+    (15, _V15_SHARES),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 _V1_TABLES = ("orgs", "api_keys", "conversations", "messages", "usage", "org_month_spend", "meta")

@@ -1,9 +1,11 @@
-"""`StoreConversations`: the `Store` methods for conversations, searching them, feedback on their
-answers, the Responses stored with them, and purging deleted ones (a mixin: `Store` subclasses it).
+"""`StoreConversations`: the `Store` methods for conversations, searching them, their share links,
+feedback on their answers, the Responses stored with them, and purging deleted ones (a mixin:
+`Store` subclasses it).
 
 Each method is one read on a read connection or one job for the single writer, through the
 `_reader` and `_write` that `Store` (store/store.py) provides; the SQL is in store/conversations.py,
-store/search.py, store/feedback.py and store/responses.py. It holds no state and opens no connection of its own.
+store/search.py, store/shares.py, store/feedback.py and store/responses.py. It holds no state and
+opens no connection of its own.
 """
 
 from __future__ import annotations
@@ -18,8 +20,16 @@ import aiosqlite
 import structlog
 
 from settings import StoreConfig
-from store import conversations, feedback, responses, search
-from store.types import Conversation, ConversationHit, ImportedConversation, Message, StoreError
+from store import conversations, feedback, responses, search, shares
+from store.types import (
+    Conversation,
+    ConversationHit,
+    ImportedConversation,
+    Message,
+    Share,
+    ShareSnapshot,
+    StoreError,
+)
 from store.writer import Job, T
 
 log = structlog.get_logger(__name__)
@@ -124,7 +134,8 @@ class StoreConversations:
             return await conversations.get_billed(conn, org_id, conversation_id)
 
     async def conversation_bytes(self, org_id: str) -> int:
-        """What the organisation's live conversations hold (their messages' text and parts)."""
+        """What the organisation's live conversations hold (their messages' text and parts), and its
+        share links' snapshots."""
         async with self._reader() as conn:
             return await conversations.stored_bytes(conn, org_id)
 
@@ -167,6 +178,38 @@ class StoreConversations:
             conversations.truncate, org_id=org_id, conversation_id=conversation_id, keep_messages=keep_messages
         )
         return await self._write(job)
+
+    # --- share links (store/shares.py) ----------------------------------------------------
+
+    async def create_share(self, org_id: str, conversation_id: str, snapshot: ShareSnapshot) -> Share | None:
+        """A new link to `snapshot` of the organisation's conversation; None when it is not live."""
+        job = functools.partial(shares.insert, org_id=org_id, conversation_id=conversation_id, snapshot=snapshot)
+        return await self._write(job)
+
+    async def replace_share_snapshot(self, org_id: str, share_id: str, snapshot: ShareSnapshot) -> Share | None:
+        """The share's snapshot taken again, its link unchanged; None when the share is gone."""
+        return await self._write(
+            functools.partial(shares.replace_snapshot, org_id=org_id, share_id=share_id, snapshot=snapshot)
+        )
+
+    async def get_share(self, org_id: str, share_id: str) -> Share | None:
+        async with self._reader() as conn:
+            return await shares.get(conn, org_id, share_id)
+
+    async def list_shares(
+        self, org_id: str, *, conversation_id: str | None = None, limit: int = 20, after: str | None = None
+    ) -> tuple[list[Share], bool]:
+        """A page, newest first, and whether more follow; raises NotFound for an unknown `after`."""
+        async with self._reader() as conn:
+            return await shares.list_page(conn, org_id, conversation_id, max(1, limit), after)
+
+    async def delete_share(self, org_id: str, share_id: str) -> bool:
+        return await self._write(functools.partial(shares.delete, org_id=org_id, share_id=share_id))
+
+    async def shared_snapshot(self, token: str) -> str | None:
+        """The public read by a link's token: its snapshot JSON, or None (unknown, revoked, deleted)."""
+        async with self._reader() as conn:
+            return await shares.snapshot_by_token(conn, token)
 
     # --- feedback on answers -------------------------------------------------------------
 

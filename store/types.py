@@ -138,6 +138,33 @@ class ConversationHit:
 
 
 @dataclass(frozen=True, slots=True)
+class ShareSnapshot:
+    """What a share link shows, as taken from a conversation: its public JSON and what it covers."""
+
+    title: str | None
+    num_messages: int  # the conversation's first messages it covers
+    last_message_id: str  # the last of them
+    snapshot_json: str  # GET /v1/shared/{token}'s body, served as it is
+    taken_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """A share link as its organisation sees it (never the snapshot's text)."""
+
+    id: str  # 'share_' + 24 hex digits
+    org_id: str
+    conversation_id: str
+    token: str  # the link's secret: /share/{token}
+    title: str | None
+    num_messages: int
+    last_message_id: str
+    created_at: float
+    snapshot_at: float  # when the snapshot was taken (again, by an update)
+    num_chars: int  # the snapshot's size, counted against the conversation storage
+
+
+@dataclass(frozen=True, slots=True)
 class RequestRecord:
     """Everything written when a request ends: one ledger row and, with a conversation, its turn."""
 

@@ -22,3 +22,11 @@ def drop_search_index(conn: sqlite3.Connection) -> None:
 def drop_created_index(conn: sqlite3.Connection) -> None:
     """Schema 14's index gone: the file as schema 13 left it (no user_version set, as above)."""
     conn.execute("DROP INDEX conversations_created")
+
+
+def drop_shares(conn: sqlite3.Connection) -> None:
+    """Schema 15's share links gone (the table and its indexes): the file as schema 14 left it (no
+    user_version set, as above)."""
+    conn.execute("DROP TABLE shares")
+    left = conn.execute("SELECT name FROM sqlite_master WHERE name LIKE 'shares%'").fetchall()
+    assert not left, left

@@ -12,7 +12,7 @@ import time
 from store.responses import StoredResponse
 from store.store import Store
 from store.types import Message
-from tests.store.schema_helpers import drop_created_index, drop_search_index
+from tests.store.schema_helpers import drop_created_index, drop_search_index, drop_shares
 
 
 async def _queued(store, org_id: str, response_id: str) -> None:
@@ -94,6 +94,7 @@ async def test_conversations_made_before_metadata_existed_have_none_after_the_up
         conn.execute("ALTER TABLE usage DROP COLUMN reasoning_tokens")  # schema 11
         conn.execute("ALTER TABLE usage DROP COLUMN fallback_reason")  # schema 12
         conn.execute("ALTER TABLE usage DROP COLUMN history_messages_dropped")
+        drop_shares(conn)  # schema 15
         drop_created_index(conn)  # schema 14
         drop_search_index(conn)  # schema 13
         conn.execute("PRAGMA user_version = 9")

@@ -11,8 +11,8 @@ import pytest
 from settings import StoreConfig
 from store.schema import SCHEMA_VERSION, sqlite_version_is_safe
 from store.store import Store
-from store.types import StoreError
-from tests.store.schema_helpers import drop_created_index, drop_search_index
+from store.types import Message, ShareSnapshot, StoreError
+from tests.store.schema_helpers import drop_created_index, drop_search_index, drop_shares
 
 
 def _schema(path: Path) -> list[tuple]:
@@ -131,6 +131,7 @@ async def test_keys_made_before_scopes_existed_serve_inference_after_the_upgrade
         conn.execute("ALTER TABLE usage DROP COLUMN fallback_reason")  # schema 12
         conn.execute("ALTER TABLE usage DROP COLUMN history_messages_dropped")
         conn.execute("ALTER TABLE conversations DROP COLUMN metadata_json")  # schema 10
+        drop_shares(conn)  # schema 15
         drop_created_index(conn)  # schema 14
         drop_search_index(conn)  # schema 13
         conn.execute("PRAGMA user_version = 7")
@@ -155,6 +156,7 @@ async def test_a_schema_13_file_gets_the_creation_order_index_and_exports_as_bef
     made = [await store.create_conversation(org.id, title=f"c{i}") for i in range(3)]
     await store.close()
     with sqlite3.connect(db_path) as conn:
+        drop_shares(conn)
         drop_created_index(conn)
         conn.execute("PRAGMA user_version = 13")
 
@@ -164,5 +166,29 @@ async def test_a_schema_13_file_gets_the_creation_order_index_and_exports_as_bef
     finally:
         await store.close()
     with sqlite3.connect(db_path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 14
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         assert conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'conversations_created'").fetchone()
+
+
+@pytest.mark.asyncio
+async def test_a_schema_14_file_gets_the_shares_table_and_its_conversations_can_be_shared(
+    db_path: Path, store_config: StoreConfig
+) -> None:
+    store = await Store.open(db_path, store_config)
+    org = await store.create_org("acme", "plus")
+    conv = await store.create_conversation(org.id, messages=(Message("msg_old", "user", "from before", 1.0),))
+    await store.close()
+    with sqlite3.connect(db_path) as conn:
+        drop_shares(conn)
+        conn.execute("PRAGMA user_version = 14")
+
+    store = await Store.open(db_path, store_config)
+    try:
+        snapshot = ShareSnapshot(conv.title, 1, "msg_old", '{"messages": []}', 2.0)
+        share = await store.create_share(org.id, conv.id, snapshot)
+        assert share is not None and await store.shared_snapshot(share.token) == snapshot.snapshot_json
+        assert await store.conversation_bytes(org.id) == len("from before") + len(snapshot.snapshot_json)
+    finally:
+        await store.close()
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 15

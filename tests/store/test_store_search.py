@@ -14,7 +14,7 @@ from store.conversations import new_message_id
 from store.search import SNIPPET_CHARS, snippet
 from store.store import Store
 from store.types import Message, NotFound
-from tests.store.schema_helpers import drop_created_index, drop_search_index
+from tests.store.schema_helpers import drop_created_index, drop_search_index, drop_shares
 
 
 def assert_index_matches_tables(db_path: Path) -> None:
@@ -198,6 +198,7 @@ async def test_a_database_from_schema_12_gets_its_conversations_indexed(
     await store.delete_conversation(org.id, gone.id)
     await store.close()
     with sqlite3.connect(db_path) as conn:  # the file as schema 12 left it
+        drop_shares(conn)
         drop_created_index(conn)
         drop_search_index(conn)
         conn.execute("PRAGMA user_version = 12")
