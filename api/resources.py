@@ -1,8 +1,9 @@
 """The small resource handlers (models, conversations, usage, health, the web UI) and their routes.
 
-`add_routes` registers them, chat completions (`api/chat.py`) and feedback; files and Responses
-register theirs in `api/files.py` and `api/responses.py`. Everything here is a thin shell over
-the store and the app state: parse query/body, call one store method, render one JSON shape.
+`add_routes` registers them, chat completions (`api/chat.py`), feedback and share links
+(`api/shares.py`); files and Responses register theirs in `api/files.py` and `api/responses.py`.
+Everything here is a thin shell over the store and the app state: parse query/body, call one
+store method, render one JSON shape.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from api import branch as branch_api
 from api import conversation_import
 from api import export as export_api
 from api import feedback as feedback_api
+from api import shares as shares_api
 from api.chat import read_json
 from api.conversation_objects import conversation_obj, read_conversation
 from api.errors import ApiError, bad_request, not_found
@@ -419,6 +421,7 @@ def add_routes(app: web.Application, chat_handler) -> None:
     app.router.add_delete("/v1/conversations/{conversation_id}", delete_conversation)
     app.router.add_post("/v1/conversations/{conversation_id}/truncate", truncate_conversation)
     branch_api.add_routes(app)
+    shares_api.add_routes(app)
     app.router.add_get("/v1/usage", usage)
     feedback_api.add_routes(app)
     _add_static(app)

@@ -1,4 +1,5 @@
-"""Who may call the server: the Host and Origin checks, API keys, keyless loopback mode, /metrics.
+"""Who may call the server: the Host and Origin checks, API keys, keyless loopback mode, /metrics,
+and the one public API path (a share link's snapshot).
 
 The middleware here runs before any handler reads a body. A presented key must be valid in
 every mode; the keyless `local` organisation is served only to a loopback peer that named an
@@ -32,11 +33,19 @@ ADMIN_PREFIX = "/v1/admin/"  # api/admin.py: admin keys only, and admin keys now
 # The API's paths: OpenAI's and Anthropic's under /v1/, Ollama's native API under /api/ (api/ollama.py).
 OLLAMA_PREFIX = "/api/"  # api/ollama.py: Ollama's native API
 API_PREFIXES = ("/v1/", OLLAMA_PREFIX)
+# API paths anyone may read without a key: a share link's snapshot (api/shares.py), whose
+# unguessable token in the path is the capability. Its page, /share/{token}, is no API path.
+PUBLIC_API_PREFIXES = ("/v1/shared/",)
 
 
 def is_api_path(path: str) -> bool:
     """Authenticated as the API (keys or the keyless loopback mode), with CORS headers on answers."""
     return path.startswith(API_PREFIXES)
+
+
+def is_public_api_path(path: str) -> bool:
+    """Served without a key, whoever asks (CORS headers still only for listed origins)."""
+    return path.startswith(PUBLIC_API_PREFIXES)
 
 
 def is_ollama_path(path: str) -> bool:
@@ -323,7 +332,7 @@ async def _admin_principal(request: web.Request) -> Principal:
 
 # Writes outside the chat path (which has its own admission): each counts against the caller's
 # request limit, so that no key can store conversations, files or feedback at any rate.
-_STORE_WRITE_PREFIXES = ("/v1/conversations", "/v1/files", "/v1/responses/")
+_STORE_WRITE_PREFIXES = ("/v1/conversations", "/v1/files", "/v1/responses/", "/v1/shares")
 
 
 def _writes_to_the_store(request: web.Request) -> bool:
@@ -343,7 +352,7 @@ def make_access_middleware(settings: Settings):
             await _check_metrics_access(request)
         elif is_admin_path(request.path):
             request[PRINCIPAL] = await _admin_principal(request)
-        elif is_api_path(request.path):
+        elif is_api_path(request.path) and not is_public_api_path(request.path):
             keyless_peer = _is_keyless_peer(request, policy)
             principal = await _key_principal(request, keyless_peer)
             if principal is None and keyless_peer:

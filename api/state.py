@@ -139,9 +139,9 @@ class AppState:
         if stored + adding > cap:
             raise ApiError(
                 400,
-                f"Conversation storage is full: your conversations hold {stored:,} characters of the {cap:,} your "
-                f"tier keeps{f', and this would add {adding:,}' if adding else ''}. Delete conversations you no "
-                "longer need.",
+                f"Conversation storage is full: your conversations (and share links) hold {stored:,} characters of "
+                f"the {cap:,} your tier keeps{f', and this would add {adding:,}' if adding else ''}. Delete "
+                "conversations or share links you no longer need.",
                 "invalid_request_error",
                 "conversation_quota_exceeded",
             )

@@ -12,6 +12,7 @@ from settings.features import (
     ImagesConfig,
     ModerationsConfig,
     SafetyConfig,
+    SharingConfig,
     StoreConfig,
     TelemetryConfig,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "SafetyConfig",
     "ServerConfig",
     "Settings",
+    "SharingConfig",
     "StoreConfig",
     "TelemetryConfig",
     "TierConfig",

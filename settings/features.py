@@ -1,5 +1,6 @@
 """The sections of the data and the features around the engine: [store], [files], [images],
-[safety], [moderations], [embeddings] and [telemetry]. Declarations only: loading and checking are in loading.py.
+[safety], [moderations], [embeddings], [sharing] and [telemetry]. Declarations only: loading and
+checking are in loading.py.
 """
 
 from __future__ import annotations
@@ -279,6 +280,20 @@ class EmbeddingsConfig:
     )
     max_inputs: int = setting(512, "Most inputs in one request.", minimum=1)
     price_input_per_mtok: float = setting(0.0, "USD per million input tokens, for the usage ledger.", minimum=0)
+
+
+@dataclass(frozen=True, slots=True)
+class SharingConfig:
+    """Share links (api/shares.py): a read-only snapshot of a conversation that anyone with its link, and
+    the means to reach this server, may read without a key, at /share/<token> (a page) and
+    /v1/shared/<token> (JSON)."""
+
+    enabled: bool = setting(
+        True,
+        "Let organisations create share links (POST /v1/conversations/{id}/shares; the web chat's Share button). "
+        "Off: creating or updating one is a 403 sharing_disabled and every link answers 404 (none is deleted: "
+        "turned on again, they answer again); listing and revoking still work.",
+    )
 
 
 @dataclass(frozen=True, slots=True)

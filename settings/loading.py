@@ -23,6 +23,7 @@ from settings.features import (
     ImagesConfig,
     ModerationsConfig,
     SafetyConfig,
+    SharingConfig,
     StoreConfig,
     TelemetryConfig,
 )
@@ -43,6 +44,7 @@ class Settings:
     trtllm: TrtllmConfig = field(default_factory=TrtllmConfig)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     embeddings: EmbeddingsConfig = field(default_factory=EmbeddingsConfig)
+    sharing: SharingConfig = field(default_factory=SharingConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     models: dict[str, ModelConfig] = field(default_factory=dict)
     tiers: dict[str, TierConfig] = field(default_factory=dict)

@@ -157,7 +157,8 @@ class TierConfig:
     conversation_storage_bytes: int = setting(
         1_073_741_824,
         "Characters (about bytes) of conversation messages an organisation may keep, deleted conversations not "
-        "counted; at the cap, storing more is a 400 conversation_quota_exceeded until some are deleted; 0: no cap.",
+        "counted and share links' snapshots counted; at the cap, storing more is a 400 conversation_quota_exceeded "
+        "until some are deleted; 0: no cap.",
         minimum=0,
     )
     file_retention_days: int = setting(

@@ -55,7 +55,9 @@ function uploadFile(file, purpose, onProgress) {
   });
 }
 
-function chipElement(name, detail) {
+// One attachment's chip: its name and a detail line (a size, a state); share.js names a
+// shared message's attachments with it too.
+export function chipElement(name, detail) {
   const chip = document.createElement("div");
   chip.className = "attachment";
   const label = document.createElement("span");

@@ -1,0 +1,240 @@
+"""Share links (ours, as ChatGPT's "Share"): a read-only snapshot of a conversation under an
+unguessable link, owned by the conversation's organisation, revocable.
+
+Its organisation's keys: POST /v1/conversations/{id}/shares (a snapshot, optionally up to a
+message), GET /v1/shares[/{id}], POST /v1/shares/{id} (the snapshot taken again, same link) and
+DELETE /v1/shares/{id} (revoke). Anyone with the link, without a key (api/security.py lets these
+through): GET /v1/shared/{token}, the snapshot's JSON as stored, and GET /share/{token}, the page
+(static/share.html) that renders it with the chat UI's own Markdown sanitiser. A snapshot holds
+user and assistant messages' text, an answer's model and attachments by name only: never a
+file's bytes, an image's data: URL or an id. Snapshots count against the tier's conversation
+storage (api/state.py, check_conversation_storage).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import orjson
+from aiohttp import web
+
+from api.chat import read_json
+from api.errors import ApiError, bad_request, not_found
+from api.export_format import attachment_names, file_ids_of
+from api.paging import page_limit
+from api.state import PRINCIPAL, SETTINGS, STATE, AppState
+from store.store import Store
+from store.types import Message, NotFound, Share, ShareSnapshot
+
+SHARED_ROLES = ("user", "assistant")  # what the chat shows; system and developer instructions stay private
+PAGE_PATH = "/share/{token}"
+_TOKEN = re.compile(r"[A-Za-z0-9_-]{32}")  # store/shares.py's new_token: 24 bytes, URL-safe base64
+_NOT_SHARED = "No shared conversation is found at this link."  # unknown, revoked or deleted alike
+_UNNAMED_FILE = "file"  # an attachment whose uploaded file is gone: never its id
+# A link's answers: never kept by a cache (a revoked link must stop answering), never indexed.
+PUBLIC_HEADERS = {"Cache-Control": "no-store", "X-Robots-Tag": "noindex, nofollow"}
+
+
+def share_obj(share: Share) -> dict:
+    return {
+        "id": share.id,
+        "object": "conversation.share",
+        "conversation_id": share.conversation_id,
+        "token": share.token,
+        "path": PAGE_PATH.format(token=share.token),  # the page; its JSON is /v1/shared/{token}
+        "title": share.title,
+        "num_messages": share.num_messages,
+        "last_message_id": share.last_message_id,
+        "snapshot_chars": share.num_chars,  # counted against the conversation storage cap
+        "created_at": int(share.created_at),
+        "snapshot_at": int(share.snapshot_at),
+    }
+
+
+def shared_message(m: Message, file_names: dict[str, str]) -> dict:
+    """One message as a link shows it: text, an answer's model (and how it ended, if not plainly),
+    attachments by name (`file_names`: every file id the parts name, to its filename or a stand-in)."""
+    obj: dict = {"role": m.role, "content": m.content}
+    if m.role == "assistant":
+        obj["model"] = m.model
+        if m.finish_reason not in (None, "stop"):
+            obj["finish_reason"] = m.finish_reason
+    names = attachment_names(orjson.loads(m.parts_json), file_names) if m.parts_json else []
+    if names:
+        obj["attachments"] = names
+    return obj
+
+
+def snapshot_of(title: str | None, kept: tuple[Message, ...], file_names: dict[str, str]) -> ShareSnapshot:
+    """The snapshot of `kept` (the conversation's first messages), taken now."""
+    taken_at = time.time()
+    body = {
+        "object": "conversation.shared",
+        "title": title,
+        "created_at": int(taken_at),  # when the snapshot was taken
+        "messages": [shared_message(m, file_names) for m in kept if m.role in SHARED_ROLES],
+    }
+    return ShareSnapshot(title, len(kept), kept[-1].id, orjson.dumps(body).decode(), taken_at)
+
+
+async def take_snapshot(store: Store, org_id: str, conversation_id: str, message_id: str | None) -> ShareSnapshot:
+    """The organisation's conversation up to and including `message_id` (None: all of it)."""
+    conv = await store.get_conversation(org_id, conversation_id)
+    if conv is None:
+        raise not_found(f"No conversation found with id '{conversation_id}'.", param="conversation_id")
+    kept = conv.messages
+    if message_id is not None:
+        ids = [m.id for m in kept]
+        if message_id not in ids:
+            raise bad_request(f"'{message_id}' is no message of conversation '{conversation_id}'.", param="message_id")
+        kept = kept[: ids.index(message_id) + 1]
+    if not any(m.role in SHARED_ROLES for m in kept):
+        raise bad_request("The conversation has no messages to share yet.", param="conversation_id")
+    file_ids = sorted({i for m in kept if m.parts_json for i in file_ids_of(orjson.loads(m.parts_json))})
+    stored = await store.get_files(org_id, file_ids) if file_ids else {}
+    file_names = {i: stored[i].filename if i in stored else _UNNAMED_FILE for i in file_ids}
+    return snapshot_of(conv.title, kept, file_names)
+
+
+def _check_enabled(request: web.Request) -> None:
+    if not request.app[SETTINGS].sharing.enabled:
+        raise ApiError(
+            403,
+            "Sharing conversations is turned off on this server (sharing.enabled).",
+            "permission_error",
+            "sharing_disabled",
+        )
+
+
+async def _message_id(request: web.Request) -> str | None:
+    """The optional body's `message_id`: the last message the snapshot holds."""
+    body = await read_json(request) if request.body_exists else {}
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    for key in body:
+        if key != "message_id":
+            raise bad_request(f"Unrecognized request argument supplied: {key}", param=key, code="unknown_parameter")
+    message_id = body.get("message_id")
+    if message_id is not None and not isinstance(message_id, str):
+        raise bad_request("'message_id' must name the last message the link shows.", param="message_id")
+    return message_id
+
+
+def _share_missing(share_id: str) -> ApiError:
+    return not_found(f"No share found with id '{share_id}'.", param="share_id")
+
+
+async def create_share(request: web.Request) -> web.Response:
+    """{"message_id": optional}: a new link to a snapshot of the conversation (up to that message)."""
+    _check_enabled(request)
+    cid = request.match_info["conversation_id"]
+    message_id = await _message_id(request)
+    state, principal = request.app[STATE], request[PRINCIPAL]
+    snapshot = await take_snapshot(state.store, principal.org.id, cid, message_id)
+    await state.check_conversation_storage(principal, len(snapshot.snapshot_json))
+    share = await state.store.create_share(principal.org.id, cid, snapshot)
+    if share is None:  # deleted since it was read
+        state.forget_conversation_bytes(principal.org.id)
+        raise not_found(f"No conversation found with id '{cid}'.", param="conversation_id")
+    return web.json_response(share_obj(share), status=201)
+
+
+async def update_share(request: web.Request) -> web.Response:
+    """{"message_id": optional}: the snapshot taken again from the conversation as it is now (up to
+    that message); the link stays the same."""
+    _check_enabled(request)
+    sid = request.match_info["share_id"]
+    message_id = await _message_id(request)
+    state, principal = request.app[STATE], request[PRINCIPAL]
+    share = await state.store.get_share(principal.org.id, sid)
+    if share is None:
+        raise _share_missing(sid)
+    snapshot = await take_snapshot(state.store, principal.org.id, share.conversation_id, message_id)
+    await state.check_conversation_storage(principal, max(0, len(snapshot.snapshot_json) - share.num_chars))
+    updated = await state.store.replace_share_snapshot(principal.org.id, sid, snapshot)
+    state.forget_conversation_bytes(principal.org.id)  # it may have shrunk, or not been written
+    if updated is None:  # revoked, or its conversation deleted, meanwhile
+        raise _share_missing(sid)
+    return web.json_response(share_obj(updated))
+
+
+async def list_shares(request: web.Request) -> web.Response:
+    """The organisation's links, newest first, a page at a time; `conversation_id` narrows them to one
+    conversation's."""
+    limit = page_limit(request.query, default=20, maximum=100)
+    after, cid = request.query.get("after"), request.query.get("conversation_id")
+    store, org_id = request.app[STATE].store, request[PRINCIPAL].org.id
+    try:
+        shares, has_more = await store.list_shares(org_id, conversation_id=cid, limit=limit, after=after)
+    except NotFound:
+        raise not_found(f"No share found with id '{after}' (the 'after' cursor).", param="after") from None
+    data = [share_obj(s) for s in shares]
+    return web.json_response(
+        {
+            "object": "list",
+            "data": data,
+            "has_more": has_more,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+        }
+    )
+
+
+async def get_share(request: web.Request) -> web.Response:
+    sid = request.match_info["share_id"]
+    share = await request.app[STATE].store.get_share(request[PRINCIPAL].org.id, sid)
+    if share is None:
+        raise _share_missing(sid)
+    return web.json_response(share_obj(share))
+
+
+async def revoke_share(request: web.Request) -> web.Response:
+    """The link answers 404 from now on; its snapshot is deleted."""
+    sid = request.match_info["share_id"]
+    state, org_id = request.app[STATE], request[PRINCIPAL].org.id
+    if not await state.store.delete_share(org_id, sid):
+        raise _share_missing(sid)
+    state.forget_conversation_bytes(org_id)  # room again under its cap
+    return web.json_response({"id": sid, "object": "conversation.share.deleted", "deleted": True})
+
+
+async def _shared_snapshot(state: AppState, token: str) -> str | None:
+    """The snapshot a link's token names; None for a token of another shape (no read), an unknown
+    or revoked one, a deleted conversation's, or any while sharing is off."""
+    if not state.settings.sharing.enabled or not _TOKEN.fullmatch(token):
+        return None
+    return await state.store.shared_snapshot(token)
+
+
+async def read_shared(request: web.Request) -> web.Response:
+    """GET /v1/shared/{token}, no key: the snapshot's JSON as it was stored (nothing rendered per read)."""
+    snapshot = await _shared_snapshot(request.app[STATE], request.match_info["token"])
+    if snapshot is None:
+        raise not_found(_NOT_SHARED, code="share_not_found")
+    return web.Response(text=snapshot, content_type="application/json", headers=PUBLIC_HEADERS)
+
+
+def _add_page(app: web.Application) -> None:
+    """GET /share/{token}: static/share.html, which reads the JSON above and renders it; 404 (the
+    same page, which then says the link shows nothing) where the JSON is 404."""
+    page = Path(app[SETTINGS].server.static_dir) / "share.html"
+
+    async def shared_page(request: web.Request) -> web.StreamResponse:
+        if not page.exists():
+            return web.Response(text="The web UI is not installed (static/share.html missing).", status=404)
+        found = await _shared_snapshot(request.app[STATE], request.match_info["token"])
+        return web.FileResponse(page, status=200 if found is not None else 404, headers=PUBLIC_HEADERS)
+
+    app.router.add_get(PAGE_PATH, shared_page)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/conversations/{conversation_id}/shares", create_share)
+    app.router.add_get("/v1/shares", list_shares)
+    app.router.add_get("/v1/shares/{share_id}", get_share)
+    app.router.add_post("/v1/shares/{share_id}", update_share)
+    app.router.add_delete("/v1/shares/{share_id}", revoke_share)
+    app.router.add_get("/v1/shared/{token}", read_shared)
+    _add_page(app)

@@ -1,0 +1,280 @@
+"""Share links: POST /v1/conversations/{id}/shares makes a snapshot under an unguessable link that
+GET /v1/shared/{token} (JSON) and GET /share/{token} (the page) serve without a key; later turns
+stay out until the share is updated; only the organisation lists, updates and revokes its links;
+unknown, revoked and deleted conversations' links are one and the same 404; attachments are named,
+never served; snapshots count against the storage cap; sharing.enabled = false turns it all off."""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+
+from store.conversations import new_message_id
+from store.types import Message
+from tests.api.helpers import assert_error, state_of
+from tests.api.test_files_http import other_org_headers, upload
+
+PAGE_HEADERS = {"Cache-Control": "no-store", "X-Robots-Tag": "noindex, nofollow", "Referrer-Policy": "no-referrer"}
+
+
+async def create(client, *texts: str, headers=None, system: str | None = None) -> dict:
+    """A conversation holding `texts` as alternating user and assistant messages (after `system`)."""
+    items = [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(texts)]
+    if system is not None:
+        items.insert(0, {"role": "system", "content": system})
+    resp = await client.post("/v1/conversations", json={"items": items}, headers=headers or {})
+    assert resp.status == 201, await resp.text()
+    return await resp.json()
+
+
+async def share(client, cid: str, headers=None, **body) -> dict:
+    resp = await client.post(f"/v1/conversations/{cid}/shares", json=body, headers=headers or {})
+    assert resp.status == 201, await resp.text()
+    return await resp.json()
+
+
+async def shared(client, token: str) -> dict:
+    resp = await client.get(f"/v1/shared/{token}")
+    assert resp.status == 200, await resp.text()
+    assert {k: resp.headers.get(k) for k in ("Cache-Control", "X-Robots-Tag")} == {
+        "Cache-Control": "no-store",
+        "X-Robots-Tag": "noindex, nofollow",
+    }
+    return await resp.json()
+
+
+async def test_a_share_is_created_listed_read_without_a_key_and_revoked(make_client):
+    client = await make_client()
+    conv = await create(client, "How do I *knead* dough?", "Fold it, **push** it, turn it.", system="Be brief.")
+    made = await share(client, conv["id"])
+    token = made["token"]
+    assert made["object"] == "conversation.share" and made["id"].startswith("share_")
+    assert made["conversation_id"] == conv["id"] and made["path"] == f"/share/{token}"
+    assert len(token) == 32 and conv["id"][5:] not in token and made["id"][6:] not in token
+    assert made["num_messages"] == 3 and made["last_message_id"] == conv["messages"][-1]["id"]
+
+    snapshot = await shared(client, token)
+    assert snapshot == {
+        "object": "conversation.shared",
+        "title": "How do I *knead* dough?",
+        "created_at": made["snapshot_at"],
+        "messages": [  # the system message is the organisation's instructions: not shown
+            {"role": "user", "content": "How do I *knead* dough?"},
+            {"role": "assistant", "content": "Fold it, **push** it, turn it.", "model": None},
+        ],
+    }
+    listed = await (await client.get("/v1/shares")).json()
+    assert [s["id"] for s in listed["data"]] == [made["id"]] and listed["has_more"] is False
+    assert await (await client.get(f"/v1/shares/{made['id']}")).json() == made
+    other = await create(client, "Another chat")
+    await share(client, other["id"])
+    narrowed = await (await client.get("/v1/shares", params={"conversation_id": conv["id"]})).json()
+    assert [s["id"] for s in narrowed["data"]] == [made["id"]]
+
+    revoked = await client.delete(f"/v1/shares/{made['id']}")
+    assert await revoked.json() == {"id": made["id"], "object": "conversation.share.deleted", "deleted": True}
+    await assert_error(await client.get(f"/v1/shared/{token}"), 404, code="share_not_found")
+    assert (await client.get(f"/share/{token}")).status == 404
+    await assert_error(await client.delete(f"/v1/shares/{made['id']}"), 404, param="share_id")
+    assert [s["conversation_id"] for s in (await (await client.get("/v1/shares")).json())["data"]] == [other["id"]]
+
+
+async def test_a_share_is_a_snapshot_later_turns_show_only_once_it_is_updated(make_client):
+    client = await make_client()
+    conv = await create(client, "First question", "First answer")
+    made = await share(client, conv["id"])
+    turn = {"model": "echo", "messages": [{"role": "user", "content": "A later turn"}], "conversation_id": conv["id"]}
+    assert (await client.post("/v1/chat/completions", json=turn)).status == 200
+
+    before = await shared(client, made["token"])
+    assert [m["content"] for m in before["messages"]] == ["First question", "First answer"]
+    updated = await (await client.post(f"/v1/shares/{made['id']}", json={})).json()
+    assert updated["token"] == made["token"] and updated["num_messages"] == 4
+    after = await shared(client, made["token"])
+    contents = [m["content"] for m in after["messages"]]
+    assert contents == ["First question", "First answer", "A later turn", "A later turn"]  # the echo answers it
+    assert after["messages"][-1]["model"] == "echo"
+
+    # An edit (truncate and resend) changes the conversation, never what a link already shows.
+    first_answer = conv["messages"][1]["id"]
+    upto = await share(client, conv["id"], message_id=first_answer)
+    assert (upto["num_messages"], upto["last_message_id"]) == (2, first_answer)
+    cut = {"keep_messages": 1}
+    assert (await client.post(f"/v1/conversations/{conv['id']}/truncate", json=cut)).status == 200
+    assert [m["content"] for m in (await shared(client, upto["token"]))["messages"]][-1] == "First answer"
+    await assert_error(
+        await client.post(f"/v1/shares/{upto['id']}", json={"message_id": first_answer}), 400, param="message_id"
+    )
+
+
+async def test_share_requests_are_checked_and_name_the_field(make_client):
+    client = await make_client()
+    conv = await create(client, "Hello", "Hi")
+    url = f"/v1/conversations/{conv['id']}/shares"
+    await assert_error(await client.post(url, json={"message_id": "msg_nope"}), 400, param="message_id")
+    await assert_error(await client.post(url, json={"message_id": 3}), 400, param="message_id")
+    await assert_error(await client.post(url, json={"title": "x"}), 400, code="unknown_parameter", param="title")
+    await assert_error(await client.post(url, json=[]), 400)
+    await assert_error(await client.post("/v1/conversations/conv_nope/shares"), 404, param="conversation_id")
+    empty = await (await client.post("/v1/conversations", json={})).json()
+    await assert_error(await client.post(f"/v1/conversations/{empty['id']}/shares"), 400, param="conversation_id")
+    await assert_error(await client.get("/v1/shares", params={"after": "share_nope"}), 404, param="after")
+    await assert_error(await client.get("/v1/shares", params={"limit": "0"}), 400, param="limit")
+    assert (await client.post(url)).status == 201  # the body is optional
+
+
+async def test_links_are_read_without_a_key_where_every_other_call_needs_one(make_client):
+    client = await make_client("server.require_keys=true")
+    store = state_of(client).store
+    await store.create_org("acme", "enterprise")
+    _key, secret = await store.create_key("acme")
+    headers = {"Authorization": f"Bearer {secret}"}
+    conv = await create(client, "Public question", "Public answer", headers=headers)
+    made = await share(client, conv["id"], headers=headers)
+
+    assert [m["content"] for m in (await shared(client, made["token"]))["messages"]] == [
+        "Public question",
+        "Public answer",
+    ]
+    page = await client.get(made["path"])
+    assert page.status == 200 and page.content_type == "text/html"
+    assert "share.js" in await page.text()
+    assert {k: page.headers.get(k) for k in PAGE_HEADERS} == PAGE_HEADERS
+    assert "script-src 'self'" in page.headers["Content-Security-Policy"]
+    # Everything else still needs the key: the organisation's list of links above all.
+    await assert_error(await client.get("/v1/shares"), 401, code="invalid_api_key")
+    await assert_error(await client.post(f"/v1/conversations/{conv['id']}/shares"), 401, code="invalid_api_key")
+    await assert_error(await client.delete(f"/v1/shares/{made['id']}"), 401, code="invalid_api_key")
+    await assert_error(await client.get(f"/v1/conversations/{conv['id']}"), 401, code="invalid_api_key")
+
+
+async def test_another_organisation_cannot_list_update_revoke_or_share_what_is_not_its_own(make_client):
+    client = await make_client()
+    conv = await create(client, "Our plans", "Kept between us")
+    made = await share(client, conv["id"])
+    mallory = await other_org_headers(client)
+
+    await assert_error(
+        await client.post(f"/v1/conversations/{conv['id']}/shares", headers=mallory), 404, param="conversation_id"
+    )
+    assert (await (await client.get("/v1/shares", headers=mallory)).json())["data"] == []
+    listed = await client.get("/v1/shares", params={"conversation_id": conv["id"]}, headers=mallory)
+    assert (await listed.json())["data"] == []
+    for method in ("GET", "POST", "DELETE"):
+        resp = await client.request(method, f"/v1/shares/{made['id']}", headers=mallory)
+        await assert_error(resp, 404, param="share_id")
+    assert (await shared(client, made["token"]))["messages"][0]["content"] == "Our plans"  # untouched
+    assert [s["id"] for s in (await (await client.get("/v1/shares")).json())["data"]] == [made["id"]]
+
+
+async def test_unknown_revoked_and_deleted_conversations_links_are_the_same_404(make_client):
+    client = await make_client()
+    revoked = await share(client, (await create(client, "Revoked"))["id"])
+    assert (await client.delete(f"/v1/shares/{revoked['id']}")).status == 200
+    conv = await create(client, "Deleted")
+    deleted = await share(client, conv["id"])
+    assert (await client.delete(f"/v1/conversations/{conv['id']}")).status == 200
+    kept = await share(client, (await create(client, "Kept"))["id"])
+    unknown = kept["token"][:-4] + ("AAAA" if not kept["token"].endswith("AAAA") else "BBBB")
+
+    bodies, pages = [], []
+    for token in (revoked["token"], deleted["token"], unknown, "short", "x" * 33, "no.such~token"):
+        err = await assert_error(await client.get(f"/v1/shared/{token}"), 404, code="share_not_found")
+        bodies.append(err)
+        page = await client.get(f"/share/{token}")
+        assert page.status == 404 and page.content_type == "text/html"
+        pages.append(await page.text())
+    assert all(b == bodies[0] for b in bodies) and "link" in bodies[0]["message"]
+    assert all(p == pages[0] for p in pages)
+    assert (await client.get(f"/share/{kept['token']}")).status == 200
+    assert (await (await client.get("/v1/shares")).json())["data"][0]["id"] == kept["id"]
+    assert len((await (await client.get("/v1/shares")).json())["data"]) == 1, "the deleted chat's link is gone"
+
+
+async def test_a_share_names_attachments_but_never_carries_file_bytes_data_urls_or_file_ids(make_client):
+    client = await make_client()
+    kept_file = (await (await upload(client, b"the minutes", filename="minutes.txt")).json())["id"]
+    gone_file = (await (await upload(client, b"secret bytes", filename="gone.txt")).json())["id"]
+    assert (await client.delete(f"/v1/files/{gone_file}")).status == 200
+    pixel = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+    parts = [
+        {"type": "text", "text": "Read these."},
+        {"type": "file", "file": {"file_id": kept_file}},
+        {"type": "file", "file": {"file_id": gone_file}},
+        {
+            "type": "file",
+            "file": {"filename": "inline.txt", "file_data": "data:text/plain;base64,aW5saW5lIHNlY3JldA=="},
+        },
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{pixel}"}},
+        {"type": "image_url", "image_url": {"file_id": kept_file}},
+    ]
+    org = (await state_of(client).keyless_principal()).org
+    message = Message(new_message_id(), "user", "Read these.", time.time(), parts_json=orjson.dumps(parts).decode())
+    conv = await state_of(client).store.create_conversation(org.id, messages=(message,))
+    made = await share(client, conv.id)
+
+    resp = await client.get(f"/v1/shared/{made['token']}")
+    raw = await resp.text()
+    assert (await resp.json())["messages"] == [
+        {
+            "role": "user",
+            "content": "Read these.",
+            "attachments": ["minutes.txt", "file", "inline.txt", "image", "minutes.txt"],
+        }
+    ]
+    for secret in ("data:", "base64", pixel[:20], "aW5saW5l", kept_file, gone_file, "file-", "parts"):
+        assert secret not in raw, secret
+    page = await (await client.get(made["path"])).text()
+    assert "data:image/png" not in page and kept_file not in page
+    # The file itself is still only for its organisation's keys.
+    assert (await client.get(f"/v1/files/{kept_file}/content", headers=await other_org_headers(client))).status == 404
+
+
+async def test_snapshots_count_against_the_storage_cap_and_revoking_gives_the_room_back(make_client):
+    client = await make_client("tiers.free.conversation_storage_bytes=1500")
+    store = state_of(client).store
+    await store.create_org("cheap", "free")
+    _key, secret = await store.create_key("cheap")
+    headers = {"Authorization": f"Bearer {secret}"}
+    conv = await create(client, "x" * 600, headers=headers)
+    made = await share(client, conv["id"], headers=headers)
+    assert made["snapshot_chars"] > 600
+    full = await client.post(f"/v1/conversations/{conv['id']}/shares", headers=headers)
+    await assert_error(full, 400, code="conversation_quota_exceeded")
+    assert (await client.delete(f"/v1/shares/{made['id']}", headers=headers)).status == 200
+    assert (await client.post(f"/v1/conversations/{conv['id']}/shares", headers=headers)).status == 201
+
+
+async def test_creating_updating_and_revoking_count_against_the_request_limit(make_client):
+    client = await make_client("tiers.free.requests_per_minute=4")
+    store = state_of(client).store
+    await store.create_org("cheap", "free")
+    _key, secret = await store.create_key("cheap")
+    headers = {"Authorization": f"Bearer {secret}"}
+    conv = await create(client, "Hello", headers=headers)  # 1
+    made = await share(client, conv["id"], headers=headers)  # 2
+    assert (await client.post(f"/v1/shares/{made['id']}", headers=headers)).status == 200  # 3
+    assert (await client.delete(f"/v1/shares/{made['id']}", headers=headers)).status == 200  # 4
+    await assert_error(await client.post(f"/v1/conversations/{conv['id']}/shares", headers=headers), 429)
+    assert (await client.get("/v1/shares", headers=headers)).status == 200  # reads are not limited here
+
+
+async def test_with_sharing_off_creating_is_refused_and_links_404_until_it_is_on_again(make_client, tmp_path):
+    client = await make_client()
+    conv = await create(client, "Shared while on")
+    made = await share(client, conv["id"])
+    await client.close()
+    database = f'store.path="{tmp_path / "chat.db"}"'
+
+    off = await make_client("sharing.enabled=false", database)
+    err = await assert_error(await off.post(f"/v1/conversations/{conv['id']}/shares"), 403, code="sharing_disabled")
+    assert "sharing.enabled" in err["message"]
+    await assert_error(await off.post(f"/v1/shares/{made['id']}"), 403, code="sharing_disabled")
+    await assert_error(await off.get(f"/v1/shared/{made['token']}"), 404, code="share_not_found")
+    assert (await off.get(made["path"])).status == 404
+    assert [s["id"] for s in (await (await off.get("/v1/shares")).json())["data"]] == [made["id"]]
+    await off.close()
+
+    on = await make_client(database)
+    assert (await shared(on, made["token"]))["messages"][0]["content"] == "Shared while on"
