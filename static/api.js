@@ -149,6 +149,11 @@ export const api = {
   exportAll: () => download("/v1/conversations/export", "conversations.json"),
   // Our extension: a file either export saved, stored as new conversations (all or none).
   importConversations: (file) => json("/v1/conversations/import", { method: "POST", jsonFile: file }),
+  // Our extension: share links, read-only snapshots anyone with the link may read without a key.
+  listShares: (id) => json(`/v1/shares?limit=1&conversation_id=${encodeURIComponent(id)}`),
+  createShare: (id) => json(`${conv(id)}/shares`, { method: "POST", body: {} }),
+  updateShare: (shareId) => json(`/v1/shares/${encodeURIComponent(shareId)}`, { method: "POST", body: {} }),
+  revokeShare: (shareId) => json(`/v1/shares/${encodeURIComponent(shareId)}`, { method: "DELETE" }),
   feedback: (id, messageId, body) =>
     json(`${conv(id)}/messages/${encodeURIComponent(messageId)}/feedback`, { method: "POST", body }),
 };

@@ -12,6 +12,7 @@ import { Drawer } from "./drawer.js";
 import { Imports } from "./imports.js";
 import { ModelPicker } from "./models.js";
 import { describe, hideBanner, initKeyDialog, showBanner, showError } from "./notices.js";
+import { Shares } from "./shares.js";
 import { Sidebar, confirmAction, displayTitle } from "./sidebar.js";
 import {
   focusAt, focusPlace, plural, editInPlace, renderMessages, scrollToBottom, setBusy, streamingTarget,
@@ -61,6 +62,10 @@ const downloads = new Downloads({
   conversationId: () => state.conversationId, onError: (error) => showError(error, null),
 });
 new Imports({ onImported: () => sidebar.refresh(), onError: (error) => showError(error, null) });
+const shares = new Shares({
+  conversationId: () => state.conversationId, lastMessageId: () => state.messages.at(-1)?.id,
+  onError: (error) => showError(error, null), onNotice: (text) => showBanner(text, { isInfo: true }),
+});
 
 // ---- models ----------------------------------------------------------------------------
 const picker = new ModelPicker(
@@ -82,6 +87,7 @@ function setConversation(id, title, how = "replace") {
   showTitle(id ? title : "New chat");
   sidebar.setActive(id);
   downloads.showFor(id);
+  shares.showFor(id);
   const hash = id ? `#${id}` : "";
   if (window.location.hash === hash) return;
   const url = `${window.location.pathname}${window.location.search}${hash}`;

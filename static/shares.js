@@ -1,0 +1,99 @@
+// The chat header's Share button and its dialog: a link to a read-only snapshot of the open
+// conversation (POST /v1/conversations/{id}/shares), shown with a Copy button, a way to revoke
+// it, and, once the chat has moved on, a way to update the snapshot under the same link.
+// The conversation's newest link is reused: opening the dialog never publishes new turns.
+
+import { announce } from "./announce.js";
+import { api } from "./api.js";
+import { copyButton } from "./render.js";
+
+const openEl = document.getElementById("share-open");
+const dialogEl = document.getElementById("share-dialog");
+const linkEl = document.getElementById("share-link");
+const rowEl = document.getElementById("share-link-row");
+const noteEl = document.getElementById("share-note");
+const statusEl = document.getElementById("share-status");
+const updateEl = document.getElementById("share-update");
+const revokeEl = document.getElementById("share-revoke");
+
+function whenText(seconds) {
+  return new Date(seconds * 1000).toLocaleString(undefined, { dateStyle: "medium", timeStyle: "short" });
+}
+
+export class Shares {
+  // conversationId(): the open chat's id (null for a new chat); lastMessageId(): the id of its last
+  // stored message; onError(error): shown to the user; onNotice(text): an information banner.
+  constructor({ conversationId, lastMessageId, onError, onNotice }) {
+    Object.assign(this, { conversationId, lastMessageId, onError, onNotice });
+    this.share = null;  // the link the dialog shows
+    this.copyEl = copyButton(() => linkEl.value, "Copy link");
+    this.copyEl.className = "btn btn-primary";
+    rowEl.append(this.copyEl);
+    openEl.addEventListener("click", () => this.open());
+    updateEl.addEventListener("click", () => this.update());
+    revokeEl.addEventListener("click", () => this.revoke());
+    // Escape or Done: back on the Share button (it stays where it was: the same chat is open).
+    dialogEl.addEventListener("close", () => { if (!openEl.hidden) openEl.focus(); });
+  }
+
+  // Offered only for a stored conversation (a new chat has nothing to share yet).
+  showFor(id) {
+    if (dialogEl.open) dialogEl.close();
+    openEl.hidden = !id;
+  }
+
+  // Shows the chat's newest link, made first if it has none.
+  async open() {
+    const id = this.conversationId();
+    if (!id) return;
+    await this.busy(openEl, async () => {
+      const found = await api.listShares(id);
+      const existing = found.data[0];
+      this.show(existing || await api.createShare(id), existing ? "" : "Link created.");
+      dialogEl.showModal();
+      this.copyEl.focus();
+    });
+  }
+
+  // The snapshot taken again, the link unchanged.
+  async update() {
+    await this.busy(updateEl, async () => {
+      this.show(await api.updateShare(this.share.id), "Updated: the link shows the chat as it is now.");
+      this.copyEl.focus();  // the Update button hides itself
+    });
+  }
+
+  async revoke() {
+    await this.busy(revokeEl, async () => {
+      await api.revokeShare(this.share.id);
+      this.share = null;
+      dialogEl.close();
+      this.onNotice("The share link was revoked: it no longer opens anything.");
+    });
+  }
+
+  show(share, status) {
+    this.share = share;
+    linkEl.value = new URL(share.path, window.location.origin).href;
+    const isBehind = share.last_message_id !== this.lastMessageId();
+    noteEl.textContent = `Snapshot taken ${whenText(share.snapshot_at)}. Anyone with the link can read it, `
+      + `without an API key${isBehind ? "; messages sent since are not in it." : "."}`;
+    updateEl.hidden = !isBehind;
+    statusEl.textContent = status;
+    if (status) announce(status);
+  }
+
+  // One request at a time per button; it says it is busy (a disabled button would drop focus).
+  async busy(button, run) {
+    if (button.getAttribute("aria-busy") === "true") return;
+    button.setAttribute("aria-busy", "true");
+    try {
+      await run();
+    } catch (error) {
+      if (dialogEl.open) dialogEl.close();
+      this.onError(error);
+    } finally {
+      button.removeAttribute("aria-busy");
+    }
+  }
+}
