@@ -6,6 +6,7 @@ never served; snapshots count against the storage cap; sharing.enabled = false t
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import orjson
@@ -147,6 +148,13 @@ async def test_links_are_read_without_a_key_where_every_other_call_needs_one(mak
     await assert_error(await client.post(f"/v1/conversations/{conv['id']}/shares"), 401, code="invalid_api_key")
     await assert_error(await client.delete(f"/v1/shares/{made['id']}"), 401, code="invalid_api_key")
     await assert_error(await client.get(f"/v1/conversations/{conv['id']}"), 401, code="invalid_api_key")
+    # The keyless prefix is no way around the key: dot segments are not resolved into another route.
+    for target in ("/v1/shared/../conversations", "/v1/shared/%2e%2e/usage", "/v1/shared/x/../../shares"):
+        reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+        writer.write(f"GET {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
+        status = (await reader.readline()).split()[1]
+        writer.close()
+        assert status == b"404", target
 
 
 async def test_another_organisation_cannot_list_update_revoke_or_share_what_is_not_its_own(make_client):
