@@ -8,6 +8,7 @@ must not add their own fields to these types.
 from __future__ import annotations
 
 import enum
+import secrets
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -138,9 +139,10 @@ class ChatPrompt:
     prompt: str | None = None
 
 
-# Marks an image's place in a message's text for a vision model's tokenizer (a private-use
-# character: never produced by decoding a model's own text here).
-IMAGE_PLACEHOLDER = "\ue000"
+# Marks an image's place in a message's text for a vision model's tokenizer: a private-use
+# character around a tag drawn once per process, so no text a client types or a model writes
+# holds it (U+E000 alone, as icon fonts and PDF text hold, made an image slot).
+IMAGE_PLACEHOLDER = f"\ue000{secrets.token_hex(16)}\ue000"
 
 
 @dataclass(frozen=True, slots=True)

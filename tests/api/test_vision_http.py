@@ -62,6 +62,19 @@ async def test_image_tokens_are_counted_in_usage(client):
     assert usage(typed)[0] < usage(text_only)[0] + NUM_IMAGE_TOKENS  # typed text is never an image slot
 
 
+async def test_typed_private_use_text_is_never_an_image_slot_in_an_answer_or_a_count(client):
+    """U+E000 (a private-use character, as icon fonts and PDF text hold) typed in a message made an
+    image slot: a 400 'image slots for 0 images' for the answer, 16 image tokens in the count."""
+    text_only = await ask(client, [{"role": "user", "content": "What is in this picture?"}])
+    typed = "What is in this \ue000 picture?"
+    answer = await ask(client, [{"role": "user", "content": typed}])
+    assert usage(answer)[0] < usage(text_only)[0] + NUM_IMAGE_TOKENS
+    assert await count_input(client, input=typed) == usage(answer)[0]
+    picture = with_image(typed, png_bytes((40, 30)))
+    with_picture = await ask(client, [picture])  # one image, one slot: the typed character stays text
+    assert usage(with_picture)[0] < usage(answer)[0] + 2 * NUM_IMAGE_TOKENS
+
+
 async def test_same_image_next_turn_hits_and_a_different_image_does_not(client):
     picture, other = png_bytes((40, 30), (200, 30, 30)), png_bytes((40, 30), (30, 200, 30))
     cid = (await (await client.post("/v1/conversations", json={})).json())["id"]
