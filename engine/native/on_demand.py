@@ -42,6 +42,7 @@ class OnDemandBackend:
         self._unloading: asyncio.Task[None] | None = None
         self._is_unload_asked = False  # unload when the running requests end, not idle_unload_s later
         self._is_stopped = False
+        self._num_failed_loads = 0  # a request that waited through one fails with it (not a try of its own)
         self.num_loads = 0
         self.num_unloads = 0  # finished: the engine stopped and its memory handed back
 
@@ -128,10 +129,13 @@ class OnDemandBackend:
         return self._loaded.health() if self._loaded is not None else True
 
     async def _ensure_loaded(self) -> NativeBackend:
+        num_failed_before = self._num_failed_loads
         async with self._lock:
             if self._is_stopped:
                 raise EngineError(f"the model {self._name} is shutting down")
             if self._loaded is None:
+                if self._num_failed_loads != num_failed_before:  # the load it waited for failed: its 503 too
+                    raise ModelLoadFailed(self._name)
                 backend, self._next = self._next, self._make()
                 log.info("model_loading", model=self._name)
                 try:
@@ -140,6 +144,7 @@ class OnDemandBackend:
                     # The type and the traceback too: "division by zero" alone names no file or key.
                     error = f"{type(exc).__name__}: {exc}"
                     log.error("model_load_failed", model=self._name, error=error, exc_info=True)
+                    self._num_failed_loads += 1
                     raise ModelLoadFailed(self._name) from exc
                 self._loaded = backend
                 self.num_loads += 1

@@ -5,6 +5,7 @@ checkpoint is broken answers a 503 naming it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 
@@ -112,6 +113,34 @@ async def test_a_model_loaded_on_demand_that_cannot_load_is_a_503_naming_it(aioh
     assert resp.status == 503 and "'tiny' could not be loaded" in (await resp.json())["error"]
     assert state_of(client).models["tiny"].backend.num_loads == 0
     assert (await client.get("/health")).status == 200
+
+
+async def test_requests_waiting_for_a_load_that_fails_all_get_its_503_and_it_is_not_tried_again_for_each(
+    aiohttp_client, tiny_model_dir, tmp_path, monkeypatch
+):
+    """Each request that waited for a failing load tried the load again once it got its turn: ten
+    waiting for a load that fails after a minute waited ten minutes for the last 503."""
+    from engine.native.backend import NativeBackend
+
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    bad = _copy(tiny_model_dir, tmp_path, "bad", intermediate_size=config["intermediate_size"] * 2)
+    client = await aiohttp_client(init(native_settings(tmp_path, bad, extra=("models.tiny.idle_unload_s=30",))))
+    start, num_tries = NativeBackend.start, 0
+
+    async def slow_start(self) -> None:
+        nonlocal num_tries
+        num_tries += 1
+        await asyncio.sleep(0.3)  # the requests below arrive while it loads
+        await start(self)
+
+    monkeypatch.setattr(NativeBackend, "start", slow_start)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    calls = [client.post("/v1/chat/completions", json=chat) for _ in range(3)]
+    calls += [client.post("/api/generate", json={"model": "tiny"}) for _ in range(2)]  # Ollama's load call
+    assert [r.status for r in await asyncio.gather(*calls)] == [503] * 5
+    assert num_tries == 1
+    await assert_error(await client.post("/v1/chat/completions", json=chat), 503, code="model_load_failed")
+    assert num_tries == 2  # a request after the failure tries again
 
 
 async def test_tokens_a_fine_tune_added_without_resizing_the_model_never_take_the_engine_down(
