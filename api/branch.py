@@ -40,9 +40,14 @@ async def branch_conversation(request: web.Request) -> web.Response:
     kept = source.messages[: ids.index(message_id) + 1]
     await state.check_conversation_storage(principal, sum(len(m.content) + len(m.parts_json or "") for m in kept))
     default = BRANCH_TITLE.format(title=source.title or "Untitled")[:MAX_TITLE_CHARS]
-    made = await state.store.branch_conversation(
-        org_id, cid, len(kept), title=title.strip() if title else default, last_message_id=message_id
-    )
+    made = None
+    try:
+        made = await state.store.branch_conversation(
+            org_id, cid, len(kept), title=title.strip() if title else default, last_message_id=message_id
+        )
+    finally:
+        if made is None:  # counted above, never stored: the next check reads the store
+            state.forget_conversation_bytes(org_id)
     if made is None:  # deleted, or cut and written again, before the copy was made
         raise not_found(f"Conversation '{cid}' changed while it was branched; read it again.", param="conversation_id")
     obj = await read_conversation(state.store, org_id, made.id)

@@ -4,6 +4,7 @@ and the storage cap refused before anything is written."""
 
 from __future__ import annotations
 
+from api.state import AppState
 from tests.api.helpers import assert_error, state_of
 
 
@@ -89,3 +90,24 @@ async def test_another_organisation_cannot_branch_a_conversation_and_the_storage
     )
     await assert_error(full, 400, code="conversation_quota_exceeded")
     assert len((await (await client.get("/v1/conversations", headers=other)).json())["data"]) == 1
+
+
+async def test_a_branch_that_finds_its_source_gone_counts_nothing_against_the_storage_cap(make_client, monkeypatch):
+    """The copy's characters were counted against the cap before the copy was made; a source deleted
+    in between made a 404 that left them counted, refusing what still fit until the next read."""
+    client = await make_client("tiers.enterprise.conversation_storage_bytes=1000")
+    items = [{"role": "user", "content": "x" * 400}]
+    source = await (await client.post("/v1/conversations", json={"items": items})).json()
+    check = AppState.check_conversation_storage
+
+    async def deleted_first(self, principal, adding=0):
+        monkeypatch.setattr(AppState, "check_conversation_storage", check)
+        assert (await client.delete(f"/v1/conversations/{source['id']}")).status == 200  # another tab's delete
+        await check(self, principal, adding)
+
+    monkeypatch.setattr(AppState, "check_conversation_storage", deleted_first)
+    body = {"message_id": source["messages"][0]["id"]}
+    await assert_error(await client.post(f"/v1/conversations/{source['id']}/branch", json=body), 404)
+    fits = [{"role": "user", "content": "y" * 700}]  # the deleted source holds nothing now
+    resp = await client.post("/v1/conversations", json={"items": fits})
+    assert resp.status == 201, await resp.text()
