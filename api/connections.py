@@ -197,6 +197,13 @@ class GuardedHandler(RequestHandler):
             or (self._unsent > 0 and self._loop.time() - self._write_progress_s > _EVICTABLE_AFTER_S)
         )
 
+    @property
+    def _is_between_requests(self) -> bool:
+        """No request answered or queued, and the last one's body all in (one its answer left unread
+        is drained after the answer, aiohttp's lingering): the next byte starts a request."""
+        body_done = self._body is None or self._body.is_eof()
+        return not self._request_in_progress and not self._messages and body_done
+
     def write_stalled(self, now: float, timeout_s: float) -> bool:
         """Whether answer bytes have waited for the client longer than `timeout_s` without it
         taking any (looked at once per sweep: a buffer that shrank or emptied is progress)."""
@@ -229,7 +236,8 @@ class GuardedHandler(RequestHandler):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._header_timer is None and not self._request_in_progress and not self._messages:
+        # b"": aiohttp resuming its parser (a body or the pipeline drained), no byte from the client.
+        if data and self._is_between_requests and self._header_timer is None:
             self._start_header_timer()  # the first bytes of a (next) request
         if (self._body is None or self._body.is_eof()) and len(self._head) < _SNIFF_BYTES:
             self._head += data[: _SNIFF_BYTES - len(self._head)]  # bytes of a head, not of a body

@@ -423,10 +423,11 @@ async def test_tags_show_ps_and_version_describe_the_tiers_models(make_client):
 
 
 @pytest.fixture
-async def guarded_port(tmp_path, tiny_model_dir):
+async def guarded_port(request, tmp_path, tiny_model_dir):
     """The app behind the connection guard, as server.py serves it (aiohttp_client's server has none):
-    its port. The deadlines are short, so that a request that would wait for them fails in seconds."""
-    settings = echo_settings(tmp_path, tiny_model_dir, ("server.body_timeout_s=3",))
+    its port. The deadlines are short, so that a request that would wait for them fails in seconds.
+    Parametrized indirectly: more settings."""
+    settings = echo_settings(tmp_path, tiny_model_dir, ("server.body_timeout_s=3", *getattr(request, "param", ())))
     runner = web.AppRunner(init(settings, backend_factory=fake_backends()), handler_cancellation=True)
     await runner.setup()
     guard = ConnectionGuard(ConnectionLimits(max_connections=16, max_per_client=16, header_timeout_s=1.0))
@@ -486,6 +487,31 @@ async def test_malformed_http_is_answered_at_once_in_the_envelope_of_the_paths_a
         assert set(body["error"]) == {"message", "type", "param", "code"}
     if status == 400:
         assert "Malformed" in str(body["error"])
+
+
+@pytest.mark.parametrize(
+    "guarded_port", [("server.max_body_bytes=2000000", "tiers.enterprise.requests_per_minute=1")], indirect=True
+)
+async def test_a_connection_idle_after_a_refused_big_body_is_not_sent_a_408_for_headers_it_never_began(guarded_port):
+    """A body the handler did not read (a 429 before reading it) is drained after the answer; the
+    drain resuming the parser started the header deadline on the idle keep-alive connection, whose
+    next request, sent after it, was answered by that 408 (the request never read)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", guarded_port)
+    try:
+        for content, status in (("hi", 200), ("x" * 600_000, 429)):  # the 429: past requests_per_minute
+            body = orjson.dumps({"model": "echo", "messages": [{"role": "user", "content": content}], "stream": False})
+            head = f"POST /api/chat HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n\r\n"
+            writer.write(head.encode() + body)
+            answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert answer.startswith(f"HTTP/1.1 {status} ".encode()), answer
+            length = next(line for line in answer.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+            await reader.readexactly(int(length.split(b":")[1]))
+        await asyncio.sleep(1.5)  # past the header deadline (1 s), idle between requests
+        writer.write(b"GET /api/version HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert answer.startswith(b"HTTP/1.1 200 "), answer
+    finally:
+        writer.close()
 
 
 async def test_the_routers_and_body_errors_on_api_paths_are_in_ollamas_shape(make_client):
