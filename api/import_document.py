@@ -10,15 +10,16 @@ feedback, fallbacks, attachment names), are not read.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import orjson
 
 from api.errors import bad_request
 from api.export_format import file_ids_of
 from api.fields import MAX_TITLE_CHARS, check_metadata, kind_of
-from api.parts import parse_parts, to_json
+from api.parts import ImagePart, InlineFilePart, Part, parse_parts, to_json
 from store.conversations import new_message_id
 from store.types import ImportedConversation, Message
 
@@ -48,6 +49,8 @@ class ImportDocument:
     num_messages: int
     num_chars: int  # what they add to the organisation's stored conversations (its storage cap's count)
     file_ids: tuple[str, ...]  # uploaded files their messages' parts name, each once
+    # Their inline files and data: URL images, each naming its field: read before the write, as a turn reads them.
+    attachments: tuple[InlineFilePart | ImagePart, ...]
 
 
 def parse_document(raw: Any, limits: ImportLimits, now: float) -> ImportDocument:
@@ -74,7 +77,21 @@ def parse_document(raw: Any, limits: ImportLimits, now: float) -> ImportDocument
         num_messages=num_messages,
         num_chars=sum(len(m.content) for c in conversations for m in c.messages) + sum(map(len, parts_json)),
         file_ids=tuple(dict.fromkeys(i for text in parts_json for i in file_ids_of(orjson.loads(text)))),
+        attachments=tuple(a for c, where in zip(conversations, wheres, strict=True) for a in _attachments(c, where)),
     )
+
+
+def _attachments(conversation: ImportedConversation, where: str) -> Iterator[InlineFilePart | ImagePart]:
+    """The conversation's inline files and data: URL images, named as the file spells their fields
+    (an uploaded file's id is looked up each turn, a remote image is never fetched again)."""
+    for j, m in enumerate(conversation.messages):
+        if m.parts_json is not None:
+            parts = parse_parts(orjson.loads(m.parts_json), f"{_at(where, 'messages')}[{j}].parts")
+            yield from (p for p in parts if isinstance(p, InlineFilePart) or _is_data_image(p))
+
+
+def _is_data_image(part: Part) -> TypeGuard[ImagePart]:
+    return isinstance(part, ImagePart) and part.url is not None and part.url.startswith("data:")
 
 
 def _conversation_items(raw: Any, limits: ImportLimits) -> tuple[list[dict], list[str]]:

@@ -17,6 +17,7 @@ from store import conversations as store_conversations
 from tests.api.helpers import assert_error, state_of
 from tests.api.test_export_http import create
 from tests.api.test_files_http import other_org_headers, upload
+from tests.api.test_images_http import data_url, png_bytes
 
 IMPORT = "/v1/conversations/import"
 # What an import keeps of a message; the ledger's usage and the feedback stay with the server that billed them.
@@ -241,6 +242,39 @@ async def test_a_bad_document_is_a_400_naming_the_field_and_nothing_is_stored(ma
     err = await assert_error(await post_import(client, doc), 400, param=param)
     assert words in err["message"], err
     assert await listed_ids(client) == []
+
+
+@pytest.mark.parametrize(
+    ("part", "param", "code"),
+    [
+        (
+            {"type": "file", "file": {"filename": "notes.pdf", "file_data": "data:application/pdf;base64,QUFBQQ=="}},
+            "data[0].messages[0].parts[1].file.file_data",
+            "unreadable_file",
+        ),
+        ({"type": "image_url", "image_url": {"url": data_url(b"not a picture")}}, "data[0].messages[0].parts[1]", None),
+    ],
+)
+async def test_an_attachment_no_turn_could_read_is_a_400_naming_its_part_and_nothing_is_stored(
+    make_client, part, param, code
+):
+    """A turn reads its conversation's attachments again each time: an imported inline file or image
+    that cannot be read (a turn sending it is refused) made every later turn of it a 400."""
+    client = await make_client()
+    doc = document(conversation(message(parts=[{"type": "text", "text": "Read this."}, part]), message("assistant")))
+    err = await assert_error(await post_import(client, doc), 400, param=param, code=code)
+    assert "cannot" in err["message"]
+    assert await listed_ids(client) == []
+    readable = [
+        {"type": "text", "text": "Read this."},
+        {"type": "file", "file": {"filename": "notes.txt", "file_data": "data:text/plain;base64,aGVsbG8="}},
+        {"type": "image_url", "image_url": {"url": data_url(png_bytes())}},
+    ]
+    doc = document(conversation(message(parts=readable), message("assistant")))
+    cid = (await imported(client, doc))["data"][0]["id"]
+    turn = {"model": "echo", "messages": [{"role": "user", "content": "And then?"}], "conversation_id": cid}
+    resp = await client.post("/v1/chat/completions", json=turn)
+    assert resp.status == 200, await resp.text()
 
 
 async def test_one_bad_conversation_leaves_the_good_ones_before_it_unwritten(make_client):
