@@ -135,6 +135,7 @@ def build_model(
     elif config.backend == "native":
         from engine.native.backend import NativeBackend
         from engine.native.loader import ModelLoadError, preflight
+        from engine.native.on_demand import OnDemandBackend
         from engine.native.vision import is_llava
 
         try:
@@ -153,8 +154,6 @@ def build_model(
             )
 
         if config.idle_unload_s > 0:  # loaded on its first request, unloaded when idle
-            from engine.native.on_demand import OnDemandBackend
-
             backend = OnDemandBackend(native, idle_unload_s=config.idle_unload_s, name=name)
         else:
             backend = native()
@@ -162,6 +161,8 @@ def build_model(
             from engine.native.image_prompt import ImageTokenizer
 
             tokenizer = ImageTokenizer.for_model(model_dir, chat_template_name=config.chat_template_name)
+            if isinstance(backend, OnDemandBackend):  # unloaded, it keeps no prepared images either
+                backend.on_unload = tokenizer.image_prompter.prepared.clear
     else:
         from engine.trtllm.backend import TrtllmBackend  # optional extra: import only when configured
 

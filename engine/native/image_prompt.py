@@ -42,6 +42,10 @@ class PreparedImages:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def clear(self) -> None:
+        self._entries.clear()
+        self.num_bytes = 0
+
     def get(self, digest: str) -> tuple[str, np.ndarray] | None:
         found = self._entries.get(digest)
         if found is not None:

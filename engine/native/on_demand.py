@@ -43,6 +43,8 @@ class OnDemandBackend:
         self._is_unload_asked = False  # unload when the running requests end, not idle_unload_s later
         self._is_stopped = False
         self._num_failed_loads = 0  # a request that waited through one fails with it (not a try of its own)
+        # Memory of the model's kept outside the engine, freed with it (a vision model's prepared images).
+        self.on_unload: Callable[[], None] | None = None
         self.num_loads = 0
         self.num_unloads = 0  # finished: the engine stopped and its memory handed back
 
@@ -172,6 +174,8 @@ class OnDemandBackend:
             log.info("model_unloading", model=self._name, idle_unload_s=self._idle_unload_s, is_asked=is_asked)
             await backend.shutdown()
             del backend
+            if self.on_unload is not None:
+                self.on_unload()
             await asyncio.to_thread(_give_memory_back)
             self.num_unloads += 1
 

@@ -6,6 +6,7 @@ too many images are refused before any is decoded. The token-count endpoints cou
 
 from __future__ import annotations
 
+import asyncio
 import base64
 
 import pytest
@@ -275,3 +276,19 @@ async def test_an_image_in_history_trimmed_out_of_the_context_is_not_decoded(
     long = " ".join(["colour"] * 115)  # alone it fits the 512-token context; with the first turn it does not
     body = await ask(client, [{"role": "user", "content": long}], conversation_id=cid, max_tokens=2)
     assert body["history_messages_dropped"] >= 2 and len(decoded) == 2
+
+
+async def test_a_vision_model_loaded_on_demand_drops_its_prepared_images_when_it_unloads(
+    aiohttp_client, tmp_path, llava_dir
+):
+    extra = ("models.llava.idle_unload_s=0.2",)
+    client = await aiohttp_client(init(native_settings(tmp_path, llava_dir, "llava", extra)))
+    handle = state_of(client).models["llava"]
+    await ask(client, [with_image("Describe this picture.", png_bytes((40, 30)))])
+    prepared = handle.tokenizer.image_prompter.prepared
+    assert len(prepared) == 1 and prepared.num_bytes > 0
+    for _ in range(250):
+        if handle.backend.num_unloads == 1:
+            break
+        await asyncio.sleep(0.02)
+    assert handle.backend.num_unloads == 1 and len(prepared) == 0 and prepared.num_bytes == 0
