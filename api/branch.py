@@ -9,9 +9,10 @@ from aiohttp import web
 from api.chat import read_json
 from api.conversation_objects import read_conversation
 from api.errors import bad_request, not_found
+from api.fields import MAX_TITLE_CHARS
 from api.state import PRINCIPAL, STATE
 
-MAX_TITLE_CHARS = 200  # as a title set by PATCH
+FIELDS = ("message_id", "title")
 BRANCH_TITLE = "Branch \u00b7 {title}"  # the default title: the source's, marked
 
 
@@ -24,6 +25,9 @@ async def branch_conversation(request: web.Request) -> web.Response:
     body = await read_json(request)
     if not isinstance(body, dict):
         raise bad_request("The body must be a JSON object with 'message_id'.", param=None)
+    for key in body:
+        if key not in FIELDS:
+            raise bad_request(f"Unrecognized request argument supplied: {key}", param=key, code="unknown_parameter")
     message_id, title = body.get("message_id"), body.get("title")
     if not isinstance(message_id, str):
         raise bad_request("'message_id' must name the message the branch ends with.", param="message_id")

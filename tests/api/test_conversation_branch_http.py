@@ -61,6 +61,7 @@ async def test_a_branch_takes_its_own_title_and_refuses_bad_input_naming_the_fie
         ({"message_id": "msg_nope"}, "message_id"),
         ({"message_id": last, "title": ""}, "title"),
         ({"message_id": last, "title": "x" * 201}, "title"),
+        ({"message_id": last, "keep_messages": 2}, "keep_messages"),  # unknown, as creating a conversation says
     ):
         await assert_error(await client.post(f"/v1/conversations/{cid}/branch", json=body), 400, param=param)
     await assert_error(await client.post(f"/v1/conversations/{cid}/branch", json=[1]), 400)
