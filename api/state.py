@@ -134,7 +134,11 @@ class AppState:
         org_id, now = principal.org.id, asyncio.get_running_loop().time()
         entry = self._conversation_bytes.get(org_id)
         if entry is None or now - entry[1] > STORAGE_READ_S:
-            entry = (await self.store.conversation_bytes(org_id), now)
+            read = await self.store.conversation_bytes(org_id)
+            # Checks that passed while this one read counted what they add in an entry of their own,
+            # maybe not yet written: the larger count stands (each passed against the same old size).
+            latest = self._conversation_bytes.get(org_id)
+            entry = (max(read, latest[0]) if latest is not None and latest is not entry else read, now)
         stored, read_s = entry
         if stored + adding > cap:
             raise ApiError(

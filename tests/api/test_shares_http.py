@@ -254,6 +254,25 @@ async def test_snapshots_count_against_the_storage_cap_and_revoking_gives_the_ro
     assert (await client.post(f"/v1/conversations/{conv['id']}/shares", headers=headers)).status == 201
 
 
+async def test_links_made_at_once_cannot_pass_the_storage_cap_together(make_client):
+    client = await make_client("tiers.free.conversation_storage_bytes=3000", "tiers.free.requests_per_minute=100")
+    store = state_of(client).store
+    org = await store.create_org("cheap", "free")
+    _key, secret = await store.create_key("cheap")
+    headers = {"Authorization": f"Bearer {secret}"}
+    conv = await create(client, "x" * 600, headers=headers)
+    made = await share(client, conv["id"], headers=headers)
+    # Revoking gives the room back: the next check reads the organisation's size again, while the
+    # creates below are all under way.
+    assert (await client.delete(f"/v1/shares/{made['id']}", headers=headers)).status == 200
+    room = (3000 - 600) // made["snapshot_chars"]
+
+    url = f"/v1/conversations/{conv['id']}/shares"
+    statuses = [r.status for r in await asyncio.gather(*(client.post(url, headers=headers) for _ in range(8)))]
+    assert sorted(statuses) == [201] * room + [400] * (8 - room)
+    assert await store.conversation_bytes(org.id) <= 3000
+
+
 async def test_creating_updating_and_revoking_count_against_the_request_limit(make_client):
     client = await make_client("tiers.free.requests_per_minute=4")
     store = state_of(client).store
