@@ -8,7 +8,7 @@ through): GET /v1/shared/{token}, the snapshot's JSON as stored, and GET /share/
 (static/share.html) that renders it with the chat UI's own Markdown sanitiser. A snapshot holds
 user and assistant messages' text, an answer's model and attachments by name only: never a
 file's bytes, an image's data: URL or an id. Snapshots count against the tier's conversation
-storage (api/state.py, check_conversation_storage).
+storage (api/state.py, check_conversation_storage) and hold at most MAX_SNAPSHOT_CHARS.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ PAGE_PATH = "/share/{token}"
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{32}")  # store/shares.py's new_token: 24 bytes, URL-safe base64
 _NOT_SHARED = "No shared conversation is found at this link."  # unknown, revoked or deleted alike
 _UNNAMED_FILE = "file"  # an attachment whose uploaded file is gone: never its id
+# The most characters a snapshot holds: every read without a key sends it whole, so a link to
+# a long chat must not make each read cost what the tier's whole storage may hold.
+MAX_SNAPSHOT_CHARS = 8_000_000
 # A link's answers: never kept by a cache (a revoked link must stop answering), never indexed.
 PUBLIC_HEADERS = {"Cache-Control": "no-store", "X-Robots-Tag": "noindex, nofollow"}
 
@@ -95,7 +98,15 @@ async def take_snapshot(store: Store, org_id: str, conversation_id: str, message
     file_ids = sorted({i for m in kept if m.parts_json for i in file_ids_of(orjson.loads(m.parts_json))})
     stored = await store.get_files(org_id, file_ids) if file_ids else {}
     file_names = {i: stored[i].filename if i in stored else _UNNAMED_FILE for i in file_ids}
-    return snapshot_of(conv.title, kept, file_names)
+    snapshot = snapshot_of(conv.title, kept, file_names)
+    if len(snapshot.snapshot_json) > MAX_SNAPSHOT_CHARS:
+        raise bad_request(
+            f"A share link shows at most {MAX_SNAPSHOT_CHARS:,} characters; this snapshot would hold "
+            f"{len(snapshot.snapshot_json):,}. Share the conversation up to an earlier message ('message_id').",
+            param="message_id",
+            code="snapshot_too_large",
+        )
+    return snapshot
 
 
 def _check_enabled(request: web.Request) -> None:

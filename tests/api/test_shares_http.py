@@ -11,6 +11,7 @@ import time
 
 import orjson
 
+from api.shares import MAX_SNAPSHOT_CHARS
 from store.conversations import new_message_id
 from store.types import Message
 from tests.api.helpers import assert_error, state_of
@@ -237,6 +238,23 @@ async def test_a_share_names_attachments_but_never_carries_file_bytes_data_urls_
     assert "data:image/png" not in page and kept_file not in page
     # The file itself is still only for its organisation's keys.
     assert (await client.get(f"/v1/files/{kept_file}/content", headers=await other_org_headers(client))).status == 404
+
+
+async def test_a_snapshot_past_the_size_a_link_serves_is_refused_and_an_earlier_one_can_be_shared(make_client):
+    client = await make_client()  # the enterprise tier (keyless local): no storage cap to stop it first
+    org = (await state_of(client).keyless_principal()).org
+    roles = ["user", "assistant"] * 5  # 9,000,000 characters: past MAX_SNAPSHOT_CHARS
+    messages = tuple(Message(new_message_id(), role, "y" * 900_000, time.time()) for role in roles)
+    conv = await state_of(client).store.create_conversation(org.id, messages=messages)
+
+    url = f"/v1/conversations/{conv.id}/shares"
+    err = await assert_error(await client.post(url), 400, code="snapshot_too_large", param="message_id")
+    assert f"{MAX_SNAPSHOT_CHARS:,}" in err["message"]
+    made = await share(client, conv.id, message_id=messages[3].id)  # up to an earlier message: fits
+    assert MAX_SNAPSHOT_CHARS // 3 < made["snapshot_chars"] < MAX_SNAPSHOT_CHARS
+    updated = await client.post(f"/v1/shares/{made['id']}", json={})  # the whole conversation again
+    await assert_error(updated, 400, code="snapshot_too_large", param="message_id")
+    assert len((await shared(client, made["token"]))["messages"]) == 4  # the link keeps what it showed
 
 
 async def test_snapshots_count_against_the_storage_cap_and_revoking_gives_the_room_back(make_client):
