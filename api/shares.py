@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
 from aiohttp import web
 
 from api.chat import read_json
-from api.errors import ApiError, bad_request, not_found
+from api.errors import ApiError, bad_request, not_found, overloaded
 from api.export_format import attachment_names, file_ids_of
 from api.paging import page_limit
 from api.state import PRINCIPAL, SETTINGS, STATE, AppState
@@ -36,6 +37,10 @@ _UNNAMED_FILE = "file"  # an attachment whose uploaded file is gone: never its i
 # The most characters a snapshot holds: every read without a key sends it whole, so a link to
 # a long chat must not make each read cost what the tier's whole storage may hold.
 MAX_SNAPSHOT_CHARS = 8_000_000
+# Snapshots' bytes being sent to readers without a key, all together: a reader that stops reading
+# holds its snapshot until server.write_timeout_s, and without this bound so would every connection.
+SHARED_SENDING_MAX_BYTES = 256 * 1024 * 1024
+SENDING_RETRY_AFTER_S = 5
 # A link's answers: never kept by a cache (a revoked link must stop answering), never indexed.
 PUBLIC_HEADERS = {"Cache-Control": "no-store", "X-Robots-Tag": "noindex, nofollow"}
 
@@ -211,6 +216,16 @@ async def revoke_share(request: web.Request) -> web.Response:
     return web.json_response({"id": sid, "object": "conversation.share.deleted", "deleted": True})
 
 
+@dataclass(slots=True)
+class Sending:
+    """The bytes of snapshots being sent now (read_shared), held until the reader has taken them."""
+
+    num_bytes: int = 0
+
+
+SENDING = web.AppKey("shared_sending", Sending)
+
+
 async def _shared_snapshot(state: AppState, token: str) -> str | None:
     """The snapshot a link's token names; None for a token of another shape (no read), an unknown
     or revoked one, a deleted conversation's, or any while sharing is off."""
@@ -220,11 +235,25 @@ async def _shared_snapshot(state: AppState, token: str) -> str | None:
 
 
 async def read_shared(request: web.Request) -> web.Response:
-    """GET /v1/shared/{token}, no key: the snapshot's JSON as it was stored (nothing rendered per read)."""
+    """GET /v1/shared/{token}, no key: the snapshot's JSON as it was stored (nothing rendered per read);
+    503 while the snapshots being sent hold SHARED_SENDING_MAX_BYTES."""
     snapshot = await _shared_snapshot(request.app[STATE], request.match_info["token"])
     if snapshot is None:
         raise not_found(_NOT_SHARED, code="share_not_found")
-    return web.Response(text=snapshot, content_type="application/json", headers=PUBLIC_HEADERS)
+    body, sending = snapshot.encode(), request.app[SENDING]
+    if sending.num_bytes + len(body) > SHARED_SENDING_MAX_BYTES:
+        raise overloaded(
+            "Shared conversations are being sent to many readers at once; try again shortly.",
+            retry_after_s=SENDING_RETRY_AFTER_S,
+        )
+    response = web.Response(body=body, content_type="application/json", charset="utf-8", headers=PUBLIC_HEADERS)
+    sending.num_bytes += len(body)
+    try:  # sent here, not after the handler returns: the bytes count until the connection took them
+        await response.prepare(request)
+        await response.write_eof()
+    finally:
+        sending.num_bytes -= len(body)
+    return response
 
 
 def _add_page(app: web.Application) -> None:
@@ -247,5 +276,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/shares/{share_id}", get_share)
     app.router.add_post("/v1/shares/{share_id}", update_share)
     app.router.add_delete("/v1/shares/{share_id}", revoke_share)
+    app[SENDING] = Sending()
     app.router.add_get("/v1/shared/{token}", read_shared)
     _add_page(app)

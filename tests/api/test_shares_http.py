@@ -7,10 +7,12 @@ never served; snapshots count against the storage cap; sharing.enabled = false t
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import orjson
 
+from api import shares
 from api.shares import MAX_SNAPSHOT_CHARS
 from store.conversations import new_message_id
 from store.types import Message
@@ -255,6 +257,40 @@ async def test_a_snapshot_past_the_size_a_link_serves_is_refused_and_an_earlier_
     updated = await client.post(f"/v1/shares/{made['id']}", json={})  # the whole conversation again
     await assert_error(updated, 400, code="snapshot_too_large", param="message_id")
     assert len((await shared(client, made["token"]))["messages"]) == 4  # the link keeps what it showed
+
+
+async def test_readers_that_stop_reading_hold_at_most_the_sending_bound_and_others_get_a_503(make_client, monkeypatch):
+    client = await make_client()
+    org = (await state_of(client).keyless_principal()).org
+    roles = ["user", "assistant"] * 3  # 5,400,000 characters: more than the socket buffers hold
+    messages = tuple(Message(new_message_id(), role, "z" * 900_000, time.time()) for role in roles)
+    conv = await state_of(client).store.create_conversation(org.id, messages=messages)
+    made = await share(client, conv.id)
+    monkeypatch.setattr(shares, "SHARED_SENDING_MAX_BYTES", made["snapshot_chars"] * 3 // 2)  # room for one
+
+    # A reader that asks for the snapshot and never reads it: its answer stalls in the server.
+    sending = client.server.app[shares.SENDING]
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", client.port))
+    sock.sendall(f"GET /v1/shared/{made['token']} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+    try:
+        for _ in range(200):  # until its answer is being sent
+            if sending.num_bytes:
+                break
+            await asyncio.sleep(0.02)
+        assert sending.num_bytes >= made["snapshot_chars"]  # its body (UTF-8: a byte or more a character)
+        resp = await client.get(f"/v1/shared/{made['token']}")
+        await assert_error(resp, 503, code="server_overloaded")
+        assert resp.headers["Retry-After"] == "5"
+    finally:
+        sock.close()
+    for _ in range(200):  # the stalled reader gone, its bytes count no more
+        if not sending.num_bytes:
+            break
+        await asyncio.sleep(0.02)
+    resp = await client.get(f"/v1/shared/{made['token']}")
+    assert len((await resp.json())["messages"]) == 6
 
 
 async def test_snapshots_count_against_the_storage_cap_and_revoking_gives_the_room_back(make_client):
