@@ -150,7 +150,9 @@ export const api = {
   // Our extension: a file either export saved, stored as new conversations (all or none).
   importConversations: (file) => json("/v1/conversations/import", { method: "POST", jsonFile: file }),
   // Our extension: share links, read-only snapshots anyone with the link may read without a key.
-  listShares: (id) => json(`/v1/shares?limit=1&conversation_id=${encodeURIComponent(id)}`),
+  listShares: (id, limit = 1, afterId = undefined) =>
+    json(`/v1/shares?limit=${limit}&conversation_id=${encodeURIComponent(id)}`
+      + `${afterId ? `&after=${encodeURIComponent(afterId)}` : ""}`),
   createShare: (id) => json(`${conv(id)}/shares`, { method: "POST", body: {} }),
   updateShare: (shareId) => json(`/v1/shares/${encodeURIComponent(shareId)}`, { method: "POST", body: {} }),
   revokeShare: (shareId) => json(`/v1/shares/${encodeURIComponent(shareId)}`, { method: "DELETE" }),

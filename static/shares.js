@@ -63,9 +63,16 @@ export class Shares {
     });
   }
 
+  // Every link of the chat (another tab or an API client may have made more than the one shown).
   async revoke() {
     await this.busy(revokeEl, async () => {
-      await api.revokeShare(this.share.id);
+      const id = this.conversationId();
+      let page = await api.listShares(id, 100);
+      for (;;) {
+        for (const share of page.data) await api.revokeShare(share.id);
+        if (!page.has_more) break;
+        page = await api.listShares(id, 100);  // revoked ones are gone: the next 100 are first now
+      }
       this.share = null;
       dialogEl.close();
       this.onNotice("The share link was revoked: it no longer opens anything.");

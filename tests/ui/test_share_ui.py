@@ -5,6 +5,9 @@ the chat's sanitiser: hostile answers stay inert there too. Later turns show onl
 
 from __future__ import annotations
 
+import json
+import urllib.request
+
 import pytest
 from playwright.sync_api import expect
 
@@ -76,6 +79,11 @@ def test_a_shared_chat_opens_read_only_in_a_fresh_browser_and_stays_a_snapshot(u
         view.wait_for_selector("body.ready")
         expect(view.locator("article.msg")).to_have_count(4)
 
+        # A second link of the chat (another tab's, or an API client's): Revoke stops both.
+        cid = conversation_id(page)
+        other = urllib.request.Request(f"{ui_server.base_url}/v1/conversations/{cid}/shares", data=b"{}", method="POST")
+        other.add_header("Content-Type", "application/json")
+        other_path = json.loads(urllib.request.urlopen(other, timeout=10).read())["path"]
         share_link(page)
         page.get_by_role("button", name="Revoke link").click()
         expect(dialog).to_be_hidden()
@@ -84,6 +92,8 @@ def test_a_shared_chat_opens_read_only_in_a_fresh_browser_and_stays_a_snapshot(u
         view.wait_for_selector("body.ready")
         expect(view.locator("#shared-title")).to_have_text("No shared conversation")
         expect(view.locator("article.msg")).to_have_count(0)
+        token = other_path.rsplit("/", 1)[1]
+        assert ui_server.get_json(f"/v1/shared/{token}")[0] == 404
     finally:
         shared.close()
     assert conversation_id(page)  # the chat itself is untouched
