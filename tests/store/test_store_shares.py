@@ -107,7 +107,7 @@ async def test_a_conversation_deleted_outright_takes_its_shares_with_it(store: S
     assert await store.conversation_bytes(org.id) == 0
 
 
-def test_tokens_are_32_url_safe_characters_from_secrets_and_never_repeat() -> None:
+async def test_tokens_are_32_url_safe_characters_from_secrets_and_never_repeat() -> None:
     tokens = {shares.new_token() for _ in range(1000)}
     assert len(tokens) == 1000
     assert all(len(t) == 32 and t.replace("-", "").replace("_", "").isalnum() for t in tokens)
