@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from api import inline_files
-from api.errors import bad_request, not_found, overloaded
+from api.errors import ApiError, bad_request, not_found, overloaded
 from api.image_job import ImageSource, ReadImage, image_errors
 from api.parts import FilePart, ImagePart, InlineFilePart, TextPart
 from api.protocol import ChatMessage
@@ -45,6 +45,8 @@ class Seen:
     documents: dict[str, Document] = field(default_factory=dict)
     image_sources: dict[str, ImageSource] = field(default_factory=dict)
     read_images: dict[str, ReadImage] = field(default_factory=dict)
+    # A stored history's images that no longer pass their checks (by image_key): rendered "[image]".
+    unreadable_images: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +163,23 @@ def _extraction_errors(ctx: AttachContext, name: str, where: str) -> Iterator[No
         ) from None
 
 
-def _image_key(part: ImagePart | FilePart) -> str:
+async def is_readable_image(ctx: AttachContext, part: ImagePart) -> bool:
+    """Whether a stored history's image still passes its checks (a 400 now: read as "[image]");
+    remembered in `ctx.seen`. Its source is kept there for the message's resolve."""
+    key = image_key(part)
+    if key in ctx.seen.unreadable_images:
+        return False
+    try:
+        await _image_source(ctx, part, fetch=True)
+    except ApiError as exc:
+        if exc.status != 400:
+            raise
+        ctx.seen.unreadable_images.add(key)
+        return False
+    return True
+
+
+def image_key(part: ImagePart | FilePart) -> str:
     """The same image however often a request names it: its file id, else its URL."""
     return part.file_id if part.file_id is not None else part.url or ""
 
@@ -170,7 +188,7 @@ async def _image_source(ctx: AttachContext, part: ImagePart | FilePart, fetch: b
     """The image's bytes or path, its size, structure, format and pixel count checked (once per
     request for each image, however often it is named). Not `fetch` (a token count): a remote
     URL is only checked against the settings (scheme, fetching on, host allowed), not fetched (None)."""
-    cfg, where, key = ctx.images, part.where, _image_key(part)
+    cfg, where, key = ctx.images, part.where, image_key(part)
     if key in ctx.seen.image_sources:
         return ctx.seen.image_sources[key]
     with image_errors(where):
@@ -229,9 +247,9 @@ async def resolve_from(
 async def _read(ctx: AttachContext, part: ImagePart | FilePart, source: ImageSource) -> ReadImage:
     """The image with its bytes' digest, which names it in the model's prepared images
     (api/image_job.py decodes it there, only when it is in the prompt and not prepared already)."""
-    key = _image_key(part)
+    key = image_key(part)
     if key not in ctx.seen.read_images:
-        ctx.seen.read_images[key] = ReadImage(source, await run_blocking(images.digest_of, source), part.where)
+        ctx.seen.read_images[key] = ReadImage(source, await run_blocking(images.digest_of, source), part.where, key)
     return ctx.seen.read_images[key]
 
 

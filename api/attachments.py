@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import orjson
+import structlog
 
 from api import image_job
 from api import tools as tooling
@@ -25,6 +26,7 @@ from api.attachment_parts import (
     Resolved,
     image_parts,
     image_sources,
+    is_readable_image,
     render,
     resolve,
     resolve_from,
@@ -43,6 +45,8 @@ from store.types import Message
 if TYPE_CHECKING:
     from engine.registry import ModelHandle
     from engine.upstream.counting import Counter
+
+log = structlog.get_logger(__name__)
 
 _MAX_FIT_TRIES = 3
 _CHARS_PER_TOKEN_GUESS = 4  # the first prefix tried when the start of a document is kept (then doubled)
@@ -280,24 +284,40 @@ async def _resolve_new(
 
 
 async def prepare_job(ctx: AttachContext, inputs: JobInputs) -> Prepared:
-    """Resolve the new messages' attachments (and the history's), then tokenize and fit."""
-    prompter = image_job.prompter_of(inputs.model)
+    """Resolve the new messages' attachments (and the history's), then tokenize and fit. A stored
+    history's image that no longer decodes is read as "[image]" and the prompt fitted again: an
+    old turn never makes every later turn of its conversation a 400."""
     new = await _resolve_new(ctx, inputs.model, inputs.chat.messages, inputs.chat.num_history_messages, decode=True)
+    while True:
+        try:
+            prepared = await _fit_with_images(ctx, inputs, new)
+            break
+        except image_job.UnreadableHistoryImage as exc:
+            if exc.key in ctx.seen.unreadable_images:  # rendered as text already: never again
+                raise exc.error from None
+            log.warning("history_image_unreadable", error=exc.error.message)
+            ctx.seen.unreadable_images.add(exc.key)
+    job = prepared.job
+    job.new_messages = tuple((m.role, m.content) for m in inputs.chat.messages)
+    job.new_message_parts = tuple(
+        orjson.dumps(to_json(m.parts)).decode() if m.parts else None for m in inputs.chat.messages
+    )
+    return prepared
+
+
+async def _fit_with_images(ctx: AttachContext, inputs: JobInputs, new: list[Resolved]) -> Prepared:
+    """The history rendered (its unreadable images as "[image]"), the prompt fitted, then the
+    images still in it decoded (or found prepared) and placed."""
+    prompter = image_job.prompter_of(inputs.model)
     history, history_images = None, []
     if inputs.history is not None:
         rendered = await _rendered_history(ctx, inputs.history, with_images=prompter is not None)
         history = tuple(r.message for r in rendered)
         history_images = [img for r in rendered for img in r.images]
     prepared = await _fit_off_loop(dataclasses.replace(inputs, history=history), new)
-    job = prepared.job
     if prompter is not None:
-        await image_job.place_images(
-            job, prompter, [*history_images, *(img for r in new for img in r.images)], ctx.images
-        )
-    job.new_messages = tuple((m.role, m.content) for m in inputs.chat.messages)
-    job.new_message_parts = tuple(
-        orjson.dumps(to_json(m.parts)).decode() if m.parts else None for m in inputs.chat.messages
-    )
+        new_images = [img for r in new for img in r.images]
+        await image_job.place_images(prepared.job, prompter, [*history_images, *new_images], ctx.images)
     return prepared
 
 
@@ -354,7 +374,9 @@ async def _history_message(ctx: AttachContext, message: ChatMessage, with_images
         if file_id is not None and file_id not in ctx.seen.files:
             kept.append(TextPart(f"\n[The file {file_id} is no longer available.]\n"))
         elif isinstance(part, ImagePart) and (
-            not with_images or not (part.file_id or (part.url or "").startswith("data:"))
+            not with_images
+            or not (part.file_id or (part.url or "").startswith("data:"))
+            or not await is_readable_image(ctx, part)  # stored, then a limit changed; or imported so
         ):
             kept.append(TextPart("[image]"))
         else:

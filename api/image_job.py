@@ -18,13 +18,16 @@ from pathlib import Path
 
 import numpy as np
 
-from api.errors import bad_request
+from api.errors import ApiError, bad_request
 from api.job import Job
 from media import images
 from media.workers import run_blocking
 from settings import ImagesConfig
 
 ImageSource = bytes | Path  # a data: URL's or fetched image's bytes, or an uploaded image's path
+
+
+HISTORY = "history"  # the `where` of a stored history's parts (api/attachments.history_message)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -34,6 +37,17 @@ class ReadImage:
     source: ImageSource
     digest: str  # sha256 of its encoded bytes (media/images.digest_of)
     where: str  # the part it came from, for a 400 naming it
+    key: str  # its file id, else its URL (api/attachment_parts.image_key)
+
+
+class UnreadableHistoryImage(Exception):
+    """An image of a stored history that no longer decodes (imported with damaged pixels, or stored
+    before a limit was lowered): its turn renders it as "[image]" instead (api/attachments.py)."""
+
+    def __init__(self, key: str, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.key = key
+        self.error = error
 
 
 def prompter_of(model) -> object | None:
@@ -71,8 +85,13 @@ async def _prepared(prompter, image: ReadImage, cfg: ImagesConfig) -> tuple[str,
     found = prompter.prepared.get(image.digest)
     if found is not None:
         return found
-    with image_errors(image.where):
-        decoded = await images.decode_bounded(image.source, cfg)
+    try:
+        with image_errors(image.where):
+            decoded = await images.decode_bounded(image.source, cfg)
+    except ApiError as exc:
+        if image.where.startswith(HISTORY):
+            raise UnreadableHistoryImage(image.key, exc) from None
+        raise
     prepared = (decoded.content_hash, await run_blocking(prompter.preprocess, decoded.image))
     prompter.prepared.put(image.digest, prepared, cfg.prepared_cache_mb << 20)
     return prepared

@@ -292,3 +292,43 @@ async def test_a_vision_model_loaded_on_demand_drops_its_prepared_images_when_it
             break
         await asyncio.sleep(0.02)
     assert handle.backend.num_unloads == 1 and len(prepared) == 0 and prepared.num_bytes == 0
+
+
+# -- a stored image that no longer passes: its turns go on with "[image]" in its place ------
+async def test_an_imported_image_whose_pixels_are_damaged_is_read_as_text_and_the_conversation_goes_on(client):
+    whole = png_bytes((40, 30), (10, 120, 200))
+    damaged = whole[: len(whole) - 30]  # its header passes the import's checks; decoding fails
+    parts = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": data_url(damaged)}}]
+    doc = {
+        "object": "conversation",
+        "title": "old",
+        "messages": [
+            {"role": "user", "content": "What is this?", "parts": parts, "created_at": 1},
+            {"role": "assistant", "content": "A picture.", "model": "llava", "created_at": 2},
+        ],
+    }
+    resp = await client.post("/v1/conversations/import", json=doc)
+    assert resp.status == 201, await resp.text()
+    cid = (await resp.json())["data"][0]["id"]
+    for text in ("And now?", "Still there?"):  # every later turn: it was a 400 naming 'history[1]'
+        body = await ask(client, [{"role": "user", "content": text}], conversation_id=cid, max_tokens=2)
+        assert body["choices"][0]["finish_reason"] in ("stop", "length")
+    sent = with_image("What is this?", damaged)  # sent in a request of its own, it is still the caller's 400
+    resp = await client.post("/v1/chat/completions", json={"model": "llava", "messages": [sent], "max_tokens": 2})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "messages[0].content[1]"
+
+
+async def test_a_stored_image_past_a_lowered_limit_is_read_as_text_and_the_turn_goes_on(
+    aiohttp_client, tmp_path, llava_dir, monkeypatch
+):
+    first = await aiohttp_client(init(native_settings(tmp_path, llava_dir, "llava")))
+    cid = (await (await first.post("/v1/conversations", json={})).json())["id"]
+    await ask(first, [with_image("Describe this picture.", png_bytes((40, 30)))], conversation_id=cid)
+    await first.close()
+    lowered = ("images.max_image_pixels=100",)  # the stored 40x30 picture is now past it
+    client = await aiohttp_client(init(native_settings(tmp_path, llava_dir, "llava", lowered)))
+    decoded = counting_decodes(monkeypatch)
+    body = await ask(client, [{"role": "user", "content": "And its colors?"}], conversation_id=cid, max_tokens=2)
+    assert body["choices"][0]["finish_reason"] in ("stop", "length")  # it was a 400 naming 'history[1]'
+    assert decoded == [] and len(state_of(client).models["llava"].tokenizer.image_prompter.prepared) == 0
+    assert len((await (await client.get(f"/v1/conversations/{cid}")).json())["messages"]) == 4
