@@ -31,8 +31,9 @@ class ImageCountMismatch(ValueError):
 class PreparedImages:
     """A vision model's images already decoded and preprocessed, by the sha256 of their encoded
     bytes: (content hash, pixels). An image in a conversation's history comes back every turn;
-    decoding a phone photo again took ~190 ms (12 MP JPEG, Intel Xeon VM). The least recently
-    used go past the byte cap each `put` is given (images.prepared_cache_mb). Event loop only."""
+    decoding a phone photo again took ~190 ms (12 MP JPEG, Pillow, 2-core Intel Xeon VM with
+    AVX-512). The least recently used go past the byte cap each `put` is given
+    (images.prepared_cache_mb). Event loop only."""
 
     def __init__(self) -> None:
         self._entries: OrderedDict[str, tuple[str, np.ndarray]] = OrderedDict()

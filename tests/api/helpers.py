@@ -47,6 +47,14 @@ def state_of(client):
     return client.server.app[STATE]
 
 
+async def org_headers(client, name: str, tier: str) -> dict:
+    """A new organisation `name` in `tier`, and the headers of a key of its."""
+    store = state_of(client).store
+    await store.create_org(name, tier)
+    _key, secret = await store.create_key(name)
+    return {"Authorization": f"Bearer {secret}"}
+
+
 async def sse_events(resp) -> tuple[list[dict | str], list[str]]:
     """Read a whole SSE body: (data payloads, with '[DONE]' as a str; comment lines)."""
     text = (await resp.read()).decode()

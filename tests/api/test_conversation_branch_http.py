@@ -5,7 +5,7 @@ and the storage cap refused before anything is written."""
 from __future__ import annotations
 
 from api.state import AppState
-from tests.api.helpers import assert_error, state_of
+from tests.api.helpers import assert_error, org_headers
 
 
 async def _chat_twice(client) -> dict:
@@ -73,10 +73,7 @@ async def test_a_branch_takes_its_own_title_and_refuses_bad_input_naming_the_fie
 async def test_another_organisation_cannot_branch_a_conversation_and_the_storage_cap_holds(make_client):
     client = await make_client("tiers.free.conversation_storage_bytes=1000")
     source = await _chat_twice(client)
-    store = state_of(client).store
-    await store.create_org("other", "free")
-    _key, secret = await store.create_key("other")
-    other = {"Authorization": f"Bearer {secret}"}
+    other = await org_headers(client, "other", "free")
     body = {"message_id": source["messages"][0]["id"]}
     await assert_error(await client.post(f"/v1/conversations/{source['id']}/branch", json=body, headers=other), 404)
     assert (await (await client.get("/v1/conversations", headers=other)).json())["data"] == []

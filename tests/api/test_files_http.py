@@ -7,7 +7,7 @@ import aiohttp
 import pytest
 
 from api.files import BLOBS, purge_once
-from tests.api.helpers import assert_error, state_of
+from tests.api.helpers import assert_error, org_headers, state_of
 
 
 def form(
@@ -25,10 +25,7 @@ async def upload(client, content: bytes = b"hello file", headers=None, **kw):
 
 
 async def other_org_headers(client, tier: str = "enterprise") -> dict:
-    store = state_of(client).store
-    await store.create_org("other", tier)
-    _key, secret = await store.create_key("other")
-    return {"Authorization": f"Bearer {secret}"}
+    return await org_headers(client, "other", tier)
 
 
 def files_dir(client):

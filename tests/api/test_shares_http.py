@@ -16,7 +16,7 @@ from api import shares
 from api.shares import MAX_SNAPSHOT_CHARS
 from store.conversations import new_message_id
 from store.types import Message
-from tests.api.helpers import assert_error, state_of
+from tests.api.helpers import assert_error, org_headers, state_of
 from tests.api.test_files_http import other_org_headers, upload
 
 PAGE_HEADERS = {"Cache-Control": "no-store", "X-Robots-Tag": "noindex, nofollow", "Referrer-Policy": "no-referrer"}
@@ -130,10 +130,7 @@ async def test_share_requests_are_checked_and_name_the_field(make_client):
 
 async def test_links_are_read_without_a_key_where_every_other_call_needs_one(make_client):
     client = await make_client("server.require_keys=true")
-    store = state_of(client).store
-    await store.create_org("acme", "enterprise")
-    _key, secret = await store.create_key("acme")
-    headers = {"Authorization": f"Bearer {secret}"}
+    headers = await org_headers(client, "acme", "enterprise")
     conv = await create(client, "Public question", "Public answer", headers=headers)
     made = await share(client, conv["id"], headers=headers)
 
@@ -295,10 +292,7 @@ async def test_readers_that_stop_reading_hold_at_most_the_sending_bound_and_othe
 
 async def test_snapshots_count_against_the_storage_cap_and_revoking_gives_the_room_back(make_client):
     client = await make_client("tiers.free.conversation_storage_bytes=1500")
-    store = state_of(client).store
-    await store.create_org("cheap", "free")
-    _key, secret = await store.create_key("cheap")
-    headers = {"Authorization": f"Bearer {secret}"}
+    headers = await org_headers(client, "cheap", "free")
     conv = await create(client, "x" * 600, headers=headers)
     made = await share(client, conv["id"], headers=headers)
     assert made["snapshot_chars"] > 600
@@ -311,9 +305,8 @@ async def test_snapshots_count_against_the_storage_cap_and_revoking_gives_the_ro
 async def test_links_made_at_once_cannot_pass_the_storage_cap_together(make_client):
     client = await make_client("tiers.free.conversation_storage_bytes=3000", "tiers.free.requests_per_minute=100")
     store = state_of(client).store
-    org = await store.create_org("cheap", "free")
-    _key, secret = await store.create_key("cheap")
-    headers = {"Authorization": f"Bearer {secret}"}
+    headers = await org_headers(client, "cheap", "free")
+    org = await store.get_org("cheap")
     conv = await create(client, "x" * 600, headers=headers)
     made = await share(client, conv["id"], headers=headers)
     # Revoking gives the room back: the next check reads the organisation's size again, while the
@@ -329,10 +322,7 @@ async def test_links_made_at_once_cannot_pass_the_storage_cap_together(make_clie
 
 async def test_creating_updating_and_revoking_count_against_the_request_limit(make_client):
     client = await make_client("tiers.free.requests_per_minute=4")
-    store = state_of(client).store
-    await store.create_org("cheap", "free")
-    _key, secret = await store.create_key("cheap")
-    headers = {"Authorization": f"Bearer {secret}"}
+    headers = await org_headers(client, "cheap", "free")
     conv = await create(client, "Hello", headers=headers)  # 1
     made = await share(client, conv["id"], headers=headers)  # 2
     assert (await client.post(f"/v1/shares/{made['id']}", headers=headers)).status == 200  # 3

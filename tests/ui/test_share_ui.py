@@ -12,7 +12,7 @@ import pytest
 from playwright.sync_api import expect
 
 from tests.ui.helpers import conversation_id, open_page, type_and_send, wait_for_answer_done, wait_until
-from tests.ui.test_xss import CANARY, HOSTILE
+from tests.ui.test_xss import CANARY, HOSTILE, assert_rendered_inert
 
 pytestmark = pytest.mark.slow
 
@@ -112,15 +112,7 @@ def test_a_hostile_answer_renders_inert_on_the_shared_page(ui, browser, ui_serve
         view = shared.page
         body = view.locator("article.msg-assistant .msg-body")
         wait_until(lambda: "Hostile corpus" in body.inner_text())
-        for selector in ("script", "iframe", "svg", "style", "form", "input", "object", "embed", "details"):
-            assert body.locator(selector).count() == 0, f"a live <{selector}> element was rendered"
-        handlers = body.evaluate(
-            "el => [...el.querySelectorAll('*')].flatMap(n => [...n.attributes].map(a => a.name))"
-            ".filter(name => name.startsWith('on'))"
-        )
-        assert handlers == []
-        hrefs = body.evaluate("el => [...el.querySelectorAll('[href]')].map(n => n.getAttribute('href'))")
-        assert not any(h.strip().lower().startswith("javascript:") for h in hrefs)
+        assert_rendered_inert(body)
         text = body.inner_text()
         assert "<script>" in text and "onerror" in text  # raw HTML shown as text
         assert body.locator(".blocked-image").count() == 1  # the tracking pixel is not loaded
