@@ -71,6 +71,15 @@ def overloaded(message: str, *, retry_after_s: float, code: str = "server_overlo
     return ApiError(503, message, "server_error", code, None, hdrs)
 
 
+def rate_limited(message: str, *, retry_after_s: float) -> ApiError:
+    """429 for a caller without a key (a share link's reader): OpenAI's rate-limit error, no x-ratelimit-*."""
+    hdrs = {
+        "Retry-After": str(max(1, math.ceil(retry_after_s))),
+        "retry-after-ms": str(max(1, math.ceil(retry_after_s * 1000))),
+    }
+    return ApiError(429, message, "rate_limit_exceeded", "rate_limit_exceeded", None, hdrs)
+
+
 def internal_error() -> ApiError:
     return ApiError(500, "The server had an error while processing your request.", "server_error", "internal_error")
 

@@ -5,7 +5,8 @@ Its organisation's keys: POST /v1/conversations/{id}/shares (a snapshot, optiona
 message), GET /v1/shares[/{id}], POST /v1/shares/{id} (the snapshot taken again, same link) and
 DELETE /v1/shares/{id} (revoke). Anyone with the link, without a key (api/security.py lets these
 through): GET /v1/shared/{token}, the snapshot's JSON as stored, and GET /share/{token}, the page
-(static/share.html) that renders it with the chat UI's own Markdown sanitiser. A snapshot holds
+(static/share.html) that renders it with the chat UI's own Markdown sanitiser; each client address
+may read so many a minute and hold a share of the bytes being sent (api/share_readers.py). A snapshot holds
 user and assistant messages' text, an answer's model and attachments by name only: never a
 file's bytes, an image's data: URL or an id. Snapshots count against the tier's conversation
 storage (api/state.py, check_conversation_storage) and hold at most MAX_SNAPSHOT_CHARS.
@@ -13,18 +14,19 @@ storage (api/state.py, check_conversation_storage) and hold at most MAX_SNAPSHOT
 
 from __future__ import annotations
 
+import math
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
 from aiohttp import web
 
 from api.chat import read_json
-from api.errors import ApiError, bad_request, not_found, overloaded
+from api.errors import ApiError, bad_request, not_found, overloaded, rate_limited
 from api.export_format import attachment_names, file_ids_of
 from api.paging import page_limit
+from api.share_readers import Refusal, ShareReaders
 from api.state import PRINCIPAL, SETTINGS, STATE, AppState
 from store.store import Store
 from store.types import Message, NotFound, Share, ShareSnapshot
@@ -37,10 +39,7 @@ _UNNAMED_FILE = "file"  # an attachment whose uploaded file is gone: never its i
 # The most characters a snapshot holds: every read without a key sends it whole, so a link to
 # a long chat must not make each read cost what the tier's whole storage may hold.
 MAX_SNAPSHOT_CHARS = 8_000_000
-# Snapshots' bytes being sent to readers without a key, all together: a reader that stops reading
-# holds its snapshot until server.write_timeout_s, and without this bound so would every connection.
-SHARED_SENDING_MAX_BYTES = 256 * 1024 * 1024
-SENDING_RETRY_AFTER_S = 5
+SENDING_RETRY_AFTER_S = 5  # a refusal for bytes in flight: about how long a reader takes a snapshot
 # A link's answers: never kept by a cache (a revoked link must stop answering), never indexed.
 PUBLIC_HEADERS = {"Cache-Control": "no-store", "X-Robots-Tag": "noindex, nofollow"}
 
@@ -216,14 +215,7 @@ async def revoke_share(request: web.Request) -> web.Response:
     return web.json_response({"id": sid, "object": "conversation.share.deleted", "deleted": True})
 
 
-@dataclass(slots=True)
-class Sending:
-    """The bytes of snapshots being sent now (read_shared), held until the reader has taken them."""
-
-    num_bytes: int = 0
-
-
-SENDING = web.AppKey("shared_sending", Sending)
+READERS = web.AppKey("share_readers", ShareReaders)
 
 
 async def _shared_snapshot(state: AppState, token: str) -> str | None:
@@ -234,36 +226,70 @@ async def _shared_snapshot(state: AppState, token: str) -> str | None:
     return await state.store.shared_snapshot(token)
 
 
+def _retry_after(wait_s: float) -> str:
+    return str(max(1, math.ceil(wait_s)))
+
+
+def _too_many_reads(request: web.Request, wait_s: float) -> ApiError:
+    reads = request.app[SETTINGS].sharing.reads_per_minute
+    return rate_limited(
+        f"Too many reads of shared conversations from this address (limit {reads} a minute, "
+        f"sharing.reads_per_minute); try again in {_retry_after(wait_s)} s.",
+        retry_after_s=wait_s,
+    )
+
+
+def _sending_refused(refusal: Refusal) -> ApiError:
+    if refusal is Refusal.CLIENT_SENDING:
+        return rate_limited(
+            "Shared conversations still being sent to this address hold its share of the server; try again once "
+            "they have arrived.",
+            retry_after_s=SENDING_RETRY_AFTER_S,
+        )
+    return overloaded(
+        "Shared conversations are being sent to many readers at once; try again shortly.",
+        retry_after_s=SENDING_RETRY_AFTER_S,
+    )
+
+
 async def read_shared(request: web.Request) -> web.Response:
     """GET /v1/shared/{token}, no key: the snapshot's JSON as it was stored (nothing rendered per read);
-    503 while the snapshots being sent hold SHARED_SENDING_MAX_BYTES."""
+    429 past the address's reads a minute, or while its snapshots being sent hold its share of the
+    bound; 503 while all of them hold the bound (api/share_readers.py)."""
+    readers = request.app[READERS]
+    client = readers.client_of(request.remote)
+    wait_s = readers.take_read(client)
+    if wait_s > 0:
+        raise _too_many_reads(request, wait_s)
     snapshot = await _shared_snapshot(request.app[STATE], request.match_info["token"])
     if snapshot is None:
         raise not_found(_NOT_SHARED, code="share_not_found")
-    body, sending = snapshot.encode(), request.app[SENDING]
-    if sending.num_bytes + len(body) > SHARED_SENDING_MAX_BYTES:
-        raise overloaded(
-            "Shared conversations are being sent to many readers at once; try again shortly.",
-            retry_after_s=SENDING_RETRY_AFTER_S,
-        )
+    body = snapshot.encode()
+    refusal = readers.start_sending(client, len(body))
+    if refusal is not None:
+        raise _sending_refused(refusal)
     response = web.Response(body=body, content_type="application/json", charset="utf-8", headers=PUBLIC_HEADERS)
-    sending.num_bytes += len(body)
     try:  # sent here, not after the handler returns: the bytes count until the connection took them
         await response.prepare(request)
         await response.write_eof()
     finally:
-        sending.num_bytes -= len(body)
+        readers.stop_sending(client, len(body))
     return response
 
 
 def _add_page(app: web.Application) -> None:
     """GET /share/{token}: static/share.html, which reads the JSON above and renders it; 404 (the
-    same page, which then says the link shows nothing) where the JSON is 404."""
+    same page, which then says the link shows nothing) where the JSON is 404, and 429 with
+    Retry-After (the same page, which then says when to try again) past the address's reads."""
     page = Path(app[SETTINGS].server.static_dir) / "share.html"
 
     async def shared_page(request: web.Request) -> web.StreamResponse:
         if not page.exists():
             return web.Response(text="The web UI is not installed (static/share.html missing).", status=404)
+        readers = request.app[READERS]
+        wait_s = readers.take_read(readers.client_of(request.remote))
+        if wait_s > 0:  # its JSON read will be refused too, and the page says so
+            return web.FileResponse(page, status=429, headers={**PUBLIC_HEADERS, "Retry-After": _retry_after(wait_s)})
         found = await _shared_snapshot(request.app[STATE], request.match_info["token"])
         return web.FileResponse(page, status=200 if found is not None else 404, headers=PUBLIC_HEADERS)
 
@@ -276,6 +302,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/shares/{share_id}", get_share)
     app.router.add_post("/v1/shares/{share_id}", update_share)
     app.router.add_delete("/v1/shares/{share_id}", revoke_share)
-    app[SENDING] = Sending()
+    settings = app[SETTINGS]
+    app[READERS] = ShareReaders(settings.sharing.reads_per_minute, settings.server.trusted_proxies)
     app.router.add_get("/v1/shared/{token}", read_shared)
     _add_page(app)

@@ -294,6 +294,14 @@ class SharingConfig:
         "Off: creating or updating one is a 403 sharing_disabled and every link answers 404 (none is deleted: "
         "turned on again, they answer again); listing and revoking still work.",
     )
+    reads_per_minute: int = setting(
+        120,
+        "Reads of links without a key (/share/<token> and /v1/shared/<token>, found or not) one client address may "
+        "make per minute, a bucket of that size refilled over the minute; past it a 429 with Retry-After. An IPv6 "
+        "address counts by its /64; readers through a server.trusted_proxies proxy share its address, so this "
+        "does not apply to them: rate-limit at the proxy. 0: no limit.",
+        minimum=0,
+    )
 
 
 @dataclass(frozen=True, slots=True)

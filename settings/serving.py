@@ -60,8 +60,9 @@ class ServerConfig:
     )
     trusted_proxies: list[str] = setting(
         [],
-        "Addresses of reverse proxies in front of this server. When set, the server refuses to start without "
-        "require_keys = true.",
+        'Addresses (or networks, "10.0.0.0/8") of reverse proxies in front of this server. When set, the server '
+        "refuses to start without require_keys = true; share links' per-address limits (sharing.reads_per_minute) "
+        "do not apply to readers arriving through one.",
     )
     metrics_token: str = setting(
         "", "Bearer token for /metrics (an API key works too); needed when the server is not loopback-only."

@@ -12,6 +12,13 @@ const messagesEl = document.getElementById("messages");
 const TOKEN_PATH = /^\/share\/([A-Za-z0-9_-]{1,128})$/;
 const NOT_FOUND_TEXT = "Nothing is shared at this link: it may be mistyped, or its owner stopped sharing it.";
 
+// The server holds each address to so many reads of links a minute (sharing.reads_per_minute).
+function tooManyReadsText(retryAfter) {
+  const seconds = Math.max(1, Math.ceil(Number(retryAfter) || 60));
+  return `Too many shared conversations were opened from your network just now. `
+    + `Reload the page in ${seconds} second${seconds === 1 ? "" : "s"}.`;
+}
+
 function takenText(seconds) {
   const when = new Date(seconds * 1000).toLocaleString(undefined, { dateStyle: "long", timeStyle: "short" });
   return `A read-only snapshot of a conversation, taken ${when}. Messages added after that are not shown.`;
@@ -55,6 +62,7 @@ async function readSnapshot() {
     return { problem: "The conversation could not be loaded: check the connection, then reload the page." };
   }
   if (response.status === 404) return { problem: NOT_FOUND_TEXT };
+  if (response.status === 429) return { problem: tooManyReadsText(response.headers.get("Retry-After")) };
   if (!response.ok) return { problem: `The server could not show it (HTTP ${response.status}). Try again later.` };
   return response.json();
 }

@@ -2,14 +2,18 @@
 GET /v1/shared/{token} (JSON) and GET /share/{token} (the page) serve without a key; later turns
 stay out until the share is updated; only the organisation lists, updates and revokes its links;
 unknown, revoked and deleted conversations' links are one and the same 404; attachments are named,
-never served; snapshots count against the storage cap; sharing.enabled = false turns it all off."""
+never served; snapshots count against the storage cap; sharing.enabled = false turns it all off.
+Readers without a key are held per address: reads a minute (429), a share of the bytes being sent
+(429), all of those bytes (503); readers through a trusted proxy only to the last."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 import time
+from typing import TYPE_CHECKING
 
+import aiohttp
 import orjson
 
 from api import shares
@@ -18,6 +22,9 @@ from store.conversations import new_message_id
 from store.types import Message
 from tests.api.helpers import assert_error, org_headers, state_of
 from tests.api.test_files_http import other_org_headers, upload
+
+if TYPE_CHECKING:
+    from api.share_readers import ShareReaders
 
 PAGE_HEADERS = {"Cache-Control": "no-store", "X-Robots-Tag": "noindex, nofollow", "Referrer-Policy": "no-referrer"}
 
@@ -256,38 +263,111 @@ async def test_a_snapshot_past_the_size_a_link_serves_is_refused_and_an_earlier_
     assert len((await shared(client, made["token"]))["messages"]) == 4  # the link keeps what it showed
 
 
-async def test_readers_that_stop_reading_hold_at_most_the_sending_bound_and_others_get_a_503(make_client, monkeypatch):
-    client = await make_client()
+async def big_share(client) -> dict:
+    """A link to a snapshot of 5,400,000 characters: more than the socket buffers hold."""
     org = (await state_of(client).keyless_principal()).org
-    roles = ["user", "assistant"] * 3  # 5,400,000 characters: more than the socket buffers hold
+    roles = ["user", "assistant"] * 3
     messages = tuple(Message(new_message_id(), role, "z" * 900_000, time.time()) for role in roles)
     conv = await state_of(client).store.create_conversation(org.id, messages=messages)
-    made = await share(client, conv.id)
-    monkeypatch.setattr(shares, "SHARED_SENDING_MAX_BYTES", made["snapshot_chars"] * 3 // 2)  # room for one
+    return await share(client, conv.id)
 
-    # A reader that asks for the snapshot and never reads it: its answer stalls in the server.
-    sending = client.server.app[shares.SENDING]
+
+def stalled_reader(client, token: str) -> socket.socket:
+    """A reader at 127.0.0.1 that asks for the snapshot and never reads it: its answer stalls in the server."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", client.port))
-    sock.sendall(f"GET /v1/shared/{made['token']} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+    sock.sendall(f"GET /v1/shared/{token} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+    return sock
+
+
+async def wait_for_sending(readers: ShareReaders, num_snapshots: int, size: int) -> None:
+    """Until `num_snapshots` of `size` characters are being sent (UTF-8: a byte or more a character)."""
+    for _ in range(200):
+        if size * num_snapshots <= readers.num_sending_bytes < size * (num_snapshots + 1):
+            return
+        await asyncio.sleep(0.02)
+    assert size * num_snapshots <= readers.num_sending_bytes < size * (num_snapshots + 1)
+
+
+async def get_from(client, address: str, path: str) -> tuple[int, dict, bytes]:
+    """GET `path` from another loopback address (127.0.0.2: another client of the same server)."""
+    connector = aiohttp.TCPConnector(local_addr=(address, 0))
+    async with (
+        aiohttp.ClientSession(connector=connector) as session,
+        session.get(f"http://127.0.0.1:{client.port}{path}") as resp,
+    ):
+        return resp.status, dict(resp.headers), await resp.read()
+
+
+async def test_readers_that_stop_reading_hold_at_most_the_sending_bound_and_others_get_a_503(make_client):
+    client = await make_client()
+    made = await big_share(client)
+    readers = client.server.app[shares.READERS]
+    readers.max_sending_bytes = made["snapshot_chars"] * 3 // 2  # room for one
+    sock = stalled_reader(client, made["token"])
     try:
-        for _ in range(200):  # until its answer is being sent
-            if sending.num_bytes:
-                break
-            await asyncio.sleep(0.02)
-        assert sending.num_bytes >= made["snapshot_chars"]  # its body (UTF-8: a byte or more a character)
-        resp = await client.get(f"/v1/shared/{made['token']}")
-        await assert_error(resp, 503, code="server_overloaded")
-        assert resp.headers["Retry-After"] == "5"
+        await wait_for_sending(readers, 1, made["snapshot_chars"])
+        status, headers, body = await get_from(client, "127.0.0.2", f"/v1/shared/{made['token']}")
+        assert status == 503 and orjson.loads(body)["error"]["code"] == "server_overloaded"
+        assert headers["Retry-After"] == "5"
     finally:
         sock.close()
-    for _ in range(200):  # the stalled reader gone, its bytes count no more
-        if not sending.num_bytes:
-            break
-        await asyncio.sleep(0.02)
+    await wait_for_sending(readers, 0, made["snapshot_chars"])  # the stalled reader gone, its bytes count no more
     resp = await client.get(f"/v1/shared/{made['token']}")
     assert len((await resp.json())["messages"]) == 6
+
+
+async def test_stalled_readers_at_one_address_hold_only_its_share_and_other_addresses_still_read(make_client):
+    client = await make_client()
+    made = await big_share(client)
+    size = made["snapshot_chars"]
+    readers = client.server.app[shares.READERS]
+    # Room for two snapshots and a half in all; one address may hold a snapshot and a half of them.
+    readers.max_sending_bytes, readers.max_client_sending_bytes = size * 5 // 2, size * 3 // 2
+    sock = stalled_reader(client, made["token"])
+    try:
+        await wait_for_sending(readers, 1, size)
+        resp = await client.get(f"/v1/shared/{made['token']}")  # a second one at 127.0.0.1: past its share
+        await assert_error(resp, 429, code="rate_limit_exceeded")
+        assert resp.headers["Retry-After"] == "5" and readers.sending_bytes_of("127.0.0.1") < size * 3 // 2
+        status, _, body = await get_from(client, "127.0.0.2", f"/v1/shared/{made['token']}")
+        assert status == 200 and len(orjson.loads(body)["messages"]) == 6  # another address reads
+    finally:
+        sock.close()
+    await wait_for_sending(readers, 0, size)
+
+
+async def test_an_address_past_its_reads_a_minute_gets_a_429_with_retry_after_and_others_still_read(make_client):
+    client = await make_client("sharing.reads_per_minute=3")
+    made = await share(client, (await create(client, "Popular question", "Popular answer"))["id"])
+    await shared(client, made["token"])
+    assert (await client.get(made["path"])).status == 200
+    await assert_error(await client.get("/v1/shared/" + "A" * 32), 404, code="share_not_found")  # guesses count
+    resp = await client.get(f"/v1/shared/{made['token']}")
+    err = await assert_error(resp, 429, code="rate_limit_exceeded")
+    assert err["type"] == "rate_limit_exceeded" and "sharing.reads_per_minute" in err["message"]
+    assert resp.headers["Retry-After"] == "20"  # one read refills in 60/3 s
+    page = await client.get(made["path"])  # the page: its own answer, saying when to come back
+    assert page.status == 429 and page.content_type == "text/html" and page.headers["Retry-After"] == "20"
+    assert "share.js" in await page.text()
+    assert {k: page.headers.get(k) for k in PAGE_HEADERS} == PAGE_HEADERS
+
+    status, _, body = await get_from(client, "127.0.0.2", f"/v1/shared/{made['token']}")
+    assert status == 200 and orjson.loads(body)["messages"][0]["content"] == "Popular question"
+    assert (await client.get("/v1/shares")).status == 200  # the organisation's own calls: its key's limits
+
+
+async def test_readers_through_a_trusted_proxy_are_not_held_to_one_addresss_reads(make_client):
+    client = await make_client(
+        'server.trusted_proxies=["127.0.0.1"]', "server.require_keys=true", "sharing.reads_per_minute=1"
+    )
+    headers = await org_headers(client, "acme", "enterprise")
+    made = await share(client, (await create(client, "Via the proxy", headers=headers))["id"], headers=headers)
+    for _ in range(3):  # every reader the proxy serves has its address: none is held to one address's reads
+        await shared(client, made["token"])
+    assert (await get_from(client, "127.0.0.2", made["path"]))[0] == 200  # not the proxy: one read a minute
+    assert (await get_from(client, "127.0.0.2", made["path"]))[0] == 429
 
 
 async def test_snapshots_count_against_the_storage_cap_and_revoking_gives_the_room_back(make_client):

@@ -132,9 +132,12 @@ class UiServer:
         self.proc.__exit__(None, None, None)
 
 
-def start_ui_server(tmp: Path, model_dir: Path, *, rpm: int = 600, max_num_running: int = 0) -> UiServer:
+def start_ui_server(
+    tmp: Path, model_dir: Path, *, rpm: int = 600, max_num_running: int = 0, extra_config: str = ""
+) -> UiServer:
+    """`extra_config`: TOML tables appended to CONFIG (e.g. a [sharing] section)."""
     config = tmp / "config.toml"
-    config.write_text(CONFIG.format(static=ROOT / "static", model=model_dir, rpm=rpm))
+    config.write_text(CONFIG.format(static=ROOT / "static", model=model_dir, rpm=rpm) + extra_config)
     db_path = tmp / "chat.db"
     proc = ServerProcess(
         ["--config", str(config), "--db", str(db_path)],

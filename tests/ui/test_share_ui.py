@@ -6,12 +6,20 @@ the chat's sanitiser: hostile answers stay inert there too. Later turns show onl
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
 
 import pytest
 from playwright.sync_api import expect
 
-from tests.ui.helpers import conversation_id, open_page, type_and_send, wait_for_answer_done, wait_until
+from tests.ui.helpers import (
+    conversation_id,
+    open_page,
+    start_ui_server,
+    type_and_send,
+    wait_for_answer_done,
+    wait_until,
+)
 from tests.ui.test_xss import CANARY, HOSTILE, assert_rendered_inert
 
 pytestmark = pytest.mark.slow
@@ -125,3 +133,30 @@ def test_a_hostile_answer_renders_inert_on_the_shared_page(ui, browser, ui_serve
         assert len(view.context.pages) == 1, "a link opened a new window"
     finally:
         shared.close()
+
+
+def post_json(base_url: str, path: str, body: dict) -> dict:
+    request = urllib.request.Request(base_url + path, data=json.dumps(body).encode(), method="POST")
+    request.add_header("Content-Type", "application/json")
+    return json.loads(urllib.request.urlopen(request, timeout=10).read())
+
+
+def test_a_reader_past_its_reads_a_minute_is_told_when_to_reload(browser, tiny_model_dir, tmp_path):
+    server = start_ui_server(tmp_path, tiny_model_dir, extra_config="\n[sharing]\nreads_per_minute = 2\n")
+    try:
+        cid = post_json(server.base_url, "/v1/conversations", {"items": [{"role": "user", "content": "Read me"}]})["id"]
+        path = post_json(server.base_url, f"/v1/conversations/{cid}/shares", {})["path"]
+        shared = open_page(browser, server.base_url, path=path)  # the page and its JSON: both reads
+        try:
+            view = shared.page
+            expect(view.locator("#shared-title")).to_have_text("Read me")
+            view.reload()  # a read refills in 30 s: the page and its JSON are refused
+            view.wait_for_selector("body.ready")
+            expect(view.locator("#shared-title")).to_have_text("No shared conversation")
+            expect(view.locator("#shared-note")).to_contain_text(re.compile(r"Reload the page in \d+ seconds\."))
+            expect(view.locator("article.msg")).to_have_count(0)
+            assert shared.page_errors == []
+        finally:
+            shared.close()
+    finally:
+        server.stop()
