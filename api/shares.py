@@ -3,17 +3,19 @@ unguessable link, owned by the conversation's organisation, revocable.
 
 Its organisation's keys: POST /v1/conversations/{id}/shares (a snapshot, optionally up to a
 message), GET /v1/shares[/{id}], POST /v1/shares/{id} (the snapshot taken again, same link) and
-DELETE /v1/shares/{id} (revoke). Anyone with the link, without a key (api/security.py lets these
-through): GET /v1/shared/{token}, the snapshot's JSON as stored, and GET /share/{token}, the page
-(static/share.html) that renders it with the chat UI's own Markdown sanitiser; each client address
-may read so many a minute and hold a share of the bytes being sent (api/share_readers.py). A snapshot holds
-user and assistant messages' text, an answer's model and attachments by name only: never a
-file's bytes, an image's data: URL or an id. Snapshots count against the tier's conversation
-storage (api/state.py, check_conversation_storage) and hold at most MAX_SNAPSHOT_CHARS.
+DELETE /v1/shares/{id} (revoke); each share names its link's full `url` (link_origin). Anyone
+with the link, without a key (api/security.py lets these through): GET /v1/shared/{token}, the
+snapshot's JSON as stored, and GET /share/{token}, the page (static/share.html) that renders it
+with the chat UI's own Markdown sanitiser; each client address may read so many a minute and hold
+a share of the bytes being sent (api/share_readers.py). A snapshot holds user and assistant
+messages' text, an answer's model and attachments by name only: never a file's bytes, an image's
+data: URL or an id. Snapshots count against the tier's conversation storage (api/state.py,
+check_conversation_storage) and hold at most MAX_SNAPSHOT_CHARS.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 import time
@@ -21,11 +23,13 @@ from pathlib import Path
 
 import orjson
 from aiohttp import web
+from yarl import URL
 
 from api.chat import read_json
 from api.errors import ApiError, bad_request, not_found, overloaded, rate_limited
 from api.export_format import attachment_names, file_ids_of
 from api.paging import page_limit
+from api.security import host_name
 from api.share_readers import Refusal, ShareReaders
 from api.state import PRINCIPAL, SETTINGS, STATE, AppState
 from store.store import Store
@@ -44,13 +48,48 @@ SENDING_RETRY_AFTER_S = 5  # a refusal for bytes in flight: about how long a rea
 PUBLIC_HEADERS = {"Cache-Control": "no-store", "X-Robots-Tag": "noindex, nofollow"}
 
 
-def share_obj(share: Share) -> dict:
+def _host_and_port(header: str) -> tuple[str, int | None] | None:
+    """A Host header's name and port, or None when it is not one host (api/security.py host_name)."""
+    name, header = host_name(header), header.strip()
+    if not name:
+        return None
+    if header.startswith("["):  # [::1]:8000; host_name checked only the port after the brackets
+        try:
+            ipaddress.IPv6Address(name)
+        except ValueError:
+            return None
+        port_text = header[header.index("]") + 1 :].removeprefix(":")
+    else:  # a name or IPv4 address, with one colon before its port; an unbracketed IPv6 address has none
+        port_text = header.rpartition(":")[2] if header.count(":") == 1 else ""
+    port = int(port_text) if port_text else None
+    return (name, port) if port is None or 0 < port < 65536 else None
+
+
+def link_origin(request: web.Request) -> str:
+    """Where links are given: sharing.public_base_url, else the origin the caller reached: the
+    request's scheme and its Host, which the access middleware accepted (a name of this server, or
+    any with allowed_hosts "*"), rebuilt from its name and port so nothing else in it is echoed; a
+    Host of another shape (only "*" lets one in): the address the connection came in on."""
+    base = request.app[SETTINGS].sharing.public_base_url
+    if base:
+        return base.rstrip("/")
+    host = _host_and_port(request.headers.get("Host", ""))
+    if host is None:
+        sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+        host = (str(sockname[0]), int(sockname[1])) if sockname else ("localhost", None)
+    return str(URL.build(scheme=request.scheme, host=host[0], port=host[1]))
+
+
+def share_obj(share: Share, origin: str) -> dict:
+    """The API's share object; `origin` is link_origin's."""
+    page = PAGE_PATH.format(token=share.token)
     return {
         "id": share.id,
         "object": "conversation.share",
         "conversation_id": share.conversation_id,
         "token": share.token,
-        "path": PAGE_PATH.format(token=share.token),  # the page; its JSON is /v1/shared/{token}
+        "url": origin + page,  # the link to give: the page, whose JSON is /v1/shared/{token}
+        "path": page,
         "title": share.title,
         "num_messages": share.num_messages,
         "last_message_id": share.last_message_id,
@@ -153,7 +192,7 @@ async def create_share(request: web.Request) -> web.Response:
     if share is None:  # deleted since it was read
         state.forget_conversation_bytes(principal.org.id)
         raise not_found(f"No conversation found with id '{cid}'.", param="conversation_id")
-    return web.json_response(share_obj(share), status=201)
+    return web.json_response(share_obj(share, link_origin(request)), status=201)
 
 
 async def update_share(request: web.Request) -> web.Response:
@@ -172,7 +211,7 @@ async def update_share(request: web.Request) -> web.Response:
     state.forget_conversation_bytes(principal.org.id)  # it may have shrunk, or not been written
     if updated is None:  # revoked, or its conversation deleted, meanwhile
         raise _share_missing(sid)
-    return web.json_response(share_obj(updated))
+    return web.json_response(share_obj(updated, link_origin(request)))
 
 
 async def list_shares(request: web.Request) -> web.Response:
@@ -185,7 +224,8 @@ async def list_shares(request: web.Request) -> web.Response:
         shares, has_more = await store.list_shares(org_id, conversation_id=cid, limit=limit, after=after)
     except NotFound:
         raise not_found(f"No share found with id '{after}' (the 'after' cursor).", param="after") from None
-    data = [share_obj(s) for s in shares]
+    origin = link_origin(request)
+    data = [share_obj(s, origin) for s in shares]
     return web.json_response(
         {
             "object": "list",
@@ -202,7 +242,7 @@ async def get_share(request: web.Request) -> web.Response:
     share = await request.app[STATE].store.get_share(request[PRINCIPAL].org.id, sid)
     if share is None:
         raise _share_missing(sid)
-    return web.json_response(share_obj(share))
+    return web.json_response(share_obj(share, link_origin(request)))
 
 
 async def revoke_share(request: web.Request) -> web.Response:

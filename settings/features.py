@@ -302,6 +302,13 @@ class SharingConfig:
         "does not apply to them: rate-limit at the proxy. 0: no limit.",
         minimum=0,
     )
+    public_base_url: str = setting(
+        "",
+        "The origin links are given under (the API's share `url`, the web chat's Share dialog), e.g. "
+        '"https://chat.example.com": a scheme, a name and a port alone. Set it behind a reverse proxy, whose public '
+        "scheme this server does not see. Empty: the scheme and Host of the request that asks (a Host the server "
+        "accepts: its address, localhost or one of server.allowed_hosts).",
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from settings.backends import EngineConfig, ModelConfig, TrtllmConfig, UpstreamConfig
 from settings.features import (
@@ -90,6 +91,7 @@ def validate(settings: Settings) -> Settings:
     --host/--port/--db flags are folded in."""
     _check_allowed(settings, "")
     _check_host(settings.server.host)
+    _check_public_base_url(settings.sharing.public_base_url)
     return settings
 
 
@@ -106,6 +108,25 @@ def _check_host(host: str) -> None:
         raise ConfigError(
             f"server.host must be an address or host name alone (127.0.0.1, ::1, 0.0.0.0, localhost): without "
             f"brackets, scheme or port (the port is server.port, --port); got {host!r}"
+        )
+
+
+def _check_public_base_url(url: str) -> None:
+    """sharing.public_base_url is empty or an origin alone: links are its /share/<token>, and the page
+    reads /static/ and /v1/ from its root, so a path there would name pages that are not served."""
+    if not url:
+        return
+    parts = urlsplit(url)
+    try:
+        is_port_ok = not parts.netloc.endswith(":") and parts.port != 0
+    except ValueError:  # a port that is no number, or past 65535
+        is_port_ok = False
+    is_origin = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.path in ("", "/")
+    has_extra = bool(parts.query or parts.fragment) or "@" in parts.netloc or any(c.isspace() for c in url)
+    if not (is_origin and is_port_ok) or has_extra:
+        raise ConfigError(
+            f'sharing.public_base_url must be empty or an origin alone, such as "https://chat.example.com" or '
+            f'"http://10.0.0.5:8000" (a scheme, a name and a port; no path, user or query); got {url!r}'
         )
 
 

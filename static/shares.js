@@ -81,7 +81,7 @@ export class Shares {
 
   show(share, status) {
     this.share = share;
-    linkEl.value = new URL(share.path, window.location.origin).href;
+    linkEl.value = share.url;  // the server's public address for links (sharing.public_base_url), or ours
     const isBehind = share.last_message_id !== this.lastMessageId();
     noteEl.textContent = `Snapshot taken ${whenText(share.snapshot_at)}. Anyone with the link can read it, `
       + `without an API key${isBehind ? "; messages sent since are not in it." : "."}`;

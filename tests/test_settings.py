@@ -318,3 +318,15 @@ def test_a_model_folder_given_by_a_symlink_or_from_the_hub_cache_is_served_by_it
     for folder, name in ((tmp_path / "my-llama", "my-llama"), (snapshot, "Qwen3-0.6B"), (target / "..", "store")):
         settings = server.apply_cli(load_settings(None), server.parse_args(["--model", str(folder)]))
         assert list(settings.models) == [name]
+
+
+@pytest.mark.parametrize(
+    "url", ["chat.example.com", "https://chat.example.com/chat", "ftp://chat.example.com", "https://u@chat.example.com"]
+)
+def test_a_public_base_url_must_be_an_origin_alone(url):
+    """Links are /share/<token> of it and their page reads /static/ and /v1/ from its root: a path
+    there names pages nobody serves, and no scheme or a user gives links that do not open."""
+    with pytest.raises(ConfigError, match=re.escape("sharing.public_base_url must be empty or an origin alone")):
+        load_settings(None, [f'sharing.public_base_url="{url}"'])
+    for good in ("", "https://chat.example.com", "http://10.0.0.5:8000/", "http://[::1]:8000"):
+        assert load_settings(None, [f'sharing.public_base_url="{good}"']).sharing.public_base_url == good

@@ -62,6 +62,7 @@ async def test_a_share_is_created_listed_read_without_a_key_and_revoked(make_cli
     token = made["token"]
     assert made["object"] == "conversation.share" and made["id"].startswith("share_")
     assert made["conversation_id"] == conv["id"] and made["path"] == f"/share/{token}"
+    assert made["url"] == f"http://127.0.0.1:{client.port}/share/{token}"  # the origin the caller reached
     assert len(token) == 32 and conv["id"][5:] not in token and made["id"][6:] not in token
     assert made["num_messages"] == 3 and made["last_message_id"] == conv["messages"][-1]["id"]
 
@@ -117,6 +118,44 @@ async def test_a_share_is_a_snapshot_later_turns_show_only_once_it_is_updated(ma
     await assert_error(
         await client.post(f"/v1/shares/{upto['id']}", json={"message_id": first_answer}), 400, param="message_id"
     )
+
+
+async def test_a_links_url_is_the_public_base_url_or_the_origin_the_caller_reached(make_client):
+    client = await make_client()
+    made = await share(client, (await create(client, "Where is it?"))["id"])
+    page = f"/share/{made['token']}"
+    url = f"/v1/shares/{made['id']}"
+    assert (await (await client.get(url, headers={"Host": "localhost:9000"})).json())["url"] == (
+        f"http://localhost:9000{page}"
+    )
+    assert (await (await client.get(url, headers={"Host": "[::1]"})).json())["url"] == f"http://[::1]{page}"
+    listed = await (await client.get("/v1/shares", headers={"Host": "LOCALHOST"})).json()
+    assert listed["data"][0]["url"] == f"http://localhost{page}"
+    updated = await (await client.post(url, headers={"Host": "127.0.0.1:80"})).json()
+    assert updated["url"] == f"http://127.0.0.1{page}" and updated["path"] == page
+    await assert_error(await client.get(url, headers={"Host": "evil.example"}), 403, code="host_not_allowed")
+    await client.close()
+
+    # Any Host passes with allowed_hosts "*": the url holds only a host name and port rebuilt from it,
+    # and a Host of another shape gives the address the connection came in on.
+    star = await make_client('server.allowed_hosts=["*"]', "server.require_keys=true")
+    headers = await org_headers(star, "acme", "enterprise")
+    made = await share(star, (await create(star, "Hi", headers=headers))["id"], headers=headers)
+    url, page = f"/v1/shares/{made['id']}", f"/share/{made['token']}"
+    for host, origin in (
+        ("chat.example.com", "http://chat.example.com"),
+        ("[::1]:8443", "http://[::1]:8443"),
+        ("[evil.example/x?]", f"http://127.0.0.1:{star.port}"),
+        ("a.example, b.example", f"http://127.0.0.1:{star.port}"),
+        ("x.example:99999", f"http://127.0.0.1:{star.port}"),
+    ):
+        got = await (await star.get(url, headers={**headers, "Host": host})).json()
+        assert got["url"] == origin + page, host
+    await star.close()
+
+    public = await make_client('sharing.public_base_url="https://chat.example.com/"')
+    made = await share(public, (await create(public, "Behind the proxy"))["id"])
+    assert made["url"] == f"https://chat.example.com/share/{made['token']}"
 
 
 async def test_share_requests_are_checked_and_name_the_field(make_client):
