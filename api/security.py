@@ -78,6 +78,48 @@ def is_loopback_only(settings: Settings) -> bool:
     return is_loopback(settings.server.host) and not settings.server.trusted_proxies
 
 
+@dataclass(frozen=True, slots=True)
+class TrustedProxies:
+    """server.trusted_proxies: addresses or networks ("10.0.0.0/8"); an entry that is neither is
+    matched as written. Every client a proxy serves arrives with the proxy's address."""
+
+    networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+    names: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> TrustedProxies:
+        networks, names = [], set()
+        for entry in settings.server.trusted_proxies:
+            try:
+                networks.append(ipaddress.ip_network(entry, strict=False))
+            except ValueError:
+                names.add(entry)
+        return cls(tuple(networks), frozenset(names))
+
+    def has(self, peer: str | None) -> bool:
+        if not peer:
+            return False
+        if peer in self.names:
+            return True
+        try:
+            ip = ipaddress.ip_address(peer)
+        except ValueError:
+            return False
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped  # a dual-stack socket's IPv4 peer
+        return any(ip in network for network in self.networks)
+
+
+def forwarded_scheme(request: web.Request, proxies: TrustedProxies) -> str:
+    """The scheme the client used: a trusted proxy's X-Forwarded-Proto (it may end TLS and speak
+    plain HTTP to us), else this connection's own."""
+    if proxies.has(request.remote):
+        forwarded = request.headers.get("X-Forwarded-Proto", "").split(",")[0].strip().lower()
+        if forwarded in ("http", "https"):
+            return forwarded
+    return request.scheme
+
+
 def tls_context(settings: Settings) -> ssl.SSLContext | None:
     """The server's TLS context from server.tls_cert_file and tls_key_file (TLS 1.2 or later), or
     None for plain HTTP; ConfigError naming the setting when they cannot be used."""

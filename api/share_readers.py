@@ -13,10 +13,10 @@ import enum
 import ipaddress
 import math
 import time
-from collections.abc import Sequence
 
 import structlog
 
+from api.security import TrustedProxies
 from gateway.ratelimit import Clock, TokenBucket
 
 log = structlog.get_logger(__name__)
@@ -45,30 +45,18 @@ class Refusal(enum.Enum):
     ALL_SENDING = "all_sending"  # every reader's together hold the bound: 503
 
 
-def _networks(entries: Sequence[str]) -> tuple[list[ipaddress.IPv4Network | ipaddress.IPv6Network], set[str]]:
-    """server.trusted_proxies as networks (an address is a network of one), and entries that are no
-    address, matched as written."""
-    networks, names = [], set()
-    for entry in entries:
-        try:
-            networks.append(ipaddress.ip_network(entry, strict=False))
-        except ValueError:
-            names.add(entry)
-    return networks, names
-
-
 class ShareReaders:
     """Per-client read buckets and the snapshot bytes in flight, in all and per client."""
 
     def __init__(
-        self, reads_per_minute: int, trusted_proxies: Sequence[str] = (), clock: Clock = time.monotonic
+        self, reads_per_minute: int, proxies: TrustedProxies | None = None, clock: Clock = time.monotonic
     ) -> None:
         self.reads_per_minute = reads_per_minute  # 0: no limit
         self.max_sending_bytes = SHARED_SENDING_MAX_BYTES
         self.max_client_sending_bytes = SHARED_SENDING_MAX_BYTES_PER_CLIENT
         self.max_clients = MAX_TRACKED_CLIENTS
         self.num_sending_bytes = 0
-        self._proxies, self._proxy_names = _networks(trusted_proxies)
+        self.proxies = proxies if proxies is not None else TrustedProxies()  # none: every peer is a client
         self._clock = clock
         self._buckets: dict[str, TokenBucket] = {}  # least recently read first
         self._sending: dict[str, int] = {}  # only clients with bytes in flight
@@ -83,17 +71,15 @@ class ShareReaders:
 
     def client_of(self, peer: str | None) -> str | None:
         """The client a peer address counts as; None for a trusted proxy (no per-client limit)."""
-        peer = peer or "?"
-        if peer in self._proxy_names:
+        if self.proxies.has(peer):
             return None
+        peer = peer or "?"
         try:
             ip = ipaddress.ip_address(peer)
         except ValueError:
             return peer
         if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
             ip = ip.ipv4_mapped  # a dual-stack socket's IPv4 client: by its IPv4 address, not a shared /64
-        if any(ip in network for network in self._proxies):
-            return None
         if isinstance(ip, ipaddress.IPv6Address):
             return str(ipaddress.IPv6Network((ip, _IPV6_CLIENT_PREFIX), strict=False))
         return str(ip)

@@ -29,7 +29,7 @@ from api.chat import read_json
 from api.errors import ApiError, bad_request, not_found, overloaded, rate_limited
 from api.export_format import attachment_names, file_ids_of
 from api.paging import page_limit
-from api.security import host_name
+from api.security import TrustedProxies, forwarded_scheme, host_name
 from api.share_readers import Refusal, ShareReaders
 from api.state import PRINCIPAL, SETTINGS, STATE, AppState
 from store.store import Store
@@ -67,9 +67,10 @@ def _host_and_port(header: str) -> tuple[str, int | None] | None:
 
 def link_origin(request: web.Request) -> str:
     """Where links are given: sharing.public_base_url, else the origin the caller reached: the
-    request's scheme and its Host, which the access middleware accepted (a name of this server, or
-    any with allowed_hosts "*"), rebuilt from its name and port so nothing else in it is echoed; a
-    Host of another shape (only "*" lets one in): the address the connection came in on."""
+    request's scheme (a trusted proxy's X-Forwarded-Proto) and its Host, which the access middleware
+    accepted (a name of this server, or any with allowed_hosts "*"), rebuilt from its name and port
+    so nothing else in it is echoed; a Host of another shape (only "*" lets one in): the address the
+    connection came in on."""
     base = request.app[SETTINGS].sharing.public_base_url
     if base:
         return base.rstrip("/")
@@ -77,7 +78,8 @@ def link_origin(request: web.Request) -> str:
     if host is None:
         sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
         host = (str(sockname[0]), int(sockname[1])) if sockname else ("localhost", None)
-    return str(URL.build(scheme=request.scheme, host=host[0], port=host[1]))
+    scheme = forwarded_scheme(request, request.app[READERS].proxies)
+    return str(URL.build(scheme=scheme, host=host[0], port=host[1]))
 
 
 def share_obj(share: Share, origin: str) -> dict:
@@ -343,6 +345,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/shares/{share_id}", update_share)
     app.router.add_delete("/v1/shares/{share_id}", revoke_share)
     settings = app[SETTINGS]
-    app[READERS] = ShareReaders(settings.sharing.reads_per_minute, settings.server.trusted_proxies)
+    app[READERS] = ShareReaders(settings.sharing.reads_per_minute, TrustedProxies.from_settings(settings))
     app.router.add_get("/v1/shared/{token}", read_shared)
     _add_page(app)

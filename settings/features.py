@@ -305,9 +305,9 @@ class SharingConfig:
     public_base_url: str = setting(
         "",
         "The origin links are given under (the API's share `url`, the web chat's Share dialog), e.g. "
-        '"https://chat.example.com": a scheme, a name and a port alone. Set it behind a reverse proxy, whose public '
-        "scheme this server does not see. Empty: the scheme and Host of the request that asks (a Host the server "
-        "accepts: its address, localhost or one of server.allowed_hosts).",
+        '"https://chat.example.com": a scheme, a name and a port alone. Empty: the scheme of the request that asks '
+        "(a server.trusted_proxies proxy's X-Forwarded-Proto) and its Host (one the server accepts: its address, "
+        "localhost or one of server.allowed_hosts). Set it behind a proxy that sends no X-Forwarded-Proto.",
     )
 
 

@@ -62,7 +62,7 @@ class ServerConfig:
         [],
         'Addresses (or networks, "10.0.0.0/8") of reverse proxies in front of this server. When set, the server '
         "refuses to start without require_keys = true; share links' per-address limits (sharing.reads_per_minute) "
-        "do not apply to readers arriving through one.",
+        "do not apply to readers arriving through one, and a share link's url takes its X-Forwarded-Proto.",
     )
     metrics_token: str = setting(
         "", "Bearer token for /metrics (an API key works too); needed when the server is not loopback-only."

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from api.security import TrustedProxies
 from api.share_readers import MAX_TRACKED_CLIENTS, SHARED_SENDING_MAX_BYTES_PER_CLIENT, Refusal, ShareReaders
 from api.shares import MAX_SNAPSHOT_CHARS
+from settings import ServerConfig, Settings
 from tests.gateway.fakes import FakeClock
 
 
@@ -29,7 +31,8 @@ def test_zero_reads_per_minute_and_a_trusted_proxy_have_no_read_limit():
     assert all(unlimited.take_read("203.0.113.7") == 0.0 for _ in range(1000))
     assert unlimited.num_clients == 0
 
-    readers = ShareReaders(1, trusted_proxies=["127.0.0.1", "10.0.0.0/8", "proxy.internal"])
+    server = ServerConfig(trusted_proxies=["127.0.0.1", "10.0.0.0/8", "proxy.internal"])
+    readers = ShareReaders(1, TrustedProxies.from_settings(Settings(server=server)))
     for peer in ("127.0.0.1", "10.1.2.3", "::ffff:10.1.2.3", "proxy.internal"):
         assert readers.client_of(peer) is None, peer
         assert readers.take_read(readers.client_of(peer)) == 0.0

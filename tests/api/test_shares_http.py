@@ -156,6 +156,19 @@ async def test_a_links_url_is_the_public_base_url_or_the_origin_the_caller_reach
     public = await make_client('sharing.public_base_url="https://chat.example.com/"')
     made = await share(public, (await create(public, "Behind the proxy"))["id"])
     assert made["url"] == f"https://chat.example.com/share/{made['token']}"
+    await public.close()
+
+    # Behind a proxy that ends TLS: its X-Forwarded-Proto is the scheme, and only a listed proxy's.
+    proxied = await make_client(
+        'server.trusted_proxies=["127.0.0.1"]', "server.require_keys=true", 'server.allowed_hosts=["chat.example.com"]'
+    )
+    headers = await org_headers(proxied, "acme", "enterprise")
+    made = await share(proxied, (await create(proxied, "Hi", headers=headers))["id"], headers=headers)
+    url, page = f"/v1/shares/{made['id']}", f"/share/{made['token']}"
+    forwarded = {**headers, "Host": "chat.example.com", "X-Forwarded-Proto": "https"}
+    assert (await (await proxied.get(url, headers=forwarded)).json())["url"] == f"https://chat.example.com{page}"
+    status, _, body = await get_from(proxied, "127.0.0.2", url, headers=forwarded)  # no proxy of ours
+    assert status == 200 and orjson.loads(body)["url"] == f"http://chat.example.com{page}"
 
 
 async def test_share_requests_are_checked_and_name_the_field(make_client):
@@ -329,12 +342,12 @@ async def wait_for_sending(readers: ShareReaders, num_snapshots: int, size: int)
     assert size * num_snapshots <= readers.num_sending_bytes < size * (num_snapshots + 1)
 
 
-async def get_from(client, address: str, path: str) -> tuple[int, dict, bytes]:
+async def get_from(client, address: str, path: str, headers=None) -> tuple[int, dict, bytes]:
     """GET `path` from another loopback address (127.0.0.2: another client of the same server)."""
     connector = aiohttp.TCPConnector(local_addr=(address, 0))
     async with (
         aiohttp.ClientSession(connector=connector) as session,
-        session.get(f"http://127.0.0.1:{client.port}{path}") as resp,
+        session.get(f"http://127.0.0.1:{client.port}{path}", headers=headers) as resp,
     ):
         return resp.status, dict(resp.headers), await resp.read()
 
