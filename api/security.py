@@ -247,6 +247,7 @@ CORS_EXPOSE_HEADERS = ", ".join(
         "X-Request-Id",
         "request-id",  # Anthropic's SDK reads it on /v1/messages
         "X-Max-File-Bytes",
+        "X-Sharing-Enabled",  # api/shares.py: whether links may be made
         "Retry-After",
         "retry-after-ms",
         "x-should-retry",

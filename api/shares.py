@@ -44,6 +44,7 @@ _UNNAMED_FILE = "file"  # an attachment whose uploaded file is gone: never its i
 # a long chat must not make each read cost what the tier's whole storage may hold.
 MAX_SNAPSHOT_CHARS = 8_000_000
 SENDING_RETRY_AFTER_S = 5  # a refusal for bytes in flight: about how long a reader takes a snapshot
+SHARING_ENABLED_HEADER = "X-Sharing-Enabled"  # on the list of links: "true" or "false" (sharing.enabled)
 # A link's answers: never kept by a cache (a revoked link must stop answering), never indexed.
 PUBLIC_HEADERS = {"Cache-Control": "no-store", "X-Robots-Tag": "noindex, nofollow"}
 
@@ -218,7 +219,7 @@ async def update_share(request: web.Request) -> web.Response:
 
 async def list_shares(request: web.Request) -> web.Response:
     """The organisation's links, newest first, a page at a time; `conversation_id` narrows them to one
-    conversation's."""
+    conversation's. X-Sharing-Enabled says whether new ones may be made (sharing.enabled)."""
     limit = page_limit(request.query, default=20, maximum=100)
     after, cid = request.query.get("after"), request.query.get("conversation_id")
     store, org_id = request.app[STATE].store, request[PRINCIPAL].org.id
@@ -228,15 +229,16 @@ async def list_shares(request: web.Request) -> web.Response:
         raise not_found(f"No share found with id '{after}' (the 'after' cursor).", param="after") from None
     origin = link_origin(request)
     data = [share_obj(s, origin) for s in shares]
-    return web.json_response(
-        {
-            "object": "list",
-            "data": data,
-            "has_more": has_more,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-        }
-    )
+    body = {
+        "object": "list",
+        "data": data,
+        "has_more": has_more,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+    }
+    # The web chat offers its Share button only where creating a link can succeed.
+    enabled = "true" if request.app[SETTINGS].sharing.enabled else "false"
+    return web.json_response(body, headers={SHARING_ENABLED_HEADER: enabled})
 
 
 async def get_share(request: web.Request) -> web.Response:

@@ -292,7 +292,8 @@ class SharingConfig:
         True,
         "Let organisations create share links (POST /v1/conversations/{id}/shares; the web chat's Share button). "
         "Off: creating or updating one is a 403 sharing_disabled and every link answers 404 (none is deleted: "
-        "turned on again, they answer again); listing and revoking still work.",
+        "turned on again, they answer again); listing and revoking still work, the list says so in "
+        "X-Sharing-Enabled, and the web chat shows no Share button.",
     )
     reads_per_minute: int = setting(
         120,

@@ -153,6 +153,8 @@ export const api = {
   listShares: (id, limit = 1, afterId = undefined) =>
     json(`/v1/shares?limit=${limit}&conversation_id=${encodeURIComponent(id)}`
       + `${afterId ? `&after=${encodeURIComponent(afterId)}` : ""}`),
+  // Whether the server lets links be made (sharing.enabled): the link list's X-Sharing-Enabled.
+  sharingEnabled: async () => (await send("/v1/shares?limit=1")).headers.get("X-Sharing-Enabled") !== "false",
   createShare: (id) => json(`${conv(id)}/shares`, { method: "POST", body: {} }),
   updateShare: (shareId) => json(`/v1/shares/${encodeURIComponent(shareId)}`, { method: "POST", body: {} }),
   revokeShare: (shareId) => json(`/v1/shares/${encodeURIComponent(shareId)}`, { method: "DELETE" }),

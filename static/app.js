@@ -549,6 +549,7 @@ async function boot() {
   await sidebar.refresh();
   refreshUsage();
   attachments.loadLimits();
+  shares.loadSettings();
   await followAddress();
   document.body.classList.add("ready");
 }

@@ -1,7 +1,8 @@
 // The chat header's Share button and its dialog: a link to a read-only snapshot of the open
 // conversation (POST /v1/conversations/{id}/shares), shown with a Copy button, a way to revoke
 // it, and, once the chat has moved on, a way to update the snapshot under the same link.
-// The conversation's newest link is reused: opening the dialog never publishes new turns.
+// The conversation's newest link is reused: opening the dialog never publishes new turns. The
+// button is offered only once the server says links may be made (sharing.enabled).
 
 import { announce } from "./announce.js";
 import { api } from "./api.js";
@@ -26,6 +27,7 @@ export class Shares {
   constructor({ conversationId, lastMessageId, onError, onNotice }) {
     Object.assign(this, { conversationId, lastMessageId, onError, onNotice });
     this.share = null;  // the link the dialog shows
+    this.isEnabled = null;  // whether the server lets links be made; null until loadSettings
     this.copyEl = copyButton(() => linkEl.value, "Copy link");
     this.copyEl.className = "btn btn-primary";
     rowEl.append(this.copyEl);
@@ -39,7 +41,22 @@ export class Shares {
   // Offered only for a stored conversation (a new chat has nothing to share yet).
   showFor(id) {
     if (dialogEl.open) dialogEl.close();
-    openEl.hidden = !id;
+    this.#showButton(id);
+  }
+
+  // Asks the server once whether links may be made; unknown (a network failure): offered, and
+  // creating one says why if it cannot.
+  async loadSettings() {
+    try {
+      this.isEnabled = await api.sharingEnabled();
+    } catch {
+      this.isEnabled = true;
+    }
+    this.#showButton(this.conversationId());
+  }
+
+  #showButton(id) {
+    openEl.hidden = !id || this.isEnabled !== true;
   }
 
   // Shows the chat's newest link, made first if it has none.
@@ -98,6 +115,10 @@ export class Shares {
       await run();
     } catch (error) {
       if (dialogEl.open) dialogEl.close();
+      if (error.code === "sharing_disabled") {  // turned off since the page loaded
+        this.isEnabled = false;
+        this.#showButton(this.conversationId());
+      }
       this.onError(error);
     } finally {
       button.removeAttribute("aria-busy");

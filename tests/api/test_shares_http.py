@@ -476,8 +476,11 @@ async def test_with_sharing_off_creating_is_refused_and_links_404_until_it_is_on
     await assert_error(await off.post(f"/v1/shares/{made['id']}"), 403, code="sharing_disabled")
     await assert_error(await off.get(f"/v1/shared/{made['token']}"), 404, code="share_not_found")
     assert (await off.get(made["path"])).status == 404
-    assert [s["id"] for s in (await (await off.get("/v1/shares")).json())["data"]] == [made["id"]]
+    listed = await off.get("/v1/shares")
+    assert [s["id"] for s in (await listed.json())["data"]] == [made["id"]]
+    assert listed.headers["X-Sharing-Enabled"] == "false"  # the web chat hides its Share button
     await off.close()
 
     on = await make_client(database)
     assert (await shared(on, made["token"]))["messages"][0]["content"] == "Shared while on"
+    assert (await on.get("/v1/shares")).headers["X-Sharing-Enabled"] == "true"

@@ -1,7 +1,8 @@
 """Share links in the web chat: the header's Share button makes a link to a snapshot of the open
 chat (a dialog with Copy, Update and Revoke, keyboard-friendly), and the link opened in a fresh
 browser (no key, nothing stored) shows the conversation read-only, its Markdown rendered through
-the chat's sanitiser: hostile answers stay inert there too. Later turns show only once updated."""
+the chat's sanitiser: hostile answers stay inert there too. Later turns show only once updated.
+A reader past its reads a minute is told when to reload; with sharing off there is no Share button."""
 
 from __future__ import annotations
 
@@ -159,4 +160,23 @@ def test_a_reader_past_its_reads_a_minute_is_told_when_to_reload(browser, tiny_m
         finally:
             shared.close()
     finally:
+        server.stop()
+
+
+def test_with_sharing_off_the_chat_offers_no_share_button(browser, tiny_model_dir, tmp_path):
+    server = start_ui_server(tmp_path, tiny_model_dir, extra_config="\n[sharing]\nenabled = false\n")
+    watched = open_page(browser, server.base_url)
+    try:
+        page = watched.page
+        type_and_send(page, "Nothing to share here")
+        wait_for_answer_done(page)
+        assert conversation_id(page)  # a stored chat: the button would be offered were sharing on
+        expect(page.get_by_role("button", name="Download", exact=True)).to_be_visible()  # shown with Share
+        expect(page.get_by_role("button", name="Share", exact=True)).to_be_hidden()
+        page.reload()
+        page.wait_for_selector("body.ready")
+        expect(page.get_by_role("button", name="Share", exact=True)).to_be_hidden()
+        assert watched.page_errors == [] and watched.console_errors == []
+    finally:
+        watched.close()
         server.stop()
