@@ -78,7 +78,10 @@ def link_origin(request: web.Request) -> str:
     host = _host_and_port(request.headers.get("Host", ""))
     if host is None:
         sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
-        host = (str(sockname[0]), int(sockname[1])) if sockname else ("localhost", None)
+        if isinstance(sockname, tuple) and len(sockname) >= 2:  # (address, port, ...); not a socket file
+            host = (str(sockname[0]), int(sockname[1]))
+        else:
+            host = ("localhost", None)
     scheme = forwarded_scheme(request, request.app[READERS].proxies)
     return str(URL.build(scheme=scheme, host=host[0], port=host[1]))
 
