@@ -371,7 +371,16 @@ _ORG_COMMANDS = {"list": _orgs_list, "create": _orgs_create, "set": _orgs_set}
 
 
 def _with_db(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`--db` and `--config` after the command too, as a user adds the ones the server was started with.
+    `--config` has no default here (SUPPRESS): one given before the command must not be reset."""
     parser.add_argument("--db", help="database file (default: store.path from the config)")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=argparse.SUPPRESS,
+        metavar="FILE",
+        help="the server's config file (default: config.toml); its store.path is the database",
+    )
     return parser
 
 

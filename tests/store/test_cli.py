@@ -135,6 +135,16 @@ def test_serve_flags_come_before_or_after_serve_and_before_keys() -> None:
     assert (args.command, args.serve_db, args.db) == ("keys", "a.db", "b.db")
 
 
+def test_config_after_an_admin_command_picks_the_servers_config_as_the_readme_says() -> None:
+    # README: `keys create --org me --tier enterprise` "(add the --db or --config the server was started with)".
+    for command in (["keys", "create", "--org", "me"], ["keys", "list"], ["orgs", "set", "acme"], ["backup"]):
+        extra = ["--out", "b.db"] if command == ["backup"] else []
+        args = server.parse_args([*command, *extra, "--config", "srv/config.toml"])
+        assert args.config == Path("srv/config.toml"), command
+    assert server.parse_args(["--config", "a.toml", "keys", "list"]).config == Path("a.toml")  # not reset
+    assert server.parse_args(["keys", "list"]).config == server.DEFAULT_CONFIG
+
+
 def test_serve_help_lists_the_serving_flags(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         server.parse_args(["serve", "--help"])
