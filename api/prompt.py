@@ -127,7 +127,7 @@ def encode_chat(
     if not model.serves_chat:
         raise bad_request(
             f"The model '{model.name}' has no chat template (a base model): it serves text completions only, "
-            "POST /v1/completions with a 'prompt'.",
+            "POST /v1/completions with a 'prompt' (Ollama's API: /api/generate with \"raw\": true).",
             param="model",
             code="model_not_chat",
         )

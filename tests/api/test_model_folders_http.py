@@ -91,6 +91,12 @@ async def test_a_base_model_serves_completions_and_refuses_chat_naming_the_model
         ("/v1/responses", {"input": "hi"}),
     ):
         await assert_error(await client.post(path, json={"model": "base", **body}), 400, code="model_not_chat")
+    # An Ollama client is told the way its own API reaches a base model, not only /v1/completions.
+    resp = await client.post("/api/generate", json={"model": "base", "prompt": "The river", "stream": False})
+    assert resp.status == 400 and '/api/generate with "raw": true' in (await resp.json())["error"]
+    raw = {"model": "base", "prompt": "The river", "raw": True, "stream": False, "options": {"num_predict": 2}}
+    resp = await client.post("/api/generate", json=raw)
+    assert resp.status == 200, await resp.text()
     listed = (await (await client.get("/v1/models")).json())["data"]
     assert listed[0]["id"] == "base" and listed[0]["chat"] is False
 
