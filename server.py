@@ -175,7 +175,7 @@ def serve(settings, backend_factory=None) -> None:
     check_model_folders(settings)
     check_web_ui(settings)
     warn_if_prefix_cache_unwritable(settings)
-    sock = bind_listening_socket(settings.server.host, settings.server.port)
+    sock = bind_listening_socket(settings.server.host, settings.server.port, Path(settings.store.path))
     bound_port = sock.getsockname()[1]  # port 0: the one the kernel chose, for the ready line and logs
     settings = dataclasses.replace(settings, server=dataclasses.replace(settings.server, port=bound_port))
     if not is_loopback(settings.server.host) and settings.server.allow_public_without_keys:

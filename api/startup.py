@@ -18,6 +18,7 @@ import structlog
 
 from settings import PROJECT_DIR, ConfigError, Settings
 from settings.features import DEFAULT_STORE_PATH
+from store.lock import ServerLock
 
 log = structlog.get_logger(__name__)
 
@@ -125,8 +126,10 @@ def warn_if_prefix_cache_unwritable(settings: Settings) -> None:
         )
 
 
-def bind_listening_socket(host: str, port: int) -> socket.socket:
-    """The server's listening socket, bound now so a busy port is reported before loading."""
+def bind_listening_socket(host: str, port: int, db_path: Path | None = None) -> socket.socket:
+    """The server's listening socket, bound now so a busy port is reported before loading. When
+    the port's holder is probably the server on this database (`db_path`), the message says a
+    second server needs its own database too: `--port` alone would stop again at the lock."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp does on Unix
@@ -136,14 +139,25 @@ def bind_listening_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
-            raise PortInUse(
-                f"port {port} on {host} is already in use, probably by another server.py. Stop that "
-                f"one (Ctrl-C in its terminal), or start this one on another port: .venv/bin/python server.py "
-                f"--port {port + 1}"
-            ) from None
+            raise PortInUse(_port_in_use_text(host, port, db_path)) from None
         raise PortInUse(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     sock.setblocking(False)
     return sock
+
+
+def _port_in_use_text(host: str, port: int, db_path: Path | None) -> str:
+    holder = None if db_path is None else ServerLock(db_path).holder()
+    if holder is None:
+        return (
+            f"port {port} on {host} is already in use, probably by another server.py. Stop that "
+            f"one (Ctrl-C in its terminal), or start this one on another port: .venv/bin/python server.py "
+            f"--port {port + 1}"
+        )
+    return (
+        f"port {port} on {host} is already in use, probably by the server.py that holds this one's database "
+        f"{db_path} (pid {holder}). Stop that one (Ctrl-C in its terminal), or start this one on another port "
+        f"with a database of its own: .venv/bin/python server.py --port {port + 1} --db PATH"
+    )
 
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]

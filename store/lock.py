@@ -59,6 +59,21 @@ class ServerLock:
             ) from None
         self._fds.append(fd)
 
+    def holder(self) -> str | None:
+        """The pid of the server that holds this database now ("unknown" when it wrote none), or
+        None; creates nothing and keeps nothing (for a message about why a start failed)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:  # no lock file: no server has run on this database
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        finally:
+            os.close(fd)  # drops the shared lock, if taken
+        return None
+
     def release(self) -> None:
         fds, self._fds = self._fds, []
         for fd in reversed(fds):

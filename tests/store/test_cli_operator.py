@@ -6,10 +6,12 @@ sees through another name for the same database."""
 from __future__ import annotations
 
 import os
+import socket
 import sqlite3
 
 import pytest
 
+from api.startup import PortInUse, bind_listening_socket
 from store.lock import DatabaseInUse, ServerLock
 from store.store import Store
 from tests.store.cli_helpers import cli_parser
@@ -98,3 +100,26 @@ def test_the_server_lock_catches_a_symlink_and_a_hard_link_to_the_same_database(
     again = ServerLock(hardlink)  # released: free for the next server
     again.acquire()
     again.release()
+
+
+def test_a_busy_port_held_by_this_databases_server_says_a_second_one_needs_its_own_database(tmp_path):
+    """`make run` twice: `--port 8001` alone, as the message said, stopped again at the lock."""
+    db = tmp_path / "chat.db"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(PortInUse) as alone:  # no server on this database: --port is enough
+            bind_listening_socket("127.0.0.1", port, db)
+        assert str(alone.value).endswith(f"--port {port + 1}") and not (tmp_path / "chat.db.lock").exists()
+        first = ServerLock(db)
+        first.acquire()
+        try:
+            assert ServerLock(db).holder() == str(os.getpid())
+            with pytest.raises(PortInUse) as held:
+                bind_listening_socket("127.0.0.1", port, db)
+        finally:
+            first.release()
+    assert f"holds this one's database {db} (pid {os.getpid()})" in str(held.value)
+    assert str(held.value).endswith(f"--port {port + 1} --db PATH")
+    assert ServerLock(db).holder() is None  # released; the probe took nothing
