@@ -226,7 +226,7 @@ async def _keys_revoke(store: Store, args: argparse.Namespace, settings: Setting
 
 async def _orgs_list(store: Store, args: argparse.Namespace, settings: Settings) -> int:
     for org in await store.list_orgs():
-        _out(f"{org.name:<20} tier {org.tier:<12} budget {_money(org.budget_usd):<12} limits {org.limits or '-'}\n")
+        _out(f"{org.name:<20} tier {org.tier:<12} budget {_money(org.budget_usd):<12} limits {_limits(org.limits)}\n")
     return 0
 
 
@@ -242,11 +242,16 @@ async def _orgs_set(store: Store, args: argparse.Namespace, settings: Settings) 
         return _fail(f"no organisation named {args.name!r}")
     limits = _merge_limits(org.limits, args.limit) if args.limit else UNSET
     org = await store.update_org(args.name, tier=args.tier, budget_usd=args.budget, limits=limits)
-    limits_text = org.limits or "-"
     _out(
-        f"changed {org.name} in {store.path}: tier {org.tier}, budget {_money(org.budget_usd)}, limits {limits_text}\n"
+        f"changed {org.name} in {store.path}: tier {org.tier}, budget {_money(org.budget_usd)}, "
+        f"limits {_limits(org.limits)}\n"
     )
     return 0
+
+
+def _limits(limits: dict[str, Any]) -> str:
+    """`requests_per_minute=120 tokens_per_minute=5000`, as `--limit` takes them; `-` for none."""
+    return " ".join(f"{name}={value}" for name, value in sorted(limits.items())) or "-"
 
 
 async def _feedback_export(store: Store, args: argparse.Namespace, settings: Settings) -> int:

@@ -176,6 +176,10 @@ async def test_cli_creates_lists_and_revokes_keys(db_path: Path, capsys: pytest.
     assert await run_cli(_cli("orgs", "set", "acme", "--limit", "tokens_per_minute=-5", *db), settings) == 1
     org_set = _cli("orgs", "set", "acme", "--budget", "none", "--limit", "tokens_per_minute=640", *db)
     assert await run_cli(org_set, settings) == 0
+    # The limits read back as `--limit` takes them, not as a Python dict.
+    assert capsys.readouterr().out.endswith("tier plus, budget none, limits tokens_per_minute=640\n")
+    assert await run_cli(_cli("orgs", "list", *db), settings) == 0
+    assert capsys.readouterr().out.rstrip().endswith(" limits tokens_per_minute=640")
     admin = _cli("keys", "create", "--org", "acme", "--scope", "admin", "--expires-in-days", "1", *db)
     assert await run_cli(admin, settings) == 0
     admin_secret = capsys.readouterr().out.strip().splitlines()[-1]
