@@ -152,11 +152,12 @@ def _check_allowed(obj: Any, where: str) -> None:
 # config file are relative to that file's folder, so the server finds its files from any
 # working directory; so are the defaults of the user's data (the database), while the defaults
 # of what ships with the server (the web UI, the safety classifier) stay in the project's
-# folder, wherever the config file is (and so does a relative value of theirs that exists only
-# there). --set and --db/--model values stay relative to the working directory, as shell
-# arguments are. A leading ~ is the home folder in every path setting (a shell expands it in
-# `--db ~/x` but not in `--db=~/x`, `--set` or a config file; left as it was, it made a folder
-# named ~ in the working directory).
+# folder, wherever the config file is (and so does a relative value of theirs, or a model
+# folder's, that exists only there: the bundled demo models of a copied config.toml). --set and
+# --db/--model values stay relative to the working directory, as shell arguments are. A leading
+# ~ is the home folder in every path setting (a shell expands it in `--db ~/x` but not in
+# `--db=~/x`, `--set` or a config file; left as it was, it made a folder named ~ in the working
+# directory).
 _PATH_SETTINGS = (
     ("server", "static_dir", "static", True),
     ("server", "tls_cert_file", "", False),
@@ -199,17 +200,25 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
         if not isinstance(node, dict):
             continue
         value = node.get(key, default)
-        resolved = _resolve(value, base if key in node else PROJECT_DIR if shipped else base)
-        if shipped and key in node and not Path(resolved).exists() and Path(_resolve(value, PROJECT_DIR)).exists():
-            # A copy of config.toml moved out of the project names the shipped assets relative to
-            # the project ("static"): found there, not silently missing beside the copy.
-            resolved = _resolve(value, PROJECT_DIR)
-        node[key] = resolved
+        if key not in node:
+            node[key] = _resolve(value, PROJECT_DIR if shipped else base)
+        else:
+            node[key] = _resolve_or_shipped(value, base) if shipped else _resolve(value, base)
     models = raw.get("models")
     for model in models.values() if isinstance(models, dict) else ():  # not a table: _build names it
         for key in _MODEL_PATHS:
             if isinstance(model, dict) and key in model:
-                model[key] = _resolve(model[key], base)
+                model[key] = _resolve_or_shipped(model[key], base)
+
+
+def _resolve_or_shipped(value: Any, base: Path) -> Any:
+    """`value` under base, unless it exists only in the project: a copy of config.toml moved out of
+    the project names what ships with the server relative to the project ("static",
+    "models/demo-flagship"), found there rather than missing beside the copy."""
+    resolved = _resolve(value, base)
+    if isinstance(resolved, str) and not Path(resolved).exists() and Path(_resolve(value, PROJECT_DIR)).exists():
+        return _resolve(value, PROJECT_DIR)
+    return resolved
 
 
 def _resolve(value: Any, base: Path) -> Any:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from api.startup import check_model_folders
 from scripts import gen_config
 from settings import PROJECT_DIR, ConfigError, Settings, load_settings, settings_help, validate
 
@@ -214,7 +215,7 @@ def test_the_model_flag_keeps_the_settings_of_the_model_it_serves_and_refuses_se
             server.apply_cli(load_settings(config, args.overrides), args)
 
 
-def test_a_copied_config_naming_the_shipped_web_ui_relatively_still_finds_it(tmp_path):
+def test_a_copied_config_naming_the_shipped_web_ui_and_models_relatively_still_finds_them(tmp_path):
     """config.toml says static_dir = "static": a copy elsewhere served a 404 UI without a word."""
     copy = tmp_path / "etc" / "config.toml"
     copy.parent.mkdir()
@@ -225,6 +226,12 @@ def test_a_copied_config_naming_the_shipped_web_ui_relatively_still_finds_it(tmp
     (copy.parent / "static").mkdir()  # one of the operator's own beside the copy wins
     assert load_settings(copy).server.static_dir == str(copy.parent / "static")
     assert load_settings(copy).store.path == str(copy.parent / "data" / "chat.db")  # data stays beside the copy
+    # So do the bundled models it names ("models/demo-flagship"): the start stopped with
+    # "the folder .../etc/models/demo-flagship does not exist" (the README says: start from a copy).
+    assert settings.models["demo-flagship"].path == str(PROJECT_DIR / "models" / "demo-flagship")
+    check_model_folders(settings)
+    (copy.parent / "models" / "demo-mini").mkdir(parents=True)  # the operator's own beside the copy wins
+    assert load_settings(copy).models["demo-mini"].path == str(copy.parent / "models" / "demo-mini")
 
 
 def test_a_leading_tilde_in_any_path_setting_or_path_flag_is_the_home_folder(tmp_path, monkeypatch):
