@@ -1,7 +1,7 @@
 """At startup: which replicas answer, and the model's context window if the upstream says it.
 
-vLLM and SGLang list `max_model_len` on each entry of `GET /models`; llama.cpp's server and
-this server do not (set `max_model_len` in the config, or give a local `tokenizer` folder).
+vLLM, SGLang and this server list `max_model_len` on each entry of `GET /models`; llama.cpp's
+server does not (set `max_model_len` in the config, or give a local `tokenizer` folder).
 """
 
 from __future__ import annotations
