@@ -1,6 +1,6 @@
 # make run   - install into .venv and serve the bundled demo models on http://127.0.0.1:8000
 # make test  - install test dependencies and run the whole suite (slow end-to-end tests included)
-# Other targets: lint, test-fast, bench, bench-peers, bench-deps, load, demo-model, train-safety, eval-safety, cuda-check, gpu-smoke, help.
+# Other targets: lint, test-fast, bench, bench-peers, bench-deps, load, demo-model, train-safety, eval-safety, cuda-check, gpu-smoke, browser, clean, help.
 
 PYTHON ?= python3
 VENV   := .venv
