@@ -285,6 +285,9 @@ class JobInputs:
 def make_job(inp: JobInputs) -> Job:
     """Tokenize and size the request; raise ApiError(400) when it cannot fit."""
     model, chat, tier = inp.model, inp.chat, inp.tier
+    if chat.thinking_required and isinstance(model.tokenizer, Tokenizer) and not model.tokenizer.thinks:
+        # Ollama's words; its capabilities (api/ollama_models.py) list no "thinking" for this model
+        raise bad_request(f'"{model.name}" does not support thinking', param="think")
     limit = min(model.max_model_len, tier.max_context_tokens)
     where = "prompt" if chat.raw_prompt is not None else "messages"
     num_completion = min_completion_tokens(chat)

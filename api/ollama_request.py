@@ -5,7 +5,8 @@
 `messages` (with `images` as base64 strings, an assistant's `tool_calls` with arguments as an
 object, `tool` messages matched to their call by `tool_name`), `tools` (OpenAI's shape),
 `format` ("json" or a JSON schema: the answer is constrained by grammar), `think` (true/false:
-the template's `enable_thinking`; "low"/"medium"/"high": a reasoning effort), `logprobs` and
+the template's `enable_thinking`; "low"/"medium"/"high": a reasoning effort; true or a level for
+a model that cannot think is a 400 in api/job.py, as Ollama's), `logprobs` and
 `top_logprobs`, and `options`: `temperature`, `top_p`, `top_k`, `seed` (-1: random),
 `num_predict` (-1 and -2: as many as the context and the tier allow), `stop`, `repeat_penalty`,
 `presence_penalty`, `frequency_penalty`. `num_ctx` is checked and ignored: the context is the
@@ -180,6 +181,7 @@ def _finish(
         response_format=_format(raw.get("format")),
         chat_template_kwargs=kwargs,
         max_tokens_is_cap=True,
+        thinking_required=bool(kwargs and kwargs.get("enable_thinking")),
     )
 
 

@@ -175,6 +175,9 @@ class ChatRequest:
     # False (the Messages API, whose budget_tokens comes with every enabled thinking): a model
     # whose thinking cannot be capped here ignores the budget instead of a 400.
     thinking_budget_strict: bool = True
+    # Ollama's `think` true or a level: a model that cannot think is a 400, as Ollama answers it
+    # (its clients retry without `think` on that 400); `think: false` suits any model.
+    thinking_required: bool = False
     # The Responses API's `instructions`: placed first, before any stored history; screened with
     # the prompt, never dropped to fit the context and never stored with the turn.
     instructions: tuple[ChatMessage, ...] = ()

@@ -368,6 +368,19 @@ async def test_a_reasoning_models_thinking_is_the_thinking_field_and_think_false
     assert prompt.endswith("<think>\n\n</think>\n\n")  # the template was told enable_thinking=false
 
 
+@pytest.mark.parametrize("path", ["/api/chat", "/api/generate"])
+async def test_think_on_a_model_that_cannot_think_is_ollamas_400_and_think_false_is_served(make_client, path):
+    client = await make_client()  # the echo model's template knows no <think>
+    body = {"model": "echo", "prompt": "Hi"} if path == "/api/generate" else {"model": "echo", "messages": ASK}
+    for think, stream in ((True, False), ("high", True)):
+        resp = await client.post(path, json={**body, "think": think, "stream": stream})
+        assert resp.status == 400  # before any stream opens: clients retry without `think` on it
+        assert (await resp.json())["error"].startswith('"echo" does not support thinking')
+    assert state_of(client).models["echo"].backend.requests == []
+    resp = await client.post(path, json={**body, "think": False, "stream": False})
+    assert resp.status == 200, await resp.text()
+
+
 # -- embeddings -----------------------------------------------------------------------------
 
 
