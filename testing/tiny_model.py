@@ -182,7 +182,20 @@ def build_tiny_family(path: Path | str, model_type: str, *, seed: int = 0, token
         pad_token_id=pad_id,
         bos_token_id=None,
     )
-    hf_config = CONFIG_MAPPING[model_type](**{**defaults, **config})
+    if model_type == "gemma3":  # Gemma 3's 4B-and-up layout: the text model inside the multimodal one
+        text = CONFIG_MAPPING["gemma3_text"](**{**defaults, **config})
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
+        hf_config = CONFIG_MAPPING["gemma3"](
+            text_config=text.to_dict(),
+            vision_config={**vision, "patch_size": 14},
+            mm_tokens_per_image=1,
+            image_token_index=vocab_size - 1,
+            boi_token_index=vocab_size - 3,
+            eoi_token_index=vocab_size - 2,
+            tie_word_embeddings=text.tie_word_embeddings,
+        )
+    else:
+        hf_config = CONFIG_MAPPING[model_type](**{**defaults, **config})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -71,14 +71,47 @@ def _read_json(path: Path) -> dict[str, Any]:
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
+# Multimodal checkpoints whose language model the engine serves: config.json's model_type -> where
+# that model's weights sit (its `text_config` describes it). LLaVA's vision tower is served too
+# (engine/native/vision.py); Gemma 3's (4B and up: SigLIP) is not, so such a model is text only.
+WRAPPED_LANGUAGE_MODELS = {"llava": "language_model.", "gemma3": "language_model."}
+
+
+def language_model_prefix(model_dir: Path) -> str:
+    """Where the language model's weights sit in the checkpoint: '' for a plain causal LM."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
+    return WRAPPED_LANGUAGE_MODELS.get(model_type, "") if isinstance(model_type, str) else ""
+
+
+def _text_config(cfg: dict[str, Any], where: Path) -> dict[str, Any]:
+    """A wrapper's language model config. Gemma 3's releases spell out only what differs from
+    Gemma3TextConfig's defaults (no vocab_size or head counts), so it is read through the wrapper's
+    own config class, defaults filled in, as transformers reads it."""
+    if cfg.get("model_type") != "gemma3":
+        return cfg["text_config"]
+    from transformers import CONFIG_MAPPING
+
+    try:
+        text = CONFIG_MAPPING["gemma3"].from_dict(_without_auto_dtype(cfg, where)).text_config.to_dict()
+    except Exception as exc:  # transformers 5's strict dataclasses raise their own error types
+        raise ModelLoadError(f"{where}: malformed value: {_last_line(exc)}") from None
+    for key in ("dtype", "torch_dtype"):  # the checkpoint's dtype is read from its weights
+        text.pop(key, None)
+    return text
+
+
 def load_model_args(model_dir: Path) -> ModelArgs:
     """Parse and check config.json, through transformers' config class for its family.
 
-    A LLaVA checkpoint: its language model's part (engine/native/vision.py loads the rest)."""
+    A multimodal checkpoint (WRAPPED_LANGUAGE_MODELS): its language model's part."""
     where = Path(model_dir) / "config.json"
     cfg = _read_json(where)
-    if cfg.get("model_type") == "llava" and isinstance(cfg.get("text_config"), dict):
-        cfg = cfg["text_config"]
+    if cfg.get("model_type") in WRAPPED_LANGUAGE_MODELS and isinstance(cfg.get("text_config"), dict):
+        cfg = _text_config(cfg, where)
     model_type = cfg.get("model_type")
     if model_type not in FAMILIES:
         hint = " (a multimodal checkpoint: its text model is not served on its own yet)" if "text_config" in cfg else ""

@@ -20,7 +20,7 @@ from engine.native.batch_inputs import BatchInputBuilder, BatchInputs, DecodeSha
 from engine.native.cuda_graphs import DecodeGraphs
 from engine.native.families import ModelArgs
 from engine.native.kernels import KernelMode
-from engine.native.loader import checkpoint_dtype, load_model_args, load_model_weights
+from engine.native.loader import checkpoint_dtype, language_model_prefix, load_model_args, load_model_weights
 from engine.native.model import LinearPreparer, Model
 from engine.native.quant import Quantization
 from engine.native.sampler import Sampler, SamplingRow, SeenTokens, prompt_logprobs
@@ -159,9 +159,10 @@ class ModelRunner:
         self.use_kernel = self.kernel_mode is not KernelMode.TORCH
         self.cpu = kernels.load_kernels(self.kernel_mode) if self.use_kernel else None
         self.quantization = _quantization(config.quantization)
-        # A LLaVA checkpoint: the language model under 'language_model.', plus the vision tower.
+        # A LLaVA checkpoint: the language model under 'language_model.', plus the vision tower; a
+        # Gemma 3 one (4B and up) its language model alone (loader.WRAPPED_LANGUAGE_MODELS).
         self.vision = VisionTower(Path(model_dir), self.dtype, self.device) if is_llava(Path(model_dir)) else None
-        prefix = "language_model." if self.vision is not None else ""
+        prefix = language_model_prefix(Path(model_dir))
         self.amx_prefill = kernels.resolve_amx_prefill(
             config.amx_prefill,
             mode=self.kernel_mode,

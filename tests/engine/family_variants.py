@@ -22,6 +22,17 @@ FAMILY_VARIANTS = {
             "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
         },
     ),
+    # Gemma 3 at 4B and up: Gemma3ForConditionalGeneration, its language model under
+    # 'language_model.' (served text only), the wrapper's config spelling out the text model.
+    "gemma3-multimodal": dict(
+        model_type="gemma3",
+        head_dim=16,
+        num_hidden_layers=3,
+        layer_types=SLIDING,
+        sliding_window=24,
+        query_pre_attn_scalar=20,
+        seed=19,
+    ),
     "gemma2": dict(
         model_type="gemma2",
         head_dim=16,

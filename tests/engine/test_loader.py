@@ -305,3 +305,53 @@ def test_each_layer_is_prepared_as_it_is_read_so_the_load_never_holds_two_layers
     runner = ModelRunner(tiny_models.path(VARIANT), config)
     assert len(alive_at_each_read) == runner.args.num_layers >= 2
     assert alive_at_each_read == [0] * runner.args.num_layers
+
+
+# config.json of google/gemma-3-4b-it as released: the text model spelled out only where it
+# differs from Gemma3TextConfig's defaults (no vocab_size, head counts or rope bases).
+GEMMA3_4B_CONFIG = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "boi_token_index": 255999,
+    "eoi_token_index": 256000,
+    "eos_token_id": [1, 106],
+    "image_token_index": 262144,
+    "initializer_range": 0.02,
+    "mm_tokens_per_image": 256,
+    "model_type": "gemma3",
+    "text_config": {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    },
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.50.0.dev0",
+    "vision_config": {
+        "hidden_size": 1152,
+        "image_size": 896,
+        "intermediate_size": 4304,
+        "model_type": "siglip_vision_model",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
+}
+
+
+def test_a_gemma3_release_config_gets_its_text_models_defaults_as_transformers_reads_them(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_4B_CONFIG))
+    args = load_model_args(tmp_path)
+    assert (args.model_type, args.vocab_size, args.hidden_size, args.num_layers) == ("gemma3_text", 262208, 2560, 34)
+    assert (args.num_heads, args.num_kv_heads, args.head_dim) == (8, 4, 256)
+    assert args.attention_scale == 256**-0.5 and args.embedding_multiplier == 2560**0.5
+    # five sliding layers (window 1024, rope base 10,000) to one global (1,000,000, linear x8)
+    windows = [layer.sliding_window for layer in args.layers]
+    assert windows[:6] == [1024] * 5 + [None] and windows.count(None) == 5
+    assert [layer.rope for layer in args.layers[:6]] == ["sliding_attention"] * 5 + ["full_attention"]
+    ropes = {name: dict(params) for name, params in args.rope_parameters}
+    assert ropes["full_attention"] == {"factor": 8.0, "rope_theta": 1_000_000.0, "rope_type": "linear"}
+    assert ropes["sliding_attention"] == {"rope_theta": 10_000.0, "rope_type": "default"}
+    assert args.max_position_embeddings == 131072
