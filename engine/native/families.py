@@ -53,6 +53,7 @@ FAMILIES: dict[str, Family] = {
     "smollm3": Family(),
     "granite": Family(),
     "olmo2": Family(norms=Norms.POST, qk_norm=QKNorm.WHOLE),
+    "olmo3": Family(norms=Norms.POST, qk_norm=QKNorm.WHOLE),  # OLMo 2's, with sliding layers and their own rope
     "phi3": Family(fused_projections=True),
     "gemma2": Family(norms=Norms.SANDWICH, norm_offset=1.0, scale_embeddings=True),
     "gemma3_text": Family(norms=Norms.SANDWICH, qk_norm=QKNorm.PER_HEAD, norm_offset=1.0, scale_embeddings=True),

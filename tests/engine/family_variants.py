@@ -68,6 +68,22 @@ FAMILY_VARIANTS = {
         seed=17,
     ),
     "olmo2": dict(model_type="olmo2", seed=18),
+    "olmo3": dict(
+        model_type="olmo3",
+        num_hidden_layers=3,
+        layer_types=SLIDING,
+        sliding_window=24,
+        seed=20,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {
+                "rope_type": "yarn",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
     "llama-yarn": dict(
         model_type="llama",
         seed=19,

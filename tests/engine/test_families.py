@@ -78,6 +78,9 @@ def test_family_configs_switch_on_their_features(tiny_models):
     assert args["phi3"].rotary_dim("") == 8 and args["phi3"].sliding_window == 40
     assert [layer.rope for layer in args["smollm3"].layers] == ["", None, ""]
     assert args["granite"].residual_multiplier == 0.6 and args["granite"].logits_divisor == 2.5
+    olmo3 = args["olmo3"]
+    assert [layer.sliding_window for layer in olmo3.layers] == [24, None, 24]
+    assert dict(dict(olmo3.rope_parameters)["full_attention"])["rope_type"] == "yarn"
     assert args["llama-yarn"].rope_type == "yarn" and args["llama-dynamic"].rope_type == "dynamic"
     assert all(args[v].is_llama_like for v in ("qwen3", "smollm3", "granite")) and not args["gemma2"].is_llama_like
 
