@@ -43,6 +43,8 @@ class Family:
     norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + weight)
     scale_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size)
     fused_projections: bool = False  # Phi-3: qkv_proj and gate_up_proj in the checkpoint
+    # EXAONE 4: where sliding layers mix with global ones, the global layers use no rope
+    global_layers_without_rope: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -53,6 +55,7 @@ FAMILIES: dict[str, Family] = {
     "smollm3": Family(),
     "granite": Family(),
     "olmo2": Family(norms=Norms.POST, qk_norm=QKNorm.WHOLE),
+    "exaone4": Family(norms=Norms.POST, qk_norm=QKNorm.PER_HEAD, global_layers_without_rope=True),
     "olmo3": Family(norms=Norms.POST, qk_norm=QKNorm.WHOLE),  # OLMo 2's, with sliding layers and their own rope
     "phi3": Family(fused_projections=True),
     "gemma2": Family(norms=Norms.SANDWICH, norm_offset=1.0, scale_embeddings=True),
@@ -166,7 +169,7 @@ def model_args_from_config(config: Any) -> ModelArgs:
     num_heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
     rope_params = _rope_parameters(config)
-    layers = _layer_specs(config, rope_params)
+    layers = _layer_specs(config, rope_params, family)
     if len({layer.sliding_window for layer in layers} - {None}) > 1:
         raise UnsupportedConfig("sliding layers with different window sizes are not supported")
     pre_attn = getattr(config, "query_pre_attn_scalar", None)
@@ -223,13 +226,15 @@ def _rope_parameters(config: Any) -> dict[str, dict[str, Any]]:
     return table
 
 
-def _layer_specs(config: Any, rope_params: dict[str, dict[str, Any]]) -> tuple[LayerSpec, ...]:
+def _layer_specs(config: Any, rope_params: dict[str, dict[str, Any]], family: Family) -> tuple[LayerSpec, ...]:
     num_layers = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None) or (
         ["sliding_attention" if window else "full_attention"] * num_layers
     )
     uses_rope = getattr(config, "no_rope_layers", None) or [1] * num_layers  # SmolLM3: 0 means no rope
+    if family.global_layers_without_rope and window:  # EXAONE 4 rotates only its sliding layers' q and k
+        uses_rope = [int(kind == "sliding_attention") for kind in layer_types]
     specs = []
     for i in range(num_layers):
         kind = layer_types[i]

@@ -68,6 +68,12 @@ FAMILY_VARIANTS = {
         seed=17,
     ),
     "olmo2": dict(model_type="olmo2", seed=18),
+    # EXAONE 4.0 32B's layout: three sliding layers with rope to one global layer without
+    "exaone4": dict(
+        model_type="exaone4", num_hidden_layers=4, sliding_window=24, sliding_window_pattern=4, head_dim=16, seed=21
+    ),
+    # EXAONE 4.0 1.2B: every layer global, with rope
+    "exaone4-global": dict(model_type="exaone4", sliding_window=None, layer_types=["full_attention"] * 2, seed=22),
     "olmo3": dict(
         model_type="olmo3",
         num_hidden_layers=3,

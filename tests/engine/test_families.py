@@ -81,6 +81,9 @@ def test_family_configs_switch_on_their_features(tiny_models):
     olmo3 = args["olmo3"]
     assert [layer.sliding_window for layer in olmo3.layers] == [24, None, 24]
     assert dict(dict(olmo3.rope_parameters)["full_attention"])["rope_type"] == "yarn"
+    exaone4 = args["exaone4"]
+    assert [(layer.sliding_window, layer.rope) for layer in exaone4.layers] == [(24, "")] * 3 + [(None, None)]
+    assert all(layer.rope == "" for layer in args["exaone4-global"].layers)
     assert args["llama-yarn"].rope_type == "yarn" and args["llama-dynamic"].rope_type == "dynamic"
     assert all(args[v].is_llama_like for v in ("qwen3", "smollm3", "granite")) and not args["gemma2"].is_llama_like
 
