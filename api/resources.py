@@ -50,7 +50,13 @@ def _json(body: object, status: int = 200) -> web.Response:
 
 
 # -- health ----------------------------------------------------------------------------
-async def health(_request: web.Request) -> web.Response:
+async def health(request: web.Request) -> web.Response:
+    """Liveness: 503 once a model's engine is dead for good (`Backend.health`), which only a
+    restart mends, so a supervisor's probe restarts the server rather than leaving it answering
+    503 forever. Not while draining: the process is on its way out then anyway."""
+    state = request.app.get(STATE)
+    if state is not None and not state.draining and not all(h.backend.health() for h in state.models.values()):
+        return _json({"status": "engine_dead"}, status=503)
     return _json({"status": "ok"})
 
 

@@ -365,6 +365,8 @@ class NativeBackend:
                 log.exception("engine_step_failed", consecutive_failures=self._failures)
                 items += self._fail_all(engine, exc)
                 self._dead = self._failures >= _MAX_CONSECUTIVE_STEP_FAILURES
+                if self._dead:  # for good: requests get 503 model_unavailable, /ready and /health 503
+                    log.error("engine_dead", model_dir=str(self._model_dir), restart_needed=True)
         self._stats = engine.stats()
         if items and not self._publish(items):
             return _Tick.DONE
