@@ -3,7 +3,8 @@
 Shows: the POST answers `queued` at once and `retrieve` polls it to the stored result, billed once in
 the same ledger as a foreground response; the work goes on after the client has gone; `cancel` stops
 it (the engine request is aborted, the stream slot freed, the ledger row says aborted); a restart
-marks what a previous process left unfinished `failed`; bad combinations are 400s naming the field.
+marks what a previous process left unfinished `failed`; bad combinations are 400s naming the field;
+another organisation holding the id gets 404 for every call.
 """
 
 from __future__ import annotations
@@ -95,6 +96,27 @@ async def test_only_background_responses_can_be_cancelled(make_client):
     assert refused.value.body["param"] == "response_id"
     with pytest.raises(openai.NotFoundError):
         await sdk.responses.cancel("resp_nope")
+
+
+async def test_another_organisation_cannot_read_replay_cancel_or_delete_a_response_by_its_id(make_client):
+    """Open WebUI's CVE-2026-45349 class: every lookup by response id filters by owner, so a
+    stranger holding the id gets the 404 an unknown id gets, and the owner's answer runs on."""
+    client = await make_client(behaviour=FakeBehaviour(token_delay_s=0.05))
+    owner, stranger = await sdk_for(client), await sdk_for(client, "other")
+    created = await owner.responses.create(model="echo", input=TEXT, background=True)
+    assert (await poll(owner, created.id, ("in_progress",))).status == "in_progress"
+    for attempt in (
+        stranger.responses.retrieve(created.id),
+        stranger.responses.retrieve(created.id, stream=True),
+        stranger.responses.input_items.list(created.id),
+        stranger.responses.cancel(created.id),
+        stranger.responses.delete(created.id),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            await attempt
+    assert not state_of(client).models["echo"].backend.aborted
+    done = await poll(owner, created.id, ("completed", "failed", "cancelled"))
+    assert done.status == "completed" and done.output_text == TEXT
 
 
 async def test_a_refusal_before_the_queue_is_the_posts_own_4xx_and_leaves_nothing(make_client):
