@@ -1,8 +1,10 @@
-"""Who may call: presented keys must be valid in every mode, the Host and Origin checks that stop
-DNS rebinding and cross-site writes, keyless mode only for loopback + an allowed Host, /metrics."""
+"""Who may call: presented keys must be valid in every mode (and are refused before a body is read),
+the Host and Origin checks that stop DNS rebinding and cross-site writes, keyless mode only for
+loopback + an allowed Host, /metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -32,6 +34,26 @@ async def test_a_presented_unknown_revoked_or_expired_key_is_401_on_loopback_in_
     await assert_error(
         await client.get("/v1/models", headers={"Authorization": f"Bearer {secret}"}), 401, code="invalid_api_key"
     )
+
+
+# Chat reads its body itself (after admission); the body-deadline middleware reads the other's.
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/conversations"])
+async def test_an_unknown_key_is_refused_before_its_declared_body_arrives(make_client, path):
+    """A stranger with a made-up key that declares a body and never sends it gets its 401 at once,
+    not after holding the connection for the body deadline (which a keyed caller may use)."""
+    client = await make_client("server.body_timeout_s=60")
+    host, port = client.server.host, client.server.port
+    reader, writer = await asyncio.open_connection(host, port)
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer sk-{'x' * 40}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 10000\r\n\r\n"
+    )
+    writer.write(head.encode())
+    try:
+        status_line = await asyncio.wait_for(reader.readline(), 20)  # a third of the body deadline
+    finally:
+        writer.close()
+    assert status_line.startswith(b"HTTP/1.1 401 "), status_line
 
 
 @pytest.mark.parametrize("placeholder", ["EMPTY", "sk-no-key-required", "ollama", "lm-studio", "local", "sk-xxx"])
