@@ -56,7 +56,8 @@ bench: $(VENV)/.installed-dev
 bench-peers: $(VENV)/.installed-dev
 	$(PY) -m bench.bench_peers $(ARGS)
 
-# Bench-only: the gguf package, and llama.cpp from llama-cpp-python's PyPI source package, built
+# Bench-only: llama.cpp from llama-cpp-python's PyPI source package (the gguf package that writes
+# its files is a runtime dependency, for server.py import-gguf), built
 # twice: for this CPU, and for AVX2 + FMA only (the AVX2 peer on AVX-512 machines). Only the
 # library the Python bindings load is compiled (about 5-10 minutes each on 2 cores, at nice 19),
 # into build/llama-cpp/<build>/ rather than the venv, so both builds can be measured in one run.
@@ -68,7 +69,6 @@ LLAMA_CPP_FLAGS_avx2 := -DGGML_NATIVE=OFF -DGGML_AVX512=OFF -DGGML_AVX2=ON -DGGM
 LLAMA_CPP_ONLY_LIB := -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
   -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_CURL=OFF
 bench-deps: $(VENV)/.installed-dev build/llama-cpp/native/.built build/llama-cpp/avx2/.built
-	$(PIP) install --quiet -r requirements-bench.txt
 
 $(LLAMA_CPP_SRC)/.unpacked: | $(VENV)/.installed-dev
 	@command -v cmake >/dev/null || { \

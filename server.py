@@ -39,10 +39,25 @@ def build_parser() -> argparse.ArgumentParser:
     from store.cli import add_cli
 
     add_cli(sub)
+    gguf = sub.add_parser(
+        "import-gguf",
+        help="turn a GGUF file (llama.cpp's, Ollama's) into a model folder this server serves",
+        description="Write a model folder in Hugging Face layout from a GGUF file: its config, tokenizer and chat "
+        "template, and its tensors dequantized to safetensors (engine/gguf_import.py). Then serve it with "
+        "--model FOLDER.",
+    )
+    gguf.add_argument("gguf_file", type=Path, metavar="FILE", help="the .gguf file (or an Ollama blob)")
+    gguf.add_argument("--out", type=Path, required=True, metavar="FOLDER", help="the folder to write (new or empty)")
+    gguf.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "float16", "bfloat16"),
+        default="auto",
+        help="the weights' dtype (auto: the file's own F32/F16/BF16, bfloat16 for a quantized file)",
+    )
     return parser
 
 
-_PATH_FLAGS = ("config", "serve_db", "db", "model", "out")  # dests of the flags that name a file or folder
+_PATH_FLAGS = ("config", "serve_db", "db", "model", "out", "gguf_file")  # dests of the flags that name a file or folder
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -193,6 +208,21 @@ def serve(settings, backend_factory=None) -> None:
     uvloop.run(run(app, settings, sock))
 
 
+def _import_gguf(args: argparse.Namespace) -> int:
+    from engine.gguf_import import GGUFImportError, import_gguf
+
+    try:
+        done = import_gguf(args.gguf_file, args.out, args.dtype)
+    except GGUFImportError as exc:
+        sys.stderr.write(f"cannot import: {exc}\n")
+        return 1
+    sys.stdout.write(
+        f"wrote {done.out_dir} ({done.model_type}, {done.num_tensors} tensors in {done.dtype}, {done.seconds:.0f} s)\n"
+        f"serve it: .venv/bin/python server.py --model {done.out_dir}\n"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None, *, backend_factory=None) -> int:
     """0 after a clean shutdown; 1 when the server cannot start (the message says why).
     `backend_factory`: testing/fake_server.py serves the native models with a stand-in."""
@@ -201,6 +231,8 @@ def main(argv: list[str] | None = None, *, backend_factory=None) -> int:
     from settings import ConfigError, load_settings
 
     args = parse_args(argv)
+    if args.command == "import-gguf":  # needs no settings: a file in, a folder out
+        return _import_gguf(args)
     try:
         settings = apply_cli(load_settings(args.config, args.overrides), args)
     except ConfigError as exc:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import structlog
 
+from engine.gguf_import import is_gguf
 from settings import PROJECT_DIR, ConfigError, Settings
 from settings.features import DEFAULT_STORE_PATH
 from store.lock import ServerLock
@@ -27,8 +28,9 @@ _PATHLESS_BACKENDS = ("openai",)  # served from another server: no local folder
 
 _SERVED_LAYOUT = "a model folder in Hugging Face layout (config.json, tokenizer files, *.safetensors)"
 _GGUF_TAIL = (
-    f"GGUF is not read by this server: give {_SERVED_LAYOUT}, such as the model's original (unquantized) release; "
-    'or serve the GGUF with llama.cpp\'s llama-server and relay to it (backend = "openai", docs/scale-out.md)'
+    "GGUF is not served as it is: turn it into a model folder with `server.py import-gguf FILE --out FOLDER` "
+    f"and give that folder, or give {_SERVED_LAYOUT}, such as the model's original release; or serve the GGUF with "
+    'llama.cpp\'s llama-server and relay to it (backend = "openai", docs/scale-out.md)'
 )
 _REPO_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # one half of a Hugging Face repo id: owner/name
 
@@ -53,7 +55,7 @@ def model_folder_problem(path: Path, typed: str | None = None) -> str | None:
     (--model); else a missing owner/name under an existing folder is taken for a possible repo id."""
     shown = path.resolve()
     if path.is_file():
-        if path.suffix.lower() == ".gguf":
+        if path.suffix.lower() == ".gguf" or is_gguf(path):  # an Ollama blob has no suffix
             return f"{shown} is a GGUF file; {_GGUF_TAIL}"
         return f"{shown} is a file, not a folder: give {_SERVED_LAYOUT}"
     if path.is_dir():

@@ -272,7 +272,13 @@ def test_gguf_a_file_or_a_repo_id_given_as_a_model_folder_says_what_to_give_inst
 
     gguf = tmp_path / "tinyllama.Q4_K_M.gguf"
     gguf.write_bytes(b"GGUF" + bytes(100))
-    assert "is a GGUF file; GGUF is not read by this server" in problem(gguf)
+    assert (
+        "is a GGUF file; GGUF is not served as it is: turn it into a model folder with `server.py import-gguf"
+        in problem(gguf)
+    )
+    blob = tmp_path / "sha256-6a0746a1ec1a"  # an Ollama blob: GGUF without the suffix
+    blob.write_bytes(b"GGUF" + bytes(100))
+    assert "sha256-6a0746a1ec1a is a GGUF file" in problem(blob) and "import-gguf" in problem(blob)
     gguf_only = tmp_path / "gguf-only"
     shutil.copytree(tiny_model_dir, gguf_only)  # was: "tokenizer.json: missing", or the weights' absence
     (gguf_only / "model.safetensors").unlink()

@@ -123,7 +123,11 @@ def test_keys_command_prints_no_sqlite_warning(tmp_path):
         (["--host", "[::1]"], "config error: server.host must be an address or host name alone"),
         (["--config", "."], "is a folder, not a config file"),
         (["--model", "Qwen/Qwen3-0.6B"], "downloads nothing, so download the model first (hf download Qwen/Qwen3-0.6B"),
-        (["--model", "x.Q4_K_M.gguf"], "x.Q4_K_M.gguf is a GGUF file; GGUF is not read by this server"),
+        (
+            ["--model", "x.Q4_K_M.gguf"],
+            "x.Q4_K_M.gguf is a GGUF file; GGUF is not served as it is: turn it into a model folder with `server.py "
+            "import-gguf",
+        ),
     ],
 )
 def test_a_mistaken_flag_stops_the_start_with_one_config_error_line(tmp_path, args, message):

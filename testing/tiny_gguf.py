@@ -1,0 +1,118 @@
+"""A checkpoint folder (Hugging Face Llama or Qwen2 layout, safetensors) written as GGUF the way
+llama.cpp's convert_hf_to_gguf.py writes it: llama.cpp's tensor names, q and k rows of the
+"llama" architecture permuted for its interleaved rope ("qwen2" rotates halves, as stored), and,
+for the tests of engine/gguf_import.py, the tokenizer as GGUF metadata (a byte-level BPE: the
+"gpt2" tokenizer model with its merges, special tokens typed as control, the chat template).
+Matrices as F32, or as Q8_0 quantized by the `gguf` package's own quantizer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+LAYER_NAMES = {  # transformers name (after model.layers.N.) -> GGUF name (after blk.N.)
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_CONTROL, _NORMAL = 3, 1  # llama.cpp's token types
+
+
+def permute_for_interleaved_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(model_dir: Path, cfg: dict, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors under llama.cpp's names, q/k permuted for the "llama" architecture."""
+    state = load_file(str(model_dir / "model.safetensors"))
+    yield "token_embd.weight", state["model.embed_tokens.weight"]
+    yield "output_norm.weight", state["model.norm.weight"]
+    if "lm_head.weight" in state and not cfg.get("tie_word_embeddings", False):
+        yield "output.weight", state["lm_head.weight"]
+    for i in range(cfg["num_hidden_layers"]):
+        for hf_name, gguf_name in LAYER_NAMES.items():
+            tensor = state.get(f"model.layers.{i}.{hf_name}")
+            if tensor is None:
+                continue
+            if arch == "llama" and hf_name.startswith("self_attn.q_proj"):
+                tensor = permute_for_interleaved_rope(tensor, cfg["num_attention_heads"])
+            elif arch == "llama" and hf_name.startswith("self_attn.k_proj"):
+                tensor = permute_for_interleaved_rope(tensor, cfg["num_key_value_heads"])
+            yield f"blk.{i}.{gguf_name}", tensor
+
+
+def write_gguf(
+    model_dir: Path, out: Path, *, quant: str = "F32", tokenizer: bool = True, arch: str | None = None
+) -> Path:
+    """`model_dir` as a GGUF file at `out`; quant "F32" or "Q8_0" (matrices; norms stay F32).
+    Without `tokenizer` the file says tokenizer model "none" (llama.cpp's bench files)."""
+    import gguf
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    arch = arch or {"llama": "llama", "qwen2": "qwen2"}[cfg["model_type"]]
+    rope_theta = cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_name(model_dir.name)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(rope_theta))
+    writer.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if quant == "F32" else gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_vocab_size(cfg["vocab_size"])
+    if tokenizer:
+        _add_tokenizer(writer, model_dir, cfg)
+    else:
+        writer.add_tokenizer_model("none")
+    for name, tensor in gguf_tensors(model_dir, cfg, arch):
+        data = tensor.to(torch.float32).contiguous().numpy().astype(np.float32, copy=False)
+        if quant == "Q8_0" and data.ndim == 2 and data.shape[1] % 32 == 0:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, gguf.quants.quantize(data, q8), raw_dtype=q8)  # shape from its bytes
+        else:
+            writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _add_tokenizer(writer, model_dir: Path, cfg: dict) -> None:
+    """A byte-level BPE tokenizer.json as llama.cpp's "gpt2" tokenizer model."""
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    tok_cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    vocab = {**tok["model"]["vocab"], **{added["content"]: added["id"] for added in tok["added_tokens"]}}
+    tokens = [""] * len(vocab)
+    for text, token_id in vocab.items():
+        tokens[token_id] = text
+    special = {added["id"] for added in tok["added_tokens"] if added["special"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([_CONTROL if i in special else _NORMAL for i in range(len(tokens))])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    writer.add_eos_token_id(cfg["eos_token_id"])
+    if cfg.get("pad_token_id") is not None:
+        writer.add_pad_token_id(cfg["pad_token_id"])
+    writer.add_chat_template(tok_cfg["chat_template"])

@@ -1,0 +1,117 @@
+"""engine/gguf_import.py: a GGUF file, as llama.cpp's converter writes one, imported into a folder
+the native engine serves: the same weights (F32) or close ones (Q8_0), the same tokenizer and chat
+template, and the engine's greedy output equal to transformers' on the original checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import server
+from engine.gguf_import import GGUFImportError, import_gguf
+from engine.tokenizer import Tokenizer
+from engine.types import GenerationRequest, SamplingParams
+from test_greedy_equality import engine_for
+from testing.tiny_gguf import write_gguf
+from testing.tiny_model import build_tiny_llama
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there, how are you?"}]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf-sources")
+    return {  # "llama": q/k rows permuted in the file; "qwen2": q/k/v biases
+        "llama": build_tiny_llama(root / "llama", tie_word_embeddings=True, seed=31),
+        "qwen2": build_tiny_llama(root / "qwen2", architecture="qwen2", tie_word_embeddings=False, seed=32),
+    }
+
+
+def _greedy_transformers(model_dir, prompt: list[int], max_tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=10**9, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def _greedy_engine(model_dir, prompt: list[int], max_tokens: int) -> list[int]:
+    engine = engine_for(model_dir, num_blocks=16)
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    engine.add_request(GenerationRequest("r", tuple(prompt), sampling))
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+    return tokens
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_an_f32_gguf_becomes_the_same_model_tokenizer_and_template(sources, tmp_path, arch):
+    src = sources[arch]
+    done = import_gguf(write_gguf(src, tmp_path / "model.gguf"), tmp_path / "imported")
+    out = tmp_path / "imported"
+    assert (done.out_dir, done.model_type, done.dtype) == (out, arch, "float32")
+    before, after = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    tied = {"lm_head.weight"} if arch == "llama" else set()  # the llama source ties its embeddings
+    assert set(after) == set(before) - tied
+    for name, tensor in after.items():  # llama.cpp's q/k row order undone exactly
+        assert torch.equal(tensor, before[name]), name
+    ours, theirs = Tokenizer.from_dir(out), Tokenizer.from_dir(src)
+    assert ours.encode_chat(CHAT) == theirs.encode_chat(CHAT)  # the chat template and special tokens came along
+    assert ours.eos_token_ids == theirs.eos_token_ids
+    prompt = theirs.encode_chat(CHAT)
+    assert _greedy_engine(out, prompt, 12) == _greedy_transformers(src, prompt, 12)
+
+
+def test_a_q8_0_gguf_imports_dequantized_in_bfloat16_close_to_the_original(sources, tmp_path):
+    src = sources["qwen2"]
+    done = import_gguf(write_gguf(src, tmp_path / "model-q8_0.gguf", quant="Q8_0"), tmp_path / "imported")
+    assert done.dtype == "bfloat16"  # "auto" for a quantized file
+    before, after = load_file(str(src / "model.safetensors")), load_file(str(done.out_dir / "model.safetensors"))
+    assert all(tensor.dtype == torch.bfloat16 for tensor in after.values())
+    for name, tensor in after.items():
+        error = (tensor.float() - before[name]).norm() / before[name].norm()
+        assert error < 0.01, (name, float(error))  # Q8_0's rounding and bfloat16's, not a wrong layout
+    assert json.loads((done.out_dir / "gguf_import.json").read_text())["dtype"] == "bfloat16"
+    prompt = Tokenizer.from_dir(src).encode_chat(CHAT)
+    assert len(_greedy_engine(done.out_dir, prompt, 6)) == 6
+
+
+def test_what_cannot_be_imported_is_refused_naming_why_and_writes_nothing(sources, tmp_path):
+    src = sources["qwen2"]
+    not_gguf = tmp_path / "model.safetensors.gguf"
+    shutil.copy(src / "model.safetensors", not_gguf)
+    cases = [
+        (not_gguf, "not a GGUF file"),
+        (tmp_path / "missing.gguf", "no such file"),
+        (write_gguf(src, tmp_path / "no-tokenizer.gguf", tokenizer=False), "cannot read its tokenizer"),
+        (write_gguf(src, tmp_path / "gpt2.gguf", arch="gpt2"), "(gpt2) is not a family the native engine serves"),
+    ]
+    for path, message in cases:
+        with pytest.raises(GGUFImportError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            import_gguf(path, tmp_path / "out")
+        assert not (tmp_path / "out").exists() and not (tmp_path / "out.importing").exists()
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    with pytest.raises(GGUFImportError, match="already exists and is not an empty folder"):
+        import_gguf(write_gguf(src, tmp_path / "ok.gguf"), tmp_path / "taken")
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["notes.txt"]
+
+
+def test_the_import_gguf_command_writes_the_folder_and_says_how_to_serve_it(sources, tmp_path, capsys):
+    blob = tmp_path / "sha256-0123abcd"  # an Ollama blob: GGUF without the suffix
+    write_gguf(sources["llama"], blob)
+    assert server.main(["import-gguf", str(blob), "--out", str(tmp_path / "m"), "--dtype", "float16"]) == 0
+    said = capsys.readouterr().out
+    assert f"wrote {tmp_path / 'm'} (llama," in said and "in float16" in said
+    assert f"server.py --model {tmp_path / 'm'}" in said
+    assert server.main(["import-gguf", str(blob), "--out", str(tmp_path / "m")]) == 1
+    assert "cannot import:" in capsys.readouterr().err
