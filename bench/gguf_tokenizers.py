@@ -2,7 +2,8 @@
 GGUF metadata: llama.cpp's source tree ships vocabulary-only GGUF files of real models with test
 strings and the token ids the original (Hugging Face) tokenizer gives them
 (models/ggml-vocab-<name>.gguf, .inp and .out). Each vocabulary goes through transformers' GGUF
-reader, as the import does, is saved as tokenizer.json, and encodes every test string.
+reader and the import's own fix-ups, as the import does, is saved as tokenizer.json, and encodes
+every test string.
 
 `python -m bench.gguf_tokenizers` after `make bench-deps` (which unpacks llama.cpp's source).
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+
+from engine.gguf_import import _IGNORE_MERGES_PRE, _set_ignore_merges, _tokenizer_pre
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCABS = ROOT / "build" / "llama-cpp" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "models"
@@ -26,6 +29,8 @@ def check(name: str) -> tuple[int, int, list[str]]:
     gguf = VOCABS / f"ggml-vocab-{name}.gguf"
     with tempfile.TemporaryDirectory() as out:
         AutoTokenizer.from_pretrained(str(VOCABS), gguf_file=gguf.name).save_pretrained(out)
+        if _tokenizer_pre(gguf) in _IGNORE_MERGES_PRE:  # as the import does
+            _set_ignore_merges(Path(out) / "tokenizer.json")
         tokenizer = Tokenizer.from_file(str(Path(out) / "tokenizer.json"))
     texts = gguf.with_suffix(".gguf.inp").read_text(encoding="utf-8").split(_SEPARATOR)[:-1]  # one after each
     expected = gguf.with_suffix(".gguf.out").read_text(encoding="utf-8").strip("\n").split("\n")

@@ -32,6 +32,13 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 _PLAIN_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
+# tokenizer.ggml.pre values whose tokenizers look a whole pre-token up in the vocabulary before
+# merging (tokenizers' BPE `ignore_merges`: Llama 3's, Mistral's tekken), as llama.cpp's
+# llama-vocab.cpp sets them; transformers' GGUF reader leaves it off, which split some words
+# ("Việt") into other ids than the original's (bench/gguf_tokenizers.py).
+_IGNORE_MERGES_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "tekken"})
+
+
 class GGUFImportError(Exception):
     """The file cannot be imported; the message says why and what to do."""
 
@@ -111,6 +118,8 @@ def import_gguf(gguf_path: Path, out_dir: Path, dtype: str = "auto") -> Imported
     try:
         config.save_pretrained(scratch)
         tokenizer.save_pretrained(scratch)
+        if _tokenizer_pre(gguf_path) in _IGNORE_MERGES_PRE:
+            _set_ignore_merges(scratch / "tokenizer.json")
         eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
         GenerationConfig(eos_token_id=eos, bos_token_id=config.bos_token_id).save_pretrained(scratch)
         save_file(weights, str(scratch / "model.safetensors"), metadata={"format": "pt"})
@@ -138,6 +147,21 @@ def _dtype_for(gguf_path: Path) -> str:
         (kind,) = matrices
         return _PLAIN_TYPES.get(kind, "bfloat16")
     return "bfloat16"
+
+
+def _tokenizer_pre(gguf_path: Path) -> str | None:
+    """The file's tokenizer.ggml.pre (llama.cpp's name for its pre-tokenizer), if any."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(gguf_path)).fields.get("tokenizer.ggml.pre")
+    return None if field is None else bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
+
+
+def _set_ignore_merges(tokenizer_file: Path) -> None:
+    data = json.loads(tokenizer_file.read_text(encoding="utf-8"))
+    if data.get("model", {}).get("type") == "BPE":
+        data["model"]["ignore_merges"] = True
+        tokenizer_file.write_text(json.dumps(data, ensure_ascii=False, indent=2), encoding="utf-8")
 
 
 def _as_tensor(value, dtype):

@@ -57,7 +57,13 @@ def gguf_tensors(model_dir: Path, cfg: dict, arch: str) -> Iterator[tuple[str, t
 
 
 def write_gguf(
-    model_dir: Path, out: Path, *, quant: str = "F32", tokenizer: bool = True, arch: str | None = None
+    model_dir: Path,
+    out: Path,
+    *,
+    quant: str = "F32",
+    tokenizer: bool = True,
+    arch: str | None = None,
+    tokenizer_pre: str = "qwen2",
 ) -> Path:
     """`model_dir` as a GGUF file at `out`; quant "F32" or "Q8_0" (matrices; norms stay F32).
     Without `tokenizer` the file says tokenizer model "none" (llama.cpp's bench files)."""
@@ -81,7 +87,7 @@ def write_gguf(
     writer.add_file_type(gguf.LlamaFileType.ALL_F32 if quant == "F32" else gguf.LlamaFileType.MOSTLY_Q8_0)
     writer.add_vocab_size(cfg["vocab_size"])
     if tokenizer:
-        _add_tokenizer(writer, model_dir, cfg)
+        _add_tokenizer(writer, model_dir, cfg, tokenizer_pre)
     else:
         writer.add_tokenizer_model("none")
     for name, tensor in gguf_tensors(model_dir, cfg, arch):
@@ -98,7 +104,7 @@ def write_gguf(
     return out
 
 
-def _add_tokenizer(writer, model_dir: Path, cfg: dict) -> None:
+def _add_tokenizer(writer, model_dir: Path, cfg: dict, pre: str) -> None:
     """A byte-level BPE tokenizer.json as llama.cpp's "gpt2" tokenizer model."""
     tok = json.loads((model_dir / "tokenizer.json").read_text())
     tok_cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
@@ -108,7 +114,7 @@ def _add_tokenizer(writer, model_dir: Path, cfg: dict) -> None:
         tokens[token_id] = text
     special = {added["id"] for added in tok["added_tokens"] if added["special"]}
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
+    writer.add_tokenizer_pre(pre)  # llama.cpp's pre-tokenizer name
     writer.add_token_list(tokens)
     writer.add_token_types([_CONTROL if i in special else _NORMAL for i in range(len(tokens))])
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])

@@ -115,3 +115,14 @@ def test_the_import_gguf_command_writes_the_folder_and_says_how_to_serve_it(sour
     assert f"server.py --model {tmp_path / 'm'}" in said
     assert server.main(["import-gguf", str(blob), "--out", str(tmp_path / "m")]) == 1
     assert "cannot import:" in capsys.readouterr().err
+
+
+def test_a_llama3_style_vocabulary_keeps_its_whole_words_as_the_original_does(sources, tmp_path):
+    """tokenizer.ggml.pre "llama-bpe" (Llama 3's): the original looks each whole pre-token up before
+    merging (ignore_merges), which transformers' reader leaves off; on llama.cpp's Llama 3 test set
+    that made 1 of 46 strings differ (bench/gguf_tokenizers.py). Qwen2's merges as trained."""
+    for pre, ignores in (("llama-bpe", True), ("qwen2", False)):
+        out = tmp_path / pre
+        import_gguf(write_gguf(sources["qwen2"], tmp_path / f"{pre}.gguf", tokenizer_pre=pre), out)
+        model = json.loads((out / "tokenizer.json").read_text())["model"]
+        assert bool(model.get("ignore_merges")) is ignores, pre
