@@ -104,6 +104,7 @@ export class Attachments {
   // elements: {button, input, list, dropZone}; onChange() after any change (to update Send);
   // modelOf(): the selected model's /v1/models entry (to warn about images it cannot read).
   constructor({ button, input, list, dropZone, onChange, modelOf }) {
+    this.button = button;
     this.input = input;
     this.list = list;
     this.items = [];  // {file, isImage, progress, fileId, error, chip}
@@ -200,10 +201,18 @@ export class Attachments {
     item.chip.setAttribute("role", "alert");
   }
 
+  // Its × button goes with it: the keyboard moves to the chip that took its place, else the
+  // one before, else the Attach button (never <body>).
   #remove(item) {
+    const position = this.items.indexOf(item);
+    const hadFocus = item.chip.contains(document.activeElement);
     this.items = this.items.filter((other) => other !== item);
     item.chip.remove();
     this.list.hidden = this.items.length === 0;
+    if (hadFocus) {
+      const near = this.items[Math.min(position, this.items.length - 1)];
+      (near ? near.chip.querySelector(".attachment-remove") : this.button).focus();
+    }
     this.onChange();
   }
 
