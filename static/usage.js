@@ -18,7 +18,8 @@ function budgetNote(budget) {
   const limit = Number(budget.budget_usd);
   const spent = Number(budget.month_spend_usd || 0);
   usageEl.classList.toggle("usage-near-limit", spent >= 0.8 * limit);
-  return ` of ${limit === 0 ? "$0" : `$${limit.toFixed(2)}`} budget`;
+  // Under a cent, cents would say "$0.00": as precise as the spending beside it instead.
+  return ` of ${limit >= 0.01 ? `$${limit.toFixed(2)}` : formatCost(limit)} budget`;
 }
 
 export async function refreshUsage() {
