@@ -180,6 +180,10 @@ export function renderMarkdown(container, text) {
   for (const table of container.querySelectorAll("table")) {
     const scroller = document.createElement("div");
     scroller.className = "table-scroll";
+    // A wide table scrolls sideways in it: reachable and named as a code block's <pre> is.
+    scroller.tabIndex = 0;
+    scroller.setAttribute("role", "region");
+    scroller.setAttribute("aria-label", "Table");
     table.replaceWith(scroller);
     scroller.append(table);
   }

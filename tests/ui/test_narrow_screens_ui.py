@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.ui.helpers import PHONE, conversation_id, open_page, type_and_send, wait_for_answer_done
+from tests.ui.helpers import PHONE, conversation_id, open_page, type_and_send, wait_for_answer_done, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -57,5 +57,27 @@ def test_the_action_row_of_an_answer_stays_one_row_at_390px(browser, ui_server, 
         actions.wait_for()
         tops = actions.locator("button").evaluate_all("(bs) => bs.map((b) => b.getBoundingClientRect().top)")
         assert max(tops) - min(tops) < 10, f"the buttons sit on more than one row: {tops}"  # icons: a px or two
+    finally:
+        watched.close()
+
+
+WIDE_TABLE = """| model | tokens | a long column header | another long column header | more |
+|-------|--------|------|-----|----|
+| echo-large | 42 | some long cell text here | more long cell text here | x |
+"""
+
+
+def test_a_table_wider_than_a_phone_is_a_named_region_that_scrolls_by_keyboard(browser, ui_server):
+    watched = open_page(browser, ui_server.base_url, viewport=PHONE)
+    try:
+        page = watched.page
+        type_and_send(page, WIDE_TABLE)
+        wait_for_answer_done(page)
+        scroller = page.locator("article.msg-assistant").last.get_by_role("region", name="Table")
+        assert scroller.get_attribute("tabindex") == "0"  # Safari, unlike Chromium, skips a bare scroller
+        assert scroller.evaluate("(e) => e.scrollWidth > e.clientWidth"), "the sample must overflow"
+        scroller.focus()
+        page.keyboard.press("ArrowRight")
+        wait_until(lambda: scroller.evaluate("(e) => e.scrollLeft") > 0)
     finally:
         watched.close()
