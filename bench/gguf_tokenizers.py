@@ -13,7 +13,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from engine.gguf_import import _IGNORE_MERGES_PRE, _set_ignore_merges, _tokenizer_pre
+from engine.gguf_import import _IGNORE_MERGES_PRE, _field, _set_ignore_merges
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCABS = ROOT / "build" / "llama-cpp" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "models"
@@ -23,13 +23,14 @@ _SEPARATOR = "\n__ggml_vocab_test__\n"  # llama.cpp's test files put it between 
 
 def check(name: str) -> tuple[int, int, list[str]]:
     """(strings tokenized as the original does, strings, the first few that differ, shown)."""
+    from gguf import GGUFReader
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
     gguf = VOCABS / f"ggml-vocab-{name}.gguf"
     with tempfile.TemporaryDirectory() as out:
         AutoTokenizer.from_pretrained(str(VOCABS), gguf_file=gguf.name).save_pretrained(out)
-        if _tokenizer_pre(gguf) in _IGNORE_MERGES_PRE:  # as the import does
+        if _field(GGUFReader(str(gguf)), "tokenizer.ggml.pre") in _IGNORE_MERGES_PRE:  # as the import does
             _set_ignore_merges(Path(out) / "tokenizer.json")
         tokenizer = Tokenizer.from_file(str(Path(out) / "tokenizer.json"))
     texts = gguf.with_suffix(".gguf.inp").read_text(encoding="utf-8").split(_SEPARATOR)[:-1]  # one after each

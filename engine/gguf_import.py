@@ -6,7 +6,9 @@ from the file's metadata, generation_config.json with its EOS ids, and model.saf
 tensor dequantized (Q4_K, Q8_0, ...: transformers' reader over the `gguf` package's dequantizers)
 and renamed to the family's names, llama.cpp's q/k row order for interleaved rope undone. The
 native engine then serves DIR like any release (engine.quantization = "int8" or "int4" quantizes
-it again at load). Only families the native engine serves are imported (engine/native/families.py);
+it again at load). What transformers' reader leaves out is carried here from the file: the head
+size, the rope scaling (linear and YaRN metadata, Llama 3's divisors tensor) and the whole-word
+lookup of Llama 3 style vocabularies. Only the GGUF architectures in ARCHITECTURES are imported;
 anything else is refused before the tensors are read, naming the architecture.
 
 A quantized file's rounding stays in the weights: the folder holds what the GGUF held, not the
@@ -16,11 +18,13 @@ original release. The import holds the whole model in memory once, at the dtype 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import structlog
 
 log = structlog.get_logger(__name__)
@@ -30,6 +34,11 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 # GGUF tensor types kept as they are by dtype "auto"; a file holding any other (a quantized one)
 # is written in bfloat16, which keeps every value a 4- to 8-bit block format can hold closely.
 _PLAIN_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+# GGUF architectures (general.architecture) imported: those whose settings this import carries in
+# full and has checked against the original checkpoint (tests/engine/test_gguf_import.py).
+# transformers reads more (Gemma, Phi-3), but drops settings of theirs, such as Phi-4-mini's
+# partial rope or Gemma 3's scaled one, that would serve a model subtly wrong.
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 # tokenizer.ggml.pre values whose tokenizers look a whole pre-token up in the vocabulary before
@@ -75,6 +84,7 @@ def import_gguf(gguf_path: Path, out_dir: Path, dtype: str = "auto") -> Imported
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise GGUFImportError(f"{out_dir}: already exists and is not an empty folder; give a new folder")
     import torch
+    from gguf import GGUFReader
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -83,15 +93,30 @@ def import_gguf(gguf_path: Path, out_dir: Path, dtype: str = "auto") -> Imported
 
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
+        reader = GGUFReader(str(gguf_path))
+    except Exception as exc:  # a truncated or damaged file
+        raise GGUFImportError(f"{gguf_path}: cannot read it as GGUF: {_first_line(exc)}") from None
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFImportError(
+            f"{gguf_path}: importing its architecture ({arch}) is not supported; these are: "
+            f"{', '.join(ARCHITECTURES)} (Llama, Mistral and SmolLM files are 'llama'). Serve it with llama.cpp's "
+            'llama-server and relay to it (backend = "openai", docs/scale-out.md)'
+        )
+    try:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    except Exception as exc:  # transformers: "GGUF model with architecture X is not supported yet."
+    except Exception as exc:  # a file that lacks a setting transformers needs
         raise GGUFImportError(f"{gguf_path}: cannot read its model config: {_first_line(exc)}") from None
     if config.model_type not in FAMILIES:
         raise GGUFImportError(
             f"{gguf_path}: its model ({config.model_type}) is not a family the native engine serves "
             f"({', '.join(FAMILIES)})"
         )
-    chosen = _dtype_for(gguf_path) if dtype == "auto" else dtype
+    key_length = _field(reader, f"{arch}.attention.key_length")
+    if key_length is not None:  # a head size of its own (Qwen3's 128), which transformers' reader leaves to defaults
+        config.head_dim = int(key_length)
+    config.rope_parameters = _rope(reader, arch, config, gguf_path)
+    chosen = _dtype_for(reader) if dtype == "auto" else dtype
     torch_dtype = getattr(torch, chosen)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -118,7 +143,7 @@ def import_gguf(gguf_path: Path, out_dir: Path, dtype: str = "auto") -> Imported
     try:
         config.save_pretrained(scratch)
         tokenizer.save_pretrained(scratch)
-        if _tokenizer_pre(gguf_path) in _IGNORE_MERGES_PRE:
+        if _field(reader, "tokenizer.ggml.pre") in _IGNORE_MERGES_PRE:
             _set_ignore_merges(scratch / "tokenizer.json")
         eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
         GenerationConfig(eos_token_id=eos, bos_token_id=config.bos_token_id).save_pretrained(scratch)
@@ -137,11 +162,9 @@ def import_gguf(gguf_path: Path, out_dir: Path, dtype: str = "auto") -> Imported
     return Imported(out_dir, config.model_type, chosen, len(weights), seconds)
 
 
-def _dtype_for(gguf_path: Path) -> str:
+def _dtype_for(reader) -> str:
     """dtype "auto": the file's own float type when every tensor is one (F32, F16 or BF16), else bfloat16."""
-    from gguf import GGUFReader
-
-    kinds = {tensor.tensor_type.name for tensor in GGUFReader(str(gguf_path)).tensors}
+    kinds = {tensor.tensor_type.name for tensor in reader.tensors}
     matrices = {kind for kind in kinds if kind != "F32"} or {"F32"}  # norms are F32 in every file
     if len(matrices) == 1:
         (kind,) = matrices
@@ -149,12 +172,68 @@ def _dtype_for(gguf_path: Path) -> str:
     return "bfloat16"
 
 
-def _tokenizer_pre(gguf_path: Path) -> str | None:
-    """The file's tokenizer.ggml.pre (llama.cpp's name for its pre-tokenizer), if any."""
-    from gguf import GGUFReader
+def _field(reader, key: str):
+    """A metadata value of the file (a string or a number), or None when it has none."""
+    field = reader.fields.get(key)
+    if field is None or not field.data:
+        return None
+    value = field.parts[field.data[0]]
+    if field.types and field.types[0].name == "STRING":
+        return bytes(value).decode("utf-8", "replace")
+    return value.tolist()[0] if len(value) == 1 else value.tolist()
 
-    field = GGUFReader(str(gguf_path)).fields.get("tokenizer.ggml.pre")
-    return None if field is None else bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
+
+def _rope(reader, arch: str, config, gguf_path: Path) -> dict:
+    """The rope settings the file holds, which transformers' GGUF reader leaves out (it keeps only
+    the base): a linear or YaRN scaling from the metadata, and Llama 3's scaling, which llama.cpp
+    keeps as a tensor of per-frequency divisors (rope_freqs) whose parameters are found again here
+    by trying the ones its releases use; anything else is refused rather than served wrong."""
+    theta = float(config.rope_parameters["rope_theta"])
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    rotated = _field(reader, f"{arch}.rope.dimension_count")
+    if rotated is not None and rotated != head_dim:
+        raise GGUFImportError(f"{gguf_path}: rope over {rotated} of {head_dim} dimensions is not imported")
+    rope: dict = {"rope_type": "default", "rope_theta": theta}
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    if kind not in (None, "none"):
+        factor = _field(reader, f"{arch}.rope.scaling.factor")
+        if kind not in ("linear", "yarn") or factor is None:
+            raise GGUFImportError(f"{gguf_path}: rope scaling {kind!r} is not imported (linear and yarn are)")
+        rope = {**rope, "rope_type": kind, "factor": float(factor)}
+        if kind == "yarn":
+            original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+            rope["original_max_position_embeddings"] = int(original or config.max_position_embeddings)
+    divisors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if divisors is not None:
+        found = _llama3_rope(np.asarray(divisors.data, dtype=np.float64).reshape(-1), theta, head_dim)
+        if found is None:
+            raise GGUFImportError(f"{gguf_path}: its rope_freqs match no Llama 3 rope scaling; it is not imported")
+        rope = {**rope, **found}
+    return rope
+
+
+def _llama3_rope(divisors, theta: float, head_dim: int) -> dict | None:
+    """Llama 3's rope scaling that gives these per-frequency divisors: the factor is the largest,
+    the frequency bands are the releases' (1 and 4) over a power-of-two original context."""
+    factor = float(divisors.max())
+    wavelens = 2 * math.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+    for log2 in range(6, 21):
+        original, low, high = 2**log2, 1.0, 4.0
+        smooth = (original / wavelens - low) / (high - low)
+        expected = np.where(
+            wavelens < original / high,
+            1.0,
+            np.where(wavelens > original / low, factor, 1 / ((1 - smooth) / factor + smooth)),
+        )
+        if expected.shape == divisors.shape and np.allclose(expected, divisors, rtol=1e-4):
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": original,
+            }
+    return None
 
 
 def _set_ignore_merges(tokenizer_file: Path) -> None:

@@ -25,6 +25,8 @@ LAYER_NAMES = {  # transformers name (after model.layers.N.) -> GGUF name (after
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",  # Qwen3's per-head norms
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
@@ -70,9 +72,10 @@ def write_gguf(
     import gguf
 
     cfg = json.loads((model_dir / "config.json").read_text())
-    arch = arch or {"llama": "llama", "qwen2": "qwen2"}[cfg["model_type"]]
-    rope_theta = cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)
-    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    arch = arch or {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg["model_type"]]
+    rope = {"rope_type": "default", **(cfg.get("rope_parameters") or {})}
+    rope_theta = cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name(model_dir.name)
     writer.add_context_length(cfg["max_position_embeddings"])
@@ -83,6 +86,14 @@ def write_gguf(
     writer.add_head_count_kv(cfg["num_key_value_heads"])
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(float(rope_theta))
+    if "head_dim" in cfg:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if rope["rope_type"] in ("linear", "yarn"):  # as llama.cpp's converter writes a scaled rope
+        writer.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+        if rope["rope_type"] == "yarn":
+            writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
     writer.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     writer.add_file_type(gguf.LlamaFileType.ALL_F32 if quant == "F32" else gguf.LlamaFileType.MOSTLY_Q8_0)
     writer.add_vocab_size(cfg["vocab_size"])
@@ -90,6 +101,8 @@ def write_gguf(
         _add_tokenizer(writer, model_dir, cfg, tokenizer_pre)
     else:
         writer.add_tokenizer_model("none")
+    if rope["rope_type"] == "llama3":  # llama.cpp keeps Llama 3's scaling as per-frequency divisors
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, float(rope_theta), head_dim))
     for name, tensor in gguf_tensors(model_dir, cfg, arch):
         data = tensor.to(torch.float32).contiguous().numpy().astype(np.float32, copy=False)
         if quant == "Q8_0" and data.ndim == 2 and data.shape[1] % 32 == 0:
@@ -102,6 +115,25 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def llama3_rope_factors(rope: dict, theta: float, head_dim: int) -> np.ndarray:
+    """Llama 3's rope scaling as the divisor of each frequency, as llama.cpp's converter computes it."""
+    import math
+
+    factor, low, high = rope["factor"], rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    original = rope.get("original_max_position_embeddings", 8192)
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def _add_tokenizer(writer, model_dir: Path, cfg: dict, pre: str) -> None:

@@ -17,7 +17,7 @@ from engine.tokenizer import Tokenizer
 from engine.types import GenerationRequest, SamplingParams
 from test_greedy_equality import engine_for
 from testing.tiny_gguf import write_gguf
-from testing.tiny_model import build_tiny_llama
+from testing.tiny_model import build_tiny_family, build_tiny_llama
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there, how are you?"}]
 
@@ -25,10 +25,31 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf-sources")
-    return {  # "llama": q/k rows permuted in the file; "qwen2": q/k/v biases
+    built = {  # "llama": q/k rows permuted in the file; "qwen2": q/k/v biases; "qwen3": q/k norms
         "llama": build_tiny_llama(root / "llama", tie_word_embeddings=True, seed=31),
         "qwen2": build_tiny_llama(root / "qwen2", architecture="qwen2", tie_word_embeddings=False, seed=32),
+        "qwen3": build_tiny_family(root / "qwen3", "qwen3", tokenizer=True, head_dim=32, seed=33),
     }
+    scalings = {  # the sources with a scaled rope, long prompts past their original context below
+        "llama-llama3-rope": (
+            "llama",
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        "qwen2-yarn": ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+        "llama-linear": ("llama", {"rope_type": "linear", "factor": 2.0}),
+    }
+    for name, (base, rope) in scalings.items():
+        built[name] = shutil.copytree(built[base], root / name)
+        cfg = json.loads((built[name] / "config.json").read_text())
+        cfg["rope_parameters"] = {**rope, "rope_theta": cfg["rope_parameters"]["rope_theta"]}
+        (built[name] / "config.json").write_text(json.dumps(cfg))
+    return built
 
 
 def _greedy_transformers(model_dir, prompt: list[int], max_tokens: int) -> list[int]:
@@ -53,21 +74,28 @@ def _greedy_engine(model_dir, prompt: list[int], max_tokens: int) -> list[int]:
     return tokens
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_an_f32_gguf_becomes_the_same_model_tokenizer_and_template(sources, tmp_path, arch):
-    src = sources[arch]
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "llama-llama3-rope", "qwen2-yarn", "llama-linear"])
+def test_an_f32_gguf_becomes_the_same_model_tokenizer_and_template(sources, tmp_path, variant):
+    """Rope scalings included, which llama.cpp's converter writes as metadata (linear, YaRN) or,
+    for Llama 3's, as a tensor of per-frequency divisors, and transformers' reader drops."""
+    src = sources[variant]
     done = import_gguf(write_gguf(src, tmp_path / "model.gguf"), tmp_path / "imported")
     out = tmp_path / "imported"
+    arch = variant.split("-")[0]
     assert (done.out_dir, done.model_type, done.dtype) == (out, arch, "float32")
+    rope = json.loads((src / "config.json").read_text()).get("rope_parameters") or {}
+    imported_rope = json.loads((out / "config.json").read_text())["rope_parameters"]
+    assert {k: v for k, v in imported_rope.items() if k in rope} == {k: rope[k] for k in imported_rope if k in rope}
+    assert imported_rope["rope_type"] == rope.get("rope_type", "default")
     before, after = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
-    tied = {"lm_head.weight"} if arch == "llama" else set()  # the llama source ties its embeddings
+    tied = {"lm_head.weight"} if variant.startswith("llama") else set()  # the llama sources tie their embeddings
     assert set(after) == set(before) - tied
     for name, tensor in after.items():  # llama.cpp's q/k row order undone exactly
         assert torch.equal(tensor, before[name]), name
     ours, theirs = Tokenizer.from_dir(out), Tokenizer.from_dir(src)
     assert ours.encode_chat(CHAT) == theirs.encode_chat(CHAT)  # the chat template and special tokens came along
     assert ours.eos_token_ids == theirs.eos_token_ids
-    prompt = theirs.encode_chat(CHAT)
+    prompt = theirs.encode_chat(CHAT) * (1 if variant in ("llama", "qwen2", "qwen3") else 4)  # past 64 positions
     assert _greedy_engine(out, prompt, 12) == _greedy_transformers(src, prompt, 12)
 
 
@@ -93,7 +121,7 @@ def test_what_cannot_be_imported_is_refused_naming_why_and_writes_nothing(source
         (not_gguf, "not a GGUF file"),
         (tmp_path / "missing.gguf", "no such file"),
         (write_gguf(src, tmp_path / "no-tokenizer.gguf", tokenizer=False), "cannot read its tokenizer"),
-        (write_gguf(src, tmp_path / "gpt2.gguf", arch="gpt2"), "(gpt2) is not a family the native engine serves"),
+        (write_gguf(src, tmp_path / "gpt2.gguf", arch="gpt2"), "importing its architecture (gpt2) is not supported"),
     ]
     for path, message in cases:
         with pytest.raises(GGUFImportError, match=message.replace("(", r"\(").replace(")", r"\)")):
