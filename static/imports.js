@@ -2,7 +2,7 @@
 // export saved (one conversation, or all of them) and posts it as it is to
 // POST /v1/conversations/import, which checks it whole and stores all of it or nothing.
 
-import { api } from "./api.js";
+import { api, ApiFailure } from "./api.js";
 import { showBanner } from "./notices.js";
 import { plural } from "./view.js";
 
@@ -32,9 +32,20 @@ export class Imports {
       showBanner(`Imported ${plural(result.num_conversations, "conversation")} from ${file.name}.`, { isInfo: true });
       await this.onImported(result);
     } catch (error) {
-      this.onError(error);
+      this.onError(readable(error, file.name));
     } finally {
       buttonEl.removeAttribute("aria-busy");
     }
   }
+}
+
+// A file the server cannot read as an export is a 400 naming a field ("'messages' must be an
+// array..."): said first in the user's words, the server's reason after it. A full storage keeps
+// its own message (it says what to delete).
+function readable(error, fileName) {
+  if (!(error instanceof ApiFailure) || error.status !== 400 || error.code === "conversation_quota_exceeded") {
+    return error;
+  }
+  const message = `${fileName} is not a conversation export this chat can read (${error.message})`;
+  return new ApiFailure({ ...error, message });
 }

@@ -54,6 +54,7 @@ def test_a_file_the_server_refuses_shows_its_error_and_adds_nothing(ui, tmp_path
     path.write_text(json.dumps(bad), encoding="utf-8")
     pick_file(page, path)
     banner = page.locator("#banner-text")
+    expect(banner).to_contain_text("bad.json is not a conversation export this chat can read (")  # first, in words
     expect(banner).to_contain_text("data[0].messages[0].role")
     expect(banner).to_contain_text("'narrator'")
     expect(page.get_by_role("button", name="Import conversations")).not_to_have_attribute("aria-busy", "true")
@@ -61,4 +62,5 @@ def test_a_file_the_server_refuses_shows_its_error_and_adds_nothing(ui, tmp_path
 
     (tmp_path / "notes.json").write_text("these are not JSON", encoding="utf-8")
     pick_file(page, tmp_path / "notes.json")
+    expect(banner).to_contain_text("notes.json is not a conversation export this chat can read (")
     expect(banner).to_contain_text("not valid JSON")
