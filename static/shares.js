@@ -7,6 +7,7 @@
 import { announce } from "./announce.js";
 import { api } from "./api.js";
 import { copyButton } from "./render.js";
+import { confirmAction } from "./sidebar.js";
 
 const openEl = document.getElementById("share-open");
 const dialogEl = document.getElementById("share-dialog");
@@ -82,6 +83,8 @@ export class Shares {
 
   // Every link of the chat (another tab or an API client may have made more than the one shown).
   async revoke() {
+    const question = "Revoke this chat's share link? Anyone who has it will no longer be able to read it.";
+    if (!(await confirmAction(question, "Revoke"))) return;  // cancelled: the share dialog stays as it was
     await this.busy(revokeEl, async () => {
       const id = this.conversationId();
       let page = await api.listShares(id, 100);

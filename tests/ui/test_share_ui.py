@@ -95,6 +95,13 @@ def test_a_shared_chat_opens_read_only_in_a_fresh_browser_and_stays_a_snapshot(u
         other_path = json.loads(urllib.request.urlopen(other, timeout=10).read())["path"]
         share_link(page)
         page.get_by_role("button", name="Revoke link").click()
+        confirm = page.locator("#confirm-dialog")  # revoking is asked first: cancelling keeps the link
+        expect(confirm).to_contain_text("Revoke this chat's share link?")
+        confirm.get_by_role("button", name="Cancel").click()
+        expect(dialog).to_be_visible()
+        assert ui_server.get_json(f"/v1/shared/{other_path.rsplit('/', 1)[1]}")[0] == 200
+        page.get_by_role("button", name="Revoke link").click()
+        confirm.get_by_role("button", name="Revoke").click()
         expect(dialog).to_be_hidden()
         expect(page.locator("#banner-text")).to_contain_text("revoked")
         view.reload()
