@@ -13,7 +13,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from engine.gguf_import import _IGNORE_MERGES_PRE, _field, _set_ignore_merges
+from engine.gguf_import import _as_llama_cpp_tokenizes
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCABS = ROOT / "build" / "llama-cpp" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "models"
@@ -30,8 +30,7 @@ def check(name: str) -> tuple[int, int, list[str]]:
     gguf = VOCABS / f"ggml-vocab-{name}.gguf"
     with tempfile.TemporaryDirectory() as out:
         AutoTokenizer.from_pretrained(str(VOCABS), gguf_file=gguf.name).save_pretrained(out)
-        if _field(GGUFReader(str(gguf)), "tokenizer.ggml.pre") in _IGNORE_MERGES_PRE:  # as the import does
-            _set_ignore_merges(Path(out) / "tokenizer.json")
+        _as_llama_cpp_tokenizes(GGUFReader(str(gguf)), Path(out) / "tokenizer.json")  # as the import does
         tokenizer = Tokenizer.from_file(str(Path(out) / "tokenizer.json"))
     texts = gguf.with_suffix(".gguf.inp").read_text(encoding="utf-8").split(_SEPARATOR)[:-1]  # one after each
     expected = gguf.with_suffix(".gguf.out").read_text(encoding="utf-8").strip("\n").split("\n")

@@ -143,8 +143,7 @@ def import_gguf(gguf_path: Path, out_dir: Path, dtype: str = "auto") -> Imported
     try:
         config.save_pretrained(scratch)
         tokenizer.save_pretrained(scratch)
-        if _field(reader, "tokenizer.ggml.pre") in _IGNORE_MERGES_PRE:
-            _set_ignore_merges(scratch / "tokenizer.json")
+        _as_llama_cpp_tokenizes(reader, scratch / "tokenizer.json")
         eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
         GenerationConfig(eos_token_id=eos, bos_token_id=config.bos_token_id).save_pretrained(scratch)
         save_file(weights, str(scratch / "model.safetensors"), metadata={"format": "pt"})
@@ -236,10 +235,29 @@ def _llama3_rope(divisors, theta: float, head_dim: int) -> dict | None:
     return None
 
 
-def _set_ignore_merges(tokenizer_file: Path) -> None:
+def _as_llama_cpp_tokenizes(reader, tokenizer_file: Path) -> None:
+    """Where transformers' rebuilt tokenizer.json splits text otherwise than llama.cpp (and so
+    than the original, on llama.cpp's test sets: bench/gguf_tokenizers.py), make it split as
+    llama.cpp does: a Llama 3 style BPE looks whole pre-tokens up before merging (ignore_merges);
+    a SentencePiece vocabulary with add_space_prefix (Llama 2's, Mistral's) puts "▁" before every
+    text, also one that starts with a space, which transformers' Metaspace "first" leaves out."""
     data = json.loads(tokenizer_file.read_text(encoding="utf-8"))
-    if data.get("model", {}).get("type") == "BPE":
-        data["model"]["ignore_merges"] = True
+    model = data.get("model") or {}
+    changed = False
+    if model.get("type") == "BPE" and _field(reader, "tokenizer.ggml.pre") in _IGNORE_MERGES_PRE:
+        model["ignore_merges"] = changed = True
+    spm = _field(reader, "tokenizer.ggml.model") == "llama" and _field(reader, "tokenizer.ggml.add_space_prefix") != 0
+    if spm and (data.get("pre_tokenizer") or {}).get("type") == "Metaspace":
+        data["normalizer"] = {
+            "type": "Sequence",
+            "normalizers": [
+                {"type": "Prepend", "prepend": "\u2581"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
+            ],
+        }
+        data["pre_tokenizer"] = None
+        changed = True
+    if changed:
         tokenizer_file.write_text(json.dumps(data, ensure_ascii=False, indent=2), encoding="utf-8")
 
 

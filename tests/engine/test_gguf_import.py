@@ -154,3 +154,34 @@ def test_a_llama3_style_vocabulary_keeps_its_whole_words_as_the_original_does(so
         import_gguf(write_gguf(sources["qwen2"], tmp_path / f"{pre}.gguf", tokenizer_pre=pre), out)
         model = json.loads((out / "tokenizer.json").read_text())["model"]
         assert bool(model.get("ignore_merges")) is ignores, pre
+
+
+def test_a_sentencepiece_vocabulary_puts_its_prefix_before_a_leading_space_as_llama_cpp_does(tmp_path):
+    """transformers rebuilds Llama 2's (and Mistral's) SentencePiece vocabulary with a Metaspace that
+    adds no "▁" before a text that starts with a space; the original and llama.cpp add one (on
+    llama.cpp's Llama 2 test set, 15 of 46 strings differed: bench/gguf_tokenizers.py)."""
+    import gguf
+    from gguf import GGUFReader
+    from tokenizers import Tokenizer as Rust
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from engine.gguf_import import _as_llama_cpp_tokenizes
+
+    writer = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")  # the metadata alone
+    writer.add_tokenizer_model("llama")
+    writer.add_add_space_prefix(True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    pieces = [("<unk>", 0.0), ("\u2581", -1.0), ("\u2581Hello", -1.0), ("Hello", -3.0)]
+    pieces += [(c, -9.0) for c in "Helo"]
+    rebuilt = Rust(models.Unigram(pieces, unk_id=0, byte_fallback=False))  # as transformers rebuilds it
+    rebuilt.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    rebuilt.decoder = decoders.Metaspace(prepend_scheme="first", split=False)
+    rebuilt.save(str(tmp_path / "tokenizer.json"))
+    assert Rust.from_file(str(tmp_path / "tokenizer.json")).encode(" Hello").tokens == ["\u2581Hello"]
+    _as_llama_cpp_tokenizes(GGUFReader(str(tmp_path / "spm.gguf")), tmp_path / "tokenizer.json")
+    fixed = Rust.from_file(str(tmp_path / "tokenizer.json"))
+    assert fixed.encode(" Hello").tokens == ["\u2581", "\u2581Hello"]  # llama.cpp's and Llama 2's own split
+    assert fixed.encode("Hello").tokens == ["\u2581Hello"]
