@@ -125,7 +125,12 @@ def import_gguf(gguf_path: Path, out_dir: Path, dtype: str = "auto") -> Imported
     with torch.device("meta"):  # the names the tensors map to, without allocating the model
         skeleton = AutoModelForCausalLM.from_config(config)
     try:
-        tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
+        # each tensor cast to the dtype written as soon as it is dequantized: float32 copies of a
+        # whole model (12 GB at 3B parameters) are never held at once
+        loaded = load_gguf_checkpoint(
+            str(gguf_path), return_tensors=True, model_to_load=skeleton, torch_dtype=torch_dtype
+        )
+        tensors = loaded["tensors"]
     except Exception as exc:  # a tensor type the gguf package cannot dequantize, a truncated file
         raise GGUFImportError(f"{gguf_path}: cannot read its tensors: {_first_line(exc)}") from None
     expected = set(skeleton.state_dict())
