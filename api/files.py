@@ -25,7 +25,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from api.connections import CLOSE_AFTER, malformed_body
 from api.errors import ApiError, bad_request, not_found
-from api.paging import page_limit, page_order
+from api.paging import list_body, page_limit, page_order
 from api.state import PRINCIPAL, SETTINGS, STATE
 from media.text_memory import TextMemory
 from settings import ConfigError, Settings
@@ -273,13 +273,7 @@ def _list_query(request: web.Request) -> FileQuery:
 async def list_files(request: web.Request) -> web.Response:
     found, has_more = await request.app[STATE].store.list_files(request[PRINCIPAL].org.id, _list_query(request))
     data = [file_obj(f) for f in found]
-    body = {
-        "object": "list",
-        "data": data,
-        "has_more": has_more,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-    }
+    body = list_body(data, has_more)
     # The web UI refuses a too-large file before uploading it.
     return web.json_response(body, headers={"X-Max-File-Bytes": str(request.app[SETTINGS].files.max_file_bytes)})
 

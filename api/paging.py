@@ -1,8 +1,10 @@
-"""The query parameters of OpenAI's list endpoints (`limit`, `order`), checked in one place."""
+"""OpenAI's list endpoints: their query parameters (`limit`, `order`), checked in one place, and
+the page they answer (list_body)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from api.errors import bad_request
 
@@ -21,3 +23,15 @@ def page_order(query: Mapping[str, str]) -> str:
     if order not in ("asc", "desc"):
         raise bad_request(f"'order' must be 'asc' or 'desc', got {order!r}.", param="order")
     return order
+
+
+def list_body(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """A page as OpenAI's list endpoints answer it: the objects, whether more follow, and the ids
+    at its ends (the next page's `after` is `last_id`)."""
+    return {
+        "object": "list",
+        "data": data,
+        "has_more": has_more,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+    }

@@ -29,7 +29,7 @@ from api.errors import ApiError, bad_request, not_found
 from api.fields import MAX_TITLE_CHARS, check_metadata
 from api.image_job import prompter_of
 from api.model_info import created_at, model_extras
-from api.paging import page_limit
+from api.paging import list_body, page_limit
 from api.state import PRINCIPAL, SETTINGS, STATE
 from engine.registry import ModelHandle
 from engine.tokenizer import Tokenizer
@@ -220,15 +220,7 @@ async def list_conversations(request: web.Request) -> web.Response:
             data = [conversation_obj(c, with_messages=False) for c in convs]
     except NotFound:
         raise not_found(f"No conversation found with id '{after}' (the 'after' cursor).", param="after") from None
-    return _json(
-        {
-            "object": "list",
-            "data": data,
-            "has_more": has_more,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-        }
-    )
+    return _json(list_body(data, has_more))
 
 
 def _search_text(query: Mapping[str, str]) -> str:

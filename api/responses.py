@@ -33,7 +33,7 @@ from api.errors import ApiError, bad_request, not_found, overloaded
 from api.finish import STATUS, finish_job, generate_unary, stream_job
 from api.generation import generate_choices, make_answer
 from api.job import Job
-from api.paging import page_limit, page_order
+from api.paging import list_body, page_limit, page_order
 from api.protocol import ChatMessage, ChatRequest
 from api.responses_background import BACKGROUND, start_background, stop_all_background, stop_background
 from api.responses_record import ResponseContext, body_of, dumps, finished, record_cut
@@ -361,16 +361,7 @@ async def list_input_items(request: web.Request) -> web.Response:
             raise not_found(f"No input item found with id '{after}' (the 'after' cursor).", param="after")
         start = ids.index(after) + 1
     page = items[start : start + limit]
-    return web.json_response(
-        {
-            "object": "list",
-            "data": page,
-            "has_more": start + len(page) < len(items),
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-        },
-        dumps=dumps,
-    )
+    return web.json_response(list_body(page, start + len(page) < len(items)), dumps=dumps)
 
 
 async def _stored(request: web.Request) -> StoredResponse:

@@ -28,7 +28,7 @@ from yarl import URL
 from api.chat import read_json
 from api.errors import ApiError, bad_request, not_found, overloaded, rate_limited
 from api.export_format import attachment_names, file_ids_of
-from api.paging import page_limit
+from api.paging import list_body, page_limit
 from api.security import TrustedProxies, forwarded_scheme, host_name
 from api.share_readers import Refusal, ShareReaders
 from api.state import PRINCIPAL, SETTINGS, STATE, AppState
@@ -232,13 +232,7 @@ async def list_shares(request: web.Request) -> web.Response:
         raise not_found(f"No share found with id '{after}' (the 'after' cursor).", param="after") from None
     origin = link_origin(request)
     data = [share_obj(s, origin) for s in shares]
-    body = {
-        "object": "list",
-        "data": data,
-        "has_more": has_more,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-    }
+    body = list_body(data, has_more)
     # The web chat offers its Share button only where creating a link can succeed.
     enabled = "true" if request.app[SETTINGS].sharing.enabled else "false"
     return web.json_response(body, headers={SHARING_ENABLED_HEADER: enabled})
