@@ -86,7 +86,7 @@ def import_gguf(gguf_path: Path, out_dir: Path, dtype: str = "auto") -> Imported
     import torch
     from gguf import GGUFReader
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from engine.native.families import FAMILIES
@@ -107,6 +107,9 @@ def import_gguf(gguf_path: Path, out_dir: Path, dtype: str = "auto") -> Imported
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
     except Exception as exc:  # a file that lacks a setting transformers needs
         raise GGUFImportError(f"{gguf_path}: cannot read its model config: {_first_line(exc)}") from None
+    if config.model_type == "mistral":  # a 'llama' file named "mistral": gguf-py maps no tensor names for
+        # that type, and llama.cpp runs such a file as Llama, over the whole context (no window)
+        config = CONFIG_MAPPING["llama"].from_dict({**config.to_dict(), "model_type": "llama"})
     if config.model_type not in FAMILIES:
         raise GGUFImportError(
             f"{gguf_path}: its model ({config.model_type}) is not a family the native engine serves "
@@ -116,6 +119,9 @@ def import_gguf(gguf_path: Path, out_dir: Path, dtype: str = "auto") -> Imported
     if key_length is not None:  # a head size of its own (Qwen3's 128), which transformers' reader leaves to defaults
         config.head_dim = int(key_length)
     config.rope_parameters = _rope(reader, arch, config, gguf_path)
+    if hasattr(config, "sliding_window"):  # only what the file names (Mistral's 4096 default is not used)
+        window = _field(reader, f"{arch}.attention.sliding_window")
+        config.sliding_window = int(window) if window else None
     chosen = _dtype_for(reader) if dtype == "auto" else dtype
     torch_dtype = getattr(torch, chosen)
     try:

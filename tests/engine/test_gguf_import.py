@@ -185,3 +185,15 @@ def test_a_sentencepiece_vocabulary_puts_its_prefix_before_a_leading_space_as_ll
     fixed = Rust.from_file(str(tmp_path / "tokenizer.json"))
     assert fixed.encode(" Hello").tokens == ["\u2581", "\u2581Hello"]  # llama.cpp's and Llama 2's own split
     assert fixed.encode("Hello").tokens == ["\u2581Hello"]
+
+
+def test_a_llama_file_named_mistral_imports_as_llama_without_a_window(tmp_path):
+    """transformers reads a 'llama' file named "mistral" as Mistral, for which gguf-py maps no tensor
+    names (its reader then fails) and whose config class defaults to a 4,096-token window; llama.cpp
+    runs the file as Llama over the whole context, and so is it imported."""
+    src = build_tiny_llama(tmp_path / "mistral", seed=34)  # its folder's name is the file's general.name
+    done = import_gguf(write_gguf(src, tmp_path / "mistral.gguf"), tmp_path / "imported")
+    config = json.loads((done.out_dir / "config.json").read_text())
+    assert (done.model_type, config.get("sliding_window")) == ("llama", None)
+    prompt = Tokenizer.from_dir(src).encode_chat(CHAT)
+    assert _greedy_engine(done.out_dir, prompt, 8) == _greedy_transformers(src, prompt, 8)
