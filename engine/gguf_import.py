@@ -36,9 +36,9 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 _PLAIN_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 # GGUF architectures (general.architecture) imported: those whose settings this import carries in
 # full and has checked against the original checkpoint (tests/engine/test_gguf_import.py).
-# transformers reads more (Gemma, Phi-3), but drops settings of theirs, such as Phi-4-mini's
-# partial rope or Gemma 3's scaled one, that would serve a model subtly wrong.
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# transformers reads more (Gemma), but drops settings of theirs, such as Gemma 3's scaled rope
+# on its global layers, that would serve a model subtly wrong.
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 
 
 # tokenizer.ggml.pre values whose tokenizers look a whole pre-token up in the vocabulary before
@@ -195,15 +195,18 @@ def _field(reader, key: str):
 
 def _rope(reader, arch: str, config, gguf_path: Path) -> dict:
     """The rope settings the file holds, which transformers' GGUF reader leaves out (it keeps only
-    the base): a linear or YaRN scaling from the metadata, and Llama 3's scaling, which llama.cpp
-    keeps as a tensor of per-frequency divisors (rope_freqs) whose parameters are found again here
-    by trying the ones its releases use; anything else is refused rather than served wrong."""
+    the base): Phi-3's partial rope and longrope factors (tensors), a linear or YaRN scaling from
+    the metadata, and Llama 3's scaling, which llama.cpp keeps as a tensor of per-frequency divisors
+    (rope_freqs) whose parameters are found again here by trying the ones its releases use; anything
+    else is refused rather than served wrong."""
     theta = float(config.rope_parameters["rope_theta"])
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    rope: dict = {**config.rope_parameters, "rope_type": "default", "rope_theta": theta}  # Phi-3's partial factor kept
     rotated = _field(reader, f"{arch}.rope.dimension_count")
     if rotated is not None and rotated != head_dim:
-        raise GGUFImportError(f"{gguf_path}: rope over {rotated} of {head_dim} dimensions is not imported")
-    rope: dict = {"rope_type": "default", "rope_theta": theta}
+        if arch != "phi3":
+            raise GGUFImportError(f"{gguf_path}: rope over {rotated} of {head_dim} dimensions is not imported")
+        rope["partial_rotary_factor"] = rotated / head_dim  # Phi-4-mini's: the first dimensions, as halves
     kind = _field(reader, f"{arch}.rope.scaling.type")
     if kind not in (None, "none"):
         factor = _field(reader, f"{arch}.rope.scaling.factor")
@@ -213,13 +216,32 @@ def _rope(reader, arch: str, config, gguf_path: Path) -> dict:
         if kind == "yarn":
             original = _field(reader, f"{arch}.rope.scaling.original_context_length")
             rope["original_max_position_embeddings"] = int(original or config.max_position_embeddings)
-    divisors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    tensors = {t.name: t for t in reader.tensors if t.name.startswith("rope_")}
+    if "rope_factors_long.weight" in tensors:  # Phi-3's longrope: both factor lists, as tensors
+        original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+        if original is None or "rope_factors_short.weight" not in tensors:
+            raise GGUFImportError(f"{gguf_path}: its longrope factors come without their original context")
+        rope = {
+            **rope,
+            "rope_type": "longrope",
+            "long_factor": _factors(tensors["rope_factors_long.weight"]),
+            "short_factor": _factors(tensors["rope_factors_short.weight"]),
+            "original_max_position_embeddings": int(original),
+        }
+        config.original_max_position_embeddings = int(original)
+    divisors = tensors.get("rope_freqs.weight")
     if divisors is not None:
         found = _llama3_rope(np.asarray(divisors.data, dtype=np.float64).reshape(-1), theta, head_dim)
         if found is None:
             raise GGUFImportError(f"{gguf_path}: its rope_freqs match no Llama 3 rope scaling; it is not imported")
         rope = {**rope, **found}
     return rope
+
+
+def _factors(tensor) -> list[float]:
+    """A factor list the file holds as float32, back as the decimals its config.json gave (7
+    significant digits are float32's own, so nothing else changes)."""
+    return [float(f"{x:.7g}") for x in np.asarray(tensor.data, dtype=np.float32).reshape(-1)]
 
 
 def _llama3_rope(divisors, theta: float, head_dim: int) -> dict | None:

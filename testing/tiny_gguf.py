@@ -26,6 +26,8 @@ LAYER_NAMES = {  # transformers name (after model.layers.N.) -> GGUF name (after
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
     "self_attn.q_norm.weight": "attn_q_norm.weight",  # Qwen3's per-head norms
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",  # Phi-3's fused projections
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
@@ -72,7 +74,7 @@ def write_gguf(
     import gguf
 
     cfg = json.loads((model_dir / "config.json").read_text())
-    arch = arch or {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg["model_type"]]
+    arch = arch or {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}[cfg["model_type"]]
     rope = {"rope_type": "default", **(cfg.get("rope_parameters") or {})}
     rope_theta = cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -84,7 +86,8 @@ def write_gguf(
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(cfg["num_attention_heads"])
     writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_rope_dimension_count(head_dim)
+    partial = rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0
+    writer.add_rope_dimension_count(int(head_dim * partial))  # Phi-4-mini's partial rope: fewer
     writer.add_rope_freq_base(float(rope_theta))
     if "head_dim" in cfg:
         writer.add_key_length(head_dim)
@@ -101,6 +104,12 @@ def write_gguf(
         _add_tokenizer(writer, model_dir, cfg, tokenizer_pre)
     else:
         writer.add_tokenizer_model("none")
+    if cfg.get("sliding_window"):
+        writer.add_sliding_window(int(cfg["sliding_window"]))
+    if rope["rope_type"] == "longrope":  # Phi-3's: both factor lists as tensors, as llama.cpp writes them
+        writer.add_rope_scaling_orig_ctx_len(int(cfg["original_max_position_embeddings"]))
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     if rope["rope_type"] == "llama3":  # llama.cpp keeps Llama 3's scaling as per-frequency divisors
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, float(rope_theta), head_dim))
     for name, tensor in gguf_tensors(model_dir, cfg, arch):

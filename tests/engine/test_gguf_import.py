@@ -29,6 +29,24 @@ def sources(tmp_path_factory):
         "llama": build_tiny_llama(root / "llama", tie_word_embeddings=True, seed=31),
         "qwen2": build_tiny_llama(root / "qwen2", architecture="qwen2", tie_word_embeddings=False, seed=32),
         "qwen3": build_tiny_family(root / "qwen3", "qwen3", tokenizer=True, head_dim=32, seed=33),
+        # Phi-3.5-mini's layout (fused projections, a sliding window, longrope) and Phi-4-mini's partial rope
+        "phi3-longrope": build_tiny_family(
+            root / "phi3-longrope",
+            "phi3",
+            tokenizer=True,
+            sliding_window=40,
+            original_max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + i / 10 for i in range(8)],
+                "long_factor": [2.0 + i for i in range(8)],
+            },
+            seed=35,
+        ),
+        "phi3-partial": build_tiny_family(
+            root / "phi3-partial", "phi3", tokenizer=True, partial_rotary_factor=0.5, seed=36
+        ),
     }
     scalings = {  # the sources with a scaled rope, long prompts past their original context below
         "llama-llama3-rope": (
@@ -74,7 +92,10 @@ def _greedy_engine(model_dir, prompt: list[int], max_tokens: int) -> list[int]:
     return tokens
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "llama-llama3-rope", "qwen2-yarn", "llama-linear"])
+@pytest.mark.parametrize(
+    "variant",
+    ["llama", "qwen2", "qwen3", "llama-llama3-rope", "qwen2-yarn", "llama-linear", "phi3-longrope", "phi3-partial"],
+)
 def test_an_f32_gguf_becomes_the_same_model_tokenizer_and_template(sources, tmp_path, variant):
     """Rope scalings included, which llama.cpp's converter writes as metadata (linear, YaRN) or,
     for Llama 3's, as a tensor of per-frequency divisors, and transformers' reader drops."""
@@ -95,7 +116,7 @@ def test_an_f32_gguf_becomes_the_same_model_tokenizer_and_template(sources, tmp_
     ours, theirs = Tokenizer.from_dir(out), Tokenizer.from_dir(src)
     assert ours.encode_chat(CHAT) == theirs.encode_chat(CHAT)  # the chat template and special tokens came along
     assert ours.eos_token_ids == theirs.eos_token_ids
-    prompt = theirs.encode_chat(CHAT) * (1 if variant in ("llama", "qwen2", "qwen3") else 4)  # past 64 positions
+    prompt = theirs.encode_chat(CHAT) * (1 if variant in ("llama", "qwen2", "qwen3", "phi3-partial") else 4)
     assert _greedy_engine(out, prompt, 12) == _greedy_transformers(src, prompt, 12)
 
 
