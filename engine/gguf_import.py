@@ -34,6 +34,13 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 # GGUF tensor types kept as they are by dtype "auto"; a file holding any other (a quantized one)
 # is written in bfloat16, which keeps every value a 4- to 8-bit block format can hold closely.
 _PLAIN_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+# Tokens that end an answer wherever the vocabulary has them, besides the file's EOS/EOT/EOM ids:
+# the texts llama.cpp's llama-vocab.cpp treats so (its "end of generation" set), of the families
+# imported. A file often names one id (Phi-3's <|endoftext|>) while the chat ends turns with
+# another (<|end|>): without these the answer would run on to max_tokens.
+_END_OF_GENERATION_TEXTS = frozenset(
+    {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<|end_of_text|>", "<end_of_turn>", "<EOT>"}
+)
 # GGUF architectures (general.architecture) imported: those whose settings this import carries in
 # full and has checked against the original checkpoint (tests/engine/test_gguf_import.py).
 # transformers reads more (Gemma), but drops settings of theirs, such as Gemma 3's scaled rope
@@ -155,8 +162,8 @@ def import_gguf(gguf_path: Path, out_dir: Path, dtype: str = "auto") -> Imported
         config.save_pretrained(scratch)
         tokenizer.save_pretrained(scratch)
         _as_llama_cpp_tokenizes(reader, scratch / "tokenizer.json")
-        eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
-        GenerationConfig(eos_token_id=eos, bos_token_id=config.bos_token_id).save_pretrained(scratch)
+        eos = _end_of_generation_ids(reader, tokenizer.get_vocab())
+        GenerationConfig(eos_token_id=eos or None, bos_token_id=config.bos_token_id).save_pretrained(scratch)
         save_file(weights, str(scratch / "model.safetensors"), metadata={"format": "pt"})
         (scratch / "gguf_import.json").write_text(
             json.dumps({"source": str(gguf_path), "dtype": chosen}, indent=2) + "\n", encoding="utf-8"
@@ -236,6 +243,14 @@ def _rope(reader, arch: str, config, gguf_path: Path) -> dict:
             raise GGUFImportError(f"{gguf_path}: its rope_freqs match no Llama 3 rope scaling; it is not imported")
         rope = {**rope, **found}
     return rope
+
+
+def _end_of_generation_ids(reader, vocab: dict[str, int]) -> list[int]:
+    """Every id that ends an answer, as llama.cpp reads the file: its EOS, EOT and EOM ids, and the
+    vocabulary's tokens of _END_OF_GENERATION_TEXTS."""
+    ids = {_field(reader, f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")} - {None}
+    ids |= {token_id for text, token_id in vocab.items() if text in _END_OF_GENERATION_TEXTS}
+    return sorted(int(i) for i in ids)
 
 
 def _factors(tensor) -> list[float]:
