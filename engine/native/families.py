@@ -50,6 +50,7 @@ class Family:
 FAMILIES: dict[str, Family] = {
     "llama": Family(),
     "mistral": Family(),
+    "ministral": Family(),  # Ministral 8B: Mistral's, its sliding window on the layers layer_types names
     "qwen2": Family(),
     "qwen3": Family(qk_norm=QKNorm.PER_HEAD),
     "smollm3": Family(),

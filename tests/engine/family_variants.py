@@ -58,6 +58,10 @@ FAMILY_VARIANTS = {
         },
     ),
     "smollm3": dict(model_type="smollm3", num_hidden_layers=3, no_rope_layer_interval=2, seed=15),
+    # Ministral 8B: sliding and global layers interleaved, one rope for all
+    "ministral": dict(
+        model_type="ministral", num_hidden_layers=3, layer_types=SLIDING, sliding_window=24, head_dim=16, seed=23
+    ),
     "mistral-sliding": dict(model_type="mistral", sliding_window=24, head_dim=16, seed=16),
     "granite": dict(
         model_type="granite",

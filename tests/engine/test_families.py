@@ -81,6 +81,11 @@ def test_family_configs_switch_on_their_features(tiny_models):
     olmo3 = args["olmo3"]
     assert [layer.sliding_window for layer in olmo3.layers] == [24, None, 24]
     assert dict(dict(olmo3.rope_parameters)["full_attention"])["rope_type"] == "yarn"
+    assert [(layer.sliding_window, layer.rope) for layer in args["ministral"].layers] == [
+        (24, ""),
+        (None, ""),
+        (24, ""),
+    ]
     exaone4 = args["exaone4"]
     assert [(layer.sliding_window, layer.rope) for layer in exaone4.layers] == [(24, "")] * 3 + [(None, None)]
     assert all(layer.rope == "" for layer in args["exaone4-global"].layers)
