@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.native.linear_attention import RecurrentBatch
+
 
 @dataclass(frozen=True, slots=True)
 class AttentionSpec:
@@ -59,6 +61,8 @@ class AttentionMetadata:
     # A model mixing sliding and global layers: the sliding layers' KV group (its own blocks,
     # slots and masks); this object's fields are then the global layers'.
     window_group: AttentionMetadata | None = None
+    # A model with Gated DeltaNet layers (Qwen3.5): each row's recurrent-state row (linear_attention.py)
+    recurrent: RecurrentBatch | None = None
 
     def for_layer(self, spec: AttentionSpec) -> AttentionMetadata:
         return self.window_group if spec.sliding_window is not None and self.window_group is not None else self

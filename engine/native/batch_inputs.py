@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from engine.native.attention import AttentionMetadata, PrefillChunk
+from engine.native.linear_attention import RecurrentBatch
 from engine.native.scheduler import ScheduledBatch
 from engine.native.sequence import Sequence
 
@@ -42,6 +43,7 @@ class KVLayout:
     # Per KV group, a block no sequence is given (the pool's last): padding rows of a decode step
     # padded to a fixed shape (cuda_graphs.py) write and read only there. None: no padding.
     scratch_blocks: tuple[int, ...] | None = None
+    recurrent: bool = False  # Gated DeltaNet layers (Qwen3.5): each row's recurrent-state row goes in the metadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +86,8 @@ class BatchInputBuilder:
             for g in range(len(self.layout.group_windows))
         ]
         meta = metas[0] if len(metas) == 1 else dataclasses.replace(metas[0], window_group=metas[1])
+        if self.layout.recurrent:
+            meta = dataclasses.replace(meta, recurrent=self._recurrent_batch(decode_seqs, chunks))
         return BatchInputs(
             input_ids=self._to_device(np.asarray(input_ids, dtype=np.int64)),
             positions=self._to_device(np.concatenate(position_arrays)),
@@ -92,6 +96,17 @@ class BatchInputBuilder:
             prefills=prefills,
             chunk_ends=tuple(row + n for _, n, row in chunks),
         )
+
+    def _recurrent_batch(self, decode_seqs: list[Sequence], chunks: list[tuple[Sequence, int, int]]) -> RecurrentBatch:
+        """A chunk at position 0 starts its sequence (prefix caching is off for these models: a
+        sequence's first chunk, or its first after preemption) and so starts from a zero state."""
+        slots = [seq.state_slot for seq in decode_seqs]
+        assert None not in slots  # a running sequence holds a row (state_slots.py)
+        chunk_rows = []
+        for seq, n, row in chunks:
+            assert seq.state_slot is not None
+            chunk_rows.append((seq.state_slot, row, n, seq.num_computed_tokens == 0))
+        return RecurrentBatch(self._to_device(np.asarray(slots, dtype=np.int64)), tuple(chunk_rows))
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.layout.device, non_blocking=True)

@@ -45,6 +45,9 @@ class Family:
     fused_projections: bool = False  # Phi-3: qkv_proj and gate_up_proj in the checkpoint
     # EXAONE 4: where sliding layers mix with global ones, the global layers use no rope
     global_layers_without_rope: bool = False
+    # Qwen3.5: Gated DeltaNet layers where layer_types says "linear_attention" (linear_attention.py),
+    # and q_proj doubles as a sigmoid gate on each attention head's output
+    linear_attention: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -61,8 +64,40 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family(fused_projections=True),
     "gemma2": Family(norms=Norms.SANDWICH, norm_offset=1.0, scale_embeddings=True),
     "gemma3_text": Family(norms=Norms.SANDWICH, qk_norm=QKNorm.PER_HEAD, norm_offset=1.0, scale_embeddings=True),
+    "qwen3_5_text": Family(qk_norm=QKNorm.PER_HEAD, norm_offset=1.0, linear_attention=True),
 }
 ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
+
+
+@dataclass(frozen=True, slots=True)
+class LinearAttentionShape:
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:  # q, k and v go through the convolution
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def in_proj_rows(self) -> int:  # [q k v | z | b | a] fused into one matmul
+        return self.conv_dim + self.value_dim + 2 * self.value_heads
+
+    def state_bytes(self) -> int:
+        """One sequence's state in one layer (float32)."""
+        conv = self.conv_dim * (self.conv_kernel - 1)
+        return 4 * (conv + self.value_heads * self.key_head_dim * self.value_head_dim)
+
 
 
 class UnsupportedConfig(ValueError):
@@ -73,6 +108,7 @@ class UnsupportedConfig(ValueError):
 class LayerSpec:
     sliding_window: int | None  # attend to the last `sliding_window` positions (this one included)
     rope: str | None  # key into ModelArgs.rope_parameters; None: this layer has no rotary embedding
+    linear: bool = False  # a Gated DeltaNet layer (no attention, no KV cache)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +134,7 @@ class ModelArgs:
     logits_divisor: float = 1.0  # Granite's logits_scaling
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
+    linear_attention: LinearAttentionShape | None = None  # Qwen3.5's Gated DeltaNet layers
     hf_config: Any = field(default=None, compare=False, repr=False)  # for transformers' rope functions
 
     @property
@@ -126,6 +163,7 @@ class ModelArgs:
         (rope,) = ropes if len(ropes) == 1 else (None,)
         return (
             f.norms is Norms.PRE
+            and not f.linear_attention
             and f.qk_norm in (QKNorm.NONE, QKNorm.PER_HEAD)
             and self.activation is Activation.SILU
             and rope is not None
@@ -139,7 +177,7 @@ class ModelArgs:
         """decode_step.c runs every layer of a decode-only step: every family's layer (norm
         placement, q/k norms, partial and per-layer RoPE, windows, soft-caps, GELU-tanh) fits, and
         a residual multiplier where it is folded into the weights (Llama-like layers, Granite)."""
-        return self.residual_multiplier == 1.0 or self.is_llama_like
+        return not self.family.linear_attention and (self.residual_multiplier == 1.0 or self.is_llama_like)
 
     @property
     def kv_groups(self) -> tuple[int, ...]:
@@ -156,7 +194,22 @@ class ModelArgs:
         """Parameters of the matmuls a token passes through (embedding lookup excluded)."""
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         mlp = 3 * self.hidden_size * self.intermediate_size
-        return self.num_layers * (attn + mlp) + self.vocab_size * self.hidden_size
+        linear = self.linear_attention
+        if linear is None:
+            return self.num_layers * (attn + mlp) + self.vocab_size * self.hidden_size
+        num_linear = self.num_linear_layers
+        linear_params = self.hidden_size * (linear.in_proj_rows + linear.value_dim)
+        attn += self.hidden_size * self.num_heads * self.head_dim  # the output gate
+        return num_linear * linear_params + (self.num_layers - num_linear) * attn + self.num_layers * mlp
+
+    @property
+    def num_linear_layers(self) -> int:
+        return sum(layer.linear for layer in self.layers)
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with a KV cache."""
+        return self.num_layers - self.num_linear_layers
 
 
 def model_args_from_config(config: Any) -> ModelArgs:
@@ -192,6 +245,7 @@ def model_args_from_config(config: Any) -> ModelArgs:
         layers=layers,
         rope_parameters=tuple((k, tuple(sorted(v.items()))) for k, v in rope_params.items()),
         attention_scale=scale,
+        linear_attention=_linear_attention_shape(config) if family.linear_attention else None,
         embedding_multiplier=_embedding_multiplier(config, family),
         residual_multiplier=float(getattr(config, "residual_multiplier", 1.0) or 1.0),
         logits_divisor=float(getattr(config, "logits_scaling", 1.0) or 1.0),
@@ -199,6 +253,21 @@ def model_args_from_config(config: Any) -> ModelArgs:
         final_logit_softcap=_optional_float(getattr(config, "final_logit_softcapping", None)),
         hf_config=config,
     )
+
+
+def _linear_attention_shape(config: Any) -> LinearAttentionShape:
+    shape = LinearAttentionShape(
+        key_heads=int(config.linear_num_key_heads),
+        value_heads=int(config.linear_num_value_heads),
+        key_head_dim=int(config.linear_key_head_dim),
+        value_head_dim=int(config.linear_value_head_dim),
+        conv_kernel=int(config.linear_conv_kernel_dim),
+    )
+    if min(shape.key_heads, shape.value_heads, shape.key_head_dim, shape.value_head_dim, shape.conv_kernel) < 1:
+        raise UnsupportedConfig(f"linear attention sizes must be 1 or more; got {shape}")
+    if shape.value_heads % shape.key_heads:
+        raise UnsupportedConfig("linear_num_value_heads must be a multiple of linear_num_key_heads")
+    return shape
 
 
 def _optional_float(value: Any) -> float | None:
@@ -239,6 +308,9 @@ def _layer_specs(config: Any, rope_params: dict[str, dict[str, Any]], family: Fa
     specs = []
     for i in range(num_layers):
         kind = layer_types[i]
+        if kind == "linear_attention" and family.linear_attention:
+            specs.append(LayerSpec(sliding_window=None, rope=None, linear=True))
+            continue
         if kind not in ("full_attention", "sliding_attention"):
             raise UnsupportedConfig(f"layer type {kind!r} is not supported (full_attention, sliding_attention)")
         rope_key = kind if kind in rope_params else ""

@@ -16,6 +16,7 @@ from engine.native.block_manager import BlockManager
 from engine.native.hybrid_blocks import HybridBlockManager
 from engine.native.scheduler import Scheduler, SchedulerConfig
 from engine.native.sequence import Sequence
+from engine.native.state_slots import StateSlotManager
 from engine.types import (
     EngineStats,
     FinishReason,
@@ -57,8 +58,15 @@ def _prefill_cap(config: EngineConfig, device_type: str) -> int | None:
     return _CPU_PREFILL_TOKENS_WHILE_DECODING if device_type == "cpu" else None
 
 
-def _block_manager(runner: ModelRunner, enable_prefix_caching: bool) -> BlockManager | HybridBlockManager:
-    """One manager per KV group of the runner's pools; two are paired (hybrid_blocks.py)."""
+def _block_manager(
+    runner: ModelRunner, enable_prefix_caching: bool
+) -> BlockManager | HybridBlockManager | StateSlotManager:
+    """One manager per KV group of the runner's pools; two are paired (hybrid_blocks.py). A model
+    with a recurrent state per sequence (Qwen3.5) also hands out its state rows (state_slots.py),
+    without prefix caching: a state summarizes its whole prefix, and blocks alone cannot restore it."""
+    if runner.recurrent is not None:
+        blocks = BlockManager(runner.group_num_blocks[0], runner.block_size, enable_prefix_caching=False)
+        return StateSlotManager(blocks, runner.num_state_slots)
     groups = [
         BlockManager(
             num_blocks, runner.block_size, enable_prefix_caching=enable_prefix_caching, sliding_window=window, group=g
@@ -88,7 +96,8 @@ class LLMEngine:
                 config.max_num_seqs,
                 config.max_num_batched_tokens,
                 _prefill_cap(config, runner.device.type),
-                speculative_tokens=0 if runner.vision is not None else config.speculative_tokens,
+                # Drafts are rolled back when rejected: neither image rows nor a recurrent state can be
+                speculative_tokens=0 if runner.vision is not None or runner.recurrent else config.speculative_tokens,
             ),
             self.block_manager,
         )

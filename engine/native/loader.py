@@ -20,6 +20,7 @@ import structlog
 import torch
 
 from engine.native.families import FAMILIES, ModelArgs, Norms, QKNorm, UnsupportedConfig, model_args_from_config
+from engine.native.linear_attention import LinearAttentionWeights
 from engine.types import EngineError
 
 log = structlog.get_logger(__name__)
@@ -46,6 +47,10 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None  # [head_dim] or [num_kv_heads * head_dim]
     attn_out_norm: torch.Tensor | None = None  # [hidden] on attention's output (Gemma, OLMo 2)
     mlp_out_norm: torch.Tensor | None = None  # [hidden] on the MLP's output (Gemma, OLMo 2)
+    # A Gated DeltaNet layer (Qwen3.5): qkv is its fused input projection [in_proj_rows, hidden],
+    # o_proj its output projection [hidden, value_dim], the rest here. Its attention layers' qkv
+    # ends with the output gate's rows: [q | k | v | gate].
+    linear: LinearAttentionWeights | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,26 +76,45 @@ def _read_json(path: Path) -> dict[str, Any]:
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
+# Where a checkpoint's tensors sit: (prefix of the names the engine reads, the checkpoint's prefix
+# for them), first match wins; () for a plain causal LM.
+Renames = tuple[tuple[str, str], ...]
+
 # Multimodal checkpoints whose language model the engine serves: config.json's model_type -> where
 # that model's weights sit (its `text_config` describes it). LLaVA's vision tower is served too
-# (engine/native/vision.py); Gemma 3's (4B and up: SigLIP) is not, so such a model is text only.
-WRAPPED_LANGUAGE_MODELS = {"llava": "language_model.", "gemma3": "language_model."}
+# (engine/native/vision.py); Gemma 3's (4B and up: SigLIP) and Qwen3.5's are not, so such a model
+# is text only.
+WRAPPED_LANGUAGE_MODELS: dict[str, Renames] = {
+    "llava": (("", "language_model."),),
+    "gemma3": (("", "language_model."),),
+    "qwen3_5": (("model.", "model.language_model."), ("lm_head.", "lm_head.")),
+}
 
 
-def language_model_prefix(model_dir: Path) -> str:
-    """Where the language model's weights sit in the checkpoint: '' for a plain causal LM."""
+def language_model_names(model_dir: Path) -> Renames:
+    """Where the language model's weights sit in the checkpoint: () for a plain causal LM."""
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return ""
+        return ()
     model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
-    return WRAPPED_LANGUAGE_MODELS.get(model_type, "") if isinstance(model_type, str) else ""
+    return WRAPPED_LANGUAGE_MODELS.get(model_type, ()) if isinstance(model_type, str) else ()
+
+
+def _renamed(name: str, renames: Renames, *, to_checkpoint: bool) -> str | None:
+    for engine_prefix, checkpoint_prefix in renames:
+        old, new = (engine_prefix, checkpoint_prefix) if to_checkpoint else (checkpoint_prefix, engine_prefix)
+        if name.startswith(old):
+            return new + name.removeprefix(old)
+    return None
 
 
 def _text_config(cfg: dict[str, Any], where: Path) -> dict[str, Any]:
     """A wrapper's language model config. Gemma 3's releases spell out only what differs from
     Gemma3TextConfig's defaults (no vocab_size or head counts), so it is read through the wrapper's
     own config class, defaults filled in, as transformers reads it."""
+    if cfg.get("model_type") == "qwen3_5":  # the releases tie (or not) at the top level
+        return {"tie_word_embeddings": cfg.get("tie_word_embeddings", False), **cfg["text_config"]}
     if cfg.get("model_type") != "gemma3":
         return cfg["text_config"]
     from transformers import CONFIG_MAPPING
@@ -282,9 +306,9 @@ def _tensor_names(path: Path) -> list[str]:
 class _TensorReader:
     """Reads named tensors across shards, keeping each shard open once."""
 
-    def __init__(self, files: dict[str, Path], dtype: torch.dtype, device: torch.device, name_prefix: str = ""):
-        self._files = files
-        self._prefix = name_prefix  # names are looked up without it and read with it
+    def __init__(self, files: dict[str, Path], dtype: torch.dtype, device: torch.device, renames: Renames = ()):
+        self._files = files  # by the engine's names
+        self._renames = renames  # names are looked up as the engine's and read as the checkpoint's
         self._open: dict[Path, Any] = {}
         self.dtype, self._device = dtype, device
 
@@ -303,7 +327,7 @@ class _TensorReader:
             except Exception as exc:
                 raise ModelLoadError(f"{path}: cannot read safetensors: {exc}") from None
         try:
-            tensor = self._open[path].get_tensor(self._prefix + name)
+            tensor = self._open[path].get_tensor(_renamed(name, self._renames, to_checkpoint=True) or name)
         except Exception as exc:  # safetensors' own error: the shard index placed the tensor in the wrong file
             raise ModelLoadError(f"{path}: cannot read {name}: {exc}") from None
         if tuple(tensor.shape) != shape:
@@ -339,6 +363,10 @@ class _LayerReader:
         h, sizes = a.hidden_size, (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim)
         if a.family.fused_projections:
             return self.r.get(f"{p}qkv_proj.weight", (sum(sizes), h)), None
+        if a.family.linear_attention:  # Qwen3.5: q_proj holds each head's query, then its output gate
+            q_gate = self.r.get(f"{p}q_proj.weight", (2 * sizes[0], h)).view(a.num_heads, 2, a.head_dim, h)
+            k, v = (self.r.get(f"{p}{n}_proj.weight", (o, h)) for n, o in zip("kv", sizes[1:], strict=True))
+            return torch.cat([q_gate[:, 0].reshape(-1, h), k, v, q_gate[:, 1].reshape(-1, h)]).contiguous(), None
         qkv = torch.cat(
             [self.r.get(f"{p}{n}_proj.weight", (o, h)) for n, o in zip("qkv", sizes, strict=True)]
         ).contiguous()
@@ -360,6 +388,31 @@ class _LayerReader:
         whole = a.family.qk_norm is QKNorm.WHOLE
         q_size, k_size = (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim) if whole else (a.head_dim, a.head_dim)
         return self.norm("self_attn.q_norm", q_size), self.norm("self_attn.k_norm", k_size)
+
+    def linear_attention(self) -> LayerWeights:
+        """A Gated DeltaNet layer (Qwen3.5): in_proj_qkv, _z, _b and _a fused into one matmul."""
+        a, h, p = self.a, self.a.hidden_size, f"{self.p}linear_attn."
+        s = a.linear_attention
+        assert s is not None  # a linear layer's family has the shape
+        rows = {"qkv": s.conv_dim, "z": s.value_dim, "b": s.value_heads, "a": s.value_heads}
+        in_proj = torch.cat([self.r.get(f"{p}in_proj_{n}.weight", (o, h)) for n, o in rows.items()]).contiguous()
+        heads = (s.value_heads,)
+        extra = LinearAttentionWeights(
+            conv=self.r.get(f"{p}conv1d.weight", (s.conv_dim, 1, s.conv_kernel), torch.float32)[:, 0].contiguous(),
+            dt_bias=self.r.get(f"{p}dt_bias", heads, torch.float32),
+            neg_a=-self.r.get(f"{p}A_log", heads, torch.float32).exp(),
+            norm=self.r.get(f"{p}norm.weight", (s.value_head_dim,), torch.float32),  # plain weight, no 1 + w
+        )
+        return LayerWeights(
+            input_norm=self.norm("input_layernorm", h),
+            qkv=in_proj,
+            qkv_bias=None,
+            o_proj=self.r.get(f"{p}out_proj.weight", (h, s.value_dim)),
+            post_norm=self.norm("post_attention_layernorm", h),
+            gate_up=self.mlp(),
+            down=self.r.get(f"{self.p}mlp.down_proj.weight", (h, a.intermediate_size)),
+            linear=extra,
+        )
 
     def layer(self) -> LayerWeights:
         a, h = self.a, self.a.hidden_size
@@ -391,18 +444,24 @@ def load_model_weights(
     dtype: torch.dtype,
     device: torch.device,
     *,
-    name_prefix: str = "",
+    renames: Renames = (),
     prepare: Callable[[LayerWeights], LayerWeights] | None = None,
 ) -> ModelWeights:
-    """`name_prefix`: where the language model sits in a larger checkpoint (LLaVA: 'language_model.').
+    """`renames`: where the language model sits in a larger checkpoint (language_model_names).
     `prepare` turns each decoder layer into what the model runs on (packed, quantized) as soon as it
     is read, so that only one layer is held as read at a time (model.LinearPreparer.layer)."""
     model_dir = Path(model_dir)
     files = _weight_files(model_dir)
-    if name_prefix:
-        files = {name.removeprefix(name_prefix): path for name, path in files.items() if name.startswith(name_prefix)}
-    reader = _TensorReader(files, dtype, device, name_prefix)
-    layers = [(prepare or _as_read)(_LayerReader(reader, args, i).layer()) for i in range(args.num_layers)]
+    if renames:
+        renamed = ((_renamed(name, renames, to_checkpoint=False), path) for name, path in files.items())
+        files = {name: path for name, path in renamed if name is not None}
+    reader = _TensorReader(files, dtype, device, renames)
+    layers = [
+        (prepare or _as_read)(
+            _LayerReader(reader, args, i).linear_attention() if spec.linear else _LayerReader(reader, args, i).layer()
+        )
+        for i, spec in enumerate(args.layers)
+    ]
     h = args.hidden_size
     embed = reader.get("model.embed_tokens.weight", (args.vocab_size, h))
     tied = args.tie_word_embeddings or not reader.has("lm_head.weight")

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from engine.native.attention import AttentionMetadata, AttentionSpec, paged_attention, write_kv_cache
 from engine.native.cpu_ops import CpuKernels, DecodeStack, PackedLinear, StackLayer, StackShape
 from engine.native.families import Activation, ModelArgs, QKNorm
+from engine.native.linear_attention import gated_delta_net
 from engine.native.loader import LayerWeights, ModelWeights
 from engine.native.quant import Quantization, W4A8Weight, fake_quantize, quantize_activations
 
@@ -197,6 +198,9 @@ class Model:
             for key, (cos, sin) in self.rope_tables.items()
         }
         for i, layer in enumerate(self.weights.layers):
+            if layer.linear is not None:  # Qwen3.5's Gated DeltaNet layers: kv_caches[i] holds their state pools
+                x = self._linear_attention_layer(layer, x, kv_caches[i], meta)
+                continue
             key = self.args.layers[i].rope
             x = self._layer(i, layer, x, rope.get(key) if key is not None else None, kv_caches[i], meta, attend_dtype)
         return x
@@ -268,11 +272,25 @@ class Model:
             stack = self._stack = self.cpu.decode_stack(self.weights.layers, kv_caches, specs, shape)
         return stack
 
+    def _linear_attention_layer(self, layer, x, states, meta) -> torch.Tensor:
+        """A Gated DeltaNet layer (linear_attention.py) and its MLP, pre-norms as in Llama."""
+        args, eps = self.args, self.args.rms_norm_eps
+        assert args.linear_attention is not None and meta.recurrent is not None  # set for these models
+        h = _rms_norm(x, layer.input_norm, eps)
+        mixed = gated_delta_net(args.linear_attention, layer.linear, linear(h, layer.qkv), states, meta.recurrent, eps)
+        x = x + linear(mixed, layer.o_proj)
+        return x + self._mlp(layer, _rms_norm(x, layer.post_norm, eps))
+
+    def _mlp(self, layer, h) -> torch.Tensor:
+        gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
+        act = F.silu(gate) if self.args.activation is Activation.SILU else F.gelu(gate, approximate="tanh")
+        return linear(act * up, layer.down)
+
     def _layer(self, i: int, layer, x, rope, kv_cache, meta, attend_dtype=None) -> torch.Tensor:
         args, eps = self.args, self.args.rms_norm_eps
         num_tokens = x.shape[0]
         h = x if layer.input_norm is None else _rms_norm(x, layer.input_norm, eps)
-        q, k, v = self._qkv(layer, h)
+        q, k, v, gate = self._qkv(layer, h)
         if rope is not None:
             q, k = _rotate(q, *rope), _rotate(k, *rope)
         spec = self.attention_specs[i]
@@ -280,31 +298,35 @@ class Model:
         k_cache, v_cache = kv_cache
         write_kv_cache(k, v, k_cache, v_cache, meta)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, spec, attend_dtype)  # [num_tokens, heads, head_dim]
-        o = linear(o.reshape(num_tokens, -1), layer.o_proj)
+        o = o.reshape(num_tokens, -1)
+        if gate is not None:  # Qwen3.5: a sigmoid gate per output feature
+            o = o * torch.sigmoid(gate)
+        o = linear(o, layer.o_proj)
         if layer.attn_out_norm is not None:
             o = _rms_norm(o, layer.attn_out_norm, eps)
         x = x + o * args.residual_multiplier if args.residual_multiplier != 1.0 else x + o
         h = x if layer.post_norm is None else _rms_norm(x, layer.post_norm, eps)
-        gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
-        act = F.silu(gate) if args.activation is Activation.SILU else F.gelu(gate, approximate="tanh")
-        m = linear(act * up, layer.down)
+        m = self._mlp(layer, h)
         if layer.mlp_out_norm is not None:
             m = _rms_norm(m, layer.mlp_out_norm, eps)
         return x + m * args.residual_multiplier if args.residual_multiplier != 1.0 else x + m
 
-    def _qkv(self, layer, h) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim], q/k normed as the family does."""
+    def _qkv(self, layer, h) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim], q/k normed as the family
+        does, and the output gate [tokens, heads * head_dim] (Qwen3.5; else None)."""
         args, eps = self.args, self.args.rms_norm_eps
         q_size, kv_size = self._split
-        qkv = linear(h, layer.qkv, layer.qkv_bias)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
-        q, k, v = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size], qkv[:, q_size + kv_size :]
+        qkv = linear(h, layer.qkv, layer.qkv_bias)  # [num_tokens, (heads + 2 * kv_heads) * head_dim (+ gate)]
+        end = q_size + 2 * kv_size
+        q, k, v = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size], qkv[:, q_size + kv_size : end]
+        gate = qkv[:, end:] if qkv.shape[1] > end else None
         if args.family.qk_norm is QKNorm.WHOLE:
             q, k = _rms_norm(q, layer.q_norm, eps), _rms_norm(k, layer.k_norm, eps)
         shape = (h.shape[0], -1, args.head_dim)
         q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
         if args.family.qk_norm is QKNorm.PER_HEAD:
             q, k = _rms_norm(q, layer.q_norm, eps), _rms_norm(k, layer.k_norm, eps)
-        return q, k, v
+        return q, k, v, gate
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

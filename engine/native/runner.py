@@ -20,7 +20,8 @@ from engine.native.batch_inputs import BatchInputBuilder, BatchInputs, DecodeSha
 from engine.native.cuda_graphs import DecodeGraphs
 from engine.native.families import ModelArgs
 from engine.native.kernels import KernelMode
-from engine.native.loader import checkpoint_dtype, language_model_prefix, load_model_args, load_model_weights
+from engine.native.linear_attention import RecurrentPools
+from engine.native.loader import checkpoint_dtype, language_model_names, load_model_args, load_model_weights
 from engine.native.model import LinearPreparer, Model
 from engine.native.quant import Quantization
 from engine.native.sampler import Sampler, SamplingRow, SeenTokens, prompt_logprobs
@@ -162,7 +163,7 @@ class ModelRunner:
         # A LLaVA checkpoint: the language model under 'language_model.', plus the vision tower; a
         # Gemma 3 one (4B and up) its language model alone (loader.WRAPPED_LANGUAGE_MODELS).
         self.vision = VisionTower(Path(model_dir), self.dtype, self.device) if is_llava(Path(model_dir)) else None
-        prefix = language_model_prefix(Path(model_dir))
+        renames = language_model_names(Path(model_dir))
         self.amx_prefill = kernels.resolve_amx_prefill(
             config.amx_prefill,
             mode=self.kernel_mode,
@@ -174,7 +175,7 @@ class ModelRunner:
         preparer = LinearPreparer(self.cpu, self.quantization, self.args, amx=self.amx_prefill)
         weights = preparer.head(
             load_model_weights(
-                Path(model_dir), self.args, self.dtype, self.device, name_prefix=prefix, prepare=preparer.layer
+                Path(model_dir), self.args, self.dtype, self.device, renames=renames, prepare=preparer.layer
             )
         )
         self.model = Model(self.args, weights, self.max_model_len, cpu=self.cpu)
@@ -184,15 +185,23 @@ class ModelRunner:
         self.layer_groups = self.args.kv_groups
         self.is_hybrid = any(self.layer_groups)
         self.group_windows = (None, self.sliding_window) if self.is_hybrid else (self.sliding_window,)
+        # Qwen3.5's Gated DeltaNet layers: a recurrent state per running sequence instead of KV
+        # (linear_attention.py), one row per sequence the scheduler may run at once.
+        shape = self.args.linear_attention
+        self.num_state_slots = config.max_num_seqs if shape is not None else 0
+        self.state_bytes = RecurrentPools.bytes_per_slot(shape, self.args.num_linear_layers) if shape else 0
         self.group_num_blocks = self._num_kv_blocks()
         self.num_kv_blocks = self.group_num_blocks[0]
         graphs = _cuda_graphs_mode(config.cuda_graphs, self.device, self.use_kernel)
+        if shape is not None and graphs != "off":
+            log.info("cuda_graphs_off", reason="a recurrent state per sequence (Gated DeltaNet layers)")
+            graphs = "off"
         # Padded decode steps (cuda_graphs.py) need a scratch block per KV group: the pool's last,
         # which the block managers (sized by group_num_blocks) never hand out.
         scratch = 1 if graphs != "off" else 0
         a = self.args
-        self.kv_pool, self.kv_group_pools, self.kv_caches = allocate_kv_cache(
-            self.layer_groups,
+        self.kv_pool, self.kv_group_pools, kv_caches = allocate_kv_cache(
+            tuple(group for group, spec in zip(self.layer_groups, a.layers, strict=True) if not spec.linear),
             tuple(n + scratch for n in self.group_num_blocks),
             self.block_size,
             a.num_kv_heads,
@@ -200,6 +209,12 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+        # Per layer: its (k_cache, v_cache), or a Gated DeltaNet layer's (conv, delta-rule) state pools
+        self.recurrent = (
+            RecurrentPools(shape, a.num_linear_layers, self.num_state_slots, self.device) if shape is not None else None
+        )
+        attention_caches, state_pools = iter(kv_caches), iter(self.recurrent.layers if self.recurrent else ())
+        self.kv_caches = [next(state_pools) if spec.linear else next(attention_caches) for spec in a.layers]
         self.sampler = Sampler(a.vocab_size, device=self.device)
         self.batch_inputs = BatchInputBuilder(
             KVLayout(
@@ -208,6 +223,7 @@ class ModelRunner:
                 self.device,
                 self.cpu.paged_decode_attention if self.cpu is not None else None,
                 scratch_blocks=self.group_num_blocks if scratch else None,
+                recurrent=shape is not None,
             )
         )
         model, kv_caches = self.model, self.kv_caches  # not self: no cycle through the runner
@@ -238,13 +254,15 @@ class ModelRunner:
             amx_prefill=self.amx_prefill,
             fused_layer_kernels=self.model.fused_cpu_ops,
             one_call_decode_step=self.model.uses_decode_stack,
+            recurrent_state_mib=round(self.num_state_slots * self.state_bytes / 2**20, 1) if self.recurrent else None,
             cuda_graphs=graphs,
         )
 
     @property
     def kv_bytes_per_block(self) -> int:
-        """One block of every layer (in a hybrid model, of group 0's and group 1's layers together)."""
-        return self.args.num_layers * self._layer_block_bytes
+        """One block of every layer with a KV cache (in a hybrid model, of group 0's and group 1's
+        layers together; Qwen3.5's Gated DeltaNet layers have none)."""
+        return self.args.num_attention_layers * self._layer_block_bytes
 
     @property
     def _layer_block_bytes(self) -> int:
@@ -257,8 +275,9 @@ class ModelRunner:
         pool would have; the global group the rest of the budget. Either way a sequence the
         global group can hold fits the sliding one: that is as large, or holds every window."""
         budget = self.config.kv_cache_bytes
-        if budget <= 0:
+        if budget <= 0:  # the recurrent states (Qwen3.5) come out of the same share of memory
             budget = int(free_memory_bytes(self.device) * self.config.kv_cache_memory_fraction)
+            budget -= self.num_state_slots * self.state_bytes
         # More than every slot's longest sequence twice over (the rest as prefix cache) is waste.
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         cap = 2 * self.config.max_num_seqs * blocks_per_seq

@@ -95,6 +95,7 @@ class Sequence:
         "num_drafted",
         "num_kept",
         "thinking",
+        "state_slot",
     )
 
     def __init__(self, seq_id: int, request: GenerationRequest, *, eos_token_ids: tuple[int, ...], max_model_len: int):
@@ -131,6 +132,8 @@ class Sequence:
         budget = self.sampling.thinking
         structured = self.sampling.structured is not None
         self.thinking = ThinkingState(budget, reopens=not structured) if budget is not None else None
+        # A model with Gated DeltaNet layers: the row of its recurrent state (state_slots.py) while it holds blocks
+        self.state_slot: int | None = None
 
     def __repr__(self) -> str:
         return (

@@ -24,10 +24,23 @@ ON_DEVICE = dict(device=TEST_DEVICE, dtype="float32")
 
 def check_invariants(bm, live: Iterable[Sequence], retired: Iterable[Sequence] = ()) -> None:
     """Per KV group: free + used = total; ref counts match owners and are >= 0; hash entries
-    match tokens. `bm` is a BlockManager or a HybridBlockManager (both its groups are checked)."""
+    match tokens. `bm` is a BlockManager, a HybridBlockManager (both its groups are checked) or a
+    StateSlotManager (its state rows too)."""
     live, retired = list(live), list(retired)
     for group in getattr(bm, "groups", (bm,)):
         _check_group(group, live, retired)
+    if hasattr(bm, "free_slots"):  # StateSlotManager: each running sequence holds one recurrent-state row
+        _check_state_slots(bm, live, retired)
+
+
+def _check_state_slots(bm, live: list[Sequence], retired: list[Sequence]) -> None:
+    held = [seq.state_slot for seq in live if seq.state_slot is not None]
+    assert len(set(held)) == len(held), "two sequences share a state row"
+    assert set(held).isdisjoint(bm.free_slots) and len(set(bm.free_slots)) == len(bm.free_slots)
+    assert len(held) + len(bm.free_slots) == bm.num_slots, "a state row was lost"
+    for seq in live:
+        assert (seq.state_slot is not None) == (seq.status is SequenceStatus.RUNNING), f"{seq} state row"
+    assert all(seq.state_slot is None for seq in retired), "a retired sequence still holds a state row"
 
 
 def _check_group(bm: BlockManager, live: list[Sequence], retired: list[Sequence]) -> None:
