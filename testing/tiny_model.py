@@ -194,10 +194,27 @@ def build_tiny_family(path: Path | str, model_type: str, *, seed: int = 0, token
             eoi_token_index=vocab_size - 2,
             tie_word_embeddings=text.tie_word_embeddings,
         )
+    elif model_type == "qwen3_5":  # Qwen3.5's releases: the text model inside the multimodal one
+        text = CONFIG_MAPPING["qwen3_5_text"](**{**defaults, **config})
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14)
+        hf_config = CONFIG_MAPPING["qwen3_5"](
+            text_config=text.to_dict(),
+            vision_config={**vision, "out_hidden_size": text.hidden_size},
+            image_token_id=vocab_size - 1,
+            video_token_id=vocab_size - 2,
+            vision_start_token_id=vocab_size - 3,
+            vision_end_token_id=vocab_size - 4,
+            tie_word_embeddings=text.tie_word_embeddings,
+        )
     else:
         hf_config = CONFIG_MAPPING[model_type](**{**defaults, **config})
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    if model_type == "qwen3_5":
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_config(hf_config, dtype=torch.float32).eval()
+    else:
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() == 1:  # norm weights and biases

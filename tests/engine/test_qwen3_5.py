@@ -1,0 +1,176 @@
+"""Qwen3.5: Gated DeltaNet layers (a recurrent state per sequence) beside gated attention layers.
+
+The engine's greedy output equals transformers' token for token on every kernel path, with
+continuous batching, 32-token prefill chunks (a state carried from chunk to chunk), prompts
+longer than the closed-form block (linear_attention.CHUNK), and a KV pool small enough to
+preempt (a preempted sequence restarts its state from zeros). Every state row is accounted for
+after every step (native_harness.check_invariants) and the pools start NaN-filled, so a state
+read before it was written would show.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from engine.native.kernels import KernelMode
+from engine.native.linear_attention import CHUNK, _delta_rule_prefill, _delta_rule_step
+from engine.native.llm_engine import LLMEngine
+from engine.native.loader import load_model_args
+from engine.types import GenerationRequest, SamplingParams
+from kernel_modes import ALL_MODES
+from native_harness import ON_DEVICE
+from settings import EngineConfig
+from test_greedy_equality import run_with_arrivals
+from testing.tiny_model import build_tiny_family
+
+BLOCK_SIZE = 16
+# Three Gated DeltaNet layers to one attention layer, as the releases interleave them; two key
+# heads shared by four value heads (the releases' grouping); partial rope (the releases' 0.25).
+TINY = dict(
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    head_dim=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+VARIANTS = {
+    "qwen3_5_text": dict(model_type="qwen3_5_text", seed=31, **TINY),  # Qwen3_5ForCausalLM
+    # The releases: Qwen3_5ForConditionalGeneration, the language model under model.language_model.
+    "qwen3_5": dict(model_type="qwen3_5", seed=32, tie_word_embeddings=True, **TINY),
+}
+
+
+class Checkpoints:
+    def __init__(self, root):
+        self.root, self._dirs, self._hf = root, {}, {}
+
+    def path(self, variant: str):
+        if variant not in self._dirs:
+            self._dirs[variant] = build_tiny_family(self.root / variant, **VARIANTS[variant])
+        return self._dirs[variant]
+
+    def greedy(self, variant: str, prompt: list[int], max_tokens: int) -> list[int]:
+        if variant not in self._hf:
+            from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+            auto = AutoModelForImageTextToText if variant == "qwen3_5" else AutoModelForCausalLM
+            self._hf[variant] = auto.from_pretrained(self.path(variant), dtype=torch.float32).eval()
+        model = self._hf[variant]
+        config = copy.deepcopy(model.generation_config)
+        config.max_new_tokens, config.do_sample, config.pad_token_id, config.eos_token_id = max_tokens, False, 0, 10**9
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), generation_config=config
+            )
+        return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> Checkpoints:
+    return Checkpoints(tmp_path_factory.mktemp("qwen3_5"))
+
+
+def make_engine(model_dir, *, num_blocks: int, mode: KernelMode, **overrides) -> LLMEngine:
+    args = load_model_args(model_dir)
+    block_bytes = args.num_attention_layers * 2 * BLOCK_SIZE * args.num_kv_heads * args.head_dim * 4
+    config = EngineConfig(
+        **ON_DEVICE,
+        block_size=BLOCK_SIZE,
+        kv_cache_bytes=num_blocks * block_bytes,
+        native_kernels=mode is not KernelMode.TORCH,
+        kernel_isa=mode.value,
+        **{"max_num_batched_tokens": 32, "max_num_seqs": 3, **overrides},
+    )
+    engine = LLMEngine.from_model_dir(model_dir, config, eos_token_ids=(2,))
+    assert engine.block_manager.num_blocks == num_blocks  # only the attention layer has a KV cache
+    engine.runner.kv_pool.fill_(float("nan"))
+    assert engine.runner.recurrent is not None
+    for conv, state in engine.runner.recurrent.layers:
+        conv.fill_(float("nan"))
+        state.fill_(float("nan"))
+    return engine
+
+
+def workload(checkpoints: Checkpoints, variant: str, max_tokens: int = 12):
+    rng = random.Random(variant)
+    lengths = [(0, 5), (0, CHUNK + 40), (1, 2 * CHUNK + 30), (2, 33), (4, 20)]
+    arrivals, expected = [], {}
+    for i, (step, n) in enumerate(lengths):
+        prompt = [rng.randrange(3, 512) for _ in range(n)]
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        arrivals.append((step, GenerationRequest(f"r{i}", tuple(prompt), sampling)))
+        expected[f"r{i}"] = checkpoints.greedy(variant, prompt, max_tokens)
+    return arrivals, expected
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_qwen3_5_matches_transformers_greedy_with_batching_chunks_and_preemption(checkpoints, variant, mode):
+    engine = make_engine(checkpoints.path(variant), num_blocks=16, mode=mode)
+    assert engine.runner.kernel_mode is mode
+    arrivals, expected = workload(checkpoints, variant)
+    assert run_with_arrivals(engine, arrivals) == expected
+    stats = engine.stats()
+    assert stats.num_preemptions > 0, "the KV budget was meant to force preemption"
+    assert engine.block_manager.num_used_slots == 0  # every state row came back
+    # Which path ran: the matmuls on the mode's kernels, every layer as PyTorch ops around them
+    assert not engine.runner.model.uses_decode_stack and not engine.runner.model.fused_cpu_ops
+
+
+def test_a_state_row_comes_back_on_abort_and_the_next_sequence_starts_from_zeros(checkpoints):
+    engine = make_engine(checkpoints.path("qwen3_5_text"), num_blocks=32, mode=KernelMode.TORCH, max_num_seqs=1)
+    prompt = tuple(range(3, 50))
+    sampling = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.add_request(GenerationRequest("first", prompt, sampling))
+    for _ in range(3):
+        engine.step()
+    assert engine.block_manager.num_used_slots == 1
+    engine.abort_request("first")
+    assert engine.block_manager.num_used_slots == 0
+    # The one row is reused (its state is the aborted sequence's, mid-answer): the answer is as fresh
+    engine.add_request(GenerationRequest("second", prompt, sampling))
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    assert tokens == checkpoints.greedy("qwen3_5_text", list(prompt), 6)
+
+
+def test_prefix_caching_and_speculation_are_off_for_a_recurrent_state(checkpoints):
+    engine = make_engine(
+        checkpoints.path("qwen3_5_text"), num_blocks=32, mode=KernelMode.TORCH, speculative_tokens=4
+    )
+    assert engine.config.enable_prefix_caching  # asked for, and not possible: a state cannot be shared
+    assert not engine.block_manager.enable_prefix_caching
+    assert engine.scheduler.config.speculative_tokens == 0
+    prompt = tuple([7, 8, 9] * 30)  # repeats: prompt lookup would draft here
+    sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for request_id in ("a", "b"):  # the same prompt twice: no cache hit
+        engine.add_request(GenerationRequest(request_id, prompt, sampling))
+        while engine.has_unfinished_requests():
+            engine.step()
+    stats = engine.stats()
+    assert stats.prefix_cache_hits == 0 and stats.num_draft_tokens == 0
+
+
+def test_the_closed_form_block_equals_the_recurrence_token_by_token():
+    """linear_attention._delta_rule_prefill (blocks of CHUNK tokens, a triangular solve each)
+    against the recurrence one token at a time, from a nonzero state, across block boundaries."""
+    torch.manual_seed(0)
+    tokens, heads, dk, dv = 2 * CHUNK + 22, 3, 8, 5
+    q = torch.nn.functional.normalize(torch.randn(tokens, heads, dk), dim=-1) * dk**-0.5
+    k = torch.nn.functional.normalize(torch.randn(tokens, heads, dk), dim=-1)
+    v, beta, log_decay = torch.randn(tokens, heads, dv), torch.rand(tokens, heads), -2 * torch.rand(tokens, heads)
+    start = torch.randn(heads, dk, dv)
+    state, outputs = _delta_rule_prefill(start.clone(), q, k, v, beta, log_decay)
+    step_state, step_outputs = start[None], []
+    for t in range(tokens):
+        step_state, o = _delta_rule_step(step_state, q[t : t + 1], k[t : t + 1], v[t : t + 1], beta[t : t + 1], log_decay[t : t + 1])
+        step_outputs.append(o[0])
+    torch.testing.assert_close(outputs, torch.stack(step_outputs), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(state, step_state[0], rtol=1e-4, atol=1e-5)
