@@ -48,6 +48,10 @@ class Family:
     # Qwen3.5: Gated DeltaNet layers where layer_types says "linear_attention" (linear_attention.py),
     # and q_proj doubles as a sigmoid gate on each attention head's output
     linear_attention: bool = False
+    # ERNIE 4.5: rope rotates feature pairs (2i, 2i + 1), not (i, i + rotary_dim / 2); the loader
+    # reorders q's and k's rows so that the engine's rotate-half rope computes it (a q/k norm's
+    # weight would need the same order: no such family has one)
+    interleaved_rope: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -58,6 +62,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family(qk_norm=QKNorm.PER_HEAD),
     "smollm3": Family(),
     "granite": Family(),
+    "ernie4_5": Family(interleaved_rope=True),  # ERNIE 4.5 dense: Llama's layers, interleaved rope
     "olmo2": Family(norms=Norms.POST, qk_norm=QKNorm.WHOLE),
     "exaone4": Family(norms=Norms.POST, qk_norm=QKNorm.PER_HEAD, global_layers_without_rope=True),
     "olmo3": Family(norms=Norms.POST, qk_norm=QKNorm.WHOLE),  # OLMo 2's, with sliding layers and their own rope

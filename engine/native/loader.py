@@ -3,7 +3,8 @@
 Owns every checkpoint quirk in one place: config.json read through transformers' config class
 (so every layout it ever wrote resolves the same way), single or sharded safetensors, tied or
 untied embeddings, 16-bit weights converted to the engine dtype, each family's tensor names.
-It fuses q/k/v and gate/up projections for fewer matmuls. Every failure names the file at fault.
+It fuses q/k/v and gate/up projections for fewer matmuls, and reorders the q/k rows of an
+interleaved-rope family for the engine's rotate-half rope. Every failure names the file at fault.
 """
 
 from __future__ import annotations
@@ -344,6 +345,18 @@ class _TensorReader:
 _WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
+def _rope_pairs_as_halves(rows: torch.Tensor, args: ModelArgs, rotary_dim: int) -> torch.Tensor:
+    """qkv's rows ([(heads + 2 * kv_heads) * head_dim, hidden], or its bias), each q and k head's
+    first rotary_dim reordered from interleaved rope's pairs (2i, 2i + 1) to rotate-half's
+    (i, i + rotary_dim / 2). Rotate-half rope of the reordered q is the interleaved rope of the
+    original, reordered: with k reordered alike every q.k, and so attention's output, is the same."""
+    pairs = torch.arange(rotary_dim).view(-1, 2)  # [rotary_dim / 2, 2]: row i is the pair (2i, 2i + 1)
+    order = torch.cat([pairs[:, 0], pairs[:, 1], torch.arange(rotary_dim, args.head_dim)])
+    heads = rows.unflatten(0, (-1, args.head_dim))  # [heads + 2 * kv_heads, head_dim, ...]
+    num_qk = args.num_heads + args.num_kv_heads  # v's heads stay as they are
+    return torch.cat([heads[:num_qk, order], heads[num_qk:]]).flatten(0, 1)
+
+
 def _as_read(layer: LayerWeights) -> LayerWeights:
     return layer
 
@@ -353,12 +366,21 @@ class _LayerReader:
 
     def __init__(self, reader: _TensorReader, args: ModelArgs, index: int):
         self.r, self.a, self.p = reader, args, f"model.layers.{index}."
+        self.rope = args.layers[index].rope
 
     def norm(self, name: str, size: int) -> torch.Tensor:
         weight = self.r.get(f"{self.p}{name}.weight", (size,), torch.float32)
         return (weight + self.a.family.norm_offset).to(self.r.dtype)
 
     def attention(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        qkv, bias = self.attention_as_stored()
+        if not self.a.family.interleaved_rope or self.rope is None:
+            return qkv, bias
+        rotary_dim = self.a.rotary_dim(self.rope)
+        qkv = _rope_pairs_as_halves(qkv, self.a, rotary_dim)
+        return qkv, None if bias is None else _rope_pairs_as_halves(bias, self.a, rotary_dim)
+
+    def attention_as_stored(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         a, p = self.a, f"{self.p}self_attn."
         h, sizes = a.hidden_size, (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim)
         if a.family.fused_projections:

@@ -89,8 +89,11 @@ def test_family_configs_switch_on_their_features(tiny_models):
     exaone4 = args["exaone4"]
     assert [(layer.sliding_window, layer.rope) for layer in exaone4.layers] == [(24, "")] * 3 + [(None, None)]
     assert all(layer.rope == "" for layer in args["exaone4-global"].layers)
+    ernie = args["ernie4_5"]
+    assert ernie.family.interleaved_rope and ernie.head_dim == 32 and ernie.tie_word_embeddings
     assert args["llama-yarn"].rope_type == "yarn" and args["llama-dynamic"].rope_type == "dynamic"
-    assert all(args[v].is_llama_like for v in ("qwen3", "smollm3", "granite")) and not args["gemma2"].is_llama_like
+    assert all(args[v].is_llama_like for v in ("qwen3", "smollm3", "granite", "ernie4_5"))
+    assert not args["gemma2"].is_llama_like
 
 
 @pytest.mark.parametrize("native_kernels", [True, False], ids=["c-kernel", "pytorch"])
