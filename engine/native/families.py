@@ -15,10 +15,11 @@ from typing import Any
 
 
 class Norms(Enum):
-    """Where a decoder layer's RMSNorms sit."""
+    """Where a decoder layer's RMSNorms sit (and what the checkpoint calls them: loader.NORM_NAMES)."""
 
     PRE = "pre"  # Llama: norm -> attention -> add; norm -> MLP -> add
     SANDWICH = "sandwich"  # Gemma 2/3: pre and post norm around both attention and MLP
+    SANDWICH_GLM4 = "sandwich_glm4"  # GLM-4: Gemma's, under other names
     POST = "post"  # OLMo 2: attention -> norm -> add; MLP -> norm -> add
 
 
@@ -42,13 +43,14 @@ class Family:
     qk_norm: QKNorm = QKNorm.NONE
     norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + weight)
     scale_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size)
-    fused_projections: bool = False  # Phi-3: qkv_proj and gate_up_proj in the checkpoint
+    fused_qkv: bool = False  # Phi-3: qkv_proj in the checkpoint
+    fused_gate_up: bool = False  # Phi-3, GLM-4: gate_up_proj in the checkpoint
     # EXAONE 4: where sliding layers mix with global ones, the global layers use no rope
     global_layers_without_rope: bool = False
     # Qwen3.5: Gated DeltaNet layers where layer_types says "linear_attention" (linear_attention.py),
     # and q_proj doubles as a sigmoid gate on each attention head's output
     linear_attention: bool = False
-    # ERNIE 4.5: rope rotates feature pairs (2i, 2i + 1), not (i, i + rotary_dim / 2); the loader
+    # ERNIE 4.5, GLM-4: rope rotates feature pairs (2i, 2i + 1), not (i, i + rotary_dim / 2); the loader
     # reorders q's and k's rows so that the engine's rotate-half rope computes it (a q/k norm's
     # weight would need the same order: no such family has one)
     interleaved_rope: bool = False
@@ -66,10 +68,11 @@ FAMILIES: dict[str, Family] = {
     "olmo2": Family(norms=Norms.POST, qk_norm=QKNorm.WHOLE),
     "exaone4": Family(norms=Norms.POST, qk_norm=QKNorm.PER_HEAD, global_layers_without_rope=True),
     "olmo3": Family(norms=Norms.POST, qk_norm=QKNorm.WHOLE),  # OLMo 2's, with sliding layers and their own rope
-    "phi3": Family(fused_projections=True),
+    "phi3": Family(fused_qkv=True, fused_gate_up=True),
     "gemma2": Family(norms=Norms.SANDWICH, norm_offset=1.0, scale_embeddings=True),
     "gemma3_text": Family(norms=Norms.SANDWICH, qk_norm=QKNorm.PER_HEAD, norm_offset=1.0, scale_embeddings=True),
     "qwen3_5_text": Family(qk_norm=QKNorm.PER_HEAD, norm_offset=1.0, linear_attention=True),
+    "glm4": Family(norms=Norms.SANDWICH_GLM4, fused_gate_up=True, interleaved_rope=True),  # GLM-4 0414, GLM-Z1
 }
 ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 

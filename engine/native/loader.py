@@ -357,6 +357,26 @@ def _rope_pairs_as_halves(rows: torch.Tensor, args: ModelArgs, rotary_dim: int) 
     return torch.cat([heads[:num_qk, order], heads[num_qk:]]).flatten(0, 1)
 
 
+# Each arrangement's RMSNorms as the checkpoint names them: (before attention, on attention's
+# output, before the MLP, on the MLP's output); None where it has none.
+NORM_NAMES: dict[Norms, tuple[str | None, str | None, str | None, str | None]] = {
+    Norms.PRE: ("input_layernorm", None, "post_attention_layernorm", None),
+    Norms.SANDWICH: (
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    ),
+    Norms.SANDWICH_GLM4: (
+        "input_layernorm",
+        "post_self_attn_layernorm",
+        "post_attention_layernorm",
+        "post_mlp_layernorm",
+    ),
+    Norms.POST: (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
+}
+
+
 def _as_read(layer: LayerWeights) -> LayerWeights:
     return layer
 
@@ -383,7 +403,7 @@ class _LayerReader:
     def attention_as_stored(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         a, p = self.a, f"{self.p}self_attn."
         h, sizes = a.hidden_size, (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim)
-        if a.family.fused_projections:
+        if a.family.fused_qkv:
             return self.r.get(f"{p}qkv_proj.weight", (sum(sizes), h)), None
         if a.family.linear_attention:  # Qwen3.5: q_proj holds each head's query, then its output gate
             q_gate = self.r.get(f"{p}q_proj.weight", (2 * sizes[0], h)).view(a.num_heads, 2, a.head_dim, h)
@@ -398,7 +418,7 @@ class _LayerReader:
 
     def mlp(self) -> torch.Tensor:
         a, p = self.a, f"{self.p}mlp."
-        if a.family.fused_projections:
+        if a.family.fused_gate_up:
             return self.r.get(f"{p}gate_up_proj.weight", (2 * a.intermediate_size, a.hidden_size))
         pair = [self.r.get(f"{p}{n}_proj.weight", (a.intermediate_size, a.hidden_size)) for n in ("gate", "up")]
         return torch.cat(pair).contiguous()
@@ -443,20 +463,21 @@ class _LayerReader:
                 raise ModelLoadError(f"{self.p}{name}.bias is not supported (biases only on q, k and v, as in Qwen2)")
         qkv, bias = self.attention()
         q_norm, k_norm = self.qk_norms()
-        norms = a.family.norms
-        mlp_in = {Norms.PRE: "post_attention_layernorm", Norms.SANDWICH: "pre_feedforward_layernorm"}.get(norms)
+        attn_in, attn_out, mlp_in, mlp_out = (
+            None if name is None else self.norm(name, h) for name in NORM_NAMES[a.family.norms]
+        )
         return LayerWeights(
-            input_norm=None if norms is Norms.POST else self.norm("input_layernorm", h),
+            input_norm=attn_in,
             qkv=qkv,
             qkv_bias=bias,
             o_proj=self.r.get(f"{self.p}self_attn.o_proj.weight", (h, a.num_heads * a.head_dim)),
-            post_norm=None if mlp_in is None else self.norm(mlp_in, h),
+            post_norm=mlp_in,
             gate_up=self.mlp(),
             down=self.r.get(f"{self.p}mlp.down_proj.weight", (h, a.intermediate_size)),
             q_norm=q_norm,
             k_norm=k_norm,
-            attn_out_norm=None if norms is Norms.PRE else self.norm("post_attention_layernorm", h),
-            mlp_out_norm=None if norms is Norms.PRE else self.norm("post_feedforward_layernorm", h),
+            attn_out_norm=attn_out,
+            mlp_out_norm=mlp_out,
         )
 
 

@@ -74,6 +74,9 @@ FAMILY_VARIANTS = {
     "olmo2": dict(model_type="olmo2", seed=18),
     # ERNIE 4.5 0.3B's layout: interleaved rope, heads * head_dim twice the hidden size, tied embeddings
     "ernie4_5": dict(model_type="ernie4_5", head_dim=32, tie_word_embeddings=True, seed=24),
+    # GLM-4 0414's layout: interleaved rope on half of each head, q/k/v biases, fused gate_up_proj,
+    # norms on attention's and the MLP's outputs too
+    "glm4": dict(model_type="glm4", head_dim=16, partial_rotary_factor=0.5, seed=25),
     # EXAONE 4.0 32B's layout: three sliding layers with rope to one global layer without
     "exaone4": dict(
         model_type="exaone4", num_hidden_layers=4, sliding_window=24, sliding_window_pattern=4, head_dim=16, seed=21

@@ -91,6 +91,8 @@ def test_family_configs_switch_on_their_features(tiny_models):
     assert all(layer.rope == "" for layer in args["exaone4-global"].layers)
     ernie = args["ernie4_5"]
     assert ernie.family.interleaved_rope and ernie.head_dim == 32 and ernie.tie_word_embeddings
+    glm4 = args["glm4"]
+    assert glm4.family.interleaved_rope and glm4.rotary_dim("") == 8 and glm4.head_dim == 16
     assert args["llama-yarn"].rope_type == "yarn" and args["llama-dynamic"].rope_type == "dynamic"
     assert all(args[v].is_llama_like for v in ("qwen3", "smollm3", "granite", "ernie4_5"))
     assert not args["gemma2"].is_llama_like
