@@ -107,7 +107,6 @@ class LinearAttentionShape:
         return 4 * (conv + self.value_heads * self.key_head_dim * self.value_head_dim)
 
 
-
 class UnsupportedConfig(ValueError):
     """The config asks for something the engine does not implement; the message names it."""
 

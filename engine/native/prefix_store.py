@@ -28,6 +28,7 @@ import torch
 
 from engine.native.block_manager import BlockManager
 from engine.native.hybrid_blocks import HybridBlockManager
+from engine.native.state_slots import StateSlotManager
 
 if TYPE_CHECKING:
     from engine.native.llm_engine import LLMEngine
@@ -74,7 +75,7 @@ def fingerprint(engine: LLMEngine, model_dir: Path) -> dict[str, str]:
 def _groups(engine: LLMEngine) -> tuple[BlockManager, ...]:
     """The block manager of each KV group (two for a model that mixes sliding and global layers)."""
     bm = engine.block_manager
-    return bm.groups if isinstance(bm, HybridBlockManager) else (bm,)
+    return bm.groups if isinstance(bm, (HybridBlockManager, StateSlotManager)) else (bm,)
 
 
 def save(engine: LLMEngine, model_dir: Path, path: Path, max_bytes: int) -> int:

@@ -65,9 +65,8 @@ class Checkpoints:
         config = copy.deepcopy(model.generation_config)
         config.max_new_tokens, config.do_sample, config.pad_token_id, config.eos_token_id = max_tokens, False, 0, 10**9
         with torch.inference_mode():
-            out = model.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), generation_config=config
-            )
+            mask = torch.ones(1, len(prompt), dtype=torch.long)
+            out = model.generate(torch.tensor([prompt]), attention_mask=mask, generation_config=config)
         return out[0, len(prompt) :].tolist()
 
 
@@ -142,9 +141,7 @@ def test_a_state_row_comes_back_on_abort_and_the_next_sequence_starts_from_zeros
 
 
 def test_prefix_caching_and_speculation_are_off_for_a_recurrent_state(checkpoints):
-    engine = make_engine(
-        checkpoints.path("qwen3_5_text"), num_blocks=32, mode=KernelMode.TORCH, speculative_tokens=4
-    )
+    engine = make_engine(checkpoints.path("qwen3_5_text"), num_blocks=32, mode=KernelMode.TORCH, speculative_tokens=4)
     assert engine.config.enable_prefix_caching  # asked for, and not possible: a state cannot be shared
     assert not engine.block_manager.enable_prefix_caching
     assert engine.scheduler.config.speculative_tokens == 0
@@ -170,7 +167,8 @@ def test_the_closed_form_block_equals_the_recurrence_token_by_token():
     state, outputs = _delta_rule_prefill(start.clone(), q, k, v, beta, log_decay)
     step_state, step_outputs = start[None], []
     for t in range(tokens):
-        step_state, o = _delta_rule_step(step_state, q[t : t + 1], k[t : t + 1], v[t : t + 1], beta[t : t + 1], log_decay[t : t + 1])
+        row = slice(t, t + 1)
+        step_state, o = _delta_rule_step(step_state, q[row], k[row], v[row], beta[row], log_decay[row])
         step_outputs.append(o[0])
     torch.testing.assert_close(outputs, torch.stack(step_outputs), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(state, step_state[0], rtol=1e-4, atol=1e-5)
