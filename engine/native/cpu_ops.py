@@ -195,6 +195,27 @@ class CpuKernels:
         kernel(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
         return out
 
+    def gated_delta_decode(
+        self,
+        states: torch.Tensor,  # [slots, heads, dk, dv] float32, the rows of `slots` updated in place
+        slots: torch.Tensor,  # [rows] int64
+        q: torch.Tensor,  # [rows, heads, dk]
+        k: torch.Tensor,  # [rows, heads, dk]
+        v: torch.Tensor,  # [rows, heads, dv]
+        beta: torch.Tensor,  # [rows, heads]
+        log_decay: torch.Tensor,  # [rows, heads]
+    ) -> torch.Tensor:  # [rows, heads, dv]
+        """One step of the gated delta rule per row (linear_attention.py), in place in the pool."""
+        rows, heads, dk = q.shape
+        dv = v.shape[-1]
+        assert states.is_contiguous() and states.dtype == torch.float32 and states.shape[1:] == (heads, dk, dv)
+        q, k, v, beta, log_decay = (t.float().contiguous() for t in (q, k, v, beta, log_decay))
+        slots = slots.contiguous()
+        out = torch.empty((rows, heads, dv), dtype=torch.float32)
+        ptrs = (states, slots, q, k, v, beta, log_decay, out)
+        self._lib.gated_delta_decode_f32(*(t.data_ptr() for t in ptrs), rows, heads, dk, dv)
+        return out
+
     def rope_and_cache(
         self,
         qkv: torch.Tensor,  # [tokens, (heads + 2 * kv_heads) * head_dim], rotated in place

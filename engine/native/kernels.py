@@ -7,6 +7,7 @@
 - int8_gemm.c: int8 x int8 -> int32 matmuls from weights packed once (VNNI where the CPU has it).
 - int8_glue.c: the float work between int8 matmuls (quantize rows; int32 sums to floats with
   GELU, or with the residual add and LayerNorm), for the safety encoder's w8a8 layers.
+- gated_delta.c: a decode step of Qwen3.5's Gated DeltaNet state, in place in the state pool.
 
 The same sources are built once per KernelMode (AVX-512 or AVX2 + FMA, each with its own -m
 flags, simd.h picks the vector width), so one machine can run, and CI can test, every path its
@@ -65,7 +66,15 @@ _ISA_FLAGS = {
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = tuple(
     _CSRC / name
-    for name in ("paged_attention.c", "packed_linear.c", "fused_ops.c", "decode_step.c", "int8_glue.c", "int8_gemm.c")
+    for name in (
+        "paged_attention.c",
+        "packed_linear.c",
+        "fused_ops.c",
+        "decode_step.c",
+        "int8_glue.c",
+        "int8_gemm.c",
+        "gated_delta.c",
+    )
 )
 _HEADERS = (_CSRC / "kernels.h", _CSRC / "simd.h")
 _BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "native"
@@ -95,6 +104,7 @@ SIGNATURES: dict[str, tuple[type | None, Sequence[type]]] = {
     "int8_gemm_block": (_I, []),
     "int8_gemm_pack": (_INT, [_P] * 3 + [_I] * 2),
     "int8_gemm": (None, [_P] * 4 + [_I] * 4),
+    "gated_delta_decode_f32": (None, [_P] * 8 + [_I] * 4),
 }
 
 

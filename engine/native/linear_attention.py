@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.native.cpu_ops import CpuKernels
 from engine.native.families import LinearAttentionShape
 
 CHUNK = 64  # tokens per closed-form block of a prefill chunk
@@ -74,6 +75,7 @@ def gated_delta_net(
     states: tuple[torch.Tensor, torch.Tensor],  # this layer's (conv, delta-rule) pools
     batch: RecurrentBatch,
     eps: float,
+    cpu: CpuKernels | None = None,  # the compiled kernels: decode rows' states updated in place (gated_delta.c)
 ) -> torch.Tensor:  # [num_tokens, value_dim], ready for out_proj
     s = shape
     mixed, z, b, a = projected.split([s.conv_dim, s.value_dim, s.value_heads, s.value_heads], dim=-1)
@@ -89,9 +91,12 @@ def gated_delta_net(
         conv_pool[slots] = window[:, :, 1:]
         x = F.silu((window * weights.conv).sum(-1))
         q, k, v = _heads(s, x)
-        state, o = _delta_rule_step(delta_pool[slots], q, k, v, beta[rows], log_decay[rows])
-        delta_pool[slots] = state
-        out[rows] = o
+        if cpu is not None:
+            out[rows] = cpu.gated_delta_decode(delta_pool, slots, q, k, v, beta[rows], log_decay[rows])
+        else:
+            state, o = _delta_rule_step(delta_pool.index_select(0, slots), q, k, v, beta[rows], log_decay[rows])
+            delta_pool.index_copy_(0, slots, state)
+            out[rows] = o
     for slot, first, num_rows, starts in batch.chunks:
         rows = slice(first, first + num_rows)
         history = conv_pool[slot].new_zeros(conv_pool.shape[1:]) if starts else conv_pool[slot]
@@ -121,18 +126,20 @@ def _heads(s: LinearAttentionShape, x: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def _delta_rule_step(
-    state: torch.Tensor,  # [n, heads, dk, dv]
+    state: torch.Tensor,  # [n, heads, dk, dv], a copy: updated in place and returned
     q: torch.Tensor,  # [n, heads, dk]
     k: torch.Tensor,
     v: torch.Tensor,  # [n, heads, dv]
     beta: torch.Tensor,  # [n, heads]
     log_decay: torch.Tensor,  # [n, heads]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    state = state * log_decay.exp()[..., None, None]
-    remembered = torch.einsum("nhkv,nhk->nhv", state, k)
+    n, heads, dk, dv = state.shape
+    decay = log_decay.exp()[..., None]  # [n, heads, 1]
+    remembered = (k[..., None, :] @ state).squeeze(-2) * decay  # [n, heads, dv]: (g S)^T k
     delta = (v - remembered) * beta[..., None]
-    state = state + k[..., :, None] * delta[..., None, :]
-    return state, torch.einsum("nhkv,nhk->nhv", state, q)
+    state.mul_(decay[..., None])
+    state.view(n * heads, dk, dv).baddbmm_(k.reshape(n * heads, dk, 1), delta.reshape(n * heads, 1, dv))
+    return state, (q[..., None, :] @ state).squeeze(-2)
 
 
 def _delta_rule_prefill(

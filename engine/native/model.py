@@ -277,7 +277,8 @@ class Model:
         args, eps = self.args, self.args.rms_norm_eps
         assert args.linear_attention is not None and meta.recurrent is not None  # set for these models
         h = _rms_norm(x, layer.input_norm, eps)
-        mixed = gated_delta_net(args.linear_attention, layer.linear, linear(h, layer.qkv), states, meta.recurrent, eps)
+        projected = linear(h, layer.qkv)
+        mixed = gated_delta_net(args.linear_attention, layer.linear, projected, states, meta.recurrent, eps, self.cpu)
         x = x + linear(mixed, layer.o_proj)
         return x + self._mlp(layer, _rms_norm(x, layer.post_norm, eps))
 

@@ -21,7 +21,7 @@ from engine.native.linear_attention import CHUNK, _delta_rule_prefill, _delta_ru
 from engine.native.llm_engine import LLMEngine
 from engine.native.loader import load_model_args
 from engine.types import GenerationRequest, SamplingParams
-from kernel_modes import ALL_MODES
+from kernel_modes import ALL_MODES, COMPILED_MODES, cpu_kernels
 from native_harness import ON_DEVICE
 from settings import EngineConfig
 from test_greedy_equality import run_with_arrivals
@@ -172,3 +172,23 @@ def test_the_closed_form_block_equals_the_recurrence_token_by_token():
         step_outputs.append(o[0])
     torch.testing.assert_close(outputs, torch.stack(step_outputs), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(state, step_state[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", COMPILED_MODES)
+def test_the_compiled_decode_step_updates_its_rows_in_place_as_the_pytorch_step(mode):
+    """gated_delta.c against _delta_rule_step: rows out of order, other rows untouched."""
+    cpu = cpu_kernels(mode)
+    torch.manual_seed(1)
+    slots, heads, dk, dv = 6, 4, 32, 16
+    pool = torch.randn(slots, heads, dk, dv)
+    rows = torch.tensor([4, 0, 2])
+    q = torch.nn.functional.normalize(torch.randn(3, heads, dk), dim=-1) * dk**-0.5
+    k = torch.nn.functional.normalize(torch.randn(3, heads, dk), dim=-1)
+    v, beta, log_decay = torch.randn(3, heads, dv), torch.rand(3, heads), -2 * torch.rand(3, heads)
+    expected_state, expected = _delta_rule_step(pool[rows].clone(), q, k, v, beta, log_decay)
+    before = pool.clone()
+    out = cpu.gated_delta_decode(pool, rows, q, k, v, beta, log_decay)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool[rows], expected_state, rtol=1e-5, atol=1e-5)
+    untouched = torch.tensor([1, 3, 5])
+    assert torch.equal(pool[untouched], before[untouched])

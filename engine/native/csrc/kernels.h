@@ -39,4 +39,7 @@ int64_t int8_gemm_block(void);
 int int8_gemm_pack(const int8_t *w, int8_t *packed, int32_t *colsum128, int64_t k, int64_t n);
 void int8_gemm(const int8_t *x, const int8_t *packed, const int32_t *colsum128, int32_t *out, int64_t m, int64_t n,
                int64_t k, int64_t vnni);
+void gated_delta_decode_f32(float *states, const int64_t *slots, const float *q, const float *k, const float *v,
+                            const float *beta, const float *log_decay, float *out, int64_t rows, int64_t heads,
+                            int64_t dk, int64_t dv);
 #endif
