@@ -69,6 +69,18 @@ FAMILY_CONFIGS: dict[str, dict] = {
         logits_scaling=8.0,
     ),
     "olmo2": dict(model_type="olmo2"),
+    "ernie4_5": dict(model_type="ernie4_5", head_dim=_HEAD_DIM),
+    "glm4": dict(model_type="glm4", head_dim=_HEAD_DIM, attention_bias=True),
+    # Three Gated DeltaNet layers to one gated attention layer; value heads twice the key heads
+    "qwen3_5": dict(
+        model_type="qwen3_5_text",
+        head_dim=_HEAD_DIM,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (REFERENCE["num_hidden_layers"] // 4),
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=_HEAD_DIM,
+        linear_value_head_dim=_HEAD_DIM,
+    ),
 }
 
 
