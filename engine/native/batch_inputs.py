@@ -98,15 +98,21 @@ class BatchInputBuilder:
         )
 
     def _recurrent_batch(self, decode_seqs: list[Sequence], chunks: list[tuple[Sequence, int, int]]) -> RecurrentBatch:
-        """A chunk at position 0 starts its sequence (prefix caching is off for these models: a
-        sequence's first chunk, or its first after preemption) and so starts from a zero state."""
+        """A row at position 0 starts its sequence (prefix caching is off for these models: a
+        sequence's first chunk, or its first after preemption) and so starts from a zero state,
+        a one-token one among the decode rows as well as a chunk."""
         slots = [seq.state_slot for seq in decode_seqs]
         assert None not in slots  # a running sequence holds a row (state_slots.py)
+        fresh = [seq.state_slot for seq in decode_seqs if seq.num_computed_tokens == 0]
         chunk_rows = []
         for seq, n, row in chunks:
             assert seq.state_slot is not None
             chunk_rows.append((seq.state_slot, row, n, seq.num_computed_tokens == 0))
-        return RecurrentBatch(self._to_device(np.asarray(slots, dtype=np.int64)), tuple(chunk_rows))
+        return RecurrentBatch(
+            self._to_device(np.asarray(slots, dtype=np.int64)),
+            tuple(chunk_rows),
+            self._to_device(np.asarray(fresh, dtype=np.int64)) if fresh else None,
+        )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.layout.device, non_blocking=True)

@@ -41,10 +41,14 @@ class LinearAttentionWeights:
 @dataclass(frozen=True, slots=True)
 class RecurrentBatch:
     """Which state row each row of a step reads and writes. Decode rows come first, one per
-    sequence; then each prefill chunk: (state row, first row, number of rows, starts the sequence)."""
+    sequence; then each prefill chunk: (state row, first row, number of rows, starts the sequence).
+    A one-token chunk sits among the decode rows: where it is at position 0 (a one-token prompt,
+    or a prompt's first chunk cut to one token by the step's budget) its row is in `fresh_slots`,
+    zeroed before the step reads it."""
 
     decode_slots: torch.Tensor  # [num_decodes] int64
     chunks: tuple[tuple[int, int, int, bool], ...]
+    fresh_slots: torch.Tensor | None = None  # [num_fresh] int64, of decode_slots; None: no such row
 
 
 class RecurrentPools:
@@ -87,6 +91,9 @@ def gated_delta_net(
     if num_decodes:
         rows = slice(0, num_decodes)
         slots = batch.decode_slots
+        if batch.fresh_slots is not None:
+            conv_pool.index_fill_(0, batch.fresh_slots, 0.0)
+            delta_pool.index_fill_(0, batch.fresh_slots, 0.0)
         window = torch.cat((conv_pool[slots], mixed[rows, :, None].float()), dim=-1)  # [n, conv_dim, kernel]
         conv_pool[slots] = window[:, :, 1:]
         x = F.silu((window * weights.conv).sum(-1))

@@ -140,6 +140,27 @@ def test_a_state_row_comes_back_on_abort_and_the_next_sequence_starts_from_zeros
     assert tokens == checkpoints.greedy("qwen3_5_text", list(prompt), 6)
 
 
+def test_a_one_token_row_at_position_0_starts_from_zeros(checkpoints):
+    """A one-token prompt, and a prompt whose first chunk the step's budget cuts to one token, run
+    among the decode rows (batch_inputs.py): their state rows start from zeros too, not from the
+    NaN-filled pools (or a finished sequence's state)."""
+    engine = make_engine(checkpoints.path("qwen3_5_text"), num_blocks=32, mode=KernelMode.TORCH)
+    sampling = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = {"long": tuple(range(3, 34)), "cut": tuple(range(40, 60)), "one": (7,)}
+    outputs: dict[str, list[int]] = {request_id: [] for request_id in prompts}
+    for request_id, prompt in prompts.items():
+        engine.add_request(GenerationRequest(request_id, prompt, sampling))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+        if engine.num_steps == 1:  # 31 tokens of the 32-token budget went to "long"
+            assert [(seq.request_id, seq.num_computed_tokens) for seq in engine.scheduler.running] == [
+                ("long", 31),
+                ("cut", 1),
+            ]
+    assert outputs == {rid: checkpoints.greedy("qwen3_5_text", list(p), 6) for rid, p in prompts.items()}
+
+
 def test_prefix_caching_and_speculation_are_off_for_a_recurrent_state(checkpoints):
     engine = make_engine(checkpoints.path("qwen3_5_text"), num_blocks=32, mode=KernelMode.TORCH, speculative_tokens=4)
     assert engine.config.enable_prefix_caching  # asked for, and not possible: a state cannot be shared
