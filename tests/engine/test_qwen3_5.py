@@ -16,11 +16,13 @@ import random
 import pytest
 import torch
 
+from bench.quant_quality import rounded_like
 from engine.native.kernels import KernelMode
 from engine.native.linear_attention import CHUNK, _delta_rule_prefill, _delta_rule_step
 from engine.native.llm_engine import LLMEngine
 from engine.native.loader import load_model_args
-from engine.types import GenerationRequest, SamplingParams
+from engine.native.quant import Quantization
+from engine.types import GenerationRequest, SamplingParams, TokenLogprob
 from kernel_modes import ALL_MODES, COMPILED_MODES, cpu_kernels
 from native_harness import ON_DEVICE
 from settings import EngineConfig
@@ -55,13 +57,18 @@ class Checkpoints:
             self._dirs[variant] = build_tiny_family(self.root / variant, **VARIANTS[variant])
         return self._dirs[variant]
 
-    def greedy(self, variant: str, prompt: list[int], max_tokens: int) -> list[int]:
+    def reference(self, variant: str):
+        """transformers' model of the variant's checkpoint."""
         if variant not in self._hf:
             from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
             auto = AutoModelForImageTextToText if variant == "qwen3_5" else AutoModelForCausalLM
             self._hf[variant] = auto.from_pretrained(self.path(variant), dtype=torch.float32).eval()
-        model = self._hf[variant]
+        return self._hf[variant]
+
+    def greedy(self, variant: str, prompt: list[int], max_tokens: int, model=None) -> list[int]:
+        """transformers' greedy answer, of the variant's model or of `model` (its rounded copy)."""
+        model = model or self.reference(variant)
         config = copy.deepcopy(model.generation_config)
         config.max_new_tokens, config.do_sample, config.pad_token_id, config.eos_token_id = max_tokens, False, 0, 10**9
         with torch.inference_mode():
@@ -213,3 +220,60 @@ def test_the_compiled_decode_step_updates_its_rows_in_place_as_the_pytorch_step(
     torch.testing.assert_close(pool[rows], expected_state, rtol=1e-5, atol=1e-5)
     untouched = torch.tensor([1, 3, 5])
     assert torch.equal(pool[untouched], before[untouched])
+
+
+QUANTIZED_PROMPTS = {  # 1 token, a few, and more than a closed-form block
+    f"r{i}": [random.Random(i).randrange(3, 512) for _ in range(n)] for i, n in enumerate((1, 9, CHUNK + 10))
+}
+
+
+@pytest.fixture(scope="module")
+def rounded_references(checkpoints):
+    """transformers' model with its weights rounded as each engine.quantization rounds them."""
+    model = checkpoints.reference("qwen3_5_text")
+    return {quantization: rounded_like(model, quantization) for quantization in (Quantization.INT8, Quantization.INT4)}
+
+
+def quantized_run(checkpoints: Checkpoints, mode: KernelMode, quantization: Quantization) -> dict[str, list]:
+    """The engine at `quantization` over QUANTIZED_PROMPTS, batched: each one's greedy tokens' logprobs."""
+    engine = make_engine(checkpoints.path("qwen3_5_text"), num_blocks=32, mode=mode, quantization=quantization.value)
+    assert engine.runner.quantization is quantization and engine.runner.kernel_mode is mode
+    sampling = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    for request_id, prompt in QUANTIZED_PROMPTS.items():
+        engine.add_request(GenerationRequest(request_id, tuple(prompt), sampling))
+    logprobs: dict[str, list[TokenLogprob]] = {request_id: [] for request_id in QUANTIZED_PROMPTS}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            logprobs[out.request_id] += out.logprobs
+    return logprobs
+
+
+@pytest.fixture(scope="module")
+def int8_greedy(checkpoints, rounded_references) -> dict[str, list[int]]:
+    reference = rounded_references[Quantization.INT8]
+    return {rid: checkpoints.greedy("qwen3_5_text", p, 12, reference) for rid, p in QUANTIZED_PROMPTS.items()}
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_int8_qwen3_5_matches_transformers_on_the_rounded_weights_token_for_token(checkpoints, int8_greedy, mode):
+    """The fused in_proj ([q k v | z | b | a]) and the gated attention's [q | k | v | gate] are
+    rounded row by row, as transformers' separate projections are (test_int8.py's reference)."""
+    logprobs = quantized_run(checkpoints, mode, Quantization.INT8)
+    assert {rid: [lp.token_id for lp in lps] for rid, lps in logprobs.items()} == int8_greedy
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_int4_qwen3_5_follows_the_rounded_weights_up_to_near_ties(checkpoints, rounded_references, mode):
+    """int4 rounds each matmul's inputs too (w4a8), which turns float noise into whole rounding
+    steps, and the recurrent state carries them: transformers' own one-pass and token-by-token
+    logprobs of this model differ by 0.1 at int4 (1e-5 at int8). So each greedy token is one that
+    the rounded reference, fed the engine's answer, ranks within 0.15 of its best, with a
+    logprob as close; a layer rounded differently from the reference is off by more."""
+    reference = rounded_references[Quantization.INT4]
+    for request_id, logprobs in quantized_run(checkpoints, mode, Quantization.INT4).items():
+        prompt, tokens = QUANTIZED_PROMPTS[request_id], [lp.token_id for lp in logprobs]
+        with torch.inference_mode():  # [answer, vocab]: the reference's logprobs before each answer token
+            expected = reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+        for lp, row in zip(logprobs, expected, strict=True):
+            assert row.max() - row[lp.token_id] < 0.15
+            assert abs(row[lp.token_id] - lp.logprob) < 0.15
