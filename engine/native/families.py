@@ -201,13 +201,14 @@ class ModelArgs:
         """Parameters of the matmuls a token passes through (embedding lookup excluded)."""
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         mlp = 3 * self.hidden_size * self.intermediate_size
+        lm_head = self.vocab_size * self.hidden_size
         linear = self.linear_attention
         if linear is None:
-            return self.num_layers * (attn + mlp) + self.vocab_size * self.hidden_size
+            return self.num_layers * (attn + mlp) + lm_head
         num_linear = self.num_linear_layers
         linear_params = self.hidden_size * (linear.in_proj_rows + linear.value_dim)
         attn += self.hidden_size * self.num_heads * self.head_dim  # the output gate
-        return num_linear * linear_params + (self.num_layers - num_linear) * attn + self.num_layers * mlp
+        return num_linear * linear_params + (self.num_layers - num_linear) * attn + self.num_layers * mlp + lm_head
 
     @property
     def num_linear_layers(self) -> int:

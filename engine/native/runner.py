@@ -90,9 +90,8 @@ def _bf16_copies_fit(args: ModelArgs) -> bool:
     """Whether engine.amx_prefill "auto" can afford a bf16 copy of every decoder matmul weight
     (+50% weight memory) on this machine; logs why not. A 3.1B model on 24 GB took 18.6 GB with
     them, 13 GB without."""
-    per_layer = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim * args.hidden_size
-    per_layer += args.hidden_size * args.num_heads * args.head_dim + 3 * args.intermediate_size * args.hidden_size
-    num_bytes = 6 * per_layer * args.num_layers  # float32 and bfloat16
+    decoder = args.num_parameters - args.vocab_size * args.hidden_size  # the lm_head gets no copy
+    num_bytes = 6 * decoder  # float32 and bfloat16
     available = free_memory_bytes(torch.device("cpu"))
     if num_bytes <= AMX_COPIES_MAX_MEMORY_SHARE * available:
         return True

@@ -183,6 +183,15 @@ def test_prefix_caching_and_speculation_are_off_for_a_recurrent_state(checkpoint
     assert stats.prefix_cache_hits == 0 and stats.num_draft_tokens == 0
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_num_parameters_counts_every_matmul_weight_of_the_language_model(checkpoints, variant):
+    """ModelArgs.num_parameters: every linear layer a token passes through, lm_head included."""
+    model = checkpoints.reference(variant)
+    language_model = model.model.language_model if variant == "qwen3_5" else model.model
+    matmuls = [m for m in (*language_model.modules(), model.lm_head) if isinstance(m, torch.nn.Linear)]
+    assert load_model_args(checkpoints.path(variant)).num_parameters == sum(m.weight.numel() for m in matmuls)
+
+
 def test_the_closed_form_block_equals_the_recurrence_token_by_token():
     """linear_attention._delta_rule_prefill (blocks of CHUNK tokens, a triangular solve each)
     against the recurrence one token at a time, from a nonzero state, across block boundaries."""
