@@ -268,15 +268,27 @@ class ModelRunner:
         a = self.args
         return 2 * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
 
+    def _kv_budget_bytes(self) -> int:
+        """engine.kv_cache_bytes, or the configured share of free memory less the recurrent states
+        (Qwen3.5: a row for each sequence that may run at once), which come out of that share."""
+        if self.config.kv_cache_bytes > 0:
+            return self.config.kv_cache_bytes
+        share = int(free_memory_bytes(self.device) * self.config.kv_cache_memory_fraction)
+        states = self.num_state_slots * self.state_bytes
+        if states and states >= share:
+            raise EngineError(
+                f"the recurrent states of engine.max_num_seqs = {self.num_state_slots} sequences take "
+                f"{states / 2**20:.1f} MiB, more than the KV cache's share of free memory "
+                f"({share / 2**20:.1f} MiB): lower engine.max_num_seqs or raise engine.kv_cache_memory_fraction"
+            )
+        return share - states
+
     def _num_kv_blocks(self) -> tuple[int, ...]:
         """Blocks per KV group. A hybrid model's sliding group gets what its running sequences'
         windows can use (twice, the rest as prefix cache), at most as many blocks as a single
         pool would have; the global group the rest of the budget. Either way a sequence the
         global group can hold fits the sliding one: that is as large, or holds every window."""
-        budget = self.config.kv_cache_bytes
-        if budget <= 0:  # the recurrent states (Qwen3.5) come out of the same share of memory
-            budget = int(free_memory_bytes(self.device) * self.config.kv_cache_memory_fraction)
-            budget -= self.num_state_slots * self.state_bytes
+        budget = self._kv_budget_bytes()
         # More than every slot's longest sequence twice over (the rest as prefix cache) is waste.
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         cap = 2 * self.config.max_num_seqs * blocks_per_seq

@@ -20,11 +20,11 @@ from safetensors.torch import load_file, save_file
 
 from bench.quant_quality import rounded_like
 from engine.native.kernels import KernelMode
-from engine.native.linear_attention import CHUNK, _delta_rule_prefill, _delta_rule_step
+from engine.native.linear_attention import CHUNK, RecurrentPools, _delta_rule_prefill, _delta_rule_step
 from engine.native.llm_engine import LLMEngine
 from engine.native.loader import load_model_args
 from engine.native.quant import Quantization
-from engine.types import GenerationRequest, SamplingParams, TokenLogprob
+from engine.types import EngineError, GenerationRequest, SamplingParams, TokenLogprob
 from kernel_modes import ALL_MODES, COMPILED_MODES, cpu_kernels
 from native_harness import ON_DEVICE
 from settings import EngineConfig
@@ -193,6 +193,21 @@ def test_num_parameters_counts_every_matmul_weight_of_the_language_model(checkpo
     language_model = model.model.language_model if variant == "qwen3_5" else model.model
     matmuls = [m for m in (*language_model.modules(), model.lm_head) if isinstance(m, torch.nn.Linear)]
     assert load_model_args(checkpoints.path(variant)).num_parameters == sum(m.weight.numel() for m in matmuls)
+
+
+def test_the_state_rows_come_out_of_the_kv_share_and_an_engine_they_fill_says_so(checkpoints, monkeypatch):
+    from engine.native import runner
+
+    model_dir = checkpoints.path("qwen3_5_text")
+    config = EngineConfig(**ON_DEVICE, block_size=BLOCK_SIZE, kv_cache_memory_fraction=0.5, max_num_seqs=4)
+    args = load_model_args(model_dir)
+    state_bytes = 4 * RecurrentPools.bytes_per_slot(args.linear_attention, args.num_linear_layers)
+    block_bytes = args.num_attention_layers * 2 * BLOCK_SIZE * args.num_kv_heads * args.head_dim * 4
+    monkeypatch.setattr(runner, "free_memory_bytes", lambda device: 2 * (state_bytes + 10 * block_bytes))
+    assert LLMEngine.from_model_dir(model_dir, config, eos_token_ids=(2,)).block_manager.num_blocks == 10
+    monkeypatch.setattr(runner, "free_memory_bytes", lambda device: state_bytes)
+    with pytest.raises(EngineError, match=r"recurrent states of engine.max_num_seqs = 4 sequences take"):
+        LLMEngine.from_model_dir(model_dir, config, eos_token_ids=(2,))
 
 
 @needs_amx
