@@ -328,4 +328,6 @@ def _layer_specs(config: Any, rope_params: dict[str, dict[str, Any]], family: Fa
                 rope=rope_key if uses_rope[i] else None,
             )
         )
+    if specs and all(spec.linear for spec in specs):  # the KV cache, and so the engine's memory plan, needs one
+        raise UnsupportedConfig("every layer is linear_attention: at least one full_attention layer is needed")
     return tuple(specs)

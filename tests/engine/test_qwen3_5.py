@@ -22,7 +22,7 @@ from bench.quant_quality import rounded_like
 from engine.native.kernels import KernelMode
 from engine.native.linear_attention import CHUNK, RecurrentPools, _delta_rule_prefill, _delta_rule_step
 from engine.native.llm_engine import LLMEngine
-from engine.native.loader import load_model_args
+from engine.native.loader import ModelLoadError, load_model_args, preflight
 from engine.native.quant import Quantization
 from engine.types import EngineError, GenerationRequest, SamplingParams, TokenLogprob
 from kernel_modes import ALL_MODES, COMPILED_MODES, cpu_kernels
@@ -208,6 +208,15 @@ def test_the_state_rows_come_out_of_the_kv_share_and_an_engine_they_fill_says_so
     monkeypatch.setattr(runner, "free_memory_bytes", lambda device: state_bytes)
     with pytest.raises(EngineError, match=r"recurrent states of engine.max_num_seqs = 4 sequences take"):
         LLMEngine.from_model_dir(model_dir, config, eos_token_ids=(2,))
+
+
+def test_a_config_without_an_attention_layer_is_refused_before_loading(tmp_path):
+    model_dir = build_tiny_family(tmp_path / "linear-only", **VARIANTS["qwen3_5_text"])
+    config = json.loads((model_dir / "config.json").read_text())
+    config["layer_types"] = ["linear_attention"] * 4
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="at least one full_attention layer"):
+        preflight(model_dir)
 
 
 @needs_amx
