@@ -10,6 +10,7 @@ import pytest
 from engine.native.block_manager import BlockManager
 from engine.native.scheduler import Scheduler, SchedulerConfig
 from engine.native.sequence import SequenceStatus
+from engine.native.state_slots import StateSlotManager
 from engine.types import FinishReason
 from native_harness import SchedulerDriver, make_request
 
@@ -213,3 +214,25 @@ def test_random_workload_keeps_invariants_and_matches_unpressured_outputs():
         if seq.request_id not in aborted:
             assert seq.completion_token_ids == expected[seq.request_id]
     assert d.scheduler.block_manager.num_free_blocks == 20
+
+
+def test_a_state_row_is_held_while_running_and_comes_back_on_finish_abort_and_preemption():
+    """A model with a recurrent state (Qwen3.5): StateSlotManager gives a sequence a row with its
+    first blocks and takes it back wherever its blocks go; the harness checks every row after
+    every step (one per running sequence, none lost)."""
+    bm = StateSlotManager(BlockManager(12, 4, enable_prefix_caching=False), num_slots=2)
+    d = SchedulerDriver(Scheduler(SchedulerConfig(3, 64), bm))
+    a, b, c = (d.add(make_request(name, [i + 1] * 8, max_tokens=30)) for i, name in enumerate("abc"))
+    d.step()
+    assert (a.state_slot, b.state_slot, c.state_slot) == (0, 1, None)  # blocks for c, but no row
+    assert c.status is SequenceStatus.WAITING
+    d.abort("c")  # waiting: it held nothing
+    while d.scheduler.num_preemptions == 0:
+        d.step()
+    assert b.status is SequenceStatus.WAITING and b.state_slot is None and bm.num_used_slots == 1
+    d.abort("a")  # running: its row comes back, and b takes it
+    assert bm.num_used_slots == 0
+    d.step()
+    assert b.status is SequenceStatus.RUNNING and b.state_slot is not None and b.num_computed_tokens > 0
+    d.run()
+    assert b.finish_reason is FinishReason.LENGTH and bm.num_used_slots == 0 and sorted(bm.free_slots) == [0, 1]
