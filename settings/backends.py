@@ -24,7 +24,13 @@ class EngineConfig:
     )
     num_threads: int = setting(0, "torch CPU threads; 0 lets torch decide.", minimum=0)
     block_size: int = setting(16, "Tokens per KV-cache block.", minimum=1)
-    kv_cache_bytes: int = setting(0, "Size of the KV-cache pool in bytes; 0: use kv_cache_memory_fraction.", minimum=0)
+    kv_cache_bytes: int = setting(
+        0,
+        "Size of the KV-cache pool in bytes; 0: use kv_cache_memory_fraction. A model with Gated DeltaNet "
+        "layers (Qwen3.5) also holds a recurrent state per max_num_seqs sequence, on top of this (out of the "
+        "fraction when 0).",
+        minimum=0,
+    )
     kv_cache_memory_fraction: float = setting(
         0.2,
         "Share of free memory (GPU memory on CUDA, RAM on CPU) for the KV pool when kv_cache_bytes is 0.",

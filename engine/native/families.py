@@ -271,8 +271,10 @@ def _linear_attention_shape(config: Any) -> LinearAttentionShape:
         value_head_dim=int(config.linear_value_head_dim),
         conv_kernel=int(config.linear_conv_kernel_dim),
     )
-    if min(shape.key_heads, shape.value_heads, shape.key_head_dim, shape.value_head_dim, shape.conv_kernel) < 1:
+    if min(shape.key_heads, shape.value_heads, shape.key_head_dim, shape.value_head_dim) < 1:
         raise UnsupportedConfig(f"linear attention sizes must be 1 or more; got {shape}")
+    if shape.conv_kernel < 2:  # the state keeps the last conv_kernel - 1 inputs
+        raise UnsupportedConfig(f"linear_conv_kernel_dim must be 2 or more; got {shape.conv_kernel}")
     if shape.value_heads % shape.key_heads:
         raise UnsupportedConfig("linear_num_value_heads must be a multiple of linear_num_key_heads")
     return shape

@@ -114,8 +114,9 @@ def _text_config(cfg: dict[str, Any], where: Path) -> dict[str, Any]:
     """A wrapper's language model config. Gemma 3's releases spell out only what differs from
     Gemma3TextConfig's defaults (no vocab_size or head counts), so it is read through the wrapper's
     own config class, defaults filled in, as transformers reads it."""
-    if cfg.get("model_type") == "qwen3_5":  # the releases tie (or not) at the top level
-        return {"tie_word_embeddings": cfg.get("tie_word_embeddings", False), **cfg["text_config"]}
+    if cfg.get("model_type") == "qwen3_5":  # the releases tie (or not) at the top level, which transformers reads
+        text = cfg["text_config"]
+        return {**text, "tie_word_embeddings": cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
     if cfg.get("model_type") != "gemma3":
         return cfg["text_config"]
     from transformers import CONFIG_MAPPING

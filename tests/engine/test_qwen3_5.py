@@ -339,3 +339,22 @@ def test_int4_qwen3_5_follows_the_rounded_weights_up_to_near_ties(checkpoints, r
         for lp, row in zip(logprobs, expected, strict=True):
             assert row.max() - row[lp.token_id] < 0.15
             assert abs(row[lp.token_id] - lp.logprob) < 0.15
+
+
+def test_a_conv_kernel_under_2_is_refused_at_load(checkpoints, tmp_path):
+    config = json.loads((checkpoints.path("qwen3_5_text") / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "linear_conv_kernel_dim": 1}))
+    with pytest.raises(ModelLoadError, match="linear_conv_kernel_dim must be 2 or more; got 1"):
+        load_model_args(tmp_path)
+
+
+@pytest.mark.parametrize("top, text, tied", [(True, False, True), (False, True, False), (None, True, True)])
+def test_the_releases_top_level_tie_word_embeddings_wins_over_the_text_configs(checkpoints, tmp_path, top, text, tied):
+    """As transformers reads Qwen3_5ForConditionalGeneration's; the text config's where the top is silent."""
+    config = json.loads((checkpoints.path("qwen3_5") / "config.json").read_text())
+    config.pop("tie_word_embeddings", None)
+    if top is not None:
+        config["tie_word_embeddings"] = top
+    config["text_config"]["tie_word_embeddings"] = text
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert load_model_args(tmp_path).tie_word_embeddings is tied
