@@ -33,6 +33,7 @@ class LinearAttentionWeights:
     input projection, LayerWeights.o_proj the output one)."""
 
     conv: torch.Tensor  # [conv_dim, conv_kernel] depthwise, no bias
+    conv_taps: torch.Tensor  # [conv_kernel, conv_dim]: the same, tap-major for a decode step
     dt_bias: torch.Tensor  # [value_heads] float32
     neg_a: torch.Tensor  # [value_heads] float32: -exp(A_log)
     norm: torch.Tensor  # [value_head_dim]: the gated RMSNorm's weight (plain, no 1 + w)
@@ -61,7 +62,7 @@ class RecurrentPools:
         # Never read before written: a chunk that starts a sequence starts from zeros.
         self.layers = [
             (
-                torch.empty(num_slots, shape.conv_dim, kernel, device=device),
+                torch.empty(num_slots, kernel, shape.conv_dim, device=device),  # oldest input first
                 torch.empty(state, device=device),
             )
             for _ in range(num_layers)
@@ -94,9 +95,10 @@ def gated_delta_net(
         if batch.fresh_slots is not None:
             conv_pool.index_fill_(0, batch.fresh_slots, 0.0)
             delta_pool.index_fill_(0, batch.fresh_slots, 0.0)
-        window = torch.cat((conv_pool[slots], mixed[rows, :, None].float()), dim=-1)  # [n, conv_dim, kernel]
-        conv_pool[slots] = window[:, :, 1:]
-        x = F.silu((window * weights.conv).sum(-1))
+        # [n, kernel, conv_dim]: the last kernel - 1 inputs and this one
+        window = torch.cat((conv_pool.index_select(0, slots), mixed[rows, None, :].float()), dim=1)
+        conv_pool.index_copy_(0, slots, window[:, 1:])
+        x = F.silu((window * weights.conv_taps).sum(1))
         q, k, v = _heads(s, x)
         if cpu is not None:
             out[rows] = cpu.gated_delta_decode(delta_pool, slots, q, k, v, beta[rows], log_decay[rows])
@@ -107,9 +109,9 @@ def gated_delta_net(
     for slot, first, num_rows, starts in batch.chunks:
         rows = slice(first, first + num_rows)
         history = conv_pool[slot].new_zeros(conv_pool.shape[1:]) if starts else conv_pool[slot]
-        padded = torch.cat((history, mixed[rows].t().float()), dim=-1)  # [conv_dim, kernel - 1 + num_rows]
-        conv_pool[slot] = padded[:, -(s.conv_kernel - 1) :]
-        x = F.silu(F.conv1d(padded[None], weights.conv[:, None, :], groups=s.conv_dim)[0].t())
+        padded = torch.cat((history, mixed[rows].float()))  # [kernel - 1 + num_rows, conv_dim]
+        conv_pool[slot] = padded[-(s.conv_kernel - 1) :]
+        x = F.silu(F.conv1d(padded.t()[None], weights.conv[:, None, :], groups=s.conv_dim)[0].t())
         q, k, v = _heads(s, x)
         state = delta_pool.new_zeros(delta_pool.shape[1:]) if starts else delta_pool[slot]
         state, o = _delta_rule_prefill(state, q, k, v, beta[rows], log_decay[rows])

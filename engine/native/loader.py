@@ -440,8 +440,10 @@ class _LayerReader:
         rows = {"qkv": s.conv_dim, "z": s.value_dim, "b": s.value_heads, "a": s.value_heads}
         in_proj = torch.cat([self.r.get(f"{p}in_proj_{n}.weight", (o, h)) for n, o in rows.items()]).contiguous()
         heads = (s.value_heads,)
+        conv = self.r.get(f"{p}conv1d.weight", (s.conv_dim, 1, s.conv_kernel), torch.float32)[:, 0]
         extra = LinearAttentionWeights(
-            conv=self.r.get(f"{p}conv1d.weight", (s.conv_dim, 1, s.conv_kernel), torch.float32)[:, 0].contiguous(),
+            conv=conv.contiguous(),
+            conv_taps=conv.t().contiguous(),
             dt_bias=self.r.get(f"{p}dt_bias", heads, torch.float32),
             neg_a=-self.r.get(f"{p}A_log", heads, torch.float32).exp(),
             norm=self.r.get(f"{p}norm.weight", (s.value_head_dim,), torch.float32),  # plain weight, no 1 + w
