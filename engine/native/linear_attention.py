@@ -111,8 +111,12 @@ def gated_delta_net(
         history = conv_pool[slot].new_zeros(conv_pool.shape[1:]) if starts else conv_pool[slot]
         padded = torch.cat((history, mixed[rows].float()))  # [kernel - 1 + num_rows, conv_dim]
         conv_pool[slot] = padded[-(s.conv_kernel - 1) :]
-        x = F.silu(F.conv1d(padded.t()[None], weights.conv[:, None, :], groups=s.conv_dim)[0].t())
-        q, k, v = _heads(s, x)
+        # The causal depthwise convolution as one multiply-add per tap over the time-major rows
+        # (conv1d wants channels first: two transposed copies and strided work after it)
+        x = padded[s.conv_kernel - 1 :] * weights.conv_taps[-1]
+        for tap in range(s.conv_kernel - 1):
+            x.addcmul_(padded[tap : tap + num_rows], weights.conv_taps[tap])
+        q, k, v = _heads(s, F.silu(x, inplace=True))
         state = delta_pool.new_zeros(delta_pool.shape[1:]) if starts else delta_pool[slot]
         state, o = _delta_rule_prefill(state, q, k, v, beta[rows], log_decay[rows])
         delta_pool[slot] = state
@@ -159,19 +163,15 @@ def _delta_rule_prefill(
     beta: torch.Tensor,  # [tokens, heads]
     log_decay: torch.Tensor,  # [tokens, heads]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # final state, outputs [tokens, heads, dv]
+    # head-major once: [heads, tokens, d]; each block is then a view with contiguous rows
+    q, k, v = (t.transpose(0, 1).contiguous() for t in (q, k, v))
+    beta, log_decay = beta.t().contiguous(), log_decay.t().contiguous()
     outputs = []
-    for start in range(0, q.shape[0], CHUNK):
+    for start in range(0, q.shape[1], CHUNK):
         block = slice(start, start + CHUNK)
-        state, o = _delta_rule_chunk(
-            state,
-            q[block].transpose(0, 1),
-            k[block].transpose(0, 1),
-            v[block].transpose(0, 1),
-            beta[block].t(),
-            log_decay[block].t(),
-        )
-        outputs.append(o.transpose(0, 1))
-    return state, torch.cat(outputs)
+        state, o = _delta_rule_chunk(state, q[:, block], k[:, block], v[:, block], beta[:, block], log_decay[:, block])
+        outputs.append(o)
+    return state, torch.cat(outputs, dim=1).transpose(0, 1)
 
 
 def _delta_rule_chunk(
