@@ -5,13 +5,16 @@ layers, three Gated DeltaNet layers to one gated attention layer, 16 key and val
 128, vocabulary 32,000; fp32) is built once under build/. Measured: a 512-token prefill, decode
 at 1 stream and 8 streams (ours continuously batched, transformers a static batch of 8), and
 one Gated DeltaNet layer's decode step with its state update compiled (csrc/gated_delta.c)
-against the same step as PyTorch ops. Run: `python -m bench.bench_qwen3_5` (a few minutes).
+against the same step as PyTorch ops. Run: `python -m bench.bench_qwen3_5` (a few minutes); the
+AVX2 paths on an AVX-512 machine: `ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+ATEN_CPU_CAPABILITY=avx2 python -m bench.bench_qwen3_5 --kernel-isa avx2`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -52,6 +55,9 @@ SHAPE = dict(
     initializer_range=0.02,
 )
 PROMPT, OUTPUT = 512, 32
+# Set in the environment to hold PyTorch's own matmuls (transformers', and ours outside the kernels)
+# to AVX2 beside engine.kernel_isa = avx2 on an AVX-512 machine: the AVX2 machine's comparison.
+_ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
 
 
 def build(path: Path) -> Path:
@@ -60,8 +66,9 @@ def build(path: Path) -> Path:
     return path
 
 
-def ours(model_dir: Path) -> dict[str, float]:
-    engine = LLMEngine.from_model_dir(model_dir, EngineConfig(device="cpu", max_num_seqs=8), eos_token_ids=(2,))
+def ours(model_dir: Path, kernel_isa: str) -> dict[str, float]:
+    config = EngineConfig(device="cpu", max_num_seqs=8, kernel_isa=kernel_isa)
+    engine = LLMEngine.from_model_dir(model_dir, config, eos_token_ids=(2,))
 
     def run(num_streams: int, prompt_len: int, max_tokens: int) -> tuple[float, float]:
         """(seconds to every stream's first token, decode tokens/s after it)"""
@@ -107,7 +114,7 @@ def transformers_peer(model_dir: Path) -> dict[str, float]:
     return {"prefill_512_s": prefill_s, "decode_1": decode_1, "decode_8": decode_8}
 
 
-def state_step_ms() -> dict[str, float]:
+def state_step_ms(kernel_isa: str) -> dict[str, float]:
     """One Gated DeltaNet layer's decode (everything but its two matmuls), compiled state update vs PyTorch's."""
     shape = LinearAttentionShape(16, 16, 128, 128, 4)
     conv = torch.randn(shape.conv_dim, 4)
@@ -115,7 +122,7 @@ def state_step_ms() -> dict[str, float]:
     pools = RecurrentPools(shape, 1, 8, torch.device("cpu")).layers[0]
     for pool in pools:
         pool.zero_()
-    cpu = load_kernels(resolve_mode(enabled=True, isa="auto", device=torch.device("cpu"), dtype=torch.float32))
+    cpu = load_kernels(resolve_mode(enabled=True, isa=kernel_isa, device=torch.device("cpu"), dtype=torch.float32))
     result = {}
     for rows in (1, 8):
         projected, batch = torch.randn(rows, shape.in_proj_rows), RecurrentBatch(torch.arange(rows), ())
@@ -132,12 +139,15 @@ def state_step_ms() -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", type=Path, default=ROOT / "build" / "bench-qwen3_5")
+    p.add_argument("--kernel-isa", default="auto", help="engine.kernel_isa: auto, avx512 or avx2 (the AVX2 sibling)")
     args = p.parse_args(argv)
     model_dir = in_own_thread(build, args.model_dir)
-    a, b = ours(model_dir), transformers_peer(model_dir)
-    steps = state_step_ms()
+    a, b = ours(model_dir, args.kernel_isa), transformers_peer(model_dir)
+    steps = state_step_ms(args.kernel_isa)
     machine = machine_info(in_own_thread(measure_matmul_peak_gflops))
-    print(f"\nQwen3.5 layout, ~0.5B fp32, on {machine['cpu']} ({machine['threads']} threads)")
+    caps = ", ".join(f"{k}={os.environ[k]}" for k in _ISA_CAPS if k in os.environ) or "uncapped"
+    where = f"{machine['cpu']} ({machine['threads']} threads), kernels {args.kernel_isa}, PyTorch's libraries {caps}"
+    print(f"\nQwen3.5 layout, ~0.5B fp32, on {where}")
     print(f"{'':<22} {'ours':>8} {'transformers':>13} {'ratio':>6}")
     rows = (
         ("prefill_512_s", "prefill 512 tok (s)"),
