@@ -206,10 +206,19 @@ def build_tiny_family(path: Path | str, model_type: str, *, seed: int = 0, token
             vision_end_token_id=vocab_size - 4,
             tie_word_embeddings=text.tie_word_embeddings,
         )
+    elif model_type == "mistral3":  # Ministral 3's releases: the text model beside a Pixtral vision tower
+        text = CONFIG_MAPPING["ministral3"](**{**defaults, **config})
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16)
+        hf_config = CONFIG_MAPPING["mistral3"](
+            text_config=text.to_dict(),
+            vision_config={**vision, "image_size": 28, "patch_size": 14},
+            image_token_index=vocab_size - 1,
+            tie_word_embeddings=text.tie_word_embeddings,
+        )
     else:
         hf_config = CONFIG_MAPPING[model_type](**{**defaults, **config})
     torch.manual_seed(seed)
-    if model_type == "qwen3_5":
+    if model_type in ("qwen3_5", "mistral3"):
         from transformers import AutoModelForImageTextToText
 
         model = AutoModelForImageTextToText.from_config(hf_config, dtype=torch.float32).eval()

@@ -60,6 +60,7 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(),
     "mistral": Family(),
     "ministral": Family(),  # Ministral 8B: Mistral's, its sliding window on the layers layer_types names
+    "ministral3": Family(),  # Ministral 3: Mistral's, with queries scaled past the original context (QueryScale)
     "qwen2": Family(),
     "qwen3": Family(qk_norm=QKNorm.PER_HEAD),
     "smollm3": Family(),
@@ -112,6 +113,16 @@ class UnsupportedConfig(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class QueryScale:
+    """Queries at position p multiplied by 1 + beta * log(1 + floor(p / positions)) after rope
+    (rope_parameters' llama_4_scaling_beta and original_max_position_embeddings): exactly 1
+    before `positions`, so the engine's fast paths serve those positions as they are."""
+
+    beta: float
+    positions: int
+
+
+@dataclass(frozen=True, slots=True)
 class LayerSpec:
     sliding_window: int | None  # attend to the last `sliding_window` positions (this one included)
     rope: str | None  # key into ModelArgs.rope_parameters; None: this layer has no rotary embedding
@@ -141,6 +152,7 @@ class ModelArgs:
     logits_divisor: float = 1.0  # Granite's logits_scaling
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
+    query_scale: QueryScale | None = None  # Ministral 3 (Llama 4's attention temperature)
     linear_attention: LinearAttentionShape | None = None  # Qwen3.5's Gated DeltaNet layers
     hf_config: Any = field(default=None, compare=False, repr=False)  # for transformers' rope functions
 
@@ -253,6 +265,7 @@ def model_args_from_config(config: Any) -> ModelArgs:
         layers=layers,
         rope_parameters=tuple((k, tuple(sorted(v.items()))) for k, v in rope_params.items()),
         attention_scale=scale,
+        query_scale=_query_scale(rope_params),
         linear_attention=_linear_attention_shape(config) if family.linear_attention else None,
         embedding_multiplier=_embedding_multiplier(config, family),
         residual_multiplier=float(getattr(config, "residual_multiplier", 1.0) or 1.0),
@@ -278,6 +291,18 @@ def _linear_attention_shape(config: Any) -> LinearAttentionShape:
     if shape.value_heads % shape.key_heads:
         raise UnsupportedConfig("linear_num_value_heads must be a multiple of linear_num_key_heads")
     return shape
+
+
+def _query_scale(rope_params: dict[str, dict[str, Any]]) -> QueryScale | None:
+    betas = {(r.get("llama_4_scaling_beta"), r.get("original_max_position_embeddings")) for r in rope_params.values()}
+    if len(betas) != 1:
+        raise UnsupportedConfig("llama_4_scaling_beta differs between rope settings")
+    ((beta, positions),) = betas
+    if not beta:
+        return None
+    if not isinstance(positions, int) or positions < 1:
+        raise UnsupportedConfig("llama_4_scaling_beta needs original_max_position_embeddings, 1 or more")
+    return QueryScale(float(beta), positions)
 
 
 def _optional_float(value: Any) -> float | None:

@@ -81,15 +81,18 @@ _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_
 # for them), first match wins; () for a plain causal LM.
 Renames = tuple[tuple[str, str], ...]
 
-# Multimodal checkpoints whose language model the engine serves: config.json's model_type -> where
-# that model's weights sit (its `text_config` describes it). LLaVA's vision tower is served too
-# (engine/native/vision.py); Gemma 3's (4B and up: SigLIP) and Qwen3.5's are not, so such a model
-# is text only.
-WRAPPED_LANGUAGE_MODELS: dict[str, Renames] = {
-    "llava": (("", "language_model."),),
-    "gemma3": (("", "language_model."),),
-    "qwen3_5": (("model.", "model.language_model."), ("lm_head.", "lm_head.")),
-}
+# Multimodal checkpoints whose language model the engine serves (config.json's model_type; its
+# `text_config` describes that model). LLaVA's vision tower is served too (engine/native/vision.py);
+# Gemma 3's (4B and up: SigLIP), Qwen3.5's and Mistral 3's (Ministral 3, Mistral Small 3.1: Pixtral)
+# are not, so those models are text only.
+WRAPPED_LANGUAGE_MODELS = frozenset({"llava", "gemma3", "qwen3_5", "mistral3"})
+# Where a wrapper's language model sits: under `language_model.`, its lm_head too (as transformers 4
+# saved them), or under `model.language_model.` beside a top-level lm_head (as transformers 5 saves
+# them); language_model_names finds which from the weight files.
+WRAPPED_LAYOUTS: tuple[Renames, ...] = (
+    (("", "language_model."),),
+    (("model.", "model.language_model."), ("lm_head.", "lm_head.")),
+)
 
 
 def language_model_names(model_dir: Path) -> Renames:
@@ -98,8 +101,16 @@ def language_model_names(model_dir: Path) -> Renames:
         cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return ()
-    model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
-    return WRAPPED_LANGUAGE_MODELS.get(model_type, ()) if isinstance(model_type, str) else ()
+    if not isinstance(cfg, dict) or cfg.get("model_type") not in WRAPPED_LANGUAGE_MODELS:
+        return ()
+    try:
+        names = _weight_files(Path(model_dir))
+    except ModelLoadError:  # reading the weights names it
+        return WRAPPED_LAYOUTS[0]
+    for layout in WRAPPED_LAYOUTS:
+        if _renamed("model.embed_tokens.weight", layout, to_checkpoint=True) in names:
+            return layout
+    return WRAPPED_LAYOUTS[0]
 
 
 def _renamed(name: str, renames: Renames, *, to_checkpoint: bool) -> str | None:

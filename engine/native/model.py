@@ -187,12 +187,20 @@ class Model:
             x.index_copy_(0, image_rows[0], image_rows[1].to(x.dtype))
         if self.args.embedding_multiplier != 1.0:  # after the images, as transformers scales inputs_embeds
             x = x * self._embed_scale
-        if self.uses_decode_stack and not meta.prefills and meta.decode_context_lens is not None:  # all in C
-            return self._decode_stack(kv_caches)(x, positions, meta)
+        # Ministral 3 scales queries past its original context: the general path does; the fast
+        # paths serve steps whose every position is before it, where the scale is exactly 1.
+        query_scale = self.args.query_scale
+        unscaled = query_scale is None or (self.packed and int(positions.max()) < query_scale.positions)
+        if unscaled and self.uses_decode_stack and not meta.prefills and meta.decode_context_lens is not None:
+            return self._decode_stack(kv_caches)(x, positions, meta)  # all in C
         # engine.amx_prefill: a step of many rows also attends in bf16 (as its matmuls run, `linear`)
         attend_dtype = torch.bfloat16 if self.amx and x.shape[0] >= AMX_MIN_ROWS else None
-        if self.fused_cpu_ops:
+        if unscaled and self.fused_cpu_ops:
             return self._forward_fused(x, positions, kv_caches, meta, attend_dtype)
+        q_scales = None
+        if query_scale is not None and not unscaled:  # [num_tokens, 1, 1], without a host sync (CUDA graphs)
+            steps = torch.floor(positions.to(torch.float32) / query_scale.positions)
+            q_scales = (1 + query_scale.beta * torch.log1p(steps)).to(x.dtype)[:, None, None]
         rope = {  # [num_tokens, 1, rotary_dim] each
             key: (cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1))
             for key, (cos, sin) in self.rope_tables.items()
@@ -202,7 +210,8 @@ class Model:
                 x = self._linear_attention_layer(layer, x, kv_caches[i], meta)
                 continue
             key = self.args.layers[i].rope
-            x = self._layer(i, layer, x, rope.get(key) if key is not None else None, kv_caches[i], meta, attend_dtype)
+            layer_rope = rope.get(key) if key is not None else None
+            x = self._layer(i, layer, x, layer_rope, kv_caches[i], meta, attend_dtype, q_scales)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
@@ -287,13 +296,15 @@ class Model:
         act = F.silu(gate) if self.args.activation is Activation.SILU else F.gelu(gate, approximate="tanh")
         return linear(act * up, layer.down)
 
-    def _layer(self, i: int, layer, x, rope, kv_cache, meta, attend_dtype=None) -> torch.Tensor:
+    def _layer(self, i: int, layer, x, rope, kv_cache, meta, attend_dtype=None, q_scales=None) -> torch.Tensor:
         args, eps = self.args, self.args.rms_norm_eps
         num_tokens = x.shape[0]
         h = x if layer.input_norm is None else _rms_norm(x, layer.input_norm, eps)
         q, k, v, gate = self._qkv(layer, h)
         if rope is not None:
             q, k = _rotate(q, *rope), _rotate(k, *rope)
+        if q_scales is not None:  # Ministral 3, past its original context
+            q = q * q_scales
         spec = self.attention_specs[i]
         meta = meta.for_layer(spec)  # a hybrid model's sliding layers: their own KV group
         k_cache, v_cache = kv_cache

@@ -62,12 +62,15 @@ class TinyModels:
 
     def reference(self, variant: str):
         if variant not in self._hf:
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+            # Mistral 3 has no causal-LM class of its own: its multimodal one, given text only
+            multimodal = json.loads((self.path(variant) / "config.json").read_text())["model_type"] == "mistral3"
+            auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
             # Eager attention: the plain formula in every transformers version. Before 5.23 the
             # default (SDPA) silently skipped Gemma 2's attention-logit soft-cap, which made the
             # reference, not the engine, wrong (seen on a GPU host's transformers 5.17).
-            self._hf[variant] = AutoModelForCausalLM.from_pretrained(
+            self._hf[variant] = auto.from_pretrained(
                 self.path(variant), dtype=torch.float32, attn_implementation="eager"
             ).eval()
         return self._hf[variant]

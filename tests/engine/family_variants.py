@@ -4,6 +4,17 @@ files import it by a name no other test folder's conftest shadows)."""
 from __future__ import annotations
 
 SLIDING = ["sliding_attention", "full_attention", "sliding_attention"]
+MINISTRAL3_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 1000000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 48,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "llama_4_scaling_beta": 0.5,
+}
 # One checkpoint per served family (transformers' own config class), small enough to test in
 # seconds, with every feature the family adds switched on at a size that changes the output.
 FAMILY_VARIANTS = {
@@ -63,6 +74,10 @@ FAMILY_VARIANTS = {
         model_type="ministral", num_hidden_layers=3, layer_types=SLIDING, sliding_window=24, head_dim=16, seed=23
     ),
     "mistral-sliding": dict(model_type="mistral", sliding_window=24, head_dim=16, seed=16),
+    # Ministral 3: YaRN, and queries scaled past the original context (48 here: the workload crosses it)
+    "ministral3": dict(model_type="ministral3", head_dim=16, seed=24, rope_parameters=MINISTRAL3_ROPE),
+    # its releases: Mistral3ForConditionalGeneration, the language model beside a Pixtral tower
+    "ministral3-multimodal": dict(model_type="mistral3", head_dim=16, seed=25, rope_parameters=MINISTRAL3_ROPE),
     "granite": dict(
         model_type="granite",
         embedding_multiplier=4.0,

@@ -180,9 +180,8 @@ def test_a_family_the_engine_does_not_serve_is_refused_by_name(model_copy):
     cfg = json.loads((model_copy / "config.json").read_text())
     cfg["model_type"] = "deepseek_v3"
     (model_copy / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(
-        ModelLoadError, match=r"model_type 'deepseek_v3' is not one of llama, mistral, ministral, qwen2, qwen3"
-    ):
+    families = r"llama, mistral, ministral, ministral3, qwen2, qwen3"
+    with pytest.raises(ModelLoadError, match=rf"model_type 'deepseek_v3' is not one of {families}"):
         ModelRunner(model_copy, CONFIG)
 
 
