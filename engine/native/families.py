@@ -294,12 +294,13 @@ def _linear_attention_shape(config: Any) -> LinearAttentionShape:
 
 
 def _query_scale(rope_params: dict[str, dict[str, Any]]) -> QueryScale | None:
-    betas = {(r.get("llama_4_scaling_beta"), r.get("original_max_position_embeddings")) for r in rope_params.values()}
-    if len(betas) != 1:
-        raise UnsupportedConfig("llama_4_scaling_beta differs between rope settings")
-    ((beta, positions),) = betas
-    if not beta:
+    with_beta = [r for r in rope_params.values() if r.get("llama_4_scaling_beta")]
+    if not with_beta:
         return None
+    scales = {(r["llama_4_scaling_beta"], r.get("original_max_position_embeddings")) for r in with_beta}
+    if len(scales) != 1 or len(with_beta) != len(rope_params):  # one scale for every layer, or not served
+        raise UnsupportedConfig("llama_4_scaling_beta differs between rope settings")
+    ((beta, positions),) = scales
     if not isinstance(positions, int) or positions < 1:
         raise UnsupportedConfig("llama_4_scaling_beta needs original_max_position_embeddings, 1 or more")
     return QueryScale(float(beta), positions)

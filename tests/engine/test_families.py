@@ -184,3 +184,19 @@ def test_a_mixed_models_sliding_pool_is_window_sized_and_the_global_pool_gets_th
     # The budget, all of it (on CUDA, with decode graphs, one scratch block per layer beyond it).
     scratch = args.num_layers if engine.runner.decode_graphs is not None else 0
     assert engine.runner.kv_pool.numel() * 4 == (100 * 3 + scratch) * layer_block_bytes
+
+
+def test_a_query_scale_is_read_from_every_rope_setting_or_refused():
+    """Ministral 3's llama_4_scaling_beta: one for the whole model; a model whose rope settings
+    disagree on it (or where only some have it) is refused rather than served with one of them."""
+    from engine.native.families import QueryScale, UnsupportedConfig, _query_scale
+
+    scaled = {"rope_type": "yarn", "llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 16384}
+    plain = {"rope_type": "default", "original_max_position_embeddings": 4096}
+    assert _query_scale({"": scaled}) == QueryScale(0.1, 16384)
+    assert _query_scale({"full_attention": scaled, "sliding_attention": dict(scaled)}) == QueryScale(0.1, 16384)
+    assert _query_scale({"full_attention": plain, "sliding_attention": {"rope_type": "default"}}) is None
+    with pytest.raises(UnsupportedConfig, match="differs"):
+        _query_scale({"full_attention": scaled, "sliding_attention": plain})
+    with pytest.raises(UnsupportedConfig, match="original_max_position_embeddings"):
+        _query_scale({"": {"llama_4_scaling_beta": 0.1}})
