@@ -149,6 +149,19 @@ def _asdict(spec: TinyModelSpec) -> dict:
     return {name: getattr(spec, name) for name in spec.__slots__}
 
 
+# Qwen3.5's layout at a tiny size: three Gated DeltaNet layers to one attention layer, as the
+# releases interleave them; two key heads shared by four value heads (the releases' grouping)
+QWEN3_5_TINY = dict(
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    head_dim=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+
+
 def build_tiny_family(path: Path | str, model_type: str, *, seed: int = 0, tokenizer: bool = False, **config) -> Path:
     """A random-weight checkpoint of any served family, built with transformers' own config class.
 

@@ -8,25 +8,15 @@ from __future__ import annotations
 import pytest
 
 from api.app import init
-from testing.tiny_model import build_tiny_family
+from testing.tiny_model import QWEN3_5_TINY, build_tiny_family
 from tests.api.helpers import assert_error, native_settings, sse_events, state_of
 from tests.api.test_images_http import data_url, png_bytes
-
-TINY = dict(
-    num_hidden_layers=4,
-    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-    head_dim=16,
-    linear_key_head_dim=16,
-    linear_value_head_dim=8,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-)
 
 
 @pytest.fixture(scope="module")
 def qwen3_5_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen3_5-http")
-    return build_tiny_family(root / "tiny-qwen3_5", "qwen3_5", tokenizer=True, tie_word_embeddings=True, **TINY)
+    return build_tiny_family(root / "tiny-qwen3_5", "qwen3_5", tokenizer=True, tie_word_embeddings=True, **QWEN3_5_TINY)
 
 
 @pytest.fixture

@@ -30,24 +30,13 @@ from native_harness import ON_DEVICE
 from settings import EngineConfig
 from test_amx_prefill import needs_amx, prompt_logprobs
 from test_greedy_equality import run_with_arrivals
-from testing.tiny_model import build_tiny_family
+from testing.tiny_model import QWEN3_5_TINY, build_tiny_family
 
 BLOCK_SIZE = 16
-# Three Gated DeltaNet layers to one attention layer, as the releases interleave them; two key
-# heads shared by four value heads (the releases' grouping); partial rope (the releases' 0.25).
-TINY = dict(
-    num_hidden_layers=4,
-    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-    head_dim=16,
-    linear_key_head_dim=16,
-    linear_value_head_dim=8,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-)
 VARIANTS = {
-    "qwen3_5_text": dict(model_type="qwen3_5_text", seed=31, **TINY),  # Qwen3_5ForCausalLM
+    "qwen3_5_text": dict(model_type="qwen3_5_text", seed=31, **QWEN3_5_TINY),  # Qwen3_5ForCausalLM
     # The releases: Qwen3_5ForConditionalGeneration, the language model under model.language_model.
-    "qwen3_5": dict(model_type="qwen3_5", seed=32, tie_word_embeddings=True, **TINY),
+    "qwen3_5": dict(model_type="qwen3_5", seed=32, tie_word_embeddings=True, **QWEN3_5_TINY),
 }
 
 
