@@ -47,6 +47,7 @@ test-fast: $(VENV)/.installed-dev
 bench: $(VENV)/.installed-dev
 	$(PY) -m bench.bench_engine $(ARGS)
 	$(PY) -m bench.bench_families $(findstring --quick,$(ARGS))
+	$(PY) -m bench.bench_qwen3_5
 	$(PY) -m bench.bench_safety
 	$(PY) -m bench.bench_structured
 	$(PY) -m bench.bench_peers
