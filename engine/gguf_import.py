@@ -23,9 +23,12 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import structlog
+
+from engine import gguf_qwen35
 
 log = structlog.get_logger(__name__)
 
@@ -42,10 +45,11 @@ _END_OF_GENERATION_TEXTS = frozenset(
     {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<|end_of_text|>", "<end_of_turn>", "<EOT>"}
 )
 # GGUF architectures (general.architecture) imported: those whose settings this import carries in
-# full and has checked against the original checkpoint (tests/engine/test_gguf_import.py).
+# full and has checked against the original checkpoint (tests/engine/test_gguf_import.py); qwen35
+# (Qwen3.5), which transformers' reader does not know, through gguf_qwen35.py.
 # transformers reads more (Gemma), but drops settings of theirs, such as Gemma 3's scaled rope
 # on its global layers, that would serve a model subtly wrong.
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "qwen35")
 
 
 # tokenizer.ggml.pre values whose tokenizers look a whole pre-token up in the vocabulary before
@@ -93,10 +97,7 @@ def import_gguf(gguf_path: Path, out_dir: Path, dtype: str = "auto") -> Imported
     import torch
     from gguf import GGUFReader
     from safetensors.torch import save_file
-    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    from engine.native.families import FAMILIES
+    from transformers import AutoTokenizer, GenerationConfig
 
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
@@ -110,48 +111,16 @@ def import_gguf(gguf_path: Path, out_dir: Path, dtype: str = "auto") -> Imported
             f"{', '.join(ARCHITECTURES)} (Llama, Mistral and SmolLM files are 'llama'). Serve it with llama.cpp's "
             'llama-server and relay to it (backend = "openai", docs/scale-out.md)'
         )
-    try:
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    except Exception as exc:  # a file that lacks a setting transformers needs
-        raise GGUFImportError(f"{gguf_path}: cannot read its model config: {_first_line(exc)}") from None
-    if config.model_type == "mistral":  # a 'llama' file named "mistral": gguf-py maps no tensor names for
-        # that type, and llama.cpp runs such a file as Llama, over the whole context (no window)
-        config = CONFIG_MAPPING["llama"].from_dict({**config.to_dict(), "model_type": "llama"})
-    if config.model_type not in FAMILIES:
-        raise GGUFImportError(
-            f"{gguf_path}: its model ({config.model_type}) is not a family the native engine serves "
-            f"({', '.join(FAMILIES)})"
-        )
-    key_length = _field(reader, f"{arch}.attention.key_length")
-    if key_length is not None:  # a head size of its own (Qwen3's 128), which transformers' reader leaves to defaults
-        config.head_dim = int(key_length)
-    config.rope_parameters = _rope(reader, arch, config, gguf_path)
-    if hasattr(config, "sliding_window"):  # only what the file names (Mistral's 4096 default is not used)
-        window = _field(reader, f"{arch}.attention.sliding_window")
-        config.sliding_window = int(window) if window else None
     chosen = _dtype_for(reader) if dtype == "auto" else dtype
     torch_dtype = getattr(torch, chosen)
+    if arch == gguf_qwen35.ARCH:  # transformers' GGUF reader does not know it
+        config, weights = _read_qwen35(reader, gguf_path, torch_dtype)
+    else:
+        config, weights = _read_with_transformers(reader, arch, gguf_path, torch_dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except Exception as exc:  # a file without tokenizer metadata (tokenizer.ggml.model "none")
         raise GGUFImportError(f"{gguf_path}: cannot read its tokenizer: {_first_line(exc)}") from None
-    with torch.device("meta"):  # the names the tensors map to, without allocating the model
-        skeleton = AutoModelForCausalLM.from_config(config)
-    try:
-        # each tensor cast to the dtype written as soon as it is dequantized: float32 copies of a
-        # whole model (12 GB at 3B parameters) are never held at once
-        loaded = load_gguf_checkpoint(
-            str(gguf_path), return_tensors=True, model_to_load=skeleton, torch_dtype=torch_dtype
-        )
-        tensors = loaded["tensors"]
-    except Exception as exc:  # a tensor type the gguf package cannot dequantize, a truncated file
-        raise GGUFImportError(f"{gguf_path}: cannot read its tensors: {_first_line(exc)}") from None
-    expected = set(skeleton.state_dict())
-    weights = {key: _as_tensor(value, torch_dtype) for key, value in tensors.items() if key in expected}
-    missing = sorted(expected - set(weights) - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
-    if missing:
-        more = " ..." if len(missing) > 3 else ""
-        raise GGUFImportError(f"{gguf_path}: tensors missing for {', '.join(missing[:3])}{more}")
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # the embedding serves as the output matrix
     config.dtype = torch_dtype
@@ -177,6 +146,99 @@ def import_gguf(gguf_path: Path, out_dir: Path, dtype: str = "auto") -> Imported
     seconds = time.monotonic() - started
     log.info("gguf_imported", source=str(gguf_path), out=str(out_dir), model_type=config.model_type, dtype=chosen)
     return Imported(out_dir, config.model_type, chosen, len(weights), seconds)
+
+
+def _read_with_transformers(reader, arch: str, gguf_path: Path, torch_dtype) -> tuple[Any, dict]:
+    """config and weights through transformers' GGUF reader, with what it leaves out carried over."""
+    import torch
+    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from engine.native.families import FAMILIES
+
+    try:
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as exc:  # a file that lacks a setting transformers needs
+        raise GGUFImportError(f"{gguf_path}: cannot read its model config: {_first_line(exc)}") from None
+    if config.model_type == "mistral":  # a 'llama' file named "mistral": gguf-py maps no tensor names for
+        # that type, and llama.cpp runs such a file as Llama, over the whole context (no window)
+        config = CONFIG_MAPPING["llama"].from_dict({**config.to_dict(), "model_type": "llama"})
+    if config.model_type not in FAMILIES:
+        raise GGUFImportError(
+            f"{gguf_path}: its model ({config.model_type}) is not a family the native engine serves "
+            f"({', '.join(FAMILIES)})"
+        )
+    key_length = _field(reader, f"{arch}.attention.key_length")
+    if key_length is not None:  # a head size of its own (Qwen3's 128), which transformers' reader leaves to defaults
+        config.head_dim = int(key_length)
+    config.rope_parameters = _rope(reader, arch, config, gguf_path)
+    if hasattr(config, "sliding_window"):  # only what the file names (Mistral's 4096 default is not used)
+        window = _field(reader, f"{arch}.attention.sliding_window")
+        config.sliding_window = int(window) if window else None
+    with torch.device("meta"):  # the names the tensors map to, without allocating the model
+        skeleton = AutoModelForCausalLM.from_config(config)
+    try:
+        # each tensor cast to the dtype written as soon as it is dequantized: float32 copies of a
+        # whole model (12 GB at 3B parameters) are never held at once
+        loaded = load_gguf_checkpoint(
+            str(gguf_path), return_tensors=True, model_to_load=skeleton, torch_dtype=torch_dtype
+        )
+        tensors = loaded["tensors"]
+    except Exception as exc:  # a tensor type the gguf package cannot dequantize, a truncated file
+        raise GGUFImportError(f"{gguf_path}: cannot read its tensors: {_first_line(exc)}") from None
+    weights = {key: _as_tensor(value, torch_dtype) for key, value in tensors.items()}
+    return config, _checked(weights, skeleton, config, gguf_path)
+
+
+def _read_qwen35(reader, gguf_path: Path, torch_dtype) -> tuple[Any, dict]:
+    """config and weights of a Qwen3.5 file (gguf_qwen35.py), each tensor dequantized and cast as it is read."""
+    import torch
+    from gguf.quants import dequantize
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    names = {t.name for t in reader.tensors}
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise GGUFImportError(f"{gguf_path}: it holds no token_embd.weight")
+    try:
+        args = gguf_qwen35.config_dict(lambda key: _field(reader, key), int(embed.shape[-1]), "output.weight" in names)
+        config = CONFIG_MAPPING["qwen3_5_text"](**args)
+    except Exception as exc:  # Qwen35Error, or values transformers' config class refuses
+        raise GGUFImportError(f"{gguf_path}: cannot read its model config: {_first_line(exc)}") from None
+    for kind in ("bos", "eos", "padding"):
+        token_id = _field(reader, f"tokenizer.ggml.{kind}_token_id")
+        setattr(config, "pad_token_id" if kind == "padding" else f"{kind}_token_id", token_id)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    weights = {}
+    try:
+        for tensor in reader.tensors:
+            name = gguf_qwen35.hf_name(tensor.name)
+            if name is None or name.startswith(f"model.layers.{config.num_hidden_layers}."):  # MTP layers past the last
+                continue
+            array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            if not array.flags.writeable:  # an F32 tensor is a view of the mapped file
+                array = array.copy()
+            weights[name] = torch.from_numpy(gguf_qwen35.undo_conversion(name, array, args)).to(torch_dtype)
+    except Exception as exc:  # a tensor type the gguf package cannot dequantize, a truncated file
+        raise GGUFImportError(f"{gguf_path}: cannot read its tensors: {_first_line(exc)}") from None
+    return config, _checked(weights, skeleton, config, gguf_path)
+
+
+def _checked(weights: dict, skeleton, config, gguf_path: Path) -> dict:
+    """The tensors the model has, each of its shape; a GGUFImportError naming what is missing or off."""
+    expected = skeleton.state_dict()
+    weights = {key: value.contiguous() for key, value in weights.items() if key in expected}
+    missing = sorted(set(expected) - set(weights) - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
+    if missing:
+        more = " ..." if len(missing) > 3 else ""
+        raise GGUFImportError(f"{gguf_path}: tensors missing for {', '.join(missing[:3])}{more}")
+    for key, value in weights.items():
+        if tuple(value.shape) != tuple(expected[key].shape):
+            raise GGUFImportError(
+                f"{gguf_path}: {key} has shape {tuple(value.shape)}, its metadata implies {tuple(expected[key].shape)}"
+            )
+    return weights
 
 
 def _dtype_for(reader) -> str:

@@ -74,7 +74,8 @@ def write_gguf(
     import gguf
 
     cfg = json.loads((model_dir / "config.json").read_text())
-    arch = arch or {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}[cfg["model_type"]]
+    archs = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "qwen3_5_text": "qwen35"}
+    arch = arch or archs[cfg["model_type"]]
     rope = {"rope_type": "default", **(cfg.get("rope_parameters") or {})}
     rope_theta = cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -106,13 +107,15 @@ def write_gguf(
         writer.add_tokenizer_model("none")
     if cfg.get("sliding_window"):
         writer.add_sliding_window(int(cfg["sliding_window"]))
+    if arch == "qwen35":
+        _add_qwen35_metadata(writer, cfg)
     if rope["rope_type"] == "longrope":  # Phi-3's: both factor lists as tensors, as llama.cpp writes them
         writer.add_rope_scaling_orig_ctx_len(int(cfg["original_max_position_embeddings"]))
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     if rope["rope_type"] == "llama3":  # llama.cpp keeps Llama 3's scaling as per-frequency divisors
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, float(rope_theta), head_dim))
-    for name, tensor in gguf_tensors(model_dir, cfg, arch):
+    for name, tensor in (qwen35_tensors if arch == "qwen35" else gguf_tensors)(model_dir, cfg, arch):
         data = tensor.to(torch.float32).contiguous().numpy().astype(np.float32, copy=False)
         if quant == "Q8_0" and data.ndim == 2 and data.shape[1] % 32 == 0:
             q8 = gguf.GGMLQuantizationType.Q8_0
@@ -124,6 +127,92 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _add_qwen35_metadata(writer, cfg: dict) -> None:
+    """Qwen3.5's Gated DeltaNet sizes and layer kinds, under the keys llama.cpp's converter writes."""
+    writer.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(cfg["linear_key_head_dim"])
+    writer.add_ssm_group_count(cfg["linear_num_key_heads"])
+    writer.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+    writer.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+    writer.add_array("qwen35.attention.recurrent_layers", [kind == "linear_attention" for kind in cfg["layer_types"]])
+    writer.add_full_attention_interval(4)
+    writer.add_rope_dimension_sections([11, 11, 10, 0])
+
+
+QWEN35_NAMES = {  # Qwen3_5ForCausalLM name (after model.layers.N.) -> GGUF name (after blk.N.)
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
+    "linear_attn.in_proj_z.weight": "attn_gate.weight",
+    "linear_attn.in_proj_b.weight": "ssm_beta.weight",
+    "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
+    "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+    "linear_attn.dt_bias": "ssm_dt.bias",
+    "linear_attn.A_log": "ssm_a",
+}
+
+
+def qwen35_tensors(model_dir: Path, cfg: dict, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """A Qwen3_5ForCausalLM checkpoint's tensors as llama.cpp's converter writes them (its
+    conversion/qwen.py): RMSNorm weights as 1 + w (not the Gated DeltaNet's own norm), A_log as
+    -exp(A_log), the convolution without its middle axis, and with more value heads than key heads
+    every value-head axis reordered from grouped by key head to tiled. Checked on 2026-11-27 against
+    the converter of llama.cpp as vendored in llama-cpp-python 0.3.36: every tensor equal."""
+    state = load_file(str(model_dir / "model.safetensors"))
+    one_plus = ("layernorm.weight", "q_norm.weight", "k_norm.weight")
+    yield "token_embd.weight", state["model.embed_tokens.weight"]
+    yield "output_norm.weight", state["model.norm.weight"] + 1
+    if "lm_head.weight" in state and not cfg.get("tie_word_embeddings", False):
+        yield "output.weight", state["lm_head.weight"]
+    for i in range(cfg["num_hidden_layers"]):
+        for hf_name, gguf_name in QWEN35_NAMES.items():
+            tensor = state.get(f"model.layers.{i}.{hf_name}")
+            if tensor is None:
+                continue
+            if hf_name.endswith(one_plus):
+                tensor = tensor + 1
+            elif hf_name.endswith("A_log"):
+                tensor = -torch.exp(tensor)
+            elif hf_name.endswith("conv1d.weight"):
+                tensor = tensor[:, 0]
+            if hf_name.startswith("linear_attn."):
+                tensor = _tiled_value_heads(hf_name, tensor, cfg)
+            yield f"blk.{i}.{gguf_name}", tensor
+
+
+def _tiled_value_heads(name: str, tensor: torch.Tensor, cfg: dict) -> torch.Tensor:
+    k_heads, v_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    if k_heads == v_heads:
+        return tensor
+    per_k, v_dim, qk = v_heads // k_heads, cfg["linear_value_head_dim"], 2 * k_heads * cfg["linear_key_head_dim"]
+
+    def tiled(x: torch.Tensor, dim: int, head: int) -> torch.Tensor:
+        shape = x.shape
+        grouped = x.reshape(*shape[:dim], k_heads, per_k, head, *shape[dim + 1 :])
+        return grouped.transpose(dim, dim + 1).reshape(shape)
+
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        return torch.cat([tensor[:qk], tiled(tensor[qk:], 0, v_dim)])
+    if name.endswith("in_proj_z.weight"):
+        return tiled(tensor, 0, v_dim)
+    if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+        return tiled(tensor, 0, 1)
+    if name.endswith("out_proj.weight"):
+        return tiled(tensor, 1, v_dim)
+    return tensor
 
 
 def llama3_rope_factors(rope: dict, theta: float, head_dim: int) -> np.ndarray:

@@ -13,11 +13,13 @@ from safetensors.torch import load_file
 
 import server
 from engine.gguf_import import GGUFImportError, import_gguf
+from engine.native.kernels import KernelMode
 from engine.tokenizer import Tokenizer
 from engine.types import GenerationRequest, SamplingParams
 from test_greedy_equality import engine_for
+from test_qwen3_5 import make_engine
 from testing.tiny_gguf import write_gguf
-from testing.tiny_model import build_tiny_family, build_tiny_llama
+from testing.tiny_model import QWEN3_5_TINY, build_tiny_family, build_tiny_llama
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there, how are you?"}]
 
@@ -47,6 +49,8 @@ def sources(tmp_path_factory):
         "phi3-partial": build_tiny_family(
             root / "phi3-partial", "phi3", tokenizer=True, partial_rotary_factor=0.5, seed=36
         ),
+        # Qwen3.5: Gated DeltaNet layers, two key heads to four value heads (reordered in the file)
+        "qwen3_5": build_tiny_family(root / "qwen3_5", "qwen3_5_text", tokenizer=True, seed=37, **QWEN3_5_TINY),
     }
     scalings = {  # the sources with a scaled rope, long prompts past their original context below
         "llama-llama3-rope": (
@@ -135,6 +139,40 @@ def test_a_q8_0_gguf_imports_dequantized_in_bfloat16_close_to_the_original(sourc
     assert json.loads((done.out_dir / "gguf_import.json").read_text())["dtype"] == "bfloat16"
     prompt = Tokenizer.from_dir(src).encode_chat(CHAT)
     assert len(_greedy_engine(done.out_dir, prompt, 6)) == 6
+
+
+@pytest.mark.parametrize("quant", ["F32", "Q8_0"])
+def test_a_qwen3_5_gguf_imports_as_the_release_with_llama_cpps_changes_undone(sources, tmp_path, quant):
+    """transformers cannot read Qwen3.5 files (general.architecture qwen35): the import reads its
+    metadata and undoes the converter's changes (norms as 1 + w, -exp(A_log), value heads tiled)."""
+    src = sources["qwen3_5"]
+    done = import_gguf(write_gguf(src, tmp_path / "model.gguf", quant=quant), tmp_path / "imported")
+    assert (done.model_type, done.dtype) == ("qwen3_5_text", "float32" if quant == "F32" else "bfloat16")
+    original, imported = (json.loads((d / "config.json").read_text()) for d in (src, done.out_dir))
+    for key in ("layer_types", "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_value_head_dim"):
+        assert imported[key] == original[key], key
+    assert imported["rope_parameters"]["partial_rotary_factor"] == original["rope_parameters"]["partial_rotary_factor"]
+    before, after = load_file(str(src / "model.safetensors")), load_file(str(done.out_dir / "model.safetensors"))
+    assert set(after) == set(before)
+    for name, tensor in after.items():
+        if quant == "F32":  # 1 + w and log(exp(.)) back, to float32's rounding
+            torch.testing.assert_close(tensor, before[name], rtol=1e-6, atol=1e-6, msg=name)
+        else:
+            error = (tensor.float() - before[name]).norm() / before[name].norm()
+            assert error < 0.01, (name, float(error))
+    ours, theirs = Tokenizer.from_dir(done.out_dir), Tokenizer.from_dir(src)
+    prompt = theirs.encode_chat(CHAT)
+    assert ours.encode_chat(CHAT) == prompt
+    engine = make_engine(done.out_dir, num_blocks=16, mode=KernelMode.TORCH)
+    sampling = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine.add_request(GenerationRequest("r", tuple(prompt), sampling))
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    if quant == "F32":
+        assert tokens == _greedy_transformers(src, prompt, 12)
+    else:
+        assert len(tokens) == 12
 
 
 def test_what_cannot_be_imported_is_refused_naming_why_and_writes_nothing(sources, tmp_path):
