@@ -27,6 +27,7 @@ class QKNorm(Enum):
     NONE = "none"
     PER_HEAD = "per_head"  # Qwen3, Gemma 3: RMSNorm over each head's head_dim
     WHOLE = "whole"  # OLMo 2: RMSNorm over the whole q (and k) projection
+    PER_HEAD_AFTER_ROPE = "per_head_after_rope"  # Hunyuan: the same, on q and k after rope
 
 
 class Activation(Enum):
@@ -73,6 +74,8 @@ FAMILIES: dict[str, Family] = {
     "gemma2": Family(norms=Norms.SANDWICH, norm_offset=1.0, scale_embeddings=True),
     "gemma3_text": Family(norms=Norms.SANDWICH, qk_norm=QKNorm.PER_HEAD, norm_offset=1.0, scale_embeddings=True),
     "qwen3_5_text": Family(qk_norm=QKNorm.PER_HEAD, norm_offset=1.0, linear_attention=True),
+    # Hunyuan dense (0.5B-7B): q/k norms after rope, named query_layernorm / key_layernorm
+    "hunyuan_v1_dense": Family(qk_norm=QKNorm.PER_HEAD_AFTER_ROPE),
     "glm4": Family(norms=Norms.SANDWICH_GLM4, fused_gate_up=True, interleaved_rope=True),  # GLM-4 0414, GLM-Z1
 }
 ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
@@ -196,7 +199,10 @@ class ModelArgs:
         """decode_step.c runs every layer of a decode-only step: every family's layer (norm
         placement, q/k norms, partial and per-layer RoPE, windows, soft-caps, GELU-tanh) fits, and
         a residual multiplier where it is folded into the weights (Llama-like layers, Granite)."""
-        return not self.family.linear_attention and (self.residual_multiplier == 1.0 or self.is_llama_like)
+        f = self.family
+        if f.linear_attention or f.qk_norm is QKNorm.PER_HEAD_AFTER_ROPE:  # the C step norms q/k before rope
+            return False
+        return self.residual_multiplier == 1.0 or self.is_llama_like
 
     @property
     def kv_groups(self) -> tuple[int, ...]:
@@ -324,12 +330,20 @@ def _rope_parameters(config: Any) -> dict[str, dict[str, Any]]:
     partial = getattr(config, "partial_rotary_factor", None)
     for key, rope in table.items():
         rope.setdefault("rope_type", rope.get("type", "default"))
+        if rope["rope_type"] == "dynamic" and rope.get("alpha"):  # Hunyuan's NTK alpha: a fixed, larger base
+            rope["rope_type"] = "default"
+            dim = int(_head_dim(config) * float(rope.get("partial_rotary_factor", partial or 1.0)))
+            rope["rope_theta"] = float(rope["rope_theta"]) * float(rope.pop("alpha")) ** (dim / (dim - 2))
         if rope["rope_type"] not in ROPE_TYPES:
             raise UnsupportedConfig(f"rope type {rope['rope_type']!r} is not supported ({', '.join(ROPE_TYPES)})")
         if partial is not None:
             rope.setdefault("partial_rotary_factor", float(partial))
         table[key] = {k: v for k, v in rope.items() if k != "type"}
     return table
+
+
+def _head_dim(config: Any) -> int:
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
 
 def _layer_specs(config: Any, rope_params: dict[str, dict[str, Any]], family: Family) -> tuple[LayerSpec, ...]:

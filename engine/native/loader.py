@@ -441,6 +441,8 @@ class _LayerReader:
             return None, None
         whole = a.family.qk_norm is QKNorm.WHOLE
         q_size, k_size = (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim) if whole else (a.head_dim, a.head_dim)
+        if a.family.qk_norm is QKNorm.PER_HEAD_AFTER_ROPE:  # Hunyuan's names
+            return self.norm("self_attn.query_layernorm", q_size), self.norm("self_attn.key_layernorm", k_size)
         return self.norm("self_attn.q_norm", q_size), self.norm("self_attn.k_norm", k_size)
 
     def linear_attention(self) -> LayerWeights:

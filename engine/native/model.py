@@ -303,6 +303,8 @@ class Model:
         q, k, v, gate = self._qkv(layer, h)
         if rope is not None:
             q, k = _rotate(q, *rope), _rotate(k, *rope)
+        if args.family.qk_norm is QKNorm.PER_HEAD_AFTER_ROPE:  # Hunyuan
+            q, k = _rms_norm(q, layer.q_norm, eps), _rms_norm(k, layer.k_norm, eps)
         if q_scales is not None:  # Ministral 3, past its original context
             q = q * q_scales
         spec = self.attention_specs[i]

@@ -74,6 +74,13 @@ FAMILY_VARIANTS = {
         model_type="ministral", num_hidden_layers=3, layer_types=SLIDING, sliding_window=24, head_dim=16, seed=23
     ),
     "mistral-sliding": dict(model_type="mistral", sliding_window=24, head_dim=16, seed=16),
+    # Hunyuan dense: q/k norms after rope, and its releases' NTK-alpha rope ("dynamic" with alpha)
+    "hunyuan": dict(
+        model_type="hunyuan_v1_dense",
+        head_dim=16,
+        seed=26,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0},
+    ),
     # Ministral 3: YaRN, and queries scaled past the original context (48 here: the workload crosses it)
     "ministral3": dict(model_type="ministral3", head_dim=16, seed=24, rope_parameters=MINISTRAL3_ROPE),
     # its releases: Mistral3ForConditionalGeneration, the language model beside a Pixtral tower
