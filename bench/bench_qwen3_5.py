@@ -118,7 +118,7 @@ def state_step_ms(kernel_isa: str) -> dict[str, float]:
     """One Gated DeltaNet layer's decode (everything but its two matmuls), compiled state update vs PyTorch's."""
     shape = LinearAttentionShape(16, 16, 128, 128, 4)
     conv = torch.randn(shape.conv_dim, 4)
-    weights = LinearAttentionWeights(conv, conv.t().contiguous(), torch.randn(16), -torch.rand(16), torch.randn(128))
+    weights = LinearAttentionWeights(conv.t().contiguous(), torch.randn(16), -torch.rand(16), torch.randn(128))
     pools = RecurrentPools(shape, 1, 8, torch.device("cpu")).layers[0]
     for pool in pools:
         pool.zero_()

@@ -32,8 +32,7 @@ class LinearAttentionWeights:
     """What a Gated DeltaNet layer has besides its two matmuls (LayerWeights.qkv holds the fused
     input projection, LayerWeights.o_proj the output one)."""
 
-    conv: torch.Tensor  # [conv_dim, conv_kernel] depthwise, no bias
-    conv_taps: torch.Tensor  # [conv_kernel, conv_dim]: the same, tap-major for a decode step
+    conv_taps: torch.Tensor  # [conv_kernel, conv_dim]: the depthwise convolution (no bias), tap-major
     dt_bias: torch.Tensor  # [value_heads] float32
     neg_a: torch.Tensor  # [value_heads] float32: -exp(A_log)
     norm: torch.Tensor  # [value_head_dim]: the gated RMSNorm's weight (plain, no 1 + w)

@@ -455,7 +455,6 @@ class _LayerReader:
         heads = (s.value_heads,)
         conv = self.r.get(f"{p}conv1d.weight", (s.conv_dim, 1, s.conv_kernel), torch.float32)[:, 0]
         extra = LinearAttentionWeights(
-            conv=conv.contiguous(),
             conv_taps=conv.t().contiguous(),
             dt_bias=self.r.get(f"{p}dt_bias", heads, torch.float32),
             neg_a=-self.r.get(f"{p}A_log", heads, torch.float32).exp(),
